@@ -1,0 +1,29 @@
+# QUART-FaaS: `make demo` sets up and runs the demo, `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, alone: the pinned CPU build; deepspeed's build imports it (no build isolation).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/quartctl demo
+
+test: setup
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build .pytest_cache quart_faas.egg-info

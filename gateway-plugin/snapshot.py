@@ -1,0 +1,80 @@
+"""What a scaling policy sees and what it answers: the contract shared by the live plugin and the simulator.
+
+A policy is a plain object with a ``name`` and ``decide(snapshot) -> Decision``. It may keep its own
+state between calls (PID integrators, cooldown timers, forecasts) but never does I/O and never reads
+the wall clock: time comes from ``PipelineSnapshot.time``, so the simulator can run the very same
+policy code against simulated time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class StageSnapshot:
+    """Metrics of one pipeline stage over the collector's sliding window."""
+
+    name: str  # function name, e.g. "bert-21b-stage-3"
+    index: int  # position in the pipeline, 0-based
+    arrival_rate: float  # λ_i, requests/s entering this stage's queue
+    service_rate: float  # μ_i, requests/s of ONE replica (1 / mean service time); 0.0 when unknown
+    replicas: int  # r_i, ready replicas
+    pending_replicas: int = 0  # replicas asked for but not ready yet
+    busy: int = 0  # requests in service now
+    queue_len: int = 0  # q_i, requests waiting now
+    mean_wait_s: float = 0.0  # W_i, observed queueing delay over the window
+    cv_arrival: float = 1.0  # CV_i of inter-arrival times over the window
+    utilisation: float = 0.0  # busy time / (replicas × window)
+    cpus: float = 1.0  # c_i, CPUs per replica
+    min_replicas: int = 1  # r_min (com.openfaas.scale.min)
+    max_replicas: int = 64  # r_max (com.openfaas.scale.max)
+    target_s: float = 0.0  # per-stage delay target derived from the SLO
+    param_bytes: int = 0  # parameters held by one replica
+    activation_bytes: float = 0.0  # mean bytes of one request's input activations
+    concurrency: int = 1  # requests one replica serves at once
+
+    @property
+    def mean_service_s(self) -> float:
+        return 1.0 / self.service_rate if self.service_rate > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSnapshot:
+    """All stages of one model at one instant."""
+
+    time: float  # seconds; wall clock live, simulated time in the simulator
+    model: str
+    stages: tuple[StageSnapshot, ...]
+    slo_s: float = 0.0  # end-to-end SLO (k × profiled model time)
+    window_s: float = 10.0  # length of the metrics window the rates came from
+
+    def stage(self, index: int) -> StageSnapshot:
+        return self.stages[index]
+
+
+@dataclass(frozen=True, slots=True)
+class StageDecision:
+    """Desired state of one stage."""
+
+    replicas: int
+    cpus: float = 1.0
+    reason: str = ""  # short human-readable why, for logs and reports
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's answer: one StageDecision per stage, in pipeline order."""
+
+    time: float
+    stages: tuple[StageDecision, ...]
+    key_stages: tuple[int, ...] = field(default_factory=tuple)  # stages the corrector scaled up
+
+
+class Policy(Protocol):
+    """A scaling policy: pure apart from its own state."""
+
+    name: str
+
+    def decide(self, snapshot: PipelineSnapshot) -> Decision: ...

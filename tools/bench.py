@@ -1,0 +1,34 @@
+"""`quartctl bench <name> [--out FILE]`: benchmarks, each owned by its component's module.
+
+Every benchmark writes one JSON document (to ``--out`` or stdout); docs/benchmarks.md records the
+figures with the command and the machine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from quart_tools.cli import resolve
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "serialization": ("quart_stage.bench_serialization:main", "activation serde vs memcpy, 1-64 MB"),
+    "keysmanager": ("keysmanager.bench:main", "replica-ready time, fork vs cold, 100 MB-4 GB; PSS"),
+    "gateway": ("gateway_plugin.embedded.bench:main", "latency added by one gateway hop; req/s"),
+    "policies": ("gateway_plugin.bench_policies:main", "live policy comparison on quartctl up"),
+    "scheduler": ("gateway_plugin.scheduling.bench:main", "cache-aware vs first-fit, 3 hosts x 4 GPUs"),
+    "loadgen": ("quart_tools.bench_loadgen:main", "load generator rate and send-time error"),
+    "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in {"-h", "--help"}:
+        print("usage: quartctl bench <name> [--out FILE] [options]\n\nbenchmarks:")
+        for name, (_, help_) in BENCHMARKS.items():
+            print(f"  {name.ljust(14)} {help_}")
+        return 0
+    name = argv[0]
+    if name not in BENCHMARKS:
+        print(f"quartctl bench: unknown benchmark {name!r}; one of {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    return int(resolve(BENCHMARKS[name][0])(argv[1:]) or 0)
