@@ -1,5 +1,44 @@
-"""Replica placement (QUART §6.2). Pure placers shared by the embedded gateway and the simulator."""
+"""Replica placement (QUART §6.2). Pure placers shared by the embedded gateway and the simulator.
 
+    placer = make_placer("cache-aware")            # or "first-fit" (cache-blind baseline)
+    result = placer.place(hosts, [ReplicaRequest("m-stage-2", 2, param_bytes, key=True)], key_history)
+    for p in result.placements: ...                 # p.host, p.source ("fork" | "cold")
+"""
+
+from __future__ import annotations
+
+from gateway_plugin.scheduling.config import SchedulerConfig
+from gateway_plugin.scheduling.hosts import host_view_from_report
+from gateway_plugin.scheduling.placers import CacheAwarePlacer, FirstFitPlacer, contention
 from gateway_plugin.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 
-__all__ = ["HostView", "Placement", "Placer", "ReplicaRequest", "ScheduleResult"]
+PLACERS = ("cache-aware", "first-fit")
+
+
+def make_placer(name: str, config: SchedulerConfig | None = None, **settings: object) -> Placer:
+    """A placer by name: ``cache-aware`` (QUART) or ``first-fit`` (cache-blind baseline).
+
+    `settings` override fields of :class:`SchedulerConfig` (defaults, then ``QUART_SCHED_*`` env).
+    """
+    if name == "first-fit":
+        return FirstFitPlacer()
+    if name == "cache-aware":
+        cfg = config if config is not None and not settings else SchedulerConfig.from_env(**settings)
+        return CacheAwarePlacer(cfg)
+    raise ValueError(f"unknown placer {name!r}; choose one of {', '.join(PLACERS)}")
+
+
+__all__ = [
+    "PLACERS",
+    "CacheAwarePlacer",
+    "FirstFitPlacer",
+    "HostView",
+    "Placement",
+    "Placer",
+    "ReplicaRequest",
+    "ScheduleResult",
+    "SchedulerConfig",
+    "contention",
+    "host_view_from_report",
+    "make_placer",
+]

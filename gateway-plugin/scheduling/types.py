@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -18,10 +19,16 @@ class HostView:
     memory_limit: int  # bytes the host may use for cached parameters
     memory_used: int  # bytes in use now
     cached: frozenset[str] = field(default_factory=frozenset)  # stage functions with a zygote here
+    # live replicas per stage function on this host (spread of key stages); not part of the hash
+    running: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def gpu_free(self) -> int:
         return max(0, self.gpu_slots - self.gpu_used)
+
+    @property
+    def memory_free(self) -> int:
+        return max(0, self.memory_limit - self.memory_used)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +48,7 @@ class Placement:
     function: str
     host: str
     source: Source
+    key: bool = False  # placed as a key stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +56,9 @@ class ScheduleResult:
     placements: tuple[Placement, ...]
     unplaced: tuple[ReplicaRequest, ...] = ()  # what did not fit anywhere
     keep_cached: tuple[tuple[str, str], ...] = ()  # (function, host): zygotes to keep for key stages
+    contention: float = 0.0  # requested replicas / free GPU slots when the batch was placed
+    dispersed: bool = False  # key stages were placed by KL dispersion (high contention)
+    kl_history: tuple[float, ...] = ()  # Σ KL of key-stage spreads per gradient step (dispersion only)
 
 
 class Placer(Protocol):

@@ -1,0 +1,97 @@
+"""A mutable working copy of the hosts while one batch is placed (slots, memory, caches fill up)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gateway_plugin.scheduling.types import HostView, Placement, ReplicaRequest, Source
+
+
+@dataclass
+class HostState:
+    """One host during placement: what is left after the replicas placed so far."""
+
+    name: str
+    gpu_free: int
+    memory_limit: int
+    memory_used: int
+    cached: set[str]
+    running: dict[str, int]
+    order: int  # position in the caller's host list (first-fit order)
+
+    @classmethod
+    def of(cls, view: HostView, order: int) -> HostState:
+        return cls(
+            name=view.name,
+            gpu_free=view.gpu_free,
+            memory_limit=view.memory_limit,
+            memory_used=view.memory_used,
+            cached=set(view.cached),
+            running={k: int(v) for k, v in view.running.items()},
+            order=order,
+        )
+
+    @classmethod
+    def of_copy(cls, other: HostState) -> HostState:
+        return cls(
+            other.name, other.gpu_free, other.memory_limit, other.memory_used,
+            set(other.cached), dict(other.running), other.order,
+        )
+
+    def fits(self, request: ReplicaRequest) -> bool:
+        """A free slot, and the parameters fit in the host's memory at all (cached ones already do)."""
+        if self.gpu_free <= 0:
+            return False
+        return request.function in self.cached or request.param_bytes <= self.memory_limit
+
+    def needs_eviction(self, request: ReplicaRequest, memory_fill: float) -> bool:
+        """A cold start here would push memory past the KeysManager's eviction threshold."""
+        if request.function in self.cached:
+            return False
+        return self.memory_used + request.param_bytes > memory_fill * self.memory_limit
+
+    def source_for(self, function: str) -> Source:
+        return "fork" if function in self.cached else "cold"
+
+    def take(self, request: ReplicaRequest, key: bool) -> Placement:
+        """Place one replica here; a cold start leaves a zygote (the KeysManager caches what it loads)."""
+        source = self.source_for(request.function)
+        self.gpu_free -= 1
+        if source == "cold":
+            self.cached.add(request.function)
+            self.memory_used += request.param_bytes
+        self.running[request.function] = self.running.get(request.function, 0) + 1
+        return Placement(function=request.function, host=self.name, source=source, key=key)
+
+
+@dataclass
+class Batch:
+    """What one `place` call accumulates: placements and what did not fit."""
+
+    placements: list[Placement] = field(default_factory=list)
+    missing: dict[str, int] = field(default_factory=dict)
+
+    def unplaced(self, requests: Iterable[ReplicaRequest]) -> tuple[ReplicaRequest, ...]:
+        by_function = {r.function: r for r in requests}
+        return tuple(
+            ReplicaRequest(f, n, by_function[f].param_bytes, by_function[f].key)
+            for f, n in self.missing.items()
+            if n > 0
+        )
+
+
+def merge_requests(requests: Iterable[ReplicaRequest]) -> list[ReplicaRequest]:
+    """One request per function (counts added, first order kept); non-positive counts dropped."""
+    merged: dict[str, ReplicaRequest] = {}
+    for r in requests:
+        if r.count <= 0:
+            continue
+        if r.function in merged:
+            m = merged[r.function]
+            merged[r.function] = ReplicaRequest(
+                r.function, m.count + r.count, max(m.param_bytes, r.param_bytes), m.key or r.key
+            )
+        else:
+            merged[r.function] = r
+    return list(merged.values())
