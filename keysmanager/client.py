@@ -1,0 +1,179 @@
+"""Clients of the KeysManager API (JSON over HTTP on a Unix socket): sync for tools/tests, async for aiohttp.
+
+    km = KeysManagerClient("/run/.../km.sock")
+    km.ensure_cached(spec)
+    [replica] = km.start(spec, 1)
+    requests.post(replica.url, data=...)
+    km.stop(replica.id)
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from typing import Any
+
+from keysmanager.types import HostReport, ReplicaInfo, StageSpec, ZygoteInfo
+
+
+class KeysManagerError(RuntimeError):
+    """The daemon answered with an error (4xx/5xx) or could not be reached."""
+
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        super().__init__(f"KeysManager error {status}: {message}" + (f" (field {field})" if field else ""))
+        self.status = status
+        self.message = message
+        self.field = field
+
+
+def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wait: bool, cache: bool | None):
+    body: dict[str, Any] = {"spec": spec.to_dict(), "count": count, "survive": survive, "wait": wait}
+    if mode is not None:
+        body["mode"] = mode
+    if cache is not None:
+        body["cache"] = cache
+    return body
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._socket_path)
+        self.sock = sock
+
+
+class KeysManagerClient:
+    """Synchronous client; one short-lived connection per call (safe to share between threads)."""
+
+    def __init__(self, socket_path: str, timeout: float = 600.0) -> None:
+        self.socket_path = str(socket_path)
+        self.timeout = timeout
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        conn = _UnixHTTPConnection(self.socket_path, self.timeout)
+        try:
+            payload = None if body is None else json.dumps(body).encode()
+            headers = {"Content-Type": "application/json"} if payload is not None else {}
+            conn.request(method, path, body=payload, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except OSError as exc:
+            raise KeysManagerError(503, f"cannot reach the KeysManager at {self.socket_path}: {exc}") from exc
+        finally:
+            conn.close()
+        data = json.loads(raw) if raw else {}
+        if resp.status >= 400:
+            raise KeysManagerError(resp.status, data.get("error", raw.decode(errors="replace")), data.get("field"))
+        return data
+
+    def health(self) -> dict:
+        return self._call("GET", "/v1/health")
+
+    def ensure_cached(self, spec: StageSpec) -> dict:
+        """Make sure a zygote holds the stage's parameters; returns its ZygoteInfo as a dict."""
+        return self._call("POST", "/v1/cache", {"spec": spec.to_dict()})
+
+    def start(
+        self,
+        spec: StageSpec,
+        count: int = 1,
+        mode: str | None = None,
+        survive: bool = False,
+        wait: bool = True,
+        cache: bool | None = None,
+    ) -> list[ReplicaInfo]:
+        """Start ``count`` replicas: fork when cached, cold otherwise. ``wait``: return once they are healthy."""
+        data = self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache))
+        return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
+
+    def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
+        data = self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain})
+        return ReplicaInfo.from_dict(data)
+
+    def replicas(self, function: str | None = None) -> list[ReplicaInfo]:
+        path = "/v1/replicas" + (f"?function={function}" if function else "")
+        return [ReplicaInfo.from_dict(r) for r in self._call("GET", path)["replicas"]]
+
+    def zygotes(self) -> list[ZygoteInfo]:
+        return [ZygoteInfo.from_dict(z) for z in self._call("GET", "/v1/zygotes")["zygotes"]]
+
+    def invalidate(self, function: str) -> dict:
+        return self._call("POST", "/v1/invalidate", {"function": function})
+
+    def report(self) -> HostReport:
+        return HostReport.from_dict(self._call("GET", "/v1/report"))
+
+    def shutdown(self) -> dict:
+        """Stop every replica that may not survive, drop all zygotes, exit."""
+        return self._call("POST", "/v1/shutdown", {})
+
+
+class AsyncKeysManagerClient:
+    """The same API for aiohttp callers (the embedded gateway). Close with ``await client.close()``."""
+
+    def __init__(self, socket_path: str, timeout: float = 600.0) -> None:
+        self.socket_path = str(socket_path)
+        self.timeout = timeout
+        self._session = None
+
+    async def _session_get(self):
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self.socket_path),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+            )
+        return self._session
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        import aiohttp
+
+        session = await self._session_get()
+        try:
+            async with session.request(method, "http://localhost" + path, json=body) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except aiohttp.ClientError as exc:
+            raise KeysManagerError(503, f"cannot reach the KeysManager at {self.socket_path}: {exc}") from exc
+        data = json.loads(raw) if raw else {}
+        if status >= 400:
+            raise KeysManagerError(status, data.get("error", raw.decode(errors="replace")), data.get("field"))
+        return data
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def health(self) -> dict:
+        return await self._call("GET", "/v1/health")
+
+    async def ensure_cached(self, spec: StageSpec) -> dict:
+        return await self._call("POST", "/v1/cache", {"spec": spec.to_dict()})
+
+    async def start(self, spec: StageSpec, count: int = 1, mode: str | None = None, survive: bool = False,
+                    wait: bool = True, cache: bool | None = None) -> list[ReplicaInfo]:
+        data = await self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache))
+        return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
+
+    async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
+        return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain}))
+
+    async def replicas(self, function: str | None = None) -> list[ReplicaInfo]:
+        path = "/v1/replicas" + (f"?function={function}" if function else "")
+        return [ReplicaInfo.from_dict(r) for r in (await self._call("GET", path))["replicas"]]
+
+    async def zygotes(self) -> list[ZygoteInfo]:
+        return [ZygoteInfo.from_dict(z) for z in (await self._call("GET", "/v1/zygotes"))["zygotes"]]
+
+    async def invalidate(self, function: str) -> dict:
+        return await self._call("POST", "/v1/invalidate", {"function": function})
+
+    async def report(self) -> HostReport:
+        return HostReport.from_dict(await self._call("GET", "/v1/report"))

@@ -1,0 +1,80 @@
+"""Settings of one KeysManager host agent: dataclass defaults, overridable from the environment (KM_*)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def default_state_root() -> Path:
+    """Where every KeysManager on this machine keeps its state dir: $XDG_RUNTIME_DIR or the temp dir."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) / f"quart-keysmanager-{os.getuid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class KeysManagerConfig:
+    """One host agent. Every field has a documented default (docs/keysmanager.md)."""
+
+    name: str = "host-0"  # host name in reports; also names the state dir and shared-memory files
+    socket: str = ""  # Unix socket of the API (mode 0600); default <state_dir>/km.sock
+    state_dir: str = ""  # pidfile, state.json, process logs; default <default_state_root()>/<name>
+    shm_dir: str = "/dev/shm"  # where parameter segments live (tmpfs: shared, not swapped to disk)
+    memory_limit: int = 0  # bytes of parameters this host may hold; 0 = derive from memory_threshold
+    memory_threshold: float = 0.85  # evict when the machine's memory use (psutil) crosses this fraction
+    gpus: int = 0  # GPU slots of this (simulated) host; 0 = CPU host, replicas take no slot
+    pin_cpus: bool = True  # set each replica's CPU affinity to `cpus` cores (round robin)
+    fork_mode: str = "cow"  # default replica mode: cow (share parameter pages) | isolated (private copy)
+    cache_on_cold: bool = True  # after a cold start, also cache the stage (leave a zygote behind)
+    ready_timeout_s: float = 180.0  # a replica not healthy by then is killed and reported dead
+    zygote_timeout_s: float = 600.0  # loading parameters into a zygote
+    drain_timeout_s: float = 30.0  # stop: wait this long for in-flight requests, then SIGKILL
+    monitor_interval_s: float = 0.1  # reaping and memory-pressure checks
+    max_replicas_per_call: int = 256
+    python: str = ""  # interpreter for zygotes and cold replicas; default sys.executable
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"host name {self.name!r} must be 1-63 letters, digits, '_', '.', '-'")
+        if not 0.0 < self.memory_threshold <= 1.0:
+            raise ValueError("memory_threshold must be in (0, 1]")
+        if self.memory_limit < 0 or self.gpus < 0:
+            raise ValueError("memory_limit and gpus must be >= 0")
+        if self.fork_mode not in ("cow", "isolated"):
+            raise ValueError("fork_mode must be 'cow' or 'isolated'")
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else default_state_root() / self.name
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.socket) if self.socket else self.state_path / "km.sock"
+
+    @property
+    def shm_prefix(self) -> str:
+        """File-name prefix of this host's parameter segments (a restart removes what matches it)."""
+        return f"quart-km-{self.name}-"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> KeysManagerConfig:
+        """Defaults, then KM_<FIELD> variables (e.g. KM_MEMORY_LIMIT=2000000000), then ``overrides``."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(f"KM_{f.name.upper()}")
+            if raw is None:
+                continue
+            kind = type(getattr(cls(), f.name))
+            if kind is bool:
+                values[f.name] = raw.strip().lower() in {"1", "true", "yes", "on"}
+            else:
+                values[f.name] = kind(raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(), **values)

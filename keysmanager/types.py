@@ -1,0 +1,120 @@
+"""Data shared by the KeysManager daemon, its clients and the simulator: specs, replica and host snapshots.
+
+Plain dataclasses with ``to_dict`` / ``from_dict`` so they travel as JSON over the daemon's Unix-socket API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+ReplicaState = Literal["starting", "ready", "draining", "dead"]
+ReplicaSource = Literal["fork", "cold"]
+ForkMode = Literal["cow", "isolated"]
+FORK_MODES: tuple[str, ...] = ("cow", "isolated")
+
+
+def _from_dict(cls, data: dict[str, Any]):
+    """Build dataclass ``cls`` from ``data``, ignoring keys it does not know (newer servers may add fields)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """What to run: one stage function and the environment it was deployed with.
+
+    ``env`` is the deployed environment (``QUART_MODEL_DIR``, ``QUART_STAGE_INDEX``, ``QUART_COMPUTE``, ...),
+    read by ``quart_stage.config.StageConfig.from_env``. ``cpus`` is the CPU budget of one replica (torch
+    threads and, when pinning is on, the number of cores in its affinity mask). ``memory_bytes`` is advisory.
+    """
+
+    function: str
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: float = 1.0
+    memory_bytes: int = 0
+    concurrency: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageSpec:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """One replica as the KeysManager sees it now."""
+
+    id: str
+    function: str
+    host: str
+    pid: int
+    port: int
+    url: str
+    state: ReplicaState
+    source: ReplicaSource
+    ready_ms: float | None = None  # from the start request to the first healthy answer
+    rss_bytes: int = 0
+    pss_bytes: int = 0
+    mode: ForkMode = "cow"
+    survive: bool = False  # keeps running when the KeysManager dies
+    gpu_slot: int | None = None
+    exit_status: int | None = None  # set once dead: exit code, or -signal
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaInfo:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class ZygoteInfo:
+    """A cached stage: the zygote process holding its parameters in shared memory."""
+
+    function: str
+    pid: int
+    param_bytes: int
+    sha256: str
+    shm_path: str
+    load_ms: float
+    last_used: float  # monotonic seconds of the last ensure_cached/start that used it (LRU key)
+    live_replicas: int
+    threads: int  # threads of the zygote process: 1 (safe to fork)
+    rss_bytes: int = 0
+    pss_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ZygoteInfo:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class HostReport:
+    """What the scheduler needs from one host (see gateway_plugin.scheduling.types.HostView)."""
+
+    name: str
+    cached: list[str]  # stage functions with a zygote here
+    memory_used: int  # parameter bytes held in host memory (shared segments + isolated copies)
+    memory_limit: int  # bytes the KeysManager may use for cached parameters
+    gpu_slots: int
+    gpu_used: int
+    replicas: int = 0  # live replicas
+    host_memory_percent: float = 0.0  # psutil reading of the whole machine
+
+    @property
+    def gpu_free(self) -> int:
+        return max(0, self.gpu_slots - self.gpu_used)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HostReport:
+        return _from_dict(cls, data)
