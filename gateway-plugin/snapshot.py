@@ -34,10 +34,21 @@ class StageSnapshot:
     param_bytes: int = 0  # parameters held by one replica
     activation_bytes: float = 0.0  # mean bytes of one request's input activations
     concurrency: int = 1  # requests one replica serves at once
+    arrival_rate_recent: float = -1.0  # λ over the last second (−1: unknown → use arrival_rate)
 
     @property
     def mean_service_s(self) -> float:
         return 1.0 / self.service_rate if self.service_rate > 0 else 0.0
+
+    @property
+    def recent_rate(self) -> float:
+        """λ over the last second when the collector knows it, else the window's λ."""
+        return self.arrival_rate_recent if self.arrival_rate_recent >= 0 else self.arrival_rate
+
+    @property
+    def in_flight(self) -> int:
+        """Requests at this stage now: in service plus waiting (Knative's concurrency)."""
+        return self.busy + self.queue_len
 
 
 @dataclass(frozen=True, slots=True)

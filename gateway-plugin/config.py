@@ -1,0 +1,193 @@
+"""Every setting of the gateway plugin (router, metrics, controller, policies) with its documented default.
+
+Policy settings are plain dataclasses passed to ``make_policy(name, **overrides)``; the runtime
+settings (router, metrics, controller, actuator) are read from the environment by
+``PluginConfig.from_env`` (OpenFaaS convention: upper-case ``QUART_*`` variables).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# Policies (pure; time comes from the snapshot)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectConfig:
+    """QUART §5.1: Erlang-C delay estimate + PID on e = T_i − T_target (positive e → more replicas)."""
+
+    kp: float = 1.0  # replicas per unit of relative error e / T_target
+    ki: float = 0.2  # replicas per (relative error × second)
+    kd: float = 0.1  # replicas per (relative error / second), on the filtered derivative
+    integral_limit: float = 8.0  # anti-windup clamp of ∫e dt (relative-error seconds)
+    derivative_alpha: float = 0.5  # low-pass filter weight of the newest derivative sample
+    error_cap: float = 8.0  # relative error used when T_i is infinite (ρ ≥ 1)
+    scale_down_cooldown_s: float = 30.0  # no removal within this long after a stage scaled up
+    max_step_down: int = 2  # replicas removed from one stage per decision at most
+    default_target_factor: float = 2.0  # T_target = factor × service time when no SLO is known
+    use_queue_feedback: bool = True  # T_i also from observed wait and the backlog (queue status)
+    rho_max: float = 0.95  # when ρ ≥ 1: at least enough replicas for ρ ≤ rho_max
+
+
+@dataclass(frozen=True, slots=True)
+class SmoothConfig:
+    """QUART §5.2: CV-propagation model + Laplace smoothing of replica demand (Eq. 7)."""
+
+    enabled: bool = True
+    beta_cv_half: float = 1.0  # β(CV) = CV^p / (CV^p + half^p): β(half) = 0.5
+    beta_power: float = 2.0
+    min_window_requests: int = 20  # fewer arrivals in the window → observed CV is not trusted (β=1)
+
+
+@dataclass(frozen=True, slots=True)
+class CPUConfig:
+    """QUART §5.3: CPU compensation by linear regression on profiling records."""
+
+    enabled: bool = True
+    cpu_max: float = 8.0  # CPU_max per replica
+    cpu_step: float = 0.5  # granularity of the CPU search
+    cpu_default: float = 1.0  # CPUs a replica gets when nothing needs compensating
+
+
+@dataclass(frozen=True, slots=True)
+class QuartConfig:
+    correct: CorrectConfig = field(default_factory=CorrectConfig)
+    smooth: SmoothConfig = field(default_factory=SmoothConfig)
+    cpu: CPUConfig = field(default_factory=CPUConfig)
+    key_history_len: int = 256  # decisions kept in the key-stage history
+
+
+@dataclass(frozen=True, slots=True)
+class StaticConfig:
+    replicas: int = 2  # per stage (clamped to [r_min, r_max])
+
+
+@dataclass(frozen=True, slots=True)
+class OpenFaaSCEConfig:
+    """OpenFaaS CE alert scaling (faas/gateway + prometheus alert.rules.yml + alertmanager.yml)."""
+
+    rps_threshold: float = 5.0  # APIHighInvocationRate: rate(gateway_function_invocation_total[10s]) > 5
+    fire_for_s: float = 5.0  # alert `for: 5s`
+    repeat_s: float = 10.0  # alertmanager group_interval: a firing alert is re-sent this often
+    scale_factor: float = 0.20  # com.openfaas.scale.factor: step = 20 % of max replicas
+
+
+@dataclass(frozen=True, slots=True)
+class KnativeKPAConfig:
+    """Knative Serving KPA defaults (config-autoscaler ConfigMap)."""
+
+    container_concurrency: float = 1.0  # containerConcurrency of the revision (hard limit)
+    target_utilization: float = 0.7  # container-concurrency-target-percentage
+    stable_window_s: float = 60.0
+    panic_window_percentage: float = 10.0  # panic window = 10 % of stable = 6 s
+    panic_threshold: float = 2.0  # panic-threshold-percentage 200 %
+    max_scale_up_rate: float = 1000.0
+    max_scale_down_rate: float = 2.0
+    scale_down_delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class InferLineConfig:
+    """InferLine (Crankshaw et al., SoCC'20) planner + high-frequency tuner, per stage."""
+
+    window_sizes_s: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)  # traffic-envelope windows
+    utilisation: float = 0.8  # fraction of profiled throughput the planner provisions for
+    scale_down_delay_s: float = 15.0  # tuner waits this long below the envelope before removing
+    scale_down_window_s: float = 30.0  # ... and only down to the envelope over this window
+
+
+@dataclass(frozen=True, slots=True)
+class INFlessConfig:
+    """INFless (Yang et al., ASPLOS'22) as the paper ran it: the whole model as one function."""
+
+    utilisation: float = 0.8  # RPS per instance provisioned at this fraction of its throughput
+    keep_alive_s: float = 60.0  # idle instances kept this long before removal
+
+
+@dataclass(frozen=True, slots=True)
+class CocktailConfig:
+    """Cocktail (Gunasekaran et al., NSDI'22): predictive, model-granular scaling."""
+
+    alpha: float = 0.5  # Holt level smoothing
+    beta: float = 0.3  # Holt trend smoothing
+    horizon_s: float = 10.0  # forecast this far ahead (the scaling interval of the paper)
+    headroom: float = 1.2  # over-provisioning on the forecast
+    cooldown_s: float = 30.0  # minimum time between scale-downs
+
+
+def build_config(cls: type, overrides: Mapping[str, Any]):
+    """``cls()`` with the given overrides; nested config dataclasses accept dicts. Unknown keys → ValueError."""
+    names = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no setting(s) {', '.join(unknown)}; known: {', '.join(names)}")
+    base = cls()
+    values: dict[str, Any] = {}
+    for key, value in overrides.items():
+        current = getattr(base, key)
+        if hasattr(current, "__dataclass_fields__") and isinstance(value, Mapping):
+            value = build_config(type(current), value)
+        values[key] = value
+    return replace(base, **values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime (router, metrics, controller, actuator)
+# ---------------------------------------------------------------------------------------------
+
+
+def _env(env: Mapping[str, str], name: str, default: Any) -> Any:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        if isinstance(default, bool):
+            return raw.strip().lower() in {"1", "true", "yes", "on"}
+        return type(default)(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class PluginConfig:
+    """Runtime settings of router, metrics and controller. Environment names in brackets."""
+
+    queue_cap: int = 1024  # [QUART_QUEUE_CAP] waiting requests per stage before 429
+    retry_after_s: int = 1  # [QUART_RETRY_AFTER_S] Retry-After on 429
+    request_timeout_s: float = 60.0  # [QUART_REQUEST_TIMEOUT_S] deadline of one pipeline request
+    attempt_timeout_s: float = 30.0  # [QUART_ATTEMPT_TIMEOUT_S] one stage call before retrying elsewhere
+    max_attempts: int = 3  # [QUART_MAX_ATTEMPTS] tries of one stage call on distinct replicas
+    replica_refresh_s: float = 0.5  # [QUART_REPLICA_REFRESH_S] how often ready replicas are re-listed
+    default_concurrency: int = 1  # [QUART_CONCURRENCY] slots per replica when no label says
+    window_s: float = 10.0  # [QUART_WINDOW_S] metrics sliding window
+    records_path: str = ""  # [QUART_RECORDS] JSONL of per-request records ("" = keep none)
+    control_period_s: float = 1.0  # [QUART_CONTROL_PERIOD_S]
+    policy: str = "quart"  # [QUART_POLICY]
+    slo_factor: float = 2.0  # [QUART_SLO_FACTOR] SLO = factor × profiled pipeline time
+    actuator: str = "rest"  # [QUART_ACTUATOR] rest | faas-cli | none
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
+        env = os.environ if env is None else env
+        names = {
+            "queue_cap": "QUART_QUEUE_CAP",
+            "retry_after_s": "QUART_RETRY_AFTER_S",
+            "request_timeout_s": "QUART_REQUEST_TIMEOUT_S",
+            "attempt_timeout_s": "QUART_ATTEMPT_TIMEOUT_S",
+            "max_attempts": "QUART_MAX_ATTEMPTS",
+            "replica_refresh_s": "QUART_REPLICA_REFRESH_S",
+            "default_concurrency": "QUART_CONCURRENCY",
+            "window_s": "QUART_WINDOW_S",
+            "records_path": "QUART_RECORDS",
+            "control_period_s": "QUART_CONTROL_PERIOD_S",
+            "policy": "QUART_POLICY",
+            "slo_factor": "QUART_SLO_FACTOR",
+            "actuator": "QUART_ACTUATOR",
+        }
+        base = cls()
+        return replace(base, **{k: _env(env, v, getattr(base, k)) for k, v in names.items()})

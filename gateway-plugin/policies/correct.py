@@ -1,0 +1,144 @@
+"""QUART's replica corrector (§5.1, Algorithm 1 `Correct`) with the fixes a real controller needs.
+
+Sign convention: e(t) = (T_i(t) − T_target) / T_target, Δr = K_p·e + K_i·∫e dt + K_d·de/dt, r' = r + Δr.
+A stage slower than its target (e > 0) gains replicas (the paper's e = T_target − T_i with r + Δr
+would remove them). Added: integral clamp and conditional integration (anti-windup), a low-pass
+filtered derivative, rounding of Δr, [r_min, r_max], a scale-down cooldown, and a floor of enough
+replicas for ρ ≤ rho_max when the stage is unstable (T_i = ∞).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from gateway_plugin.config import CorrectConfig
+from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
+from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+
+
+def stage_target_s(snapshot: PipelineSnapshot, stage: StageSnapshot, default_factor: float) -> float:
+    """The stage's delay target: its own if set, else the SLO split by service time, else factor × service."""
+    if stage.target_s > 0:
+        return stage.target_s
+    service = stage.mean_service_s
+    if snapshot.slo_s > 0:
+        total = sum(s.mean_service_s for s in snapshot.stages)
+        if total > 0 and service > 0:
+            return snapshot.slo_s * service / total
+        return snapshot.slo_s / max(1, len(snapshot.stages))
+    return default_factor * service if service > 0 else math.inf
+
+
+def servers_of(stage: StageSnapshot, replicas: int) -> int:
+    """Parallel servers of ``replicas`` replicas (each serves ``concurrency`` requests at once)."""
+    return replicas * max(1, stage.concurrency)
+
+
+def estimated_delay_s(stage: StageSnapshot, replicas: int, use_queue_feedback: bool) -> float:
+    """T_i: M/M/c delay at the measured λ, μ, raised by what the queue shows now (backlog and wait)."""
+    if stage.service_rate <= 0:
+        return 0.0  # nothing measured yet: no evidence of delay
+    servers = servers_of(stage, replicas)
+    t = mmc_delay(stage.arrival_rate, stage.service_rate, servers)
+    if use_queue_feedback and servers > 0:
+        backlog = stage.queue_len / (servers * stage.service_rate) + stage.mean_service_s
+        observed = stage.mean_wait_s + stage.mean_service_s if stage.queue_len > 0 else 0.0
+        t = max(t, backlog, observed)
+    return t
+
+
+@dataclass(slots=True)
+class _PIDState:
+    integral: float = 0.0
+    last_error: float | None = None
+    last_time: float | None = None
+    derivative: float = 0.0
+    last_scale_up: float = -math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Correction:
+    """What the corrector decided for one stage."""
+
+    replicas: int
+    delay_s: float  # T_i at the current replicas
+    target_s: float
+    error: float  # relative error used by the PID
+    scaled_up: bool
+    reason: str
+
+
+@dataclass(slots=True)
+class Corrector:
+    """Per-stage PID on the relative delay error; state is kept per stage index."""
+
+    config: CorrectConfig = field(default_factory=CorrectConfig)
+    _state: dict[int, _PIDState] = field(default_factory=dict)
+
+    def correct(self, snapshot: PipelineSnapshot, stage: StageSnapshot) -> Correction:
+        cfg = self.config
+        st = self._state.setdefault(stage.index, _PIDState())
+        now = snapshot.time
+        current = stage.replicas + stage.pending_replicas
+        target = stage_target_s(snapshot, stage, cfg.default_target_factor)
+        delay = estimated_delay_s(stage, max(current, 0), cfg.use_queue_feedback)
+        if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
+            error = 0.0  # no service time measured yet: no evidence either way
+        elif math.isinf(delay):
+            error = cfg.error_cap
+        else:
+            error = max(-1.0, min(cfg.error_cap, (delay - target) / target))
+
+        dt = 0.0 if st.last_time is None else max(0.0, now - st.last_time)
+        if st.last_error is not None and dt > 0:
+            raw_derivative = (error - st.last_error) / dt
+            st.derivative += cfg.derivative_alpha * (raw_derivative - st.derivative)
+        proposed_integral = max(-cfg.integral_limit, min(cfg.integral_limit, st.integral + error * dt))
+
+        delta = cfg.kp * error + cfg.ki * proposed_integral + cfg.kd * st.derivative
+        step = math.ceil(delta - 1e-9) if delta > 0 else -math.floor(-delta + 1e-9) if delta < 0 else 0
+        if error > 0 and step <= 0:
+            step = 1  # too slow: never hold still or shrink
+        if error <= 0 and step > 0:
+            step = 0  # fast enough: never grow on integral memory alone
+        desired = current + step
+        reason = f"T={_fmt(delay)}s target={_fmt(target)}s e={error:+.2f}"
+
+        floor = stage.min_replicas
+        if stage.service_rate > 0 and stage.arrival_rate >= servers_of(stage, current) * stage.service_rate:
+            needed = servers_for_utilisation(stage.arrival_rate, stage.service_rate, cfg.rho_max)
+            floor = max(floor, math.ceil(needed / max(1, stage.concurrency)))
+            desired = max(desired, floor + max(0, step))
+            reason += " rho>=1"
+        floor = min(floor, stage.max_replicas)
+        desired = max(floor, min(stage.max_replicas, desired))
+
+        if desired < current:
+            if now - st.last_scale_up < cfg.scale_down_cooldown_s:
+                desired = current
+                reason += " (cooldown)"
+            else:
+                desired = max(desired, current - cfg.max_step_down)
+
+        saturated = (desired >= stage.max_replicas and error > 0) or (desired <= stage.min_replicas and error < 0)
+        if not saturated:
+            st.integral = proposed_integral  # conditional integration: no windup against a limit
+        scaled_up = desired > current
+        if scaled_up:
+            st.last_scale_up = now
+        st.last_error, st.last_time = error, now
+        return Correction(desired, delay, target, error, scaled_up, reason)
+
+    def last_scale_up(self, index: int) -> float:
+        """Time the stage last scaled up (−inf if never)."""
+        st = self._state.get(index)
+        return st.last_scale_up if st else -math.inf
+
+    def note_scale_up(self, index: int, time: float) -> None:
+        """Another component raised the stage: restart its cooldown."""
+        self._state.setdefault(index, _PIDState()).last_scale_up = time
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.3f}"

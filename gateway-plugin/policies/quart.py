@@ -1,0 +1,93 @@
+"""The QUART policy: Correct → Smooth → CPU compensation (Algorithm 1), plus the key-stage list.
+
+1. Correct (§5.1) gives every stage its demand ŷ_i (PID on the Erlang-C delay error).
+2. Smooth (§5.2) proposes to reclaim replicas from a stage whose traffic is smooth relative to its
+   neighbours (CV̂ from the propagation model, or the observed CV until a model is trained).
+3. CPU compensation (§5.3): a reclaim is kept only if the stage still meets its delay target with
+   fewer replicas, at its current CPUs or with the fewest extra CPUs the regression says suffice
+   (≤ CPU_max). Otherwise Correct's ŷ_i stands (the paper's "SLO may be violated → Correct").
+Stages Correct scaled up are the key stages; their history (count of decisions in which each stage
+was key) goes to the scheduler. Pure: no I/O, time from the snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from gateway_plugin.config import QuartConfig
+from gateway_plugin.policies.correct import Corrector, estimated_delay_s, servers_of
+from gateway_plugin.policies.cpu_model import CPULatencyModel
+from gateway_plugin.policies.smooth import beta, reclaim_target
+from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
+
+
+@dataclass(slots=True)
+class QuartPolicy:
+    config: QuartConfig = field(default_factory=QuartConfig)
+    cv_model: object | None = None  # a trained CVPropagationModel (gateway_plugin.policies.cv_model)
+    cpu_model: CPULatencyModel | None = None
+    name: str = "quart"
+    corrector: Corrector = field(init=False)
+    key_history: Counter = field(default_factory=Counter)  # stage index → decisions in which it was key
+    key_log: deque = field(init=False)  # (time, key stage indices), most recent last
+
+    def __post_init__(self) -> None:
+        self.corrector = Corrector(self.config.correct)
+        self.key_log = deque(maxlen=self.config.key_history_len)
+
+    def predicted_cv(self, snapshot: PipelineSnapshot) -> list[float]:
+        if self.cv_model is not None:
+            return list(self.cv_model.predict(snapshot))  # type: ignore[attr-defined]
+        return [s.cv_arrival for s in snapshot.stages]
+
+    def decide(self, snapshot: PipelineSnapshot) -> Decision:
+        cfg = self.config
+        corrections = [self.corrector.correct(snapshot, s) for s in snapshot.stages]
+        demand = [c.replicas for c in corrections]
+        cvs = self.predicted_cv(snapshot)
+        decisions: list[StageDecision] = []
+        for stage, corr, cv in zip(snapshot.stages, corrections, cvs, strict=True):
+            replicas, cpus, reason = corr.replicas, stage.cpus, corr.reason
+            enough_data = stage.arrival_rate * snapshot.window_s >= cfg.smooth.min_window_requests
+            if cfg.smooth.enabled and not corr.scaled_up and enough_data:
+                b = beta(cv, cfg.smooth)
+                busy_replicas = math.ceil(stage.busy / max(1, stage.concurrency))
+                keep = reclaim_target(demand, stage.index, b, stage.min_replicas, busy_replicas)
+                cooling = snapshot.time - self.corrector.last_scale_up(stage.index)
+                if keep < replicas and cooling >= cfg.correct.scale_down_cooldown_s:
+                    keep = max(keep, replicas - cfg.correct.max_step_down)
+                    for candidate in range(keep, replicas):  # fewest replicas that still meet the target
+                        new_cpus = self._compensate(stage, candidate, corr.target_s)
+                        if new_cpus is not None:
+                            reason += f" smooth cv={cv:.2f} beta={b:.2f} {replicas}->{candidate}"
+                            if new_cpus != cpus:
+                                reason += f" cpus {cpus:g}->{new_cpus:g}"
+                            replicas, cpus = candidate, new_cpus
+                            break
+            decisions.append(StageDecision(replicas=replicas, cpus=cpus, reason=reason))
+        key = tuple(c_i for c_i, corr in enumerate(corrections) if corr.scaled_up)
+        if key:
+            self.key_history.update(key)
+            self.key_log.append((snapshot.time, key))
+        return Decision(time=snapshot.time, stages=tuple(decisions), key_stages=key)
+
+    def _compensate(self, stage, replicas: int, target_s: float) -> float | None:
+        """CPUs that let ``replicas`` replicas meet the target, or None (keep Correct's count)."""
+        cpu_cfg = self.config.cpu
+        if estimated_delay_s(stage, replicas, self.config.correct.use_queue_feedback) <= target_s:
+            return stage.cpus
+        if not cpu_cfg.enabled or self.cpu_model is None:
+            return None
+        return self.cpu_model.smallest_cpus(
+            arrival_rate=stage.arrival_rate,
+            servers=servers_of(stage, replicas),
+            queue_len=stage.queue_len,
+            param_bytes=stage.param_bytes,
+            activation_bytes=stage.activation_bytes,
+            target_s=target_s,
+            cpus_from=stage.cpus,
+            cpu_max=cpu_cfg.cpu_max,
+            cpu_step=cpu_cfg.cpu_step,
+        )

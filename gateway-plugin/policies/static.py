@@ -1,0 +1,22 @@
+"""Static provisioning: a fixed number of replicas per stage, whatever the load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway_plugin.config import StaticConfig
+from gateway_plugin.policies.history import clamp_replicas
+from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
+
+
+@dataclass(slots=True)
+class StaticPolicy:
+    config: StaticConfig = field(default_factory=StaticConfig)
+    name: str = "static"
+
+    def decide(self, snapshot: PipelineSnapshot) -> Decision:
+        stages = tuple(
+            StageDecision(clamp_replicas(self.config.replicas, s.min_replicas, s.max_replicas), s.cpus, "static")
+            for s in snapshot.stages
+        )
+        return Decision(snapshot.time, stages)

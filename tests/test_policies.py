@@ -1,0 +1,176 @@
+"""Scripted-snapshot tests of QUART (Correct, Smooth, CPU compensation) and the queueing formulas."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+from gateway_plugin.config import CPUConfig, QuartConfig, SmoothConfig
+from gateway_plugin.policies import POLICY_NAMES, make_policy
+from gateway_plugin.policies.cpu_model import CPULatencyModel
+from gateway_plugin.policies.quart import QuartPolicy
+from gateway_plugin.policies.queueing import erlang_b, erlang_c, mmc_delay, servers_for_delay
+from gateway_plugin.policies.smooth import beta, reclaim_target
+from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+
+
+def stage(i: int, **kw) -> StageSnapshot:
+    base = dict(name=f"m-stage-{i}", index=i, arrival_rate=1.0, service_rate=10.0, replicas=1, target_s=0.2)
+    base.update(kw)
+    return StageSnapshot(**base)
+
+
+def snap(t: float, *stages: StageSnapshot, window_s: float = 10.0) -> PipelineSnapshot:
+    return PipelineSnapshot(time=t, model="m", stages=tuple(stages), window_s=window_s)
+
+
+def erlang_c_exact(c: int, a: Fraction) -> Fraction:
+    """Textbook factorial form, exact rationals: reference for the stable recurrence."""
+    term, total = Fraction(1), Fraction(0)
+    for k in range(c):
+        total += term
+        term = term * a / (k + 1)
+    top = term * c / (c - a)  # a^c / c! · c/(c−a)
+    return top / (total + top)
+
+
+def test_erlang_c_known_values() -> None:
+    assert erlang_c(3, 2.0) == pytest.approx(4 / 9)
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = ρ
+    for c, a in [(5, 3.5), (20, 17), (50, 45)]:
+        assert erlang_c(c, a) == pytest.approx(float(erlang_c_exact(c, Fraction(a))), rel=1e-9)
+    assert erlang_b(1, 1.0) == pytest.approx(0.5)
+
+
+def test_erlang_c_stable_at_200_servers() -> None:
+    value = erlang_c(200, 190.0)
+    assert 0.0 < value < 1.0 and math.isfinite(value)
+    assert value == pytest.approx(float(erlang_c_exact(200, Fraction(190))), rel=1e-9)
+    assert erlang_c(200, 200.0) == 1.0
+    assert math.isinf(mmc_delay(10.0, 1.0, 10))
+    assert mmc_delay(0.5, 1.0, 1) == pytest.approx(2.0)  # M/M/1: 1/(μ−λ)
+    assert servers_for_delay(8.0, 1.0, 1.5) == min(c for c in range(9, 40) if mmc_delay(8.0, 1.0, c) <= 1.5)
+
+
+def test_overloaded_stage_gains_replicas_and_is_key() -> None:
+    policy = make_policy("quart")
+    # ρ < 1 but delay far above target: 1.8 req/s at 1 req/s/replica on 2 replicas
+    s = snap(0.0, stage(0), stage(1, arrival_rate=1.8, service_rate=1.0, replicas=2, target_s=1.2), stage(2))
+    d = policy.decide(s)
+    assert d.stages[1].replicas > 2
+    assert 1 in d.key_stages and 0 not in d.key_stages
+    assert d.stages[0].replicas == 1
+
+
+def test_rho_at_least_one_gets_enough_replicas_for_stability() -> None:
+    policy = make_policy("quart")
+    s = snap(0.0, stage(0, arrival_rate=10.0, service_rate=2.0, replicas=2, target_s=1.0))
+    d = policy.decide(s)
+    assert d.stages[0].replicas * 2.0 > 10.0  # ρ < 1 afterwards
+    assert d.stages[0].replicas >= math.ceil(10.0 / (2.0 * 0.95))
+
+
+def test_max_replicas_respected_and_no_windup() -> None:
+    policy = make_policy("quart")
+    for t in range(20):  # long saturation at r_max
+        d = policy.decide(snap(float(t), stage(0, arrival_rate=100.0, service_rate=1.0, replicas=4, max_replicas=4)))
+        assert d.stages[0].replicas == 4
+    assert abs(policy.corrector._state[0].integral) <= QuartConfig().correct.integral_limit
+
+
+def test_idle_stage_loses_replicas_only_after_cooldown() -> None:
+    policy = make_policy("quart", correct={"scale_down_cooldown_s": 30.0})
+    busy = stage(0, arrival_rate=20.0, service_rate=2.0, replicas=4, target_s=1.0)
+    up = policy.decide(snap(0.0, busy))
+    assert up.stages[0].replicas > 4
+    r = up.stages[0].replicas
+    idle = stage(0, arrival_rate=0.05, service_rate=2.0, replicas=r, target_s=1.0)
+    for t in (1.0, 10.0, 29.0):
+        assert policy.decide(snap(t, idle)).stages[0].replicas == r
+    later = policy.decide(snap(31.0, idle)).stages[0].replicas
+    assert later < r
+    # keeps shrinking towards r_min, never below it
+    current = later
+    for t in range(32, 200):
+        current = policy.decide(snap(float(t), stage(0, arrival_rate=0.05, service_rate=2.0, replicas=current,
+                                                        target_s=1.0, min_replicas=2))).stages[0].replicas
+    assert current == 2
+
+
+def test_smoothing_never_below_r_min_nor_busy() -> None:
+    cfg = SmoothConfig()
+    assert beta(0.0, cfg) == 0.0 and beta(100.0, cfg) > 0.99
+    assert all(beta(a, cfg) <= beta(b, cfg) for a, b in [(0.1, 0.5), (0.5, 1.0), (1.0, 4.0), (4.0, 8.0)])
+    assert reclaim_target([1, 10, 1], 1, beta_i=0.0, r_min=3, busy_replicas=0) == 3
+    assert reclaim_target([1, 10, 1], 1, beta_i=0.0, r_min=1, busy_replicas=6) == 6
+    assert reclaim_target([1, 10, 1], 1, beta_i=1.0, r_min=1, busy_replicas=0) == 10
+
+
+def test_quart_smooth_reclaims_calm_overprovisioned_stage_but_keeps_r_min() -> None:
+    policy = make_policy("quart", correct={"scale_down_cooldown_s": 0.0, "max_step_down": 100})
+    calm = dict(arrival_rate=4.0, service_rate=10.0, cv_arrival=0.1, target_s=1.0)
+    s = snap(100.0, stage(0, replicas=1, **calm), stage(1, replicas=9, min_replicas=3, **calm), stage(2, replicas=1, **calm))
+    d = policy.decide(s)
+    assert 3 <= d.stages[1].replicas < 9
+    assert "smooth" in d.stages[1].reason
+
+
+def _cpu_records() -> list[dict]:
+    # service time = 0.05 + 0.4 / cpus seconds (parallel part scales with CPUs)
+    return [
+        {"cpus": c, "queue_len": q, "param_bytes": 1e9, "activation_bytes": 1e6, "service_ms": 1000 * (0.05 + 0.4 / c)}
+        for c in (1, 2, 3, 4, 6, 8)
+        for q in (0, 2, 5)
+    ]
+
+
+def test_cpu_model_fits_and_respects_cpu_max() -> None:
+    model = CPULatencyModel.fit(_cpu_records())
+    assert model.service_s(4, 0, 1e9, 1e6) == pytest.approx(0.15, rel=0.05)
+    kwargs = dict(arrival_rate=3.0, servers=2, queue_len=0, param_bytes=1e9, activation_bytes=1e6, cpus_from=1.0, cpu_step=0.5)
+    c = model.smallest_cpus(target_s=0.5, cpu_max=8.0, **kwargs)
+    assert c is not None and 1.0 < c <= 8.0
+    assert mmc_delay(3.0, 1 / model.service_s(c, 0, 1e9, 1e6), 2) <= 0.5
+    assert model.smallest_cpus(target_s=0.5, cpu_max=c - 0.5, **kwargs) is None  # CPU_max below the need
+    with pytest.raises(ValueError, match="at least 3"):
+        CPULatencyModel.fit(_cpu_records()[:2])
+
+
+def test_quart_cpu_compensation_and_fallback_to_correct() -> None:
+    model = CPULatencyModel.fit(_cpu_records())
+    # stage 1 is over-provisioned relative to calm neighbours; fewer replicas only meet the target with more CPUs
+    def run(cpu_max: float):
+        policy = QuartPolicy(
+            QuartConfig(cpu=CPUConfig(cpu_max=cpu_max)), cpu_model=model
+        )
+        policy.corrector.config = policy.corrector.config.__class__(scale_down_cooldown_s=0.0, max_step_down=100)
+        calm = dict(arrival_rate=4.0, cv_arrival=0.1, param_bytes=int(1e9), activation_bytes=1e6, cpus=1.0)
+        st = stage(1, replicas=4, service_rate=1 / 0.45, target_s=0.9, **calm)
+        nb = dict(replicas=1, service_rate=10.0, target_s=1.0, **calm)
+        return policy.decide(snap(50.0, stage(0, **nb), st, stage(2, **nb))).stages[1]
+
+    generous = run(8.0)
+    assert generous.replicas < 4 and 1.0 < generous.cpus <= 8.0
+    assert generous.replicas == 2
+    strict = run(1.0)  # no CPU headroom: only the reclaim that needs no extra CPU is made
+    assert strict.replicas == 3 and strict.cpus == 1.0
+    assert mmc_delay(4.0, 1 / 0.45, 3) <= 0.9 < mmc_delay(4.0, 1 / 0.45, 2)
+
+
+def test_every_policy_answers_one_decision_per_stage_within_bounds() -> None:
+    stages = [stage(i, arrival_rate=3.0 * (i + 1), service_rate=2.0, replicas=2, max_replicas=10) for i in range(4)]
+    for name in POLICY_NAMES:
+        policy = make_policy(name)
+        for t in range(0, 90, 3):
+            d = policy.decide(snap(float(t), *stages))
+            assert len(d.stages) == 4 and d.time == float(t)
+            assert all(1 <= sd.replicas <= 10 for sd in d.stages), (name, d)
+
+
+def test_unknown_policy_and_setting_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="no setting"):
+        make_policy("static", replica=3)
