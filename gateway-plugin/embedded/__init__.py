@@ -1,0 +1,7 @@
+"""The embedded OpenFaaS-compatible gateway: the OpenFaaS gateway REST API on one machine.
+
+Functions are deployed, listed, scaled and invoked exactly as on an OpenFaaS gateway (faas-cli works
+against it); replicas come from one KeysManager per simulated host instead of Kubernetes.
+Entry points: `quartctl up/down/deploy` (:mod:`.cli`), the aiohttp app (:mod:`.api`), the core the
+plugin builds on (:class:`.gateway.EmbeddedGateway`).
+"""

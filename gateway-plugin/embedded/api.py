@@ -1,0 +1,274 @@
+"""The OpenFaaS gateway REST API (``api-docs/spec.openapi.yml``) over an :class:`EmbeddedGateway`.
+
+Request and response shapes follow faas-provider's types and what faas-cli sends (``proxy/`` in
+openfaas/faas-cli): deploy is ``POST /system/functions`` (202), update ``PUT`` (200; 404 when the
+function does not exist, after which faas-cli falls back to POST), delete ``DELETE`` with
+``{"functionName"}`` (200), scale ``POST /system/scale-function/{name}`` with
+``{"serviceName","replicas"}`` (202), describe ``GET /system/function/{name}``, list
+``GET /system/functions`` (also faas-cli login's credential check). ``/system/*`` needs basic auth.
+Client errors are JSON ``{"error": ..., "field": ...}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from gateway_plugin.embedded.auth import Credentials
+from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError, bad, parse_json_object
+from gateway_plugin.embedded.gateway import EmbeddedGateway, ServiceUnavailable
+
+VERSION = "0.1.0"
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+    "transfer-encoding", "upgrade", "host", "content-length",
+})
+GATEWAY_KEY = web.AppKey("gateway", EmbeddedGateway)
+
+
+def error_response(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None
+                   ) -> web.Response:
+    body: dict[str, Any] = {"error": message}
+    if field:
+        body["field"] = field
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _request_error(exc: RequestError, retry_after: int) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if exc.status in (429, 503) else None
+    return error_response(exc.status, exc.message, exc.field, headers)
+
+
+class GatewayAPI:
+    """The handlers; one instance per app."""
+
+    def __init__(self, gateway: EmbeddedGateway, credentials: Credentials | None) -> None:
+        self.gateway = gateway
+        self.config = gateway.config
+        self.credentials = credentials
+        self.session: aiohttp.ClientSession | None = None
+        self._call_ids = itertools.count(1)
+        self._call_prefix = f"{os.getpid():x}{int(time.time()):x}"
+
+    # ------------------------------------------------------------ app wiring
+
+    def routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/system/info", self.system(self.info))
+        r.add_get("/system/functions", self.system(self.list_functions))
+        r.add_post("/system/functions", self.system(self.deploy))
+        r.add_put("/system/functions", self.system(self.update))
+        r.add_delete("/system/functions", self.system(self.delete))
+        r.add_get("/system/function/{name}", self.system(self.describe))
+        r.add_post("/system/scale-function/{name}", self.system(self.scale))
+        r.add_get("/system/namespaces", self.system(self.namespaces))
+        r.add_get("/system/replicas/{name}", self.system(self.replicas))
+        r.add_route("*", "/async-function/{name}", self.system(self.async_invoke, auth=False))
+        r.add_route("*", "/function/{name}", self.invoke)
+        r.add_route("*", "/function/{name}/{tail:.*}", self.invoke)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+
+    async def _startup(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=None)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s), skip_auto_headers=("User-Agent",),
+        )
+        await self.gateway.start()
+
+    async def _cleanup(self, app: web.Application) -> None:
+        await self.gateway.close()
+        if self.session is not None:
+            await self.session.close()
+
+    def system(self, handler, auth: bool = True):
+        """Wrap a /system handler: basic auth, JSON errors for :class:`RequestError`."""
+
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            if auth and self.credentials is not None and not self.credentials.check(request.headers.get("Authorization")):
+                return error_response(401, "missing or wrong credentials: use basic auth (faas-cli login)",
+                                      headers={"WWW-Authenticate": 'Basic realm="Restricted"'})
+            try:
+                return await handler(request)
+            except RequestError as exc:
+                return _request_error(exc, self.config.retry_after_s)
+
+        return wrapped
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        limit = self.config.max_deploy_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit",
+                               "body")
+        raw = await request.content.read(limit + 1)
+        if len(raw) > limit:
+            raise RequestError(413, f"request body is over the {limit}-byte limit", "body")
+        return parse_json_object(raw)
+
+    def _check_namespace(self, namespace: str | None) -> None:
+        if namespace and namespace != self.config.namespace:
+            raise bad(f"namespace {namespace!r} does not exist; this gateway has {self.config.namespace!r}",
+                      "namespace")
+
+    # ------------------------------------------------------------ internal endpoints
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.gateway.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # ------------------------------------------------------------ /system
+
+    async def info(self, request: web.Request) -> web.Response:
+        version = {"sha": os.environ.get("QUART_GIT_SHA", "unknown"), "release": VERSION}
+        return web.json_response({
+            "provider": {"provider": "quart-embedded", "orchestration": "keysmanager", "version": version},
+            "version": {**version, "commit_message": "QUART-FaaS embedded gateway"},
+            "arch": platform.machine(),
+        })
+
+    async def list_functions(self, request: web.Request) -> web.Response:
+        self._check_namespace(request.query.get("namespace"))
+        return web.json_response([fn.status_json() for fn in self.gateway.functions.values()])
+
+    async def describe(self, request: web.Request) -> web.Response:
+        self._check_namespace(request.query.get("namespace"))
+        return web.json_response(self.gateway.get(request.match_info["name"]).status_json())
+
+    async def deploy(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        await self.gateway.deploy(FunctionDeployment.from_json(body, self.config.namespace))
+        return web.Response(status=202)
+
+    async def update(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        deployment = FunctionDeployment.from_json(body, self.config.namespace)
+        await self.gateway.update(deployment)
+        return web.Response(status=200)
+
+    async def delete(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        name = body.get("functionName")
+        if not isinstance(name, str) or not name:
+            raise bad("functionName is required", "functionName")
+        self._check_namespace(body.get("namespace") or request.query.get("namespace"))
+        await self.gateway.remove(name)
+        return web.Response(status=200)
+
+    async def scale(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        body = await self._json_body(request)
+        replicas = body.get("replicas")
+        if replicas is None:
+            raise bad("replicas is required", "replicas")
+        if isinstance(replicas, bool) or not isinstance(replicas, int | float) or replicas != int(replicas):
+            raise bad(f"replicas must be an integer, got {json.dumps(replicas)}", "replicas")
+        if replicas < 0:
+            raise bad(f"replicas must not be negative, got {int(replicas)}", "replicas")
+        service = body.get("serviceName")
+        if service not in (None, "", name):
+            raise bad(f"serviceName {service!r} does not match the function in the path ({name!r})", "serviceName")
+        self._check_namespace(body.get("namespace") or request.query.get("namespace"))
+        applied = await self.gateway.scale(name, int(replicas))
+        return web.json_response({"serviceName": name, "replicas": applied}, status=202)
+
+    async def namespaces(self, request: web.Request) -> web.Response:
+        return web.json_response([self.config.namespace])
+
+    async def replicas(self, request: web.Request) -> web.Response:
+        """Extension: the replicas of a function, with host, state and in-flight requests."""
+        fn = self.gateway.get(request.match_info["name"])
+        return web.json_response({"function": fn.name, "desired": fn.desired, "generation": fn.generation,
+                                  "unplaced": fn.unplaced,
+                                  "replicas": [e.to_json() for e in fn.replicas.values()]})
+
+    async def async_invoke(self, request: web.Request) -> web.Response:
+        return error_response(501, "asynchronous invocation needs a queue worker, which the embedded gateway "
+                                   "does not run; use /function/{name}")
+
+    # ------------------------------------------------------------ /function (the proxy)
+
+    async def invoke(self, request: web.Request) -> web.StreamResponse:
+        gateway = self.gateway
+        name = request.match_info["name"]
+        if "." in name:
+            name, _, namespace = name.partition(".")
+            if namespace != self.config.namespace:
+                return error_response(404, f"namespace {namespace!r} does not exist", "namespace")
+        fn = gateway.functions.get(name)
+        tail = request.match_info.get("tail", "")
+        if fn is None:
+            for hook in gateway.invoke_hooks:
+                response = await hook(request, name, tail)
+                if response is not None:
+                    return response
+            return error_response(404, f"function {name!r} not found", "functionName")
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return error_response(413, f"request body of {request.content_length} bytes is over the {limit}-byte "
+                                       "limit", "body")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"request body is over the {limit}-byte limit", "body")
+        metrics, metric_name = gateway.metrics, fn.metric_name
+        metrics.invocation_started(metric_name)
+        start = time.perf_counter()
+        try:
+            endpoint = await gateway.acquire(fn)
+        except ServiceUnavailable as exc:
+            metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
+            return _request_error(exc, self.config.retry_after_s)
+        call_id = f"{self._call_prefix}-{next(self._call_ids)}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["X-Call-Id"] = call_id
+        headers["X-Forwarded-Host"] = request.host
+        url = f"{endpoint.url}/{tail}"
+        if request.query_string:
+            url += "?" + request.query_string
+        try:
+            async with self.session.request(request.method, url, data=body, headers=headers) as upstream:
+                payload = await upstream.read()
+                status = upstream.status
+                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            status, payload = 502, None
+            message = f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
+        finally:
+            gateway.release(fn, endpoint)
+        fn.invocations += 1
+        elapsed = time.perf_counter() - start
+        metrics.invocation_done(metric_name, status, elapsed)
+        if payload is None:
+            return error_response(502, message)
+        out_headers["X-Call-Id"] = call_id
+        out_headers["X-Duration-Seconds"] = f"{elapsed:.6f}"
+        return web.Response(status=status, body=payload, headers=out_headers)
+
+
+def create_app(gateway: EmbeddedGateway, credentials: Credentials | None) -> web.Application:
+    """The aiohttp application; starting it starts the gateway's reconcile loop, cleanup stops everything."""
+    app = web.Application(client_max_size=gateway.config.max_body_bytes)
+    app[GATEWAY_KEY] = gateway
+    GatewayAPI(gateway, credentials).routes(app)
+    return app
+
+
+async def start_site(app: web.Application, bind: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving ``app``; returns the runner (``await runner.cleanup()`` to stop) and the bound port."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, bind, port, backlog=1024, reuse_address=True)
+    await site.start()
+    sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no public getter
+    return runner, sockets[0].getsockname()[1] if sockets else port

@@ -1,0 +1,60 @@
+"""Settings of the embedded gateway, with documented defaults, overridable from the environment.
+
+Every field maps to an environment variable ``QUART_GATEWAY_<FIELD>`` (upper case); command-line
+flags of `quartctl up` override both.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+DEFAULT_NAMESPACE = "openfaas-fn"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """How the gateway listens, authenticates, places and proxies."""
+
+    bind: str = "127.0.0.1"  # address the gateway listens on (loopback: a host agent never faces the network)
+    port: int = 8080  # TCP port; 0 picks a free one
+    state_dir: Path = Path(".quart")  # credentials, sockets, pidfile, image index, logs
+    namespace: str = DEFAULT_NAMESPACE  # the one function namespace (OpenFaaS's default)
+    auth: bool = True  # basic auth on /system/* (OpenFaaS's basic_auth=true)
+    max_body_bytes: int = 64 * 1024 * 1024  # largest request body; larger → 413
+    max_deploy_bytes: int = 1024 * 1024  # largest JSON body on /system/*
+    placer: str = "first-fit"  # replica placer: first-fit | cache-aware (gateway_plugin.scheduling)
+    hosts: int = 1  # simulated hosts (one KeysManager each)
+    gpus_per_host: int = 4  # replica slots ("GPUs") per host
+    host_memory_bytes: int = 8 * 1024**3  # parameter-cache memory per host (KeysManager --memory-limit)
+    reconcile_interval_s: float = 0.2  # how often replica states are polled and desired counts enforced
+    ready_wait_s: float = 60.0  # how long an invocation waits for a first ready replica (scale from zero)
+    max_waiting: int = 1024  # invocations allowed to wait for a replica per function; more → 429
+    retry_after_s: int = 1  # Retry-After on 429/503
+    upstream_timeout_s: float = 300.0  # one proxied request to a replica
+    drain_timeout_s: float = 30.0  # a replica being stopped finishes its in-flight requests within this
+    start_timeout_s: float = 120.0  # a replica not ready after this is stopped and replaced
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> GatewayConfig:
+        """Defaults, then ``QUART_GATEWAY_*`` variables, then explicit overrides (None = keep)."""
+        env = dict(os.environ if env is None else env)
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(f"QUART_GATEWAY_{f.name.upper()}")
+            if raw is None:
+                continue
+            default = getattr(cls, f.name)
+            if isinstance(default, bool):
+                values[f.name] = raw.strip().lower() in {"1", "true", "yes", "on"}
+            elif isinstance(default, Path):
+                values[f.name] = Path(raw)
+            else:
+                values[f.name] = type(default)(raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(), **values)
+
+    @property
+    def credentials_dir(self) -> Path:
+        return self.state_dir / "secrets"

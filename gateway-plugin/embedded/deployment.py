@@ -1,0 +1,229 @@
+"""The OpenFaaS ``FunctionDeployment`` request: parsing, validation, and the settings derived from it.
+
+Field names follow faas-provider's ``types.FunctionDeployment`` (what faas-cli sends) and the
+gateway's ``api-docs/spec.openapi.yml``. Every rejection names the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway_plugin.embedded.quantities import parse_cpu, parse_memory
+
+NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # DNS-1123 label, as faas-netes requires
+LABEL_MIN = "com.openfaas.scale.min"
+LABEL_MAX = "com.openfaas.scale.max"
+LABEL_CONCURRENCY = "com.quart.concurrency"
+LABEL_MODEL = "com.quart.model"
+LABEL_STAGE = "com.quart.stage"
+LABEL_STAGES = "com.quart.stages"
+DEFAULT_MIN_REPLICAS = 1  # OpenFaaS's default minimum
+DEFAULT_MAX_REPLICAS = 20  # OpenFaaS CE's default maximum
+
+
+class RequestError(Exception):
+    """A client error: the HTTP status, a sentence, and the request field it is about."""
+
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.field = field
+
+    def body(self) -> dict[str, str]:
+        out = {"error": self.message}
+        if self.field:
+            out["field"] = self.field
+        return out
+
+
+def bad(message: str, field_name: str | None = None) -> RequestError:
+    return RequestError(400, message, field_name)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object from a request body, or a 400 naming the body."""
+    if not raw.strip():
+        raise bad("request body is empty; a JSON object is required", "body")
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"request body is not valid JSON: {exc}", "body") from None
+    if not isinstance(value, dict):
+        raise bad("request body must be a JSON object", "body")
+    return value
+
+
+def _str_map(value: Any, name: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise bad(f"{name} must be an object of string values", name)
+    return dict(value)
+
+
+def _str_list(value: Any, name: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad(f"{name} must be an array of strings", name)
+    return list(value)
+
+
+def _int_label(labels: dict[str, str], key: str, default: int) -> int:
+    raw = labels.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad(f"label {key} must be an integer, got {raw!r}", f"labels.{key}") from None
+    if value < 0:
+        raise bad(f"label {key} must not be negative, got {value}", f"labels.{key}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """``limits`` / ``requests`` as sent, plus their parsed values."""
+
+    memory: str | None = None
+    cpu: str | None = None
+    memory_bytes: int | None = None
+    cpus: float | None = None
+
+    @classmethod
+    def parse(cls, value: Any, name: str) -> Resources | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise bad(f"{name} must be an object with memory and/or cpu", name)
+        memory, cpu = value.get("memory") or None, value.get("cpu") or None
+        try:
+            memory_bytes = parse_memory(memory) if memory is not None else None
+        except ValueError as exc:
+            raise bad(f"{name}.memory: {exc}", f"{name}.memory") from None
+        try:
+            cpus = parse_cpu(cpu) if cpu is not None else None
+        except ValueError as exc:
+            raise bad(f"{name}.cpu: {exc}", f"{name}.cpu") from None
+        return cls(memory, cpu, memory_bytes, cpus)
+
+    def to_json(self) -> dict[str, str]:
+        return {k: v for k, v in (("memory", self.memory), ("cpu", self.cpu)) if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionDeployment:
+    """A validated deploy/update request (``types.FunctionDeployment``)."""
+
+    service: str
+    image: str
+    namespace: str
+    env_process: str = ""
+    env_vars: dict[str, str] = field(default_factory=dict)
+    constraints: list[str] = field(default_factory=list)
+    secrets: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    limits: Resources | None = None
+    requests: Resources | None = None
+    read_only_root_filesystem: bool = False
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any], default_namespace: str) -> FunctionDeployment:
+        """Validate a decoded request body; raises :class:`RequestError` (400) naming the field."""
+        service = body.get("service")
+        if not isinstance(service, str) or not service:
+            raise bad("service (the function name) is required", "service")
+        if len(service) > 63 or not NAME_RE.match(service):
+            raise bad(
+                f"service {service!r} is not a valid function name: lower-case letters, digits and '-', "
+                "starting and ending with a letter or digit, at most 63 characters",
+                "service",
+            )
+        image = body.get("image")
+        if not isinstance(image, str) or not image.strip():
+            raise bad("image is required", "image")
+        namespace = body.get("namespace") or default_namespace
+        if not isinstance(namespace, str) or namespace != default_namespace:
+            raise bad(f"namespace {namespace!r} does not exist; this gateway has {default_namespace!r}", "namespace")
+        env_process = body.get("envProcess") or ""
+        if not isinstance(env_process, str):
+            raise bad("envProcess must be a string", "envProcess")
+        read_only = body.get("readOnlyRootFilesystem", False)
+        if not isinstance(read_only, bool):
+            raise bad("readOnlyRootFilesystem must be a boolean", "readOnlyRootFilesystem")
+        deployment = cls(
+            service=service,
+            image=image.strip(),
+            namespace=namespace,
+            env_process=env_process,
+            env_vars=_str_map(body.get("envVars"), "envVars"),
+            constraints=_str_list(body.get("constraints"), "constraints"),
+            secrets=_str_list(body.get("secrets"), "secrets"),
+            labels=_str_map(body.get("labels"), "labels"),
+            annotations=_str_map(body.get("annotations"), "annotations"),
+            limits=Resources.parse(body.get("limits"), "limits"),
+            requests=Resources.parse(body.get("requests"), "requests"),
+            read_only_root_filesystem=read_only,
+        )
+        if deployment.min_replicas > deployment.max_replicas:
+            raise bad(
+                f"{LABEL_MIN}={deployment.min_replicas} is above {LABEL_MAX}={deployment.max_replicas}",
+                f"labels.{LABEL_MIN}",
+            )
+        if deployment.concurrency < 0:  # pragma: no cover - _int_label rejects negatives
+            raise bad("concurrency must not be negative", f"labels.{LABEL_CONCURRENCY}")
+        return deployment
+
+    # Settings the labels and limits carry -------------------------------------------------------
+
+    @property
+    def min_replicas(self) -> int:
+        return _int_label(self.labels, LABEL_MIN, DEFAULT_MIN_REPLICAS)
+
+    @property
+    def max_replicas(self) -> int:
+        return _int_label(self.labels, LABEL_MAX, DEFAULT_MAX_REPLICAS)
+
+    @property
+    def concurrency(self) -> int:
+        """Requests one replica serves at once; 0 = unlimited."""
+        return _int_label(self.labels, LABEL_CONCURRENCY, 0)
+
+    @property
+    def cpus(self) -> float | None:
+        return self.limits.cpus if self.limits and self.limits.cpus else None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return self.limits.memory_bytes if self.limits and self.limits.memory_bytes else None
+
+    @property
+    def model(self) -> str | None:
+        """The pipeline this function is a stage of (``com.quart.model``), if any."""
+        return self.labels.get(LABEL_MODEL) or None
+
+    def to_json(self) -> dict[str, Any]:
+        """The deployment fields of a ``FunctionStatus`` (without runtime counters)."""
+        out: dict[str, Any] = {"name": self.service, "image": self.image, "namespace": self.namespace}
+        if self.env_process:
+            out["envProcess"] = self.env_process
+        out["envVars"] = dict(self.env_vars)
+        out["labels"] = dict(self.labels)
+        out["annotations"] = dict(self.annotations)
+        if self.constraints:
+            out["constraints"] = list(self.constraints)
+        if self.secrets:
+            out["secrets"] = list(self.secrets)
+        if self.limits:
+            out["limits"] = self.limits.to_json()
+        if self.requests:
+            out["requests"] = self.requests.to_json()
+        if self.read_only_root_filesystem:
+            out["readOnlyRootFilesystem"] = True
+        return out

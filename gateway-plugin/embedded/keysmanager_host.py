@@ -1,0 +1,62 @@
+"""A host backed by its KeysManager: stage replicas fork from cached zygotes (or cold start).
+
+Process runnables (the built-in echo) have no parameters to cache; they run as plain children of the
+gateway, counted in the same host's slots.
+"""
+
+from __future__ import annotations
+
+from gateway_plugin.embedded.hosts import ProcessHost, ReplicaSpec, ReplicaStatus
+from gateway_plugin.scheduling.hosts import host_view_from_report
+from gateway_plugin.scheduling.types import HostView
+
+from keysmanager.client import AsyncKeysManagerClient
+from keysmanager.types import ReplicaInfo, StageSpec
+
+
+def _status(info: ReplicaInfo) -> ReplicaStatus:
+    return ReplicaStatus(info.id, info.function, info.host, info.url, info.state, info.source, info.pid)
+
+
+class KeysManagerHost:
+    """One simulated host: its KeysManager (Unix socket) plus a :class:`ProcessHost` for process runnables."""
+
+    def __init__(self, name: str, socket_path: str, gpu_slots: int, memory_limit: int) -> None:
+        self.name = name
+        self.client = AsyncKeysManagerClient(socket_path)
+        self._processes = ProcessHost(name, gpu_slots, memory_limit)
+
+    async def report(self) -> HostView:
+        km_replicas = await self.client.replicas()
+        view = host_view_from_report(await self.client.report(), km_replicas)
+        extra = await self._processes.report()
+        running = dict(view.running)
+        for function, count in extra.running.items():
+            running[function] = running.get(function, 0) + count
+        return HostView(name=view.name, gpu_slots=view.gpu_slots, gpu_used=view.gpu_used + extra.gpu_used,
+                        memory_limit=view.memory_limit, memory_used=view.memory_used, cached=view.cached,
+                        running=running)
+
+    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+        if spec.kind == "process":
+            return await self._processes.start(spec, count)
+        stage = StageSpec(function=spec.function, env=dict(spec.env), cpus=spec.cpus or 1.0,
+                          memory_bytes=spec.memory_bytes or 0, concurrency=spec.concurrency or 1)
+        return [_status(r) for r in await self.client.start(stage, count, wait=False)]
+
+    async def stop(self, replica_id: str) -> None:
+        if replica_id.startswith(f"{self.name}-") and replica_id in {r.id for r in await self._processes.replicas()}:
+            await self._processes.stop(replica_id)
+            return
+        await self.client.stop(replica_id, drain=True)
+
+    async def replicas(self) -> list[ReplicaStatus]:
+        stage = [_status(r) for r in await self.client.replicas()]
+        return stage + await self._processes.replicas()
+
+    async def invalidate(self, function: str) -> None:
+        await self.client.invalidate(function)
+
+    async def close(self) -> None:
+        await self._processes.close()
+        await self.client.close()
