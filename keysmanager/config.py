@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -51,7 +52,12 @@ class KeysManagerConfig:
 
     @property
     def state_path(self) -> Path:
-        return Path(self.state_dir) if self.state_dir else default_state_root() / self.name
+        """The state dir: explicit, else beside an explicit socket (``<socket>.d``), else per host name."""
+        if self.state_dir:
+            return Path(self.state_dir)
+        if self.socket:
+            return Path(self.socket).with_name(Path(self.socket).name + ".d")
+        return default_state_root() / self.name
 
     @property
     def socket_path(self) -> Path:
@@ -60,7 +66,8 @@ class KeysManagerConfig:
     @property
     def shm_prefix(self) -> str:
         """File-name prefix of this host's parameter segments (a restart removes what matches it)."""
-        return f"quart-km-{self.name}-"
+        tag = hashlib.sha256(str(self.state_path.resolve()).encode()).hexdigest()[:8]
+        return f"quart-km-{self.name}-{tag}-"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> KeysManagerConfig:

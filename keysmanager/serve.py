@@ -1,0 +1,82 @@
+"""A replica's HTTP server: the stage's WSGI app on a listening socket the parent already bound.
+
+Runs in the replica (a forked child of a zygote, or a cold process). Threads are created here, after the
+fork, never before. The server answers concurrent requests on threads (HTTP/1.1 keep-alive), logs nothing
+per request (no logging handler is inherited across fork), stops accepting on SIGTERM and exits once the
+requests in flight are answered (drain), and exits at once when the KeysManager's lifeline pipe closes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_request(self, *args: Any, **kwargs: Any) -> None:  # no per-request log lines
+        pass
+
+    def log(self, type: str, message: str, *args: Any) -> None:  # errors go to stderr (the process log)
+        if type == "error":
+            os.write(2, (message % args + "\n").encode(errors="replace"))
+
+
+class _InFlight:
+    """WSGI middleware counting requests in flight, for draining."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.count = 0
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+
+    def __call__(self, environ, start_response):
+        with self.lock:
+            self.count += 1
+        try:
+            return self.app(environ, start_response)
+        finally:
+            with self.lock:
+                self.count -= 1
+                if self.count == 0:
+                    self.idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self.lock:
+            return self.idle.wait_for(lambda: self.count == 0, timeout)
+
+
+def _watch_lifeline(fd: int) -> None:
+    """Block on the KeysManager's lifeline pipe; EOF means every KeysManager copy of the write end closed."""
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def serve_forever(app, listen_fd: int, lifeline_fd: int | None, drain_timeout_s: float) -> None:
+    """Serve ``app`` on the inherited listening socket ``listen_fd`` until SIGTERM (drain) or lifeline EOF."""
+    counted = _InFlight(app)
+    server = ThreadedWSGIServer("127.0.0.1", 0, counted, handler=_QuietHandler, fd=listen_fd)
+    os.close(listen_fd)  # the server holds its own duplicate
+    server.daemon_threads = True
+    if lifeline_fd is not None:
+        threading.Thread(target=_watch_lifeline, args=(lifeline_fd,), daemon=True, name="lifeline").start()
+
+    def on_term(signum, frame) -> None:
+        threading.Thread(target=server.shutdown, daemon=True, name="drain").start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of a terminal reaches the KeysManager, which stops us
+    try:
+        server.serve_forever(poll_interval=0.05)
+    finally:
+        server.socket.close()  # stop accepting: new connections are refused, not queued
+        counted.wait_idle(drain_timeout_s)
+        os._exit(0)

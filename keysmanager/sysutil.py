@@ -1,0 +1,76 @@
+"""Linux process helpers: parent-death signal, child subreaper, CPU budget, memory readings. No torch here."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, arg: int) -> None:
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}, {arg}) failed: {os.strerror(err)}")
+
+
+def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` when our parent exits; exit now if it already has."""
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != expected_parent:
+        os._exit(70)
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (replicas whose zygote was evicted) are re-parented to us, so we reap them."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def thread_count(pid: int | None = None) -> int:
+    """Kernel threads of a process (``/proc/<pid>/task``): 1 means no thread pool was started."""
+    return len(os.listdir(f"/proc/{pid or os.getpid()}/task"))
+
+
+def memory_of(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) bytes of a process; (0, 0) when it is gone or unreadable."""
+    try:
+        info = psutil.Process(pid).memory_full_info()
+    except (psutil.Error, OSError):
+        return 0, 0
+    return int(info.rss), int(getattr(info, "pss", 0))
+
+
+def is_running(pid: int, create_time: float | None = None) -> bool:
+    """True when ``pid`` is a live (non-zombie) process, and the same one when ``create_time`` is given."""
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and abs(proc.create_time() - create_time) > 0.05:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def create_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def set_cpu_budget(cores: list[int] | None, threads: int) -> None:
+    """Pin the calling process to ``cores`` (when given) and cap torch/OpenMP threads at ``threads``."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except ImportError:  # a daemon-side caller without torch
+        pass

@@ -1,0 +1,160 @@
+"""Zygote and cold-replica processes (``python -m keysmanager.zygote``), started by the KeysManager.
+
+Zygote: load the stage's checkpoint into a shared-memory segment, build the stage runtime and its WSGI
+app over tensors mapped copy-on-write from it, then wait for ``fork`` commands on the control socket.
+It starts no thread and touches no GPU, so forking it is safe. Per ``fork``: bind 127.0.0.1:0, fork; the
+child (the replica) sets its CPU budget and environment, copies the parameters in isolated mode, calls
+``prepare_device()`` and serves; the zygote answers ``{pid, port}`` and reaps the children it forked.
+
+Cold replica (``--cold``): a fresh interpreter that loads the stage from disk with the stage runtime's own
+loader and serves on the listening socket the KeysManager bound for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from keysmanager.protocol import LineReader, encode
+from keysmanager.sysutil import die_with_parent, set_cpu_budget, thread_count
+
+
+def _replica_setup(env: dict[str, str], cores: list[int], threads: int) -> None:
+    os.environ.update(env)
+    set_cpu_budget(cores or None, threads)
+
+
+def _run_child(runtime, app, listen: socket.socket, mm, order: dict, lifeline_fd: int, drain_s: float) -> None:
+    """The replica, in the forked child. Never returns."""
+    from keysmanager.serve import serve_forever
+    from keysmanager.shm_store import privatize
+
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if order.get("survive"):
+            os.close(lifeline_fd)
+            os.setsid()  # leaves the KeysManager's process group: survives its terminal's signals too
+            lifeline = None
+        else:
+            lifeline = lifeline_fd
+        _replica_setup(order.get("env", {}), order.get("cores", []), int(order.get("threads", 1)))
+        if order.get("mode") == "isolated" and mm is not None:
+            privatize(mm)
+        runtime.prepare_device()
+        set_cpu_budget(None, int(order.get("threads", 1)))  # prepare_device may have set its own default
+        serve_forever(app, listen.detach(), lifeline, drain_s)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+def run_zygote(args: argparse.Namespace) -> int:
+    die_with_parent(args.parent_pid)
+    ctrl = socket.socket(fileno=args.control_fd)
+    started = time.perf_counter()
+    try:
+        from keysmanager.shm_store import map_segment, write_segment
+        from keysmanager.stage import build_runtime, stage_checkpoint
+
+        checkpoint = stage_checkpoint(os.environ)
+        if checkpoint is None:  # a parameter-free (emulated) stage: nothing to share
+            mm, tensors, param_bytes = None, None, 0
+        else:
+            index = write_segment(checkpoint, Path(args.shm_path))
+            mm, tensors = map_segment(index)
+            param_bytes = index.total_bytes
+        runtime, app = build_runtime(os.environ, tensors)
+    except BaseException as exc:
+        traceback.print_exc()
+        ctrl.sendall(encode({"op": "failed", "error": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    del tensors
+    gc.collect()
+    gc.freeze()  # objects inherited by replicas are not rewritten by their garbage collector (less CoW)
+    ctrl.sendall(encode({"op": "ready", "load_ms": (time.perf_counter() - started) * 1e3,
+                         "param_bytes": param_bytes, "threads": thread_count()}))
+    reader = LineReader(ctrl)
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([ctrl], [], [], 0.02)
+        if readable:
+            messages = reader.read_available()
+            if messages is None:  # the KeysManager closed the channel: it is gone or dropped us
+                return 0
+            for order in messages:
+                if order.get("op") == "exit":
+                    return 0
+                if order.get("op") != "fork":
+                    ctrl.sendall(encode({"op": "error", "id": order.get("id"), "error": "unknown op"}))
+                    continue
+                try:
+                    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    listen.bind(("127.0.0.1", 0))
+                    listen.listen(1024)
+                    port = listen.getsockname()[1]
+                    pid = os.fork()
+                except OSError as exc:
+                    ctrl.sendall(encode({"op": "error", "id": order.get("id"), "error": str(exc)}))
+                    continue
+                if pid == 0:
+                    ctrl.close()
+                    _run_child(runtime, app, listen, mm, order, args.lifeline_fd, args.drain_timeout)
+                listen.close()
+                children.add(pid)
+                ctrl.sendall(encode({"op": "forked", "id": order.get("id"), "pid": pid, "port": port}))
+        while children:  # reap every child that ended; report it
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            ctrl.sendall(encode({"op": "exited", "pid": pid, "status": os.waitstatus_to_exitcode(status)}))
+
+
+def run_cold(args: argparse.Namespace) -> int:
+    from keysmanager.serve import serve_forever
+    from keysmanager.stage import build_runtime
+
+    if not args.survive:
+        die_with_parent(args.parent_pid)
+    else:
+        os.close(args.lifeline_fd)
+        os.setsid()
+    threads = args.threads
+    set_cpu_budget([int(c) for c in args.cores.split(",")] if args.cores else None, threads)
+    runtime, app = build_runtime(os.environ, None)
+    runtime.prepare_device()
+    set_cpu_budget(None, threads)
+    serve_forever(app, args.listen_fd, None if args.survive else args.lifeline_fd, args.drain_timeout)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m keysmanager.zygote")
+    parser.add_argument("--cold", action="store_true", help="serve one cold replica instead of being a zygote")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--control-fd", type=int)
+    parser.add_argument("--listen-fd", type=int)
+    parser.add_argument("--lifeline-fd", type=int, required=True)
+    parser.add_argument("--shm-path")
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--cores", default="")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--survive", action="store_true")
+    args = parser.parse_args(argv)
+    return run_cold(args) if args.cold else run_zygote(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
