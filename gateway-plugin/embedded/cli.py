@@ -1,0 +1,248 @@
+"""`quartctl up`, `quartctl down`, `quartctl deploy`: run the embedded gateway and deploy to it.
+
+    quartctl up [-f stack.yml] [--port 8080] [--hosts H --gpus-per-host G --host-memory M] [--placer NAME]
+                [--state-dir .quart] [--detach]
+    quartctl down [--state-dir .quart]
+    quartctl deploy -f stack.yml [--gateway URL] [--password-stdin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gateway_plugin.embedded.config import GatewayConfig
+from gateway_plugin.embedded.deployment import RequestError
+from gateway_plugin.embedded.quantities import parse_memory
+from gateway_plugin.embedded.stack import StackError, load_stack
+from gateway_plugin.embedded.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
+
+DEFAULT_STATE_DIR = Path(".quart")
+
+
+def _state(state_dir: Path) -> dict | None:
+    try:
+        return json.loads((state_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _up_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quartctl up", description="Start the embedded OpenFaaS-compatible gateway, "
+                                "one KeysManager per simulated host, and the gateway plugin if installed.")
+    p.add_argument("-f", "--file", "--yaml", dest="file", help="stack.yml to deploy once the gateway is up")
+    p.add_argument("--port", type=int, default=None, help="gateway port (default 8080; 0 = any free port)")
+    p.add_argument("--bind", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--hosts", type=int, default=None, help="simulated hosts, one KeysManager each (default 1)")
+    p.add_argument("--gpus-per-host", type=int, default=None, help="replica slots per host (default 4)")
+    p.add_argument("--host-memory", type=_memory, default=None, help="parameter cache per host, e.g. 8Gi (default 8Gi)")
+    p.add_argument("--placer", default=None, help="replica placer: first-fit | cache-aware (default first-fit)")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="credentials, sockets, logs (.quart)")
+    p.add_argument("--no-plugin", action="store_true", help="do not attach gateway_plugin.plugin")
+    p.add_argument("--process-hosts", action="store_true",
+                   help="hosts without KeysManagers: only process runnables (quart/echo) can run")
+    p.add_argument("--detach", "-d", action="store_true", help="run in the background; stop with `quartctl down`")
+    return p
+
+
+def _config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig.from_env(
+        port=args.port, bind=args.bind, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+        host_memory_bytes=args.host_memory, placer=args.placer, state_dir=args.state_dir.resolve(),
+    )
+
+
+def up(argv: list[str]) -> int:
+    args = _up_parser().parse_args(argv)
+    state_dir = args.state_dir.resolve()
+    running = _state(state_dir)
+    if running and _alive(int(running.get("pid", 0))):
+        print(f"quartctl up: already running (pid {running['pid']}) at {running['url']}; stop it with "
+              f"`quartctl down --state-dir {args.state_dir}`", file=sys.stderr)
+        return 1
+    stack = None
+    if args.file:
+        try:
+            stack = load_stack(args.file)
+        except StackError as exc:
+            print(f"quartctl up: {exc}", file=sys.stderr)
+            return 2
+    if args.detach:
+        return _detach(argv, state_dir)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    use_km = False if args.process_hosts else None
+    return asyncio.run(_run_foreground(_config(args), stack, not args.no_plugin, use_km))
+
+
+async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None) -> int:
+    system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, attach_plugin=attach_plugin)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await system.start()
+    except (OSError, RuntimeError) as exc:
+        print(f"quartctl up: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"Gateway:      {system.url}", flush=True)
+        print(f"Credentials:  user {system.credentials.user}, password in {system.credentials.password_file} "
+              f"(mode 0600)", flush=True)
+        print(f"  faas-cli login -g {system.url} -u {system.credentials.user} --password-stdin "
+              f"< {system.credentials.password_file}", flush=True)
+        print(f"Hosts:        {config.hosts} x {config.gpus_per_host} slots, placer {config.placer}", flush=True)
+        if stack is not None:
+            try:
+                for line in await system.deploy_stack(stack):
+                    print(line, flush=True)
+            except RequestError as exc:
+                print(f"quartctl up: deploying {stack.path} failed: {exc.message}"
+                      + (f" (field {exc.field})" if exc.field else ""), file=sys.stderr)
+                return 1
+        print("Ready. Stop with Ctrl-C or `quartctl down`.", flush=True)
+        await stop.wait()
+        return 0
+    finally:
+        await system.stop()
+
+
+def _detach(argv: list[str], state_dir: Path) -> int:
+    child_argv = [a for a in argv if a not in ("--detach", "-d")]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "logs").mkdir(exist_ok=True)
+    log_path = state_dir / "logs" / "gateway.log"
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "ab") as logfile:
+        process = subprocess.Popen([sys.executable, "-m", "quart_tools.cli", "up", *child_argv], stdout=logfile,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            print(f"quartctl up: the gateway exited with {process.returncode}; log: {log_path}\n"
+                  + log_path.read_text(errors="replace")[-2000:], file=sys.stderr)
+            return 1
+        with open(log_path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
+        state = _state(state_dir)
+        if state and state.get("pid") == process.pid and ("Ready." in text):
+            print(f"Gateway:      {state['url']} (pid {process.pid}, log {log_path})")
+            print(f"Credentials:  user {state['user']}, password in {state['password_file']} (mode 0600)")
+            print("Stop with:    quartctl down" + (f" --state-dir {state_dir}" if state_dir != DEFAULT_STATE_DIR.resolve()
+                                                   else ""))
+            return 0
+        time.sleep(0.1)
+    stop_process(process.pid, process)
+    print(f"quartctl up: the gateway was not ready in 300 s; log: {log_path}", file=sys.stderr)
+    return 1
+
+
+def down(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="quartctl down", description="Stop everything `quartctl up` started.")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    args = p.parse_args(argv)
+    state_dir = args.state_dir.resolve()
+    state = _state(state_dir)
+    if state is None:
+        print(f"quartctl down: nothing is running (no {state_dir / STATE_FILE})")
+        return 0
+    pid = int(state["pid"])
+    if _alive(pid):
+        stop_process(pid, grace_s=30.0)
+    for host in state.get("hosts", []):  # KeysManagers left behind by a killed gateway
+        if _alive(int(host["pid"])):
+            stop_process(int(host["pid"]))
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    print(f"Stopped the gateway (pid {pid}) and {len(state.get('hosts', []))} KeysManager(s).")
+    return 0
+
+
+def _password(args: argparse.Namespace, state_dir: Path) -> tuple[str, str]:
+    if args.password_stdin:
+        return args.username, sys.stdin.read().strip()
+    if os.environ.get("OPENFAAS_PASSWORD"):
+        return args.username, os.environ["OPENFAAS_PASSWORD"]
+    from gateway_plugin.embedded.auth import PASSWORD_FILE, USER_FILE
+
+    secrets = state_dir / "secrets"
+    try:
+        return (secrets / USER_FILE).read_text().strip(), (secrets / PASSWORD_FILE).read_text().strip()
+    except FileNotFoundError:
+        raise SystemExit(f"quartctl deploy: no credentials: pass --password-stdin, set OPENFAAS_PASSWORD, or run "
+                         f"`quartctl up` (writes {secrets})") from None
+
+
+def deploy(argv: list[str]) -> int:
+    """Send the same REST calls `faas-cli deploy` sends: PUT /system/functions, POST when it answers 404."""
+    import requests
+
+    p = argparse.ArgumentParser(prog="quartctl deploy", description=deploy.__doc__)
+    p.add_argument("-f", "--file", "--yaml", dest="file", required=True, help="stack.yml")
+    p.add_argument("-g", "--gateway", default=None, help="gateway URL (default: stack provider.gateway, "
+                   "OPENFAAS_URL, or the running `quartctl up`)")
+    p.add_argument("-u", "--username", default="admin")
+    p.add_argument("--password-stdin", action="store_true")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    p.add_argument("--filter", default=None, help="deploy only this function")
+    args = p.parse_args(argv)
+    state_dir = args.state_dir.resolve()
+    try:
+        stack = load_stack(args.file)
+    except StackError as exc:
+        print(f"quartctl deploy: {exc}", file=sys.stderr)
+        return 2
+    state = _state(state_dir) or {}
+    gateway = (args.gateway or os.environ.get("OPENFAAS_URL") or state.get("url") or stack.gateway
+               or "http://127.0.0.1:8080").rstrip("/")
+    user, password = _password(args, state_dir)
+    from gateway_plugin.embedded.images import INDEX_FILE, ImageIndex
+
+    ImageIndex(state_dir / INDEX_FILE).register(stack.image_index_entries())
+    failures = 0
+    with requests.Session() as session:
+        session.auth = (user, password)
+        for function in stack.functions:
+            if args.filter and function.name != args.filter:
+                continue
+            print(f"Deploying: {function.name}.")
+            try:
+                res = session.put(f"{gateway}/system/functions", json=function.request, timeout=60)
+                if res.status_code == 404:
+                    res = session.post(f"{gateway}/system/functions", json=function.request, timeout=60)
+                elif res.status_code == 200:
+                    print(f"Function {function.name} already exists, attempting rolling-update.")
+            except requests.RequestException as exc:
+                print(f"Is the gateway running at {gateway}? {exc}", file=sys.stderr)
+                return 1
+            if res.status_code in (200, 201, 202):
+                print(f"Deployed. {res.status_code}.\nURL: {gateway}/function/{function.name}\n")
+            elif res.status_code == 401:
+                print("unauthorized access, run \"faas-cli login\" to setup authentication for this server",
+                      file=sys.stderr)
+                failures += 1
+            else:
+                print(f"Unexpected status: {res.status_code}, message: {res.text}", file=sys.stderr)
+                failures += 1
+    return 1 if failures else 0

@@ -1,0 +1,226 @@
+"""Everything `quartctl up` runs, as one object: KeysManagers (one per host), the gateway, its site.
+
+Used by the CLI (foreground or detached), by `quartctl demo` and by tests (in-process, port 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway_plugin.embedded.api import create_app, start_site
+from gateway_plugin.embedded.auth import Credentials, load_or_create
+from gateway_plugin.embedded.config import GatewayConfig
+from gateway_plugin.embedded.deployment import FunctionDeployment
+from gateway_plugin.embedded.gateway import EmbeddedGateway
+from gateway_plugin.embedded.hosts import Host, ProcessHost
+from gateway_plugin.embedded.stack import Stack
+
+log = logging.getLogger("quart.up")
+STATE_FILE = "up.json"
+PLUGIN_MODULE = "gateway_plugin.plugin"  # attach(gateway, app) -> None | awaitable, if the module exists
+
+
+def keysmanager_available() -> bool:
+    try:
+        importlib.import_module("keysmanager.daemon")
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(slots=True)
+class _Agent:
+    name: str
+    socket: Path
+    process: subprocess.Popen
+
+
+@dataclass(slots=True)
+class EmbeddedSystem:
+    """Gateway + hosts. ``await start()``, then ``url`` / ``credentials``; ``await stop()`` stops all of it."""
+
+    config: GatewayConfig
+    use_keysmanager: bool | None = None  # None: when keysmanager.daemon exists
+    attach_plugin: bool = True
+    gateway: EmbeddedGateway | None = None
+    credentials: Credentials | None = None
+    port: int = 0
+    agents: list[_Agent] = field(default_factory=list)
+    _runner: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.bind}:{self.port}"
+
+    @property
+    def state_file(self) -> Path:
+        return self.config.state_dir / STATE_FILE
+
+    async def start(self) -> None:
+        cfg = self.config
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.state_dir / "logs").mkdir(exist_ok=True)
+        self.credentials = load_or_create(cfg.credentials_dir)
+        use_km = keysmanager_available() if self.use_keysmanager is None else self.use_keysmanager
+        try:
+            hosts = await self._start_hosts(use_km)
+            self.gateway = EmbeddedGateway(cfg, hosts)
+            app = create_app(self.gateway, self.credentials if cfg.auth else None)
+            self._runner, self.port = await start_site(app, cfg.bind, cfg.port)
+            if self.attach_plugin:
+                await self._attach_plugin(app)
+        except BaseException:
+            await self.stop()
+            raise
+        self._write_state()
+
+    async def _start_hosts(self, use_km: bool) -> list[Host]:
+        cfg = self.config
+        names = [f"host-{i}" for i in range(cfg.hosts)]
+        if not use_km:
+            log.warning("keysmanager.daemon is not available: hosts run process runnables only")
+            return [ProcessHost(n, cfg.gpus_per_host, cfg.host_memory_bytes) for n in names]
+        from gateway_plugin.embedded.keysmanager_host import KeysManagerHost
+
+        sockets_dir = cfg.state_dir / "sockets"
+        sockets_dir.mkdir(exist_ok=True)
+        os.chmod(sockets_dir, 0o700)
+        for name in names:
+            sock = sockets_dir / f"{name}.sock"
+            with contextlib.suppress(FileNotFoundError):
+                sock.unlink()
+            logfile = open(cfg.state_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+            argv = [sys.executable, "-m", "quart_tools.cli", "keysmanager", "--socket", str(sock), "--name", name,
+                    "--memory-limit", str(cfg.host_memory_bytes), "--gpus", str(cfg.gpus_per_host)]
+            process = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
+            logfile.close()
+            self.agents.append(_Agent(name, sock, process))
+        hosts = [KeysManagerHost(a.name, str(a.socket), cfg.gpus_per_host, cfg.host_memory_bytes) for a in self.agents]
+        deadline = time.monotonic() + 60
+        for agent, host in zip(self.agents, hosts, strict=True):
+            while True:
+                if agent.process.poll() is not None:
+                    raise RuntimeError(f"KeysManager {agent.name} exited with {agent.process.returncode}; see "
+                                       f"{cfg.state_dir / 'logs' / (agent.name + '.log')}")
+                try:
+                    await host.client.health()
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"KeysManager {agent.name} did not answer on {agent.socket} in 60 s") from None
+                    await asyncio.sleep(0.1)
+        return hosts
+
+    async def _attach_plugin(self, app: Any) -> None:
+        try:
+            plugin = importlib.import_module(PLUGIN_MODULE)
+        except ModuleNotFoundError as exc:
+            if exc.name != PLUGIN_MODULE:
+                raise
+            log.info("no gateway plugin (%s) installed: functions are invoked one by one", PLUGIN_MODULE)
+            return
+        result = plugin.attach(self.gateway, app)
+        if inspect.isawaitable(result):
+            await result
+
+    def _write_state(self) -> None:
+        state = {
+            "pid": os.getpid(), "url": self.url, "port": self.port,
+            "password_file": str(self.credentials.password_file) if self.credentials else None,
+            "user": self.credentials.user if self.credentials else None,
+            "hosts": [{"name": a.name, "socket": str(a.socket), "pid": a.process.pid} for a in self.agents],
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.state_file)
+
+    async def deploy_stack(self, stack: Stack) -> list[str]:
+        """Deploy (or update) every function of a stack in-process; returns one line per function."""
+        assert self.gateway is not None
+        self.gateway.images.register(stack.image_index_entries())
+        lines = []
+        for function in stack.functions:
+            deployment = FunctionDeployment.from_json(function.request, self.config.namespace)
+            if function.name in self.gateway.functions:
+                await self.gateway.update(deployment)
+                lines.append(f"Updated {function.name}: {self.url}/function/{function.name}")
+            else:
+                await self.gateway.deploy(deployment)
+                lines.append(f"Deployed {function.name}: {self.url}/function/{function.name}")
+        return lines
+
+    async def wait_ready(self, names: list[str], timeout_s: float = 300.0) -> None:
+        """Wait until each named function has all its desired replicas ready."""
+        assert self.gateway is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pending = [n for n in names if len(self.gateway.functions[n].ready) < self.gateway.functions[n].desired]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout_s:.0f} s: {', '.join(pending)}")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """Stop the site (which stops every replica), then the KeysManagers; remove the state file."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        elif self.gateway is not None:
+            await self.gateway.close()
+        for agent in self.agents:
+            stop_process(agent.process.pid, agent.process)
+        self.agents.clear()
+        with contextlib.suppress(FileNotFoundError):
+            if self.state_file.exists() and json.loads(self.state_file.read_text()).get("pid") == os.getpid():
+                self.state_file.unlink()
+
+
+def stop_process(pid: int, process: subprocess.Popen | None = None, grace_s: float = 10.0) -> None:
+    """SIGTERM a process group leader, SIGKILL it after ``grace_s``; reap it when it is our child."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if process is not None:
+                if process.poll() is not None:
+                    return
+            elif not _alive(pid):
+                return
+            time.sleep(0.05)
+    if process is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
