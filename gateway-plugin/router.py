@@ -1,0 +1,412 @@
+"""The pipeline router: ``POST /function/<model>`` runs every stage of the model in order.
+
+Each stage function has a FIFO queue. A per-stage dispatcher hands the head of the queue to a ready
+replica with a free slot (in-flight < per-replica concurrency), least outstanding first, and carries
+the stage's output (safetensors bytes) to the next stage's queue: a replica never calls its
+successor. A failed or timed-out stage call is retried on another replica while the request's
+deadline allows, otherwise the client gets an explicit 5xx JSON error. A request that finds a stage
+queue at its cap is refused with 429 + Retry-After before it is accepted. Every accepted request
+ends with exactly one response.
+
+Replicas come from a ``ReplicaSource``: the embedded gateway's live replica sets (plugin.py) or a
+fixed list (``StaticReplicas``: tests, or function-level dispatch to a real OpenFaaS gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+from gateway_plugin.config import PluginConfig
+from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
+
+log = logging.getLogger("quart.router")
+
+TIMING_HEADERS = ("X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms")
+
+
+class Replica(Protocol):
+    id: str
+    url: str
+    in_flight: int
+
+
+class ReplicaSource(Protocol):
+    """Where a stage function's replicas are and how their slots are counted."""
+
+    def ready(self, function: str) -> list[Any]: ...
+
+    def concurrency(self, function: str) -> int: ...
+
+    def take(self, function: str, replica: Any) -> None: ...
+
+    def give_back(self, function: str, replica: Any) -> None: ...
+
+
+@dataclass(slots=True)
+class StaticReplica:
+    id: str
+    url: str
+    in_flight: int = 0
+
+
+@dataclass(slots=True)
+class StaticReplicas:
+    """A replica list per function that the owner edits (tests; a fixed set of upstream URLs)."""
+
+    replicas: dict[str, list[StaticReplica]] = field(default_factory=dict)
+    slots: int = 1
+
+    def ready(self, function: str) -> list[StaticReplica]:
+        return list(self.replicas.get(function, ()))
+
+    def concurrency(self, function: str) -> int:
+        return self.slots
+
+    def take(self, function: str, replica: StaticReplica) -> None:
+        replica.in_flight += 1
+
+    def give_back(self, function: str, replica: StaticReplica) -> None:
+        replica.in_flight -= 1
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    headers: Mapping[str, str]
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.body, headers=dict(self.headers))
+
+
+def json_reply(status: int, message: str, field_name: str | None = None, **headers: str) -> Reply:
+    payload: dict[str, str] = {"error": message}
+    if field_name:
+        payload["field"] = field_name
+    return Reply(status, json.dumps(payload).encode(), {"Content-Type": "application/json", **headers})
+
+
+@dataclass(slots=True)
+class Job:
+    """One accepted pipeline request travelling through the stages."""
+
+    id: str
+    model: str
+    stages: list[str]
+    body: bytes
+    content_type: str
+    arrival: float
+    deadline: float
+    future: asyncio.Future
+    stage: int = 0
+    enqueued_at: float = 0.0
+    queue_len_seen: int = 0
+    tried: set = field(default_factory=set)
+    attempts: int = 0
+    visits: list[StageVisit] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class StageQueue:
+    function: str
+    jobs: deque = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    busy: int = 0
+    dispatcher: asyncio.Task | None = None
+
+
+class Router:
+    """Per-stage queues and dispatchers for every pipeline ``pipelines()`` names."""
+
+    def __init__(
+        self,
+        source: ReplicaSource,
+        pipelines: Callable[[], dict[str, list[str]]],
+        config: PluginConfig | None = None,
+        collector: MetricsCollector | None = None,
+        stage_meta: Callable[[str], tuple[float, int]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        dispatch_poll_s: float = 0.02,
+    ) -> None:
+        self.source = source
+        self.pipelines = pipelines
+        self.config = config or PluginConfig()
+        self.collector = collector or MetricsCollector(self.config.window_s)
+        self.stage_meta = stage_meta or (lambda fn: (1.0, 0))  # function → (cpus, param bytes)
+        self.clock = clock
+        self.dispatch_poll_s = dispatch_poll_s
+        self.queues: dict[str, StageQueue] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self._ids = itertools.count()
+        self._closed = False
+        self.accepted = 0
+        self.answered = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+
+    async def close(self) -> None:
+        """Answer every queued or running request with 503, stop dispatchers, close the client."""
+        self._closed = True
+        for q in self.queues.values():
+            if q.dispatcher:
+                q.dispatcher.cancel()
+            while q.jobs:
+                job = q.jobs.popleft()
+                self._finish(job, json_reply(503, "the router is shutting down"))
+        for q in self.queues.values():
+            if q.dispatcher:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await q.dispatcher
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def queue(self, function: str) -> StageQueue:
+        q = self.queues.get(function)
+        if q is None:
+            q = self.queues[function] = StageQueue(function)
+        if q.dispatcher is None or q.dispatcher.done():
+            q.dispatcher = asyncio.get_running_loop().create_task(self._dispatch(q), name=f"dispatch:{function}")
+        return q
+
+    # ------------------------------------------------------------------ entry points
+
+    async def handle(self, request: web.Request, model: str) -> web.StreamResponse:
+        """aiohttp handler body for ``POST /function/<model>``."""
+        if request.method != "POST":
+            return json_reply(405, f"use POST to invoke pipeline {model!r}", "method").response()
+        body = await request.read()
+        timeout = None
+        raw = request.headers.get("X-Quart-Timeout-Ms")
+        if raw:
+            try:
+                timeout = float(raw) / 1000.0
+                if timeout <= 0:
+                    raise ValueError
+            except ValueError:
+                return json_reply(400, f"X-Quart-Timeout-Ms must be a positive number, got {raw!r}",
+                                  "X-Quart-Timeout-Ms").response()
+        reply = await self.invoke(model, body, request.headers.get("Content-Type", "application/octet-stream"),
+                                  timeout_s=timeout, request_id=request.headers.get("X-Quart-Request-Id"))
+        return reply.response()
+
+    async def invoke(
+        self, model: str, body: bytes, content_type: str = "application/octet-stream",
+        timeout_s: float | None = None, request_id: str | None = None,
+    ) -> Reply:
+        if self._closed:
+            return json_reply(503, "the router is shutting down", None, **{"Retry-After": str(self.config.retry_after_s)})
+        stages = self.pipelines().get(model)
+        if not stages:
+            return json_reply(404, f"no pipeline named {model!r} is deployed", "model")
+        await self.start()
+        for fn in stages:
+            waiting = len(self.queue(fn).jobs)
+            if waiting >= self.config.queue_cap:
+                return json_reply(429, f"stage {fn!r} already has {waiting} requests waiting (cap "
+                                       f"{self.config.queue_cap}); retry later", None,
+                                  **{"Retry-After": str(self.config.retry_after_s)})
+        now = self.clock()
+        timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
+        job = Job(
+            id=request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}",
+            model=model, stages=list(stages), body=body, content_type=content_type,
+            arrival=now, deadline=now + timeout, future=asyncio.get_running_loop().create_future(),
+        )
+        self.accepted += 1
+        self._enqueue(job, front=False)
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout=timeout + 0.5)
+        except TimeoutError:
+            self._abandon(job)
+            return job.future.result()
+        except asyncio.CancelledError:  # the client went away: stop the work, keep counters exact
+            self._abandon(job, status=499)
+            raise
+
+    # ------------------------------------------------------------------ internals
+
+    def _enqueue(self, job: Job, front: bool) -> None:
+        fn = job.stages[job.stage]
+        q = self.queue(fn)
+        now = self.clock()
+        if not front:
+            job.enqueued_at = now
+            job.queue_len_seen = len(q.jobs)
+            job.tried = set()
+            job.attempts = 0
+            self.collector.stage(fn).on_arrival(now, len(job.body))
+            q.jobs.append(job)
+        else:
+            q.jobs.appendleft(job)
+        q.wake.set()
+
+    def _pick(self, function: str, tried: set) -> Any | None:
+        limit = max(1, self.source.concurrency(function))
+        free = [r for r in self.source.ready(function) if r.in_flight < limit]
+        if not free:
+            return None
+        fresh = [r for r in free if r.id not in tried]
+        return min(fresh or free, key=lambda r: r.in_flight)
+
+    async def _dispatch(self, q: StageQueue) -> None:
+        while True:
+            while q.jobs and q.jobs[0].done:
+                q.jobs.popleft()
+            if not q.jobs:
+                q.wake.clear()
+                await q.wake.wait()
+                continue
+            job = q.jobs[0]
+            if self.clock() >= job.deadline:
+                q.jobs.popleft()
+                self._finish(job, self._deadline_reply(job, "waiting for a replica"))
+                continue
+            replica = self._pick(q.function, job.tried)
+            if replica is None:
+                q.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(q.wake.wait(), timeout=self.dispatch_poll_s)
+                continue
+            q.jobs.popleft()
+            self.source.take(q.function, replica)
+            q.busy += 1
+            job.attempts += 1
+            job.task = asyncio.get_running_loop().create_task(self._call(job, q, replica))
+
+    async def _call(self, job: Job, q: StageQueue, replica: Any) -> None:
+        fn = q.function
+        start = self.clock()
+        wait_s = start - job.enqueued_at
+        status, data, headers, failure = 0, b"", {}, ""
+        try:
+            timeout = min(self.config.attempt_timeout_s, job.deadline - start)
+            assert self.session is not None
+            async with self.session.post(
+                replica.url, data=job.body,
+                headers={"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
+                         "X-Quart-Model": job.model, "X-Quart-Stage": str(job.stage)},
+                timeout=aiohttp.ClientTimeout(total=max(0.001, timeout)),
+            ) as resp:
+                data = await resp.read()
+                status, headers = resp.status, dict(resp.headers)
+        except asyncio.CancelledError:
+            failure = "cancelled"
+            raise
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        finally:
+            q.busy -= 1
+            self.source.give_back(fn, replica)
+            q.wake.set()
+            job.task = None
+        if job.done:
+            return
+        end = self.clock()
+        if failure == "" and 200 <= status < 300:
+            service_s = end - start
+            stats = self.collector.stage(fn)
+            stats.on_dispatch(start, wait_s)
+            stats.on_complete(end, service_s)
+            cpus, param_bytes = self.stage_meta(fn)
+            job.visits.append(StageVisit(
+                stage=job.stage, function=fn, wait_ms=1000 * wait_s, service_ms=1000 * service_s,
+                compute_ms=_ms(headers, "X-Quart-Compute-Ms"),
+                serde_ms=_ms(headers, "X-Quart-Deserialize-Ms") + _ms(headers, "X-Quart-Serialize-Ms"),
+                replica=replica.id, attempts=job.attempts, queue_len=job.queue_len_seen, cpus=cpus,
+                activation_bytes=len(job.body), param_bytes=param_bytes,
+            ))
+            job.body = data
+            job.content_type = headers.get("Content-Type", "application/octet-stream")
+            if job.stage + 1 == len(job.stages):
+                out = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id}
+                out.update({k: headers[k] for k in TIMING_HEADERS if k in headers})
+                self._finish(job, Reply(200, data, out))
+            else:
+                job.stage += 1
+                self._enqueue(job, front=False)
+            return
+        if failure == "" and 400 <= status < 500 and status not in (408, 429):
+            self._finish(job, Reply(status, data, {"Content-Type": headers.get("Content-Type", "application/json")}))
+            return
+        why = failure or f"HTTP {status}"
+        job.tried.add(replica.id)
+        if job.attempts < self.config.max_attempts and end < job.deadline:
+            log.info("stage %s replica %s failed (%s); retrying request %s", fn, replica.id, why, job.id)
+            self._enqueue(job, front=True)
+            return
+        if end >= job.deadline:
+            self._finish(job, self._deadline_reply(job, f"the last attempt failed: {why}"))
+        else:
+            self._finish(job, json_reply(502, f"stage {fn!r} failed {job.attempts} time(s) for request "
+                                              f"{job.id}; last error: {why}", "stage"))
+
+    def _deadline_reply(self, job: Job, doing: str) -> Reply:
+        fn = job.stages[job.stage]
+        return json_reply(504, f"request {job.id} passed its deadline at stage {job.stage} ({fn!r}), {doing}", "stage")
+
+    def _abandon(self, job: Job, status: int = 504) -> None:
+        if job.done:
+            return
+        fn = job.stages[job.stage]
+        with contextlib.suppress(ValueError):
+            self.queues[fn].jobs.remove(job)
+        if job.task is not None:
+            job.task.cancel()
+        reply = self._deadline_reply(job, "in the pipeline") if status == 504 else json_reply(status, "client closed the request")
+        self._finish(job, reply)
+
+    def _finish(self, job: Job, reply: Reply) -> None:
+        if job.done:
+            return
+        job.done = True
+        self.answered += 1
+        if not job.future.done():
+            job.future.set_result(reply)
+        end = self.clock()
+        error = ""
+        if reply.status >= 400:
+            with contextlib.suppress(Exception):
+                error = json.loads(reply.body).get("error", "")
+        self.collector.record(RequestRecord(
+            id=job.id, model=job.model, arrival=job.arrival, end=end, status=reply.status,
+            latency_ms=1000 * (end - job.arrival), stages=job.visits, error=error,
+        ))
+
+    # ------------------------------------------------------------------ state for the snapshot builder
+
+    def queue_len(self, function: str) -> int:
+        q = self.queues.get(function)
+        return sum(1 for j in q.jobs if not j.done) if q else 0
+
+    def busy(self, function: str) -> int:
+        q = self.queues.get(function)
+        return q.busy if q else 0
+
+
+def _ms(headers: Mapping[str, str], name: str) -> float:
+    try:
+        return float(headers.get(name, 0.0))
+    except ValueError:
+        return 0.0
