@@ -91,7 +91,7 @@ class EmbeddedSystem:
         cfg = self.config
         names = [f"host-{i}" for i in range(cfg.hosts)]
         if not use_km:
-            log.warning("keysmanager.daemon is not available: hosts run process runnables only")
+            log.warning("hosts without KeysManagers: only process runnables (quart/echo) can run")
             return [ProcessHost(n, cfg.gpus_per_host, cfg.host_memory_bytes) for n in names]
         from gateway_plugin.embedded.keysmanager_host import KeysManagerHost
 

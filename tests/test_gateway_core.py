@@ -1,0 +1,252 @@
+"""The gateway core without HTTP: load balancing, readiness, overload, placement, rolling updates, parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+from gateway_plugin.embedded.config import GatewayConfig
+from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError
+from gateway_plugin.embedded.gateway import EmbeddedGateway, ServiceUnavailable
+from gateway_plugin.embedded.hosts import ReplicaSpec, ReplicaStatus
+from gateway_plugin.embedded.quantities import parse_cpu, parse_memory
+from gateway_plugin.embedded.stack import StackError, load_stack
+from gateway_plugin.scheduling.types import HostView
+
+
+class FakeHost:
+    """A host whose replicas become ready only when the test says so."""
+
+    def __init__(self, name: str, slots: int = 4) -> None:
+        self.name, self.slots = name, slots
+        self.replicas_: dict[str, ReplicaStatus] = {}
+        self.started: list[ReplicaSpec] = []
+        self.stopped: list[str] = []
+        self.invalidated: list[str] = []
+        self.n = 0
+
+    async def report(self) -> HostView:
+        live = [r for r in self.replicas_.values() if r.state != "dead"]
+        return HostView(name=self.name, gpu_slots=self.slots, gpu_used=len(live), memory_limit=1 << 30, memory_used=0)
+
+    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+        out = []
+        for _ in range(count):
+            self.n += 1
+            status = ReplicaStatus(f"{self.name}-{spec.function}-{self.n}", spec.function, self.name,
+                                   f"http://127.0.0.1:1/{self.n}", "starting")
+            self.replicas_[status.id] = status
+            self.started.append(spec)
+            out.append(status)
+        return out
+
+    def make_ready(self) -> None:
+        for key, r in self.replicas_.items():
+            if r.state == "starting":
+                self.replicas_[key] = ReplicaStatus(r.id, r.function, r.host, r.url, "ready")
+
+    async def stop(self, replica_id: str) -> None:
+        self.stopped.append(replica_id)
+        self.replicas_.pop(replica_id, None)
+
+    async def replicas(self) -> list[ReplicaStatus]:
+        return list(self.replicas_.values())
+
+    async def invalidate(self, function: str) -> None:
+        self.invalidated.append(function)
+
+    async def close(self) -> None:
+        pass
+
+
+def dep(name: str = "f", **labels: str) -> FunctionDeployment:
+    body = {"service": name, "image": "quart/echo", "labels": labels, "limits": {"cpu": "2", "memory": "1Gi"},
+            "envVars": {"K": "v"}}
+    return FunctionDeployment.from_json(body, "openfaas-fn")
+
+
+def make(tmp_path, hosts, **cfg) -> EmbeddedGateway:
+    config = GatewayConfig(state_dir=tmp_path, reconcile_interval_s=0.01, ready_wait_s=0.3, drain_timeout_s=0.2, **cfg)
+    return EmbeddedGateway(config, hosts)
+
+
+async def settle(gw: EmbeddedGateway, rounds: int = 3) -> None:
+    for _ in range(rounds):
+        await gw.reconcile()
+        await asyncio.sleep(0.01)
+
+
+def test_no_traffic_before_ready_then_least_loaded(tmp_path):
+    async def scenario():
+        host = FakeHost("h0")
+        gw = make(tmp_path, [host])
+        fn = await gw.deploy(dep(**{"com.openfaas.scale.min": "2"}))
+        await settle(gw)
+        assert len(fn.replicas) == 2 and fn.ready == []
+        assert gw.acquire_nowait(fn) is None  # starting replicas get nothing
+        with pytest.raises(ServiceUnavailable) as err:
+            await gw.acquire(fn)
+        assert err.value.status == 503
+        host.make_ready()
+        await settle(gw)
+        assert len(fn.ready) == 2
+        a = gw.acquire_nowait(fn)
+        b = gw.acquire_nowait(fn)
+        assert a is not b  # least loaded: the second request goes to the idle replica
+        gw.release(fn, a)
+        c = gw.acquire_nowait(fn)
+        assert c is a and a.in_flight == 1 and b.in_flight == 1
+        spec = host.started[0]
+        assert spec.cpus == 2.0 and spec.memory_bytes == 1 << 30 and spec.env["K"] == "v"
+        await gw.close()
+
+    asyncio.run(scenario())
+
+
+def test_concurrency_limit_waits_then_429_when_queue_full(tmp_path):
+    async def scenario():
+        host = FakeHost("h0")
+        gw = make(tmp_path, [host], max_waiting=1)
+        fn = await gw.deploy(dep(**{"com.quart.concurrency": "1"}))
+        await settle(gw)
+        host.make_ready()
+        await settle(gw)
+        held = gw.acquire_nowait(fn)
+        assert held is not None and gw.acquire_nowait(fn) is None  # at its limit
+        waiter = asyncio.create_task(gw.acquire(fn))
+        await asyncio.sleep(0.02)
+        with pytest.raises(ServiceUnavailable) as err:  # one already waits: max_waiting=1
+            await gw.acquire(fn)
+        assert err.value.status == 429
+        gw.release(fn, held)
+        got = await asyncio.wait_for(waiter, 1)
+        assert got is held and got.in_flight == 1
+        await gw.close()
+
+    asyncio.run(scenario())
+
+
+def test_placement_spreads_over_hosts_and_scale_down_drains(tmp_path):
+    async def scenario():
+        hosts = [FakeHost("h0", slots=1), FakeHost("h1", slots=1)]
+        gw = make(tmp_path, hosts)
+        fn = await gw.deploy(dep())
+        await gw.scale("f", 3)
+        await settle(gw)
+        assert sorted(e.host for e in fn.replicas.values()) == ["h0", "h1"]
+        assert fn.unplaced == 1  # two slots in all
+        for h in hosts:
+            h.make_ready()
+        await settle(gw)
+        busy = fn.ready[0]
+        busy.in_flight += 1
+        await gw.scale("f", 1)
+        await settle(gw)
+        await asyncio.sleep(0.05)
+        assert [e.id for e in fn.ready] == [busy.id]  # the idle replica went first
+        assert sum(len(h.stopped) for h in hosts) == 1
+        with pytest.raises(RequestError):
+            await gw.scale("f", -1)
+        await gw.close()
+
+    asyncio.run(scenario())
+
+
+def test_rolling_update_keeps_old_replicas_until_new_ones_are_ready(tmp_path):
+    async def scenario():
+        host = FakeHost("h0")
+        gw = make(tmp_path, [host])
+        fn = await gw.deploy(dep())
+        await settle(gw)
+        host.make_ready()
+        await settle(gw)
+        [old] = fn.ready
+        await gw.update_limits("f", cpus=4)
+        assert host.invalidated == ["f"] and fn.generation == 2
+        await settle(gw)
+        assert [e.id for e in fn.ready] == [old.id]  # new one still starting
+        assert host.started[-1].cpus == 4
+        host.make_ready()
+        await settle(gw)
+        await asyncio.sleep(0.05)
+        assert [e.generation for e in fn.ready] == [2] and old.id in host.stopped
+        await gw.close()
+
+    asyncio.run(scenario())
+
+
+def test_invoke_hooks_and_pipelines(tmp_path):
+    async def scenario():
+        gw = make(tmp_path, [FakeHost("h0")])
+        for i in (1, 0):
+            await gw.deploy(dep(f"m-stage-{i}", **{"com.quart.model": "m", "com.quart.stage": str(i)}))
+        assert gw.pipelines() == {"m": ["m-stage-0", "m-stage-1"]}
+        seen = []
+
+        async def hook(request, name, tail):
+            seen.append(name)
+            return "handled" if name == "m" else None
+
+        gw.add_invoke_hook(hook)
+        assert gw.invoke_hooks == [hook]
+        await gw.close()
+
+    asyncio.run(scenario())
+
+
+def test_deployment_validation_names_fields():
+    cases = [
+        ({"image": "x"}, "service"),
+        ({"service": "a", "image": ""}, "image"),
+        ({"service": "a", "image": "x", "envVars": {"A": 1}}, "envVars"),
+        ({"service": "a", "image": "x", "labels": {"com.openfaas.scale.min": "-1"}}, "labels.com.openfaas.scale.min"),
+        ({"service": "a", "image": "x", "labels": {"com.openfaas.scale.min": "5", "com.openfaas.scale.max": "2"}},
+         "labels.com.openfaas.scale.min"),
+        ({"service": "a", "image": "x", "limits": {"cpu": "lots"}}, "limits.cpu"),
+        ({"service": "a", "image": "x", "namespace": "other"}, "namespace"),
+    ]
+    for body, field in cases:
+        with pytest.raises(RequestError) as err:
+            FunctionDeployment.from_json(body, "openfaas-fn")
+        assert err.value.status == 400 and err.value.field == field, body
+
+
+def test_quantities():
+    assert parse_memory("128M") == 128 * 10**6 and parse_memory("1Gi") == 2**30 and parse_memory("512") == 512
+    assert parse_cpu("500m") == 0.5 and parse_cpu("2") == 2.0
+    for bad in ("", "-1", "1X"):
+        with pytest.raises(ValueError):
+            parse_memory(bad)
+    with pytest.raises(ValueError):
+        parse_cpu("0")
+
+
+def test_stack_yml_becomes_faas_cli_requests(tmp_path):
+    (tmp_path / "env.yml").write_text("environment:\n  FROM_FILE: yes-file\n  SHARED: file\n")
+    (tmp_path / "stack.yml").write_text(textwrap.dedent("""
+        version: 1.0
+        provider: {name: openfaas, gateway: http://127.0.0.1:8080}
+        functions:
+          m-stage-0:
+            lang: pipeline-stage
+            handler: ./functions/decoder
+            image: ${REGISTRY:-quart}/m-stage-0:latest
+            environment_file: [env.yml]
+            environment: {QUART_STAGE_INDEX: 0, SHARED: inline}
+            labels: {com.openfaas.scale.min: 1, com.quart.model: m}
+            limits: {cpu: 1, memory: 512Mi}
+    """))
+    stack = load_stack(tmp_path / "stack.yml", env={})
+    [fn] = stack.functions
+    assert fn.request == {
+        "service": "m-stage-0", "image": "quart/m-stage-0:latest",
+        "envVars": {"FROM_FILE": "yes-file", "SHARED": "inline", "QUART_STAGE_INDEX": "0"},
+        "labels": {"com.openfaas.scale.min": "1", "com.quart.model": "m"}, "annotations": {},
+        "limits": {"cpu": "1", "memory": "512Mi"},
+    }
+    assert stack.gateway == "http://127.0.0.1:8080"
+    assert stack.image_index_entries()["quart/m-stage-0:latest"]["lang"] == "pipeline-stage"
+    (tmp_path / "bad.yml").write_text("functions: {a: {lang: x}}")
+    with pytest.raises(StackError, match="image"):
+        load_stack(tmp_path / "bad.yml")
