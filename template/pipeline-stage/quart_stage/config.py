@@ -1,0 +1,152 @@
+"""Stage configuration, read from the environment (the OpenFaaS / of-watchdog convention).
+
+Every setting has a documented default; docs/stage-runtime.md lists them. Nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+COMPUTE_MODES = ("cpu", "cuda", "emulated")
+
+DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+"""Largest request body a stage reads (QUART_MAX_BODY_BYTES); larger bodies get 413 before being read."""
+
+
+class ConfigError(ValueError):
+    """A stage setting is missing or malformed."""
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """What one stage replica needs to know (env var in brackets).
+
+    model_dir       [QUART_MODEL_DIR]        partitioned model folder (manifest.json, stage-<i>.safetensors);
+                                             None only for parameter-free emulated stages. Relative paths are
+                                             resolved against the current working directory.
+    stage_index     [QUART_STAGE_INDEX]      0-based stage index (default 0)
+    num_stages      [QUART_NUM_STAGES]       stage count (default: the manifest's; 1 without a manifest)
+    compute         [QUART_COMPUTE]          cpu | cuda | emulated (default cpu)
+    max_body_bytes  [QUART_MAX_BODY_BYTES]   request body limit (default 256 MiB)
+    model           [QUART_MODEL]            model name for parameter-free emulated stages (default: profile)
+    profile         [QUART_PROFILE]          paper profile for emulated service times, e.g. bert-21b
+    emulated_mean_ms [QUART_EMULATED_MEAN_MS] mean emulated service time of this stage (overrides the profile)
+    emulated_cv     [QUART_EMULATED_CV]      coefficient of variation of emulated service time (default 0.1)
+    emulated_activation_bytes [QUART_EMULATED_ACTIVATION_BYTES] per-request output size override (emulated)
+    seed            [QUART_SEED]             seed of the emulated service-time draw (default: from pid)
+    threads         [QUART_THREADS]          torch intra-op threads per replica (default 1)
+    max_batch       [QUART_MAX_BATCH]        largest batch accepted (default 64)
+    max_inflight    [QUART_MAX_INFLIGHT]     concurrent requests per replica before 429 (0 = unlimited, default)
+    verify_checksum [QUART_VERIFY_CHECKSUM]  1: check the stage file's sha256 against the manifest on load (default 0;
+                                             the file size is always checked)
+    device          [QUART_DEVICE]           torch device for cuda mode (default cuda:0 or the first visible GPU)
+    """
+
+    model_dir: str | None = None
+    stage_index: int = 0
+    num_stages: int | None = None
+    compute: str = "cpu"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    model: str | None = None
+    profile: str | None = None
+    emulated_mean_ms: float | None = None
+    emulated_cv: float = 0.1
+    emulated_activation_bytes: int | None = None
+    seed: int | None = None
+    threads: int = 1
+    max_batch: int = 64
+    max_inflight: int = 0
+    verify_checksum: bool = False
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.compute not in COMPUTE_MODES:
+            raise ConfigError(f"QUART_COMPUTE must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
+        if self.stage_index < 0:
+            raise ConfigError(f"QUART_STAGE_INDEX must be >= 0, got {self.stage_index}")
+        if self.num_stages is not None and not 0 <= self.stage_index < self.num_stages:
+            raise ConfigError(
+                f"QUART_STAGE_INDEX={self.stage_index} is outside 0..{self.num_stages - 1} (QUART_NUM_STAGES)"
+            )
+        if self.max_body_bytes <= 0:
+            raise ConfigError("QUART_MAX_BODY_BYTES must be positive")
+        if self.emulated_cv < 0:
+            raise ConfigError("QUART_EMULATED_CV must be >= 0")
+        if self.model_dir is None and self.compute != "emulated":
+            raise ConfigError(f"QUART_MODEL_DIR is required for compute mode {self.compute!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> StageConfig:
+        """Read the QUART_* variables (os.environ by default)."""
+        env = os.environ if env is None else env
+        model_dir = env.get("QUART_MODEL_DIR") or None
+        if model_dir is not None:
+            model_dir = os.path.abspath(model_dir)
+        num_stages = _int(env, "QUART_NUM_STAGES", 0) or None
+        act = _int(env, "QUART_EMULATED_ACTIVATION_BYTES", 0) or None
+        seed_raw = env.get("QUART_SEED")
+        return cls(
+            model_dir=model_dir,
+            stage_index=_int(env, "QUART_STAGE_INDEX", 0),
+            num_stages=num_stages,
+            compute=(env.get("QUART_COMPUTE") or "cpu").strip().lower(),
+            max_body_bytes=_int(env, "QUART_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
+            model=env.get("QUART_MODEL") or None,
+            profile=(env.get("QUART_PROFILE") or None),
+            emulated_mean_ms=_float(env, "QUART_EMULATED_MEAN_MS", None),
+            emulated_cv=_float(env, "QUART_EMULATED_CV", 0.1) or 0.0,
+            emulated_activation_bytes=act,
+            seed=int(seed_raw) if seed_raw else None,
+            threads=_int(env, "QUART_THREADS", 1),
+            max_batch=_int(env, "QUART_MAX_BATCH", 64),
+            max_inflight=_int(env, "QUART_MAX_INFLIGHT", 0),
+            verify_checksum=env.get("QUART_VERIFY_CHECKSUM", "0") in {"1", "true", "yes"},
+            device=env.get("QUART_DEVICE") or None,
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The QUART_* variables that reproduce this config (for stack.yml and child processes)."""
+        env = {
+            "QUART_STAGE_INDEX": str(self.stage_index),
+            "QUART_COMPUTE": self.compute,
+            "QUART_MAX_BODY_BYTES": str(self.max_body_bytes),
+            "QUART_THREADS": str(self.threads),
+        }
+        if self.model_dir:
+            env["QUART_MODEL_DIR"] = self.model_dir
+        if self.num_stages is not None:
+            env["QUART_NUM_STAGES"] = str(self.num_stages)
+        optional = {
+            "QUART_MODEL": self.model,
+            "QUART_PROFILE": self.profile,
+            "QUART_EMULATED_MEAN_MS": self.emulated_mean_ms,
+            "QUART_EMULATED_ACTIVATION_BYTES": self.emulated_activation_bytes,
+            "QUART_SEED": self.seed,
+            "QUART_DEVICE": self.device,
+        }
+        env.update({k: str(v) for k, v in optional.items() if v is not None})
+        if self.compute == "emulated":
+            env["QUART_EMULATED_CV"] = str(self.emulated_cv)
+        return env

@@ -1,0 +1,261 @@
+"""Model families: how a transformers model is cut into a layer list and how a slice of it runs.
+
+The layer list of every model is ``[embeddings, block_0 .. block_{L-1}, head]``. A `LayerPlan` maps a
+transformers model class onto that list by parameter-name prefixes, so partitioning, loading and the
+stage forward all agree on which tensor belongs to which layer. A stage keeps the original tensor
+names (``model.layers.3.mlp.up_proj.weight``), so a stage file is a slice of an ordinary checkpoint.
+
+Families: ``decoder`` (LLaMA-style: llama/mistral/qwen2; and OPT) and ``encoder`` (BERT). Models are
+built on the ``meta`` device (no memory, no compute) and only the stage's tensors are attached, by
+reference, with ``load_state_dict(assign=True)``: tensors handed in by a shared-memory store are
+never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FAMILIES = ("decoder", "encoder")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Where the layers of one transformers model class live."""
+
+    model_type: str
+    family: str
+    model_class: str
+    embed_prefixes: tuple[str, ...]
+    blocks_prefix: str
+    head_prefixes: tuple[str, ...]
+
+    def layer_of(self, name: str, num_blocks: int) -> int:
+        """Index in the layer list of the parameter called `name`."""
+        if name.startswith(self.blocks_prefix + "."):
+            return int(name[len(self.blocks_prefix) + 1 :].split(".", 1)[0]) + 1
+        if any(name == p or name.startswith(p + ".") for p in self.embed_prefixes):
+            return 0
+        if any(name == p or name.startswith(p + ".") for p in self.head_prefixes):
+            return num_blocks + 1
+        raise ValueError(f"parameter {name!r} belongs to no layer of a {self.model_type} model")
+
+
+_LLAMA_LIKE = dict(embed_prefixes=("model.embed_tokens",), blocks_prefix="model.layers",
+                   head_prefixes=("model.norm", "lm_head"))
+PLANS: dict[str, LayerPlan] = {
+    "llama": LayerPlan("llama", "decoder", "LlamaForCausalLM", **_LLAMA_LIKE),
+    "mistral": LayerPlan("mistral", "decoder", "MistralForCausalLM", **_LLAMA_LIKE),
+    "qwen2": LayerPlan("qwen2", "decoder", "Qwen2ForCausalLM", **_LLAMA_LIKE),
+    "opt": LayerPlan(
+        "opt", "decoder", "OPTForCausalLM",
+        embed_prefixes=("model.decoder.embed_tokens", "model.decoder.embed_positions", "model.decoder.project_in"),
+        blocks_prefix="model.decoder.layers",
+        head_prefixes=("model.decoder.final_layer_norm", "model.decoder.project_out", "lm_head"),
+    ),
+    "bert": LayerPlan(
+        "bert", "encoder", "BertForMaskedLM",
+        embed_prefixes=("bert.embeddings",), blocks_prefix="bert.encoder.layer", head_prefixes=("cls",),
+    ),
+}
+
+
+def plan_for(config: Mapping | object) -> LayerPlan:
+    model_type = config["model_type"] if isinstance(config, Mapping) else config.model_type
+    try:
+        return PLANS[model_type]
+    except KeyError:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(PLANS)}"
+        ) from None
+
+
+def make_config(config: Mapping):
+    """A transformers config from a plain dict (with ``model_type``), using SDPA attention."""
+    import transformers
+
+    kwargs = {k: v for k, v in dict(config).items() if k not in {"model_type", "architectures", "transformers_version"}}
+    cfg = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def config_to_dict(cfg) -> dict:
+    """The JSON-able architecture config (what manifest.json stores)."""
+    d = cfg.to_diff_dict() if hasattr(cfg, "to_diff_dict") else dict(cfg)
+    d["model_type"] = cfg.model_type
+    d.pop("transformers_version", None)
+    d.pop("_attn_implementation_autoset", None)
+    return d
+
+
+def num_blocks(cfg) -> int:
+    return int(cfg.num_hidden_layers)
+
+
+def layer_names(cfg) -> list[str]:
+    return ["embeddings", *[f"block_{i}" for i in range(num_blocks(cfg))], "head"]
+
+
+def build_skeleton(cfg) -> nn.Module:
+    """The whole model on the meta device: shapes and names only, no memory, no compute."""
+    import transformers
+
+    cls = getattr(transformers, plan_for(cfg).model_class)
+    with torch.device("meta"):
+        model = cls(cfg)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a model: its name, layer, shape, and the name it is tied to (its canonical name)."""
+
+    name: str
+    layer: int
+    shape: tuple[int, ...]
+    canonical: str
+
+
+def tensor_specs(cfg, skeleton: nn.Module | None = None) -> list[TensorSpec]:
+    """Every stored tensor of the model in layer order; tied aliases appear once per name."""
+    skeleton = build_skeleton(cfg) if skeleton is None else skeleton
+    plan, blocks = plan_for(cfg), num_blocks(cfg)
+    canonical_of: dict[int, str] = {}
+    specs = []
+    for name, param in skeleton.named_parameters(remove_duplicate=False):
+        canonical = canonical_of.setdefault(id(param), name)
+        specs.append(TensorSpec(name, plan.layer_of(name, blocks), tuple(param.shape), canonical))
+    specs.sort(key=lambda s: s.layer)  # stable: keeps module order inside a layer
+    return specs
+
+
+def layer_parameter_counts(cfg, specs: list[TensorSpec] | None = None) -> list[int]:
+    """Parameters per entry of the layer list (what DeepSpeed's `parameters` method balances)."""
+    specs = tensor_specs(cfg) if specs is None else specs
+    counts = [0] * (num_blocks(cfg) + 2)
+    for spec in specs:
+        n = 1
+        for dim in spec.shape:
+            n *= dim
+        counts[spec.layer] += n
+    return counts
+
+
+class StageModule(nn.Module):
+    """Layers ``[start, end)`` of the layer list of one model, and their forward.
+
+    Built from a meta skeleton: only the stage's submodules are kept, and their tensors are attached by
+    reference. Inputs: ``input_ids`` (stage holding the embeddings) or ``hidden_states``; output:
+    ``hidden_states`` or, for the stage holding the head, ``logits``.
+    """
+
+    def __init__(self, cfg, start: int, end: int, tensors: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.cfg, self.plan = cfg, plan_for(cfg)
+        self.start, self.end = start, end
+        blocks = num_blocks(cfg)
+        if not 0 <= start < end <= blocks + 2:
+            raise ValueError(f"layer range [{start}, {end}) is outside the {blocks + 2} layers of this model")
+        skeleton = build_skeleton(cfg)
+        expected = {s.name for s in tensor_specs(cfg, skeleton) if start <= s.layer < end}
+        missing = sorted(expected - set(tensors))
+        if missing:
+            raise ValueError(f"stage tensors are missing {len(missing)} names, e.g. {missing[:3]}")
+        unexpected = sorted(set(tensors) - expected)
+        if unexpected:
+            raise ValueError(f"stage tensors include names outside layers [{start}, {end}): {unexpected[:3]}")
+        skeleton.load_state_dict(dict(tensors), strict=False, assign=True)
+        self.has_embed = start == 0
+        self.has_head = end == blocks + 2
+        root = skeleton
+        self.blocks = nn.ModuleList(_get(root, self.plan.blocks_prefix)[max(start - 1, 0) : min(end - 1, blocks)])
+        self.block_offset = max(start - 1, 0)
+        self.embed = nn.ModuleDict()
+        self.head = nn.ModuleDict()
+        for prefix in self.plan.embed_prefixes if self.has_embed else ():
+            module = _get(root, prefix, None)
+            if module is not None:
+                self.embed[prefix.replace(".", "_")] = module
+        for prefix in self.plan.head_prefixes if self.has_head else ():
+            module = _get(root, prefix, None)
+            if module is not None:
+                self.head[prefix.replace(".", "_")] = module
+        self.rotary = None  # built by materialize_buffers (after fork)
+        self.eval()
+
+    # -- buffers that are computed, not stored (built lazily, after any fork) ---------------------
+    def materialize_buffers(self, device: torch.device | str = "cpu") -> None:
+        """Create the non-persistent buffers the meta skeleton left empty (rotary tables, position ids)."""
+        if self.plan.family == "decoder" and self.plan.model_type != "opt" and len(self.blocks):
+            import importlib
+
+            module = importlib.import_module(type(self.blocks[0]).__module__)
+            rotary_cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
+            with torch.device(device):
+                self.rotary = rotary_cls(self.cfg)
+        if self.plan.model_type == "bert" and self.has_embed:
+            emb = self.embed["bert_embeddings"]
+            positions = torch.arange(self.cfg.max_position_embeddings, device=device).expand((1, -1))
+            emb.register_buffer("position_ids", positions, persistent=False)
+            emb.register_buffer("token_type_ids", torch.zeros_like(positions), persistent=False)
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if tensor.is_meta:
+                raise RuntimeError(f"stage tensor {name} was never materialized")
+
+    # -- forward --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if self.has_embed:
+            hidden = self._embed(inputs)
+        else:
+            hidden = inputs["hidden_states"]
+        if len(self.blocks):
+            hidden = self._blocks(hidden)
+        if self.has_head:
+            hidden = self._head(hidden)
+        return hidden
+
+    def _embed(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        ids = inputs["input_ids"]
+        if self.plan.model_type == "bert":
+            return self.embed["bert_embeddings"](input_ids=ids, token_type_ids=inputs.get("token_type_ids"))
+        if self.plan.model_type == "opt":
+            hidden = self.embed["model_decoder_embed_tokens"](ids)
+            if "model_decoder_project_in" in self.embed:
+                hidden = self.embed["model_decoder_project_in"](hidden)
+            mask = torch.ones(ids.shape, dtype=torch.long, device=ids.device)
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+            return hidden + self.embed["model_decoder_embed_positions"](mask, 0, position_ids=positions)
+        return self.embed["model_embed_tokens"](ids)
+
+    def _blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        kwargs: dict = {}
+        if self.plan.model_type == "opt":
+            kwargs = {"position_ids": positions}
+        elif self.plan.family == "decoder":
+            kwargs = {"position_ids": positions, "position_embeddings": self.rotary(hidden, positions)}
+        for block in self.blocks:
+            out = block(hidden, attention_mask=None, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        for module in self.head.values():
+            hidden = module(hidden)
+        return hidden
+
+
+def _get(root: nn.Module, dotted: str, default=...):
+    module = root
+    for part in dotted.split("."):
+        if not hasattr(module, part):
+            if default is ...:
+                raise AttributeError(f"model has no submodule {dotted!r}")
+            return default
+        module = getattr(module, part)
+    return module

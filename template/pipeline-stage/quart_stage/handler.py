@@ -1,0 +1,32 @@
+"""The OpenFaaS handler contract (python3-http style) on top of StageRuntime.
+
+A function's ``handler.py`` is two lines: ``from quart_stage.handler import StageHandler`` and
+``handle = StageHandler.from_env()``. ``handle(event, context)`` returns the python3-http response dict
+``{"statusCode", "body", "headers"}`` with a bytes body.
+"""
+
+from __future__ import annotations
+
+from quart_stage.config import StageConfig
+from quart_stage.runtime import StageRuntime
+
+
+class StageHandler:
+    """Callable ``handle(event, context)`` serving one stage; `GET` answers the stage's status."""
+
+    def __init__(self, runtime: StageRuntime):
+        self.runtime = runtime
+
+    @classmethod
+    def from_env(cls, env=None) -> StageHandler:
+        runtime = StageRuntime.load(StageConfig.from_env(env))
+        return cls(runtime)
+
+    def __call__(self, event, context) -> dict:
+        rt = self.runtime
+        if getattr(event, "method", "POST") == "GET":
+            return {"statusCode": 200, "headers": {"Content-Type": "application/json"},
+                    "body": {"status": "ok", "model": rt.model, "stage": rt.stage_index,
+                             "stages": rt.num_stages, "compute": rt.compute}}
+        resp = rt.handle(event.body, event.headers)
+        return {"statusCode": resp.status, "body": resp.body, "headers": resp.headers}

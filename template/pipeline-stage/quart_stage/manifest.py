@@ -1,0 +1,94 @@
+"""manifest.json: what a partitioned model folder holds (written by `quartctl partition`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+MANIFEST_FILE = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One stage: its layer range ``[start, end)`` in the manifest's layer list and its parameter file.
+
+    file is None for parameter-free (emulated-only) partitions (`--weights none`).
+    """
+
+    index: int
+    start: int
+    end: int
+    layers: list[str]
+    file: str | None
+    parameter_count: int
+    parameter_bytes: int
+    sha256: str | None
+    file_bytes: int | None = None
+
+    @property
+    def has_embeddings(self) -> bool:
+        return self.start == 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A partitioned model. `config` is the architecture config (transformers keys, with model_type)."""
+
+    model: str
+    family: str
+    model_type: str
+    dtype: str
+    method: str
+    config: dict
+    layers: list[str]
+    layer_parameter_counts: list[int]
+    stages: list[StageEntry]
+    source: str = ""
+    profile: str | None = None
+    tokenizer: str | None = None
+    version: int = MANIFEST_VERSION
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage(self, index: int) -> StageEntry:
+        if not 0 <= index < len(self.stages):
+            raise IndexError(f"model {self.model!r} has stages 0..{len(self.stages) - 1}, not {index}")
+        return self.stages[index]
+
+    @property
+    def has_weights(self) -> bool:
+        return all(s.file is not None for s in self.stages)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    def save(self, directory: str) -> str:
+        path = os.path.join(directory, MANIFEST_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Manifest:
+        data = dict(data)
+        version = data.get("version", MANIFEST_VERSION)
+        if version != MANIFEST_VERSION:
+            raise ValueError(f"manifest version {version} is not supported (expected {MANIFEST_VERSION})")
+        data["stages"] = [StageEntry(**s) for s in data["stages"]]
+        return cls(**data)
+
+    @classmethod
+    def load(cls, directory: str) -> Manifest:
+        """Read ``directory/manifest.json`` (raises FileNotFoundError with a clear message)."""
+        path = os.path.join(directory, MANIFEST_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist: partition the model first (quartctl partition)")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))

@@ -1,0 +1,410 @@
+"""StageRuntime: one pipeline stage — its parameters, input validation, compute, and response.
+
+Lifecycle (fork-safe by construction):
+  1. `StageRuntime.load(cfg)` / `from_tensors(...)`: read the manifest and the stage's tensors into host
+     memory and attach them to a meta-built module. No CUDA call, no tensor compute, no thread: a
+     KeysManager zygote can `fork` right after.
+  2. `prepare_device()` in the replica (after fork): buffers computed from the config (rotary tables,
+     position ids), the device copy for cuda, torch thread count.
+  3. `handle(body, headers)` per request -> `StageResponse` (never raises for bad input: 4xx JSON).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from quart_stage import wire
+from quart_stage.config import ConfigError, StageConfig
+from quart_stage.emulated import ServiceTime, service_time_for
+from quart_stage.errors import StageInputError
+from quart_stage.manifest import Manifest, StageEntry
+from quart_stage.presets import paper_profile
+
+INPUT_IDS, TOKEN_TYPE_IDS, HIDDEN, LOGITS = "input_ids", "token_type_ids", "hidden_states", "logits"
+JSON_TYPE = "application/json"
+JSON_DATA_LIMIT = 1 << 16
+"""JSON responses carry the output values only up to this many elements (always shape, dtype, argmax)."""
+
+H_REQUEST_ID, H_MODEL, H_STAGE = "X-Quart-Request-Id", "X-Quart-Model", "X-Quart-Stage"
+H_DESER, H_COMPUTE, H_SER, H_MODE = (
+    "X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms", "X-Quart-Compute-Mode")
+
+
+@dataclass
+class StageResponse:
+    """What a stage answers: status, body chunks (bytes), headers. `body` joins the chunks."""
+
+    status: int
+    chunks: list[bytes]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def body(self) -> bytes:
+        return self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+
+    @classmethod
+    def error(cls, exc: StageInputError, headers: dict[str, str] | None = None) -> StageResponse:
+        return cls.json(exc.status, exc.to_json(), headers)
+
+    @classmethod
+    def json(cls, status: int, payload: dict, headers: dict[str, str] | None = None) -> StageResponse:
+        h = {"Content-Type": JSON_TYPE, **(headers or {})}
+        return cls(status, [json.dumps(payload).encode()], h)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What this stage accepts and produces (from the manifest, or a profile when parameter-free)."""
+
+    model: str
+    takes_ids: bool
+    gives_logits: bool
+    dtype: torch.dtype
+    in_width: int | None
+    out_width: int
+    vocab_size: int | None
+    type_vocab_size: int | None
+    max_seq: int | None
+
+
+class StageRuntime:
+    """One stage of one model; see the module docstring for the lifecycle."""
+
+    def __init__(self, cfg: StageConfig, manifest: Manifest | None, tensors: Mapping[str, torch.Tensor] | None):
+        self.cfg = cfg
+        self.manifest = manifest
+        self.module = None
+        self.parameter_bytes = 0
+        if manifest is not None:
+            if cfg.num_stages is not None and cfg.num_stages != manifest.num_stages:
+                raise ConfigError(
+                    f"QUART_NUM_STAGES={cfg.num_stages} but {cfg.model_dir} holds {manifest.num_stages} stages")
+            self.entry: StageEntry | None = manifest.stage(cfg.stage_index)
+            self.num_stages = manifest.num_stages
+        else:
+            self.entry = None
+            self.num_stages = cfg.num_stages or 1
+        self.shape = self._shape()
+        self.service_time: ServiceTime | None = None
+        if cfg.compute == "emulated":
+            stage_bytes = [s.parameter_bytes for s in manifest.stages] if manifest else [0] * self.num_stages
+            try:
+                self.service_time = service_time_for(
+                    mean_ms=cfg.emulated_mean_ms, cv=cfg.emulated_cv,
+                    profile=cfg.profile or (manifest.profile if manifest else None),
+                    stage_bytes=stage_bytes, index=cfg.stage_index)
+            except (KeyError, ValueError) as exc:
+                raise ConfigError(str(exc).strip('"')) from None
+        if tensors is not None:
+            from quart_stage.families import StageModule, make_config
+
+            self.module = StageModule(make_config(manifest.config), self.entry.start, self.entry.end, tensors)
+            self.parameter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        elif cfg.compute != "emulated":
+            raise ConfigError(f"compute mode {cfg.compute!r} needs the stage's parameters")
+        self._tokenizer = None
+        self._rng = random.Random(cfg.seed)
+        self._device = torch.device("cpu")
+        self.prepared = False
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, cfg: StageConfig) -> StageRuntime:
+        """Load the stage named by `cfg` into host memory (fork-safe: no GPU, no threads, no compute)."""
+        if cfg.model_dir is None:
+            return cls(cfg, None, None)
+        manifest = Manifest.load(cfg.model_dir)
+        entry = manifest.stage(cfg.stage_index)
+        if entry.file is None:
+            if cfg.compute != "emulated":
+                raise ConfigError(f"{cfg.model_dir} was partitioned without weights: only emulated compute runs it")
+            return cls(cfg, manifest, None)
+        return cls(cfg, manifest, read_stage_file(cfg.model_dir, entry, verify=cfg.verify_checksum))
+
+    @classmethod
+    def from_tensors(cls, cfg: StageConfig, manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> StageRuntime:
+        """Build the stage around tensors someone else holds (attached by reference, never copied)."""
+        return cls(cfg, manifest, tensors)
+
+    def _shape(self) -> Shape:
+        m, i = self.manifest, self.cfg.stage_index
+        if m is not None:
+            c = m.config
+            hidden = int(c.get("hidden_size"))
+            last = i == m.num_stages - 1
+            first_entry = self.entry
+            return Shape(
+                model=m.model, takes_ids=first_entry.start == 0, gives_logits=last,
+                dtype=wire.DTYPE_NAMES[m.dtype], in_width=None if first_entry.start == 0 else hidden,
+                out_width=int(c["vocab_size"]) if last else hidden, vocab_size=int(c["vocab_size"]),
+                type_vocab_size=int(c["type_vocab_size"]) if "type_vocab_size" in c else None,
+                max_seq=int(c.get("max_position_embeddings") or 0) or None,
+            )
+        if self.cfg.profile is None:
+            raise ConfigError("a stage without QUART_MODEL_DIR needs QUART_PROFILE (emulated, parameter-free)")
+        try:
+            p = paper_profile(self.cfg.profile)
+        except KeyError as exc:
+            raise ConfigError(str(exc).strip('"')) from None
+        return Shape(
+            model=self.cfg.model or p.name, takes_ids=i == 0, gives_logits=False,
+            dtype=wire.DTYPE_NAMES[p.dtype], in_width=None if i == 0 else p.hidden, out_width=p.hidden,
+            vocab_size=None, type_vocab_size=None, max_seq=None,
+        )
+
+    # -- after fork ------------------------------------------------------------------------------
+    def prepare_device(self) -> None:
+        """Pick the device, build computed buffers, copy parameters for cuda, set torch threads."""
+        if self.prepared:
+            return
+        torch.set_num_threads(max(1, self.cfg.threads))
+        if self.module is not None and self.cfg.compute != "emulated":
+            if self.cfg.compute == "cuda":
+                if not torch.cuda.is_available():
+                    raise ConfigError("QUART_COMPUTE=cuda but no CUDA device is visible")
+                self._device = torch.device(self.cfg.device or "cuda:0")
+                self.module.to(self._device)
+            self.module.materialize_buffers(self._device)
+        self.prepared = True
+
+    # -- properties ------------------------------------------------------------------------------
+    @property
+    def model(self) -> str:
+        return self.shape.model
+
+    @property
+    def stage_index(self) -> int:
+        return self.cfg.stage_index
+
+    @property
+    def compute(self) -> str:
+        return self.cfg.compute
+
+    # -- requests --------------------------------------------------------------------------------
+    def handle(self, body: bytes | bytearray | memoryview, headers: Mapping[str, str]) -> StageResponse:
+        """Run one request. Bad input -> 4xx JSON naming the field; a failure inside compute -> 500 JSON."""
+        t0 = time.perf_counter()
+        headers = {k.lower(): v for k, v in headers.items()}
+        request_id = headers.get(H_REQUEST_ID.lower()) or uuid.uuid4().hex
+        base = {H_REQUEST_ID: request_id, H_MODEL: self.model, H_STAGE: str(self.stage_index),
+                H_MODE: self.cfg.compute}
+        try:
+            self._check_route(headers)
+            inputs, metadata = self._parse(body, headers)
+            self._check_route(metadata)
+            self._validate(inputs)
+        except StageInputError as exc:
+            base[H_DESER] = _ms(t0)
+            return StageResponse.error(exc, base)
+        t1 = time.perf_counter()
+        try:
+            self.prepare_device()
+            output = self._compute(inputs)
+        except Exception as exc:  # noqa: BLE001 - any compute failure is answered, the worker keeps serving
+            return StageResponse.json(500, {"error": f"stage compute failed: {exc}", "field": "compute"},
+                                      {**base, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1)})
+        t2 = time.perf_counter()
+        name = LOGITS if self.shape.gives_logits else HIDDEN
+        if JSON_TYPE in headers.get("accept", "") and wire.CONTENT_TYPE not in headers.get("accept", ""):
+            chunks = [json.dumps(self._json_output(name, output, request_id)).encode()]
+            ctype = JSON_TYPE
+        else:
+            meta = {"model": self.model, "stage": str(self.stage_index + 1), "producer": str(self.stage_index),
+                    "request_id": request_id}
+            chunks = wire.encode_chunks({name: output}, meta)
+            ctype = wire.CONTENT_TYPE
+        t3 = time.perf_counter()
+        base.update({"Content-Type": ctype, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1, t2), H_SER: _ms(t2, t3)})
+        return StageResponse(200, chunks, base)
+
+    def _check_route(self, source: Mapping[str, str]) -> None:
+        model = source.get(H_MODEL.lower(), source.get("model"))
+        if model is not None and model != self.model:
+            raise StageInputError("model", f"this is model {self.model!r}, the request is for {model!r}")
+        stage = source.get(H_STAGE.lower(), source.get("stage"))
+        if stage is not None and stage != str(self.stage_index):
+            raise StageInputError("stage", f"this is stage {self.stage_index}, the request is for stage {stage!r}")
+
+    def _parse(self, body, headers: Mapping[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == JSON_TYPE:
+            if not self.shape.takes_ids:
+                raise StageInputError(
+                    "content-type", f"stage {self.stage_index} takes activations as {wire.CONTENT_TYPE} "
+                    "(safetensors), not JSON", status=415)
+            return self._parse_json(body), {}
+        if ctype not in ("", wire.CONTENT_TYPE):
+            raise StageInputError("content-type", f"unsupported Content-Type {ctype!r}; send {wire.CONTENT_TYPE}"
+                                  + (" or application/json" if self.shape.takes_ids else ""), status=415)
+        decoded = wire.decode(body)
+        return decoded.tensors, {k: v for k, v in decoded.metadata.items() if k in ("model", "stage")}
+
+    def _parse_json(self, body) -> dict[str, torch.Tensor]:
+        try:
+            doc = json.loads(bytes(body))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise StageInputError("body", "body is not valid JSON") from None
+        if not isinstance(doc, dict):
+            raise StageInputError("body", 'JSON input must be an object like {"input_ids": [[1, 2, 3]]}')
+        unknown = set(doc) - {INPUT_IDS, TOKEN_TYPE_IDS, "text"}
+        if unknown:
+            raise StageInputError(sorted(unknown)[0], "unknown field; expected input_ids, token_type_ids or text")
+        if "text" in doc:
+            if INPUT_IDS in doc:
+                raise StageInputError("text", "send either text or input_ids, not both")
+            return {INPUT_IDS: self._tokenize(doc["text"])}
+        if INPUT_IDS not in doc:
+            raise StageInputError(INPUT_IDS, 'missing; send {"input_ids": [[...]]}')
+        out = {INPUT_IDS: _int_matrix(doc[INPUT_IDS], INPUT_IDS)}
+        if TOKEN_TYPE_IDS in doc:
+            out[TOKEN_TYPE_IDS] = _int_matrix(doc[TOKEN_TYPE_IDS], TOKEN_TYPE_IDS)
+        return out
+
+    def _tokenize(self, text) -> torch.Tensor:
+        texts = [text] if isinstance(text, str) else text
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise StageInputError("text", "text must be a non-empty string or a list of them")
+        tok_file = self.manifest.tokenizer if self.manifest else None
+        if not tok_file:
+            raise StageInputError("text", f"model {self.model!r} has no tokenizer file; send input_ids")
+        if self._tokenizer is None:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no thread pool in a forked replica
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(os.path.join(self.cfg.model_dir, tok_file))
+        ids = [self._tokenizer.encode(t).ids for t in texts]
+        if len({len(x) for x in ids}) != 1:
+            raise StageInputError("text", f"texts tokenize to different lengths {[len(x) for x in ids]}; "
+                                  "send one text per request (no padding support)")
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def _validate(self, inputs: dict[str, torch.Tensor]) -> None:
+        s = self.shape
+        if s.takes_ids:
+            allowed = {INPUT_IDS, TOKEN_TYPE_IDS} if s.type_vocab_size else {INPUT_IDS}
+            if INPUT_IDS not in inputs:
+                raise StageInputError(INPUT_IDS, f"missing; stage {self.stage_index} takes token ids")
+        else:
+            allowed = {HIDDEN}
+            if HIDDEN not in inputs:
+                raise StageInputError(HIDDEN, f"missing; stage {self.stage_index} takes {HIDDEN}")
+        for name in inputs:
+            if name not in allowed:
+                raise StageInputError(name, f"unexpected tensor; stage {self.stage_index} takes {sorted(allowed)}")
+        if s.takes_ids:
+            for name in (INPUT_IDS, TOKEN_TYPE_IDS):
+                if name not in inputs:
+                    continue
+                t = inputs[name]
+                if t.dtype not in (torch.int64, torch.int32):
+                    raise StageInputError(name, f"dtype must be int64 or int32, got {_dt(t.dtype)}")
+                if t.dim() != 2:
+                    raise StageInputError(name, f"rank must be 2 (batch, sequence), got shape {list(t.shape)}")
+                limit = s.vocab_size if name == INPUT_IDS else s.type_vocab_size
+                if t.numel() and (int(t.min()) < 0 or (limit is not None and int(t.max()) >= limit)):
+                    raise StageInputError(name, f"values must be in [0, {limit}), got [{int(t.min())}, {int(t.max())}]")
+                inputs[name] = t.long()
+            if TOKEN_TYPE_IDS in inputs and inputs[TOKEN_TYPE_IDS].shape != inputs[INPUT_IDS].shape:
+                raise StageInputError(TOKEN_TYPE_IDS, "shape must equal input_ids' shape")
+            batch, seq = inputs[INPUT_IDS].shape
+            name = INPUT_IDS
+        else:
+            t = inputs[HIDDEN]
+            if t.dtype != s.dtype:
+                raise StageInputError(HIDDEN, f"dtype must be {_dt(s.dtype)}, got {_dt(t.dtype)}")
+            if t.dim() != 3:
+                raise StageInputError(HIDDEN, f"rank must be 3 (batch, sequence, hidden), got shape {list(t.shape)}")
+            batch, seq, width = t.shape
+            if width != s.in_width and not (self.cfg.compute == "emulated" and self.cfg.emulated_activation_bytes):
+                raise StageInputError(HIDDEN, f"shape {list(t.shape)} must end in the hidden size {s.in_width}")
+            name = HIDDEN
+        if not 1 <= batch <= self.cfg.max_batch:
+            raise StageInputError(name, f"batch size must be 1..{self.cfg.max_batch}, got {batch}")
+        if seq < 1 or (s.max_seq is not None and seq > s.max_seq):
+            raise StageInputError(name, f"sequence length must be 1..{s.max_seq}, got {seq}")
+
+    def _compute(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.cfg.compute == "emulated":
+            return self._emulate(inputs)
+        if self._device.type != "cpu":
+            inputs = {k: v.to(self._device, non_blocking=True) for k, v in inputs.items()}
+        out = self.module(inputs)
+        return out.cpu() if out.device.type != "cpu" else out
+
+    def _emulate(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        first = inputs[INPUT_IDS] if INPUT_IDS in inputs else inputs[HIDDEN]
+        batch, seq = int(first.shape[0]), int(first.shape[1])
+        width = self.shape.out_width
+        itemsize = torch.empty((), dtype=self.shape.dtype).element_size()
+        if self.cfg.emulated_activation_bytes:
+            width = max(1, -(-self.cfg.emulated_activation_bytes // (batch * seq * itemsize)))
+        out = torch.zeros((batch, seq, width), dtype=self.shape.dtype)
+        time.sleep(self.service_time.sample_ms(self._rng) / 1000.0)
+        return out
+
+    def _json_output(self, name: str, output: torch.Tensor, request_id: str) -> dict:
+        doc = {"model": self.model, "stage": self.stage_index, "request_id": request_id, "output": name,
+               "dtype": _dt(output.dtype), "shape": list(output.shape)}
+        if name == LOGITS:
+            doc["argmax"] = output.argmax(-1).tolist()
+        if output.numel() <= JSON_DATA_LIMIT:
+            doc["data"] = output.float().tolist()
+        return doc
+
+
+def read_stage_file(model_dir: str, entry: StageEntry, verify: bool = False) -> dict[str, torch.Tensor]:
+    """Read a stage file into one host buffer; the tensors view it (no second copy).
+
+    The size is always checked against the manifest; with `verify`, the sha256 too.
+    """
+    path = os.path.join(model_dir, entry.file)
+    size = os.path.getsize(path)
+    if entry.file_bytes is not None and size != entry.file_bytes:
+        raise ConfigError(f"{path} has {size} bytes, the manifest says {entry.file_bytes}: re-partition the model")
+    buf = np.empty(size, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        view, done = memoryview(buf), 0
+        while done < size:
+            n = f.readinto(view[done:])
+            if not n:
+                raise ConfigError(f"{path} ended after {done} of {size} bytes")
+            done += n
+    if verify and entry.sha256:
+        digest = hashlib.sha256(view).hexdigest()
+        if digest != entry.sha256:
+            raise ConfigError(f"{path} does not match its manifest sha256: the checkpoint changed")
+    try:
+        return wire.decode(view, field=entry.file).tensors
+    except StageInputError as exc:
+        raise ConfigError(f"{path} is not a valid safetensors file: {exc}") from None
+
+
+def _int_matrix(value, name: str) -> torch.Tensor:
+    if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
+        raise StageInputError(name, "must be a non-empty list of lists of integers (batch, sequence)")
+    if len({len(r) for r in value}) != 1:
+        raise StageInputError(name, "rows must all have the same length (no padding support)")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for r in value for x in r):
+        raise StageInputError(name, "values must be integers")
+    try:
+        return torch.tensor(value, dtype=torch.int64)
+    except (OverflowError, RuntimeError):
+        raise StageInputError(name, "values must fit in int64") from None
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _ms(start: float, end: float | None = None) -> str:
+    return f"{((end if end is not None else time.perf_counter()) - start) * 1000.0:.3f}"

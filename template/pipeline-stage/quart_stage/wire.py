@@ -1,0 +1,184 @@
+"""Activation wire format: safetensors bytes, decoded without copying and encoded with one copy.
+
+Layout (the safetensors format): 8-byte little-endian header length N, N bytes of JSON header
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``, then the
+tensor bytes. `decode` validates everything the header claims against the body before any tensor is
+created (a lying header is a 400, never a crash or an over-read) and returns tensors that view the
+received buffer (``torch.frombuffer``). `encode` writes the header and copies each tensor once into
+one uninitialised buffer; `encode_chunks` gives the same bytes as a list of `bytes` for WSGI servers.
+Never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from quart_stage.errors import StageInputError
+
+CONTENT_TYPE = "application/octet-stream"
+MAX_HEADER_BYTES = 1 << 20
+ALIGN = 8
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32,
+}
+
+
+@dataclass
+class Decoded:
+    """Tensors (views of the received buffer) and the string metadata of one message."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+
+def header_bytes(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+                 ) -> tuple[bytes, int]:
+    """The 8-byte length + padded JSON header for tensors of the given (dtype, shape); and the body length."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, (dtype, shape) in specs.items():
+        if dtype not in DTYPE_CODES:
+            raise TypeError(f"tensor {name!r} has dtype {dtype}, which the wire format does not carry")
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * ITEMSIZE[DTYPE_CODES[dtype]]
+        header[name] = {"dtype": DTYPE_CODES[dtype], "shape": [int(d) for d in shape],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)  # pad so the body starts aligned, as the safetensors writer does
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
+def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> tuple[bytes, int]:
+    return header_bytes({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, metadata)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a CPU-contiguous copy of `t` (no copy when it already is)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> memoryview:
+    """Serialize to one contiguous buffer (header + one copy of each tensor's bytes)."""
+    head, body_len = _header(tensors, metadata)
+    out = np.empty(len(head) + body_len, dtype=np.uint8)  # uninitialised: every byte is written below
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    dst = torch.from_numpy(out)
+    pos = len(head)
+    for t in tensors.values():
+        src = byte_view(t)
+        dst[pos : pos + src.numel()].copy_(src)
+        pos += src.numel()
+    return memoryview(out)
+
+
+def encode_chunks(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> list[bytes]:
+    """The same bytes as `encode`, as `bytes` chunks (what WSGI servers accept), one copy per tensor."""
+    head, _ = _header(tensors, metadata)
+    return [head, *(byte_view(t).numpy().tobytes() for t in tensors.values())]
+
+
+def encode_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Convenience for clients: one `bytes` object."""
+    return b"".join(encode_chunks(tensors, metadata))
+
+
+def decode(buf: bytes | bytearray | memoryview, field: str = "body") -> Decoded:
+    """Parse and validate safetensors bytes; tensors view `buf` (no copy). Raises StageInputError."""
+    view = memoryview(buf).cast("B")
+    total = len(view)
+    if total < 8:
+        raise StageInputError(field, f"body is truncated: {total} bytes, a safetensors message needs at least 8")
+    (header_len,) = struct.unpack_from("<Q", view, 0)
+    if header_len > MAX_HEADER_BYTES:
+        raise StageInputError(field, f"safetensors header claims {header_len} bytes (limit {MAX_HEADER_BYTES})")
+    if 8 + header_len > total:
+        raise StageInputError(field, f"body is truncated: header claims {header_len} bytes but only {total - 8} follow")
+    try:
+        header = json.loads(bytes(view[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StageInputError(field, f"safetensors header is not valid JSON ({exc.__class__.__name__})") from None
+    if not isinstance(header, dict):
+        raise StageInputError(field, "safetensors header must be a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise StageInputError("__metadata__", "safetensors metadata must map strings to strings")
+    body_start = 8 + header_len
+    body_len = total - body_start
+    spans = []
+    for name, entry in header.items():
+        spans.append((_check_entry(name, entry), name, entry))
+    spans.sort()
+    expected = 0
+    for (begin, end), name, _ in spans:
+        if begin != expected:
+            raise StageInputError(name, f"data_offsets start at {begin}, expected {expected} (gaps or overlaps)")
+        expected = end
+    if expected != body_len:
+        if expected > body_len:
+            raise StageInputError(field, f"body is truncated: header describes {expected} data bytes, {body_len} present")
+        raise StageInputError(field, f"body has {body_len - expected} bytes beyond what the header describes")
+    writable = not view.readonly
+    tensors: dict[str, torch.Tensor] = {}
+    for (begin, end), name, entry in spans:
+        dtype = DTYPES[entry["dtype"]]
+        shape = entry["shape"]
+        if end == begin:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():
+            if not writable:
+                warnings.simplefilter("ignore", UserWarning)  # read-only views are fine: stages never write inputs
+            flat = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=body_start + begin)
+        if flat.data_ptr() % ITEMSIZE[entry["dtype"]]:
+            flat = flat.clone()  # misaligned sender: one copy keeps every kernel safe
+        tensors[name] = flat.view(dtype).view(shape)
+    return Decoded(tensors, {str(k): v for k, v in metadata.items()})
+
+
+def _check_entry(name: str, entry) -> tuple[int, int]:
+    if not isinstance(entry, dict):
+        raise StageInputError(name, "tensor entry must be an object with dtype, shape, data_offsets")
+    dtype = entry.get("dtype")
+    if dtype not in DTYPES:
+        raise StageInputError(name, f"dtype {dtype!r} is not supported; one of {', '.join(DTYPES)}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise StageInputError(name, "shape must be a list of non-negative integers")
+    offsets = entry.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise StageInputError(name, "data_offsets must be [begin, end] with 0 <= begin <= end")
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = ITEMSIZE[dtype]
+    if offsets[1] - offsets[0] != numel * itemsize:
+        raise StageInputError(
+            name, f"header lies: shape {shape} of {dtype} needs {numel * itemsize} bytes, data_offsets span "
+            f"{offsets[1] - offsets[0]}")
+    return offsets[0], offsets[1]
