@@ -1,0 +1,291 @@
+"""The KeysManager daemon end to end: real processes, real fork, real HTTP on ephemeral ports.
+
+Each test starts its own daemon (``python -m keysmanager.daemon``) with a private state dir and socket;
+the fixture kills whatever is left, and checks that no shared-memory segment of that daemon remains.
+Stages: parameter-free emulated stages (no model needed), and a tiny model made with the partitioner
+for the tests that need real parameters (cpu compute, eviction, invalidation, isolated mode).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from keysmanager.client import KeysManagerClient, KeysManagerError
+from keysmanager.config import KeysManagerConfig
+from keysmanager.types import StageSpec
+
+EMULATED = {"QUART_PROFILE": "bert-21b", "QUART_NUM_STAGES": "8", "QUART_STAGE_INDEX": "0",
+            "QUART_COMPUTE": "emulated", "QUART_EMULATED_MEAN_MS": "2", "QUART_EMULATED_CV": "0"}
+IDS = {"input_ids": [[1, 2, 3, 4]]}
+
+
+def emulated(function: str = "emu-stage-0", **env: str) -> StageSpec:
+    return StageSpec(function, env={**EMULATED, **env})
+
+
+class Daemon:
+    """One KeysManager process under test."""
+
+    def __init__(self, root: Path, name: str, *extra: str) -> None:
+        self.root, self.name = root, name
+        self.socket = root / f"{name}.sock"
+        self.state_dir = root / f"{name}-state"
+        self.args = ["--name", name, "--socket", str(self.socket), "--state-dir", str(self.state_dir), *extra]
+        self.proc: subprocess.Popen | None = None
+        self.client = KeysManagerClient(str(self.socket), timeout=120)
+
+    @property
+    def shm_prefix(self) -> str:
+        return KeysManagerConfig(name=self.name, state_dir=str(self.state_dir)).shm_prefix
+
+    def shm_files(self) -> list[Path]:
+        return sorted(Path("/dev/shm").glob(self.shm_prefix + "*"))
+
+    def start(self) -> Daemon:
+        log = open(self.root / f"{self.name}.log", "ab")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen([sys.executable, "-m", "keysmanager.daemon", *self.args], stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.client.health()
+                return self
+            except KeysManagerError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not start: {(self.root / f'{self.name}.log').read_text()}") from None
+                time.sleep(0.05)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture
+def km_root():
+    root = Path(tempfile.mkdtemp(prefix="km-", dir="/tmp"))  # short: Unix socket paths are limited to 107 bytes
+    daemons: list[Daemon] = []
+    pids: list[int] = []
+    try:
+        yield root, daemons, pids
+    finally:
+        for d in daemons:
+            d.kill(signal.SIGTERM)
+        for pid in pids:  # anything a test started that may have outlived its daemon (survivors)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for d in daemons:
+            for f in d.shm_files():
+                f.unlink(missing_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(km_root):
+    root, daemons, _ = km_root
+
+    def make(name: str = "h0", *extra: str) -> Daemon:
+        d = Daemon(root, name, *extra)
+        daemons.append(d)
+        return d.start()
+
+    return make
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie of someone else's (init reaps those)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def raw_post(path: str, body: bytes, socket_path: Path) -> tuple[int, dict]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(socket_path))
+    conn = http.client.HTTPConnection("localhost")
+    conn.sock = sock
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    status, data = resp.status, json.loads(resp.read())
+    conn.close()
+    return status, data
+
+
+# --------------------------------------------------------------------------- API hygiene
+def test_socket_is_private_and_bad_input_gets_clear_4xx_while_serving(daemon, tmp_path):
+    d = daemon()
+    assert (d.socket.stat().st_mode & 0o777) == 0o600
+    status, data = raw_post("/v1/replicas", b"{not json", d.socket)
+    assert status == 400 and "not valid JSON" in data["error"] and data["field"] == "body"
+    status, data = raw_post("/v1/cache", b"[1, 2]", d.socket)
+    assert status == 400 and data["field"] == "spec"
+    missing = StageSpec("ghost-stage-0", env={"QUART_MODEL_DIR": str(tmp_path / "nope"), "QUART_COMPUTE": "cpu"})
+    with pytest.raises(KeysManagerError) as err:
+        d.client.start(missing, 1)
+    assert err.value.status == 404 and "unknown stage" in err.value.message
+    with pytest.raises(KeysManagerError) as err:
+        d.client.start(emulated(), -1)
+    assert err.value.status == 400 and err.value.field == "count"
+    with pytest.raises(KeysManagerError) as err:
+        d.client.start(emulated(), 1, mode="shared-please")
+    assert err.value.status == 400 and err.value.field == "mode"
+    with pytest.raises(KeysManagerError) as err:
+        d.client.start(StageSpec("bad name!", env=EMULATED), 1)
+    assert err.value.status == 400 and err.value.field == "spec.function"
+    with pytest.raises(KeysManagerError) as err:
+        d.client.start(emulated(QUART_COMPUTE="quantum"), 1)
+    assert err.value.status == 400 and "QUART_COMPUTE" in err.value.message
+    with pytest.raises(KeysManagerError) as err:
+        d.client.stop("no-such-replica")
+    assert err.value.status == 404
+    # still serving: a good request works
+    [rep] = d.client.start(emulated(), 1)
+    assert rep.state == "ready" and rep.source == "cold"
+    assert requests.post(rep.url, json=IDS, timeout=30).status_code == 200
+
+
+# --------------------------------------------------------------------------- fork path
+def test_zygote_is_single_threaded_and_forked_replicas_serve_concurrent_requests(daemon):
+    d = daemon()
+    info = d.client.ensure_cached(emulated())
+    assert info["threads"] == 1, "a zygote must start no thread before fork"
+    replicas = d.client.start(emulated(), 4)
+    assert [r.source for r in replicas] == ["fork"] * 4
+    assert all(r.state == "ready" and r.ready_ms is not None for r in replicas)
+    assert len({r.port for r in replicas}) == 4 and len({r.pid for r in replicas}) == 4
+
+    def hammer(url: str) -> list[int]:
+        with requests.Session() as s:  # keep-alive: one connection, many requests
+            return [s.post(url, json=IDS, timeout=20).status_code for _ in range(15)]
+
+    with cf.ThreadPoolExecutor(12) as pool:  # 12 clients over 4 replicas: 3 concurrent per replica
+        futures = [pool.submit(hammer, replicas[i % 4].url) for i in range(12)]
+        codes = [c for f in cf.as_completed(futures, timeout=90) for c in f.result()]
+    assert codes == [200] * 180
+    zygote = d.client.zygotes()[0]
+    assert zygote.live_replicas == 4
+    assert all(psutil.Process(r.pid).ppid() == zygote.pid for r in replicas)
+
+
+def test_stop_drains_in_flight_requests_and_frees_port(daemon):
+    d = daemon()
+    slow = emulated("slow-stage-0", QUART_EMULATED_MEAN_MS="800")
+    d.client.ensure_cached(slow)
+    [rep] = d.client.start(slow, 1)
+    with cf.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(requests.post, rep.url, json=IDS, timeout=30)
+        time.sleep(0.2)  # the request is in service
+        stopped = d.client.stop(rep.id, drain=True)
+        assert pending.result().status_code == 200, "drain must answer the request in flight"
+    assert stopped.state == "dead" and stopped.exit_status == 0
+    assert gone(rep.pid)
+    with pytest.raises(requests.ConnectionError):
+        requests.post(rep.url, json=IDS, timeout=5)
+
+
+# --------------------------------------------------------------------------- faults
+def test_kill_9_of_a_replica_is_reported_dead_and_reaped(daemon):
+    d = daemon()
+    d.client.ensure_cached(emulated())
+    forked, other = d.client.start(emulated(), 2)
+    zygote_pid = d.client.zygotes()[0].pid
+    os.kill(forked.pid, signal.SIGKILL)
+    dead = wait_for(lambda: next((r for r in d.client.replicas() if r.id == forked.id and r.state == "dead"), None),
+                    what="the killed replica reported dead")
+    assert dead.exit_status == -signal.SIGKILL
+    wait_for(lambda: not psutil.pid_exists(forked.pid), what="the killed replica reaped (no zombie)")
+    assert all(c.status() != psutil.STATUS_ZOMBIE for c in psutil.Process(zygote_pid).children())
+    assert requests.post(other.url, json=IDS, timeout=10).status_code == 200  # the sibling is untouched
+    assert d.client.report().replicas == 1
+
+
+def test_killing_the_keysmanager_leaves_no_orphans_and_a_restart_cleans_up(daemon, km_root):
+    _, _, pids = km_root
+    d = daemon("h1")
+    d.client.ensure_cached(emulated())
+    forked = d.client.start(emulated(), 2)
+    [cold] = d.client.start(emulated("cold-stage-0"), 1, cache=False)
+    [survivor] = d.client.start(emulated(), 1, survive=True)
+    pids.append(survivor.pid)
+    zygote = d.client.zygotes()[0]
+    assert cold.source == "cold" and survivor.source == "fork"
+    d.kill(signal.SIGKILL)
+    for pid in [zygote.pid, cold.pid] + [r.pid for r in forked]:
+        wait_for(lambda pid=pid: gone(pid), timeout=10, what=f"pid {pid} to exit with its KeysManager")
+    assert requests.post(survivor.url, json=IDS, timeout=10).status_code == 200  # told to survive
+    # a new KeysManager on the same state dir adopts the survivor and removes leftovers
+    Path("/dev/shm", d.shm_prefix + "leftover-1").write_bytes(b"x" * 4096)
+    d2 = daemon("h1")
+    health = d2.client.health()
+    assert survivor.pid in health["recovered"]["adopted"]
+    assert any("leftover-1" in p for p in health["recovered"]["removed_shm"])
+    assert d.shm_files() == []
+    [adopted] = [r for r in d2.client.replicas() if r.id == survivor.id]
+    assert adopted.state == "ready"
+    stopped = d2.client.stop(survivor.id)
+    assert stopped.state == "dead" and gone(survivor.pid)
+
+
+def test_a_second_keysmanager_on_the_same_state_dir_is_refused(daemon, km_root):
+    root, _, _ = km_root
+    d = daemon("h2")
+    clash = subprocess.run([sys.executable, "-m", "keysmanager.daemon", *d.args], capture_output=True, text=True,
+                           timeout=60)
+    assert clash.returncode == 2 and "another KeysManager" in clash.stderr
+    assert d.client.health()["pid"] == d.proc.pid
+
+
+def test_shutdown_stops_replicas_and_removes_segments(daemon):
+    d = daemon("h3")
+    d.client.ensure_cached(emulated())
+    reps = d.client.start(emulated(), 2)
+    d.kill(signal.SIGTERM)
+    assert d.proc.returncode == 0
+    assert all(gone(r.pid) for r in reps)
+    assert d.shm_files() == [] and not d.socket.exists()
+
+
+def test_gpu_slots_are_counted_and_refused_when_full(daemon):
+    d = daemon("h4", "--gpus", "2")
+    d.client.ensure_cached(emulated())
+    reps = d.client.start(emulated(), 2)
+    assert sorted(r.gpu_slot for r in reps) == [0, 1]
+    report = d.client.report()
+    assert (report.gpu_slots, report.gpu_used, report.gpu_free) == (2, 2, 0)
+    with pytest.raises(KeysManagerError) as err:
+        d.client.start(emulated(), 1)
+    assert err.value.status == 409
+    d.client.stop(reps[0].id)
+    assert d.client.report().gpu_used == 1

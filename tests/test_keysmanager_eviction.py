@@ -1,0 +1,41 @@
+"""The KeysManager's pure eviction rule: LRU, stages with live replicas last, protected stages never."""
+
+from __future__ import annotations
+
+import pytest
+
+from keysmanager.eviction import CacheEntry, eviction_order, plan_eviction
+
+MB = 1 << 20
+
+
+def test_lru_order_evicts_oldest_first_and_stops_when_it_fits():
+    entries = [CacheEntry("a", 100 * MB, last_used=3.0), CacheEntry("b", 100 * MB, last_used=1.0),
+               CacheEntry("c", 100 * MB, last_used=2.0)]
+    plan = plan_eviction(entries, memory_used=300 * MB, memory_limit=350 * MB, incoming_bytes=100 * MB)
+    assert plan.evict == ("b",)
+    assert plan.satisfied and plan.freed_bytes == 100 * MB
+    plan = plan_eviction(entries, memory_used=300 * MB, memory_limit=250 * MB, incoming_bytes=100 * MB)
+    assert plan.evict == ("b", "c")
+
+
+def test_stage_with_live_replicas_goes_last_even_if_least_recent():
+    entries = [CacheEntry("busy", 100 * MB, last_used=0.0, live_replicas=2),
+               CacheEntry("idle-new", 100 * MB, last_used=9.0), CacheEntry("idle-old", 100 * MB, last_used=5.0)]
+    assert [e.function for e in eviction_order(entries)] == ["idle-old", "idle-new", "busy"]
+    plan = plan_eviction(entries, 300 * MB, 100 * MB)
+    assert plan.evict == ("idle-old", "idle-new")
+    assert plan.satisfied
+
+
+def test_nothing_to_do_under_the_limit_and_protected_never_chosen():
+    entries = [CacheEntry("a", 10, 1.0), CacheEntry("b", 10, 2.0)]
+    assert plan_eviction(entries, 20, 100).evict == ()
+    plan = plan_eviction(entries, 20, 0, incoming_bytes=10, protect={"a"})
+    assert plan.evict == ("b",)
+    assert not plan.satisfied  # a is protected: only 10 of the 30 bytes can go
+
+
+def test_negative_figures_are_rejected():
+    with pytest.raises(ValueError):
+        plan_eviction([], -1, 10)
