@@ -27,7 +27,9 @@ class SchedulerConfig:
     tolerance: float = 1e-7  # converged when the objective improves by less than this (relative)
     kl_threshold: float = 1e-6  # stop early once Σ KL is this close to the uniform target
     projection_rounds: int = 50  # alternating row-simplex / column-capacity projections per step
-    memory_fill: float = 0.85  # fraction of a host's memory limit usable before its KeysManager evicts
+    # fraction of a host's reported memory limit a cold start may fill without counting as evicting; the
+    # KeysManager already applies its own threshold (85 % of RAM) when it derives that limit
+    memory_fill: float = 1.0
 
     def __post_init__(self) -> None:
         if self.contention_threshold < 0:
