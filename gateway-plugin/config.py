@@ -169,7 +169,13 @@ class PluginConfig:
     control_period_s: float = 1.0  # [QUART_CONTROL_PERIOD_S]
     policy: str = "quart"  # [QUART_POLICY]
     slo_factor: float = 2.0  # [QUART_SLO_FACTOR] SLO = factor × profiled pipeline time
-    actuator: str = "rest"  # [QUART_ACTUATOR] rest | faas-cli | none
+    actuator: str = "gateway"  # [QUART_ACTUATOR] gateway (in-process) | rest | faas-cli | none
+    control_log_path: str = ""  # [QUART_CONTROL_LOG] JSONL of snapshots + decisions ("" = none)
+    cv_model_path: str = ""  # [QUART_CV_MODEL] trained CV-propagation model (safetensors)
+    cpu_profile_path: str = ""  # [QUART_CPU_PROFILE] JSONL profiling records for the CPU regression
+    gateway_url: str = ""  # [QUART_GATEWAY_URL] OpenFaaS gateway (rest / faas-cli actuators, standalone)
+    gateway_user: str = "admin"  # [QUART_GATEWAY_USER]
+    gateway_password_file: str = ""  # [QUART_GATEWAY_PASSWORD_FILE] file with the password (mode 0600)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
@@ -188,6 +194,12 @@ class PluginConfig:
             "policy": "QUART_POLICY",
             "slo_factor": "QUART_SLO_FACTOR",
             "actuator": "QUART_ACTUATOR",
+            "control_log_path": "QUART_CONTROL_LOG",
+            "cv_model_path": "QUART_CV_MODEL",
+            "cpu_profile_path": "QUART_CPU_PROFILE",
+            "gateway_url": "QUART_GATEWAY_URL",
+            "gateway_user": "QUART_GATEWAY_USER",
+            "gateway_password_file": "QUART_GATEWAY_PASSWORD_FILE",
         }
         base = cls()
         return replace(base, **{k: _env(env, v, getattr(base, k)) for k, v in names.items()})

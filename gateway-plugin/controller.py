@@ -1,0 +1,114 @@
+"""The control loop: every period, snapshot → policy → desired {replicas, CPUs} → actuator.
+
+One policy object per pipeline (policies keep state). Scale-ups of the stages the policy names as
+key stages are flagged ``key`` so the placer (the cache-aware scheduler behind the gateway's scale
+call) prefers hosts that cache their parameters. Each step's snapshot and decision go to an
+optional JSONL log (training data for the CV model) and to ``timeline`` (plots, reports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+from gateway_plugin.actuators import Actuator
+from gateway_plugin.config import PluginConfig
+from gateway_plugin.metrics import MetricsCollector
+from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy
+from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
+
+log = logging.getLogger("quart.controller")
+
+
+@dataclass(slots=True)
+class Controller:
+    inventory: Inventory
+    queues: QueueView
+    collector: MetricsCollector
+    actuator: Actuator
+    policy_factory: Callable[[], Policy]
+    config: PluginConfig = field(default_factory=PluginConfig)
+    slo_s: Mapping[str, float] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
+    log_file: IO[str] | None = None
+    keep_timeline: bool = True
+    policies: dict[str, Policy] = field(default_factory=dict)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    last_snapshots: dict[str, PipelineSnapshot] = field(default_factory=dict)
+    errors: int = 0
+
+    def policy(self, model: str) -> Policy:
+        if model not in self.policies:
+            self.policies[model] = self.policy_factory()
+        return self.policies[model]
+
+    def snapshot(self, model: str, functions: list[str]) -> PipelineSnapshot:
+        return build_snapshot(self.clock(), model, functions, self.inventory, self.queues, self.collector,
+                              self.config.slo_factor, self.slo_s)
+
+    async def step(self) -> dict[str, Decision]:
+        """One control period for every pipeline; returns the decisions."""
+        decisions: dict[str, Decision] = {}
+        for model, functions in self.inventory.pipelines().items():
+            snap = self.snapshot(model, functions)
+            self.last_snapshots[model] = snap
+            decision = self.policy(model).decide(snap)
+            decisions[model] = decision
+            await self._apply(snap, decision)
+            self._log(snap, decision)
+        self.collector.export(list(self.last_snapshots.values()))
+        return decisions
+
+    async def _apply(self, snap: PipelineSnapshot, decision: Decision) -> None:
+        for stage, want in zip(snap.stages, decision.stages, strict=True):
+            state = self.inventory.stage_state(stage.name)
+            try:
+                if want.replicas != state.desired:
+                    await self.actuator.scale(stage.name, want.replicas, key=stage.index in decision.key_stages)
+                if abs(want.cpus - state.cpus) >= 0.01:
+                    await self.actuator.set_cpus(stage.name, want.cpus)
+            except Exception as exc:  # an actuator failure must not stop the loop
+                self.errors += 1
+                log.warning("actuating %s failed: %s", stage.name, exc)
+
+    def _log(self, snap: PipelineSnapshot, decision: Decision) -> None:
+        if self.keep_timeline:
+            self.timeline.append({
+                "time": snap.time, "model": snap.model,
+                "replicas": [s.replicas for s in snap.stages],
+                "desired": [d.replicas for d in decision.stages],
+                "queue": [s.queue_len for s in snap.stages],
+                "cpus": [d.cpus for d in decision.stages],
+                "key_stages": list(decision.key_stages),
+            })
+        if self.log_file is not None:
+            self.log_file.write(json.dumps({"snapshot": asdict(snap), "decision": asdict(decision)},
+                                           separators=(",", ":"), default=str) + "\n")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Step every ``control_period_s`` until ``stop`` is set."""
+        period = self.config.control_period_s
+        while not stop.is_set():
+            started = self.clock()
+            try:
+                await self.step()
+            except Exception as exc:
+                self.errors += 1
+                log.exception("control step failed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, period - (self.clock() - started)))
+
+
+def snapshot_from_json(data: Mapping[str, Any]) -> PipelineSnapshot:
+    """A PipelineSnapshot back from the controller's JSONL log (for CV-model training)."""
+    from gateway_plugin.snapshot import StageSnapshot
+
+    stages = tuple(StageSnapshot(**s) for s in data["stages"])
+    return PipelineSnapshot(time=data["time"], model=data["model"], stages=stages,
+                            slo_s=data.get("slo_s", 0.0), window_s=data.get("window_s", 10.0))

@@ -1,0 +1,230 @@
+"""Attach the router, metrics and controller to the embedded gateway (``quartctl up`` calls ``attach``).
+
+- ``POST /function/<model>`` for a pipeline (functions labelled ``com.quart.model``) goes to the
+  router; deployed stage functions are still invocable one by one by the gateway itself.
+- The per-stage gauges join the gateway's ``/metrics``; ``GET /function/quart-plugin/snapshot``
+  answers the current per-stage snapshots as JSON, ``.../timeline`` the controller's history.
+- The controller scales stages through the configured actuator (default: in-process gateway calls,
+  whose placer is the scheduler). Settings: ``PluginConfig.from_env`` (``QUART_*``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from dataclasses import asdict
+from typing import IO, Any
+
+from aiohttp import web
+from gateway_plugin.config import PluginConfig
+from gateway_plugin.controller import Controller
+from gateway_plugin.metrics import MetricsCollector
+from gateway_plugin.policies import make_policy
+from gateway_plugin.router import Router
+from gateway_plugin.snapshot import Policy
+from gateway_plugin.snapshot_builder import StageState
+
+log = logging.getLogger("quart.plugin")
+
+PLUGIN_PATH = "quart-plugin"  # /function/quart-plugin/{snapshot,timeline}
+LABEL_PARAM_BYTES = "com.quart.param-bytes"
+LABEL_PROFILE_MS = "com.quart.profile-ms"
+
+
+class GatewayView:
+    """ReplicaSource + Inventory over the in-process EmbeddedGateway."""
+
+    def __init__(self, gateway: Any, default_concurrency: int = 1) -> None:
+        self.gateway = gateway
+        self.default_concurrency = default_concurrency
+
+    def pipelines(self) -> dict[str, list[str]]:
+        return self.gateway.pipelines()
+
+    def ready(self, function: str) -> list[Any]:
+        return self.gateway.ready_endpoints(function)
+
+    def concurrency(self, function: str) -> int:
+        fn = self.gateway.functions.get(function)
+        return (fn.deployment.concurrency if fn else 0) or self.default_concurrency
+
+    def take(self, function: str, replica: Any) -> None:
+        replica.in_flight += 1
+
+    def give_back(self, function: str, replica: Any) -> None:
+        fn = self.gateway.functions.get(function)
+        if fn is not None:
+            self.gateway.release(fn, replica)  # wakes the gateway's own waiters too
+        else:
+            replica.in_flight -= 1
+
+    def stage_state(self, function: str) -> StageState:
+        fn = self.gateway.functions[function]
+        dep = fn.deployment
+        return StageState(
+            ready=len(fn.ready), desired=fn.desired, cpus=dep.cpus or 1.0,
+            min_replicas=dep.min_replicas, max_replicas=dep.max_replicas,
+            concurrency=dep.concurrency or self.default_concurrency,
+            param_bytes=_int(dep.labels.get(LABEL_PARAM_BYTES)),
+            profiled_service_s=_int(dep.labels.get(LABEL_PROFILE_MS)) / 1000.0,
+        )
+
+    def stage_meta(self, function: str) -> tuple[float, int]:
+        state = self.stage_state(function) if function in self.gateway.functions else None
+        return (state.cpus, state.param_bytes) if state else (1.0, 0)
+
+
+def _int(raw: str | None) -> int:
+    try:
+        return int(float(raw)) if raw else 0
+    except ValueError:
+        return 0
+
+
+def policy_factory(config: PluginConfig, **overrides: Any):
+    """A zero-argument factory of the configured policy, with the trained models it needs loaded once."""
+    extra: dict[str, Any] = dict(overrides)
+    if config.policy == "quart":
+        if config.cv_model_path and "cv_model" not in extra:
+            from gateway_plugin.policies.cv_model import load_cv_model
+
+            extra["cv_model"] = load_cv_model(config.cv_model_path)
+        if config.cpu_profile_path and "cpu_model" not in extra:
+            from gateway_plugin.policies.cpu_model import CPULatencyModel
+
+            with open(config.cpu_profile_path) as fh:
+                extra["cpu_model"] = CPULatencyModel.fit(json.loads(line) for line in fh if line.strip())
+    make_policy(config.policy, **dict(extra))  # fail now, not at the first control step
+
+    def factory() -> Policy:
+        return make_policy(config.policy, **dict(extra))
+
+    return factory
+
+
+def make_actuator(config: PluginConfig, gateway: Any | None = None):
+    if config.actuator == "gateway":
+        if gateway is None:
+            raise ValueError("the gateway actuator needs the in-process embedded gateway")
+        from gateway_plugin.actuators.gateway import GatewayActuator
+
+        return GatewayActuator(gateway)
+    if config.actuator in ("rest", "faas-cli"):
+        if not config.gateway_url:
+            raise ValueError(f"the {config.actuator} actuator needs QUART_GATEWAY_URL")
+        password = ""
+        if config.gateway_password_file:
+            with open(config.gateway_password_file) as fh:
+                password = fh.read().strip()
+        if config.actuator == "rest":
+            from gateway_plugin.actuators.rest import RestActuator
+
+            return RestActuator(config.gateway_url, config.gateway_user, password)
+        from gateway_plugin.actuators.faas_cli import FaasCliActuator
+
+        return FaasCliActuator(config.gateway_url, config.gateway_user, password)
+    if config.actuator == "none":
+        return _NoActuator()
+    raise ValueError(f"unknown actuator {config.actuator!r}; one of gateway, rest, faas-cli, none")
+
+
+class _NoActuator:
+    """Observe only: decisions are logged, nothing is scaled."""
+
+    async def scale(self, function: str, replicas: int, key: bool = False) -> None:
+        return None
+
+    async def set_cpus(self, function: str, cpus: float) -> None:
+        return None
+
+
+class _RegistryBridge:
+    """Lets the gateway's prometheus registry also collect the plugin's gauges."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+    def collect(self):
+        yield from self.registry.collect()
+
+
+class Plugin:
+    """Router + metrics + controller bound to one embedded gateway."""
+
+    def __init__(self, gateway: Any, config: PluginConfig | None = None, factory=None, actuator=None) -> None:
+        self.config = config or PluginConfig.from_env()
+        self.gateway = gateway
+        self.view = GatewayView(gateway, self.config.default_concurrency)
+        self._files: list[IO[str]] = []
+        records = self._open(self.config.records_path)
+        self.collector = MetricsCollector(self.config.window_s, records)
+        self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta)
+        self.controller = Controller(
+            self.view, self.router, self.collector, actuator or make_actuator(self.config, gateway),
+            factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),
+        )
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def _open(self, path: str) -> IO[str] | None:
+        if not path:
+            return None
+        fh = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._files.append(fh)
+        return fh
+
+    async def start(self) -> None:
+        await self.router.start()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.controller.run(self._stop), name="quart-controller")
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.router.close()
+        closer = getattr(self.controller.actuator, "close", None)
+        if closer is not None:
+            await closer()
+        for fh in self._files:
+            fh.close()
+        self._files.clear()
+
+    async def hook(self, request: web.Request, name: str, tail: str) -> web.StreamResponse | None:
+        if name == PLUGIN_PATH:
+            return self._introspect(tail)
+        if name in self.view.pipelines():
+            if tail:
+                return web.json_response({"error": f"pipeline {name!r} has no sub-path {tail!r}", "field": "path"},
+                                         status=404)
+            return await self.router.handle(request, name)
+        return None
+
+    def _introspect(self, tail: str) -> web.Response:
+        if tail == "snapshot":
+            data = {m: asdict(s) for m, s in self.controller.last_snapshots.items()}
+            return web.json_response(data, dumps=lambda d: json.dumps(d, default=str))
+        if tail == "timeline":
+            return web.json_response(self.controller.timeline[-600:])
+        if tail == "metrics":
+            return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
+        return web.json_response({"error": f"unknown plugin path {tail!r}; use snapshot, timeline or metrics",
+                                  "field": "path"}, status=404)
+
+
+async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = None) -> Plugin:
+    """Called by the embedded gateway once it is up: hooks the router in and starts the controller."""
+    plugin = Plugin(gateway, config)
+    gateway.add_invoke_hook(plugin.hook)
+    gateway.shutdown_callbacks.append(plugin.close)
+    with contextlib.suppress(Exception):
+        gateway.metrics.registry.register(_RegistryBridge(plugin.collector.registry))
+    await plugin.start()
+    log.info("QUART plugin attached: policy %s, actuator %s, pid %d", plugin.config.policy,
+             plugin.config.actuator, os.getpid())
+    return plugin

@@ -1,0 +1,82 @@
+"""Turns the router's live state and the metrics windows into a ``PipelineSnapshot`` for a policy."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway_plugin.metrics import MetricsCollector
+from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class StageState:
+    """What the platform says of one stage function right now."""
+
+    ready: int
+    desired: int
+    cpus: float = 1.0
+    min_replicas: int = 1
+    max_replicas: int = 64
+    concurrency: int = 1
+    param_bytes: int = 0
+    profiled_service_s: float = 0.0  # from a profile label; 0 = use the measured service time
+
+
+class Inventory(Protocol):
+    """The platform's view of pipelines and their stage functions (embedded gateway or OpenFaaS)."""
+
+    def pipelines(self) -> dict[str, list[str]]: ...
+
+    def stage_state(self, function: str) -> StageState: ...
+
+
+class QueueView(Protocol):
+    def queue_len(self, function: str) -> int: ...
+
+    def busy(self, function: str) -> int: ...
+
+
+def build_snapshot(
+    now: float,
+    model: str,
+    functions: list[str],
+    inventory: Inventory,
+    queues: QueueView,
+    collector: MetricsCollector,
+    slo_factor: float,
+    slo_s: Mapping[str, float] | None = None,
+) -> PipelineSnapshot:
+    """One model's snapshot. The SLO is ``slo_s[model]`` when given, else slo_factor × Σ service times."""
+    window = collector.window_s
+    stages = []
+    total_service = 0.0
+    for index, fn in enumerate(functions):
+        state = inventory.stage_state(fn)
+        m = collector.stage(fn)
+        service_s = m.mean_service_s(now) or state.profiled_service_s
+        total_service += state.profiled_service_s or service_s
+        ready = max(0, state.ready)
+        util = m.busy_s(now) / (max(1, ready) * max(1, state.concurrency) * window)
+        stages.append(StageSnapshot(
+            name=fn, index=index,
+            arrival_rate=m.arrival_rate(now),
+            service_rate=1.0 / service_s if service_s > 0 else 0.0,
+            replicas=ready,
+            pending_replicas=max(0, state.desired - ready),
+            busy=queues.busy(fn),
+            queue_len=queues.queue_len(fn),
+            mean_wait_s=m.mean_wait_s(now),
+            cv_arrival=m.cv_arrival(now),
+            utilisation=min(1.5, util),
+            cpus=state.cpus,
+            min_replicas=state.min_replicas,
+            max_replicas=state.max_replicas,
+            param_bytes=state.param_bytes,
+            activation_bytes=m.mean_activation_bytes(now),
+            concurrency=state.concurrency,
+            arrival_rate_recent=m.arrival_rate(now, 1.0),
+        ))
+    slo = (slo_s or {}).get(model, 0.0) or slo_factor * total_service
+    return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window)

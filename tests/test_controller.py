@@ -1,0 +1,168 @@
+"""Controller: scripted unit steps, then the whole plugin attached to a real embedded gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import requests
+from gateway_plugin.config import PluginConfig
+from gateway_plugin.controller import Controller, snapshot_from_json
+from gateway_plugin.metrics import MetricsCollector
+from gateway_plugin.policies import make_policy
+from gateway_plugin.snapshot_builder import StageState
+
+
+class FakeInventory:
+    def __init__(self, states: dict[str, StageState]) -> None:
+        self.states = states
+
+    def pipelines(self) -> dict[str, list[str]]:
+        return {"m": list(self.states)}
+
+    def stage_state(self, function: str) -> StageState:
+        return self.states[function]
+
+
+class FakeQueues:
+    def __init__(self, queue: dict[str, int]) -> None:
+        self.queue = queue
+
+    def queue_len(self, function: str) -> int:
+        return self.queue.get(function, 0)
+
+    def busy(self, function: str) -> int:
+        return 1
+
+
+class RecordingActuator:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    async def scale(self, function: str, replicas: int, key: bool = False) -> None:
+        self.calls.append(("scale", function, replicas, key))
+
+    async def set_cpus(self, function: str, cpus: float) -> None:
+        self.calls.append(("cpus", function, cpus))
+
+
+def test_controller_step_scales_the_congested_stage_as_key() -> None:
+    now = [100.0]
+    collector = MetricsCollector(window_s=10.0)
+    # stage-1 sees 4 req/s at 0.5 s per request on 1 replica (ρ = 2); stage-0 is fast
+    for k in range(40):
+        t = 90.0 + k * 0.25
+        collector.stage("m-0").on_arrival(t, 100)
+        collector.stage("m-0").on_dispatch(t, 0.0)
+        collector.stage("m-0").on_complete(t, 0.01)
+        collector.stage("m-1").on_arrival(t, 100)
+        if k % 2 == 0:
+            collector.stage("m-1").on_dispatch(t, 1.0)
+            collector.stage("m-1").on_complete(t, 0.5)
+    inventory = FakeInventory({"m-0": StageState(2, 2), "m-1": StageState(1, 1, max_replicas=8)})
+    actuator = RecordingActuator()
+    log_lines: list[str] = []
+
+    class Sink:
+        def write(self, line: str) -> None:
+            log_lines.append(line)
+
+    ctl = Controller(inventory, FakeQueues({"m-1": 12}), collector, actuator, lambda: make_policy("quart"),
+                     PluginConfig(slo_factor=2.0), clock=lambda: now[0], log_file=Sink())
+    decision = asyncio.run(ctl.step())["m"]
+    assert decision.key_stages == (1,)
+    scale_calls = [c for c in actuator.calls if c[0] == "scale"]
+    assert ("scale", "m-1", decision.stages[1].replicas, True) in scale_calls
+    assert decision.stages[1].replicas >= 3  # 4 req/s ÷ 2 req/s per replica, ρ < 1
+    snap = ctl.last_snapshots["m"]
+    assert snap.stages[1].queue_len == 12 and snap.stages[1].arrival_rate == pytest.approx(4.0, rel=0.1)
+    assert snap.slo_s == pytest.approx(2.0 * (0.01 + 0.5), rel=0.01)
+    import json
+
+    again = snapshot_from_json(json.loads(log_lines[0])["snapshot"])
+    assert again == snap
+    assert ctl.timeline[0]["key_stages"] == [1]
+    assert b"quart_stage_queue_length" in collector.prometheus_text()
+
+
+# ---------------------------------------------------------------- integration with the embedded gateway
+
+
+class PluginGateway:
+    """EmbeddedSystem with the plugin attached, on its own loop thread; echo replicas as stages."""
+
+    def __init__(self, tmp_path) -> None:
+        from gateway_plugin.embedded.config import GatewayConfig
+        from gateway_plugin.embedded.system import EmbeddedSystem
+
+        cfg = GatewayConfig(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, ready_wait_s=20,
+                            drain_timeout_s=5)
+        self.system = EmbeddedSystem(cfg, use_keysmanager=False, attach_plugin=True)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(self.system.start())
+        self.url = self.system.url
+        self.auth = (self.system.credentials.user, self.system.credentials.password)
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        try:
+            self.call(self.system.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+    def deploy_stage(self, model: str, index: int, stages: int, **labels: str) -> None:
+        body = {"service": f"{model}-stage-{index}", "image": "quart/echo:latest",
+                "labels": {"com.quart.model": model, "com.quart.stage": str(index), "com.quart.stages": str(stages),
+                           "com.openfaas.scale.min": "1", "com.openfaas.scale.max": "4", **labels}}
+        res = requests.post(f"{self.url}/system/functions", json=body, auth=self.auth, timeout=30)
+        assert res.status_code == 202, res.text
+
+    def available(self, name: str) -> int:
+        res = requests.get(f"{self.url}/system/function/{name}", auth=self.auth, timeout=10)
+        return res.json()["availableReplicas"]
+
+
+@pytest.fixture
+def plugin_gw(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUART_POLICY", "static")  # static: 2 replicas per stage, whatever the load
+    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", "0.2")
+    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
+    running = PluginGateway(tmp_path)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def test_plugin_routes_pipeline_and_controller_scales_through_gateway(plugin_gw, tmp_path) -> None:
+    for i in range(2):
+        plugin_gw.deploy_stage("m", i, 2)
+    deadline = time.monotonic() + 30
+    while not all(plugin_gw.available(f"m-stage-{i}") == 2 for i in range(2)):
+        assert time.monotonic() < deadline, "controller did not scale both stages to 2"
+        time.sleep(0.1)
+    for k in range(5):
+        res = requests.post(f"{plugin_gw.url}/function/m", data=f"hello {k}".encode(), timeout=10)
+        assert res.status_code == 200 and res.content == f"hello {k}".encode()
+    snap = requests.get(f"{plugin_gw.url}/function/quart-plugin/snapshot", timeout=10)
+    deadline = time.monotonic() + 5
+    while snap.json().get("m", {}).get("stages", [{}])[0].get("arrival_rate", 0) <= 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+        snap = requests.get(f"{plugin_gw.url}/function/quart-plugin/snapshot", timeout=10)
+    stages = snap.json()["m"]["stages"]
+    assert [s["replicas"] for s in stages] == [2, 2]
+    metrics = requests.get(f"{plugin_gw.url}/metrics", timeout=10).text
+    assert "quart_stage_arrival_rate" in metrics
+    bad = requests.get(f"{plugin_gw.url}/function/m", timeout=10)
+    assert bad.status_code == 405 and "POST" in bad.json()["error"]
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert len(lines) >= 5 and '"status":200' in lines[0]
