@@ -7,4 +7,4 @@ the worker imports this module.
 
 from quart_stage.handler import StageHandler
 
-handle = StageHandler.from_env()
+handle = StageHandler.from_env(family="encoder")

@@ -7,7 +7,7 @@ A function's ``handler.py`` is two lines: ``from quart_stage.handler import Stag
 
 from __future__ import annotations
 
-from quart_stage.config import StageConfig
+from quart_stage.config import ConfigError, StageConfig
 from quart_stage.runtime import StageRuntime
 
 
@@ -18,8 +18,12 @@ class StageHandler:
         self.runtime = runtime
 
     @classmethod
-    def from_env(cls, env=None) -> StageHandler:
+    def from_env(cls, env=None, family: str | None = None) -> StageHandler:
+        """Load the stage the environment names; `family` (decoder|encoder) refuses a model of another family."""
         runtime = StageRuntime.load(StageConfig.from_env(env))
+        if family is not None and runtime.manifest is not None and runtime.manifest.family != family:
+            raise ConfigError(f"this is the {family} handler but {runtime.cfg.model_dir} holds a "
+                              f"{runtime.manifest.family} model ({runtime.model}); use the {runtime.manifest.family} handler in functions/")
         return cls(runtime)
 
     def __call__(self, event, context) -> dict:

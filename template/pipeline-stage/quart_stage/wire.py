@@ -24,7 +24,8 @@ from quart_stage.errors import StageInputError
 
 CONTENT_TYPE = "application/octet-stream"
 MAX_HEADER_BYTES = 1 << 20
-ALIGN = 8
+ALIGN = 64
+"""Header padding: tensor data starts 64-byte aligned (cache line; safetensors needs 8), which memcpy likes."""
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -86,12 +87,11 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     head, body_len = _header(tensors, metadata)
     out = np.empty(len(head) + body_len, dtype=np.uint8)  # uninitialised: every byte is written below
     out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-    dst = torch.from_numpy(out)
     pos = len(head)
     for t in tensors.values():
-        src = byte_view(t)
-        dst[pos : pos + src.numel()].copy_(src)
-        pos += src.numel()
+        src = byte_view(t).numpy()
+        out[pos : pos + src.size] = src  # numpy memcpy: fast at any offset (torch's copy_ is not, unaligned)
+        pos += src.size
     return memoryview(out)
 
 
