@@ -289,3 +289,144 @@ def test_gpu_slots_are_counted_and_refused_when_full(daemon):
     assert err.value.status == 409
     d.client.stop(reps[0].id)
     assert d.client.report().gpu_used == 1
+
+
+# --------------------------------------------------------------------------- stages with real parameters
+@pytest.fixture(scope="module")
+def models():
+    """Two partitioned models with random weights: `tiny` (2 stages) and a 1-stage ~16 MB model."""
+    from quart_tools.partition import partition, stage_size_config
+
+    root = Path(tempfile.mkdtemp(prefix="km-models-", dir="/tmp"))
+    try:
+        partition("tiny", 2, str(root / "tiny"), weights="random", progress=False)
+        partition(stage_size_config(16, stages=1), 1, str(root / "mid"), weights="random", progress=False,
+                  name="mid")
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def stage(model_dir: Path, index: int, function: str | None = None, compute: str = "cpu") -> StageSpec:
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    return StageSpec(function or f"{manifest['model']}-stage-{index}",
+                     env={"QUART_MODEL_DIR": str(model_dir), "QUART_STAGE_INDEX": str(index),
+                          "QUART_COMPUTE": compute})
+
+
+def infer(url: str, request_id: str = "same-id", ids=IDS) -> bytes:
+    resp = requests.post(url, json=ids, headers={"X-Quart-Request-Id": request_id}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.content
+
+
+def segment_smaps(pid: int, shm_path: str) -> dict[str, int]:
+    """Summed smaps fields (kB) of the mappings of one parameter segment in process ``pid``."""
+    totals: dict[str, int] = {}
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                inside = len(head) >= 6 and head[5] == shm_path
+            elif inside and line.rstrip().endswith("kB"):
+                totals[head[0].rstrip(":")] = totals.get(head[0].rstrip(":"), 0) + int(head[1])
+    return totals
+
+
+def test_forked_replicas_answer_like_a_cold_one_while_others_serve_load(daemon, models):
+    d = daemon()
+    spec = stage(models / "tiny", 0)
+    d.client.ensure_cached(spec)
+    busy = d.client.start(spec, 2)
+    stop_load = False
+
+    def load(url: str) -> int:
+        n = 0
+        with requests.Session() as s:
+            while not stop_load:
+                assert s.post(url, json={"input_ids": [[5, 6, 7]]}, timeout=30).status_code == 200
+                n += 1
+        return n
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        loaders = [pool.submit(load, r.url) for r in busy for _ in range(2)]
+        time.sleep(0.3)
+        forked = d.client.start(spec, 2)  # forked while the zygote's other children serve load
+        [cold] = d.client.start(stage(models / "tiny", 0, function="tiny-cold-stage-0"), 1, cache=False)
+        assert [r.source for r in forked] == ["fork", "fork"] and cold.source == "cold"
+        reference = infer(cold.url)
+        outputs = [infer(r.url) for r in forked + busy]
+        stop_load = True
+        served = [f.result(timeout=60) for f in loaders]
+    assert all(o == reference for o in outputs), "a forked replica must compute exactly what a cold one does"
+    assert all(n > 0 for n in served)
+    assert len(reference) > 1000  # a real safetensors activation, not an error document
+
+
+def test_lru_eviction_under_a_low_limit_never_kills_a_serving_replica(daemon, models):
+    tiny = models / "tiny"
+    one = json.loads((tiny / "manifest.json").read_text())["stages"][1]["file_bytes"]
+    d = daemon("h5", "--memory-limit", str(int(2.5 * one)))  # room for two tiny stages
+    a, b, c, e = (stage(tiny, i % 2, function=f"{n}-stage-{i % 2}") for i, n in enumerate("abce"))
+    d.client.ensure_cached(a)
+    [serving] = d.client.start(a, 1)
+    d.client.ensure_cached(b)
+    d.client.ensure_cached(b)  # b is now more recent than a
+    d.client.ensure_cached(c)  # evicts b: a is older, but a still has a live replica, so it goes last
+    assert d.client.report().cached == ["a-stage-0", "c-stage-0"]
+    d.client.ensure_cached(a)
+    d.client.ensure_cached(e)  # all idle but a: c is the least recently used
+    assert d.client.report().cached == ["a-stage-0", "e-stage-1"]
+    report = d.client.report()
+    assert report.memory_used <= report.memory_limit
+    # the replica of a outlives its zygote: invalidate a, it keeps serving; its segment is still counted
+    assert d.client.invalidate("a-stage-0")["dropped"] is True
+    assert requests.post(serving.url, json=IDS, timeout=30).status_code == 200
+    assert [r.state for r in d.client.replicas("a-stage-0")] == ["ready"]
+    assert d.client.report().memory_used >= 1.9 * one  # segments hold the tensors without the file header
+    d.client.stop(serving.id)
+    wait_for(lambda: d.client.report().memory_used < 1.1 * one, what="the last mapping of a's segment released")
+    assert len(d.shm_files()) == 1  # e's segment only: every dropped segment's file is gone
+
+
+def test_invalidation_after_a_checkpoint_change(daemon, models, tmp_path):
+    from quart_tools.partition import partition
+
+    model = tmp_path / "tiny"
+    shutil.copytree(models / "tiny", model)
+    d = daemon("h6")
+    spec = stage(model, 0)
+    old_sha = d.client.ensure_cached(spec)["sha256"]
+    [old] = d.client.start(spec, 1)
+    before = infer(old.url)
+    partition("tiny", 2, str(model), weights="random", seed=7, progress=False)  # new weights, new sha256
+    wait_for(lambda: not d.client.zygotes(), timeout=10, what="the stale zygote dropped")
+    [new] = d.client.start(spec, 1)  # nothing cached: cold from the new checkpoint, and it caches again
+    after = infer(new.url)
+    assert after != before
+    assert infer(old.url) == before  # a serving replica is never killed by invalidation
+    zygote = wait_for(lambda: d.client.zygotes(), timeout=60, what="the new zygote")[0]
+    assert zygote.sha256 != old_sha
+    [forked] = d.client.start(spec, 1)
+    assert forked.source == "fork" and infer(forked.url) == after
+
+
+def test_copy_on_write_shares_parameter_pages_and_isolated_mode_copies_them(daemon, models):
+    d = daemon("h7")
+    spec = stage(models / "mid", 0)
+    info = d.client.ensure_cached(spec)
+    seg_kb = info["param_bytes"] // 1024
+    assert seg_kb > 10_000
+    cow = d.client.start(spec, 2)
+    [iso] = d.client.start(spec, 1, mode="isolated")
+    for r in cow + [iso]:
+        infer(r.url, ids={"input_ids": [[1, 2]]})  # touches every weight
+    for r in cow:
+        m = segment_smaps(r.pid, info["shm_path"])
+        assert m["Anonymous"] < 0.02 * seg_kb, "a copy-on-write replica must not copy parameter pages"
+        assert m["Rss"] > 0.9 * seg_kb and m["Pss"] < 0.6 * seg_kb  # mapped, and shared with the other
+    m = segment_smaps(iso.pid, info["shm_path"])
+    assert m["Anonymous"] > 0.95 * seg_kb, "isolated mode must hold a private copy of every page"
+    assert m["Pss"] > 0.95 * seg_kb
+    assert d.client.report().memory_used >= 2 * info["param_bytes"]  # segment + the isolated copy
