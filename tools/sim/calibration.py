@@ -14,39 +14,23 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
+from quart_stage.presets import PAPER_PROFILES, PaperProfile
 
 GB = 1_000_000_000
 
 
-@dataclass(frozen=True, slots=True)
-class ModelProfile:
-    """A model of the paper's Table 1."""
-
-    name: str
-    size_gb: float  # parameters, GB
-    exec_ms: float  # standalone (profiled) execution time of the whole model, ms
-    tokens: int | None  # input tokens of the profiled request (None: not a token model)
-    stages: int = 8  # the paper splits every model into 8 stages with DeepSpeed
-
-    @property
-    def stage_bytes(self) -> int:
-        return int(self.size_gb * GB / self.stages)
-
-    @property
-    def stage_service_s(self) -> float:
-        return self.exec_ms / 1000.0 / self.stages
+# QUART paper, Table 1 (size GB, operators, tokens, standalone exec ms), kept by the stage runtime.
+PAPER_MODELS: dict[str, PaperProfile] = PAPER_PROFILES
+PAPER_STAGES = 8  # §8.1: every model split into 8 stages with DeepSpeed
 
 
-# QUART paper, Table 1 (size GB, standalone exec ms; tokens where given).
-PAPER_MODELS: dict[str, ModelProfile] = {
-    "whisper-9b": ModelProfile("whisper-9b", 2.9, 74.0, None),
-    "bert-21b": ModelProfile("bert-21b", 43.0, 137.0, 128),
-    "llama-7b": ModelProfile("llama-7b", 14.0, 243.0, 1024),
-    "opt-66b": ModelProfile("opt-66b", 132.0, 278.0, 128),
-    "wideresnet": ModelProfile("wideresnet", 16.0, 646.0, None),
-}
+def activation_bytes(profile: PaperProfile) -> float:
+    """Bytes of one request's activations between stages (batch 1 × seq × hidden, in its dtype)."""
+    itemsize = 2 if profile.dtype in ("float16", "bfloat16") else 4
+    return float(profile.seq * profile.hidden * itemsize)
 
-_BERT_STAGE_GB = PAPER_MODELS["bert-21b"].size_gb / 8  # 5.375 GB
+
+_BERT_STAGE_GB = PAPER_MODELS["bert-21b"].size_gb / PAPER_STAGES  # 5.375 GB
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,158 @@
+"""`quartctl simulate`: one simulated run, or a paper experiment, written as JSON.
+
+    quartctl simulate --model bert-21b --system quart --cv 4 --duration 600          # one run
+    quartctl simulate --experiment fig7 --out fig7.json                             # CV sweep
+    quartctl simulate --experiment fig6|fig2|ablations|all --out FILE [--plots DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from quart_tools.arrivals import DEFAULT_TRACE, gamma_arrivals, load_trace, replay_trace
+from quart_tools.report import json_safe, plot_arrivals, plot_latency_cdf, plot_stage_series
+from quart_tools.sim import experiments as ex
+from quart_tools.sim.calibration import PAPER_MODELS, Calibration
+
+DEFAULT_LOAD = 0.4  # mean rate as a fraction of what the whole cluster sustains for the model
+EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "all")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quartctl simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--experiment", choices=EXPERIMENTS, default="run")
+    p.add_argument("--model", default="bert-21b", choices=sorted(PAPER_MODELS), help="model of a single run")
+    p.add_argument("--models", default=",".join(PAPER_MODELS), help="models of an experiment (comma list)")
+    p.add_argument("--system", default="quart",
+                   help="policy of a single run: a policy name, quart-no-km or <baseline>+km")
+    p.add_argument("--systems", default=None, help="systems of an experiment (comma list; default all policies)")
+    p.add_argument("--arrivals", choices=("gamma", "trace"), default="gamma", help="single run: arrival process")
+    p.add_argument("--cv", type=float, default=1.0, help="single run: gamma inter-arrival CV")
+    p.add_argument("--cvs", default=",".join(str(c) for c in ex.FIG7_CVS), help="fig7: CVs (comma list)")
+    p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: --load × capacity)")
+    p.add_argument("--load", type=float, default=DEFAULT_LOAD, help="mean rate / cluster capacity for the model")
+    p.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals per run")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV for fig6 / --arrivals trace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--calibration", default=None, help="calibration JSON (Calibration.to_json format)")
+    p.add_argument("--keysmanager-bench", default=None,
+                   help="`quartctl bench keysmanager` JSON: fork/cold fixed costs from live measurements")
+    p.add_argument("--write-calibration", default=None, help="write the calibration in use (with sources) here")
+    p.add_argument("--out", default=None, help="JSON output (default stdout)")
+    p.add_argument("--series-out", default=None, help="single run: per-stage samples as JSONL")
+    p.add_argument("--plots", default=None, help="folder for PNG plots")
+    return p
+
+
+def _calibration(args) -> Calibration:
+    cal = Calibration.load(args.calibration) if args.calibration else Calibration()
+    if args.keysmanager_bench:
+        cal = cal.with_keysmanager_bench(args.keysmanager_bench)
+    if args.write_calibration:
+        Path(args.write_calibration).write_text(json.dumps(cal.to_json(), indent=2) + "\n")
+    return cal
+
+
+def _single(args, cal: Calibration) -> dict:
+    from quart_tools.sim.scenario import run
+
+    rate = args.rate if args.rate else ex.rate_for(args.model, args.load, cal)
+    if args.arrivals == "gamma":
+        arrivals = gamma_arrivals(rate, args.cv, args.duration, seed=args.seed)
+    else:
+        arrivals = replay_trace(load_trace(args.trace), target_rate=rate, duration_s=args.duration, loop=True)
+    entry, result = run(args.model, args.system, arrivals, cal, seed=args.seed)
+    if args.series_out:
+        with open(args.series_out, "w") as fh:
+            for s in result.samples:
+                fh.write(json.dumps({"t": s.t, "stage": s.stage, "replicas": s.replicas, "queue": s.queue}) + "\n")
+    if args.plots:
+        out = Path(args.plots)
+        out.mkdir(parents=True, exist_ok=True)
+        plot_latency_cdf({entry["policy"]: result.latencies_ms}, out / "latency-cdf.png",
+                         PAPER_MODELS[args.model].exec_ms)
+        plot_arrivals(arrivals.times, out / "arrivals.png")
+        plot_stage_series(result.samples, out / "stages.png", title=f"{args.system} on {args.model}")
+    return entry
+
+
+def _systems(args, default) -> list[str]:
+    return [s.strip() for s in args.systems.split(",")] if args.systems else list(default)
+
+
+def _fig7(args, cal: Calibration) -> dict:
+    models = [m.strip() for m in args.models.split(",")]
+    cvs = [float(c) for c in args.cvs.split(",")]
+    specs = ex.fig7_specs(models, cvs, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.seed)
+    entries = ex.run_many(specs, args.workers, "fig7")
+    return {
+        "experiment": "fig7",
+        "config": {"models": models, "cvs": cvs, "duration_s": args.duration, "load": args.load, "seed": args.seed},
+        "entries": entries,
+        "summary": ex.compare(entries, ("model", "target_cv")),
+        "fig8": ex.fig8(entries),
+        "paper": {k: v for k, v in ex.PAPER_REPORTED.items() if k.startswith("cv") or k.startswith("infless")},
+    }
+
+
+def _fig6(args, cal: Calibration) -> dict:
+    models = [m.strip() for m in args.models.split(",")]
+    specs = ex.fig6_specs(models, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.trace,
+                          args.seed)
+    entries = ex.run_many(specs, args.workers, "fig6")
+    return {
+        "experiment": "fig6",
+        "config": {"models": models, "duration_s": args.duration, "load": args.load, "trace": args.trace},
+        "entries": entries,
+        "summary": ex.compare(entries, ("model",)),
+        "paper": {k: v for k, v in ex.PAPER_REPORTED.items() if k.startswith("trace")},
+    }
+
+
+def _ablations(args, cal: Calibration) -> dict:
+    models = [m.strip() for m in args.models.split(",")]
+    specs = ex.fig6_specs(models, _systems(args, ex.ABLATIONS), args.duration, args.load, cal, args.trace,
+                          args.seed)
+    specs += ex.fig7_specs(models, [4.0], _systems(args, ex.ABLATIONS), args.duration, args.load, cal, args.seed)
+    entries = ex.run_many(specs, args.workers, "ablations")
+    return {"experiment": "ablations", "config": {"models": models, "duration_s": args.duration, "load": args.load},
+            "entries": entries}
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    started = time.perf_counter()
+    try:
+        cal = _calibration(args)
+        if args.experiment == "run":
+            doc = _single(args, cal)
+        elif args.experiment == "fig2":
+            doc = {"experiment": "fig2", **ex.fig2(cal, args.duration, seed=args.seed)}
+        elif args.experiment == "fig6":
+            doc = _fig6(args, cal)
+        elif args.experiment == "fig7":
+            doc = _fig7(args, cal)
+        elif args.experiment == "ablations":
+            doc = _ablations(args, cal)
+        else:
+            doc = {"experiment": "all", "fig2": ex.fig2(cal, args.duration, seed=args.seed), "fig6": _fig6(args, cal),
+                   "fig7": _fig7(args, cal), "ablations": _ablations(args, cal)}
+        if args.experiment != "run":
+            doc["calibration"] = cal.to_json()
+            doc["wall_s"] = round(time.perf_counter() - started, 2)
+            doc["machine_note"] = "simulated cluster; wall_s measured on the machine that ran it"
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"quartctl simulate: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(json_safe(doc), indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(f"wrote {args.out} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    else:
+        print(text)
+    return 0

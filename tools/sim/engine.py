@@ -1,0 +1,542 @@
+"""The discrete-event engine: gateway queues, stage replicas, the control loop, on simulated time.
+
+One request walks the pipeline's stages; each stage has one FIFO queue (the router's) and dispatches
+to a free replica slot. Service times are the stage's profiled time × the CPU effect × a gamma draw;
+the draws are per (request, stage), so every policy sees the same request sizes (common random
+numbers). Every ``control_period_s`` the controller builds a `PipelineSnapshot` from sliding-window
+stage metrics (the live `gateway_plugin.metrics.StageMetrics`), calls the policy
+(`gateway_plugin.policies.make_policy`), asks the placer (`gateway_plugin.scheduling.make_placer`)
+where new replicas go, and starts them after the delay of their source (gpu / fork / cold).
+
+``whole_model=True`` serves the model as one function (INFless as the paper ran it): a request holds
+one replica of every stage for the whole model's time, no pipelining.
+
+The event loop is a plain binary heap (heapq) rather than SimPy processes: the Fig. 7 sweep is 175
+ten-minute runs of up to a million stage visits each, and a heap of tuples is several times faster.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from gateway_plugin.metrics import StageMetrics
+from gateway_plugin.scheduling import ReplicaRequest, make_placer
+from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+from quart_tools.arrivals import Arrivals
+from quart_tools.report import StageSample
+from quart_tools.sim.calibration import Calibration
+from quart_tools.sim.cluster import Host, Slot, make_hosts
+
+_COMPLETE, _READY, _CONTROL = 0, 1, 2
+REJECTED = math.nan  # latency of a request the gateway refused (queue full: 429)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage as the simulator needs it."""
+
+    name: str
+    service_s: float  # mean service time at cpu_ref CPUs
+    param_bytes: int
+    activation_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run."""
+
+    model: str
+    stages: tuple[StageSpec, ...]
+    slo_s: float  # the SLO the policy aims at (snapshot.slo_s)
+    calibration: Calibration = field(default_factory=Calibration)
+    keysmanager: bool = True  # hosts cache parameters and fork; False: every start is cold
+    placer: str = "cache-aware"  # or "first-fit"
+    whole_model: bool = False  # serve the model as one function (INFless)
+    initial_replicas: int = 1  # per stage, ready (on GPU) at t = 0
+    prewarm_hosts: int = -1  # hosts whose KeysManager holds every stage at t = 0 (−1 = all; KM only)
+    min_replicas: int = 1
+    max_replicas: int = 0  # per stage (com.openfaas.scale.max); 0 = 2 × GPU slots / stages
+    control_period_s: float = 1.0
+    window_s: float = 10.0
+    queue_cap: int = 1024  # waiting requests per stage before the gateway answers 429
+    hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway), added to end-to-end latency
+    gpu_keep_s: float = 0.0  # a released replica's parameters stay on its GPU this long
+    cpus: float = 1.0  # initial CPUs per replica
+    drain_s: float = 120.0  # after the last arrival, keep simulating this long for stragglers
+    seed: int = 0
+    record_series: bool = True
+
+
+class WindowMetrics(StageMetrics):
+    """The live `StageMetrics` windows, with its statistics kept incrementally.
+
+    Same events, same window, same formulas (rates are counts / window; means are sums / counts;
+    CV is population std / mean of the gaps). The live class recomputes everything from the deques
+    with `statistics` (exact fractions), which costs milliseconds per snapshot on a 1,000-arrival
+    window: too slow for 175 ten-minute runs. tests/test_sim.py checks that both agree.
+    """
+
+    __slots__ = ("_wait_sum", "_busy_sum")
+
+    def __init__(self, window_s: float) -> None:
+        super().__init__(window_s)
+        self._wait_sum = 0.0
+        self._busy_sum = 0.0
+
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window_s
+        arrivals = self.arrivals
+        while arrivals and arrivals[0] < cutoff:
+            arrivals.popleft()
+        waits = self.waits
+        while waits and waits[0][0] < cutoff:
+            self._wait_sum -= waits.popleft()[1]
+        services = self.services
+        while services and services[0][0] < cutoff:
+            self._busy_sum -= services.popleft()[1]
+        acts = self.activations
+        while acts and acts[0][0] < cutoff:
+            acts.popleft()
+
+    # Events only append; the window is trimmed when a statistic is read (every read trims first,
+    # so the answers are those of the live class, which trims on every event).
+    def on_arrival(self, now: float, activation_bytes: int) -> None:
+        self.arrivals.append(now)
+        self.activations.append((now, activation_bytes))
+        self.total_arrivals += 1
+
+    def on_dispatch(self, now: float, wait_s: float) -> None:
+        self.waits.append((now, wait_s))
+        self._wait_sum += wait_s
+
+    def on_complete(self, now: float, service_s: float) -> None:
+        self.services.append((now, service_s))
+        self.total_completions += 1
+        self._busy_sum += service_s
+
+    def arrival_rate(self, now: float, window_s: float | None = None) -> float:
+        self._trim(now)
+        if window_s is None or window_s >= self.window_s:
+            return len(self.arrivals) / (self.window_s if window_s is None else window_s)
+        cutoff, count = now - window_s, 0
+        for t in reversed(self.arrivals):
+            if t < cutoff:
+                break
+            count += 1
+        return count / window_s
+
+    def mean_service_s(self, now: float) -> float:
+        self._trim(now)
+        if self.services:
+            self.last_service_s = max(0.0, self._busy_sum) / len(self.services)
+        return self.last_service_s
+
+    def mean_wait_s(self, now: float) -> float:
+        self._trim(now)
+        return max(0.0, self._wait_sum) / len(self.waits) if self.waits else 0.0
+
+    def busy_s(self, now: float) -> float:
+        self._trim(now)
+        return max(0.0, self._busy_sum) if self.services else 0.0
+
+    def cv_arrival(self, now: float) -> float:
+        self._trim(now)
+        if len(self.arrivals) < 3:
+            return 1.0
+        gaps = np.diff(np.fromiter(self.arrivals, dtype=np.float64, count=len(self.arrivals)))
+        mean = gaps.mean()
+        return float(gaps.std() / mean) if mean > 0 else 0.0
+
+
+class Replica:
+    __slots__ = ("id", "stage", "host", "slot", "state", "cpus", "source", "requested_at", "factor")
+
+    def __init__(self, rid: int, stage: int, host: Host, slot: Slot, source: str, now: float, cpus: float):
+        self.id, self.stage, self.host, self.slot = rid, stage, host, slot
+        self.state = "starting"  # starting | ready | draining | gone
+        self.cpus, self.source, self.requested_at = cpus, source, now
+        self.factor = 1.0  # service-time multiplier of its CPUs (Calibration.cpu_factor)
+
+
+class _Stage:
+    __slots__ = ("index", "spec", "queue", "free", "ready", "starting", "busy", "metrics", "draws", "cpus",
+                 "arrivals", "function")
+
+    def __init__(self, index: int, spec: StageSpec, window_s: float, draws: list[float], cpus: float):
+        self.index, self.spec, self.function = index, spec, spec.name
+        self.queue: deque = deque()  # (request, enqueue time)
+        self.free: list[Replica] = []  # ready, idle
+        self.ready: set[Replica] = set()  # ready, not draining (busy or idle)
+        self.starting: list[Replica] = []
+        self.busy = 0
+        self.metrics = WindowMetrics(window_s)
+        self.draws = draws
+        self.cpus = cpus
+        self.arrivals: list[float] = []
+
+
+@dataclass
+class SimResult:
+    """What one run produced: per-request latencies and the time series the report needs."""
+
+    model: str
+    policy: str
+    latencies_ms: np.ndarray  # NaN = rejected / unfinished
+    arrival_s: np.ndarray
+    duration_s: float  # the arrival schedule's span
+    end_s: float  # simulated time at the end
+    samples: list[StageSample]
+    stage_arrivals: dict[int, list[float]]
+    starts_by_source: dict[str, int]
+    ready_s_by_source: dict[str, list[float]]
+    rejected: int
+    key_stage_counts: dict[int, int]
+    gpu_seconds: float  # Σ over replicas of (release or end − request time): slots held
+    evictions: int
+    events: int
+    decisions: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+
+
+class Simulation:
+    """One run of one policy over one arrival schedule."""
+
+    def __init__(self, cfg: SimConfig, policy, arrivals: Arrivals) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.arrivals = arrivals
+        cal = cfg.calibration
+        self.cal = cal
+        self.hosts = make_hosts(cal.hosts, cal.gpus_per_host, cal.host_memory_bytes, cfg.keysmanager,
+                                cal.eviction_threshold)
+        self.host_by_name = {h.name: h for h in self.hosts}
+        self.placer = make_placer(cfg.placer)
+        n = len(arrivals)
+        rng = np.random.default_rng(cfg.seed)
+        cv = cal.service_cv
+        self.stages: list[_Stage] = []
+        for i, spec in enumerate(cfg.stages):
+            if cv > 0:
+                shape = 1.0 / (cv * cv)
+                draws = rng.gamma(shape, 1.0 / shape, size=n).tolist()
+            else:
+                draws = [1.0] * n
+            self.stages.append(_Stage(i, spec, cfg.window_s, draws, cfg.cpus))
+        self.hops_s = cfg.hop_s * len(cfg.stages)  # a constant: the hops do not hold a replica
+        self.max_replicas = cfg.max_replicas or max(1, 2 * cal.hosts * cal.gpus_per_host // len(cfg.stages))
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.next_replica = 0
+        self.latency = np.full(n, np.nan)
+        self.arrival = arrivals.times.astype(float)
+        self.enter = [0.0] * n  # whole-model mode: when the request entered service
+        self.samples: list[StageSample] = []
+        self.starts_by_source: dict[str, int] = {"gpu": 0, "fork": 0, "cold": 0}
+        self.ready_s_by_source: dict[str, list[float]] = {"gpu": [], "fork": [], "cold": []}
+        self.rejected = 0
+        self.key_counts: dict[int, int] = {}
+        self.gpu_seconds = 0.0
+        self.events = 0
+        self.decisions: list[tuple[float, tuple[int, ...]]] = []
+        self._place_initial()
+
+    # ------------------------------------------------------------------------------ helpers
+    def _push(self, t: float, kind: int, payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, payload))
+
+    def _new_replica(self, stage: _Stage, host: Host, source: str, now: float) -> Replica:
+        slot, resident = host.take_slot(stage.function, now)
+        if resident:
+            source = "gpu"
+        rep = Replica(self.next_replica, stage.index, host, slot, source, now, stage.cpus)
+        rep.factor = self.cal.cpu_factor(stage.cpus)
+        self.next_replica += 1
+        host.occupy(slot, rep, stage.function)
+        return rep
+
+    def _place_initial(self) -> None:
+        """``initial_replicas`` per stage, placed by the placer, ready at t = 0 (as after a deploy)."""
+        reqs = [ReplicaRequest(s.function, self.cfg.initial_replicas, s.spec.param_bytes) for s in self.stages]
+        result = self.placer.place([h.view() for h in self.hosts], reqs, {})
+        by_fn = {s.function: s for s in self.stages}
+        for p in result.placements:
+            stage, host = by_fn[p.function], self.host_by_name[p.host]
+            host.cache_stage(stage.function, stage.spec.param_bytes, 0.0)
+            rep = self._new_replica(stage, host, "gpu", 0.0)
+            rep.state = "ready"
+            stage.ready.add(rep)
+            stage.free.append(rep)
+        if result.unplaced:
+            raise ValueError(f"the cluster cannot hold the initial replicas: {result.unplaced}")
+        if self.cfg.keysmanager:  # deploy-time prefetch: caches as on a cluster that has served the model
+            count = len(self.hosts) if self.cfg.prewarm_hosts < 0 else self.cfg.prewarm_hosts
+            for host in self.hosts[:count]:
+                for st in self.stages:
+                    host.cache_stage(st.function, st.spec.param_bytes, 0.0)
+
+    def _release(self, rep: Replica, now: float) -> None:
+        rep.state = "gone"
+        self.gpu_seconds += now - rep.requested_at
+        rep.host.release_slot(rep.slot, self.stages[rep.stage].function, now, self.cfg.gpu_keep_s)
+
+    # ------------------------------------------------------------------------- request flow
+    def _arrive(self, req: int, stage: _Stage, now: float) -> None:
+        stage.metrics.on_arrival(now, stage.spec.activation_bytes)
+        stage.arrivals.append(now)
+        if stage.free:
+            self._start(req, stage, stage.free.pop(), now, now)
+        elif len(stage.queue) >= self.cfg.queue_cap:
+            self.rejected += 1  # 429: the request ends here, latency stays NaN
+        else:
+            stage.queue.append((req, now))
+
+    def _start(self, req: int, stage: _Stage, rep: Replica, now: float, enqueued: float) -> None:
+        stage.metrics.on_dispatch(now, now - enqueued)
+        stage.busy += 1
+        service = stage.spec.service_s * rep.factor * stage.draws[req]
+        self.seq += 1
+        heapq.heappush(self.heap, (now + service, self.seq, _COMPLETE, (req, rep, service)))
+
+    def _complete(self, req: int, rep: Replica, service: float, now: float) -> None:
+        stage = self.stages[rep.stage]
+        stage.metrics.on_complete(now, service)
+        stage.busy -= 1
+        if rep.state == "draining":
+            self._release(rep, now)
+        elif stage.queue:
+            nxt, enq = stage.queue.popleft()
+            self._start(nxt, stage, rep, now, enq)
+        else:
+            stage.free.append(rep)
+        nxt_index = rep.stage + 1
+        if nxt_index < len(self.stages):
+            self._arrive(req, self.stages[nxt_index], now)
+        else:
+            self.latency[req] = (now - self.arrival[req] + self.hops_s) * 1000.0
+
+    # ------------------------------------------------------- whole-model (non-pipelined) flow
+    def _wm_arrive(self, req: int, now: float) -> None:
+        for st in self.stages:
+            st.metrics.on_arrival(now, st.spec.activation_bytes)
+        self.stages[0].arrivals.append(now)
+        q = self.stages[0].queue
+        if not q and all(st.free for st in self.stages):
+            self._wm_start(req, now, now)
+        elif len(q) >= self.cfg.queue_cap:
+            self.rejected += 1
+        else:
+            q.append((req, now))
+
+    def _wm_start(self, req: int, now: float, enqueued: float) -> None:
+        reps, total = [], 0.0
+        for st in self.stages:
+            rep = st.free.pop()
+            st.busy += 1
+            st.metrics.on_dispatch(now, now - enqueued)
+            reps.append(rep)
+            total += st.spec.service_s * rep.factor * st.draws[req]
+        total += self.hops_s
+        self.seq += 1
+        heapq.heappush(self.heap, (now + total, self.seq, _COMPLETE, (req, reps, now)))
+
+    def _wm_complete(self, req: int, reps: list[Replica], started: float, now: float) -> None:
+        for st, rep in zip(self.stages, reps, strict=True):
+            st.metrics.on_complete(now, st.spec.service_s * rep.factor * st.draws[req])
+            st.busy -= 1
+            if rep.state == "draining":
+                self._release(rep, now)
+            else:
+                st.free.append(rep)
+        self.latency[req] = (now - self.arrival[req]) * 1000.0
+        self._wm_dispatch(now)
+
+    def _wm_dispatch(self, now: float) -> None:
+        q = self.stages[0].queue
+        while q and all(st.free for st in self.stages):
+            req, enq = q.popleft()
+            self._wm_start(req, now, enq)
+
+    # ------------------------------------------------------------------------- control loop
+    def _snapshot(self, now: float) -> PipelineSnapshot:
+        cfg = self.cfg
+        out = []
+        wm = cfg.whole_model
+        for st in self.stages:
+            m = st.metrics
+            mean_s = m.mean_service_s(now)
+            ready = len(st.ready)
+            out.append(StageSnapshot(
+                name=st.function,
+                index=st.index,
+                arrival_rate=m.arrival_rate(now),
+                service_rate=1.0 / mean_s if mean_s > 0 else 0.0,
+                replicas=ready,
+                pending_replicas=len(st.starting),
+                busy=st.busy,
+                queue_len=len(self.stages[0].queue) if wm else len(st.queue),
+                mean_wait_s=m.mean_wait_s(now),
+                cv_arrival=m.cv_arrival(now),
+                utilisation=min(1.0, m.busy_s(now) / (max(1, ready) * cfg.window_s)),
+                cpus=st.cpus,
+                min_replicas=cfg.min_replicas,
+                max_replicas=self.max_replicas,
+                param_bytes=st.spec.param_bytes,
+                activation_bytes=st.spec.activation_bytes,
+                concurrency=1,
+                arrival_rate_recent=m.arrival_rate(now, 1.0),
+            ))
+        return PipelineSnapshot(time=now, model=cfg.model, stages=tuple(out), slo_s=cfg.slo_s,
+                                window_s=cfg.window_s)
+
+    def _key_history(self) -> dict[str, int]:
+        hist = getattr(self.policy, "key_history", None) or {}
+        return {self.stages[i].function: int(n) for i, n in hist.items() if 0 <= i < len(self.stages)}
+
+    def _control(self, now: float) -> None:
+        if self.cfg.record_series:
+            for st in self.stages:
+                self.samples.append(StageSample(now, st.index, len(st.ready) + len(st.starting), len(st.queue)))
+        decision = self.policy.decide(self._snapshot(now))
+        key = set(decision.key_stages)
+        if key:
+            self.decisions.append((now, tuple(sorted(key))))
+            for i in key:
+                self.key_counts[i] = self.key_counts.get(i, 0) + 1
+        requests = []
+        for st, d in zip(self.stages, decision.stages, strict=True):
+            if d.cpus > 0 and d.cpus != st.cpus:
+                st.cpus = d.cpus
+                factor = self.cal.cpu_factor(d.cpus)
+                for rep in [*st.ready, *st.starting]:
+                    rep.cpus, rep.factor = d.cpus, factor
+            want = max(0, min(self.max_replicas, d.replicas))
+            have = len(st.ready) + len(st.starting)
+            if want > have:
+                requests.append(ReplicaRequest(st.function, want - have, st.spec.param_bytes, st.index in key))
+            elif want < have:
+                self._scale_down(st, have - want, now)
+        if requests:
+            self._scale_up(requests, now)
+
+    def _scale_up(self, requests: list[ReplicaRequest], now: float) -> None:
+        result = self.placer.place([h.view() for h in self.hosts], requests, self._key_history())
+        by_fn = {s.function: s for s in self.stages}
+        for p in result.placements:
+            stage, host = by_fn[p.function], self.host_by_name[p.host]
+            if host.gpu_used >= host.gpus:
+                continue  # defensive: a placer must not overfill a host
+            source = "fork" if host.is_cached(stage.function) else "cold"
+            rep = self._new_replica(stage, host, source, now)
+            if rep.source == "cold":
+                host.cache_stage(stage.function, stage.spec.param_bytes, now)
+            else:
+                host.touch(stage.function, now)
+            delay = self.cal.ready_s(rep.source, stage.spec.param_bytes)
+            self.starts_by_source[rep.source] += 1
+            stage.starting.append(rep)
+            self._push(now + delay, _READY, rep)
+
+    def _scale_down(self, st: _Stage, count: int, now: float) -> None:
+        while count > 0 and st.starting:  # cancel the newest start first
+            rep = st.starting.pop()
+            self._release(rep, now)
+            count -= 1
+        while count > 0 and st.free:  # then idle replicas
+            rep = st.free.pop()
+            st.ready.discard(rep)
+            self._release(rep, now)
+            count -= 1
+        if count > 0:  # then busy ones: they finish their request, then leave
+            for rep in list(st.ready):
+                if count == 0:
+                    break
+                rep.state = "draining"
+                st.ready.discard(rep)
+                count -= 1
+
+    def _ready(self, rep: Replica, now: float) -> None:
+        if rep.state != "starting":
+            return  # cancelled while starting
+        st = self.stages[rep.stage]
+        st.starting.remove(rep)
+        rep.state = "ready"
+        self.ready_s_by_source[rep.source].append(now - rep.requested_at)
+        st.ready.add(rep)
+        if self.cfg.whole_model:
+            st.free.append(rep)
+            self._wm_dispatch(now)
+        elif st.queue:
+            req, enq = st.queue.popleft()
+            self._start(req, st, rep, now, enq)
+        else:
+            st.free.append(rep)
+
+    # --------------------------------------------------------------------------------- run
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        times = self.arrival.tolist()
+        n = len(times)
+        horizon = (times[-1] if n else 0.0) + cfg.drain_s
+        self._push(0.0, _CONTROL, None)
+        heap = self.heap
+        i = 0
+        wm = cfg.whole_model
+        stage0 = self.stages[0]
+        events = 0
+        while True:
+            next_arrival = times[i] if i < n else math.inf
+            if heap and heap[0][0] <= next_arrival:
+                t, _, kind, payload = heapq.heappop(heap)
+                if t > horizon:
+                    break
+                self.now = t
+                events += 1
+                if kind == _COMPLETE:
+                    if wm:
+                        self._wm_complete(payload[0], payload[1], payload[2], t)
+                    else:
+                        self._complete(payload[0], payload[1], payload[2], t)
+                elif kind == _READY:
+                    self._ready(payload, t)
+                else:
+                    self._control(t)
+                    if i < n or any(s.busy or s.queue for s in self.stages):
+                        self._push(t + cfg.control_period_s, _CONTROL, None)
+            elif i < n:
+                self.now = next_arrival
+                events += 1
+                if wm:
+                    self._wm_arrive(i, next_arrival)
+                else:
+                    self._arrive(i, stage0, next_arrival)
+                i += 1
+            else:
+                break
+        end = self.now
+        for h in self.hosts:  # slots still held at the end (starting, ready or draining replicas)
+            for slot in h.slots:
+                if slot.replica is not None:
+                    self.gpu_seconds += end - slot.replica.requested_at
+        return SimResult(
+            model=cfg.model,
+            policy=getattr(self.policy, "name", type(self.policy).__name__),
+            latencies_ms=self.latency,
+            arrival_s=self.arrival,
+            duration_s=float(times[-1]) if n else 0.0,
+            end_s=end,
+            samples=self.samples,
+            stage_arrivals={st.index: st.arrivals for st in self.stages},
+            starts_by_source=self.starts_by_source,
+            ready_s_by_source=self.ready_s_by_source,
+            rejected=self.rejected,
+            key_stage_counts=self.key_counts,
+            gpu_seconds=self.gpu_seconds,
+            evictions=sum(h.evictions for h in self.hosts),
+            events=events,
+            decisions=self.decisions,
+        )
