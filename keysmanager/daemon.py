@@ -753,7 +753,8 @@ class KeysManager:
             if not isinstance(flags[name], bool):
                 raise ApiError(400, f"{name} must be true or false", name)
         started = await self.start_replicas(spec, count, mode, **flags)
-        return web.json_response({"replicas": [self.replica_info(r).to_dict() for r in started]})
+        # no memory readings here: they are slow to take from a process that is still starting
+        return web.json_response({"replicas": [self.replica_info(r, memory=False).to_dict() for r in started]})
 
     async def _h_replicas(self, request: web.Request) -> web.Response:
         function = request.query.get("function")

@@ -89,4 +89,12 @@ def build_runtime(env: Mapping[str, str], tensors: dict | None):
     else:
         manifest = Manifest.load(cfg.model_dir) if cfg.model_dir else None
         runtime = StageRuntime.from_tensors(cfg, manifest, tensors)
-    return runtime, create_app(runtime)
+    app = create_app(runtime)
+    return runtime, app
+
+
+def warm_up(app) -> None:
+    """Run one health request through the WSGI app in the zygote, so lazy imports and URL-map compilation
+    happen once there instead of in every forked replica. Starts no thread, computes nothing."""
+    with app.test_client() as client:
+        client.get("/_/health")

@@ -63,7 +63,7 @@ def run_zygote(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         from keysmanager.shm_store import map_segment, write_segment
-        from keysmanager.stage import build_runtime, stage_checkpoint
+        from keysmanager.stage import build_runtime, stage_checkpoint, warm_up
 
         checkpoint = stage_checkpoint(os.environ)
         if checkpoint is None:  # a parameter-free (emulated) stage: nothing to share
@@ -73,6 +73,7 @@ def run_zygote(args: argparse.Namespace) -> int:
             mm, tensors = map_segment(index)
             param_bytes = index.total_bytes
         runtime, app = build_runtime(os.environ, tensors)
+        warm_up(app)
     except BaseException as exc:
         traceback.print_exc()
         ctrl.sendall(encode({"op": "failed", "error": f"{type(exc).__name__}: {exc}"}))
