@@ -611,9 +611,13 @@ class KeysManager:
     # ---------------------------------------------------------------- reaping and monitoring
     def _mark_dead_pid(self, pid: int, status: int | None) -> None:
         for rep in self.replicas.values():
-            if rep.pid == pid and rep.state != "dead":
+            if rep.pid != pid:
+                continue
+            if rep.state != "dead":
                 self._mark_dead(rep, status)
                 return
+            if rep.exit_status is None:  # the liveness check saw it die first; the reaper knows how
+                rep.exit_status = status
 
     def _mark_dead(self, rep: _Replica, status: int | None) -> None:
         rep.state = "dead"
