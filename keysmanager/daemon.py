@@ -610,14 +610,12 @@ class KeysManager:
 
     # ---------------------------------------------------------------- reaping and monitoring
     def _mark_dead_pid(self, pid: int, status: int | None) -> None:
-        for rep in self.replicas.values():
-            if rep.pid != pid:
-                continue
-            if rep.state != "dead":
-                self._mark_dead(rep, status)
-                return
-            if rep.exit_status is None:  # the liveness check saw it die first; the reaper knows how
-                rep.exit_status = status
+        matches = [r for r in self.replicas.values() if r.pid == pid]
+        live = [r for r in matches if r.state != "dead"]
+        if live:
+            self._mark_dead(live[0], status)
+        elif matches and matches[-1].exit_status is None:  # the liveness check saw it die before the reaper
+            matches[-1].exit_status = status
 
     def _mark_dead(self, rep: _Replica, status: int | None) -> None:
         rep.state = "dead"
