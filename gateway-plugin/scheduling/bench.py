@@ -97,6 +97,7 @@ class RunOutcome:
             "deploy_replicas": len(self.deploy),
             "wall_s": round(self.wall_s, 1),
             "metrics": self.metrics,
+            "log": [[r.step, r.function, r.host, r.planned, r.source, r.ready_ms] for r in self.deploy + ups],
         }
 
 
@@ -229,12 +230,15 @@ def keysmanagers(
                 proc.wait(timeout=10)
 
 
-def build_model(workdir: Path, preset: str, stages: int) -> Path:
-    """Partition a small model with random weights into `stages` stage files (`quartctl partition`)."""
+def build_model(workdir: Path, stage_mb: float, stages: int) -> Path:
+    """Partition a model with random weights, about `stage_mb` MB per stage (`quartctl partition`)."""
     out = workdir / "model"
-    cmd = [sys.executable, "-m", "quart_tools.cli", "partition", "--preset", preset, "--stages", str(stages),
+    cmd = [sys.executable, "-m", "quart_tools.cli", "partition", "--model", "sized", "--target-stage-mb",
+           str(stage_mb), "--stages", str(stages), "--weights", "random", "--compute", "emulated",
            "--out", str(out)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"quartctl partition failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     return out
 
 
@@ -248,7 +252,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--bursts", type=int, default=16, help="scale-ups in the script")
     ap.add_argument("--zygotes-per-host", type=float, default=2.5,
                     help="memory limit of a host, in stage-parameter sizes (forces eviction)")
-    ap.add_argument("--preset", default="small", help="model preset to partition (random weights)")
+    ap.add_argument("--stage-mb", type=float, default=64.0, help="parameters per stage, MB (random weights)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--placers", default="cache-aware,first-fit")
     args = ap.parse_args(argv)
@@ -263,7 +267,7 @@ def main(argv: list[str]) -> int:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="quart-bench-sched-") as tmp:
         work = Path(tmp)
-        model_dir = build_model(work, args.preset, args.stages)
+        model_dir = build_model(work, args.stage_mb, args.stages)
         manifest = Manifest.load(str(model_dir))
         model = manifest.model
         stages = [f"{model}-stage-{s.index}" for s in manifest.stages]
@@ -292,7 +296,7 @@ def main(argv: list[str]) -> int:
         "setup": {
             "hosts": args.hosts, "gpus_per_host": args.gpus_per_host, "stages": len(stages), "key_stages": key,
             "stage_param_bytes": sizes, "memory_limit_bytes": memory_limit, "script": [asdict(s) for s in steps],
-            "seed": args.seed, "compute": "emulated", "preset": args.preset,
+            "seed": args.seed, "compute": "emulated", "stage_mb": args.stage_mb,
         },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
     }
