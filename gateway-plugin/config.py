@@ -27,7 +27,7 @@ class CorrectConfig:
     integral_limit: float = 8.0  # anti-windup clamp of ∫e dt (relative-error seconds)
     derivative_alpha: float = 0.5  # low-pass filter weight of the newest derivative sample
     error_cap: float = 8.0  # relative error used when T_i is infinite (ρ ≥ 1)
-    scale_down_cooldown_s: float = 30.0  # no removal within this long after a stage scaled up
+    scale_down_cooldown_s: float = 10.0  # no removal within this long after a stage scaled up
     max_step_down: int = 2  # replicas removed from one stage per decision at most
     default_target_factor: float = 2.0  # T_target = factor × service time when no SLO is known
     use_queue_feedback: bool = True  # T_i also from observed wait and the backlog (queue status)

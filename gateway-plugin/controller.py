@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
@@ -39,7 +40,7 @@ class Controller:
     log_file: IO[str] | None = None
     keep_timeline: bool = True
     policies: dict[str, Policy] = field(default_factory=dict)
-    timeline: list[dict[str, Any]] = field(default_factory=list)
+    timeline: deque = field(default_factory=lambda: deque(maxlen=100_000))  # dict rows, oldest dropped
     last_snapshots: dict[str, PipelineSnapshot] = field(default_factory=dict)
     errors: int = 0
 

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import IO, Any
 
 from aiohttp import web
@@ -197,7 +197,9 @@ class Plugin:
 
     async def hook(self, request: web.Request, name: str, tail: str) -> web.StreamResponse | None:
         if name == PLUGIN_PATH:
-            return self._introspect(tail)
+            if tail == "policy" and request.method == "POST":
+                return await self._switch_policy(request)
+            return self._introspect(tail, request.query.get("since"))
         if name in self.view.pipelines():
             if tail:
                 return web.json_response({"error": f"pipeline {name!r} has no sub-path {tail!r}", "field": "path"},
@@ -205,12 +207,46 @@ class Plugin:
             return await self.router.handle(request, name)
         return None
 
-    def _introspect(self, tail: str) -> web.Response:
+    def _authorised(self, request: web.Request) -> bool:
+        cfg = getattr(self.gateway, "config", None)
+        if cfg is None or not getattr(cfg, "auth", False):
+            return True
+        from gateway_plugin.embedded.auth import load_or_create
+
+        return load_or_create(cfg.credentials_dir).check(request.headers.get("Authorization"))
+
+    async def _switch_policy(self, request: web.Request) -> web.Response:
+        """``POST /function/quart-plugin/policy`` {"policy": name, "config": {...}} (basic auth): swap the
+        policy of every pipeline; the new one starts with fresh state. Answers the controller's clock."""
+        if not self._authorised(request):
+            return web.json_response({"error": "missing or wrong credentials: use the gateway's basic auth"},
+                                     status=401, headers={"WWW-Authenticate": 'Basic realm="Restricted"'})
+        try:
+            body = json.loads(await request.read() or b"{}")
+            name = body["policy"]
+            overrides = body.get("config") or {}
+            if not isinstance(overrides, dict):
+                raise TypeError("config must be an object")
+            factory = policy_factory(replace(self.config, policy=name), **overrides)
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+            return web.json_response({"error": f"cannot switch policy: {exc}", "field": "policy"}, status=400)
+        self.config = replace(self.config, policy=name)
+        self.controller.policy_factory = factory
+        self.controller.policies.clear()
+        log.info("policy switched to %s %s", name, overrides)
+        return web.json_response({"policy": name, "time": self.controller.clock()})
+
+    def _introspect(self, tail: str, since: str | None = None) -> web.Response:
         if tail == "snapshot":
             data = {m: asdict(s) for m, s in self.controller.last_snapshots.items()}
             return web.json_response(data, dumps=lambda d: json.dumps(d, default=str))
         if tail == "timeline":
-            return web.json_response(self.controller.timeline[-600:])
+            try:
+                t0 = float(since) if since else float("-inf")
+            except ValueError:
+                return web.json_response({"error": f"since must be a number, got {since!r}", "field": "since"},
+                                         status=400)
+            return web.json_response([row for row in self.controller.timeline if row["time"] >= t0][-20000:])
         if tail == "metrics":
             return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
         return web.json_response({"error": f"unknown plugin path {tail!r}; use snapshot, timeline or metrics",

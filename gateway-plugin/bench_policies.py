@@ -1,0 +1,300 @@
+"""`quartctl bench policies`: every scaling policy, live, on the same arrivals, in one run.
+
+What it does (EMULATED compute: replicas sleep for the BERT-21B profile's per-stage times while real
+activation bytes travel over real HTTP):
+1. partitions the paper's BERT-21B into 8 parameter-free stages (``quartctl partition --weights none``),
+2. starts ``quartctl up -f stack.yml`` (embedded gateway, KeysManagers, this plugin) in a subprocess,
+3. for every workload (gamma arrivals at CV 1, 4, 8 and the Azure trace, rate-scaled) and every
+   policy: resets every stage to ``--start-replicas`` under the static policy, switches the plugin to
+   the policy under test (``POST /function/quart-plugin/policy``), replays the same arrivals with the
+   load generator, and reads the controller's timeline (replicas, queue per stage),
+4. writes one JSON report entry per policy and workload (the keys of ``quart_tools.report``) and the
+   plots: latency CDF per workload, replicas and queue per stage over time per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+from gateway_plugin.policies import POLICY_NAMES
+
+SEQ_TOKENS = 128  # BERT-21B sequence length (Table 1): request bodies are capped to it
+PROFILED_MS = 137.0  # BERT-21B standalone execution time, QUART Table 1
+MODEL = "bert-21b"
+WORKLOADS = ("gamma-cv1", "gamma-cv4", "gamma-cv8", "trace")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quartctl bench policies", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench-policies.json", help="JSON report (plots go next to it)")
+    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policy names")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    p.add_argument("--rate", type=float, default=8.0, help="mean requests/s of every workload (scaled down)")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per run")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--start-replicas", type=int, default=1, help="replicas per stage at the start of each run")
+    p.add_argument("--max-replicas", type=int, default=6, help="com.openfaas.scale.max per stage")
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--gpus-per-host", type=int, default=24, help="replica slots per simulated host")
+    p.add_argument("--static-replicas", type=int, default=2, help="replicas per stage of the static policy")
+    p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout (s)")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds between the reset and the load")
+    p.add_argument("--state-dir", default=None, help="state dir of the gateway (default: a temp dir)")
+    p.add_argument("--profile-requests", type=int, default=15, help="sequential requests that set the profiled time")
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+class Gateway:
+    """`quartctl up` in a subprocess; stopped (process group) on close."""
+
+    def __init__(self, stack: Path, state_dir: Path, hosts: int, gpus: int, env: dict[str, str]) -> None:
+        argv = [sys.executable, "-m", "quart_tools.cli", "up", "-f", str(stack), "--port", "0", "--state-dir",
+                str(state_dir), "--hosts", str(hosts), "--gpus-per-host", str(gpus)]
+        self.log_path = state_dir / "up.log"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, **env}, start_new_session=True)
+        self.url = ""
+        deadline = time.monotonic() + 300
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            m = re.match(r"Gateway:\s+(\S+)", line)
+            if m:
+                self.url = m.group(1)
+            if line.startswith("Ready."):
+                break
+            if time.monotonic() > deadline:
+                break
+        if not self.url or self.proc.poll() is not None:
+            self.close()
+            raise RuntimeError(f"quartctl up did not start; see {self.log_path}")
+        from gateway_plugin.embedded.auth import load_or_create
+
+        creds = load_or_create(state_dir / "secrets")
+        self.auth = (creds.user, creds.password)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            from gateway_plugin.embedded.system import stop_process
+
+            stop_process(self.proc.pid, self.proc, grace_s=20)
+        self.log.close()
+
+    def functions(self) -> dict[str, dict]:
+        res = requests.get(f"{self.url}/system/functions", auth=self.auth, timeout=10)
+        res.raise_for_status()
+        return {f["name"]: f for f in res.json()}
+
+    def switch(self, policy: str, config: dict | None = None) -> float:
+        res = requests.post(f"{self.url}/function/quart-plugin/policy", json={"policy": policy, "config": config or {}},
+                            auth=self.auth, timeout=10)
+        if res.status_code != 200:
+            raise RuntimeError(f"switching to {policy} failed: {res.status_code} {res.text}")
+        return float(res.json()["time"])
+
+    def timeline(self, since: float) -> list[dict]:
+        res = requests.get(f"{self.url}/function/quart-plugin/timeline", params={"since": since}, timeout=30)
+        res.raise_for_status()
+        return res.json()
+
+    def snapshot(self) -> dict:
+        return requests.get(f"{self.url}/function/quart-plugin/snapshot", timeout=10).json()
+
+    def wait_reset(self, stages: list[str], replicas: int, timeout_s: float = 120.0) -> None:
+        """Until every stage has exactly ``replicas`` available and no queue."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            fns = self.functions()
+            snap = self.snapshot().get(MODEL, {}).get("stages", [])
+            queues = sum(s.get("queue_len", 0) + s.get("busy", 0) for s in snap)
+            if all(fns[s]["availableReplicas"] == replicas and fns[s]["replicas"] == replicas for s in stages) \
+                    and queues == 0:
+                return
+            if time.monotonic() > deadline:
+                have = {s: (fns[s]["replicas"], fns[s]["availableReplicas"]) for s in stages}
+                raise RuntimeError(f"reset to {replicas} replicas did not finish in {timeout_s:.0f} s: {have}")
+            time.sleep(0.25)
+
+
+def profile(gw: Gateway, count: int) -> tuple[float, list[float]]:
+    """Median latency of ``count`` sequential requests on the idle pipeline (after 3 warm-ups), and the
+    per-stage mean service times the router measured: the "profiled time" SLOs are multiples of."""
+    from quart_tools.loadgen import body_maker
+
+    body, ctype = body_maker("input-ids", max_tokens=SEQ_TOKENS)(4 * SEQ_TOKENS)
+    lat = []
+    for i in range(count + 3):
+        t = time.perf_counter()
+        res = requests.post(f"{gw.url}/function/{MODEL}", data=body, headers={"Content-Type": ctype}, timeout=60)
+        if res.status_code != 200:
+            raise RuntimeError(f"profiling request failed: {res.status_code} {res.text[:300]}")
+        if i >= 3:
+            lat.append(1000 * (time.perf_counter() - t))
+    time.sleep(1.5)
+    stages = gw.snapshot().get(MODEL, {}).get("stages", [])
+    service = [round(1000 / s["service_rate"], 1) if s.get("service_rate") else 0.0 for s in stages]
+    return float(sorted(lat)[len(lat) // 2]), service
+
+
+def make_workload(name: str, rate: float, duration: float, seed: int):
+    from quart_tools.arrivals import make_arrivals
+
+    if name.startswith("gamma-cv"):
+        return make_arrivals("gamma", rate, duration, cv=float(name.removeprefix("gamma-cv")), seed=seed,
+                             input_bytes=512)
+    if name == "trace":
+        return make_arrivals("trace", rate, duration, seed=seed)
+    raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
+
+
+def policy_config(name: str, args: argparse.Namespace) -> dict:
+    if name == "static":
+        return {"replicas": args.static_replicas}
+    return {}
+
+
+def samples_from_timeline(rows: list[dict], t0: float) -> list[dict]:
+    out = []
+    for row in rows:
+        for stage, (replicas, queue) in enumerate(zip(row["replicas"], row["queue"], strict=True)):
+            out.append({"t": row["time"] - t0, "stage": stage, "replicas": replicas, "queue": queue})
+    return out
+
+
+def partition(out_dir: Path, stages: int, max_replicas: int) -> Path:
+    argv = [sys.executable, "-m", "quart_tools.cli", "partition", "--model", MODEL, "--stages", str(stages),
+            "--out", str(out_dir), "--weights", "none", "--compute", "emulated", "--scale-min", "1",
+            "--scale-max", str(max_replicas), "--concurrency", "1"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"partition failed: {res.stderr.strip()[-500:]}")
+    return out_dir / "stack.yml"
+
+
+def run(args: argparse.Namespace) -> dict:
+    from quart_tools.loadgen import body_maker, generate_load
+    from quart_tools.report import build_report, json_safe, records_latencies
+
+    policies = [p for p in args.policies.split(",") if p]
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICY_NAMES)}")
+    out_path = Path(args.out)
+    plot_dir = out_path.with_suffix("")
+    tmp = Path(args.state_dir or tempfile.mkdtemp(prefix="quart-bench-policies-"))
+    stack = partition(tmp / "model", args.stages, args.max_replicas)
+    env = {"QUART_POLICY": "static", "QUART_CONTROL_PERIOD_S": "1", "QUART_WINDOW_S": "5",
+           "QUART_REQUEST_TIMEOUT_S": str(args.timeout), "QUART_QUEUE_CAP": "4096"}
+    gw = Gateway(stack, tmp / "state", args.hosts, args.gpus_per_host, env)
+    report: dict = {
+        "benchmark": "policies", "compute": "emulated", "model": MODEL, "profiled_ms": PROFILED_MS,
+        "stages": args.stages, "rate_rps": args.rate, "duration_s": args.duration, "seed": args.seed,
+        "start_replicas": args.start_replicas, "max_replicas": args.max_replicas,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "runs": {},
+    }
+    latencies: dict[str, dict] = {}
+    series: dict[str, dict] = {}
+    try:
+        stages = [f for f, st in sorted(gw.functions().items(), key=lambda kv: int(kv[1]["labels"]["com.quart.stage"]))
+                  if st["labels"].get("com.quart.model") == MODEL]
+        gw.switch("static", {"replicas": args.start_replicas})
+        gw.wait_reset(stages, args.start_replicas, timeout_s=600)
+        profiled_ms, service_ms = profile(gw, args.profile_requests)
+        report["profiled_ms"] = profiled_ms
+        report["paper_profiled_ms"] = PROFILED_MS
+        report["measured_stage_service_ms"] = service_ms
+        print(f"profiled pipeline time on this machine: {profiled_ms:.0f} ms (paper: {PROFILED_MS:.0f} ms); "
+              f"stage service ms {service_ms}", file=sys.stderr)
+        for workload in workloads:
+            arrivals = make_workload(workload, args.rate, args.duration, args.seed)
+            entries = []
+            for policy in policies:
+                gw.switch("static", {"replicas": args.start_replicas})
+                gw.wait_reset(stages, args.start_replicas)
+                time.sleep(args.settle)
+                t0 = gw.switch(policy, policy_config(policy, args))
+                print(f"[{workload}] {policy}: {len(arrivals)} requests over {args.duration:.0f} s", file=sys.stderr)
+                result = generate_load(f"{gw.url}/function/{MODEL}", arrivals, timeout_s=args.timeout,
+                                       body=body_maker("input-ids", max_tokens=SEQ_TOKENS), progress=False)
+                rows = gw.timeline(t0)
+                samples = samples_from_timeline(rows, t0)
+                lat, _, n = records_latencies(result.records)
+                end_s = max(args.duration, result.wall_s)
+                entry = build_report(policy, lat, profiled_ms, args.duration, n_total=n, samples=samples, end_s=end_s)
+                entry["workload"] = workload
+                entry["errors"] = {str(s): sum(1 for r in result.records if r.status == s)
+                                   for s in sorted({r.status for r in result.records}) if not 200 <= s < 300}
+                entries.append(json_safe(entry))
+                latencies.setdefault(workload, {})[policy] = lat
+                series.setdefault(workload, {})[policy] = samples
+                print(f"  mean {entry['mean_ms']:.0f} ms, p99 {entry['p99_ms']:.0f} ms, "
+                      f"SLO@1.5 {entry['slo_attainment']['1.5']:.2f}, replica-s {entry['replica_seconds']:.0f}",
+                      file=sys.stderr)
+            report["runs"][workload] = entries
+            report.setdefault("comparison", {})[workload] = compare(entries)
+    finally:
+        gw.close()
+    if not args.no_plots:
+        plot(plot_dir, latencies, series, report.get("profiled_ms", PROFILED_MS))
+        report["plots"] = str(plot_dir)
+    return report
+
+
+def compare(entries: list[dict]) -> dict:
+    """QUART against the best baseline of this workload (lowest mean latency; SLO@1.5 separately)."""
+    quart = next((e for e in entries if e["policy"] == "quart"), None)
+    base = [e for e in entries if e["policy"] != "quart" and e.get("mean_ms") is not None]
+    if quart is None or not base or quart.get("mean_ms") is None:
+        return {}
+    best_mean = min(base, key=lambda e: e["mean_ms"])
+    best_slo = max(base, key=lambda e: e["slo_attainment"]["1.5"] or 0.0)
+    slo_q, slo_b = quart["slo_attainment"]["1.5"] or 0.0, best_slo["slo_attainment"]["1.5"] or 0.0
+    return {
+        "best_mean_baseline": best_mean["policy"],
+        "mean_ratio": quart["mean_ms"] / best_mean["mean_ms"],
+        "best_slo_baseline": best_slo["policy"],
+        "slo15_ratio": slo_q / slo_b if slo_b > 0 else math.inf if slo_q > 0 else 1.0,
+        "replica_seconds_ratio_vs_best_mean": (quart["replica_seconds"] or 0) / (best_mean["replica_seconds"] or 1),
+        "target_met": quart["mean_ms"] <= 0.6 * best_mean["mean_ms"] and slo_q >= 1.5 * slo_b
+        and (quart["replica_seconds"] or 0) <= (best_mean["replica_seconds"] or 0),
+    }
+
+
+def plot(plot_dir: Path, latencies: dict, series: dict, profiled_ms: float) -> None:
+    from quart_tools.report import plot_latency_cdf, plot_stage_series
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    for workload, by_policy in latencies.items():
+        plot_latency_cdf(by_policy, plot_dir / f"cdf-{workload}.png", profiled_ms, title=f"Latency CDF, {workload}")
+        for policy, samples in series[workload].items():
+            if samples:
+                plot_stage_series(samples, plot_dir / f"stages-{workload}-{policy}.png", title=f"{policy}, {workload}")
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        report = run(args)
+    except (RuntimeError, ValueError) as exc:
+        print(f"quartctl bench policies: {exc}", file=sys.stderr)
+        return 1
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({"out": args.out, "comparison": report.get("comparison", {})}, indent=2))
+    return 0
