@@ -236,7 +236,8 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
     stack = dict(stack or {})
     if src.config is None:  # emulated-only paper profile: stack.yml with parameter-free stages
         stack.setdefault("compute", "emulated")
-        doc = stack_document(model_name, "emulated", stages, out, profile=src.profile, model_dir_value=None, **stack)
+        stack["model_dir_value"] = None
+        doc = stack_document(model_name, "emulated", stages, out, profile=src.profile, **stack)
         _write_yaml(doc, os.path.join(out, "stack.yml"))
         return None
     cfg = families.make_config(src.config)

@@ -3,5 +3,15 @@
 Modules: config (StageConfig from QUART_* env), presets (model presets, paper profiles), families
 (layer plans, StageModule), manifest (manifest.json), wire (safetensors activation format), emulated
 (gamma service times), runtime (StageRuntime), app (flask app), handler (OpenFaaS handler contract),
-bench_serialization (`quartctl bench serialization`).
+serve (gunicorn on an ephemeral port), verify (the unpartitioned reference), bench_serialization.
+
+Fork safety: numpy's OpenBLAS starts a thread pool when numpy is imported (torch imports numpy), and a
+process that forks replicas must have no threads. Importing this package first sets
+OPENBLAS_NUM_THREADS=1 (unless already set), so a zygote that imports quart_stage before torch or numpy
+stays single-threaded until `StageRuntime.prepare_device()` runs in the forked replica.
 """
+
+import os as _os
+
+_os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+_os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
