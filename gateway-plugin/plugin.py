@@ -93,10 +93,10 @@ def policy_factory(config: PluginConfig, **overrides: Any):
 
             extra["cv_model"] = load_cv_model(config.cv_model_path)
         if config.cpu_profile_path and "cpu_model" not in extra:
-            from gateway_plugin.policies.cpu_model import CPULatencyModel
+            from gateway_plugin.policies.cpu_model import CPULatencyModel, profiling_rows
 
             with open(config.cpu_profile_path) as fh:
-                extra["cpu_model"] = CPULatencyModel.fit(json.loads(line) for line in fh if line.strip())
+                extra["cpu_model"] = CPULatencyModel.fit(profiling_rows(fh))
     make_policy(config.policy, **dict(extra))  # fail now, not at the first control step
 
     def factory() -> Policy:

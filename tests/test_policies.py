@@ -174,3 +174,37 @@ def test_unknown_policy_and_setting_are_clear_errors() -> None:
         make_policy("nope")
     with pytest.raises(ValueError, match="no setting"):
         make_policy("static", replica=3)
+
+
+def test_cpu_profile_from_router_records_and_flat_rows() -> None:
+    import json
+
+    from gateway_plugin.metrics import RequestRecord, StageVisit
+    from gateway_plugin.policies.cpu_model import profiling_rows
+
+    lines = []
+    for r in _cpu_records():
+        visit = StageVisit(0, "m-stage-0", 1.0, r["service_ms"], cpus=r["cpus"], queue_len=r["queue_len"],
+                           activation_bytes=int(r["activation_bytes"]), param_bytes=int(r["param_bytes"]))
+        lines.append(RequestRecord("x", "m", 0.0, 1.0, 200, 1.0, [visit]).to_json())
+    lines.append(RequestRecord("y", "m", 0.0, 1.0, 504, 1.0, []).to_json())
+    lines.append(json.dumps(_cpu_records()[0]))
+    rows = profiling_rows(lines)
+    assert len(rows) == len(_cpu_records()) + 1
+    assert CPULatencyModel.fit(rows).service_s(2, 0, 1e9, 1e6) == pytest.approx(0.25, rel=0.05)
+
+
+def test_cv_model_trains_from_controller_log(tmp_path) -> None:
+    import json
+    from dataclasses import asdict
+
+    from gateway_plugin.policies.cv_model import load_cv_model, main
+
+    log = tmp_path / "control.jsonl"
+    with open(log, "w") as fh:
+        for t in range(30):
+            s = snap(float(t), *(stage(i, cv_arrival=1.0 + (t + i) % 3) for i in range(3)))
+            fh.write(json.dumps({"snapshot": asdict(s), "decision": {}}) + "\n")
+    out = tmp_path / "cv.safetensors"
+    assert main(["--log", str(log), "--out", str(out), "--epochs", "20"]) == 0
+    assert len(load_cv_model(str(out)).predict(s)) == 3

@@ -28,6 +28,24 @@ def _features(cpus: float, queue_len: float, param_bytes: float, activation_byte
     return [inv, float(queue_len), param_bytes / 1e9, act_mb, act_mb * inv]
 
 
+def profiling_rows(lines: Iterable[str]) -> list[dict]:
+    """Regression rows from JSONL: flat rows with RECORD_KEYS, or the router's request records, whose
+    per-stage visits (cpus, queue_len, param_bytes, activation_bytes, service_ms) become one row each."""
+    import json
+
+    rows: list[dict] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        doc = json.loads(line)
+        if "stages" in doc and isinstance(doc["stages"], list):
+            if 200 <= int(doc.get("status", 200)) < 300:
+                rows.extend({k: v[k] for k in RECORD_KEYS} for v in doc["stages"])
+        else:
+            rows.append({k: doc[k] for k in RECORD_KEYS if k in doc})
+    return rows
+
+
 @dataclass(slots=True)
 class CPULatencyModel:
     """Fitted regression: predicted service seconds of one request at a stage."""

@@ -131,3 +131,43 @@ def load_cv_model(path: str) -> CVPropagationModel:
     model.load_state_dict(load_file(path))
     model.eval()
     return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gateway_plugin.policies.cv_model --log control.jsonl --out cv.safetensors``: train the
+    CV-propagation model on the snapshots the controller logged (QUART_CONTROL_LOG), one model per run."""
+    import argparse
+    import json
+    import sys
+
+    from gateway_plugin.controller import snapshot_from_json
+
+    p = argparse.ArgumentParser(prog="python -m gateway_plugin.policies.cv_model", description=main.__doc__)
+    p.add_argument("--log", required=True, help="controller JSONL log (QUART_CONTROL_LOG)")
+    p.add_argument("--model", default=None, help="pipeline to train on (default: the first in the log)")
+    p.add_argument("--out", required=True, help="safetensors file to write (QUART_CV_MODEL)")
+    p.add_argument("--horizon", type=int, default=1, help="predict this many control periods ahead")
+    p.add_argument("--epochs", type=int, default=300)
+    args = p.parse_args(argv)
+    series = []
+    with open(args.log) as fh:
+        for line in fh:
+            if line.strip():
+                snap = snapshot_from_json(json.loads(line)["snapshot"])
+                if args.model is None:
+                    args.model = snap.model
+                if snap.model == args.model:
+                    series.append(snap)
+    try:
+        model, loss = train_cv_model(series, horizon=args.horizon, epochs=args.epochs)
+    except ValueError as exc:
+        print(f"cv_model: {exc}", file=sys.stderr)
+        return 2
+    save_cv_model(model, args.out)
+    print(json.dumps({"model": args.model, "snapshots": len(series), "mse": loss, "theta": float(model.theta),
+                      "out": args.out}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
