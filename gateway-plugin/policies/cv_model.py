@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cv_model: {exc}", file=sys.stderr)
         return 2
     save_cv_model(model, args.out)
-    print(json.dumps({"model": args.model, "snapshots": len(series), "mse": loss, "theta": float(model.theta),
+    print(json.dumps({"model": args.model, "snapshots": len(series), "mse": loss, "theta": float(model.theta.detach()),
                       "out": args.out}))
     return 0
 
