@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -139,6 +140,7 @@ class KeysManager:
         self._stopped = asyncio.Event()
         self._state_dirty = True
         self._all_zygote_procs: list[subprocess.Popen] = []  # zygote processes not reaped yet
+        self._order_ids = itertools.count(1)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -306,9 +308,11 @@ class KeysManager:
 
     # ---------------------------------------------------------------- memory
     def memory_used(self) -> int:
-        """Parameter bytes held: live segments (a zygote or a replica still maps them) + isolated copies."""
+        """Parameter bytes held: live segments (a zygote or a replica still maps them) + private copies
+        (isolated forks and cold replicas)."""
         held = sum(s.nbytes for s in self.segments.values() if s.zygote_alive or s.users)
-        copies = sum(r.param_bytes for r in self.replicas.values() if r.state != "dead" and r.mode == "isolated")
+        copies = sum(r.param_bytes for r in self.replicas.values()
+                     if r.state != "dead" and (r.mode == "isolated" or r.source == "cold"))
         return held + copies
 
     def memory_limit(self) -> int:
@@ -517,7 +521,7 @@ class KeysManager:
         slot = self._take_slot()
         cores = self._take_cores(spec.cpus)
         rid = f"{spec.function}-{uuid.uuid4().hex[:8]}"
-        order_id = id(object()) ^ int(time.monotonic_ns())
+        order_id = next(self._order_ids)
         fut = asyncio.get_running_loop().create_future()
         z.pending[order_id] = fut
         assert z.writer is not None

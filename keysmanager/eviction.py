@@ -47,6 +47,7 @@ def plan_eviction(
 
     ``memory_used`` is what the host holds now (it includes the entries' bytes). Stops as soon as the
     bytes fit; if dropping every unprotected entry is not enough, returns them all with ``satisfied=False``.
+    An entry that frees nothing (``param_bytes == 0``: replicas still map all its pages) is never chosen.
     """
     if memory_used < 0 or memory_limit < 0 or incoming_bytes < 0:
         raise ValueError("memory figures must be non-negative")
@@ -54,7 +55,7 @@ def plan_eviction(
     excess = memory_used + incoming_bytes - memory_limit
     chosen: list[str] = []
     freed = 0
-    for entry in eviction_order(e for e in entries if e.function not in protected):
+    for entry in eviction_order(e for e in entries if e.function not in protected and e.param_bytes > 0):
         if freed >= excess:
             break
         chosen.append(entry.function)

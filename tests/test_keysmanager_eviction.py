@@ -39,3 +39,9 @@ def test_nothing_to_do_under_the_limit_and_protected_never_chosen():
 def test_negative_figures_are_rejected():
     with pytest.raises(ValueError):
         plan_eviction([], -1, 10)
+
+
+def test_an_entry_that_frees_nothing_is_not_evicted():
+    entries = [CacheEntry("shared", 0, last_used=0.0, live_replicas=3), CacheEntry("idle", 50, last_used=1.0)]
+    plan = plan_eviction(entries, 150, 50)
+    assert plan.evict == ("idle",) and not plan.satisfied
