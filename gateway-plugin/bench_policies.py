@@ -20,6 +20,7 @@ import math
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-policies.json", help="JSON report (plots go next to it)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policy names")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
-    p.add_argument("--rate", type=float, default=8.0, help="mean requests/s of every workload (scaled down)")
+    p.add_argument("--rate", type=float, default=3.0, help="mean requests/s of every workload (scaled down)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--stages", type=int, default=8)
@@ -288,8 +289,13 @@ def plot(plot_dir: Path, latencies: dict, series: dict, profiled_ms: float) -> N
                 plot_stage_series(samples, plot_dir / f"stages-{workload}-{policy}.png", title=f"{policy}, {workload}")
 
 
+def _terminate(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run()'s finally: the gateway is stopped
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         report = run(args)
     except (RuntimeError, ValueError) as exc:
