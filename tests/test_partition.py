@@ -146,3 +146,26 @@ def test_cli(tmp_path, capsys):
     doc = yaml.safe_load(open(tmp_path / "w" / "stack.yml"))
     env = doc["functions"]["wideresnet-stage-3"]["environment"]
     assert env["QUART_PROFILE"] == "wideresnet" and "QUART_MODEL_DIR" not in env
+
+
+def test_top_level_stack_yml_is_the_demo_models(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "stack.yml")) as f:
+        text = f.read()
+    doc = yaml.safe_load(text)
+    assert doc["provider"] == {"name": "openfaas", "gateway": "http://127.0.0.1:8080"}
+    fns = doc["functions"]
+    n = len(fns)
+    assert list(fns) == [f"small-stage-{i}" for i in range(n)]
+    for i, fn in enumerate(fns.values()):
+        assert fn["lang"] == "pipeline-stage"
+        assert os.path.isfile(os.path.join(root, fn["handler"], "handler.py"))
+        assert fn["environment"]["QUART_STAGE_INDEX"] == str(i)
+        assert fn["environment"]["QUART_NUM_STAGES"] == str(n)
+        assert fn["labels"]["com.quart.model"] == "small" and fn["labels"]["com.quart.stages"] == str(n)
+    # it is exactly what the recorded command writes (no hand edits that drift from the partitioner)
+    command = text.splitlines()[1].removeprefix("# ")
+    assert command.startswith(f"quartctl partition --model small --stages {n} ")
+    partition("small", n, str(tmp_path / "small"), weights="none", progress=False, stack_out=str(tmp_path / "s.yml"),
+              stack={"compute": "cpu", "model_dir_value": "build/models/small", "stack_dir": root})
+    assert yaml.safe_load(open(tmp_path / "s.yml")) == doc
