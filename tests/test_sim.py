@@ -112,7 +112,8 @@ def test_window_metrics_agree_with_live_stage_metrics() -> None:
             m.on_dispatch(t, 0.002 * (i % 11))
             m.on_complete(t, 0.01 + 0.001 * (i % 7))
         if i % 400 == 0:
-            for name in ("arrival_rate", "mean_service_s", "mean_wait_s", "cv_arrival", "busy_s"):
+            for name in ("arrival_rate", "mean_service_s", "mean_wait_s", "cv_arrival", "busy_s",
+                         "mean_activation_bytes"):
                 assert getattr(fast, name)(t) == pytest.approx(getattr(live, name)(t), rel=1e-9, abs=1e-12)
             assert fast.arrival_rate(t, 1.0) == live.arrival_rate(t, 1.0)
 
@@ -137,3 +138,28 @@ def test_systems() -> None:
     assert not system("quart-no-km").keysmanager
     with pytest.raises(ValueError, match="unknown system"):
         system("nope")
+
+
+def test_cli_run_and_small_fig7(tmp_path) -> None:
+    import json
+
+    from quart_tools.sim.cli import main
+
+    out = tmp_path / "one.json"
+    assert main(["--model", "wideresnet", "--system", "quart", "--duration", "20", "--load", "0.2",
+                 "--out", str(out), "--series-out", str(tmp_path / "s.jsonl")]) == 0
+    entry = json.loads(out.read_text())
+    assert entry["policy"] == "quart" and entry["requests"] > 0 and entry["completed"] > 0
+    assert set(entry["slo_attainment"]) == {"1.0", "1.5", "2.0", "2.5", "3.0"}
+    assert (tmp_path / "s.jsonl").read_text().count("\n") > 8 * 19
+    out = tmp_path / "fig7.json"
+    assert main(["--experiment", "fig7", "--models", "wideresnet", "--cvs", "1", "--systems", "quart,cocktail",
+                 "--duration", "20", "--load", "0.2", "--workers", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(e["model"], e["target_cv"], e["policy"]) for e in doc["entries"]] == [
+        ("wideresnet", 1.0, "quart"), ("wideresnet", 1.0, "cocktail")]
+    row = doc["summary"]["vs_best_baseline"][0]
+    assert row["best_baseline"] == "cocktail"
+    assert row["mean_ratio"] == pytest.approx(doc["entries"][0]["mean_ms"] / doc["entries"][1]["mean_ms"])
+    with pytest.raises(SystemExit):
+        main(["--model", "nope"])

@@ -124,6 +124,13 @@ def _ablations(args, cal: Calibration) -> dict:
             "entries": entries}
 
 
+def _cpu_seconds() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     started = time.perf_counter()
@@ -145,6 +152,7 @@ def main(argv: list[str]) -> int:
         if args.experiment != "run":
             doc["calibration"] = cal.to_json()
             doc["wall_s"] = round(time.perf_counter() - started, 2)
+            doc["cpu_s"] = round(_cpu_seconds(), 2)  # this process + its workers: load-independent cost
             doc["machine_note"] = "simulated cluster; wall_s measured on the machine that ran it"
     except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"quartctl simulate: {exc}", file=sys.stderr)

@@ -23,9 +23,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from gateway_plugin.metrics import StageMetrics
+from gateway_plugin.metrics import MetricsCollector, StageMetrics
 from gateway_plugin.scheduling import ReplicaRequest, make_placer
-from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+from gateway_plugin.snapshot import PipelineSnapshot
+from gateway_plugin.snapshot_builder import StageState, build_snapshot
 from quart_tools.arrivals import Arrivals
 from quart_tools.report import StageSample
 from quart_tools.sim.calibration import Calibration
@@ -80,12 +81,13 @@ class WindowMetrics(StageMetrics):
     window: too slow for 175 ten-minute runs. tests/test_sim.py checks that both agree.
     """
 
-    __slots__ = ("_wait_sum", "_busy_sum")
+    __slots__ = ("_wait_sum", "_busy_sum", "_act_sum")
 
     def __init__(self, window_s: float) -> None:
         super().__init__(window_s)
         self._wait_sum = 0.0
         self._busy_sum = 0.0
+        self._act_sum = 0.0
 
     def _trim(self, now: float) -> None:
         cutoff = now - self.window_s
@@ -100,13 +102,14 @@ class WindowMetrics(StageMetrics):
             self._busy_sum -= services.popleft()[1]
         acts = self.activations
         while acts and acts[0][0] < cutoff:
-            acts.popleft()
+            self._act_sum -= acts.popleft()[1]
 
     # Events only append; the window is trimmed when a statistic is read (every read trims first,
     # so the answers are those of the live class, which trims on every event).
     def on_arrival(self, now: float, activation_bytes: int) -> None:
         self.arrivals.append(now)
         self.activations.append((now, activation_bytes))
+        self._act_sum += activation_bytes
         self.total_arrivals += 1
 
     def on_dispatch(self, now: float, wait_s: float) -> None:
@@ -142,6 +145,10 @@ class WindowMetrics(StageMetrics):
     def busy_s(self, now: float) -> float:
         self._trim(now)
         return max(0.0, self._busy_sum) if self.services else 0.0
+
+    def mean_activation_bytes(self, now: float) -> float:
+        self._trim(now)
+        return max(0.0, self._act_sum) / len(self.activations) if self.activations else 0.0
 
     def cv_arrival(self, now: float) -> float:
         self._trim(now)
@@ -226,6 +233,10 @@ class Simulation:
                 draws = [1.0] * n
             self.stages.append(_Stage(i, spec, cfg.window_s, draws, cfg.cpus))
         self.hops_s = cfg.hop_s * len(cfg.stages)  # a constant: the hops do not hold a replica
+        self.functions = [st.function for st in self.stages]
+        self.stage_by_fn = {st.function: st for st in self.stages}
+        self.collector = MetricsCollector(cfg.window_s)
+        self.collector.stages.update({st.function: st.metrics for st in self.stages})
         self.max_replicas = cfg.max_replicas or max(1, 2 * cal.hosts * cal.gpus_per_host // len(cfg.stages))
         self.heap: list = []
         self.seq = 0
@@ -363,35 +374,26 @@ class Simulation:
 
     # ------------------------------------------------------------------------- control loop
     def _snapshot(self, now: float) -> PipelineSnapshot:
-        cfg = self.cfg
-        out = []
-        wm = cfg.whole_model
-        for st in self.stages:
-            m = st.metrics
-            mean_s = m.mean_service_s(now)
-            ready = len(st.ready)
-            out.append(StageSnapshot(
-                name=st.function,
-                index=st.index,
-                arrival_rate=m.arrival_rate(now),
-                service_rate=1.0 / mean_s if mean_s > 0 else 0.0,
-                replicas=ready,
-                pending_replicas=len(st.starting),
-                busy=st.busy,
-                queue_len=len(self.stages[0].queue) if wm else len(st.queue),
-                mean_wait_s=m.mean_wait_s(now),
-                cv_arrival=m.cv_arrival(now),
-                utilisation=min(1.0, m.busy_s(now) / (max(1, ready) * cfg.window_s)),
-                cpus=st.cpus,
-                min_replicas=cfg.min_replicas,
-                max_replicas=self.max_replicas,
-                param_bytes=st.spec.param_bytes,
-                activation_bytes=st.spec.activation_bytes,
-                concurrency=1,
-                arrival_rate_recent=m.arrival_rate(now, 1.0),
-            ))
-        return PipelineSnapshot(time=now, model=cfg.model, stages=tuple(out), slo_s=cfg.slo_s,
-                                window_s=cfg.window_s)
+        """The live controller's snapshot builder over the simulated router, platform and windows."""
+        return build_snapshot(now, self.cfg.model, self.functions, self, self, self.collector,
+                              slo_factor=0.0, slo_s={self.cfg.model: self.cfg.slo_s})
+
+    # Inventory and QueueView (gateway_plugin.snapshot_builder) of the simulated platform and router.
+    def pipelines(self) -> dict[str, list[str]]:
+        return {self.cfg.model: list(self.functions)}
+
+    def stage_state(self, function: str) -> StageState:
+        st = self.stage_by_fn[function]
+        ready = len(st.ready)
+        return StageState(ready=ready, desired=ready + len(st.starting), cpus=st.cpus,
+                          min_replicas=self.cfg.min_replicas, max_replicas=self.max_replicas, concurrency=1,
+                          param_bytes=st.spec.param_bytes, profiled_service_s=st.spec.service_s)
+
+    def queue_len(self, function: str) -> int:
+        return len(self.stage_by_fn[function].queue)
+
+    def busy(self, function: str) -> int:
+        return self.stage_by_fn[function].busy
 
     def _key_history(self) -> dict[str, int]:
         hist = getattr(self.policy, "key_history", None) or {}

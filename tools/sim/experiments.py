@@ -84,17 +84,27 @@ def run_many(specs: list[RunSpec], workers: int | None = None, desc: str = "runs
     # Longest runs first so the pool does not end on one straggler.
     order = sorted(range(len(specs)), key=lambda i: -_cost(specs[i]))
     results: list[dict | None] = [None] * len(specs)
-    bar = tqdm(total=len(specs), desc=desc, unit="run", file=sys.stderr, disable=not sys.stderr.isatty())
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=len(specs), desc=desc, unit="run", file=sys.stderr, disable=not tty)
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        bar.update(1)
+        if not tty and (done % max(1, len(specs) // 20) == 0 or done == len(specs)):
+            print(f"{desc}: {done}/{len(specs)} runs", file=sys.stderr, flush=True)
+
     try:
         if workers <= 1:
             for i in order:
                 results[i] = run_spec(specs[i])
-                bar.update(1)
+                advance()
         else:
             with get_context("fork").Pool(workers) as pool:
                 for i, entry in zip(order, pool.imap(run_spec, [specs[i] for i in order]), strict=True):
                     results[i] = entry
-                    bar.update(1)
+                    advance()
     finally:
         bar.close()
     return [r for r in results if r is not None]

@@ -1,0 +1,158 @@
+"""`quartctl bench sim-vs-live [--out FILE]`: the simulator against the live system, same configuration.
+
+Live: the paper's BERT-21B split into 8 parameter-free stages with EMULATED compute (replicas sleep
+the profile's per-stage time, gamma CV 0.1, while real activation bytes travel over real HTTP), on
+`quartctl up` (embedded gateway, KeysManagers, router, controller), driven by the open-loop load
+generator. Simulated: the same stages, service-time distribution, hosts and slots, start replicas,
+policy and arrival schedule.
+
+Calibration before the comparison: a separate low-rate run on the live system measures the fixed
+per-request overhead of the real pipeline (HTTP hops, serialisation, router) as mean latency −
+profiled time; the simulator gets it as its per-stage hop time. The measured run then uses other
+arrivals at the target rate, so the agreement is not fitted.
+
+Writes ``{"sim": {mean_ms, p99_ms}, "live": {mean_ms, p99_ms}, "agreement": {...}, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from quart_tools.arrivals import gamma_arrivals, poisson_arrivals
+from quart_tools.report import latency_stats
+from quart_tools.sim.calibration import PAPER_MODELS, Calibration
+
+MODEL = "bert-21b"
+SEQ_TOKENS = 128  # BERT-21B's sequence length: request bodies are capped to it
+EMULATED_CV = 0.1  # quart_stage's default QUART_EMULATED_CV
+TOLERANCE = 0.15
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quartctl bench sim-vs-live", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="JSON output (default stdout)")
+    p.add_argument("--policy", default="static", help="policy on both sides (static keeps scaling out of it)")
+    p.add_argument("--replicas", type=int, default=2, help="start replicas per stage (and static's count)")
+    p.add_argument("--rate", type=float, default=20.0, help="mean requests/s of the measured run")
+    p.add_argument("--cv", type=float, default=1.0, help="gamma inter-arrival CV of the measured run")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals of the measured run")
+    p.add_argument("--calibration-rate", type=float, default=2.0, help="requests/s of the overhead run")
+    p.add_argument("--calibration-duration", type=float, default=20.0)
+    p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--gpus-per-host", type=int, default=24)
+    p.add_argument("--max-replicas", type=int, default=6)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=30.0)
+    return p
+
+
+def _stats(lat_ms: np.ndarray) -> dict:
+    s = latency_stats(lat_ms)
+    return {"mean_ms": s["mean_ms"], "p99_ms": s["p99_ms"], "p50_ms": s["p50_ms"],
+            "completed": int(np.count_nonzero(~np.isnan(lat_ms))), "requests": len(lat_ms)}
+
+
+def simulate(args, arrivals, hop_s: float) -> dict:
+    """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy."""
+    from gateway_plugin.policies import make_policy
+    from quart_tools.sim.engine import SimConfig, Simulation
+    from quart_tools.sim.scenario import model_stages
+
+    prof = PAPER_MODELS[MODEL]
+    cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=EMULATED_CV)
+    cfg = SimConfig(
+        model=MODEL, stages=model_stages(MODEL, args.stages), slo_s=2.0 * prof.exec_ms / 1000.0, calibration=cal,
+        keysmanager=True, placer="cache-aware", initial_replicas=args.replicas, max_replicas=args.max_replicas,
+        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, seed=args.seed,
+    )
+    config = {"replicas": args.replicas} if args.policy == "static" else {}
+    result = Simulation(cfg, make_policy(args.policy, **config), arrivals).run()
+    return _stats(result.latencies_ms)
+
+
+def live(args, arrivals) -> tuple[dict, float]:
+    """The live side on `quartctl up`; returns (stats, per-stage overhead seconds from the calibration run)."""
+    from gateway_plugin.bench_policies import Gateway, partition
+    from quart_tools.loadgen import body_maker, generate_load
+    from quart_tools.report import records_latencies
+
+    tmp = Path(tempfile.mkdtemp(prefix="quart-sim-vs-live-"))
+    stack = partition(tmp / "model", args.stages, args.max_replicas)
+    env = {"QUART_POLICY": "static", "QUART_CONTROL_PERIOD_S": "1", "QUART_WINDOW_S": "5",
+           "QUART_REQUEST_TIMEOUT_S": str(args.timeout), "QUART_QUEUE_CAP": "4096"}
+    gw = Gateway(stack, tmp / "state", args.hosts, args.gpus_per_host, env)
+    url = f"{gw.url}/function/{MODEL}"
+    body = body_maker("input-ids", max_tokens=SEQ_TOKENS)
+    try:
+        stages = [f for f, st in sorted(gw.functions().items(), key=lambda kv: int(kv[1]["labels"]["com.quart.stage"]))
+                  if st["labels"].get("com.quart.model") == MODEL]
+        gw.switch("static", {"replicas": args.replicas})
+        gw.wait_reset(stages, args.replicas)
+        calib = poisson_arrivals(args.calibration_rate, args.calibration_duration, seed=args.seed + 1000)
+        res = generate_load(url, calib, timeout_s=args.timeout, body=body, progress=False)
+        lat, _, _ = records_latencies(res.records)
+        calibration_mean_ms = float(np.nanmean(lat))
+        overhead_ms = max(0.0, calibration_mean_ms - PAPER_MODELS[MODEL].exec_ms)
+        gw.wait_reset(stages, args.replicas)
+        config = {"replicas": args.replicas} if args.policy == "static" else {}
+        gw.switch(args.policy, config)
+        res = generate_load(url, arrivals, timeout_s=args.timeout, body=body, progress=False)
+        lat, _, _ = records_latencies(res.records)
+        stats = _stats(lat)
+        stats["errors"] = sum(1 for r in res.records if not r.ok)
+        stats["calibration_mean_ms"] = calibration_mean_ms
+        return stats, overhead_ms / 1000.0 / args.stages
+    finally:
+        gw.close()
+
+
+def compare(sim: dict, live_stats: dict) -> dict:
+    def rel(key: str) -> float:
+        a, b = sim[key], live_stats[key]
+        return abs(a - b) / b if b and math.isfinite(a) and math.isfinite(b) else math.inf
+
+    mean_err, p99_err = rel("mean_ms"), rel("p99_ms")
+    return {"mean_rel_error": mean_err, "p99_rel_error": p99_err, "tolerance": TOLERANCE,
+            "within_tolerance": mean_err <= TOLERANCE and p99_err <= TOLERANCE}
+
+
+def main(argv: list[str]) -> int:
+    from quart_tools.report import json_safe
+
+    args = _parser().parse_args(argv)
+    started = time.time()
+    arrivals = gamma_arrivals(args.rate, args.cv, args.duration, seed=args.seed, input_bytes=4 * SEQ_TOKENS)
+    try:
+        live_stats, hop_s = live(args, arrivals)
+    except (ImportError, RuntimeError, OSError) as exc:
+        print(f"quartctl bench sim-vs-live: the live side could not run: {exc}", file=sys.stderr)
+        return 1
+    sim = simulate(args, arrivals, hop_s)
+    doc = {
+        "sim": sim,
+        "live": live_stats,
+        "agreement": compare(sim, live_stats),
+        "calibrated_hop_ms_per_stage": hop_s * 1000.0,
+        "config": {"model": MODEL, "compute": "emulated", "stages": args.stages, "policy": args.policy,
+                   "replicas": args.replicas, "rate_rps": args.rate, "cv": args.cv, "duration_s": args.duration,
+                   "hosts": args.hosts, "gpus_per_host": args.gpus_per_host, "seed": args.seed},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_at_end": round(os.getloadavg()[0], 2)},
+        "wall_s": round(time.time() - started, 1),
+    }
+    text = json.dumps(json_safe(doc), indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
