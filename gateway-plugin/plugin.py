@@ -105,7 +105,7 @@ def policy_factory(config: PluginConfig, **overrides: Any):
     return factory
 
 
-def make_actuator(config: PluginConfig, gateway: Any | None = None):
+def make_actuator(config: PluginConfig, gateway: Any | None = None, password: str | None = None):
     if config.actuator == "gateway":
         if gateway is None:
             raise ValueError("the gateway actuator needs the in-process embedded gateway")
@@ -115,10 +115,10 @@ def make_actuator(config: PluginConfig, gateway: Any | None = None):
     if config.actuator in ("rest", "faas-cli"):
         if not config.gateway_url:
             raise ValueError(f"the {config.actuator} actuator needs QUART_GATEWAY_URL")
-        password = ""
-        if config.gateway_password_file:
+        if password is None and config.gateway_password_file:
             with open(config.gateway_password_file) as fh:
                 password = fh.read().strip()
+        password = password or ""
         if config.actuator == "rest":
             from gateway_plugin.actuators.rest import RestActuator
 

@@ -1,0 +1,208 @@
+"""The plugin as its own process in front of a real OpenFaaS gateway (function-level dispatch).
+
+OpenFaaS hides individual pods behind ``/function/<name>``, so here a stage's "replicas" are
+``availableReplicas`` virtual slots that all point at ``<gateway>/function/<stage>``; the router still
+keeps one FIFO queue per stage and never sends a stage more concurrent requests than its replicas ×
+concurrency, so the queue stays in the router where the policies can see it. Pipelines, replica
+counts, CPUs and scale bounds come from ``GET /system/functions`` (polled); scaling goes through the
+REST or faas-cli actuator.
+
+    python -m gateway_plugin.standalone --gateway http://127.0.0.1:8080 --password-file pw --port 8081
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from dataclasses import asdict, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from gateway_plugin.config import PluginConfig
+from gateway_plugin.controller import Controller
+from gateway_plugin.metrics import MetricsCollector
+from gateway_plugin.plugin import LABEL_PARAM_BYTES, LABEL_PROFILE_MS, make_actuator, policy_factory
+from gateway_plugin.router import Router, StaticReplica
+from gateway_plugin.snapshot_builder import StageState
+
+log = logging.getLogger("quart.standalone")
+
+
+def _label_int(labels: dict[str, str], key: str, default: int) -> int:
+    try:
+        return int(float(labels.get(key, "") or default))
+    except ValueError:
+        return default
+
+
+class OpenFaaSView:
+    """ReplicaSource + Inventory from an OpenFaaS gateway's REST API, refreshed by ``refresh()``."""
+
+    def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None, default_concurrency: int = 1) -> None:
+        self.gateway_url = gateway_url.rstrip("/")
+        self.auth = auth
+        self.default_concurrency = default_concurrency
+        self.status: dict[str, dict[str, Any]] = {}
+        self.slots: dict[str, list[StaticReplica]] = {}
+
+    async def refresh(self, session: aiohttp.ClientSession) -> None:
+        async with session.get(f"{self.gateway_url}/system/functions", auth=self.auth) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"GET /system/functions answered {resp.status}: {(await resp.text())[:200]}")
+            functions = await resp.json()
+        self.status = {f["name"]: f for f in functions}
+        for name, st in self.status.items():
+            have = self.slots.setdefault(name, [])
+            want = int(st.get("availableReplicas") or 0)
+            url = f"{self.gateway_url}/function/{name}"
+            while len(have) < want:
+                have.append(StaticReplica(f"{name}#{len(have)}", url))
+            while len(have) > want:  # drop idle slots first; busy ones finish and are then dropped
+                idle = next((r for r in reversed(have) if r.in_flight == 0), None)
+                if idle is None:
+                    break
+                have.remove(idle)
+        for gone in set(self.slots) - set(self.status):
+            del self.slots[gone]
+
+    # Inventory
+    def pipelines(self) -> dict[str, list[str]]:
+        stages: dict[str, list[tuple[int, str]]] = {}
+        for name, st in self.status.items():
+            labels = st.get("labels") or {}
+            model = labels.get("com.quart.model")
+            if model:
+                stages.setdefault(model, []).append((_label_int(labels, "com.quart.stage", 0), name))
+        return {m: [n for _, n in sorted(s)] for m, s in stages.items()}
+
+    def stage_state(self, function: str) -> StageState:
+        from gateway_plugin.embedded.quantities import parse_cpu
+
+        st = self.status[function]
+        labels = st.get("labels") or {}
+        cpu = (st.get("limits") or {}).get("cpu")
+        return StageState(
+            ready=int(st.get("availableReplicas") or 0), desired=int(st.get("replicas") or 0),
+            cpus=parse_cpu(cpu) if cpu else 1.0,
+            min_replicas=_label_int(labels, "com.openfaas.scale.min", 1),
+            max_replicas=_label_int(labels, "com.openfaas.scale.max", 20),
+            concurrency=self.concurrency(function),
+            param_bytes=_label_int(labels, LABEL_PARAM_BYTES, 0),
+            profiled_service_s=_label_int(labels, LABEL_PROFILE_MS, 0) / 1000.0,
+        )
+
+    def stage_meta(self, function: str) -> tuple[float, int]:
+        if function not in self.status:
+            return (1.0, 0)
+        s = self.stage_state(function)
+        return (s.cpus, s.param_bytes)
+
+    # ReplicaSource
+    def ready(self, function: str) -> list[StaticReplica]:
+        return list(self.slots.get(function, ()))
+
+    def concurrency(self, function: str) -> int:
+        labels = (self.status.get(function) or {}).get("labels") or {}
+        return _label_int(labels, "com.quart.concurrency", 0) or self.default_concurrency
+
+    def take(self, function: str, replica: StaticReplica) -> None:
+        replica.in_flight += 1
+
+    def give_back(self, function: str, replica: StaticReplica) -> None:
+        replica.in_flight -= 1
+
+
+class StandalonePlugin:
+    """Router + controller + a small HTTP server in front of an OpenFaaS gateway."""
+
+    def __init__(self, config: PluginConfig, password: str = "") -> None:
+        if not config.gateway_url:
+            raise ValueError("standalone mode needs the OpenFaaS gateway URL (--gateway or QUART_GATEWAY_URL)")
+        if config.actuator == "gateway":
+            config = replace(config, actuator="rest")
+        self.config = config
+        auth = aiohttp.BasicAuth(config.gateway_user, password) if password else None
+        self.view = OpenFaaSView(config.gateway_url, auth, config.default_concurrency)
+        self.collector = MetricsCollector(config.window_s)
+        self.router = Router(self.view, self.view.pipelines, config, self.collector, self.view.stage_meta)
+        self.controller = Controller(self.view, self.router, self.collector, make_actuator(config, password=password),
+                                     policy_factory(config), config)
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/function/{model}", lambda r: self.router.handle(r, r.match_info["model"]))
+        app.router.add_get("/metrics", lambda r: web.Response(body=self.collector.prometheus_text(),
+                                                               content_type="text/plain"))
+        app.router.add_get("/snapshot", lambda r: web.json_response(
+            {m: asdict(s) for m, s in self.controller.last_snapshots.items()},
+            dumps=lambda d: json.dumps(d, default=str)))
+        app.router.add_get("/healthz", lambda r: web.Response(text="OK"))
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _refresh_forever(self) -> None:
+        assert self._session is not None
+        while not self._stop.is_set():
+            try:
+                await self.view.refresh(self._session)
+            except Exception as exc:  # the gateway restarting must not stop the plugin
+                log.warning("refreshing functions failed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=self.config.replica_refresh_s)
+
+    async def _startup(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        await self.view.refresh(self._session)
+        await self.router.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._refresh_forever()), loop.create_task(self.controller.run(self._stop))]
+
+    async def _cleanup(self, app: web.Application) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.router.close()
+        closer = getattr(self.controller.actuator, "close", None)
+        if closer is not None:
+            await closer()
+        if self._session is not None:
+            await self._session.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gateway_plugin.standalone", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gateway", default=None, help="OpenFaaS gateway URL (QUART_GATEWAY_URL)")
+    p.add_argument("--user", default=None, help="basic-auth user (QUART_GATEWAY_USER, default admin)")
+    p.add_argument("--password-file", default=None, help="file holding the gateway password (mode 0600)")
+    p.add_argument("--bind", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8081)
+    args = p.parse_args(argv)
+    cfg = PluginConfig.from_env()
+    cfg = replace(cfg, gateway_url=args.gateway or cfg.gateway_url, gateway_user=args.user or cfg.gateway_user,
+                  gateway_password_file=args.password_file or cfg.gateway_password_file)
+    password = ""
+    if cfg.gateway_password_file:
+        with open(cfg.gateway_password_file) as fh:
+            password = fh.read().strip()
+    try:
+        plugin = StandalonePlugin(cfg, password)
+    except ValueError as exc:
+        print(f"standalone plugin: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    web.run_app(plugin.app(), host=args.bind, port=args.port, print=lambda *a: None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

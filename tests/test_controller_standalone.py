@@ -1,0 +1,94 @@
+"""The plugin as its own process in front of an OpenFaaS-compatible gateway: function-level dispatch,
+inventory from /system/functions, scaling through the REST actuator (the embedded gateway stands in
+for OpenFaaS; replicas are its quart/echo processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import requests
+from aiohttp import web
+from gateway_plugin.config import PluginConfig
+from gateway_plugin.standalone import StandalonePlugin
+
+
+class Setup:
+    def __init__(self, tmp_path) -> None:
+        from gateway_plugin.embedded.config import GatewayConfig
+        from gateway_plugin.embedded.system import EmbeddedSystem
+
+        cfg = GatewayConfig(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, drain_timeout_s=5)
+        self.system = EmbeddedSystem(cfg, use_keysmanager=False, attach_plugin=False)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runner: web.AppRunner | None = None
+        self.call(self.system.start())
+        creds = self.system.credentials
+        for i in range(2):
+            body = {"service": f"m-stage-{i}", "image": "quart/echo:latest",
+                    "labels": {"com.quart.model": "m", "com.quart.stage": str(i), "com.openfaas.scale.min": "1",
+                               "com.openfaas.scale.max": "3"}}
+            res = requests.post(f"{self.system.url}/system/functions", json=body, auth=(creds.user, creds.password),
+                                timeout=10)
+            assert res.status_code == 202
+        config = PluginConfig(gateway_url=self.system.url, gateway_user=creds.user, policy="static",
+                              actuator="rest", control_period_s=0.2, replica_refresh_s=0.1)
+        self.plugin = StandalonePlugin(config, creds.password)
+        self.url = self.call(self._serve())
+
+    async def _serve(self) -> str:
+        self.runner = web.AppRunner(self.plugin.app())
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}"
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        try:
+            if self.runner is not None:
+                self.call(self.runner.cleanup())
+            self.call(self.system.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+@pytest.fixture
+def setup(tmp_path):
+    s = Setup(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_standalone_routes_pipeline_and_scales_over_rest(setup) -> None:
+    deadline = time.monotonic() + 30
+    while True:  # the static policy (2 per stage) scales both stages through POST /system/scale-function
+        fns = {f["name"]: f for f in requests.get(f"{setup.system.url}/system/functions",
+                                                   auth=(setup.system.credentials.user,
+                                                         setup.system.credentials.password), timeout=10).json()}
+        if all(fns[f"m-stage-{i}"]["availableReplicas"] == 2 for i in range(2)):
+            break
+        assert time.monotonic() < deadline, fns
+        time.sleep(0.1)
+    for k in range(4):
+        res = requests.post(f"{setup.url}/function/m", data=f"req {k}".encode(), timeout=10)
+        assert res.status_code == 200 and res.content == f"req {k}".encode()
+    assert requests.post(f"{setup.url}/function/other", data=b"x", timeout=10).status_code == 404
+    deadline = time.monotonic() + 5
+    while not setup.plugin.controller.last_snapshots.get("m"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    snap = requests.get(f"{setup.url}/snapshot", timeout=10).json()["m"]
+    assert [s["name"] for s in snap["stages"]] == ["m-stage-0", "m-stage-1"]
+    assert "quart_stage_replicas" in requests.get(f"{setup.url}/metrics", timeout=10).text
