@@ -98,7 +98,7 @@ def json_reply(status: int, message: str, field_name: str | None = None, **heade
     return Reply(status, json.dumps(payload).encode(), {"Content-Type": "application/json", **headers})
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity semantics: jobs live in sets
 class Job:
     """One accepted pipeline request travelling through the stages."""
 
@@ -153,6 +153,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self._ids = itertools.count()
         self._closed = False
+        self._running: set[Job] = set()
         self.accepted = 0
         self.answered = 0
 
@@ -174,6 +175,10 @@ class Router:
             while q.jobs:
                 job = q.jobs.popleft()
                 self._finish(job, json_reply(503, "the router is shutting down"))
+        for job in list(self._running):
+            self._finish(job, json_reply(503, "the router is shutting down"))
+            if job.task is not None:
+                job.task.cancel()
         for q in self.queues.values():
             if q.dispatcher:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -283,7 +288,11 @@ class Router:
                 q.jobs.popleft()
                 self._finish(job, self._deadline_reply(job, "waiting for a replica"))
                 continue
-            replica = self._pick(q.function, job.tried)
+            try:
+                replica = self._pick(q.function, job.tried)
+            except Exception as exc:  # the platform's replica view failed: keep serving, retry soon
+                log.warning("listing replicas of %s failed: %s", q.function, exc)
+                replica = None
             if replica is None:
                 q.wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -294,6 +303,8 @@ class Router:
             q.busy += 1
             job.attempts += 1
             job.task = asyncio.get_running_loop().create_task(self._call(job, q, replica))
+            self._running.add(job)
+            job.task.add_done_callback(lambda _t, job=job: self._running.discard(job))
 
     async def _call(self, job: Job, q: StageQueue, replica: Any) -> None:
         fn = q.function
@@ -302,7 +313,8 @@ class Router:
         status, data, headers, failure = 0, b"", {}, ""
         try:
             timeout = min(self.config.attempt_timeout_s, job.deadline - start)
-            assert self.session is not None
+            if self.session is None:
+                raise aiohttp.ClientError("the router's HTTP client is closed")
             async with self.session.post(
                 replica.url, data=job.body,
                 headers={"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
@@ -314,7 +326,7 @@ class Router:
         except asyncio.CancelledError:
             failure = "cancelled"
             raise
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except Exception as exc:  # timeout, connection, protocol, closed client: all count as a failed attempt
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         finally:
             q.busy -= 1

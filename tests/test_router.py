@@ -263,3 +263,15 @@ async def test_ten_thousand_requests_with_random_kills_all_answered(cluster: Clu
     for i, r in enumerate(replies):
         if r.status == 200:
             assert r.body.startswith(f"{i}|m-stage-0#".encode())
+
+
+@with_cluster
+async def test_close_answers_queued_and_running_requests(cluster: Cluster) -> None:
+    await cluster.add("m-stage-0", delay_s=2.0)
+    router = make_router(cluster, stages=1)
+    tasks = [asyncio.create_task(router.invoke("m", b"x")) for _ in range(3)]  # 1 running, 2 queued
+    await asyncio.sleep(0.2)
+    await router.close()
+    replies = await asyncio.wait_for(asyncio.gather(*tasks), 3)
+    assert [r.status for r in replies] == [503, 503, 503]
+    assert router.accepted == router.answered == 3
