@@ -45,22 +45,22 @@ class HostState:
             return False
         return request.function in self.cached or request.param_bytes <= self.memory_limit
 
-    def needs_eviction(self, request: ReplicaRequest, memory_fill: float) -> bool:
-        """A cold start here would push memory past the KeysManager's eviction threshold."""
+    def needs_eviction(self, request: ReplicaRequest, memory_fill: float, cold_copies: float = 1.0) -> bool:
+        """A cold start here (adding `cold_copies` × the parameters) would push memory past the limit."""
         if request.function in self.cached:
             return False
-        return self.memory_used + request.param_bytes > memory_fill * self.memory_limit
+        return self.memory_used + cold_copies * request.param_bytes > memory_fill * self.memory_limit
 
     def source_for(self, function: str) -> Source:
         return "fork" if function in self.cached else "cold"
 
-    def take(self, request: ReplicaRequest, key: bool) -> Placement:
+    def take(self, request: ReplicaRequest, key: bool, cold_copies: float = 1.0) -> Placement:
         """Place one replica here; a cold start leaves a zygote (the KeysManager caches what it loads)."""
         source = self.source_for(request.function)
         self.gpu_free -= 1
         if source == "cold":
             self.cached.add(request.function)
-            self.memory_used += request.param_bytes
+            self.memory_used += int(cold_copies * request.param_bytes)
         self.running[request.function] = self.running.get(request.function, 0) + 1
         return Placement(function=request.function, host=self.name, source=source, key=key)
 

@@ -30,6 +30,9 @@ class SchedulerConfig:
     # fraction of a host's reported memory limit a cold start may fill without counting as evicting; the
     # KeysManager already applies its own threshold (85 % of RAM) when it derives that limit
     memory_fill: float = 1.0
+    # host memory a cold start adds, in parameter sizes: the cold replica's private copy plus the zygote
+    # the KeysManager caches after it (cache_on_cold)
+    cold_copies: float = 2.0
 
     def __post_init__(self) -> None:
         if self.contention_threshold < 0:
@@ -40,6 +43,8 @@ class SchedulerConfig:
             raise ValueError("learning_rate must be > 0")
         if self.max_iterations < 1:
             raise ValueError("max_iterations must be ≥ 1")
+        if self.cold_copies < 0:
+            raise ValueError("cold_copies must be ≥ 0")
         if not 0 < self.memory_fill <= 1:
             raise ValueError("memory_fill must be in (0, 1]")
 

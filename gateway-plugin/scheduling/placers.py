@@ -69,7 +69,7 @@ class CacheAwarePlacer:
 
     def _risk(self, host: HostState, req: ReplicaRequest, keys: set[str]) -> tuple[int, int]:
         """(needs eviction, key-stage zygotes it could evict)."""
-        if not host.needs_eviction(req, self.config.memory_fill):
+        if not host.needs_eviction(req, self.config.memory_fill, self.config.cold_copies):
             return (0, 0)
         return (1, len((host.cached & keys) - {req.function}))
 
@@ -88,7 +88,7 @@ class CacheAwarePlacer:
                 batch.missing[req.function] = batch.missing.get(req.function, 0) + 1
                 continue
             best = min(candidates, key=lambda h: score(h, req, keys))
-            batch.placements.append(best.take(req, is_key))
+            batch.placements.append(best.take(req, is_key, self.config.cold_copies))
 
     # -- high contention: KL dispersion of the key stages ---------------------------------------------
 
@@ -129,7 +129,7 @@ class CacheAwarePlacer:
         for s, req in enumerate(key_reqs):
             for j, host in enumerate(states):
                 for _ in range(int(counts[s, j])):
-                    batch.placements.append(host.take(req, True))
+                    batch.placements.append(host.take(req, True, self.config.cold_copies))
             missing = req.count - int(counts[s].sum())
             if missing:
                 batch.missing[req.function] = batch.missing.get(req.function, 0) + missing
