@@ -313,6 +313,15 @@ class EmbeddedGateway:
         raise ServiceUnavailable(503, f"no replica of {fn.name!r} became ready within "
                                       f"{self.config.ready_wait_s:g} s", None)
 
+    def record_invocation(self, name: str, code: int, seconds: float) -> None:
+        """Count an invocation served outside the proxy (the router's per-stage calls) like the proxy does."""
+        fn = self.functions.get(name)
+        if fn is None:
+            return
+        fn.invocations += 1
+        self.metrics.invocation_started(fn.metric_name)
+        self.metrics.invocation_done(fn.metric_name, code, seconds)
+
     def release(self, fn: FunctionState, endpoint: Endpoint) -> None:
         endpoint.in_flight -= 1
         endpoint.served += 1

@@ -42,6 +42,9 @@ class KeysManagerHost:
             return await self._processes.start(spec, count)
         stage = StageSpec(function=spec.function, env=dict(spec.env), cpus=spec.cpus or 1.0,
                           memory_bytes=spec.memory_bytes or 0, concurrency=spec.concurrency or 1)
+        # QUART §6.1: the stage scheduled here gets a zygote first (one parameter load), and every
+        # replica, the first one included, forks from it, instead of a cold replica plus a zygote.
+        await self.client.ensure_cached(stage)
         return [_status(r) for r in await self.client.start(stage, count, wait=False)]
 
     async def stop(self, replica_id: str) -> None:

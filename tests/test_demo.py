@@ -1,0 +1,42 @@
+"""Smoke test of `quartctl demo` (the README's main job) on the tiny preset."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+
+
+def _leftovers(marker: str) -> list[psutil.Process]:
+    """Processes whose command line names this test's own state folder (so only ones it started)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if marker in cmdline and proc.info["pid"] != os.getpid():
+            found.append(proc)
+    return found
+
+
+def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path):
+    state = tmp_path / "demo-state"
+    argv = [sys.executable, "-m", "quart_tools.cli", "demo", "--model", "tiny", "--stages", "2", "--hosts", "1",
+            "--requests", "1", "--state-dir", str(state)]
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    finally:
+        leftovers = _leftovers(str(state))
+        for proc in leftovers:  # never leave processes behind, even when the assertion below fails
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    out = result.stdout
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for step in ("[1/6]", "[2/6]", "[3/6]", "[4/6]", "[5/6]", "[6/6]"):
+        assert step in out
+    assert "-> 200" in out and "next-token id(s)" in out
+    assert "'replicas': 2" in out and "second replica ready" in out
+    assert "tiny-stage-1" in out and "started by fork" in out
+    assert leftovers == []

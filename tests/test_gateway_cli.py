@@ -1,0 +1,78 @@
+"""`quartctl up --detach`, `quartctl deploy`, `quartctl down`: real processes, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import requests
+
+
+def quartctl(*args: str, cwd, timeout: float = 120, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quart_tools.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, input=stdin)
+
+
+def descendants_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_up_detached_deploy_down(tmp_path):
+    (tmp_path / "stack.yml").write_text(textwrap.dedent("""
+        version: 1.0
+        provider: {name: openfaas, gateway: http://127.0.0.1:8080}
+        functions:
+          echo:
+            lang: dockerfile
+            handler: ./echo
+            image: quart/echo:latest
+            labels: {com.openfaas.scale.min: 2}
+    """))
+    state = tmp_path / "state"
+    res = quartctl("up", "-f", "stack.yml", "--port", "0", "--state-dir", str(state), "--detach", cwd=tmp_path)
+    tracked: list[int] = []
+    try:
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "Gateway:" in res.stdout and "basic-auth-password" in res.stdout
+        info = json.loads((state / "up.json").read_text())
+        tracked = [info["pid"]] + [h["pid"] for h in info["hosts"]]
+        url, password = info["url"], (state / "secrets" / "basic-auth-password").read_text().strip()
+        assert (state / "secrets" / "basic-auth-password").stat().st_mode & 0o777 == 0o600
+        again = quartctl("up", "--port", "0", "--state-dir", str(state), cwd=tmp_path)
+        assert again.returncode == 1 and "already running" in again.stderr
+
+        deadline = time.monotonic() + 60
+        while True:
+            status = requests.get(f"{url}/system/function/echo", auth=("admin", password), timeout=5).json()
+            if status["availableReplicas"] == 2:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+        tracked += [psutil.Process(info["pid"]).pid]
+        tracked += [c.pid for c in psutil.Process(info["pid"]).children(recursive=True)]
+        assert requests.post(f"{url}/function/echo", data=b"hi", timeout=5).content == b"hi"
+
+        res = quartctl("deploy", "-f", "stack.yml", "--state-dir", str(state), cwd=tmp_path)  # faas-cli's PUT
+        assert res.returncode == 0 and "already exists, attempting rolling-update" in res.stdout, res.stdout
+        res = quartctl("deploy", "-f", "stack.yml", "--state-dir", str(state), "--password-stdin", cwd=tmp_path)
+        assert res.returncode == 1 and "unauthorized" in res.stderr  # empty password from stdin
+    finally:
+        down = quartctl("down", "--state-dir", str(state), cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 15
+    while descendants_alive(tracked):
+        assert time.monotonic() < deadline, f"left running: {descendants_alive(tracked)}"
+        time.sleep(0.1)
+    assert not (state / "up.json").exists()
+    assert "nothing is running" in quartctl("down", "--state-dir", str(state), cwd=tmp_path).stdout

@@ -1,0 +1,246 @@
+"""`quartctl demo`: the README's main job, end to end on one machine.
+
+1. partitions a model preset (``small`` by default) into pipeline stages (``quartctl partition``);
+2. starts the embedded gateway with one KeysManager per simulated host (``quartctl up``, in-process,
+   on an ephemeral port);
+3. deploys every stage function over the gateway REST API, exactly as faas-cli does;
+4. sends a prompt through every stage via the gateway (``POST /function/<model>`` when the router
+   plugin is attached, otherwise the demo chains ``/function/<model>-stage-<i>`` itself) and prints
+   the next-token ids and top tokens;
+5. scales one stage over REST (``/system/scale-function``), shows the replica listing (the new
+   replica forks from the KeysManager's cached zygote) and spreads requests over both replicas;
+6. shuts everything down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+from gateway_plugin.embedded.config import GatewayConfig
+from gateway_plugin.embedded.stack import load_stack
+from gateway_plugin.embedded.system import EmbeddedSystem
+from tqdm import tqdm
+
+OCTETS = "application/octet-stream"
+
+
+def say(step: str, text: str) -> None:
+    print(f"\n[{step}] {text}", flush=True)
+
+
+def partition_model(model: str, stages: int, out: Path) -> Path:
+    """Partition (or reuse an identical earlier partition); returns the stack.yml path."""
+    manifest = out / "manifest.json"
+    if manifest.exists() and (out / "stack.yml").exists():
+        doc = json.loads(manifest.read_text())
+        if len(doc.get("stages", [])) == stages:
+            print(f"  reusing {out} ({stages} stages)")
+            return out / "stack.yml"
+    from quart_tools.partition import partition
+
+    started = time.perf_counter()
+    result = partition(model, stages, str(out), stack={"compute": "cpu"}, progress=sys.stderr.isatty())
+    total = sum(s.parameter_bytes for s in result.stages) if result else 0
+    print(f"  {result.model if result else model}: {stages} stages, {total / 2**20:.1f} MiB of parameters, "
+          f"written to {out} in {time.perf_counter() - started:.1f} s")
+    return out / "stack.yml"
+
+
+class Demo:
+    def __init__(self, system: EmbeddedSystem, session: aiohttp.ClientSession) -> None:
+        self.system = system
+        self.url = system.url
+        self.session = session
+        self.auth = aiohttp.BasicAuth(system.credentials.user, system.credentials.password)
+
+    async def deploy(self, stack_path: Path) -> list[str]:
+        """faas-cli deploy: PUT /system/functions, POST when the function does not exist yet."""
+        stack = load_stack(stack_path)
+        self.system.gateway.images.register(stack.image_index_entries())
+        names = []
+        for fn in stack.functions:
+            async with self.session.put(f"{self.url}/system/functions", json=fn.request, auth=self.auth) as res:
+                status = res.status
+            if status == 404:
+                async with self.session.post(f"{self.url}/system/functions", json=fn.request, auth=self.auth) as res:
+                    status = res.status
+                    text = await res.text()
+                if status != 202:
+                    raise RuntimeError(f"deploying {fn.name} failed: {status} {text}")
+            print(f"  {fn.name}: deployed ({status}), labels {fn.request['labels']}")
+            names.append(fn.name)
+        return names
+
+    async def function(self, name: str) -> dict:
+        async with self.session.get(f"{self.url}/system/function/{name}", auth=self.auth) as res:
+            return await res.json()
+
+    async def wait_available(self, names: list[str], want: dict[str, int] | None = None, timeout_s: float = 600) -> None:
+        want = want or {}
+        bar = tqdm(total=sum(want.get(n, 1) for n in names), desc="  replicas ready", file=sys.stderr,
+                   disable=not sys.stderr.isatty())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            statuses = [await self.function(n) for n in names]
+            ready = sum(min(s.get("availableReplicas", 0), want.get(s["name"], 1)) for s in statuses)
+            bar.update(ready - bar.n)
+            if all(s.get("availableReplicas", 0) >= want.get(s["name"], 1) for s in statuses):
+                bar.close()
+                return
+            if time.monotonic() > deadline:
+                bar.close()
+                raise TimeoutError(f"replicas not ready after {timeout_s:.0f} s: {statuses}")
+            await asyncio.sleep(0.2)
+
+    async def invoke_pipeline(self, model: str, stages: list[str], prompt: str, verbose: bool = True) -> dict:
+        """One request through every stage; returns the last stage's JSON output."""
+        body = json.dumps({"text": prompt}).encode()
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        async with self.session.post(f"{self.url}/function/{model}", data=body, headers=headers) as res:
+            if res.status != 404:  # the router plugin took /function/<model>
+                if res.status != 200:
+                    raise RuntimeError(f"/function/{model} answered {res.status}: {await res.text()}")
+                if verbose:
+                    print(f"  POST /function/{model} -> 200 (the router plugin took the request through "
+                          f"{' -> '.join(stages)})")
+                return _output(await res.read(), res.content_type)
+        content_type = "application/json"
+        for i, name in enumerate(stages):
+            last = i == len(stages) - 1
+            headers = {"Content-Type": content_type, "Accept": "application/json" if last else OCTETS}
+            started = time.perf_counter()
+            async with self.session.post(f"{self.url}/function/{name}", data=body, headers=headers) as res:
+                payload = await res.read()
+                if res.status != 200:
+                    raise RuntimeError(f"{name} answered {res.status}: {payload[:300]!r}")
+                if verbose:
+                    print(f"  POST /function/{name:<24} -> {res.status}, {len(payload):>8} bytes, compute "
+                          f"{res.headers.get('X-Quart-Compute-Ms', '?'):>6} ms, round trip "
+                          f"{(time.perf_counter() - started) * 1000:6.1f} ms")
+            body, content_type = payload, OCTETS
+        return _output(body, "application/json")
+
+    async def scale(self, name: str, replicas: int) -> dict:
+        async with self.session.post(f"{self.url}/system/scale-function/{name}", auth=self.auth,
+                                     json={"serviceName": name, "replicas": replicas}) as res:
+            return {"status": res.status, **(await res.json())}
+
+    async def show_listing(self) -> None:
+        async with self.session.get(f"{self.url}/system/functions", auth=self.auth) as res:
+            listing = await res.json()
+        print(f"  {'function':<26}{'replicas':>9}{'available':>10}{'invocations':>12}")
+        for f in listing:
+            print(f"  {f['name']:<26}{f['replicas']:>9}{f['availableReplicas']:>10}{f['invocationCount']:>12}")
+
+    async def show_replicas(self, name: str) -> None:
+        async with self.session.get(f"{self.url}/system/replicas/{name}", auth=self.auth) as res:
+            doc = await res.json()
+        for r in doc["replicas"]:
+            print(f"  {r['id']:<34} host {r['host']:<7} {r['state']:<9} started by {r['source']:<5} "
+                  f"served {r['served']}")
+
+
+def _output(payload: bytes, content_type: str) -> dict:
+    """The last stage's output as the JSON view (argmax, shape), from JSON or safetensors bytes."""
+    if content_type == "application/json":
+        return json.loads(payload)
+    from quart_stage import wire
+
+    decoded = wire.decode(payload)
+    name, tensor = next(iter(decoded.tensors.items()))
+    return {"output": name, "shape": list(tensor.shape), "argmax": tensor.argmax(-1).tolist()}
+
+
+def top_tokens(model_dir: Path, ids: list[int]) -> str:
+    tokenizer = model_dir / "tokenizer.json"
+    if not tokenizer.exists():
+        return ""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    return " ".join(repr(tok.decode([i])) for i in ids)
+
+
+async def run(args: argparse.Namespace) -> int:
+    state_dir = args.state_dir.resolve()
+    model_dir = state_dir / "models" / f"{args.model}-{args.stages}"
+    say("1/6", f"Partitioning the {args.model!r} preset into {args.stages} stages (DeepSpeed partitioner)")
+    stack_path = partition_model(args.model, args.stages, model_dir)
+
+    # Step 5 scales a stage by hand over REST; the plugin's controller (if attached) only observes here,
+    # otherwise its policy would scale an idle stage straight back to its minimum.
+    os.environ.setdefault("QUART_ACTUATOR", "none")
+    say("2/6", f"Starting the embedded gateway and {args.hosts} KeysManager(s) ({args.gpus_per_host} slots each)")
+    config = GatewayConfig.from_env(port=0, state_dir=state_dir, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+                                    placer=args.placer)
+    system = EmbeddedSystem(config)
+    await system.start()
+    try:
+        print(f"  gateway {system.url}; credentials: user {system.credentials.user}, password in "
+              f"{system.credentials.password_file} (mode 0600)")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            demo = Demo(system, session)
+            say("3/6", "Deploying the stage functions over the REST API (as `faas-cli deploy` does)")
+            stages = await demo.deploy(stack_path)
+            started = time.perf_counter()
+            await demo.wait_available(stages)
+            print(f"  all {len(stages)} stages ready in {time.perf_counter() - started:.1f} s (cold start: each "
+                  "KeysManager loads the stage and keeps it cached as a zygote)")
+
+            model = json.loads((model_dir / "manifest.json").read_text())["model"]
+            say("4/6", f"Sending {args.prompt!r} through every stage via the gateway")
+            out = await demo.invoke_pipeline(model, stages, args.prompt)
+            next_ids = [row[-1] for row in out["argmax"]]
+            print(f"  output {out['output']} {out['shape']}; next-token id(s) {next_ids} "
+                  f"{top_tokens(model_dir, next_ids)}")
+            print("  (random weights: the tokens are arbitrary; the point is the path through every stage)")
+
+            target = stages[min(1, len(stages) - 1)]
+            say("5/6", f"Scaling {target} to 2 replicas over REST (POST /system/scale-function/{target})")
+            print(f"  -> {await demo.scale(target, 2)}")
+            started = time.perf_counter()
+            await demo.wait_available([target], {target: 2})
+            print(f"  second replica ready in {time.perf_counter() - started:.2f} s")
+            for _ in range(args.requests):
+                await asyncio.gather(*(demo.invoke_pipeline(model, stages, args.prompt, verbose=False)
+                                       for _ in range(2)))
+            print(f"  sent {2 * args.requests} more requests, two at a time; replicas of {target}:")
+            await demo.show_replicas(target)
+            print("  GET /system/functions:")
+            await demo.show_listing()
+    finally:
+        say("6/6", "Shutting down (replicas, zygotes, KeysManagers)")
+        await system.stop()
+    print("  done.")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="quartctl demo", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small", help="model preset to partition (default small; tiny is faster)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
+    p.add_argument("--hosts", type=int, default=2, help="simulated hosts (default 2)")
+    p.add_argument("--gpus-per-host", type=int, default=4, help="replica slots per host (default 4)")
+    p.add_argument("--placer", default="cache-aware", help="replica placer (default cache-aware)")
+    p.add_argument("--prompt", default="Serverless pipelines scale one stage at a time")
+    p.add_argument("--requests", type=int, default=3, help="extra request pairs after scaling (default 3)")
+    p.add_argument("--state-dir", type=Path, default=Path(".quart/demo"), help="models, sockets, logs")
+    p.add_argument("--verbose", "-v", action="store_true", help="log the gateway's and plugin's messages")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="  %(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    return asyncio.run(run(args))
