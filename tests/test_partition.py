@@ -83,7 +83,7 @@ def _chain(out: str, ids: torch.Tensor) -> torch.Tensor:
     return wire.decode(body).tensors["logits"]
 
 
-@pytest.mark.parametrize("kind", ["llama-tied-sharded", "bert", "opt"])
+@pytest.mark.parametrize("kind", ["llama-tied-sharded", "bert", "opt", "mistral-window", "qwen2"])
 def test_hf_checkpoint_folder_partitions_lazily_and_matches(tmp_path, kind):
     import transformers
 
@@ -96,6 +96,14 @@ def test_hf_checkpoint_folder_partitions_lazily_and_matches(tmp_path, kind):
         cfg = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                       vocab_size=128, max_position_embeddings=64)
         model = transformers.BertForMaskedLM(cfg)
+    elif kind == "mistral-window":  # sequence longer than the sliding window: needs the windowed mask
+        cfg = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=128, sliding_window=4)
+        model = transformers.MistralForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=128)
+        model = transformers.Qwen2ForCausalLM(cfg)
     else:
         cfg = transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=3, num_attention_heads=4,
                                      vocab_size=128, max_position_embeddings=64, word_embed_proj_dim=32)

@@ -239,8 +239,15 @@ class StageModule(nn.Module):
             kwargs = {"position_ids": positions}
         elif self.plan.family == "decoder":
             kwargs = {"position_ids": positions, "position_embeddings": self.rotary(hidden, positions)}
+            window = getattr(self.cfg, "sliding_window", None) if self.plan.model_type == "mistral" else None
+            if window and hidden.shape[1] > window:
+                # SDPA's is_causal knows no window: pass the causal sliding-window mask (True = attend)
+                q = torch.arange(hidden.shape[1], device=hidden.device)
+                offset = q[:, None] - q[None, :]
+                kwargs["attention_mask"] = ((offset >= 0) & (offset < window))[None, None]
+        kwargs.setdefault("attention_mask", None)
         for block in self.blocks:
-            out = block(hidden, attention_mask=None, **kwargs)
+            out = block(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
