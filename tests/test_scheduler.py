@@ -284,6 +284,8 @@ def test_make_placer_errors_and_config():
         make_placer("first-fit").place([_host("a"), _host("a")], [ReplicaRequest("s", 1)])
     cfg = SchedulerConfig.from_env({"QUART_SCHED_CONTENTION_THRESHOLD": "0.9", "QUART_SCHED_MAX_ITERATIONS": "7"})
     assert cfg.contention_threshold == 0.9 and cfg.max_iterations == 7
+    placer = make_placer("cache-aware", SchedulerConfig(cache_weight=2.0), contention_threshold=0.9)
+    assert (placer.config.cache_weight, placer.config.contention_threshold) == (2.0, 0.9)
     with pytest.raises(ValueError, match="not a number"):
         SchedulerConfig.from_env({"QUART_SCHED_CACHE_WEIGHT": "lots"})
 

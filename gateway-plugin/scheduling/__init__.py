@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gateway_plugin.scheduling.config import SchedulerConfig
 from gateway_plugin.scheduling.hosts import host_view_from_report
 from gateway_plugin.scheduling.placers import CacheAwarePlacer, FirstFitPlacer, contention
@@ -18,13 +20,15 @@ PLACERS = ("cache-aware", "first-fit")
 def make_placer(name: str, config: SchedulerConfig | None = None, **settings: object) -> Placer:
     """A placer by name: ``cache-aware`` (QUART) or ``first-fit`` (cache-blind baseline).
 
-    `settings` override fields of :class:`SchedulerConfig` (defaults, then ``QUART_SCHED_*`` env).
+    `settings` override fields of `config` (default: :class:`SchedulerConfig` defaults, then the
+    ``QUART_SCHED_*`` environment).
     """
     if name == "first-fit":
         return FirstFitPlacer()
     if name == "cache-aware":
-        cfg = config if config is not None and not settings else SchedulerConfig.from_env(**settings)
-        return CacheAwarePlacer(cfg)
+        if config is None:
+            return CacheAwarePlacer(SchedulerConfig.from_env(**settings))
+        return CacheAwarePlacer(replace(config, **settings) if settings else config)
     raise ValueError(f"unknown placer {name!r}; choose one of {', '.join(PLACERS)}")
 
 
