@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -170,6 +171,8 @@ def top_tokens(model_dir: Path, ids: list[int]) -> str:
 
 
 async def run(args: argparse.Namespace) -> int:
+    main_task = asyncio.current_task()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)  # clean up on SIGTERM too
     state_dir = args.state_dir.resolve()
     model_dir = state_dir / "models" / f"{args.model}-{args.stages}"
     say("1/6", f"Partitioning the {args.model!r} preset into {args.stages} stages (DeepSpeed partitioner)")

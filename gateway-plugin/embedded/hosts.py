@@ -94,6 +94,20 @@ def thread_env(cpus: float | None) -> dict[str, str]:
     return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "QUART_THREADS": threads}
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: get SIGTERM when the parent dies (Linux), so no orphan survives
+    a gateway that was killed without a chance to clean up."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
 @dataclass(slots=True)
 class _Child:
     status: ReplicaStatus
@@ -146,6 +160,7 @@ class ProcessHost:
         memory = spec.memory_bytes
 
         def limit_child() -> None:  # runs in the child between fork and exec
+            die_with_parent()
             if cores:
                 os.sched_setaffinity(0, cores)
             if memory:

@@ -25,7 +25,7 @@ from gateway_plugin.embedded.auth import Credentials, load_or_create
 from gateway_plugin.embedded.config import GatewayConfig
 from gateway_plugin.embedded.deployment import FunctionDeployment
 from gateway_plugin.embedded.gateway import EmbeddedGateway
-from gateway_plugin.embedded.hosts import Host, ProcessHost
+from gateway_plugin.embedded.hosts import Host, ProcessHost, die_with_parent
 from gateway_plugin.embedded.stack import Stack
 
 log = logging.getLogger("quart.up")
@@ -106,10 +106,19 @@ class EmbeddedSystem:
             argv = [sys.executable, "-m", "quart_tools.cli", "keysmanager", "--socket", str(sock), "--name", name,
                     "--memory-limit", str(cfg.host_memory_bytes), "--gpus", str(cfg.gpus_per_host)]
             process = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=die_with_parent)
             logfile.close()
             self.agents.append(_Agent(name, sock, process))
         hosts = [KeysManagerHost(a.name, str(a.socket), cfg.gpus_per_host, cfg.host_memory_bytes) for a in self.agents]
+        try:
+            await self._wait_agents(hosts)
+        except BaseException:
+            await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
+            raise
+        return hosts
+
+    async def _wait_agents(self, hosts: list[Any]) -> None:
+        cfg = self.config
         deadline = time.monotonic() + 60
         for agent, host in zip(self.agents, hosts, strict=True):
             while True:
@@ -123,7 +132,6 @@ class EmbeddedSystem:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"KeysManager {agent.name} did not answer on {agent.socket} in 60 s") from None
                     await asyncio.sleep(0.1)
-        return hosts
 
     async def _attach_plugin(self, app: Any) -> None:
         try:
