@@ -250,3 +250,23 @@ def test_stack_yml_becomes_faas_cli_requests(tmp_path):
     (tmp_path / "bad.yml").write_text("functions: {a: {lang: x}}")
     with pytest.raises(StackError, match="image"):
         load_stack(tmp_path / "bad.yml")
+
+
+def test_failed_starts_back_off_and_are_reported(tmp_path):
+    class BrokenHost(FakeHost):
+        async def start(self, spec, count):
+            self.started.append(spec)
+            raise RuntimeError("no such stage")
+
+    async def scenario():
+        host = BrokenHost("h0")
+        gw = make(tmp_path, [host])
+        fn = await gw.deploy(dep())
+        for _ in range(10):
+            await gw.reconcile()
+            await asyncio.sleep(0.01)
+        assert len(host.started) == 1  # one try, then a 0.5 s backoff instead of a retry every tick
+        assert "no such stage" in fn.last_error and fn.ready == []
+        await gw.close()
+
+    asyncio.run(scenario())

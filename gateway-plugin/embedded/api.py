@@ -189,7 +189,7 @@ class GatewayAPI:
         """Extension: the replicas of a function, with host, state and in-flight requests."""
         fn = self.gateway.get(request.match_info["name"])
         return web.json_response({"function": fn.name, "desired": fn.desired, "generation": fn.generation,
-                                  "unplaced": fn.unplaced,
+                                  "unplaced": fn.unplaced, "lastError": fn.last_error,
                                   "replicas": [e.to_json() for e in fn.replicas.values()]})
 
     async def async_invoke(self, request: web.Request) -> web.Response:

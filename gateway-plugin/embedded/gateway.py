@@ -72,6 +72,9 @@ class FunctionState:
     waiting: int = 0
     wakeups: list[asyncio.Future] = field(default_factory=list)
     unplaced: int = 0
+    start_failures: int = 0  # consecutive failed replica starts (backoff)
+    retry_at: float = 0.0  # monotonic time before which no new start is tried
+    last_error: str = ""
 
     @property
     def name(self) -> str:
@@ -392,7 +395,7 @@ class EmbeddedGateway:
             current = [e for e in fn.replicas.values()
                        if e.generation == fn.generation and e.state in ("starting", "ready")]
             have = len(current) + fn.pending_starts
-            if have < fn.desired:
+            if have < fn.desired and now >= fn.retry_at:
                 requests.append(ReplicaRequest(fn.name, fn.desired - have, key=fn.name in self.key_history))
             elif len(current) > fn.desired:
                 surplus = sorted(current, key=lambda e: (e.state == "ready", e.in_flight, -e.started_at))
@@ -443,11 +446,15 @@ class EmbeddedGateway:
         try:
             statuses = await self.hosts[host].start(self.replica_spec(fn), 1)
         except Exception as exc:
-            log.warning("starting a replica of %s on %s failed: %s", fn.name, host, exc)
-            await asyncio.sleep(self.config.reconcile_interval_s)  # no hot retry loop
+            fn.start_failures += 1
+            backoff = min(30.0, 0.5 * 2 ** (fn.start_failures - 1))
+            fn.retry_at = time.monotonic() + backoff
+            fn.last_error = f"starting a replica on {host} failed: {exc}"
+            log.warning("%s: %s (retry in %.1f s)", fn.name, fn.last_error, backoff)
             return
         finally:
             fn.pending_starts -= 1
+        fn.start_failures, fn.last_error = 0, ""
         now = time.monotonic()
         for status in statuses:
             endpoint = Endpoint(status.id, fn.name, host, status.url, status.state if status.state != "dead"
