@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -115,6 +116,7 @@ class StageRuntime:
         self._tokenizer = None
         self._rng = random.Random(cfg.seed)
         self._device = torch.device("cpu")
+        self._prepare_lock = threading.Lock()  # a lock object, not a thread: safe to fork while unlocked
         self.prepared = False
 
     # -- construction ----------------------------------------------------------------------------
@@ -167,15 +169,18 @@ class StageRuntime:
         """Pick the device, build computed buffers, copy parameters for cuda, set torch threads."""
         if self.prepared:
             return
-        torch.set_num_threads(max(1, self.cfg.threads))
-        if self.module is not None and self.cfg.compute != "emulated":
-            if self.cfg.compute == "cuda":
-                if not torch.cuda.is_available():
-                    raise ConfigError("QUART_COMPUTE=cuda but no CUDA device is visible")
-                self._device = torch.device(self.cfg.device or "cuda:0")
-                self.module.to(self._device)
-            self.module.materialize_buffers(self._device)
-        self.prepared = True
+        with self._prepare_lock:  # gthread workers may race here on their first requests
+            if self.prepared:
+                return
+            torch.set_num_threads(max(1, self.cfg.threads))
+            if self.module is not None and self.cfg.compute != "emulated":
+                if self.cfg.compute == "cuda":
+                    if not torch.cuda.is_available():
+                        raise ConfigError("QUART_COMPUTE=cuda but no CUDA device is visible")
+                    self._device = torch.device(self.cfg.device or "cuda:0")
+                    self.module.to(self._device)
+                self.module.materialize_buffers(self._device)
+            self.prepared = True
 
     # -- properties ------------------------------------------------------------------------------
     @property

@@ -83,7 +83,7 @@ class GunicornServer:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, signal.SIGINT)  # gunicorn: quick shutdown (SIGTERM waits for workers)
                 self.proc.wait(timeout=10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 try:
