@@ -291,3 +291,21 @@ def test_metrics_use_the_openfaas_gateway_names(gw):
     assert 'gateway_functions_seconds_count{code="200",function_name="counted.openfaas-fn"} 5.0' in text
     assert 'gateway_functions_seconds_bucket{code="200",function_name="counted.openfaas-fn",le="+Inf"} 5.0' in text
     assert 'gateway_service_count{function_name="counted.openfaas-fn"} 1.0' in text
+
+
+def test_provider_endpoints_for_a_real_openfaas_gateway_in_front(tmp_path):
+    running = Running(tmp_path, provider_port=0)
+    try:
+        provider = f"http://127.0.0.1:{running.system.provider_port}"
+        info = requests.get(f"{provider}/system/info", auth=running.auth, timeout=5).json()
+        assert PROVIDER_INFO["required"] <= info.keys() and isinstance(info["provider"], str)
+        assert VERSION_INFO["required"] <= info["version"].keys()
+        assert requests.get(f"{provider}/system/functions", timeout=5).status_code == 401
+        res = requests.post(f"{provider}/system/functions", json=faas_cli_deploy_body("via-provider"),
+                            auth=running.auth, timeout=10)
+        assert res.status_code == 202
+        running.wait_available("via-provider", 1)  # the same registry behind both listeners
+        res = requests.post(f"{provider}/function/via-provider", data=b"p", timeout=10)
+        assert res.status_code == 200 and res.content == b"p"
+    finally:
+        running.close()

@@ -88,11 +88,16 @@ class Demo:
         want = want or {}
         bar = tqdm(total=sum(want.get(n, 1) for n in names), desc="  replicas ready", file=sys.stderr,
                    disable=not sys.stderr.isatty())
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        last_print = started
         while True:
             statuses = [await self.function(n) for n in names]
             ready = sum(min(s.get("availableReplicas", 0), want.get(s["name"], 1)) for s in statuses)
             bar.update(ready - bar.n)
+            if bar.disable and time.monotonic() - last_print >= 10:  # progress without a TTY too
+                last_print = time.monotonic()
+                print(f"  ... {ready}/{bar.total} replicas ready after {last_print - started:.0f} s", flush=True)
             if all(s.get("availableReplicas", 0) >= want.get(s["name"], 1) for s in statuses):
                 bar.close()
                 return

@@ -48,8 +48,9 @@ def _request_error(exc: RequestError, retry_after: int) -> web.Response:
 class GatewayAPI:
     """The handlers; one instance per app."""
 
-    def __init__(self, gateway: EmbeddedGateway, credentials: Credentials | None) -> None:
+    def __init__(self, gateway: EmbeddedGateway, credentials: Credentials | None, provider: bool = False) -> None:
         self.gateway = gateway
+        self.provider = provider  # serve as a faas-provider behind a real OpenFaaS gateway
         self.config = gateway.config
         self.credentials = credentials
         self.session: aiohttp.ClientSession | None = None
@@ -83,10 +84,12 @@ class GatewayAPI:
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s), skip_auto_headers=("User-Agent",),
         )
-        await self.gateway.start()
+        if not self.provider:
+            await self.gateway.start()
 
     async def _cleanup(self, app: web.Application) -> None:
-        await self.gateway.close()
+        if not self.provider:
+            await self.gateway.close()
         if self.session is not None:
             await self.session.close()
 
@@ -131,8 +134,11 @@ class GatewayAPI:
 
     async def info(self, request: web.Request) -> web.Response:
         version = {"sha": os.environ.get("QUART_GIT_SHA", "unknown"), "release": VERSION}
+        provider_info = {"provider": "quart-embedded", "orchestration": "keysmanager", "version": version}
+        if self.provider:  # faas-provider's /system/info is a ProviderInfo; the gateway wraps it
+            return web.json_response(provider_info)
         return web.json_response({
-            "provider": {"provider": "quart-embedded", "orchestration": "keysmanager", "version": version},
+            "provider": provider_info,
             "version": {**version, "commit_message": "QUART-FaaS embedded gateway"},
             "arch": platform.machine(),
         })
@@ -256,11 +262,17 @@ class GatewayAPI:
         return web.Response(status=status, body=payload, headers=out_headers)
 
 
-def create_app(gateway: EmbeddedGateway, credentials: Credentials | None) -> web.Application:
-    """The aiohttp application; starting it starts the gateway's reconcile loop, cleanup stops everything."""
+def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provider: bool = False
+               ) -> web.Application:
+    """The aiohttp application; starting it starts the gateway's reconcile loop, cleanup stops everything.
+
+    ``provider=True``: the faas-provider flavour of the same API, for a real OpenFaaS gateway in front
+    (``functions_provider_url``): ``/system/info`` answers a ``ProviderInfo``, and the app leaves the
+    gateway's lifecycle to the main app.
+    """
     app = web.Application(client_max_size=gateway.config.max_body_bytes)
     app[GATEWAY_KEY] = gateway
-    GatewayAPI(gateway, credentials).routes(app)
+    GatewayAPI(gateway, credentials, provider).routes(app)
     return app
 
 

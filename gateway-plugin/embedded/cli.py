@@ -47,6 +47,8 @@ def _up_parser() -> argparse.ArgumentParser:
                                 "one KeysManager per simulated host, and the gateway plugin if installed.")
     p.add_argument("-f", "--file", "--yaml", dest="file", help="stack.yml to deploy once the gateway is up")
     p.add_argument("--port", type=int, default=None, help="gateway port (default 8080; 0 = any free port)")
+    p.add_argument("--provider-port", type=int, default=None,
+                   help="also serve the faas-provider API here, for a real OpenFaaS gateway in front (0 = any port)")
     p.add_argument("--bind", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--hosts", type=int, default=None, help="simulated hosts, one KeysManager each (default 1)")
     p.add_argument("--gpus-per-host", type=int, default=None, help="replica slots per host (default 4)")
@@ -62,7 +64,7 @@ def _up_parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig.from_env(
-        port=args.port, bind=args.bind, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+        port=args.port, provider_port=args.provider_port, bind=args.bind, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
         host_memory_bytes=args.host_memory, placer=args.placer, state_dir=args.state_dir.resolve(),
     )
 
@@ -112,6 +114,9 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
               f"(mode 0600)", flush=True)
         print(f"  faas-cli login -g {system.url} -u {system.credentials.user} --password-stdin "
               f"< {system.credentials.password_file}", flush=True)
+        if system.provider_port:
+            print(f"Provider API: http://{config.bind}:{system.provider_port} (functions_provider_url of an "
+                  "OpenFaaS gateway)", flush=True)
         print(f"Hosts:        {config.hosts} x {config.gpus_per_host} slots, placer {config.placer}", flush=True)
         if stack is not None:
             try:

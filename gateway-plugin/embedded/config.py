@@ -19,6 +19,7 @@ class GatewayConfig:
 
     bind: str = "127.0.0.1"  # address the gateway listens on (loopback: a host agent never faces the network)
     port: int = 8080  # TCP port; 0 picks a free one
+    provider_port: int = -1  # faas-provider API for a real OpenFaaS gateway in front; -1 = off, 0 = any port
     state_dir: Path = Path(".quart")  # credentials, sockets, pidfile, image index, logs
     namespace: str = DEFAULT_NAMESPACE  # the one function namespace (OpenFaaS's default)
     auth: bool = True  # basic auth on /system/* (OpenFaaS's basic_auth=true)

@@ -58,8 +58,10 @@ class EmbeddedSystem:
     gateway: EmbeddedGateway | None = None
     credentials: Credentials | None = None
     port: int = 0
+    provider_port: int | None = None
     agents: list[_Agent] = field(default_factory=list)
     _runner: Any = None
+    _provider_runner: Any = None
 
     @property
     def url(self) -> str:
@@ -80,6 +82,10 @@ class EmbeddedSystem:
             self.gateway = EmbeddedGateway(cfg, hosts)
             app = create_app(self.gateway, self.credentials if cfg.auth else None)
             self._runner, self.port = await start_site(app, cfg.bind, cfg.port)
+            if cfg.provider_port >= 0:
+                provider_app = create_app(self.gateway, self.credentials if cfg.auth else None, provider=True)
+                self._provider_runner, self.provider_port = await start_site(provider_app, cfg.bind,
+                                                                             cfg.provider_port)
             if self.attach_plugin:
                 await self._attach_plugin(app)
         except BaseException:
@@ -148,6 +154,7 @@ class EmbeddedSystem:
     def _write_state(self) -> None:
         state = {
             "pid": os.getpid(), "url": self.url, "port": self.port,
+            "provider_url": f"http://{self.config.bind}:{self.provider_port}" if self.provider_port else None,
             "password_file": str(self.credentials.password_file) if self.credentials else None,
             "user": self.credentials.user if self.credentials else None,
             "hosts": [{"name": a.name, "socket": str(a.socket), "pid": a.process.pid} for a in self.agents],
@@ -185,6 +192,9 @@ class EmbeddedSystem:
 
     async def stop(self) -> None:
         """Stop the site (which stops every replica), then the KeysManagers; remove the state file."""
+        if self._provider_runner is not None:
+            await self._provider_runner.cleanup()
+            self._provider_runner = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
