@@ -1,6 +1,7 @@
 """`quartctl bench serialization`: activation serialize + deserialize vs a plain memory copy.
 
-For each size (1..64 MB of fp32 activations shaped [1, T, 4096]) it times, best of `--repeats`:
+For each size (1..64 MB of fp32 activations shaped [1, T, 4096]) it times, best of `--repeats`
+(serde, copy and clone interleaved, so machine load affects them alike):
   serde : `wire.encode` (header + one copy into a fresh buffer) then `wire.decode` (validated, zero-copy);
   copy  : `ndarray.copy()` of the same bytes (a fresh buffer and one memcpy; the ratio's baseline);
   clone : `tensor.clone()` (torch's allocator; slower above ~32 MB, page faults), for reference;
@@ -24,12 +25,15 @@ from quart_stage import wire
 DEFAULT_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
+def _best(fns, repeats: int) -> list[float]:
+    """Best time of each function, measured interleaved (a, b, c, a, b, c, ...) so that load from other
+    processes hits all of them alike."""
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -63,8 +67,8 @@ def measure(mb: float, repeats: int = 20, hidden: int = 4096) -> dict:
         raise AssertionError("wire round trip changed the data")
     for fn in (serde, copy):
         fn()  # warm up allocator and page tables
-    t_serde, t_copy, t_clone = _best(serde, repeats), _best(copy, repeats), _best(clone, repeats)
-    t_lib = _best(lib, max(3, repeats // 4))
+    t_serde, t_copy, t_clone = _best([serde, copy, clone], repeats)
+    (t_lib,) = _best([lib], max(3, repeats // 4))
     gb = nbytes / 1e9
     return {"mb": round(nbytes / (1 << 20), 3), "serde_gbps": round(gb / t_serde, 3), "copy_gbps": round(gb / t_copy, 3),
             "ratio": round(t_copy / t_serde, 3), "torch_clone_gbps": round(gb / t_clone, 3), "library_gbps": round(gb / t_lib, 3),
@@ -73,7 +77,8 @@ def measure(mb: float, repeats: int = 20, hidden: int = 4096) -> dict:
 
 def run(sizes_mb=DEFAULT_SIZES_MB, repeats: int = 20) -> dict:
     torch.set_num_threads(1)
-    rows = [measure(mb, repeats) for mb in sizes_mb]
+    # big sizes are memory-bandwidth bound and stable: fewer repeats keep the run around a minute
+    rows = [measure(mb, max(10, int(repeats * min(1.0, 8.0 / mb)))) for mb in sizes_mb]
     return {
         "benchmark": "serialization",
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
@@ -87,7 +92,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="quartctl bench serialization", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write JSON here (default stdout)")
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES_MB), help="MB, comma separated")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=200)
     args = p.parse_args(argv)
     doc = run([float(s) for s in args.sizes.split(",") if s], args.repeats)
     text = json.dumps(doc, indent=2)

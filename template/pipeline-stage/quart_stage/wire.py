@@ -90,6 +90,17 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
+_NUMPY_SAFE = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+               torch.uint8, torch.bool}
+
+
+def _byte_array(t: torch.Tensor) -> np.ndarray:
+    """`byte_view(t)` as a numpy array; the common case (contiguous CPU tensor) without torch view calls."""
+    if t.dtype in _NUMPY_SAFE and not t.requires_grad and t.device.type == "cpu" and t.is_contiguous():
+        return t.numpy().view(np.uint8).reshape(-1)
+    return byte_view(t).numpy()
+
+
 def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> memoryview:
     """Serialize to one contiguous buffer (header + one copy of each tensor's bytes)."""
     head, body_len = _header(tensors, metadata)
@@ -97,7 +108,7 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
     pos = len(head)
     for t in tensors.values():
-        src = byte_view(t).numpy()
+        src = _byte_array(t)
         out[pos : pos + src.size] = src  # numpy memcpy: fast at any offset (torch's copy_ is not, unaligned)
         pos += src.size
     return memoryview(out)
@@ -106,7 +117,7 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
 def encode_chunks(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> list[bytes]:
     """The same bytes as `encode`, as `bytes` chunks (what WSGI servers accept), one copy per tensor."""
     head, _ = _header(tensors, metadata)
-    return [head, *(byte_view(t).numpy().tobytes() for t in tensors.values())]
+    return [head, *(_byte_array(t).tobytes() for t in tensors.values())]
 
 
 def encode_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
