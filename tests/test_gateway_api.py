@@ -309,3 +309,25 @@ def test_provider_endpoints_for_a_real_openfaas_gateway_in_front(tmp_path):
         assert res.status_code == 200 and res.content == b"p"
     finally:
         running.close()
+
+
+def test_a_killed_replica_is_replaced_and_gets_no_traffic(gw):
+    import signal
+
+    assert gw.deploy(faas_cli_deploy_body("phoenix")).status_code == 202
+    gw.wait_available("phoenix", 1)
+    [old] = gw.call(gw.system.gateway.hosts["host-0"].replicas())
+    os.kill(old.pid, signal.SIGKILL)
+    time.sleep(0.01)
+    # the request meets a refused connection, is held, and goes to the replacement replica
+    res = requests.post(f"{gw.url}/function/phoenix", data=b"at once", timeout=30)
+    assert res.status_code == 200 and res.content == b"at once"
+    deadline = time.monotonic() + 30
+    while True:
+        reps = [r for r in gw.replicas("phoenix")["replicas"] if r["state"] == "ready"]
+        if reps and all(r["id"] != old.id for r in reps):
+            break
+        assert time.monotonic() < deadline, reps
+        time.sleep(0.05)
+    res = requests.post(f"{gw.url}/function/phoenix", data=b"again", timeout=10)
+    assert res.status_code == 200 and res.content == b"again"

@@ -230,28 +230,35 @@ class GatewayAPI:
         metrics, metric_name = gateway.metrics, fn.metric_name
         metrics.invocation_started(metric_name)
         start = time.perf_counter()
-        try:
-            endpoint = await gateway.acquire(fn)
-        except ServiceUnavailable as exc:
-            metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
-            return _request_error(exc, self.config.retry_after_s)
         call_id = f"{self._call_prefix}-{next(self._call_ids)}"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         headers["X-Call-Id"] = call_id
         headers["X-Forwarded-Host"] = request.host
-        url = f"{endpoint.url}/{tail}"
-        if request.query_string:
-            url += "?" + request.query_string
-        try:
-            async with self.session.request(request.method, url, data=body, headers=headers) as upstream:
-                payload = await upstream.read()
-                status = upstream.status
-                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            status, payload = 502, None
-            message = f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
-        finally:
-            gateway.release(fn, endpoint)
+        path = f"/{tail}?{request.query_string}" if request.query_string else f"/{tail}"
+        payload = None
+        for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
+            try:
+                endpoint = await gateway.acquire(fn)
+            except ServiceUnavailable as exc:
+                metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
+                return _request_error(exc, self.config.retry_after_s)
+            try:
+                async with self.session.request(request.method, endpoint.url + path, data=body,
+                                                headers=headers) as upstream:
+                    payload = await upstream.read()
+                    status = upstream.status
+                    out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+                break
+            except aiohttp.ClientConnectorError as exc:
+                gateway.mark_unreachable(fn, endpoint)
+                status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
+                if attempt == 1:
+                    break  # else: the next acquire waits (bounded) for another ready replica
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                status, message = 502, f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
+                break
+            finally:
+                gateway.release(fn, endpoint)
         fn.invocations += 1
         elapsed = time.perf_counter() - start
         metrics.invocation_done(metric_name, status, elapsed)

@@ -325,6 +325,13 @@ class EmbeddedGateway:
         self.metrics.invocation_started(fn.metric_name)
         self.metrics.invocation_done(fn.metric_name, code, seconds)
 
+    def mark_unreachable(self, fn: FunctionState, endpoint: Endpoint) -> None:
+        """A replica refused a connection: route nothing more to it; the next reconcile confirms or removes it."""
+        if endpoint.state == "ready":
+            endpoint.state = "starting"  # the host's next report says ready again if it was a blip
+            fn.refresh_ready()
+            self.kick()
+
     def release(self, fn: FunctionState, endpoint: Endpoint) -> None:
         endpoint.in_flight -= 1
         endpoint.served += 1
