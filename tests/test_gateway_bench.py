@@ -1,0 +1,33 @@
+"""`quartctl bench gateway`: the JSON it writes (fast), and the targets on a quiet machine (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "gateway.json"
+    res = subprocess.run([sys.executable, "-m", "quart_tools.cli", "bench", "gateway", "--out", str(out), *args],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_gateway_writes_the_figures(tmp_path):
+    result = run_bench(tmp_path, "--requests", "200", "--warmup", "20", "--seconds", "0.5", "--concurrency", "4")
+    for key in ("p50_added_ms", "p99_added_ms", "rps", "direct_rps", "p50_gateway_ms", "p50_direct_ms"):
+        assert isinstance(result[key], float | int), key
+    assert result["rps"] > 0 and result["direct_rps"] > 0
+    assert result["p50_gateway_ms"] > result["p50_direct_ms"] > 0  # a hop costs something, never nothing
+    assert result["body_bytes"] == 1024
+
+
+@pytest.mark.slow
+def test_bench_gateway_meets_its_targets(tmp_path):
+    result = run_bench(tmp_path)
+    assert result["p50_added_ms"] <= 1.0, result
+    assert result["rps"] >= 1500, result
