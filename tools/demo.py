@@ -155,24 +155,36 @@ class Demo:
 
 
 def _output(payload: bytes, content_type: str) -> dict:
-    """The last stage's output as the JSON view (argmax, shape), from JSON or safetensors bytes."""
+    """The last stage's output (argmax, shape, top-5 ids of the last position), from JSON or safetensors."""
     if content_type == "application/json":
-        return json.loads(payload)
-    from quart_stage import wire
+        doc = json.loads(payload)
+        tensor = None
+        if "data" in doc:
+            import torch
 
-    decoded = wire.decode(payload)
-    name, tensor = next(iter(decoded.tensors.items()))
-    return {"output": name, "shape": list(tensor.shape), "argmax": tensor.argmax(-1).tolist()}
+            tensor = torch.tensor(doc["data"])
+    else:
+        from quart_stage import wire
+
+        name, tensor = next(iter(wire.decode(payload).tensors.items()))
+        doc = {"output": name, "shape": list(tensor.shape), "argmax": tensor.argmax(-1).tolist()}
+    if tensor is not None:
+        doc["top5"] = tensor[0, -1].float().topk(5).indices.tolist()
+    return doc
 
 
 def top_tokens(model_dir: Path, ids: list[int]) -> str:
+    """The tokens behind ids, from the partition's byte-level tokenizer (empty if there is none)."""
     tokenizer = model_dir / "tokenizer.json"
     if not tokenizer.exists():
         return ""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer))
-    return " ".join(repr(tok.decode([i])) for i in ids)
+    tokens = [tok.id_to_token(i) for i in ids]
+    if all(t is None for t in tokens):
+        return f"{ids} (ids beyond the byte-level tokenizer's {tok.get_vocab_size()} tokens)"
+    return ", ".join(f"{i}={t!r}" if t is not None else str(i) for i, t in zip(ids, tokens, strict=True))
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -207,8 +219,9 @@ async def run(args: argparse.Namespace) -> int:
             say("4/6", f"Sending {args.prompt!r} through every stage via the gateway")
             out = await demo.invoke_pipeline(model, stages, args.prompt)
             next_ids = [row[-1] for row in out["argmax"]]
-            print(f"  output {out['output']} {out['shape']}; next-token id(s) {next_ids} "
-                  f"{top_tokens(model_dir, next_ids)}")
+            print(f"  output {out['output']} {out['shape']}; next-token id(s) {next_ids}")
+            if out.get("top5"):
+                print(f"  top-5 next tokens: {top_tokens(model_dir, out['top5']) or out['top5']}")
             print("  (random weights: the tokens are arbitrary; the point is the path through every stage)")
 
             target = stages[min(1, len(stages) - 1)]
