@@ -32,6 +32,9 @@ class CorrectConfig:
     default_target_factor: float = 2.0  # T_target = factor × service time when no SLO is known
     use_queue_feedback: bool = True  # T_i also from observed wait and the backlog (queue status)
     rho_max: float = 0.95  # when ρ ≥ 1: at least enough replicas for ρ ≤ rho_max
+    replica_start_s: float = 1.0  # expected time until a new replica serves (learned from snapshots)
+    start_time_alpha: float = 0.3  # EMA weight of a newly observed replica start time
+    dead_time_gate: bool = True  # a backlog that drains before a new replica could start adds no replicas
 
 
 @dataclass(frozen=True, slots=True)

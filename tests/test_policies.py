@@ -208,3 +208,23 @@ def test_cv_model_trains_from_controller_log(tmp_path) -> None:
     out = tmp_path / "cv.safetensors"
     assert main(["--log", str(log), "--out", str(out), "--epochs", "20"]) == 0
     assert len(load_cv_model(str(out)).predict(s)) == 3
+
+
+def test_dead_time_gate_ignores_a_burst_that_drains_before_a_replica_starts() -> None:
+    # 10 queued at 20 req/s: drains in 0.5 s < the 1 s a new replica needs; steady load is light
+    short = stage(0, arrival_rate=2.0, service_rate=20.0, replicas=1, queue_len=10, mean_wait_s=0.3, target_s=0.1)
+    assert make_policy("quart").decide(snap(0.0, short)).stages[0].replicas == 1
+    ungated = make_policy("quart", correct={"dead_time_gate": False})
+    assert ungated.decide(snap(0.0, short)).stages[0].replicas > 1
+    long = stage(0, arrival_rate=2.0, service_rate=20.0, replicas=1, queue_len=60, mean_wait_s=1.5, target_s=0.1)
+    assert make_policy("quart").decide(snap(0.0, long)).stages[0].replicas > 1
+
+
+def test_replica_start_time_is_learned_from_snapshots() -> None:
+    policy = make_policy("quart", correct={"replica_start_s": 1.0, "start_time_alpha": 1.0})
+    base = dict(arrival_rate=1.0, service_rate=10.0, target_s=1.0)
+    policy.decide(snap(0.0, stage(0, replicas=1, pending_replicas=2, **base)))
+    policy.decide(snap(1.0, stage(0, replicas=1, pending_replicas=2, **base)))
+    policy.decide(snap(3.0, stage(0, replicas=3, pending_replicas=0, **base)))
+    assert policy.corrector.replica_start_s(0) == pytest.approx(3.0)
+    assert policy.corrector.replica_start_s(1) == 1.0  # never observed: the configured default

@@ -35,16 +35,23 @@ def servers_of(stage: StageSnapshot, replicas: int) -> int:
     return replicas * max(1, stage.concurrency)
 
 
-def estimated_delay_s(stage: StageSnapshot, replicas: int, use_queue_feedback: bool) -> float:
-    """T_i: M/M/c delay at the measured λ, μ, raised by what the queue shows now (backlog and wait)."""
+def estimated_delay_s(
+    stage: StageSnapshot, replicas: int, use_queue_feedback: bool, min_backlog_s: float = 0.0
+) -> float:
+    """T_i: M/M/c delay at the measured λ, μ, raised by what the queue shows now (backlog and wait).
+
+    The queue terms count only when the backlog needs at least ``min_backlog_s`` to drain: a burst that
+    is gone before a new replica could start is no reason to add one (dead-time gate).
+    """
     if stage.service_rate <= 0:
         return 0.0  # nothing measured yet: no evidence of delay
     servers = servers_of(stage, replicas)
     t = mmc_delay(stage.arrival_rate, stage.service_rate, servers)
     if use_queue_feedback and servers > 0:
-        backlog = stage.queue_len / (servers * stage.service_rate) + stage.mean_service_s
-        observed = stage.mean_wait_s + stage.mean_service_s if stage.queue_len > 0 else 0.0
-        t = max(t, backlog, observed)
+        drain_s = stage.queue_len / (servers * stage.service_rate)
+        if drain_s >= min_backlog_s:
+            observed = stage.mean_wait_s + stage.mean_service_s if stage.queue_len > 0 else 0.0
+            t = max(t, drain_s + stage.mean_service_s, observed)
     return t
 
 
@@ -55,6 +62,9 @@ class _PIDState:
     last_time: float | None = None
     derivative: float = 0.0
     last_scale_up: float = -math.inf
+    pending_since: float | None = None  # when replicas were first seen pending (start-time learning)
+    ready_then: int = 0
+    start_s: float | None = None  # learned replica start time (EMA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +91,10 @@ class Corrector:
         st = self._state.setdefault(stage.index, _PIDState())
         now = snapshot.time
         current = stage.replicas + stage.pending_replicas
+        self._learn_start_time(st, stage, now)
         target = stage_target_s(snapshot, stage, cfg.default_target_factor)
-        delay = estimated_delay_s(stage, max(current, 0), cfg.use_queue_feedback)
+        gate = self.replica_start_s(stage.index) if cfg.dead_time_gate else 0.0
+        delay = estimated_delay_s(stage, max(current, 0), cfg.use_queue_feedback, gate)
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
             error = 0.0  # no service time measured yet: no evidence either way
         elif math.isinf(delay):
@@ -129,6 +141,23 @@ class Corrector:
             st.last_scale_up = now
         st.last_error, st.last_time = error, now
         return Correction(desired, delay, target, error, scaled_up, reason)
+
+    def _learn_start_time(self, st: _PIDState, stage: StageSnapshot, now: float) -> None:
+        """Observe how long asked-for replicas take to become ready (the loop's dead time)."""
+        if stage.pending_replicas > 0 and st.pending_since is None:
+            st.pending_since, st.ready_then = now, stage.replicas
+        elif st.pending_since is not None and (stage.replicas > st.ready_then or stage.pending_replicas == 0):
+            if stage.replicas > st.ready_then:
+                sample = now - st.pending_since
+                a = self.config.start_time_alpha
+                st.start_s = sample if st.start_s is None else (1 - a) * st.start_s + a * sample
+            st.pending_since = now if stage.pending_replicas > 0 else None
+            st.ready_then = stage.replicas
+
+    def replica_start_s(self, index: int) -> float:
+        """Learned time from asking for a replica to its being ready (config default until observed)."""
+        st = self._state.get(index)
+        return st.start_s if st is not None and st.start_s is not None else self.config.replica_start_s
 
     def last_scale_up(self, index: int) -> float:
         """Time the stage last scaled up (−inf if never)."""

@@ -1,0 +1,27 @@
+"""Pure helpers of `quartctl bench policies` (the live run itself is the benchmark, not a CI test)."""
+
+from __future__ import annotations
+
+from gateway_plugin.bench_policies import compare, ready_lags, samples_from_timeline
+
+
+def test_ready_lags_and_samples_from_timeline() -> None:
+    rows = [
+        {"time": 10.0, "replicas": [1, 1], "desired": [1, 1], "queue": [0, 0]},
+        {"time": 11.0, "replicas": [1, 1], "desired": [3, 1], "queue": [5, 0]},
+        {"time": 12.0, "replicas": [2, 1], "desired": [3, 1], "queue": [2, 1]},
+        {"time": 13.5, "replicas": [3, 1], "desired": [3, 1], "queue": [0, 0]},
+    ]
+    assert ready_lags(rows) == [2.5]
+    samples = samples_from_timeline(rows, 10.0)
+    assert samples[2] == {"t": 1.0, "stage": 0, "replicas": 1, "queue": 5} and len(samples) == 8
+
+
+def test_compare_against_the_best_baseline() -> None:
+    def entry(policy, mean, slo, rs):
+        return {"policy": policy, "mean_ms": mean, "slo_attainment": {"1.5": slo}, "replica_seconds": rs}
+
+    c = compare([entry("quart", 300, 0.6, 100), entry("static", 1000, 0.3, 200), entry("inferline", 600, 0.4, 120)])
+    assert c["best_mean_baseline"] == "inferline" and c["mean_ratio"] == 0.5
+    assert c["best_slo_baseline"] == "inferline" and abs(c["slo15_ratio"] - 1.5) < 1e-9 and c["target_met"]
+    assert not compare([entry("quart", 500, 0.6, 100), entry("static", 600, 0.5, 90)])["target_met"]
