@@ -193,3 +193,18 @@ def test_compute_failure_is_500_json_and_runtime_keeps_serving(tiny2, monkeypatc
     assert r.status == 500 and b"boom" in r.body
     monkeypatch.setattr(rt.module, "forward", original)
     assert rt.handle(body, {}).status == 200
+
+
+def test_forked_replicas_draw_different_service_times():
+    cfg = StageConfig(compute="emulated", profile="llama-7b", num_stages=8, emulated_cv=1.0)
+    rt, twin = StageRuntime.load(cfg), StageRuntime.load(cfg)
+    twin._rng.setstate(rt._rng.getstate())  # what a fork gives the replicas: the zygote's RNG state
+    rt.prepare_device()
+    twin.prepare_device()
+    draws = [[r.service_time.sample_ms(r._rng) for _ in range(3)] for r in (rt, twin)]
+    assert draws[0] != draws[1]
+    seeded = [StageRuntime.load(StageConfig(compute="emulated", profile="llama-7b", num_stages=8, seed=4))
+              for _ in range(2)]
+    for r in seeded:
+        r.prepare_device()
+    assert seeded[0].service_time.sample_ms(seeded[0]._rng) == seeded[1].service_time.sample_ms(seeded[1]._rng)

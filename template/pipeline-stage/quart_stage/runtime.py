@@ -173,6 +173,8 @@ class StageRuntime:
             if self.prepared:
                 return
             torch.set_num_threads(max(1, self.cfg.threads))
+            if self.cfg.seed is None:
+                self._rng = random.Random()  # fresh entropy per replica: forked siblings must not draw alike
             if self.module is not None and self.cfg.compute != "emulated":
                 if self.cfg.compute == "cuda":
                     if not torch.cuda.is_available():

@@ -16,6 +16,7 @@ import struct
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from json.encoder import encode_basestring as _quote  # C-accelerated JSON string escape
 
 import numpy as np
 import torch
@@ -52,23 +53,27 @@ def header_bytes(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metad
                  ) -> tuple[bytes, int]:
     """The 8-byte length + padded JSON header for tensors of the given (dtype, shape); and the body length.
 
-    Written with string formatting (names and metadata escaped by json.dumps): this runs per request
-    and is a visible share of the cost for 1 MB activations.
+    Built by string formatting with the C string escaper (`json.encoder.encode_basestring`): this runs
+    per request and is a visible share of the cost of a 1 MB activation.
     """
+    return _header_from(((name, dtype, shape) for name, (dtype, shape) in specs.items()), metadata)
+
+
+def _header_from(items, metadata: Mapping[str, str] | None) -> tuple[bytes, int]:
     parts = []
     if metadata:
-        parts.append('"__metadata__":' + json.dumps({str(k): str(v) for k, v in metadata.items()},
-                                                    separators=(",", ":")))
+        parts.append('"__metadata__":{' + ",".join(
+            _quote(str(k)) + ":" + _quote(str(v)) for k, v in metadata.items()) + "}")
     offset = 0
-    for name, (dtype, shape) in specs.items():
+    for name, dtype, shape in items:
         code = DTYPE_CODES.get(dtype)
         if code is None:
             raise TypeError(f"tensor {name!r} has dtype {dtype}, which the wire format does not carry")
         nbytes = ITEMSIZE[code]
         for d in shape:
             nbytes *= d
-        dims = ",".join(str(int(d)) for d in shape)
-        parts.append(f'{json.dumps(name)}:{{"dtype":"{code}","shape":[{dims}],"data_offsets":[{offset},{offset + nbytes}]}}')
+        parts.append(f'{_quote(name)}:{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],'
+                     f'"data_offsets":[{offset},{offset + nbytes}]}}')
         offset += nbytes
     raw = ("{" + ",".join(parts) + "}").encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)  # pad so the body starts aligned (the safetensors writer pads to 8)
@@ -76,7 +81,7 @@ def header_bytes(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metad
 
 
 def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> tuple[bytes, int]:
-    return header_bytes({n: (t.dtype, t.shape) for n, t in tensors.items()}, metadata)
+    return _header_from(((n, t.dtype, t.shape) for n, t in tensors.items()), metadata)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
