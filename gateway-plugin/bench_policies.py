@@ -30,6 +30,7 @@ from typing import Any
 
 import requests
 from gateway_plugin.policies import POLICY_NAMES
+from tqdm import tqdm
 
 SEQ_TOKENS = 128  # BERT-21B sequence length (Table 1): request bodies are capped to it
 PROFILED_MS = 137.0  # BERT-21B standalone execution time, QUART Table 1
@@ -222,6 +223,8 @@ def run(args: argparse.Namespace) -> dict:
         report["measured_stage_service_ms"] = service_ms
         print(f"profiled pipeline time on this machine: {profiled_ms:.0f} ms (paper: {PROFILED_MS:.0f} ms); "
               f"stage service ms {service_ms}", file=sys.stderr)
+        bar = tqdm(total=len(workloads) * len(policies) * args.repeats, desc="policy runs", unit="run",
+                   file=sys.stderr, disable=not sys.stderr.isatty())
         for workload in workloads:
             arrivals = make_workload(workload, args.rate, args.duration, args.seed)
             runs: dict[str, list[dict]] = {p: [] for p in policies}
@@ -229,6 +232,7 @@ def run(args: argparse.Namespace) -> dict:
                 order = policies[rep % len(policies):] + policies[:rep % len(policies)]  # rotate: no fixed slot
                 for policy in order:
                     runs[policy].append(one_run(gw, stages, workload, policy, arrivals, profiled_ms, args))
+                    bar.update(1)
             entries = [aggregate(policy, runs[policy], profiled_ms, args) for policy in policies]
             for policy in policies:
                 latencies.setdefault(workload, {})[policy] = _concat([r["lat"] for r in runs[policy]])
