@@ -120,6 +120,8 @@ def test_bad_input_is_4xx_and_worker_keeps_serving(served, case):
     _, path, body, headers, status, field = case
     r = _post(server.url + path, body, headers)
     assert r.status_code == status, r.text
+    for h in ("X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms", "X-Quart-Compute-Mode"):
+        assert h in r.headers  # timing headers on every response, errors included
     doc = r.json()
     assert doc["field"] == field and doc["error"]
     good = _post(f"{server.url}/decoder/2/1/", _hidden())
@@ -140,6 +142,7 @@ def test_body_announcing_one_gigabyte_is_refused_before_reading(served):
             reply += chunk
     head, _, payload = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), head
+    assert b"X-Quart-Compute-Ms: 0.000" in head
     assert json.loads(payload)["field"] == "body"
     assert _post(f"{server.url}/decoder/2/1/", _hidden()).status_code == 200
 

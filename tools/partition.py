@@ -441,7 +441,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--method", choices=METHODS, default="parameters", help="DeepSpeed method (default parameters)")
     p.add_argument("--weights", choices=WEIGHTS, default="auto", help="where weights come from (default auto)")
-    p.add_argument("--dtype", choices=sorted(wire.DTYPE_NAMES)[:4] + ["float32"], default=None,
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="parameter dtype (default: the checkpoint's, fp16 for paper models, else float32)")
     p.add_argument("--seed", type=int, default=0, help="random-weight seed (default 0)")
     p.add_argument("--name", default=None, help="model name (default: preset or folder name)")

@@ -83,15 +83,16 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
     @app.post("/", defaults={"path": ""})
     @app.post("/<path:path>")
     def invoke(path: str):
+        request_id = request.headers.get("X-Quart-Request-Id")
         if not inflight.enter():
-            return to_flask(StageResponse.json(429, {"error": "replica is at QUART_MAX_INFLIGHT", "field": "load"},
-                                               {"Retry-After": "1"}))
+            return to_flask(StageResponse.json(
+                429, {"error": f"replica is at QUART_MAX_INFLIGHT={inflight.limit} requests in flight", "field": "load"},
+                {**runtime.response_headers(request_id), "Retry-After": "1"}))
         try:
             try:
                 body = read_body_limited(max_body)
             except StageInputError as exc:
-                resp = StageResponse.error(exc, {"Connection": "close"})
-                return to_flask(resp)
+                return to_flask(StageResponse.error(exc, {**runtime.response_headers(request_id), "Connection": "close"}))
             return to_flask(runtime.handle(body, request.headers))
         finally:
             inflight.leave()

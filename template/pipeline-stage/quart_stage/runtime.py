@@ -203,8 +203,7 @@ class StageRuntime:
         t0 = time.perf_counter()
         headers = {k.lower(): v for k, v in headers.items()}
         request_id = headers.get(H_REQUEST_ID.lower()) or uuid.uuid4().hex
-        base = {H_REQUEST_ID: request_id, H_MODEL: self.model, H_STAGE: str(self.stage_index),
-                H_MODE: self.cfg.compute}
+        base = self.response_headers(request_id)
         try:
             self._check_route(headers)
             inputs, metadata = self._parse(body, headers)
@@ -233,6 +232,11 @@ class StageRuntime:
         t3 = time.perf_counter()
         base.update({"Content-Type": ctype, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1, t2), H_SER: _ms(t2, t3)})
         return StageResponse(200, chunks, base)
+
+    def response_headers(self, request_id: str | None = None) -> dict[str, str]:
+        """The X-Quart-* headers of every response; phases not reached report 0.000 ms."""
+        return {H_REQUEST_ID: request_id or uuid.uuid4().hex, H_MODEL: self.model, H_STAGE: str(self.stage_index),
+                H_MODE: self.cfg.compute, H_DESER: "0.000", H_COMPUTE: "0.000", H_SER: "0.000"}
 
     def _check_route(self, source: Mapping[str, str]) -> None:
         model = source.get(H_MODEL.lower(), source.get("model"))
