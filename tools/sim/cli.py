@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals per run")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV for fig6 / --arrivals trace")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quart-config", default="",
+                   help="JSON settings for QUART's make_policy (diagnostics, e.g. a shorter cooldown)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--calibration", default=None, help="calibration JSON (Calibration.to_json format)")
     p.add_argument("--keysmanager-bench", default=None,
@@ -66,7 +68,8 @@ def _single(args, cal: Calibration) -> dict:
         arrivals = gamma_arrivals(rate, args.cv, args.duration, seed=args.seed)
     else:
         arrivals = replay_trace(load_trace(args.trace), target_rate=rate, duration_s=args.duration, loop=True)
-    entry, result = run(args.model, args.system, arrivals, cal, seed=args.seed)
+    config = json.loads(args.quart_config) if args.quart_config and args.system.startswith("quart") else None
+    entry, result = run(args.model, args.system, arrivals, cal, policy_config=config, seed=args.seed)
     if args.series_out:
         with open(args.series_out, "w") as fh:
             for s in result.samples:
@@ -85,16 +88,26 @@ def _systems(args, default) -> list[str]:
     return [s.strip() for s in args.systems.split(",")] if args.systems else list(default)
 
 
+def _diagnostic_summary(entries: list[dict], keys: tuple[str, ...]) -> dict:
+    """The same comparison for the diagnostic variant, when it ran (never mixed into `summary`)."""
+    if not any(e["policy"] == "quart+rho-floor" for e in entries):
+        return {}
+    return {"summary_quart_rho_floor": ex.compare(entries, keys, subject="quart+rho-floor")}
+
+
 def _fig7(args, cal: Calibration) -> dict:
     models = [m.strip() for m in args.models.split(",")]
     cvs = [float(c) for c in args.cvs.split(",")]
-    specs = ex.fig7_specs(models, cvs, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.seed)
+    specs = ex.fig7_specs(models, cvs, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.seed,
+                          args.quart_config)
     entries = ex.run_many(specs, args.workers, "fig7")
     return {
         "experiment": "fig7",
-        "config": {"models": models, "cvs": cvs, "duration_s": args.duration, "load": args.load, "seed": args.seed},
+        "config": {"models": models, "cvs": cvs, "duration_s": args.duration, "load": args.load, "seed": args.seed,
+                   "quart_config": args.quart_config},
         "entries": entries,
         "summary": ex.compare(entries, ("model", "target_cv")),
+        **_diagnostic_summary(entries, ("model", "target_cv")),
         "fig8": ex.fig8(entries),
         "paper": {k: v for k, v in ex.PAPER_REPORTED.items() if k.startswith("cv") or k.startswith("infless")},
     }
@@ -103,13 +116,14 @@ def _fig7(args, cal: Calibration) -> dict:
 def _fig6(args, cal: Calibration) -> dict:
     models = [m.strip() for m in args.models.split(",")]
     specs = ex.fig6_specs(models, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.trace,
-                          args.seed)
+                          args.seed, args.quart_config)
     entries = ex.run_many(specs, args.workers, "fig6")
     return {
         "experiment": "fig6",
         "config": {"models": models, "duration_s": args.duration, "load": args.load, "trace": args.trace},
         "entries": entries,
         "summary": ex.compare(entries, ("model",)),
+        **_diagnostic_summary(entries, ("model",)),
         "paper": {k: v for k, v in ex.PAPER_REPORTED.items() if k.startswith("trace")},
     }
 
@@ -120,8 +134,10 @@ def _ablations(args, cal: Calibration) -> dict:
                           args.seed)
     specs += ex.fig7_specs(models, [4.0], _systems(args, ex.ABLATIONS), args.duration, args.load, cal, args.seed)
     entries = ex.run_many(specs, args.workers, "ablations")
+    trace = [e for e in entries if e["tag"] == "fig6"]
+    cv4 = [e for e in entries if e["tag"] == "fig7"]
     return {"experiment": "ablations", "config": {"models": models, "duration_s": args.duration, "load": args.load},
-            "entries": entries}
+            "entries": entries, "table": {"trace": ex.ablation_table(trace), "cv4": ex.ablation_table(cv4)}}
 
 
 def _cpu_seconds() -> float:

@@ -177,7 +177,7 @@ class _Stage:
         self.index, self.spec, self.function = index, spec, spec.name
         self.queue: deque = deque()  # (request, enqueue time)
         self.free: list[Replica] = []  # ready, idle
-        self.ready: set[Replica] = set()  # ready, not draining (busy or idle)
+        self.ready: dict[Replica, None] = {}  # ready, not draining; insertion-ordered for determinism
         self.starting: list[Replica] = []
         self.busy = 0
         self.metrics = WindowMetrics(window_s)
@@ -280,7 +280,7 @@ class Simulation:
             host.cache_stage(stage.function, stage.spec.param_bytes, 0.0)
             rep = self._new_replica(stage, host, "gpu", 0.0)
             rep.state = "ready"
-            stage.ready.add(rep)
+            stage.ready[rep] = None
             stage.free.append(rep)
         if result.unplaced:
             raise ValueError(f"the cluster cannot hold the initial replicas: {result.unplaced}")
@@ -450,7 +450,7 @@ class Simulation:
             count -= 1
         while count > 0 and st.free:  # then idle replicas
             rep = st.free.pop()
-            st.ready.discard(rep)
+            st.ready.pop(rep, None)
             self._release(rep, now)
             count -= 1
         if count > 0:  # then busy ones: they finish their request, then leave
@@ -458,7 +458,7 @@ class Simulation:
                 if count == 0:
                     break
                 rep.state = "draining"
-                st.ready.discard(rep)
+                st.ready.pop(rep, None)
                 count -= 1
 
     def _ready(self, rep: Replica, now: float) -> None:
@@ -468,7 +468,7 @@ class Simulation:
         st.starting.remove(rep)
         rep.state = "ready"
         self.ready_s_by_source[rep.source].append(now - rep.requested_at)
-        st.ready.add(rep)
+        st.ready[rep] = None
         if self.cfg.whole_model:
             st.free.append(rep)
             self._wm_dispatch(now)

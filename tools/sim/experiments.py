@@ -6,6 +6,7 @@ with multiprocessing; each run returns one report entry (the keys shared with th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -26,6 +27,7 @@ FIG7_CVS = (0.1, 1.0, 2.0, 4.0, 8.0)
 FIG7_SYSTEMS = POLICY_NAMES  # QUART and every baseline
 PAPER_BASELINES = ("infless", "inferline", "cocktail")  # the three the paper compares against
 ABLATIONS = ("quart", "quart-no-km", *(f"{b}+km" for b in PAPER_BASELINES), *PAPER_BASELINES)
+DIAGNOSTIC = "quart+rho-floor"  # tools/sim/diagnostics.py: a proposed corrector fix, reported apart
 
 # QUART §8 (and ../shared/design/ALGORITHMS.md): what the paper reports.
 PAPER_REPORTED = {
@@ -54,6 +56,7 @@ class RunSpec:
     trace_path: str = str(DEFAULT_TRACE)
     overrides: tuple[tuple[str, object], ...] = ()
     tag: str = ""
+    policy_config: str = ""  # JSON object passed to make_policy (diagnostic variants)
 
 
 def _arrivals(spec: RunSpec):
@@ -68,7 +71,9 @@ def _arrivals(spec: RunSpec):
 def run_spec(spec: RunSpec) -> dict:
     """Worker: simulate one run and return its report entry (no raw arrays)."""
     arrivals = _arrivals(spec)
-    entry, result = run(spec.model, spec.system, arrivals, spec.calibration, seed=spec.seed, **dict(spec.overrides))
+    config = json.loads(spec.policy_config) if spec.policy_config else None
+    entry, result = run(spec.model, spec.system, arrivals, spec.calibration, policy_config=config, seed=spec.seed,
+                        **dict(spec.overrides))
     lat = result.latencies_ms[~np.isnan(result.latencies_ms)]
     entry["p90_ms"] = float(np.percentile(lat, 90)) if len(lat) else math.nan
     entry["p75_ms"] = latency_stats(lat)["p75_ms"]
@@ -124,18 +129,19 @@ def rate_for(model: str, load: float, calibration: Calibration) -> float:
 
 
 def fig7_specs(models: Iterable[str], cvs: Iterable[float], systems: Iterable[str], duration_s: float,
-               load: float, calibration: Calibration, seed: int = 0) -> list[RunSpec]:
+               load: float, calibration: Calibration, seed: int = 0, policy_config: str = "") -> list[RunSpec]:
     return [
-        RunSpec(m, s, "gamma", rate_for(m, load, calibration), cv, duration_s, seed, calibration, tag="fig7")
+        RunSpec(m, s, "gamma", rate_for(m, load, calibration), cv, duration_s, seed, calibration, tag="fig7",
+                policy_config=policy_config if s.startswith("quart") else "")
         for m in models for cv in cvs for s in systems
     ]
 
 
 def fig6_specs(models: Iterable[str], systems: Iterable[str], duration_s: float, load: float,
-               calibration: Calibration, trace_path: str, seed: int = 0) -> list[RunSpec]:
+               calibration: Calibration, trace_path: str, seed: int = 0, policy_config: str = "") -> list[RunSpec]:
     return [
         RunSpec(m, s, "trace", rate_for(m, load, calibration), 0.0, duration_s, seed, calibration, trace_path,
-                tag="fig6")
+                tag="fig6", policy_config=policy_config if s.startswith("quart") else "")
         for m in models for s in systems
     ]
 
@@ -185,54 +191,66 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def compare(entries: list[dict], group_keys: tuple[str, ...], baselines: Iterable[str] = PAPER_BASELINES) -> dict:
-    """QUART against each baseline, averaged over the groups (model, or model × CV).
+def compare(entries: list[dict], group_keys: tuple[str, ...], baselines: Iterable[str] = PAPER_BASELINES,
+            subject: str = "quart") -> dict:
+    """``subject`` (QUART) against each baseline over the groups (model, or model × CV).
 
-    Mean-latency reduction 1 − QUART/baseline, SLO@1.5 ratio, goodput ratio, GPU-seconds ratio,
-    mean-queue ratio; plus the same against the *best* baseline of each group (lowest mean latency).
+    Per baseline: mean over groups of the latency reduction 1 − subject/baseline; SLO@1.5 and
+    goodput as ratios of their averages over the groups (a per-group ratio explodes where a baseline
+    meets nothing); GPU-seconds ratio of totals; mean-queue ratio baseline/subject (mean and max).
+    Per group: the subject against the *best* baseline (lowest mean latency among all baselines).
     """
     groups: dict[tuple, dict[str, dict]] = {}
     for e in entries:
         groups.setdefault(tuple(e[k] for k in group_keys), {})[e["policy"]] = e
-    per_baseline: dict[str, dict[str, list[float]]] = {}
+    pairs: dict[str, list[tuple[dict, dict]]] = {}
     best_rows = []
     for g, by_policy in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        q = by_policy.get("quart")
+        q = by_policy.get(subject)
         if q is None:
             continue
         for b in baselines:
-            e = by_policy.get(b)
-            if e is None:
-                continue
-            acc = per_baseline.setdefault(b, {"latency_reduction": [], "slo15_ratio": [], "goodput_ratio": [],
-                                               "gpu_seconds_ratio": [], "queue_ratio": []})
-            for name, val in (
-                ("latency_reduction", None if _ratio(q["mean_ms"], e["mean_ms"]) is None
-                 else 1.0 - _ratio(q["mean_ms"], e["mean_ms"])),
-                ("slo15_ratio", _ratio(q["slo_attainment"]["1.5"], e["slo_attainment"]["1.5"])),
-                ("goodput_ratio", _ratio(q["goodput_rps"], e["goodput_rps"])),
-                ("gpu_seconds_ratio", _ratio(q["gpu_seconds"], e["gpu_seconds"])),
-                ("queue_ratio", _ratio(e["queue_mean"], q["queue_mean"])),
-            ):
-                if val is not None:
-                    acc[name].append(val)
-        candidates = [by_policy[b] for b in BASELINES if b in by_policy and by_policy[b]["mean_ms"] is not None
-                      and math.isfinite(by_policy[b]["mean_ms"])]
+            if b in by_policy:
+                pairs.setdefault(b, []).append((q, by_policy[b]))
+        candidates = [by_policy[b] for b in BASELINES if b in by_policy and _finite(by_policy[b]["mean_ms"])]
         if candidates:
             best = min(candidates, key=lambda e: e["mean_ms"])
             best_rows.append({
                 "group": list(g),
                 "best_baseline": best["policy"],
+                "mean_ms": q["mean_ms"],
+                "best_mean_ms": best["mean_ms"],
                 "mean_ratio": _ratio(q["mean_ms"], best["mean_ms"]),
                 "slo15_ratio": _ratio(q["slo_attainment"]["1.5"], best["slo_attainment"]["1.5"]),
                 "gpu_seconds_ratio": _ratio(q["gpu_seconds"], best["gpu_seconds"]),
                 "quart_slo15": q["slo_attainment"]["1.5"],
                 "best_slo15": best["slo_attainment"]["1.5"],
             })
-    summary = {b: {k: (float(np.mean(v)) if v else None) for k, v in acc.items()} for b, acc in per_baseline.items()}
-    for b, acc in per_baseline.items():
-        summary[b]["queue_ratio_max"] = float(np.max(acc["queue_ratio"])) if acc["queue_ratio"] else None
-    return {"vs_baseline": summary, "vs_best_baseline": best_rows, "target": _target(best_rows)}
+    summary = {}
+    for b, rows in pairs.items():
+        red = [1.0 - r for q, e in rows if (r := _ratio(q["mean_ms"], e["mean_ms"])) is not None]
+        queue = [r for q, e in rows if (r := _ratio(e["queue_mean"], q["queue_mean"])) is not None]
+
+        def avg(key: str, sub: str | None = None, which: int = 0, rows=rows) -> float:
+            vals = [(x[which][key][sub] if sub else x[which][key]) for x in rows]
+            vals = [v for v in vals if _finite(v)]
+            return float(np.mean(vals)) if vals else math.nan
+
+        summary[b] = {
+            "latency_reduction": float(np.mean(red)) if red else None,
+            "slo15_ratio": _ratio(avg("slo_attainment", "1.5", 0), avg("slo_attainment", "1.5", 1)),
+            "goodput_ratio": _ratio(avg("goodput_rps", None, 0), avg("goodput_rps", None, 1)),
+            "gpu_seconds_ratio": _ratio(avg("gpu_seconds", None, 0), avg("gpu_seconds", None, 1)),
+            "queue_ratio": float(np.mean(queue)) if queue else None,
+            "queue_ratio_max": float(np.max(queue)) if queue else None,
+            "subject_slo15": avg("slo_attainment", "1.5", 0),
+            "baseline_slo15": avg("slo_attainment", "1.5", 1),
+        }
+    return {"subject": subject, "vs_baseline": summary, "vs_best_baseline": best_rows, "target": _target(best_rows)}
+
+
+def _finite(x) -> bool:
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _target(rows: list[dict]) -> dict:
@@ -265,6 +283,20 @@ def fig8(entries: list[dict]) -> dict:
                 row[k].append(e[k])
     return {p: {cv: {k: (float(np.mean(v)) if v else None) for k, v in row.items()} for cv, row in by_cv.items()}
             for p, by_cv in out.items()}
+
+
+def ablation_table(entries: list[dict]) -> dict:
+    """Per system, averaged over models: mean/p99 latency, SLO@1.5, GPU-seconds, fork/cold starts."""
+    out: dict = {}
+    for e in entries:
+        row = out.setdefault(e["policy"], {"mean_ms": [], "p99_ms": [], "slo15": [], "gpu_seconds": [],
+                                           "fork_starts": [], "cold_starts": []})
+        for key, val in (("mean_ms", e["mean_ms"]), ("p99_ms", e["p99_ms"]), ("slo15", e["slo_attainment"]["1.5"]),
+                         ("gpu_seconds", e["gpu_seconds"]), ("fork_starts", e["starts_by_source"]["fork"]),
+                         ("cold_starts", e["starts_by_source"]["cold"])):
+            if _finite(val):
+                row[key].append(val)
+    return {p: {k: (float(np.mean(v)) if v else None) for k, v in row.items()} for p, row in out.items()}
 
 
 def timed(fn: Callable[[], dict]) -> dict:

@@ -1,10 +1,12 @@
 """`quartctl bench sim-vs-live [--out FILE]`: the simulator against the live system, same configuration.
 
 Live: the paper's BERT-21B split into 8 parameter-free stages with EMULATED compute (replicas sleep
-the profile's per-stage time, gamma CV 0.1, while real activation bytes travel over real HTTP), on
+``--stage-ms`` per request, gamma CV 0.1, while real activation bytes travel over real HTTP), on
 `quartctl up` (embedded gateway, KeysManagers, router, controller), driven by the open-loop load
-generator. Simulated: the same stages, service-time distribution, hosts and slots, start replicas,
-policy and arrival schedule.
+generator with ``--tokens``-token requests. Simulated: the same stages, service-time distribution,
+hosts and slots, start replicas, policy and arrival schedule. The stage time (default 100 ms) and one
+replica per stage put real queueing into the comparison (ρ ≈ 0.6 at stage 0) at a rate the 2-core
+machine can carry; short requests keep the activations (seq × 6144 × fp16) small for the same reason.
 
 Calibration before the comparison: a separate low-rate run on the live system measures the fixed
 per-request overhead of the real pipeline (HTTP hops, serialisation, router) as mean latency −
@@ -21,6 +23,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +36,6 @@ from quart_tools.report import latency_stats
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
 MODEL = "bert-21b"
-SEQ_TOKENS = 128  # BERT-21B's sequence length: request bodies are capped to it
 EMULATED_CV = 0.1  # quart_stage's default QUART_EMULATED_CV
 TOLERANCE = 0.15
 
@@ -42,11 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quartctl bench sim-vs-live", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="JSON output (default stdout)")
     p.add_argument("--policy", default="static", help="policy on both sides (static keeps scaling out of it)")
-    p.add_argument("--replicas", type=int, default=2, help="start replicas per stage (and static's count)")
-    p.add_argument("--rate", type=float, default=20.0, help="mean requests/s of the measured run")
+    p.add_argument("--replicas", type=int, default=1, help="start replicas per stage (and static's count)")
+    p.add_argument("--stage-ms", type=float, default=100.0, help="emulated mean service time of every stage")
+    p.add_argument("--tokens", type=int, default=16, help="input tokens per request")
+    p.add_argument("--rate", type=float, default=6.0, help="mean requests/s of the measured run")
     p.add_argument("--cv", type=float, default=1.0, help="gamma inter-arrival CV of the measured run")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals of the measured run")
-    p.add_argument("--calibration-rate", type=float, default=2.0, help="requests/s of the overhead run")
+    p.add_argument("--calibration-rate", type=float, default=1.0, help="requests/s of the overhead run")
     p.add_argument("--calibration-duration", type=float, default=20.0)
     p.add_argument("--stages", type=int, default=8)
     p.add_argument("--hosts", type=int, default=2)
@@ -71,8 +75,9 @@ def simulate(args, arrivals, hop_s: float) -> dict:
 
     prof = PAPER_MODELS[MODEL]
     cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=EMULATED_CV)
+    stages = tuple(replace(s, service_s=args.stage_ms / 1000.0) for s in model_stages(MODEL, args.stages))
     cfg = SimConfig(
-        model=MODEL, stages=model_stages(MODEL, args.stages), slo_s=2.0 * prof.exec_ms / 1000.0, calibration=cal,
+        model=MODEL, stages=stages, slo_s=2.0 * prof.exec_ms / 1000.0, calibration=cal,
         keysmanager=True, placer="cache-aware", initial_replicas=args.replicas, max_replicas=args.max_replicas,
         window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, seed=args.seed,
     )
@@ -81,29 +86,38 @@ def simulate(args, arrivals, hop_s: float) -> dict:
     return _stats(result.latencies_ms)
 
 
-def live(args, arrivals) -> tuple[dict, float]:
-    """The live side on `quartctl up`; returns (stats, per-stage overhead seconds from the calibration run)."""
-    from gateway_plugin.bench_policies import Gateway, partition
+def _partition(out_dir: Path, args) -> Path:
+    """`quartctl partition` of the paper model into parameter-free emulated stages of ``stage_ms``."""
+    argv = [sys.executable, "-m", "quart_tools.cli", "partition", "--model", MODEL, "--stages", str(args.stages),
+            "--out", str(out_dir), "--weights", "none", "--compute", "emulated", "--emulated-mean-ms",
+            str(args.stage_ms), "--scale-min", "1", "--scale-max", str(args.max_replicas), "--concurrency", "1"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"partition failed: {res.stderr.strip()[-500:]}")
+    return out_dir / "stack.yml"
+
+
+def live(args, arrivals, calibration_arrivals) -> dict:
+    """The live side on `quartctl up`: stats of the measured run, and the calibration run's mean."""
+    from gateway_plugin.bench_policies import Gateway
     from quart_tools.loadgen import body_maker, generate_load
     from quart_tools.report import records_latencies
 
     tmp = Path(tempfile.mkdtemp(prefix="quart-sim-vs-live-"))
-    stack = partition(tmp / "model", args.stages, args.max_replicas)
+    stack = _partition(tmp / "model", args)
     env = {"QUART_POLICY": "static", "QUART_CONTROL_PERIOD_S": "1", "QUART_WINDOW_S": "5",
            "QUART_REQUEST_TIMEOUT_S": str(args.timeout), "QUART_QUEUE_CAP": "4096"}
     gw = Gateway(stack, tmp / "state", args.hosts, args.gpus_per_host, env)
     url = f"{gw.url}/function/{MODEL}"
-    body = body_maker("input-ids", max_tokens=SEQ_TOKENS)
+    body = body_maker("input-ids", max_tokens=args.tokens)
     try:
         stages = [f for f, st in sorted(gw.functions().items(), key=lambda kv: int(kv[1]["labels"]["com.quart.stage"]))
                   if st["labels"].get("com.quart.model") == MODEL]
         gw.switch("static", {"replicas": args.replicas})
         gw.wait_reset(stages, args.replicas)
-        calib = poisson_arrivals(args.calibration_rate, args.calibration_duration, seed=args.seed + 1000)
-        res = generate_load(url, calib, timeout_s=args.timeout, body=body, progress=False)
+        res = generate_load(url, calibration_arrivals, timeout_s=args.timeout, body=body, progress=False)
         lat, _, _ = records_latencies(res.records)
         calibration_mean_ms = float(np.nanmean(lat))
-        overhead_ms = max(0.0, calibration_mean_ms - PAPER_MODELS[MODEL].exec_ms)
         gw.wait_reset(stages, args.replicas)
         config = {"replicas": args.replicas} if args.policy == "static" else {}
         gw.switch(args.policy, config)
@@ -112,7 +126,7 @@ def live(args, arrivals) -> tuple[dict, float]:
         stats = _stats(lat)
         stats["errors"] = sum(1 for r in res.records if not r.ok)
         stats["calibration_mean_ms"] = calibration_mean_ms
-        return stats, overhead_ms / 1000.0 / args.stages
+        return stats
     finally:
         gw.close()
 
@@ -132,19 +146,25 @@ def main(argv: list[str]) -> int:
 
     args = _parser().parse_args(argv)
     started = time.time()
-    arrivals = gamma_arrivals(args.rate, args.cv, args.duration, seed=args.seed, input_bytes=4 * SEQ_TOKENS)
+    arrivals = gamma_arrivals(args.rate, args.cv, args.duration, seed=args.seed, input_bytes=4 * args.tokens)
+    calibration = poisson_arrivals(args.calibration_rate, args.calibration_duration, seed=args.seed + 1000,
+                                   input_bytes=4 * args.tokens)
     try:
-        live_stats, hop_s = live(args, arrivals)
+        live_stats = live(args, arrivals, calibration)
     except (ImportError, RuntimeError, OSError) as exc:
         print(f"quartctl bench sim-vs-live: the live side could not run: {exc}", file=sys.stderr)
         return 1
+    # The real pipeline's fixed overhead (hops, serde, router): live − simulated-without-hops, low rate.
+    overhead_ms = live_stats["calibration_mean_ms"] - simulate(args, calibration, 0.0)["mean_ms"]
+    hop_s = max(0.0, overhead_ms) / 1000.0 / args.stages
     sim = simulate(args, arrivals, hop_s)
     doc = {
         "sim": sim,
         "live": live_stats,
         "agreement": compare(sim, live_stats),
         "calibrated_hop_ms_per_stage": hop_s * 1000.0,
-        "config": {"model": MODEL, "compute": "emulated", "stages": args.stages, "policy": args.policy,
+        "config": {"model": MODEL, "compute": "emulated", "stages": args.stages, "stage_ms": args.stage_ms,
+                   "tokens": args.tokens, "policy": args.policy,
                    "replicas": args.replicas, "rate_rps": args.rate, "cv": args.cv, "duration_s": args.duration,
                    "hosts": args.hosts, "gpus_per_host": args.gpus_per_host, "seed": args.seed},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
