@@ -163,3 +163,16 @@ def test_cli_run_and_small_fig7(tmp_path) -> None:
     assert row["mean_ratio"] == pytest.approx(doc["entries"][0]["mean_ms"] / doc["entries"][1]["mean_ms"])
     with pytest.raises(SystemExit):
         main(["--model", "nope"])
+
+
+def test_rho_floor_diagnostic_never_leaves_a_stage_unstable() -> None:
+    from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+    from quart_tools.sim.diagnostics import RhoFloor
+
+    snap = PipelineSnapshot(time=100.0, model="m", stages=(
+        StageSnapshot("m-stage-0", 0, arrival_rate=259.0, service_rate=108.0, replicas=4),
+        StageSnapshot("m-stage-1", 1, arrival_rate=10.0, service_rate=108.0, replicas=4),
+    ))
+    wrapped = RhoFloor(Scripted([(0.0, 1)]))
+    got = [d.replicas for d in wrapped.decide(snap).stages]
+    assert got == [3, 1]  # 259 / (3 × 108) = 0.80 ≤ 0.95; stage 1 may go down to 1
