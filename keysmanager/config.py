@@ -32,6 +32,7 @@ class KeysManagerConfig:
     gpus: int = 0  # GPU slots of this (simulated) host; 0 = CPU host, replicas take no slot
     pin_cpus: bool = True  # set each replica's CPU affinity to `cpus` cores (round robin)
     fork_mode: str = "cow"  # default replica mode: cow (share parameter pages) | isolated (private copy)
+    preload: bool = True  # zygotes fork from a preloader that imported torch & co once (else: fresh interpreters)
     cache_on_cold: bool = True  # after a cold start, also cache the stage (leave a zygote behind)
     ready_timeout_s: float = 180.0  # a replica not healthy by then is killed and reported dead
     zygote_timeout_s: float = 600.0  # loading parameters into a zygote

@@ -69,10 +69,35 @@ class _Segment:
 
 
 @dataclass(eq=False)
+class _ForkedProc:
+    """A zygote forked by the preloader: not our child, so its exit status arrives as a message."""
+
+    pid: int
+    returncode: int | None = None
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+@dataclass(eq=False)
+class _Preloader:
+    """The fork server of zygotes (``keysmanager.zygote --preloader``)."""
+
+    proc: subprocess.Popen
+    sock: socket.socket
+    ready: asyncio.Future
+    writer: asyncio.StreamWriter | None = None
+    pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    alive: bool = True
+    started_at: float = 0.0
+
+
+@dataclass(eq=False)
 class _Zygote:
     function: str
     stage: StageRef
-    proc: subprocess.Popen
+    proc: subprocess.Popen | _ForkedProc
     segment: _Segment
     writer: asyncio.StreamWriter | None = None
     reader_task: asyncio.Task | None = None
@@ -139,7 +164,8 @@ class KeysManager:
         self._runner: web.AppRunner | None = None
         self._stopped = asyncio.Event()
         self._state_dirty = True
-        self._all_zygote_procs: list[subprocess.Popen] = []  # zygote processes not reaped yet
+        self._all_zygote_procs: list[subprocess.Popen | _ForkedProc] = []  # zygotes (and preloader) still running
+        self._preloader: _Preloader | None = None
         self._order_ids = itertools.count(1)
 
     # ---------------------------------------------------------------- lifecycle
@@ -165,6 +191,8 @@ class KeysManager:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
         self._monitor = asyncio.create_task(self._monitor_loop())
+        if self.config.preload:
+            await self._start_preloader()
         self._write_state()
 
     async def close(self) -> None:
@@ -185,9 +213,12 @@ class KeysManager:
                 self._signal(r, signal.SIGKILL)
         for z in list(self.zygotes.values()):
             await self._drop_zygote(z, "shutdown")
+        if self._preloader is not None and self._preloader.alive:
+            with contextlib.suppress(OSError):
+                self._preloader.sock.send(encode({"op": "exit"}))
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline and (any(r.state != "dead" for r in victims)
-                                               or any(z.proc.returncode is None for z in self._all_zygote_procs)):
+                                               or any(p.returncode is None for p in self._all_zygote_procs)):
             self._reap()
             await asyncio.sleep(0.02)
         for seg in list(self.segments.values()):
@@ -369,14 +400,16 @@ class KeysManager:
         shm_path = Path(self.config.shm_dir) / f"{self.config.shm_prefix}{safe}-{self._generation}"
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log_path = self.state_dir / "logs" / f"zygote-{safe}-{self._generation}.log"
-        # OpenBLAS (numpy) starts a thread pool when loaded unless told not to: a zygote must have none
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", **spec.env, "PYTHONUNBUFFERED": "1"}
-        cmd = [self.python, "-m", "keysmanager.zygote", "--parent-pid", str(os.getpid()),
-               "--control-fd", str(theirs.fileno()), "--lifeline-fd", str(self._lifeline_r),
-               "--shm-path", str(shm_path), "--drain-timeout", str(self.config.drain_timeout_s)]
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    pass_fds=(theirs.fileno(), self._lifeline_r), start_new_session=False)
+        env = {**self._child_env(), **spec.env}
+        proc: subprocess.Popen | _ForkedProc | None = await self._spawn_via_preloader(theirs, env, shm_path,
+                                                                                       log_path)
+        if proc is None:  # no preloader (disabled, starting, or failed): a fresh interpreter
+            cmd = [self.python, "-m", "keysmanager.zygote", "--parent-pid", str(os.getpid()),
+                   "--control-fd", str(theirs.fileno()), "--lifeline-fd", str(self._lifeline_r),
+                   "--shm-path", str(shm_path), "--drain-timeout", str(self.config.drain_timeout_s)]
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        pass_fds=(theirs.fileno(), self._lifeline_r))
         theirs.close()
         self._all_zygote_procs.append(proc)
         segment = _Segment(shm_path, stage.param_bytes)
@@ -399,6 +432,83 @@ class KeysManager:
         segment.nbytes = int(hello.get("param_bytes", stage.param_bytes))
         self._write_state()
         return z
+
+    def _child_env(self) -> dict[str, str]:
+        # OpenBLAS (numpy) starts a thread pool when loaded unless told not to: a zygote must have none
+        return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    async def _start_preloader(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [self.python, "-m", "keysmanager.zygote", "--preloader", "--parent-pid", str(os.getpid()),
+               "--control-fd", str(theirs.fileno()), "--lifeline-fd", str(self._lifeline_r),
+               "--drain-timeout", str(self.config.drain_timeout_s)]
+        with open(self.state_dir / "logs" / "preloader.log", "ab") as log:
+            proc = subprocess.Popen(cmd, env=self._child_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    pass_fds=(theirs.fileno(), self._lifeline_r))
+        theirs.close()
+        self._all_zygote_procs.append(proc)
+        pre = _Preloader(proc, ours, asyncio.get_running_loop().create_future(), started_at=time.monotonic())
+        reader, pre.writer = await asyncio.open_unix_connection(sock=ours)
+        self._preloader = pre
+        self._spawn_task(self._preloader_reader(pre, reader))
+
+    async def _preloader_reader(self, pre: _Preloader, reader: asyncio.StreamReader) -> None:
+        try:
+            while line := await reader.readline():
+                msg = json.loads(line)
+                op = msg.get("op")
+                if op == "ready" and not pre.ready.done():
+                    pre.ready.set_result(msg)
+                elif op == "failed" and not pre.ready.done():
+                    pre.ready.set_exception(RuntimeError(msg.get("error", "failed")))
+                elif op in ("spawned", "error"):
+                    fut = pre.pending.pop(msg.get("id"), None)
+                    if fut and not fut.done():
+                        fut.set_result(msg)
+                elif op == "exited":
+                    for proc in self._all_zygote_procs:
+                        if isinstance(proc, _ForkedProc) and proc.pid == msg["pid"]:
+                            proc.returncode = int(msg["status"])
+        except (ConnectionError, ValueError):
+            pass
+        finally:
+            pre.alive = False
+            if not pre.ready.done():
+                pre.ready.set_exception(RuntimeError("the preloader exited"))
+            if not pre.ready.cancelled():
+                pre.ready.exception()  # retrieved: a failed preloader only means zygotes start fresh
+            for fut in pre.pending.values():
+                if not fut.done():
+                    fut.set_result({"op": "error", "error": "the preloader exited"})
+
+    async def _spawn_via_preloader(self, theirs: socket.socket, env: dict[str, str], shm_path: Path,
+                                   log_path: Path) -> _ForkedProc | None:
+        """Fork a zygote from the preloader; None when there is no usable preloader (the caller spawns one)."""
+        pre = self._preloader
+        if pre is None or not pre.alive:
+            if self.config.preload and (pre is None or time.monotonic() - pre.started_at > 30.0):
+                await self._start_preloader()  # ready for the next stage; this one starts fresh
+            return None
+        try:
+            await asyncio.wait_for(asyncio.shield(pre.ready), self.config.zygote_timeout_s)
+        except (TimeoutError, RuntimeError):
+            return None
+        oid = next(self._order_ids)
+        fut = asyncio.get_running_loop().create_future()
+        pre.pending[oid] = fut
+        message = encode({"op": "spawn", "id": oid, "env": env, "shm_path": str(shm_path),
+                          "log_path": str(log_path)})
+        try:
+            socket.send_fds(pre.sock, [message], [theirs.fileno()])
+            answer = await asyncio.wait_for(fut, 30.0)
+        except (OSError, TimeoutError):
+            pre.pending.pop(oid, None)
+            return None
+        if answer.get("op") != "spawned":
+            return None
+        proc = _ForkedProc(int(answer["pid"]))
+        self._all_zygote_procs.append(proc)
+        return proc
 
     async def _zygote_reader(self, z: _Zygote, reader: asyncio.StreamReader) -> None:
         try:
@@ -507,6 +617,7 @@ class KeysManager:
             if cache:
                 self._spawn_task(self._cache_quietly(spec))
         self._state_dirty = True
+        self._write_state()  # before answering: a restart must know these processes even if we die now
         waits = [self._spawn_task(self._await_ready(r)) for r in started]
         if wait and waits:
             await asyncio.gather(*waits)
@@ -645,15 +756,15 @@ class KeysManager:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
+                break
             code = os.waitstatus_to_exitcode(status)
             for proc in self._all_zygote_procs:
                 if proc.pid == pid:
                     proc.returncode = code
-            self._all_zygote_procs = [p for p in self._all_zygote_procs if p.returncode is None]
             self._mark_dead_pid(pid, code)
+        self._all_zygote_procs = [p for p in self._all_zygote_procs if p.returncode is None]
 
     def _check_liveness(self) -> None:
         """Replicas we cannot reap (adopted, or grandchildren whose zygote report was lost)."""

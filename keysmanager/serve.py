@@ -9,14 +9,33 @@ requests in flight are answered (drain), and exits at once when the KeysManager'
 from __future__ import annotations
 
 import os
+import select
 import signal
+import socketserver
 import threading
+import time
 from typing import Any
 
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 
 class _QuietHandler(WSGIRequestHandler):
+    """No per-request logging; counts a request as in flight from its request line to its response's end
+    (an idle keep-alive connection is not in flight, so it does not hold a drain up)."""
+
+    def handle_one_request(self) -> None:
+        self._counted = False
+        try:
+            super().handle_one_request()
+        finally:
+            if self._counted:
+                self.server.in_flight.leave()
+
+    def parse_request(self) -> bool:
+        self.server.in_flight.enter()
+        self._counted = True
+        return super().parse_request()
+
     def log_request(self, *args: Any, **kwargs: Any) -> None:  # no per-request log lines
         pass
 
@@ -26,24 +45,22 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class _InFlight:
-    """WSGI middleware counting requests in flight, for draining."""
+    """Requests in flight, for draining."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self) -> None:
         self.count = 0
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
 
-    def __call__(self, environ, start_response):
+    def enter(self) -> None:
         with self.lock:
             self.count += 1
-        try:
-            return self.app(environ, start_response)
-        finally:
-            with self.lock:
-                self.count -= 1
-                if self.count == 0:
-                    self.idle.notify_all()
+
+    def leave(self) -> None:
+        with self.lock:
+            self.count -= 1
+            if self.count == 0:
+                self.idle.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
         with self.lock:
@@ -62,8 +79,8 @@ def _watch_lifeline(fd: int) -> None:
 
 def serve_forever(app, listen_fd: int, lifeline_fd: int | None, drain_timeout_s: float) -> None:
     """Serve ``app`` on the inherited listening socket ``listen_fd`` until SIGTERM (drain) or lifeline EOF."""
-    counted = _InFlight(app)
-    server = ThreadedWSGIServer("127.0.0.1", 0, counted, handler=_QuietHandler, fd=listen_fd)
+    server = ThreadedWSGIServer("127.0.0.1", 0, app, handler=_QuietHandler, fd=listen_fd)
+    server.in_flight = _InFlight()
     os.close(listen_fd)  # the server holds its own duplicate
     server.daemon_threads = True
     if lifeline_fd is not None:
@@ -75,8 +92,13 @@ def serve_forever(app, listen_fd: int, lifeline_fd: int | None, drain_timeout_s:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of a terminal reaches the KeysManager, which stops us
     try:
-        server.serve_forever(poll_interval=0.05)
+        # socketserver's loop, not werkzeug's: werkzeug's closes the socket on exit, dropping the backlog
+        socketserver.BaseServer.serve_forever(server, poll_interval=0.05)
     finally:
-        server.socket.close()  # stop accepting: new connections are refused, not queued
-        counted.wait_idle(drain_timeout_s)
+        # answer the connections already waiting in the listen backlog, then stop accepting
+        while select.select([server.socket], [], [], 0)[0]:
+            server._handle_request_noblock()
+        server.socket.close()  # from now on new connections are refused, not queued
+        time.sleep(0.01)  # let the handler threads just started read their request lines
+        server.in_flight.wait_idle(drain_timeout_s)
         os._exit(0)

@@ -6,6 +6,9 @@ It starts no thread and touches no GPU, so forking it is safe. Per ``fork``: bin
 child (the replica) sets its CPU budget and environment, copies the parameters in isolated mode, calls
 ``prepare_device()`` and serves; the zygote answers ``{pid, port}`` and reaps the children it forked.
 
+Preloader (``--preloader``): a fork server that imported torch, flask, transformers and the stage runtime
+once and forks a new zygote per ``spawn`` order (its control socket arrives as a passed descriptor).
+
 Cold replica (``--cold``): a fresh interpreter that loads the stage from disk with the stage runtime's own
 loader and serves on the listening socket the KeysManager bound for it.
 """
@@ -13,7 +16,9 @@ loader and serves on the listening socket the KeysManager bound for it.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import json
 import os
 import select
 import signal
@@ -123,6 +128,97 @@ def run_zygote(args: argparse.Namespace) -> int:
             ctrl.sendall(encode({"op": "exited", "pid": pid, "status": os.waitstatus_to_exitcode(status)}))
 
 
+def preload() -> None:
+    """Import what every zygote needs (torch, flask, transformers' top level, the stage runtime). No threads.
+
+    A model class's module (e.g. modeling_llama) is imported by the first zygote that needs it, not here:
+    preloading every family would make the preloader slower to be ready than a fresh interpreter.
+    """
+    import flask  # noqa: F401
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import werkzeug.serving  # noqa: F401
+    from quart_stage import app, families, runtime  # noqa: F401
+
+    import keysmanager.serve  # noqa: F401
+    import keysmanager.shm_store  # noqa: F401
+    import keysmanager.stage  # noqa: F401
+
+
+def run_preloader(args: argparse.Namespace) -> int:
+    """A fork server for zygotes: imports once, then forks a zygote per ``spawn`` order.
+
+    Each order comes with the new zygote's control socket as an SCM_RIGHTS file descriptor. Caching a
+    stage then costs a fork plus copying its parameters, not an interpreter start plus seconds of imports.
+    """
+    die_with_parent(args.parent_pid)
+    ctrl = socket.socket(fileno=args.control_fd)
+    try:
+        preload()
+    except BaseException as exc:
+        traceback.print_exc()
+        ctrl.sendall(encode({"op": "failed", "error": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    gc.collect()
+    gc.freeze()
+    ctrl.sendall(encode({"op": "ready", "threads": thread_count()}))
+    fds: collections.deque[int] = collections.deque()
+    buffer = b""
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([ctrl], [], [], 0.02)
+        if readable:
+            data, new_fds, _, _ = socket.recv_fds(ctrl, 1 << 16, 16)
+            if not data:
+                return 0
+            fds.extend(new_fds)
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if not line.strip():
+                    continue
+                order = json.loads(line)
+                if order.get("op") == "exit":
+                    return 0
+                if order.get("op") != "spawn" or not fds:
+                    ctrl.sendall(encode({"op": "error", "id": order.get("id"), "error": "bad spawn order"}))
+                    continue
+                zygote_fd = fds.popleft()
+                pid = os.fork()
+                if pid == 0:
+                    code = 1
+                    try:
+                        ctrl.close()
+                        for fd in fds:
+                            os.close(fd)
+                        log_fd = os.open(order["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                        os.dup2(log_fd, 1)
+                        os.dup2(log_fd, 2)
+                        os.close(log_fd)
+                        os.environ.clear()
+                        os.environ.update(order["env"])
+                        zargs = argparse.Namespace(**{**vars(args), "parent_pid": os.getppid(),
+                                                      "control_fd": zygote_fd, "shm_path": order["shm_path"]})
+                        code = run_zygote(zargs)
+                    except BaseException:
+                        traceback.print_exc()
+                    finally:
+                        os._exit(code)
+                os.close(zygote_fd)
+                children.add(pid)
+                ctrl.sendall(encode({"op": "spawned", "id": order.get("id"), "pid": pid}))
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            ctrl.sendall(encode({"op": "exited", "pid": pid, "status": os.waitstatus_to_exitcode(status)}))
+
+
 def run_cold(args: argparse.Namespace) -> int:
     from keysmanager.serve import serve_forever
     from keysmanager.stage import build_runtime
@@ -144,6 +240,7 @@ def run_cold(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m keysmanager.zygote")
     parser.add_argument("--cold", action="store_true", help="serve one cold replica instead of being a zygote")
+    parser.add_argument("--preloader", action="store_true", help="be the fork server of zygotes")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--control-fd", type=int)
     parser.add_argument("--listen-fd", type=int)
@@ -154,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--survive", action="store_true")
     args = parser.parse_args(argv)
+    if args.preloader:
+        return run_preloader(args)
     return run_cold(args) if args.cold else run_zygote(args)
 
 

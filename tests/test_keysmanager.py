@@ -82,8 +82,9 @@ class Daemon:
                 self.proc.wait(5)
 
 
-@pytest.fixture
-def km_root():
+@contextlib.contextmanager
+def daemons_in_temp_dir():
+    """(root, daemons, extra pids): kills every daemon and pid at exit and removes their segments."""
     root = Path(tempfile.mkdtemp(prefix="km-", dir="/tmp"))  # short: Unix socket paths are limited to 107 bytes
     daemons: list[Daemon] = []
     pids: list[int] = []
@@ -102,7 +103,14 @@ def km_root():
 
 
 @pytest.fixture
+def km_root():
+    with daemons_in_temp_dir() as state:
+        yield state
+
+
+@pytest.fixture
 def daemon(km_root):
+    """Start a private daemon (for tests that kill it, restart it or need special limits)."""
     root, daemons, _ = km_root
 
     def make(name: str = "h0", *extra: str) -> Daemon:
@@ -111,6 +119,19 @@ def daemon(km_root):
         return d.start()
 
     return make
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One daemon for the tests that leave it running (each uses its own function names)."""
+    with daemons_in_temp_dir() as (root, daemons, _):
+        d = Daemon(root, "hs")
+        daemons.append(d)
+        yield d.start()
+
+
+def zygote_of(d: Daemon, function: str):
+    return next((z for z in d.client.zygotes() if z.function == function), None)
 
 
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
@@ -144,8 +165,8 @@ def raw_post(path: str, body: bytes, socket_path: Path) -> tuple[int, dict]:
 
 
 # --------------------------------------------------------------------------- API hygiene
-def test_socket_is_private_and_bad_input_gets_clear_4xx_while_serving(daemon, tmp_path):
-    d = daemon()
+def test_socket_is_private_and_bad_input_gets_clear_4xx_while_serving(shared, tmp_path):
+    d = shared
     assert (d.socket.stat().st_mode & 0o777) == 0o600
     status, data = raw_post("/v1/replicas", b"{not json", d.socket)
     assert status == 400 and "not valid JSON" in data["error"] and data["field"] == "body"
@@ -171,17 +192,18 @@ def test_socket_is_private_and_bad_input_gets_clear_4xx_while_serving(daemon, tm
         d.client.stop("no-such-replica")
     assert err.value.status == 404
     # still serving: a good request works
-    [rep] = d.client.start(emulated(), 1)
+    [rep] = d.client.start(emulated("api-stage-0"), 1)
     assert rep.state == "ready" and rep.source == "cold"
     assert requests.post(rep.url, json=IDS, timeout=30).status_code == 200
 
 
 # --------------------------------------------------------------------------- fork path
-def test_zygote_is_single_threaded_and_forked_replicas_serve_concurrent_requests(daemon):
-    d = daemon()
-    info = d.client.ensure_cached(emulated())
+def test_zygote_is_single_threaded_and_forked_replicas_serve_concurrent_requests(shared):
+    d = shared
+    spec = emulated("conc-stage-0")
+    info = d.client.ensure_cached(spec)
     assert info["threads"] == 1, "a zygote must start no thread before fork"
-    replicas = d.client.start(emulated(), 4)
+    replicas = d.client.start(spec, 4)
     assert [r.source for r in replicas] == ["fork"] * 4
     assert all(r.state == "ready" and r.ready_ms is not None for r in replicas)
     assert len({r.port for r in replicas}) == 4 and len({r.pid for r in replicas}) == 4
@@ -194,19 +216,19 @@ def test_zygote_is_single_threaded_and_forked_replicas_serve_concurrent_requests
         futures = [pool.submit(hammer, replicas[i % 4].url) for i in range(12)]
         codes = [c for f in cf.as_completed(futures, timeout=90) for c in f.result()]
     assert codes == [200] * 180
-    zygote = d.client.zygotes()[0]
+    zygote = zygote_of(d, spec.function)
     assert zygote.live_replicas == 4
     assert all(psutil.Process(r.pid).ppid() == zygote.pid for r in replicas)
 
 
-def test_stop_drains_in_flight_requests_and_frees_port(daemon):
-    d = daemon()
+def test_stop_drains_in_flight_requests_and_frees_port(shared):
+    d = shared
     slow = emulated("slow-stage-0", QUART_EMULATED_MEAN_MS="800")
     d.client.ensure_cached(slow)
     [rep] = d.client.start(slow, 1)
     with cf.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(requests.post, rep.url, json=IDS, timeout=30)
-        time.sleep(0.2)  # the request is in service
+        time.sleep(0.5)  # the request is in service (or at least in the listen backlog)
         stopped = d.client.stop(rep.id, drain=True)
         assert pending.result().status_code == 200, "drain must answer the request in flight"
     assert stopped.state == "dead" and stopped.exit_status == 0
@@ -216,11 +238,12 @@ def test_stop_drains_in_flight_requests_and_frees_port(daemon):
 
 
 # --------------------------------------------------------------------------- faults
-def test_kill_9_of_a_replica_is_reported_dead_and_reaped(daemon):
-    d = daemon()
-    d.client.ensure_cached(emulated())
-    forked, other = d.client.start(emulated(), 2)
-    zygote_pid = d.client.zygotes()[0].pid
+def test_kill_9_of_a_replica_is_reported_dead_and_reaped(shared):
+    d = shared
+    spec = emulated("kill-stage-0")
+    d.client.ensure_cached(spec)
+    forked, other = d.client.start(spec, 2)
+    zygote_pid = zygote_of(d, spec.function).pid
     os.kill(forked.pid, signal.SIGKILL)
     dead = wait_for(lambda: next((r for r in d.client.replicas() if r.id == forked.id and r.state == "dead"), None),
                     what="the killed replica reported dead")
@@ -228,7 +251,7 @@ def test_kill_9_of_a_replica_is_reported_dead_and_reaped(daemon):
     wait_for(lambda: not psutil.pid_exists(forked.pid), what="the killed replica reaped (no zombie)")
     assert all(c.status() != psutil.STATUS_ZOMBIE for c in psutil.Process(zygote_pid).children())
     assert requests.post(other.url, json=IDS, timeout=10).status_code == 200  # the sibling is untouched
-    assert d.client.report().replicas == 1
+    assert [r.id for r in d.client.replicas(spec.function) if r.state != "dead"] == [other.id]
 
 
 def test_killing_the_keysmanager_leaves_no_orphans_and_a_restart_cleans_up(daemon, km_root):
@@ -258,9 +281,8 @@ def test_killing_the_keysmanager_leaves_no_orphans_and_a_restart_cleans_up(daemo
     assert stopped.state == "dead" and gone(survivor.pid)
 
 
-def test_a_second_keysmanager_on_the_same_state_dir_is_refused(daemon, km_root):
-    root, _, _ = km_root
-    d = daemon("h2")
+def test_a_second_keysmanager_on_the_same_state_dir_is_refused(shared):
+    d = shared
     clash = subprocess.run([sys.executable, "-m", "keysmanager.daemon", *d.args], capture_output=True, text=True,
                            timeout=60)
     assert clash.returncode == 2 and "another KeysManager" in clash.stderr
@@ -334,8 +356,8 @@ def segment_smaps(pid: int, shm_path: str) -> dict[str, int]:
     return totals
 
 
-def test_forked_replicas_answer_like_a_cold_one_while_others_serve_load(daemon, models):
-    d = daemon()
+def test_forked_replicas_answer_like_a_cold_one_while_others_serve_load(shared, models):
+    d = shared
     spec = stage(models / "tiny", 0)
     d.client.ensure_cached(spec)
     busy = d.client.start(spec, 2)
@@ -390,30 +412,30 @@ def test_lru_eviction_under_a_low_limit_never_kills_a_serving_replica(daemon, mo
     assert len(d.shm_files()) == 1  # e's segment only: every dropped segment's file is gone
 
 
-def test_invalidation_after_a_checkpoint_change(daemon, models, tmp_path):
+def test_invalidation_after_a_checkpoint_change(shared, models, tmp_path):
     from quart_tools.partition import partition
 
     model = tmp_path / "tiny"
     shutil.copytree(models / "tiny", model)
-    d = daemon("h6")
-    spec = stage(model, 0)
+    d = shared
+    spec = stage(model, 0, function="inv-stage-0")
     old_sha = d.client.ensure_cached(spec)["sha256"]
     [old] = d.client.start(spec, 1)
     before = infer(old.url)
     partition("tiny", 2, str(model), weights="random", seed=7, progress=False)  # new weights, new sha256
-    wait_for(lambda: not d.client.zygotes(), timeout=10, what="the stale zygote dropped")
+    wait_for(lambda: zygote_of(d, spec.function) is None, timeout=10, what="the stale zygote dropped")
     [new] = d.client.start(spec, 1)  # nothing cached: cold from the new checkpoint, and it caches again
     after = infer(new.url)
     assert after != before
     assert infer(old.url) == before  # a serving replica is never killed by invalidation
-    zygote = wait_for(lambda: d.client.zygotes(), timeout=60, what="the new zygote")[0]
+    zygote = wait_for(lambda: zygote_of(d, spec.function), timeout=60, what="the new zygote")
     assert zygote.sha256 != old_sha
     [forked] = d.client.start(spec, 1)
     assert forked.source == "fork" and infer(forked.url) == after
 
 
-def test_copy_on_write_shares_parameter_pages_and_isolated_mode_copies_them(daemon, models):
-    d = daemon("h7")
+def test_copy_on_write_shares_parameter_pages_and_isolated_mode_copies_them(shared, models):
+    d = shared
     spec = stage(models / "mid", 0)
     info = d.client.ensure_cached(spec)
     seg_kb = info["param_bytes"] // 1024
