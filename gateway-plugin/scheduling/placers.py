@@ -67,11 +67,12 @@ class CacheAwarePlacer:
 
     # -- scoring of one replica on one host (lower is better) ---------------------------------------
 
-    def _risk(self, host: HostState, req: ReplicaRequest, keys: set[str]) -> tuple[int, int]:
-        """(needs eviction, key-stage zygotes it could evict)."""
+    def _risk(self, host: HostState, req: ReplicaRequest, keys: set[str]) -> tuple[int, int, int]:
+        """(needs eviction, key-stage zygotes it could evict, bytes over the limit)."""
         if not host.needs_eviction(req, self.config.memory_fill, self.config.cold_copies):
-            return (0, 0)
-        return (1, len((host.cached & keys) - {req.function}))
+            return (0, 0, 0)
+        over = host.memory_used + int(self.config.cold_copies * req.param_bytes) - host.memory_limit
+        return (1, len((host.cached & keys) - {req.function}), over)
 
     def _key_score(self, host: HostState, req: ReplicaRequest, keys: set[str]) -> tuple:
         return (req.function not in host.cached, *self._risk(host, req, keys), -host.gpu_free, host.name)
