@@ -10,7 +10,7 @@ interpreters (``keysmanager.zygote``). Process tree::
 
 A replica whose zygote was evicted is re-parented to the KeysManager (subreaper) and keeps serving.
 Every child is reaped: the zygote reaps its forks and reports them; the KeysManager reaps the rest.
-API: JSON over HTTP on a Unix socket (mode 0600), see docs/keysmanager.md.
+API: JSON over HTTP on a Unix socket (mode 0600), in ``keysmanager.api``; see docs/keysmanager.md.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -31,31 +30,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import psutil
 from aiohttp import web
 
 from keysmanager import sysutil
+from keysmanager.api import ApiError, build_app
 from keysmanager.config import KeysManagerConfig
 from keysmanager.eviction import CacheEntry, plan_eviction
 from keysmanager.protocol import encode
 from keysmanager.stage import StageRef, UnknownStage, resolve_stage
 from keysmanager.types import FORK_MODES, HostReport, ReplicaInfo, StageSpec, ZygoteInfo
 
-_FUNCTION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _DEAD_KEPT = 256  # dead replicas kept in listings (so a crash is reported, not just gone)
-
-
-class ApiError(Exception):
-    """An error answered to the API caller as ``{"error": ..., "field": ...}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.field = field
 
 
 @dataclass(eq=False)
@@ -178,8 +166,7 @@ class KeysManager:
         sysutil.become_subreaper()
         self._lifeline_r, self._lifeline_w = os.pipe()  # both O_CLOEXEC; the read end is passed explicitly
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0))
-        app = web.Application(middlewares=[_errors_as_json], client_max_size=1 << 20)
-        self._routes(app)
+        app = build_app(self)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
@@ -308,26 +295,6 @@ class KeysManager:
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(self.state_dir / "state.json")
         self._state_dirty = False
-
-    # ---------------------------------------------------------------- validation
-    def _spec(self, body: Any, key: str = "spec") -> StageSpec:
-        if not isinstance(body, dict) or not isinstance(body.get(key), dict):
-            raise ApiError(400, f"the request body must be a JSON object with a {key!r} object", key)
-        raw = body[key]
-        function = raw.get("function")
-        if not isinstance(function, str) or not _FUNCTION_RE.match(function):
-            raise ApiError(400, "spec.function must be a name of letters, digits, '_', '.', '-'", "spec.function")
-        env = raw.get("env", {})
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise ApiError(400, "spec.env must be an object of string values", "spec.env")
-        cpus = raw.get("cpus", 1.0)
-        if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not 0 < cpus <= 1024:
-            raise ApiError(400, "spec.cpus must be a number in (0, 1024]", "spec.cpus")
-        for name in ("memory_bytes", "concurrency"):
-            value = raw.get(name, 0)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ApiError(400, f"spec.{name} must be a non-negative integer", f"spec.{name}")
-        return StageSpec.from_dict(raw)
 
     def _resolve(self, spec: StageSpec) -> StageRef:
         try:
@@ -833,79 +800,15 @@ class KeysManager:
                           gpu_used=len(self._slots_used), replicas=len(live),
                           host_memory_percent=psutil.virtual_memory().percent)
 
-    # ---------------------------------------------------------------- HTTP API
-    def _routes(self, app: web.Application) -> None:
-        app.router.add_get("/v1/health", self._h_health)
-        app.router.add_post("/v1/cache", self._h_cache)
-        app.router.add_post("/v1/replicas", self._h_start)
-        app.router.add_get("/v1/replicas", self._h_replicas)
-        app.router.add_post("/v1/replicas/{rid}/stop", self._h_stop)
-        app.router.add_get("/v1/zygotes", self._h_zygotes)
-        app.router.add_post("/v1/invalidate", self._h_invalidate)
-        app.router.add_get("/v1/report", self._h_report)
-        app.router.add_post("/v1/shutdown", self._h_shutdown)
-
-    async def _h_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"name": self.name, "pid": os.getpid(), "recovered": self.recovered})
-
-    async def _h_cache(self, request: web.Request) -> web.Response:
-        spec = self._spec(await _json(request))
-        z = await self.ensure_cached(spec)
-        return web.json_response(self.zygote_info(z).to_dict())
-
-    async def _h_start(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        spec = self._spec(body)
-        count = body.get("count", 1)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ApiError(400, f"count must be a non-negative integer, got {count!r}", "count")
-        if count > self.config.max_replicas_per_call:
-            raise ApiError(400, f"count must be at most {self.config.max_replicas_per_call}", "count")
-        mode = body.get("mode", self.config.fork_mode)
-        if mode not in FORK_MODES:
-            raise ApiError(400, f"mode must be one of {', '.join(FORK_MODES)}, got {mode!r}", "mode")
-        flags = {}
-        for name, default in (("survive", False), ("wait", True), ("cache", self.config.cache_on_cold)):
-            flags[name] = body.get(name, default)
-            if not isinstance(flags[name], bool):
-                raise ApiError(400, f"{name} must be true or false", name)
-        started = await self.start_replicas(spec, count, mode, **flags)
-        # no memory readings here: they are slow to take from a process that is still starting
-        return web.json_response({"replicas": [self.replica_info(r, memory=False).to_dict() for r in started]})
-
-    async def _h_replicas(self, request: web.Request) -> web.Response:
-        function = request.query.get("function")
-        reps = [r for r in self.replicas.values() if function is None or r.function == function]
-        return web.json_response({"replicas": [self.replica_info(r).to_dict() for r in reps]})
-
-    async def _h_stop(self, request: web.Request) -> web.Response:
-        body = await _json(request, allow_empty=True)
-        drain = body.get("drain", True) if isinstance(body, dict) else True
-        if not isinstance(drain, bool):
-            raise ApiError(400, "drain must be true or false", "drain")
-        rep = await self.stop(request.match_info["rid"], drain)
-        return web.json_response(self.replica_info(rep).to_dict())
-
-    async def _h_zygotes(self, request: web.Request) -> web.Response:
-        return web.json_response({"zygotes": [self.zygote_info(z).to_dict() for z in self.zygotes.values()
-                                              if z.alive]})
-
-    async def _h_invalidate(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        function = body.get("function") if isinstance(body, dict) else None
-        if not isinstance(function, str) or not _FUNCTION_RE.match(function):
-            raise ApiError(400, "the body must be {\"function\": <stage function name>}", "function")
+    async def invalidate(self, function: str) -> bool:
+        """Drop the stage's zygote (its replicas keep serving); False when it was not cached."""
         z = self.zygotes.get(function)
         if z is not None:
             await self._drop_zygote(z, "invalidated")
-        return web.json_response({"function": function, "dropped": z is not None})
+        return z is not None
 
-    async def _h_report(self, request: web.Request) -> web.Response:
-        return web.json_response(self.report().to_dict())
-
-    async def _h_shutdown(self, request: web.Request) -> web.Response:
-        asyncio.get_running_loop().call_later(0.05, self._stopped.set)
-        return web.json_response({"stopping": True})
+    def request_stop(self) -> None:
+        self._stopped.set()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -925,38 +828,13 @@ def _tail(path: Path, limit: int = 1500) -> str:
         return "(no log)"
 
 
-async def _json(request: web.Request, allow_empty: bool = False) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise ApiError(400, "the request body is empty; expected a JSON object", "body")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", "body") from None
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return web.json_response({"error": exc.message, "field": exc.field}, status=exc.status)
-    except web.HTTPException as exc:
-        return web.json_response({"error": exc.reason, "field": None}, status=exc.status)
-    except Exception as exc:  # a bug must not take the daemon down; answer it
-        return web.json_response({"error": f"internal error: {type(exc).__name__}: {exc}", "field": None},
-                                 status=500)
-
-
 async def serve(config: KeysManagerConfig) -> None:
     """Run a KeysManager until SIGTERM/SIGINT or ``POST /v1/shutdown``."""
     km = KeysManager(config)
     await km.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, km._stopped.set)
+        loop.add_signal_handler(sig, km.request_stop)
     print(f"keysmanager {config.name} listening on {km.socket_path}", flush=True)
     try:
         await km.wait_stopped()
