@@ -161,7 +161,8 @@ class Plugin:
         self._files: list[IO[str]] = []
         records = self._open(self.config.records_path)
         self.collector = MetricsCollector(self.config.window_s, records)
-        self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta)
+        self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta,
+                             on_call=getattr(gateway, "record_invocation", None))
         self.controller = Controller(
             self.view, self.router, self.collector, actuator or make_actuator(self.config, gateway),
             factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),

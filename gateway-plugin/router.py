@@ -141,6 +141,7 @@ class Router:
         stage_meta: Callable[[str], tuple[float, int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         dispatch_poll_s: float = 0.02,
+        on_call: Callable[[str, int, float], None] | None = None,
     ) -> None:
         self.source = source
         self.pipelines = pipelines
@@ -149,6 +150,7 @@ class Router:
         self.stage_meta = stage_meta or (lambda fn: (1.0, 0))  # function → (cpus, param bytes)
         self.clock = clock
         self.dispatch_poll_s = dispatch_poll_s
+        self.on_call = on_call  # (function, HTTP status, seconds) per stage call: the gateway's invocation counters
         self.queues: dict[str, StageQueue] = {}
         self.session: aiohttp.ClientSession | None = None
         self._ids = itertools.count()
@@ -328,14 +330,20 @@ class Router:
             raise
         except Exception as exc:  # timeout, connection, protocol, closed client: all count as a failed attempt
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            status = 504 if isinstance(exc, TimeoutError) else 502  # what the gateway's proxy would count
         finally:
             q.busy -= 1
             self.source.give_back(fn, replica)
             q.wake.set()
             job.task = None
+        end = self.clock()
+        if self.on_call is not None:
+            try:
+                self.on_call(fn, status, end - start)
+            except Exception as exc:  # counting must never fail a request
+                log.warning("recording the call to %s failed: %s", fn, exc)
         if job.done:
             return
-        end = self.clock()
         if failure == "" and 200 <= status < 300:
             service_s = end - start
             stats = self.collector.stage(fn)

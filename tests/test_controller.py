@@ -166,3 +166,29 @@ def test_plugin_routes_pipeline_and_controller_scales_through_gateway(plugin_gw,
     assert bad.status_code == 405 and "POST" in bad.json()["error"]
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
     assert len(lines) >= 5 and '"status":200' in lines[0]
+
+
+def _invocations(metrics: str, function: str) -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("gateway_function_invocation_total{") and f'function_name="{function}.openfaas-fn"' in line \
+                and 'code="200"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_pipeline_traffic_counts_as_invocations_of_every_stage(plugin_gw) -> None:
+    """The router calls replicas directly; it must still count each stage call like the gateway's proxy."""
+    for i in range(3):
+        plugin_gw.deploy_stage("p", i, 3)
+    for k in range(4):
+        res = requests.post(f"{plugin_gw.url}/function/p", data=f"x{k}".encode(), timeout=30)
+        assert res.status_code == 200, res.text
+    listing = requests.get(f"{plugin_gw.url}/system/functions", auth=plugin_gw.auth, timeout=10).json()
+    counts = {f["name"]: f["invocationCount"] for f in listing}
+    assert counts == {"p-stage-0": 4, "p-stage-1": 4, "p-stage-2": 4}
+    metrics = requests.get(f"{plugin_gw.url}/metrics", timeout=10).text
+    for i in range(3):
+        assert _invocations(metrics, f"p-stage-{i}") == 4
+        assert f'gateway_function_invocation_started{{function_name="p-stage-{i}.openfaas-fn"}} 4.0' in metrics
+        assert f'gateway_functions_seconds_count{{code="200",function_name="p-stage-{i}.openfaas-fn"}} 4.0' in metrics

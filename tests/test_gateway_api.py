@@ -229,6 +229,24 @@ def test_scale_to_zero_and_back_from_zero_on_invoke(gw):
     assert gw.describe("zero").json()["replicas"] == 1
 
 
+def test_scale_key_hint_reaches_the_gateway_placer_history(gw):
+    """The REST actuator's non-standard ``"key": true`` is passed to ``scale(..., key=)``; a bad one is a 400."""
+    assert gw.deploy(faas_cli_deploy_body("keyed")).status_code == 202
+    gw.wait_available("keyed", 1)
+    history = gw.system.gateway.key_history
+    res = requests.post(f"{gw.url}/system/scale-function/keyed", json={"serviceName": "keyed", "replicas": 2},
+                        auth=gw.auth, timeout=10)
+    assert res.status_code == 202 and "keyed" not in history  # faas-cli's shape: no hint
+    res = requests.post(f"{gw.url}/system/scale-function/keyed",
+                        json={"serviceName": "keyed", "replicas": 3, "key": True}, auth=gw.auth, timeout=10)
+    assert res.status_code == 202 and res.json() == {"serviceName": "keyed", "replicas": 3}
+    assert history.get("keyed") == 1  # counted as a key-stage scale-up
+    res = requests.post(f"{gw.url}/system/scale-function/keyed",
+                        json={"serviceName": "keyed", "replicas": 3, "key": "yes"}, auth=gw.auth, timeout=10)
+    assert res.status_code == 400 and res.json()["field"] == "key"
+    gw.wait_available("keyed", 3)
+
+
 def test_bad_input_is_rejected_without_disturbing_running_functions(gw):
     assert gw.deploy(faas_cli_deploy_body("steady")).status_code == 202
     gw.wait_available("steady", 1)

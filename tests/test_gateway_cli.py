@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -76,3 +77,42 @@ def test_up_detached_deploy_down(tmp_path):
         time.sleep(0.1)
     assert not (state / "up.json").exists()
     assert "nothing is running" in quartctl("down", "--state-dir", str(state), cwd=tmp_path).stdout
+
+
+def test_down_stops_a_gateway_that_is_not_a_process_group_leader(tmp_path):
+    """Started under `timeout` or from a shell job, the gateway's pid leads no process group: killpg fails
+    with "no such process"; `down` must still stop it (signal the pid), wait, and only then say so."""
+    state = tmp_path / "state"
+    state.mkdir()
+    gateway = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # our process group
+    try:
+        assert os.getpgid(gateway.pid) != gateway.pid
+        (state / "up.json").write_text(json.dumps({"pid": gateway.pid, "url": "http://127.0.0.1:1", "hosts": []}))
+        down = quartctl("down", "--state-dir", str(state), cwd=tmp_path, timeout=60)
+        assert down.returncode == 0, down.stderr
+        assert f"Stopped the gateway (pid {gateway.pid})" in down.stdout
+        assert gateway.wait(timeout=10) is not None  # really gone (reaped here: it is our child)
+        assert not (state / "up.json").exists()
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait()
+
+
+def test_stop_process_signals_the_pid_and_reports_whether_it_is_gone(tmp_path):
+    from gateway_plugin.embedded.system import stop_process
+
+    stubborn = subprocess.Popen([sys.executable, "-c",
+                                 "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                 "print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert stubborn.stdout.readline().strip() == "ready"
+        started = time.monotonic()
+        assert stop_process(stubborn.pid, grace_s=0.5) is True  # SIGTERM ignored → SIGKILL after the grace
+        assert time.monotonic() - started < 10
+        assert stubborn.wait(timeout=5) == -9
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()
+            stubborn.wait()
+    assert stop_process(stubborn.pid) is True  # already gone

@@ -185,7 +185,10 @@ class GatewayAPI:
         if service not in (None, "", name):
             raise bad(f"serviceName {service!r} does not match the function in the path ({name!r})", "serviceName")
         self._check_namespace(body.get("namespace") or request.query.get("namespace"))
-        applied = await self.gateway.scale(name, int(replicas))
+        key = body.get("key", False)
+        if not isinstance(key, bool):
+            raise bad(f"key must be a boolean, got {json.dumps(key)}", "key")
+        applied = await self.gateway.scale(name, int(replicas), key=key)
         return web.json_response({"serviceName": name, "replicas": applied}, status=202)
 
     async def namespaces(self, request: web.Request) -> web.Response:

@@ -174,11 +174,17 @@ def down(argv: list[str]) -> int:
         print(f"quartctl down: nothing is running (no {state_dir / STATE_FILE})")
         return 0
     pid = int(state["pid"])
-    if _alive(pid):
-        stop_process(pid, grace_s=30.0)
+    survivors: list[str] = []
+    if _alive(pid) and not stop_process(pid, grace_s=30.0):
+        survivors.append(f"gateway pid {pid}")
     for host in state.get("hosts", []):  # KeysManagers left behind by a killed gateway
-        if _alive(int(host["pid"])):
-            stop_process(int(host["pid"]))
+        host_pid = int(host["pid"])
+        if _alive(host_pid) and not stop_process(host_pid):
+            survivors.append(f"KeysManager pid {host_pid}")
+    if survivors:
+        print(f"quartctl down: still running after SIGTERM and SIGKILL: {', '.join(survivors)} "
+              f"(state kept in {state_dir / STATE_FILE})", file=sys.stderr)
+        return 1
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     print(f"Stopped the gateway (pid {pid}) and {len(state.get('hosts', []))} KeysManager(s).")
     return 0

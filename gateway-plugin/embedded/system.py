@@ -208,26 +208,45 @@ class EmbeddedSystem:
                 self.state_file.unlink()
 
 
-def stop_process(pid: int, process: subprocess.Popen | None = None, grace_s: float = 10.0) -> None:
-    """SIGTERM a process group leader, SIGKILL it after ``grace_s``; reap it when it is our child."""
+def stop_process(pid: int, process: subprocess.Popen | None = None, grace_s: float = 10.0) -> bool:
+    """SIGTERM a process (and its process group when it leads one), SIGKILL after ``grace_s``.
+
+    The pid itself is always signalled: a gateway started under ``timeout`` or a shell job is not a
+    group leader, and ``killpg`` on its pid fails with "no such process" while it keeps running.
+    Reaps it when it is our child. Returns True once the process is gone.
+    """
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
+        if not _signal(pid, sig):
             break
-        except PermissionError:
-            os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if process is not None:
                 if process.poll() is not None:
-                    return
+                    return True
             elif not _alive(pid):
-                return
+                return True
             time.sleep(0.05)
     if process is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=1)
+        return process.poll() is not None
+    return not _alive(pid)
+
+
+def _signal(pid: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` and, when it leads a process group, to that group; False if it is gone."""
+    try:
+        leader = os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+    if leader:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
