@@ -452,3 +452,38 @@ def test_copy_on_write_shares_parameter_pages_and_isolated_mode_copies_them(shar
     assert m["Anonymous"] > 0.95 * seg_kb, "isolated mode must hold a private copy of every page"
     assert m["Pss"] > 0.95 * seg_kb
     assert d.client.report().memory_used >= 2 * info["param_bytes"]  # segment + the isolated copy
+
+
+def test_async_client_speaks_the_same_api(shared):
+    import asyncio
+
+    from keysmanager.client import AsyncKeysManagerClient
+
+    async def scenario() -> None:
+        km = AsyncKeysManagerClient(str(shared.socket), timeout=120)
+        try:
+            spec = emulated("async-stage-0")
+            await km.ensure_cached(spec)
+            [rep] = await km.start(spec, 1, wait=False)
+            assert rep.state == "starting" and rep.source == "fork"
+            ready = await asyncio.wait_for(_until_ready(km, rep.id), 30)
+            assert ready.ready_ms is not None
+            assert "async-stage-0" in (await km.report()).cached
+            assert (await km.stop(rep.id)).state == "dead"
+            try:
+                await km.start(spec, -3)
+            except KeysManagerError as exc:
+                assert exc.status == 400 and exc.field == "count"
+            else:
+                raise AssertionError("a negative count must be refused")
+        finally:
+            await km.close()
+
+    async def _until_ready(km, rid):
+        while True:
+            [r] = [r for r in await km.replicas("async-stage-0") if r.id == rid]
+            if r.state == "ready":
+                return r
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
