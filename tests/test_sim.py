@@ -176,3 +176,24 @@ def test_rho_floor_diagnostic_never_leaves_a_stage_unstable() -> None:
     wrapped = RhoFloor(Scripted([(0.0, 1)]))
     got = [d.replicas for d in wrapped.decide(snap).stages]
     assert got == [3, 1]  # 259 / (3 × 108) = 0.80 ≤ 0.95; stage 1 may go down to 1
+
+
+def test_calibration_from_live_keysmanager_bench(tmp_path) -> None:
+    import json
+
+    bench = tmp_path / "km.json"
+    bench.write_text(json.dumps({"rows": [
+        {"stage_mb": 100, "fork_ready_ms": 30.0, "cold_ready_ms": 1200.0},
+        {"stage_mb": 1000, "fork_ready_ms": 40.0, "cold_ready_ms": 3000.0},
+        {"stage_mb": 4000, "fork_ready_ms": 70.0, "cold_ready_ms": 9000.0},
+    ]}))
+    cal = Calibration().with_keysmanager_bench(bench)
+    assert cal.fork_fixed_s == pytest.approx(0.029, abs=0.002)  # intercept of the straight-line fit
+    assert cal.cold_fixed_s == pytest.approx(1.0, abs=0.05)
+    assert "live" in cal.sources["fork_fixed_s"] and cal.h2d_gbps == Calibration().h2d_gbps
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal.to_json()))
+    assert Calibration.load(path) == cal
+    path.write_text(json.dumps({"nope": 1}))
+    with pytest.raises(ValueError, match="unknown calibration keys"):
+        Calibration.load(path)

@@ -123,7 +123,7 @@ _PAPER_SOURCES = {
     "fork_fixed_s": "default (overridden by live `quartctl bench keysmanager` fork times when given)",
     "h2d_gbps": "QUART §6.1: ≈800 ms to load 1/8 of BERT-21B (5.4 GB) host → GPU",
     "cold_fixed_s": "default (overridden by live `quartctl bench keysmanager` cold times when given)",
-    "disk_gbps": "QUART §6.1: ≈45 s to load 1/8 of BERT-21B from disk (minus cold_fixed_s)",
+    "disk_gbps": "QUART §6.1: ≈45 s to load 1/8 of BERT-21B from disk (43 s of reading + the default 2 s fixed)",
     "service_cv": "assumption: GPU stage compute varies little per request",
     "cpu_fraction": "assumption: share of stage time in CPU work (serde, copies); QUART §5.3",
     "hosts": "QUART §8.1: 12 GPU servers",

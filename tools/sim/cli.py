@@ -56,7 +56,7 @@ def _calibration(args) -> Calibration:
     if args.keysmanager_bench:
         cal = cal.with_keysmanager_bench(args.keysmanager_bench)
     if args.write_calibration:
-        Path(args.write_calibration).write_text(json.dumps(cal.to_json(), indent=2) + "\n")
+        Path(args.write_calibration).write_text(json.dumps(cal.to_json(), indent=2, ensure_ascii=False) + "\n")
     return cal
 
 
