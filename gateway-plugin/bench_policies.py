@@ -281,15 +281,23 @@ def _concat(arrays: list) -> Any:
 
 
 def ready_lags(rows: list[dict]) -> list[float]:
-    """Seconds from the controller asking for more replicas of a stage to their being ready."""
+    """Seconds from the controller asking for more replicas of a stage to their being ready.
+
+    An ask counts only while it stands: if a later step asks for fewer before the replicas are ready,
+    the ask was withdrawn and is not a sample (counting the next time the stage happens to reach that
+    size would charge a later burst's scale-up to this one). Resolution: the control period.
+    """
     lags = []
     for i in range(len(rows[0]["desired"]) if rows else 0):
         for k in range(1, len(rows)):
             want = rows[k]["desired"][i]
             if want > rows[k - 1]["desired"][i] and want > rows[k]["replicas"][i]:
-                ready = next((r["time"] for r in rows[k + 1:] if r["replicas"][i] >= want), None)
-                if ready is not None:
-                    lags.append(round(ready - rows[k]["time"], 2))
+                for later in rows[k + 1:]:
+                    if later["replicas"][i] >= want:
+                        lags.append(round(later["time"] - rows[k]["time"], 2))
+                        break
+                    if later["desired"][i] < want:
+                        break  # withdrawn
     return lags
 
 

@@ -13,6 +13,14 @@ def test_ready_lags_and_samples_from_timeline() -> None:
         {"time": 13.5, "replicas": [3, 1], "desired": [3, 1], "queue": [0, 0]},
     ]
     assert ready_lags(rows) == [2.5]
+    withdrawn = [  # asked for 3, then 1 again before the third replica was ready: no sample
+        {"time": 0.0, "replicas": [1], "desired": [1], "queue": [0]},
+        {"time": 1.0, "replicas": [1], "desired": [3], "queue": [4]},
+        {"time": 2.0, "replicas": [2], "desired": [1], "queue": [0]},
+        {"time": 30.0, "replicas": [1], "desired": [3], "queue": [4]},
+        {"time": 31.0, "replicas": [3], "desired": [3], "queue": [0]},
+    ]
+    assert ready_lags(withdrawn) == [1.0]
     samples = samples_from_timeline(rows, 10.0)
     assert samples[2] == {"t": 1.0, "stage": 0, "replicas": 1, "queue": 5} and len(samples) == 8
 

@@ -30,6 +30,7 @@ class GatewayConfig:
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
     host_memory_bytes: int = 8 * 1024**3  # parameter-cache memory per host (KeysManager --memory-limit)
     reconcile_interval_s: float = 0.2  # how often replica states are polled and desired counts enforced
+    ready_probe_s: float = 0.005  # first interval of the gateway's own health probe of a starting replica
     ready_wait_s: float = 60.0  # how long an invocation waits for a first ready replica (scale from zero)
     max_waiting: int = 1024  # invocations allowed to wait for a replica per function; more → 429
     retry_after_s: int = 1  # Retry-After on 429/503

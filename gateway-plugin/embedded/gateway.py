@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 from gateway_plugin.embedded.config import GatewayConfig
 from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError, Resources
 from gateway_plugin.embedded.hosts import Host, ReplicaSpec, ReplicaStatus
@@ -49,6 +50,7 @@ class Endpoint:
     started_at: float
     in_flight: int = 0
     served: int = 0
+    probed: bool = False  # the gateway's own health probe saw it ready (ahead of the host's report)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "function": self.function, "host": self.host, "url": self.url, "state": self.state,
@@ -132,6 +134,7 @@ class EmbeddedGateway:
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._host_views: dict[str, HostView] = {}
+        self._probe_session: aiohttp.ClientSession | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -154,6 +157,9 @@ class EmbeddedGateway:
         stops = [self._stop_now(e) for f in self.functions.values() for e in list(f.replicas.values())]
         await asyncio.gather(*stops, return_exceptions=True)
         await asyncio.gather(*(h.close() for h in self.hosts.values()), return_exceptions=True)
+        if self._probe_session is not None:
+            await self._probe_session.close()
+            self._probe_session = None
 
     def kick(self) -> None:
         """Reconcile now rather than at the next tick."""
@@ -328,7 +334,7 @@ class EmbeddedGateway:
     def mark_unreachable(self, fn: FunctionState, endpoint: Endpoint) -> None:
         """A replica refused a connection: route nothing more to it; the next reconcile confirms or removes it."""
         if endpoint.state == "ready":
-            endpoint.state = "starting"  # the host's next report says ready again if it was a blip
+            endpoint.state, endpoint.probed = "starting", False  # the host's next report says ready if a blip
             fn.refresh_ready()
             self.kick()
 
@@ -385,6 +391,8 @@ class EmbeddedGateway:
                         changed = True
                     continue
                 if endpoint.state in ("starting", "ready") and status.state != endpoint.state:
+                    if endpoint.probed and endpoint.state == "ready" and status.state == "starting":
+                        continue  # our probe got the health answer first; the host's report lags behind
                     endpoint.state = status.state
                     changed = True
                 if endpoint.state == "starting" and now - endpoint.started_at > self.config.start_timeout_s:
@@ -470,8 +478,45 @@ class EmbeddedGateway:
                 self._spawn(self._stop_now(endpoint), f"stop:{endpoint.id}")
                 continue
             fn.replicas[endpoint.id] = endpoint
+            if endpoint.state == "starting":
+                self._spawn(self._probe_until_ready(fn, endpoint), f"probe:{endpoint.id}")
         fn.refresh_ready()
         self.kick()
+
+    def _prober(self) -> aiohttp.ClientSession:
+        if self._probe_session is None or self._probe_session.closed:
+            self._probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        return self._probe_session
+
+    async def _probe_until_ready(self, fn: FunctionState, endpoint: Endpoint) -> None:
+        """GET the starting replica's health path (as its host does) and route to it as soon as it answers 200.
+
+        Without this, a replica becomes routable only at the next reconcile poll of its host
+        (``reconcile_interval_s``), which was most of a fork's ask→ready time. The interval starts at
+        ``ready_probe_s`` and grows ×1.5 up to 0.1 s; a connection waits in the listen backlog until the
+        replica serves, so one probe often spans the whole start.
+        """
+        url = endpoint.url + fn.runnable.health_path
+        delay = self.config.ready_probe_s
+        deadline = endpoint.started_at + self.config.start_timeout_s
+        while endpoint.state == "starting" and fn.replicas.get(endpoint.id) is endpoint:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return  # the reconcile loop replaces it
+            try:
+                async with self._prober().get(url, timeout=aiohttp.ClientTimeout(total=min(2.0, remaining))) as res:
+                    if res.status == 200:
+                        if endpoint.state == "starting" and fn.replicas.get(endpoint.id) is endpoint:
+                            endpoint.state, endpoint.probed = "ready", True
+                            log.debug("%s ready %.1f ms after start", endpoint.id,
+                                      1000 * (time.monotonic() - endpoint.started_at))
+                            fn.refresh_ready()
+                            self.kick()  # a rolling update may now retire old replicas
+                        return
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass
+            await asyncio.sleep(delay)
+            delay = min(0.1, delay * 1.5)
 
     def _drain_and_stop(self, fn: FunctionState, endpoint: Endpoint) -> None:
         if endpoint.state == "draining":
