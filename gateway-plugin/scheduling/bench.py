@@ -250,8 +250,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--stages", type=int, default=6, help="pipeline stages of the bench model")
     ap.add_argument("--key-stages", type=int, default=4, help="stages the script scales (the key stages)")
     ap.add_argument("--bursts", type=int, default=16, help="scale-ups in the script")
-    ap.add_argument("--zygotes-per-host", type=float, default=2.5,
-                    help="memory limit of a host, in stage-parameter sizes (forces eviction)")
+    ap.add_argument("--memory-stages", type=float, default=4.5,
+                    help="memory limit of a host, in stage-parameter sizes: room for two cold base replicas "
+                         "(private copies) and two zygotes, so cold scale-ups force eviction")
     ap.add_argument("--stage-mb", type=float, default=64.0, help="parameters per stage, MB (random weights)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--placers", default="cache-aware,first-fit")
@@ -274,7 +275,7 @@ def main(argv: list[str]) -> int:
         sizes = {f"{model}-stage-{s.index}": int(s.parameter_bytes) for s in manifest.stages}
         key = stages[1 : 1 + args.key_stages]
         steps = scripted_sequence(key, args.bursts, max_extra=min(extra - 1, 6), seed=args.seed)
-        memory_limit = int(args.zygotes_per_host * max(sizes.values()))
+        memory_limit = int(args.memory_stages * max(sizes.values()))
 
         def env_of(function: str) -> dict[str, str]:
             index = stages.index(function)

@@ -30,10 +30,9 @@ class SchedulerConfig:
     # fraction of a host's reported memory limit a cold start may fill without counting as evicting; the
     # KeysManager already applies its own threshold (85 % of RAM) when it derives that limit
     memory_fill: float = 1.0
-    # host memory a cold start is counted to add, in parameter sizes. The KeysManager holds two copies
-    # (the cold replica's private one + the zygote it caches after it); 1.0 (the zygote, what stays
-    # when the replica goes) measured better in the 3-host benchmark (docs/scheduler.md)
-    cold_copies: float = 1.0
+    # host memory a cold start adds, in parameter sizes: the cold replica's private copy plus the zygote
+    # the KeysManager caches after it (cache_on_cold); both count against the host's limit
+    cold_copies: float = 2.0
 
     def __post_init__(self) -> None:
         if self.contention_threshold < 0:
