@@ -3,8 +3,9 @@
 One request walks the pipeline's stages; each stage has one FIFO queue (the router's) and dispatches
 to a free replica slot. Service times are the stage's profiled time × the CPU effect × a gamma draw;
 the draws are per (request, stage), so every policy sees the same request sizes (common random
-numbers). Every ``control_period_s`` the controller builds a `PipelineSnapshot` from sliding-window
-stage metrics (the live `gateway_plugin.metrics.StageMetrics`), calls the policy
+numbers). Every ``control_period_s`` the controller builds a `PipelineSnapshot` with the live
+`gateway_plugin.snapshot_builder.build_snapshot` over sliding-window stage metrics (the live
+`gateway_plugin.metrics.StageMetrics`, kept incrementally), calls the policy
 (`gateway_plugin.policies.make_policy`), asks the placer (`gateway_plugin.scheduling.make_placer`)
 where new replicas go, and starts them after the delay of their source (gpu / fork / cold).
 
@@ -33,7 +34,6 @@ from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.cluster import Host, Slot, make_hosts
 
 _COMPLETE, _READY, _CONTROL = 0, 1, 2
-REJECTED = math.nan  # latency of a request the gateway refused (queue full: 429)
 
 
 @dataclass(frozen=True)
