@@ -58,3 +58,18 @@ def test_parse_stage_headers() -> None:
     got = parse_stage_headers({"X-Quart-Stage-3-Wait-Ms": "1.5", "X-Quart-Compute-Ms": "2",
                                "X-Quart-Model": "bert", "X-Quart-Bad-Ms": "n/a", "Content-Length": "3"})
     assert got == {"stage-3-wait": 1.5, "compute": 2.0}
+
+
+def test_cli_writes_records(tmp_path, capsys) -> None:
+    import json
+
+    from quart_tools.loadgen import main
+
+    out = tmp_path / "rec.jsonl"
+    with trivial_server() as url:
+        assert main([url, "--arrivals", "gamma", "--rate", "100", "--cv", "2", "--duration", "1", "--body",
+                     "input-ids", "--header", "X-Test: 1", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    records = read_records(out)
+    assert summary["requests"] == len(records) > 50 and summary["ok"] == len(records)
+    assert main([url, "--header", "no-colon", "--out", str(out)]) == 2
