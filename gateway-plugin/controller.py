@@ -87,6 +87,7 @@ class Controller:
                 "queue": [s.queue_len for s in snap.stages],
                 "cpus": [d.cpus for d in decision.stages],
                 "key_stages": list(decision.key_stages),
+                "reasons": [d.reason for d in decision.stages],
             })
         if self.log_file is not None:
             self.log_file.write(json.dumps({"snapshot": asdict(snap), "decision": asdict(decision)},

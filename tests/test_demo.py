@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 
 def _leftovers(marker: str) -> list[psutil.Process]:
@@ -19,12 +20,15 @@ def _leftovers(marker: str) -> list[psutil.Process]:
     return found
 
 
-def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path):
+@pytest.mark.parametrize("policy", ["quart", "infless"])  # infless undoes the manual scale at once: the pin path
+def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path, policy):
     state = tmp_path / "demo-state"
     argv = [sys.executable, "-m", "quart_tools.cli", "demo", "--model", "tiny", "--stages", "2", "--hosts", "1",
             "--requests", "1", "--state-dir", str(state)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUART_")}
+    env["QUART_POLICY"] = policy  # the autoscaler acts (actuator gateway): the demo must not hang on it
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     finally:
         leftovers = _leftovers(str(state))
         for proc in leftovers:  # never leave processes behind, even when the assertion below fails
@@ -39,4 +43,9 @@ def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path):
     assert "-> 200" in out and "next-token id(s)" in out
     assert "'replicas': 2" in out and "second replica ready" in out
     assert "tiny-stage-1" in out and "started by fork" in out
+    assert f"the autoscaler (policy {policy}" in out
+    # either the policy keeps the manual count, or it undoes it and the demo pins the floor (infless usually does)
+    assert "the manual scale stands" in out or ("com.openfaas.scale.min=2" in out and "2 replicas available again" in out)
+    listing = out.split("GET /system/functions:")[1]
+    assert any(line.split()[:3] == ["tiny-stage-1", "2", "2"] for line in listing.splitlines())
     assert leftovers == []

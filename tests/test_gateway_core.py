@@ -270,3 +270,23 @@ def test_failed_starts_back_off_and_are_reported(tmp_path):
         await gw.close()
 
     asyncio.run(scenario())
+
+
+def test_label_only_update_keeps_replicas_and_raises_the_floor(tmp_path):
+    async def scenario():
+        host = FakeHost("h0")
+        gw = make(tmp_path, [host])
+        fn = await gw.deploy(dep())
+        await settle(gw)
+        host.make_ready()
+        await settle(gw)
+        [old] = fn.ready
+        await gw.update(dep(**{"com.openfaas.scale.min": "2", "com.openfaas.scale.max": "5"}))
+        assert fn.generation == 1 and host.invalidated == [] and fn.desired == 2  # no roll, new floor
+        await settle(gw)
+        host.make_ready()
+        await settle(gw)
+        assert old in fn.ready and len(fn.ready) == 2 and old.id not in host.stopped
+        await gw.close()
+
+    asyncio.run(scenario())

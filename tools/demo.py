@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -103,7 +102,10 @@ class Demo:
                 return
             if time.monotonic() > deadline:
                 bar.close()
-                raise TimeoutError(f"replicas not ready after {timeout_s:.0f} s: {statuses}")
+                have = ", ".join(f"{st['name']}: {st.get('availableReplicas', 0)} available of {st.get('replicas')} "
+                                 f"desired (want {want.get(st['name'], 1)})" for st in statuses)
+                raise TimeoutError(f"replicas not ready after {timeout_s:.0f} s ({have}); the gateway and "
+                                   f"KeysManager logs are in {self.system.config.state_dir / 'logs'}")
             await asyncio.sleep(0.2)
 
     async def invoke_pipeline(self, model: str, stages: list[str], prompt: str, verbose: bool = True) -> dict:
@@ -133,6 +135,60 @@ class Demo:
                           f"{(time.perf_counter() - started) * 1000:6.1f} ms")
             body, content_type = payload, OCTETS
         return _output(body, "application/json")
+
+    async def wait_scaled(self, name: str, replicas: int, timeout_s: float) -> dict:
+        """Until ``replicas`` are available, or the desired count drops below it (the autoscaler undid the
+        scale); a clear error after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = await self.function(name)
+            if status["availableReplicas"] >= replicas or status["replicas"] < replicas:
+                return status
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: {status['availableReplicas']} of {status['replicas']} replicas "
+                                   f"available after {timeout_s:.0f} s; see the logs in "
+                                   f"{self.system.config.state_dir / 'logs'}")
+            await asyncio.sleep(0.05)
+
+    async def timeline(self, since: float) -> list[dict]:
+        """The plugin controller's decisions since ``since`` (empty without the plugin)."""
+        async with self.session.get(f"{self.url}/function/quart-plugin/timeline", params={"since": str(since)}) as res:
+            return await res.json() if res.status == 200 else []
+
+    async def controller_clock(self) -> float | None:
+        """The controller's clock (the time of its latest step), or None without the plugin."""
+        rows = await self.timeline(float("-inf"))
+        return rows[-1]["time"] if rows else None
+
+    async def pin_floor(self, name: str, replicas: int) -> int:
+        """PUT /system/functions with ``com.openfaas.scale.min`` raised (what `faas-cli deploy --label` does):
+        the autoscaler never goes below it, and only a label changed, so no replica restarts."""
+        doc = await self.function(name)
+        body = {k: doc[k] for k in ("image", "envVars", "labels", "annotations", "limits", "requests") if k in doc}
+        body["service"] = name
+        body["labels"] = {**doc.get("labels", {}), "com.openfaas.scale.min": str(replicas)}
+        async with self.session.put(f"{self.url}/system/functions", json=body, auth=self.auth) as res:
+            if res.status != 200:
+                raise RuntimeError(f"raising the floor of {name} failed: {res.status} {await res.text()}")
+            return res.status
+
+    async def watch_controller(self, name: str, index: int, since: float, seconds: float) -> tuple[int, str]:
+        """Follow the autoscaler's decisions for one stage for ``seconds``; returns (desired, reason) of the
+        first decision that differs from the manual count, or of the last one."""
+        manual = (await self.function(name))["replicas"]
+        deadline = time.monotonic() + seconds
+        last = (manual, "")
+        while time.monotonic() < deadline:
+            for row in await self.timeline(since):
+                if row["time"] <= since:
+                    continue
+                since = row["time"]
+                reason = (row.get("reasons") or [""] * (index + 1))[index]
+                last = (row["desired"][index], reason)
+                if row["desired"][index] != manual:
+                    return last
+            await asyncio.sleep(0.2)
+        return last
 
     async def scale(self, name: str, replicas: int) -> dict:
         async with self.session.post(f"{self.url}/system/scale-function/{name}", auth=self.auth,
@@ -195,9 +251,11 @@ async def run(args: argparse.Namespace) -> int:
     say("1/6", f"Partitioning the {args.model!r} preset into {args.stages} stages (DeepSpeed partitioner)")
     stack_path = partition_model(args.model, args.stages, model_dir)
 
-    # Step 5 scales a stage by hand over REST; the plugin's controller (if attached) only observes here,
-    # otherwise its policy would scale an idle stage straight back to its minimum.
-    os.environ.setdefault("QUART_ACTUATOR", "none")
+    # The plugin's controller runs as in `quartctl up` (QUART_POLICY, default quart; QUART_ACTUATOR,
+    # default gateway). Step 5 shows how a manual scale and the autoscaler coexist.
+    from gateway_plugin.config import PluginConfig
+
+    plugin_config = PluginConfig.from_env()
     say("2/6", f"Starting the embedded gateway and {args.hosts} KeysManager(s) ({args.gpus_per_host} slots each)")
     config = GatewayConfig.from_env(port=0, state_dir=state_dir, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
                                     placer=args.placer)
@@ -206,7 +264,8 @@ async def run(args: argparse.Namespace) -> int:
     try:
         print(f"  gateway {system.url}; credentials: user {system.credentials.user}, password in "
               f"{system.credentials.password_file} (mode 0600)")
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        # every call is bounded: a pipeline request by the router's deadline (QUART_REQUEST_TIMEOUT_S, 60 s)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             demo = Demo(system, session)
             say("3/6", "Deploying the stage functions over the REST API (as `faas-cli deploy` does)")
             stages = await demo.deploy(stack_path)
@@ -224,12 +283,19 @@ async def run(args: argparse.Namespace) -> int:
                 print(f"  top-5 next tokens: {top_tokens(model_dir, out['top5']) or out['top5']}")
             print("  (random weights: the tokens are arbitrary; the point is the path through every stage)")
 
-            target = stages[min(1, len(stages) - 1)]
+            index = min(1, len(stages) - 1)
+            target = stages[index]
             say("5/6", f"Scaling {target} to 2 replicas over REST (POST /system/scale-function/{target})")
+            since = await demo.controller_clock()
             print(f"  -> {await demo.scale(target, 2)}")
             started = time.perf_counter()
-            await demo.wait_available([target], {target: 2})
-            print(f"  second replica ready in {time.perf_counter() - started:.2f} s")
+            status = await demo.wait_scaled(target, 2, args.scale_timeout)
+            if status["availableReplicas"] >= 2:
+                print(f"  second replica ready in {time.perf_counter() - started:.2f} s")
+            else:
+                print(f"  the autoscaler lowered {target} to {status['replicas']} before the second replica "
+                      f"was ready ({time.perf_counter() - started:.2f} s)")
+            await coexist(demo, target, index, since, plugin_config, args.watch)
             for _ in range(args.requests):
                 await asyncio.gather(*(demo.invoke_pipeline(model, stages, args.prompt, verbose=False)
                                        for _ in range(2)))
@@ -244,6 +310,32 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+async def coexist(demo: Demo, target: str, index: int, since: float | None, config, watch_s: float) -> None:
+    """Show what the autoscaler makes of the manual scale, and pin the floor when it undoes it."""
+    if since is None:
+        print("  (no gateway plugin attached: nothing else scales this stage)")
+        return
+    if config.actuator == "none":
+        print(f"  the autoscaler (policy {config.policy}) only observes here (QUART_ACTUATOR=none): the manual "
+              "scale stands")
+        return
+    print(f"  the autoscaler (policy {config.policy}, every {config.control_period_s:g} s) is acting too; "
+          f"watching its decisions for {target} for up to {watch_s:g} s ...")
+    desired, reason = await demo.watch_controller(target, index, since, watch_s)
+    if desired >= 2:
+        print(f"  it keeps {desired} replica(s) ({reason or 'no change'}): the manual scale stands")
+        return
+    print(f"  it set {target} back to {desired} replica(s) ({reason}): with no load the stage needs one; a "
+          "manual replica count is only a starting point for an autoscaler, as in OpenFaaS")
+    print("  pinning a floor instead: PUT /system/functions with com.openfaas.scale.min=2 (the autoscaler never "
+          "goes below scale.min; only a label changes, so no replica restarts)")
+    await demo.pin_floor(target, 2)
+    started = time.perf_counter()
+    await demo.wait_available([target], {target: 2}, timeout_s=60)
+    print(f"  {target}: 2 replicas available again after {time.perf_counter() - started:.2f} s, kept by the "
+          "autoscaler from now on")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="quartctl demo", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", help="model preset to partition (default small; tiny is faster)")
@@ -253,6 +345,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--placer", default="cache-aware", help="replica placer (default cache-aware)")
     p.add_argument("--prompt", default="Serverless pipelines scale one stage at a time")
     p.add_argument("--requests", type=int, default=3, help="extra request pairs after scaling (default 3)")
+    p.add_argument("--watch", type=float, default=4.0,
+                   help="seconds to follow the autoscaler's decisions after the manual scale (default 4)")
+    p.add_argument("--scale-timeout", type=float, default=60.0,
+                   help="seconds to wait for the manually added replica (default 60)")
     p.add_argument("--state-dir", type=Path, default=Path(".quart/demo"), help="models, sockets, logs")
     p.add_argument("--verbose", "-v", action="store_true", help="log the gateway's and plugin's messages")
     args = p.parse_args(argv)
@@ -264,4 +360,8 @@ def main(argv: list[str]) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    return asyncio.run(run(args))
+    try:
+        return asyncio.run(run(args))
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"quartctl demo: {exc}", file=sys.stderr)
+        return 1

@@ -196,13 +196,20 @@ class EmbeddedGateway:
         return fn
 
     async def update(self, deployment: FunctionDeployment) -> FunctionState:
-        """Replace a function's spec (PUT /system/functions): a rolling update to a new generation."""
+        """Replace a function's spec (PUT /system/functions): a rolling update to a new generation.
+
+        When what a replica runs is unchanged (same image resolution, environment, limits and
+        concurrency: only labels such as ``com.openfaas.scale.min/max`` or annotations differ), the
+        running replicas are kept and only the desired count is clamped to the new bounds.
+        """
         fn = self.get(deployment.service)
         runnable = resolve(deployment, self.images)
+        before = self.replica_spec(fn)
         fn.deployment, fn.runnable = deployment, runnable
-        fn.generation += 1
         fn.desired = min(max(fn.desired, deployment.min_replicas), deployment.max_replicas)
-        await self._invalidate(fn.name)
+        if self.replica_spec(fn) != before:
+            fn.generation += 1
+            await self._invalidate(fn.name)
         self.kick()
         return fn
 
