@@ -37,7 +37,8 @@ def test_gateway_scale_ups_follow_the_cache_aware_placer(tmp_path):
     model = tmp_path / "model"
     subprocess.run(
         [sys.executable, "-m", "quart_tools.cli", "partition", "--model", "sized", "--target-stage-mb", "16",
-         "--stages", "3", "--weights", "random", "--compute", "emulated", "--out", str(model)],
+         "--stages", "3", "--weights", "random", "--compute", "emulated", "--emulated-mean-ms", "5",
+         "--out", str(model)],
         check=True, stdout=subprocess.DEVNULL, timeout=300,
     )
     stack = load_stack(model / "stack.yml")
