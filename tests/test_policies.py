@@ -72,6 +72,20 @@ def test_rho_at_least_one_gets_enough_replicas_for_stability() -> None:
     assert d.stages[0].replicas >= math.ceil(10.0 / (2.0 * 0.95))
 
 
+def test_scale_down_never_goes_unstable_nor_misses_the_target() -> None:
+    """The simulator's failure case: λ = 259/s, μ = 108/s on 4 replicas must not shrink to 2 (ρ = 1.2)."""
+    policy = make_policy("quart")
+    busy = stage(0, arrival_rate=259.0, service_rate=108.0, replicas=4, target_s=0.05)
+    for t in range(0, 200, 5):  # long past any cooldown, delay well under target at 4 replicas
+        decision = policy.decide(snap(float(t), busy))
+        replicas = decision.stages[0].replicas
+        assert replicas >= 3  # 3 replicas: ρ = 0.80
+        assert mmc_delay(259.0, 108.0, replicas) <= 0.05
+    # a burst in the last second raises the floor even when the window's average is low
+    spiky = stage(0, arrival_rate=50.0, arrival_rate_recent=300.0, service_rate=108.0, replicas=4, target_s=0.05)
+    assert make_policy("quart").decide(snap(100.0, spiky)).stages[0].replicas >= 3
+
+
 def test_max_replicas_respected_and_no_windup() -> None:
     policy = make_policy("quart")
     for t in range(20):  # long saturation at r_max

@@ -4,7 +4,9 @@ Sign convention: e(t) = (T_i(t) − T_target) / T_target, Δr = K_p·e + K_i·�
 A stage slower than its target (e > 0) gains replicas (the paper's e = T_target − T_i with r + Δr
 would remove them). Added: integral clamp and conditional integration (anti-windup), a low-pass
 filtered derivative, rounding of Δr, [r_min, r_max], a scale-down cooldown, and a floor of enough
-replicas for ρ ≤ rho_max when the stage is unstable (T_i = ∞).
+replicas for ρ ≤ rho_max at all times (a scale-down never goes below it, nor below the count whose
+M/M/c delay still meets the target; without this the corrector shrank a stage into ρ > 1 and the
+queue exploded, docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ def stage_target_s(snapshot: PipelineSnapshot, stage: StageSnapshot, default_fac
 def servers_of(stage: StageSnapshot, replicas: int) -> int:
     """Parallel servers of ``replicas`` replicas (each serves ``concurrency`` requests at once)."""
     return replicas * max(1, stage.concurrency)
+
+
+def stability_floor(stage: StageSnapshot, rho_max: float) -> int:
+    """Fewest replicas that keep ρ ≤ rho_max at the larger of the window's and the last second's λ."""
+    if stage.service_rate <= 0:
+        return 0
+    rate = max(stage.arrival_rate, stage.recent_rate)
+    return math.ceil(servers_for_utilisation(rate, stage.service_rate, rho_max) / max(1, stage.concurrency))
 
 
 def estimated_delay_s(
@@ -117,14 +127,16 @@ class Corrector:
         desired = current + step
         reason = f"T={_fmt(delay)}s target={_fmt(target)}s e={error:+.2f}"
 
-        floor = stage.min_replicas
-        if stage.service_rate > 0 and stage.arrival_rate >= servers_of(stage, current) * stage.service_rate:
-            needed = servers_for_utilisation(stage.arrival_rate, stage.service_rate, cfg.rho_max)
-            floor = max(floor, math.ceil(needed / max(1, stage.concurrency)))
+        floor = max(stage.min_replicas, stability_floor(stage, cfg.rho_max))
+        if stage.service_rate > 0 and stage.recent_rate >= servers_of(stage, current) * stage.service_rate:
             desired = max(desired, floor + max(0, step))
             reason += " rho>=1"
         floor = min(floor, stage.max_replicas)
         desired = max(floor, min(stage.max_replicas, desired))
+        if desired < current and stage.service_rate > 0 and math.isfinite(target):
+            # Scale down only to a count that still meets the target at the measured load.
+            while desired < current and estimated_delay_s(stage, desired, cfg.use_queue_feedback, gate) > target:
+                desired += 1
 
         if desired < current:
             if now - st.last_scale_up < cfg.scale_down_cooldown_s:
