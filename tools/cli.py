@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway_plugin.embedded.cli:up", "start the embedded OpenFaaS-compatible gateway and KeysManagers"),
     "down": ("gateway_plugin.embedded.cli:down", "stop everything `quartctl up` started"),
     "deploy": ("gateway_plugin.embedded.cli:deploy", "deploy a stack.yml through the gateway REST API (as faas-cli)"),
+    "plugin": ("gateway_plugin.standalone:main", "run the gateway plugin as its own process in front of an OpenFaaS gateway"),
     "keysmanager": ("keysmanager.daemon:main", "run one KeysManager host agent in the foreground"),
     "load": ("quart_tools.loadgen:main", "open-loop load generator (Poisson, gamma, trace replay)"),
     "report": ("quart_tools.report:main", "latency/SLO/goodput report and plots from request records"),
