@@ -99,8 +99,9 @@ class _Api:
 
     async def h_replicas(self, request: web.Request) -> web.Response:
         function = request.query.get("function")
+        memory = request.query.get("memory", "1") not in {"0", "false"}  # PSS readings cost ~1 ms a replica
         reps = [r for r in self.km.replicas.values() if function is None or r.function == function]
-        return web.json_response({"replicas": [self.km.replica_info(r).to_dict() for r in reps]})
+        return web.json_response({"replicas": [self.km.replica_info(r, memory=memory).to_dict() for r in reps]})
 
     async def h_stop(self, request: web.Request) -> web.Response:
         body = await _json(request, allow_empty=True)

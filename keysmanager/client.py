@@ -13,6 +13,7 @@ import http.client
 import json
 import socket
 from typing import Any
+from urllib.parse import urlencode
 
 from keysmanager.types import HostReport, ReplicaInfo, StageSpec, ZygoteInfo
 
@@ -96,8 +97,8 @@ class KeysManagerClient:
         data = self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain})
         return ReplicaInfo.from_dict(data)
 
-    def replicas(self, function: str | None = None) -> list[ReplicaInfo]:
-        path = "/v1/replicas" + (f"?function={function}" if function else "")
+    def replicas(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
+        path = _replicas_path(function, memory)
         return [ReplicaInfo.from_dict(r) for r in self._call("GET", path)["replicas"]]
 
     def zygotes(self) -> list[ZygoteInfo]:
@@ -165,8 +166,8 @@ class AsyncKeysManagerClient:
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
         return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain}))
 
-    async def replicas(self, function: str | None = None) -> list[ReplicaInfo]:
-        path = "/v1/replicas" + (f"?function={function}" if function else "")
+    async def replicas(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
+        path = _replicas_path(function, memory)
         return [ReplicaInfo.from_dict(r) for r in (await self._call("GET", path))["replicas"]]
 
     async def zygotes(self) -> list[ZygoteInfo]:
@@ -177,3 +178,9 @@ class AsyncKeysManagerClient:
 
     async def report(self) -> HostReport:
         return HostReport.from_dict(await self._call("GET", "/v1/report"))
+
+
+def _replicas_path(function: str | None, memory: bool) -> str:
+    """``GET /v1/replicas``; ``memory=False`` skips the per-replica RSS/PSS readings (cheap polling)."""
+    query = urlencode({k: v for k, v in (("function", function), ("memory", None if memory else "0")) if v})
+    return "/v1/replicas" + (f"?{query}" if query else "")

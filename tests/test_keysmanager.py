@@ -219,6 +219,10 @@ def test_zygote_is_single_threaded_and_forked_replicas_serve_concurrent_requests
     zygote = zygote_of(d, spec.function)
     assert zygote.live_replicas == 4
     assert all(psutil.Process(r.pid).ppid() == zygote.pid for r in replicas)
+    listed = {r.id: r for r in d.client.replicas(spec.function)}
+    assert all(listed[r.id].rss_bytes > 0 for r in replicas)  # memory readings by default
+    cheap = d.client.replicas(spec.function, memory=False)  # the gateway's frequent poll
+    assert {r.id for r in cheap} == set(listed) and all(r.rss_bytes == 0 for r in cheap)
 
 
 def test_stop_drains_in_flight_requests_and_frees_port(shared):

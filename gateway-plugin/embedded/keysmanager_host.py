@@ -27,7 +27,7 @@ class KeysManagerHost:
         self._processes = ProcessHost(name, gpu_slots, memory_limit)
 
     async def report(self) -> HostView:
-        km_replicas = await self.client.replicas()
+        km_replicas = await self.client.replicas(memory=False)
         view = host_view_from_report(await self.client.report(), km_replicas)
         extra = await self._processes.report()
         running = dict(view.running)
@@ -54,7 +54,7 @@ class KeysManagerHost:
         await self.client.stop(replica_id, drain=True)
 
     async def replicas(self) -> list[ReplicaStatus]:
-        stage = [_status(r) for r in await self.client.replicas()]
+        stage = [_status(r) for r in await self.client.replicas(memory=False)]
         return stage + await self._processes.replicas()
 
     async def invalidate(self, function: str) -> None:
