@@ -8,45 +8,25 @@ import json
 import os
 import stat
 import sys
-import threading
 import time
 
 import pytest
 import requests
+from embedded_system import ThreadedSystem
 from gateway_plugin.actuators import ActuatorError
 from gateway_plugin.actuators.faas_cli import FaasCliActuator, deploy_command
 from gateway_plugin.actuators.rest import RestActuator
 
 
-class Gateway:
+class Gateway(ThreadedSystem):
     def __init__(self, tmp_path) -> None:
-        from gateway_plugin.embedded.config import GatewayConfig
-        from gateway_plugin.embedded.system import EmbeddedSystem
-
-        cfg = GatewayConfig(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, drain_timeout_s=5)
-        self.system = EmbeddedSystem(cfg, use_keysmanager=False, attach_plugin=False)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(self.system.start())
-        self.url = self.system.url
-        self.user, self.password = self.system.credentials.user, self.system.credentials.password
+        super().__init__(tmp_path)
+        self.user, self.password = self.auth
         body = {"service": "m-stage-0", "image": "quart/echo:latest", "envVars": {"A": "1"},
                 "labels": {"com.openfaas.scale.min": "1", "com.openfaas.scale.max": "6", "com.quart.model": "m"},
                 "limits": {"cpu": "1", "memory": "128Mi"}}
         assert requests.post(f"{self.url}/system/functions", json=body, auth=(self.user, self.password),
                              timeout=10).status_code == 202
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        try:
-            self.call(self.system.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
 
     def describe(self) -> dict:
         return requests.get(f"{self.url}/system/function/m-stage-0", auth=(self.user, self.password), timeout=10).json()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
 import requests
+from embedded_system import ThreadedSystem
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller, snapshot_from_json
 from gateway_plugin.metrics import MetricsCollector
@@ -90,33 +90,11 @@ def test_controller_step_scales_the_congested_stage_as_key() -> None:
 # ---------------------------------------------------------------- integration with the embedded gateway
 
 
-class PluginGateway:
+class PluginGateway(ThreadedSystem):
     """EmbeddedSystem with the plugin attached, on its own loop thread; echo replicas as stages."""
 
     def __init__(self, tmp_path) -> None:
-        from gateway_plugin.embedded.config import GatewayConfig
-        from gateway_plugin.embedded.system import EmbeddedSystem
-
-        cfg = GatewayConfig(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, ready_wait_s=20,
-                            drain_timeout_s=5)
-        self.system = EmbeddedSystem(cfg, use_keysmanager=False, attach_plugin=True)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(self.system.start())
-        self.url = self.system.url
-        self.auth = (self.system.credentials.user, self.system.credentials.password)
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        try:
-            self.call(self.system.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
+        super().__init__(tmp_path, attach_plugin=True)
 
     def deploy_stage(self, model: str, index: int, stages: int, **labels: str) -> None:
         body = {"service": f"{model}-stage-{index}", "image": "quart/echo:latest",

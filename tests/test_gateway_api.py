@@ -8,7 +8,6 @@ types; responses are checked against the schemas of openfaas/faas api-docs/spec.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -17,8 +16,7 @@ from datetime import datetime
 
 import pytest
 import requests
-from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.system import EmbeddedSystem
+from embedded_system import ThreadedSystem
 
 # spec.openapi.yml components/schemas (property names and JSON types)
 FUNCTION_STATUS = {
@@ -59,30 +57,8 @@ def faas_cli_deploy_body(name: str, image: str = "quart/echo:latest", **extra) -
     return body
 
 
-class Running:
+class Running(ThreadedSystem):
     """An EmbeddedSystem on its own event loop thread (faas-cli is an outside client)."""
-
-    def __init__(self, tmp_path, **config) -> None:
-        cfg = GatewayConfig(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, ready_wait_s=20,
-                            drain_timeout_s=5, **config)
-        self.system = EmbeddedSystem(cfg, use_keysmanager=False, attach_plugin=False)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(self.system.start())
-        self.url = self.system.url
-        self.auth = (self.system.credentials.user, self.system.credentials.password)
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        try:
-            self.call(self.system.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
 
     # faas-cli shaped calls ------------------------------------------------------------------
     def deploy(self, body: dict) -> requests.Response:

@@ -1,0 +1,39 @@
+"""Test helper: an embedded gateway system running on its own event-loop thread.
+
+The tests talk to it over HTTP like an outside client (faas-cli, the REST actuator) would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from gateway_plugin.embedded.config import GatewayConfig
+from gateway_plugin.embedded.system import EmbeddedSystem
+
+
+class ThreadedSystem:
+    """Start an EmbeddedSystem (process hosts, no KeysManager) on a background loop; close() stops it."""
+
+    def __init__(self, tmp_path, attach_plugin: bool = False, **config) -> None:
+        settings = dict(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, ready_wait_s=20,
+                        drain_timeout_s=5)
+        settings.update(config)
+        self.system = EmbeddedSystem(GatewayConfig(**settings), use_keysmanager=False, attach_plugin=attach_plugin)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(self.system.start())
+        self.url = self.system.url
+        self.auth = (self.system.credentials.user, self.system.credentials.password)
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        try:
+            self.call(self.system.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
