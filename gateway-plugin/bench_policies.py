@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -30,6 +29,7 @@ from typing import Any
 
 import requests
 from gateway_plugin.policies import POLICY_NAMES
+from quart_tools.bench import machine_info
 from tqdm import tqdm
 
 SEQ_TOKENS = 128  # BERT-21B sequence length (Table 1): request bodies are capped to it
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "policies", "compute": "emulated", "model": MODEL, "profiled_ms": PROFILED_MS,
         "stages": args.stages, "rate_rps": args.rate, "activation_bytes": args.activation_bytes, "duration_s": args.duration, "seed": args.seed,
         "start_replicas": args.start_replicas, "max_replicas": args.max_replicas, "repeats": args.repeats,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine_info(),
         "runs": {},
     }
     latencies: dict[str, dict] = {}

@@ -18,9 +18,7 @@ stage; and isolated replicas (private copy) for comparison. Medians over ``--rep
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -32,6 +30,7 @@ from pathlib import Path
 
 import psutil
 import requests
+from quart_tools.bench import machine_info, write_report
 from tqdm import tqdm
 
 from keysmanager.client import KeysManagerClient, KeysManagerError
@@ -231,15 +230,10 @@ def main(argv: list[str]) -> int:
             "largest_stage_mb": largest["stage_mb"],
             "pss_added_at_most_0_25": bool(memory and memory.get("cow", {}).get("pss_added_fraction", 1) <= 0.25),
         },
-        "machine": {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-                    "python": platform.python_version(), "platform": platform.platform(),
-                    "loadavg_before": [round(x, 2) for x in load_before],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()], "gpu": "none"},
+        "machine": machine_info(memory_bytes=psutil.virtual_memory().total,
+                                loadavg_before=[round(x, 2) for x in load_before],
+                                loadavg_after=[round(x, 2) for x in os.getloadavg()], gpu="none"),
         "reps": args.reps,
     }
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    else:
-        print(text)
+    write_report(doc, args.out)
     return 0

@@ -6,7 +6,11 @@ figures with the command and the machine.
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import sys
+from pathlib import Path
 
 from quart_tools.cli import resolve
 
@@ -19,6 +23,24 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "loadgen": ("quart_tools.bench_loadgen:main", "load generator rate and send-time error"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
+
+
+def machine_info(**extra) -> dict:
+    """The machine a benchmark ran on, for its JSON (quart_stage's own bench keeps a copy: the stage image
+    ships without quart_tools)."""
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(), **extra}
+
+
+def write_report(doc: dict, out: str | Path | None, always_print: bool = False) -> None:
+    """Write a benchmark's JSON to ``out`` (creating its folder) and/or stdout."""
+    text = json.dumps(doc, indent=2)
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    if always_print or not out:
+        print(text)
 
 
 def main(argv: list[str]) -> int:

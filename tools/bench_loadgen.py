@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import socket
@@ -20,6 +19,7 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
+from quart_tools.bench import write_report
 
 RESPONSE_BODY = b'{"ok":true}'
 SERVER_NICE = 10  # the benchmark's server yields the CPU to the client being measured
@@ -161,11 +161,7 @@ def main(argv: list[str]) -> int:
     started = time.time()
     out = run_bench(args.rate, args.duration, args.repeats, args.seed)
     out["wall_s"] = round(time.time() - started, 2)
-    text = json.dumps(out, indent=2)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
+    write_report(out, args.out, always_print=True)
     return 0
 
 

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import requests
 from gateway_plugin.embedded.system import stop_process
+from quart_tools.bench import machine_info, write_report
 from tqdm import tqdm
 
 
@@ -181,7 +181,7 @@ def run(body_bytes: int, count: int, warmup: int, concurrency: int, seconds: flo
         "rps_ratio_gateway_vs_direct": round(rps / direct_rps, 3) if direct_rps else None,
         "body_bytes": body_bytes, "latency_requests": count, "concurrency": concurrency, "seconds": seconds,
         "replica": "built-in quart/echo (raw asyncio HTTP/1.1 echo, uvloop)",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine_info(),
     }
 
 
@@ -195,10 +195,5 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
     args = p.parse_args(argv)
     result = run(args.body_bytes, args.requests, args.warmup, args.concurrency, args.seconds)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
-    print(text)
+    write_report(result, args.out, always_print=True)
     return 0

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,6 +27,7 @@ from gateway_plugin.scheduling.hosts import host_view_from_report
 from gateway_plugin.scheduling.metrics import SchedulerMetrics
 from gateway_plugin.scheduling.scenario import Step, scripted_sequence
 from gateway_plugin.scheduling.types import HostView, Placer, ReplicaRequest
+from quart_tools.bench import machine_info, write_report
 from tqdm import tqdm
 
 
@@ -299,13 +297,9 @@ def main(argv: list[str]) -> int:
             "stage_param_bytes": sizes, "memory_limit_bytes": memory_limit, "script": [asdict(s) for s in steps],
             "seed": args.seed, "compute": "emulated", "stage_mb": args.stage_mb,
         },
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine_info(),
     }
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    else:
-        print(text)
+    write_report(doc, args.out)
     return 0
 
 

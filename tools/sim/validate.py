@@ -19,7 +19,6 @@ Writes ``{"sim": {mean_ms, p99_ms}, "live": {mean_ms, p99_ms}, "agreement": {...
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from quart_tools.arrivals import gamma_arrivals, poisson_arrivals
+from quart_tools.bench import write_report
 from quart_tools.report import latency_stats
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
@@ -171,8 +171,5 @@ def main(argv: list[str]) -> int:
                     "loadavg_at_end": round(os.getloadavg()[0], 2)},
         "wall_s": round(time.time() - started, 1),
     }
-    text = json.dumps(json_safe(doc), indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    write_report(json_safe(doc), args.out, always_print=True)
     return 0
