@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from keysmanager.types import FORK_MODES, StageSpec
+from keysmanager.types import FORK_MODES, START_SOURCES, StageSpec
 
 if TYPE_CHECKING:
     from keysmanager.daemon import KeysManager
@@ -93,7 +93,10 @@ class _Api:
             flags[name] = body.get(name, default)
             if not isinstance(flags[name], bool):
                 raise ApiError(400, f"{name} must be true or false", name)
-        started = await self.km.start_replicas(spec, count, mode, **flags)
+        source = body.get("source", "auto")
+        if source not in START_SOURCES:
+            raise ApiError(400, f"source must be one of {', '.join(START_SOURCES)}, got {source!r}", "source")
+        started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold")
         # no memory readings here: they are slow to take from a process that is still starting
         return web.json_response({"replicas": [self.km.replica_info(r, memory=False).to_dict() for r in started]})
 

@@ -28,8 +28,11 @@ class KeysManagerError(RuntimeError):
         self.field = field
 
 
-def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wait: bool, cache: bool | None):
+def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wait: bool, cache: bool | None,
+                source: str = "auto"):
     body: dict[str, Any] = {"spec": spec.to_dict(), "count": count, "survive": survive, "wait": wait}
+    if source != "auto":
+        body["source"] = source
     if mode is not None:
         body["mode"] = mode
     if cache is not None:
@@ -88,9 +91,11 @@ class KeysManagerClient:
         survive: bool = False,
         wait: bool = True,
         cache: bool | None = None,
+        source: str = "auto",
     ) -> list[ReplicaInfo]:
-        """Start ``count`` replicas: fork when cached, cold otherwise. ``wait``: return once they are healthy."""
-        data = self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache))
+        """Start ``count`` replicas: fork when cached, cold otherwise (``source="cold"``: always cold).
+        ``wait``: return once they are healthy."""
+        data = self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache, source))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
     def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
@@ -159,8 +164,8 @@ class AsyncKeysManagerClient:
         return await self._call("POST", "/v1/cache", {"spec": spec.to_dict()})
 
     async def start(self, spec: StageSpec, count: int = 1, mode: str | None = None, survive: bool = False,
-                    wait: bool = True, cache: bool | None = None) -> list[ReplicaInfo]:
-        data = await self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache))
+                    wait: bool = True, cache: bool | None = None, source: str = "auto") -> list[ReplicaInfo]:
+        data = await self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache, source))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:

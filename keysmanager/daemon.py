@@ -559,13 +559,16 @@ class KeysManager:
         return env
 
     async def start_replicas(self, spec: StageSpec, count: int, mode: str, survive: bool, wait: bool,
-                             cache: bool) -> list[_Replica]:
+                             cache: bool, cold: bool = False) -> list[_Replica]:
+        """Fork ``count`` replicas from the stage's zygote, or cold-start them when it has none (and cache the stage
+        when ``cache``). ``cold``: always cold-start, never touching the cache (a function deployed without the
+        KeysManager, ``com.quart.keysmanager: off``)."""
         requested_at = time.monotonic()
         stage = self._resolve(spec)
         if self.config.gpus and count > self.config.gpus - len(self._slots_used):
             raise ApiError(409, f"host {self.name} has {self.config.gpus - len(self._slots_used)} free GPU slots; "
                                 f"asked for {count}", "count")
-        z = self.zygotes.get(spec.function)
+        z = None if cold else self.zygotes.get(spec.function)
         if z is not None and z.alive and z.stage.fingerprint != stage.fingerprint:
             await self._drop_zygote(z, "checkpoint or environment changed")
             z = None
@@ -581,7 +584,7 @@ class KeysManager:
         else:
             for _ in range(count):
                 started.append(self._spawn_cold(spec, stage, mode, survive, threads, requested_at))
-            if cache:
+            if cache and not cold:
                 self._spawn_task(self._cache_quietly(spec))
         self._state_dirty = True
         self._write_state()  # before answering: a restart must know these processes even if we die now

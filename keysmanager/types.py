@@ -12,6 +12,9 @@ ReplicaState = Literal["starting", "ready", "draining", "dead"]
 ReplicaSource = Literal["fork", "cold"]
 ForkMode = Literal["cow", "isolated"]
 FORK_MODES: tuple[str, ...] = ("cow", "isolated")
+# how a replica starts: "auto" forks from the zygote when one is cached and cold-starts otherwise; "cold" always
+# cold-starts (the function runs without the KeysManager's parameter cache)
+START_SOURCES: tuple[str, ...] = ("auto", "cold")
 
 
 def _from_dict(cls, data: dict[str, Any]):

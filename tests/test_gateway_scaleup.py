@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.deployment import FunctionDeployment
+from gateway_plugin.embedded.deployment import LABEL_KEYSMANAGER, FunctionDeployment, RequestError
 from gateway_plugin.embedded.stack import load_stack
 from gateway_plugin.embedded.system import EmbeddedSystem
 
@@ -69,7 +69,19 @@ async def _scale_up_timings(stack_path, state_dir) -> dict:
         finally:
             first.in_flight -= 1
         served_s = time.monotonic() - asked
-        return {"ready_s": ready_s, "served_s": served_s, "new_served": new.served}
+
+        # the same function redeployed without the parameter cache: running replicas stay, new ones cold-start
+        request = dict(stack.functions[0].request)
+        request["labels"] = {**request.get("labels", {}), LABEL_KEYSMANAGER: "off"}
+        await gw.update(FunctionDeployment.from_json(request, cfg.namespace))
+        assert await gw.scale(name, 3) == 3
+        deadline = time.monotonic() + 120
+        while len(fn.ready) < 3:
+            assert time.monotonic() < deadline, f"the cold replica never became ready: {fn.last_error}"
+            await asyncio.sleep(0.01)
+        sources = sorted(e.source for e in fn.ready)
+        return {"ready_s": ready_s, "served_s": served_s, "new_served": new.served, "sources": sources,
+                "kept": first in fn.ready and new in fn.ready}
     finally:
         await system.stop()
 
@@ -78,3 +90,13 @@ def test_scale_up_to_ready_and_first_traffic_is_fast(emulated_stack, tmp_path):
     timings = asyncio.run(_scale_up_timings(emulated_stack, tmp_path / "state"))
     assert timings["ready_s"] < READY_BOUND_S, timings
     assert timings["new_served"] == 1 and timings["served_s"] < READY_BOUND_S + 1.0, timings
+    assert timings["kept"] and timings["sources"] == ["cold", "fork", "fork"], timings
+
+
+def test_keysmanager_label_takes_on_or_off_only():
+    ok = FunctionDeployment.from_json({"service": "s", "image": "i", "labels": {LABEL_KEYSMANAGER: "off"}}, "openfaas-fn")
+    assert not ok.param_cache and FunctionDeployment.from_json({"service": "s", "image": "i"}, "openfaas-fn").param_cache
+    with pytest.raises(RequestError) as err:
+        FunctionDeployment.from_json({"service": "s", "image": "i", "labels": {LABEL_KEYSMANAGER: "maybe"}},
+                                     "openfaas-fn")
+    assert err.value.status == 400 and LABEL_KEYSMANAGER in str(err.value)

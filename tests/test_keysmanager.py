@@ -183,6 +183,9 @@ def test_socket_is_private_and_bad_input_gets_clear_4xx_while_serving(shared, tm
         d.client.start(emulated(), 1, mode="shared-please")
     assert err.value.status == 400 and err.value.field == "mode"
     with pytest.raises(KeysManagerError) as err:
+        d.client.start(emulated(), 1, source="disk-please")
+    assert err.value.status == 400 and err.value.field == "source"
+    with pytest.raises(KeysManagerError) as err:
         d.client.start(StageSpec("bad name!", env=EMULATED), 1)
     assert err.value.status == 400 and err.value.field == "spec.function"
     with pytest.raises(KeysManagerError) as err:
@@ -223,6 +226,10 @@ def test_zygote_is_single_threaded_and_forked_replicas_serve_concurrent_requests
     assert all(listed[r.id].rss_bytes > 0 for r in replicas)  # memory readings by default
     cheap = d.client.replicas(spec.function, memory=False)  # the gateway's frequent poll
     assert {r.id for r in cheap} == set(listed) and all(r.rss_bytes == 0 for r in cheap)
+    # a function deployed without the cache: cold even though a zygote holds the stage, and nothing new cached
+    [plain] = d.client.start(spec, 1, source="cold")
+    assert plain.source == "cold" and plain.state == "ready" and psutil.Process(plain.pid).ppid() != zygote.pid
+    assert requests.post(plain.url, json=IDS, timeout=30).status_code == 200
 
 
 def test_stop_drains_in_flight_requests_and_frees_port(shared):

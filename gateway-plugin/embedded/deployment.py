@@ -20,6 +20,9 @@ LABEL_CONCURRENCY = "com.quart.concurrency"
 LABEL_MODEL = "com.quart.model"
 LABEL_STAGE = "com.quart.stage"
 LABEL_STAGES = "com.quart.stages"
+# "off": the function runs without the KeysManager's parameter cache (every replica cold-starts, like a plain
+# OpenFaaS function: the paper's baselines); "on" (default): replicas fork from the host's cached zygote
+LABEL_KEYSMANAGER = "com.quart.keysmanager"
 DEFAULT_MIN_REPLICAS = 1  # OpenFaaS's default minimum
 DEFAULT_MAX_REPLICAS = 20  # OpenFaaS CE's default maximum
 
@@ -176,6 +179,9 @@ class FunctionDeployment:
                 f"{LABEL_MIN}={deployment.min_replicas} is above {LABEL_MAX}={deployment.max_replicas}",
                 f"labels.{LABEL_MIN}",
             )
+        if deployment.labels.get(LABEL_KEYSMANAGER, "on") not in ("on", "off"):
+            raise bad(f"label {LABEL_KEYSMANAGER} must be on or off, got {deployment.labels[LABEL_KEYSMANAGER]!r}",
+                      f"labels.{LABEL_KEYSMANAGER}")
         if deployment.concurrency < 0:  # pragma: no cover - _int_label rejects negatives
             raise bad("concurrency must not be negative", f"labels.{LABEL_CONCURRENCY}")
         return deployment
@@ -194,6 +200,11 @@ class FunctionDeployment:
     def concurrency(self) -> int:
         """Requests one replica serves at once; 0 = unlimited."""
         return _int_label(self.labels, LABEL_CONCURRENCY, 0)
+
+    @property
+    def param_cache(self) -> bool:
+        """Whether replicas start from the KeysManager's cached parameters (``com.quart.keysmanager``)."""
+        return self.labels.get(LABEL_KEYSMANAGER, "on") == "on"
 
     @property
     def cpus(self) -> float | None:

@@ -462,7 +462,7 @@ class EmbeddedGateway:
         env.setdefault("QUART_MAX_BODY_BYTES", str(self.config.max_body_bytes))
         return ReplicaSpec(function=fn.name, kind=fn.runnable.kind, env=env, cpus=dep.cpus,
                            memory_bytes=dep.memory_bytes, concurrency=dep.concurrency, argv=fn.runnable.argv,
-                           health_path=fn.runnable.health_path)
+                           health_path=fn.runnable.health_path, param_cache=dep.param_cache)
 
     async def _start_replica(self, fn: FunctionState, host: str, generation: int) -> None:
         try:

@@ -44,6 +44,9 @@ class ReplicaSpec:
     concurrency: int = 0
     argv: tuple[str, ...] = ()  # process runnables: the command
     health_path: str = "/_/health"
+    # False: cold-start every replica (no KeysManager cache). Not part of what a replica runs, so changing it
+    # restarts nothing: it applies to the replicas started from then on.
+    param_cache: bool = field(default=True, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,8 @@ class KeysManagerHost:
             return await self._processes.start(spec, count)
         stage = StageSpec(function=spec.function, env=dict(spec.env), cpus=spec.cpus or 1.0,
                           memory_bytes=spec.memory_bytes or 0, concurrency=spec.concurrency or 1)
+        if not spec.param_cache:  # com.quart.keysmanager: off — a plain function: every replica loads from disk
+            return [_status(r) for r in await self.client.start(stage, count, wait=False, source="cold")]
         # QUART §6.1: the stage scheduled here gets a zygote first (one parameter load), and every
         # replica, the first one included, forks from it, instead of a cold replica plus a zygote.
         await self.client.ensure_cached(stage)
