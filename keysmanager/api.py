@@ -67,6 +67,8 @@ class _Api:
         app.router.add_get("/v1/zygotes", self.h_zygotes)
         app.router.add_post("/v1/invalidate", self.h_invalidate)
         app.router.add_get("/v1/report", self.h_report)
+        app.router.add_get("/v1/pins", self.h_pins)
+        app.router.add_put("/v1/pins", self.h_set_pins)
         app.router.add_post("/v1/shutdown", self.h_shutdown)
 
     async def h_health(self, request: web.Request) -> web.Response:
@@ -125,6 +127,19 @@ class _Api:
             raise ApiError(400, "the body must be {\"function\": <stage function name>}", "function")
         dropped = await self.km.invalidate(function)
         return web.json_response({"function": function, "dropped": dropped})
+
+    async def h_pins(self, request: web.Request) -> web.Response:
+        return web.json_response({"pinned": sorted(self.km.pinned)})
+
+    async def h_set_pins(self, request: web.Request) -> web.Response:
+        """Replace the pinned stages: ``{"functions": [...]}`` (the scheduler's keep_cached for this host)."""
+        body = await _json(request)
+        functions = body.get("functions") if isinstance(body, dict) else None
+        if not isinstance(functions, list) or not all(isinstance(f, str) and _FUNCTION_RE.match(f) for f in functions):
+            raise ApiError(400, "the body must be {\"functions\": [<stage function name>, ...]}", "functions")
+        if len(functions) > 4096:
+            raise ApiError(400, "at most 4096 pinned functions", "functions")
+        return web.json_response({"pinned": self.km.pin(functions)})
 
     async def h_report(self, request: web.Request) -> web.Response:
         return web.json_response(self.km.report().to_dict())

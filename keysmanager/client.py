@@ -115,6 +115,13 @@ class KeysManagerClient:
     def report(self) -> HostReport:
         return HostReport.from_dict(self._call("GET", "/v1/report"))
 
+    def pin(self, functions: list[str]) -> list[str]:
+        """Replace the stages whose zygotes the LRU evicts last and never for another zygote (key stages)."""
+        return self._call("PUT", "/v1/pins", {"functions": sorted(set(functions))})["pinned"]
+
+    def pinned(self) -> list[str]:
+        return self._call("GET", "/v1/pins")["pinned"]
+
     def shutdown(self) -> dict:
         """Stop every replica that may not survive, drop all zygotes, exit."""
         return self._call("POST", "/v1/shutdown", {})
@@ -183,6 +190,12 @@ class AsyncKeysManagerClient:
 
     async def report(self) -> HostReport:
         return HostReport.from_dict(await self._call("GET", "/v1/report"))
+
+    async def pin(self, functions: list[str]) -> list[str]:
+        return (await self._call("PUT", "/v1/pins", {"functions": sorted(set(functions))}))["pinned"]
+
+    async def pinned(self) -> list[str]:
+        return (await self._call("GET", "/v1/pins"))["pinned"]
 
 
 def _replicas_path(function: str | None, memory: bool) -> str:

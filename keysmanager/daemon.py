@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -141,6 +141,7 @@ class KeysManager:
         self.recovered: dict[str, list] = {"killed": [], "adopted": [], "removed_shm": []}
         self._cache_locks: dict[str, asyncio.Lock] = {}
         self._caching: set[str] = set()
+        self.pinned: set[str] = set()  # zygotes the scheduler keeps (key stages): evicted last (see eviction.py)
         self._slots_used: set[int] = set()
         self._next_core = 0
         self._cores = sorted(os.sched_getaffinity(0))
@@ -326,25 +327,30 @@ class KeysManager:
         for z in self.zygotes.values():
             live = self._live_replicas(z.function)
             freed = z.segment.nbytes if not z.segment.users else 0
-            entries.append(CacheEntry(z.function, freed, z.last_used, live))
+            entries.append(CacheEntry(z.function, freed, z.last_used, live, pinned=z.function in self.pinned))
         return entries
 
     def _live_replicas(self, function: str) -> int:
         return sum(1 for r in self.replicas.values() if r.function == function and r.state != "dead")
 
-    async def _make_room(self, incoming: int, protect: set[str]) -> None:
+    async def _make_room(self, incoming: int, protect: set[str], evict_pinned: bool = True) -> None:
         plan = plan_eviction(self._cache_entries(), self.memory_used(), self.memory_limit(), incoming,
-                             protect | self._caching)
+                             protect | self._caching, evict_pinned=evict_pinned)
+        if incoming and not plan.satisfied:
+            plan = replace(plan, evict=())  # the stage cannot be cached anyway: keep what is cached
         for function in plan.evict:
             z = self.zygotes.get(function)
             if z is not None:
                 await self._drop_zygote(z, "evicted (LRU)")
         if not plan.satisfied:
             raise ApiError(507, f"not enough host memory to cache {incoming} bytes: {self.memory_used()} used of "
-                                f"a {self.memory_limit()}-byte limit, nothing left to evict", "spec")
+                                f"a {self.memory_limit()}-byte limit, and evicting every unprotected zygote"
+                                + ("" if evict_pinned else " that is not pinned") + " would not make room", "spec")
 
     # ---------------------------------------------------------------- zygotes
-    async def ensure_cached(self, spec: StageSpec) -> _Zygote:
+    async def ensure_cached(self, spec: StageSpec, evict_pinned: bool = True) -> _Zygote:
+        """The stage's zygote, loading it (after LRU eviction) when there is none. ``evict_pinned=False``: fail
+        (507) rather than drop a pinned zygote to make room."""
         stage = self._resolve(spec)
         lock = self._cache_locks.setdefault(spec.function, asyncio.Lock())
         async with lock:
@@ -356,7 +362,7 @@ class KeysManager:
                 await self._drop_zygote(z, "checkpoint or environment changed")
             self._caching.add(spec.function)
             try:
-                await self._make_room(stage.param_bytes, {spec.function})
+                await self._make_room(stage.param_bytes, {spec.function}, evict_pinned)
                 return await self._spawn_zygote(spec, stage)
             finally:
                 self._caching.discard(spec.function)
@@ -594,8 +600,9 @@ class KeysManager:
         return started
 
     async def _cache_quietly(self, spec: StageSpec) -> None:
+        """Cache what a cold start just loaded, unless that would displace a pinned (key-stage) zygote."""
         with contextlib.suppress(ApiError):
-            await self.ensure_cached(spec)
+            await self.ensure_cached(spec, evict_pinned=False)
 
     async def _fork(self, z: _Zygote, spec: StageSpec, mode: str, survive: bool, threads: int,
                     requested_at: float) -> _Replica:
@@ -802,6 +809,13 @@ class KeysManager:
                           memory_limit=self.memory_limit(), gpu_slots=self.config.gpus,
                           gpu_used=len(self._slots_used), replicas=len(live),
                           host_memory_percent=psutil.virtual_memory().percent)
+
+    def pin(self, functions: list[str]) -> list[str]:
+        """Replace the set of pinned stages (the scheduler's ``keep_cached`` for this host); returns it sorted.
+        A pin stops a key stage's zygote from being traded for another zygote; it does not stop the host
+        getting back under its memory limit (pinned zygotes are then evicted last)."""
+        self.pinned = set(functions)
+        return sorted(self.pinned)
 
     async def invalidate(self, function: str) -> bool:
         """Drop the stage's zygote (its replicas keep serving); False when it was not cached."""

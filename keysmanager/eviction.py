@@ -2,8 +2,11 @@
 
 Least recently used first; a stage that still has live replicas goes last (dropping its zygote frees little:
 the replicas keep mapping the shared parameter pages, and it is the stage most likely to scale again).
-A protected stage (the one being cached right now) is never chosen. Dropping a zygote never kills a
-replica: replicas outlive their zygote. The simulator calls the same function.
+A protected stage (the one being cached right now) is never chosen. A *pinned* stage (a key stage's zygote
+the scheduler keeps, ``ScheduleResult.keep_cached``) goes only after every unpinned one, and not at all
+when the room is wanted for an opportunistic cache (``evict_pinned=False``: the zygote a cold start
+leaves behind must not displace a key stage's). Dropping a zygote never kills a replica: replicas outlive
+their zygote. The simulator calls the same function.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class CacheEntry:
     param_bytes: int  # host memory freed when its zygote is dropped (0 while replicas still map it)
     last_used: float  # any monotonic clock: larger = more recent
     live_replicas: int = 0
+    pinned: bool = False  # the scheduler asked to keep it (a key stage's zygote)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +36,9 @@ class EvictionPlan:
 
 
 def eviction_order(entries: Iterable[CacheEntry]) -> list[CacheEntry]:
-    """All entries in the order they would be evicted: no live replicas first, then least recently used."""
-    return sorted(entries, key=lambda e: (e.live_replicas > 0, e.last_used, e.function))
+    """All entries in the order they would be evicted: unpinned before pinned, then no live replicas first,
+    then least recently used."""
+    return sorted(entries, key=lambda e: (e.pinned, e.live_replicas > 0, e.last_used, e.function))
 
 
 def plan_eviction(
@@ -42,12 +47,14 @@ def plan_eviction(
     memory_limit: int,
     incoming_bytes: int = 0,
     protect: Iterable[str] = (),
+    evict_pinned: bool = True,
 ) -> EvictionPlan:
     """Choose zygotes to drop so that ``memory_used + incoming_bytes <= memory_limit``.
 
     ``memory_used`` is what the host holds now (it includes the entries' bytes). Stops as soon as the
     bytes fit; if dropping every unprotected entry is not enough, returns them all with ``satisfied=False``.
     An entry that frees nothing (``param_bytes == 0``: replicas still map all its pages) is never chosen.
+    Pinned entries come after all others; with ``evict_pinned=False`` they are never chosen.
     """
     if memory_used < 0 or memory_limit < 0 or incoming_bytes < 0:
         raise ValueError("memory figures must be non-negative")
@@ -55,7 +62,9 @@ def plan_eviction(
     excess = memory_used + incoming_bytes - memory_limit
     chosen: list[str] = []
     freed = 0
-    for entry in eviction_order(e for e in entries if e.function not in protected and e.param_bytes > 0):
+    candidates = (e for e in entries
+                  if e.function not in protected and e.param_bytes > 0 and (evict_pinned or not e.pinned))
+    for entry in eviction_order(candidates):
         if freed >= excess:
             break
         chosen.append(entry.function)

@@ -45,3 +45,19 @@ def test_an_entry_that_frees_nothing_is_not_evicted():
     entries = [CacheEntry("shared", 0, last_used=0.0, live_replicas=3), CacheEntry("idle", 50, last_used=1.0)]
     plan = plan_eviction(entries, 150, 50)
     assert plan.evict == ("idle",) and not plan.satisfied
+
+
+def test_pinned_zygotes_go_last_and_never_for_an_opportunistic_cache():
+    entries = [CacheEntry("key", 100 * MB, last_used=0.0, pinned=True),
+               CacheEntry("busy", 100 * MB, last_used=1.0, live_replicas=1),
+               CacheEntry("idle", 100 * MB, last_used=5.0)]
+    assert [e.function for e in eviction_order(entries)] == ["idle", "busy", "key"]
+    # the oldest zygote is pinned: the unpinned ones go first, even one with live replicas
+    plan = plan_eviction(entries, 300 * MB, 200 * MB, incoming_bytes=100 * MB)
+    assert plan.evict == ("idle", "busy") and plan.satisfied
+    # a host over its limit still gets under it: a pin is evicted last, not never
+    plan = plan_eviction(entries, 300 * MB, 50 * MB)
+    assert plan.evict == ("idle", "busy", "key") and plan.satisfied
+    # caching another stage may not displace a pinned zygote
+    plan = plan_eviction(entries, 300 * MB, 50 * MB, evict_pinned=False)
+    assert plan.evict == ("idle", "busy") and not plan.satisfied
