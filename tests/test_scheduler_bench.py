@@ -46,6 +46,9 @@ class FakeKeysManager:
     def stop(self, replica_id: str) -> None:
         del self.replicas[replica_id]
 
+    def pin(self, functions: list[str]) -> None:
+        """This simple cache ignores pins (see EmulatedKeysManager for one that honours them)."""
+
 
 def _run(placer_name: str, steps, stages, sizes):
     hosts = [FakeKeysManager(f"h{i}", 4, int(2.5 * 100 * MB), sizes) for i in range(3)]

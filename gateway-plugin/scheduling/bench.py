@@ -53,6 +53,8 @@ class HostDriver(Protocol):
 
     def stop(self, replica_id: str) -> None: ...
 
+    def pin(self, functions: list[str]) -> None: ...
+
 
 @dataclass
 class ScaleUpRecord:
@@ -123,6 +125,8 @@ def run_script(
     def place(requests: list[ReplicaRequest], step: int) -> list[ScaleUpRecord]:
         result = placer.place(views(), requests, dict(history))
         metrics.record_schedule(result)
+        for d in drivers:  # the zygotes the placer keeps (key stages) are pinned before anything starts
+            d.pin(sorted(f for f, host in result.keep_cached if host == d.name))
         outcome.unplaced += sum(u.count for u in result.unplaced)
         outcome.dispersed += int(result.dispersed)
         done = []
@@ -178,6 +182,9 @@ class KeysManagerDriver:
 
     def stop(self, replica_id: str) -> None:
         self.client.stop(replica_id, drain=True)
+
+    def pin(self, functions: list[str]) -> None:
+        self.client.pin(functions)
 
 
 @contextlib.contextmanager
