@@ -29,7 +29,8 @@ from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError,
 from gateway_plugin.embedded.hosts import Host, ReplicaSpec, ReplicaStatus
 from gateway_plugin.embedded.images import INDEX_FILE, ImageIndex, Runnable, resolve
 from gateway_plugin.embedded.metrics import GatewayMetrics
-from gateway_plugin.scheduling.types import HostView, Placer, ReplicaRequest
+from gateway_plugin.scheduling.metrics import SchedulerCollector, SchedulerMetrics
+from gateway_plugin.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 
 log = logging.getLogger("quart.gateway")
 
@@ -127,6 +128,12 @@ class EmbeddedGateway:
         self.functions: dict[str, FunctionState] = {}
         self.images = ImageIndex(config.state_dir / INDEX_FILE)
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
+        # scheduler metrics (cache hits, replica-ready time by source, host use) on the same /metrics
+        self.scheduler_metrics = SchedulerMetrics()
+        self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))
+        self._placed: dict[str, tuple[float, str, bool]] = {}  # replica id → (asked at, planned source, key)
+        self._pins: dict[str, tuple[str, ...]] = {}  # host → key-stage zygotes last pinned there (keep_cached)
+        self._param_bytes: dict[str, tuple[int, int]] = {}  # function → (generation, stage parameter bytes)
         self.invoke_hooks: list[InvokeHook] = []
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []
         self.key_history: dict[str, int] = {}
@@ -402,6 +409,8 @@ class EmbeddedGateway:
                         continue  # our probe got the health answer first; the host's report lags behind
                     endpoint.state = status.state
                     changed = True
+                    if endpoint.state == "ready":
+                        self._replica_ready(fn, endpoint)
                 if endpoint.state == "starting" and now - endpoint.started_at > self.config.start_timeout_s:
                     log.warning("replica %s of %s not ready after %.0f s: replacing it", endpoint.id, fn.name,
                                 self.config.start_timeout_s)
@@ -418,7 +427,8 @@ class EmbeddedGateway:
                        if e.generation == fn.generation and e.state in ("starting", "ready")]
             have = len(current) + fn.pending_starts
             if have < fn.desired and now >= fn.retry_at:
-                requests.append(ReplicaRequest(fn.name, fn.desired - have, key=fn.name in self.key_history))
+                requests.append(ReplicaRequest(fn.name, fn.desired - have, param_bytes=self._stage_param_bytes(fn),
+                                               key=fn.name in self.key_history))
             elif len(current) > fn.desired:
                 surplus = sorted(current, key=lambda e: (e.state == "ready", e.in_flight, -e.started_at))
                 for endpoint in surplus[: len(current) - fn.desired]:
@@ -428,8 +438,27 @@ class EmbeddedGateway:
             if old and (ready_current >= fn.desired or fn.desired == 0):
                 for endpoint in old:
                     self._drain_and_stop(fn, endpoint)
+        live = {rid for fn in self.functions.values() for rid in fn.replicas}
+        for rid in [r for r in self._placed if r not in live]:  # died before it was ready
+            del self._placed[rid]
         if requests:
             await self._place(requests)
+
+    def _stage_param_bytes(self, fn: FunctionState) -> int:
+        """The stage's parameter bytes (its checkpoint in the manifest), what a host caches; 0 for a process."""
+        known = self._param_bytes.get(fn.name)
+        if known is not None and known[0] == fn.generation:
+            return known[1]
+        size = 0
+        if fn.runnable.kind == "stage":
+            from keysmanager.stage import UnknownStage, resolve_stage
+
+            try:
+                size = resolve_stage(fn.name, self.replica_spec(fn).env).param_bytes
+            except (UnknownStage, ValueError, OSError) as exc:
+                log.warning("%s: parameter size unknown (%s); placing it as parameter-free", fn.name, exc)
+        self._param_bytes[fn.name] = (fn.generation, size)
+        return size
 
     async def _place(self, requests: list[ReplicaRequest]) -> None:
         names = list(self.hosts)
@@ -442,7 +471,11 @@ class EmbeddedGateway:
             pending = sum(1 for t in self._tasks if t.get_name().startswith(f"start:{name}:"))
             views.append(replace(report, gpu_used=min(report.gpu_slots, report.gpu_used + pending)))
         self._host_views = {v.name: v for v in views}
+        self.scheduler_metrics.record_hosts(views)
         result = self.placer.place(views, requests, dict(self.key_history))
+        self.scheduler_metrics.record_schedule(result)
+        await self._pin_kept(result, [v.name for v in views])
+        asked_at = time.monotonic()
         for fn in self.functions.values():
             fn.unplaced = 0
         for req in result.unplaced:
@@ -453,8 +486,47 @@ class EmbeddedGateway:
             if fn is None or placement.host not in self.hosts:
                 continue
             fn.pending_starts += 1
-            self._spawn(self._start_replica(fn, placement.host, fn.generation),
+            self._spawn(self._start_placed(fn, placement, fn.generation, asked_at),
                         f"start:{placement.host}:{fn.name}")
+
+    async def _pin_kept(self, result: ScheduleResult, hosts: list[str]) -> None:
+        """Make ``keep_cached`` binding (QUART §6): each host's KeysManager evicts those key-stage zygotes last
+        and never to cache another stage. Sent only when a host's set changes; a failure is logged, not fatal."""
+        calls, names = [], []
+        for name in hosts:
+            kept = tuple(sorted(f for f, h in result.keep_cached if h == name))
+            pin = _pinner(self.hosts[name])
+            if pin is not None and self._pins.get(name, ()) != kept:
+                calls.append(pin(list(kept)))
+                names.append((name, kept))
+        for (name, kept), outcome in zip(names, await asyncio.gather(*calls, return_exceptions=True), strict=True):
+            if isinstance(outcome, BaseException):
+                log.warning("pinning %s on host %s failed: %s", ", ".join(kept) or "nothing", name, outcome)
+            else:
+                self._pins[name] = kept
+
+    async def _start_placed(self, fn: FunctionState, placement: Placement, generation: int, asked_at: float) -> None:
+        """Start one placed replica and remember when it was asked for (its ready time is measured from then)."""
+        before = set(fn.replicas)
+        await self._start_replica(fn, placement.host, generation)
+        for rid, endpoint in list(fn.replicas.items()):
+            if rid not in before and endpoint.host == placement.host and rid not in self._placed:
+                self._placed[rid] = (asked_at, placement.source, placement.key)
+                if endpoint.state == "ready":
+                    self._replica_ready(fn, endpoint)
+
+    def _replica_ready(self, fn: FunctionState, endpoint: Endpoint) -> None:
+        """The replica-ready hook: count the scale-up (source, ready ms) in the scheduler metrics, once.
+
+        A stage replica counts as a cache hit only if its host held the stage when it was placed *and* the
+        KeysManager forked it: a KeysManagerHost loads the zygote first and reports every replica a fork."""
+        placed = self._placed.pop(endpoint.id, None)
+        if placed is None:
+            return
+        asked_at, planned, key = placed
+        source = "cold" if "cold" in (planned, endpoint.source) else endpoint.source
+        self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, 1000 * (time.monotonic() - asked_at),
+                                              key=key)
 
     def replica_spec(self, fn: FunctionState) -> ReplicaSpec:
         dep = fn.deployment
@@ -515,6 +587,7 @@ class EmbeddedGateway:
                     if res.status == 200:
                         if endpoint.state == "starting" and fn.replicas.get(endpoint.id) is endpoint:
                             endpoint.state, endpoint.probed = "ready", True
+                            self._replica_ready(fn, endpoint)
                             log.debug("%s ready %.1f ms after start", endpoint.id,
                                       1000 * (time.monotonic() - endpoint.started_at))
                             fn.refresh_ready()
@@ -547,3 +620,9 @@ class EmbeddedGateway:
             except Exception as exc:
                 log.warning("stopping replica %s failed: %s", endpoint.id, exc)
         endpoint.state = "dead"
+
+
+def _pinner(host: Host) -> Callable[[list[str]], Awaitable[Any]] | None:
+    """The host's way to pin zygotes: its own ``pin``, or its KeysManager client's; None for process hosts."""
+    pin = getattr(host, "pin", None) or getattr(getattr(host, "client", None), "pin", None)
+    return pin if callable(pin) else None
