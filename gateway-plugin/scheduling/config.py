@@ -27,6 +27,10 @@ class SchedulerConfig:
     tolerance: float = 1e-7  # converged when the objective improves by less than this (relative)
     kl_threshold: float = 1e-6  # stop early once Σ KL is this close to the uniform target
     projection_rounds: int = 50  # alternating row-simplex / column-capacity projections per step
+    # converged also when the last `stall_window` steps lowered the objective by less than `stall_fraction`
+    # of the whole descent so far (0 = off): the slow tail of projected gradient descent moves no placement
+    stall_window: int = 20
+    stall_fraction: float = 1e-3
     # fraction of a host's reported memory limit a cold start may fill without counting as evicting; the
     # KeysManager already applies its own threshold (85 % of RAM) when it derives that limit
     memory_fill: float = 1.0

@@ -24,6 +24,9 @@ from gateway_plugin.scheduling.config import SchedulerConfig
 
 _EPS = 1e-12
 _INFEASIBLE = -1e9  # stands in for −∞ in the simplex projection
+# a column counts as over its capacity beyond this much (the rounding enforces capacity exactly anyway);
+# 1e-9 made the alternating projections run ~17 rounds for overshoots that change no placement
+_CAPACITY_SLACK = 1e-6
 
 
 @dataclass(frozen=True)
@@ -72,29 +75,42 @@ def project_rows_to_simplex(v: np.ndarray, feasible: np.ndarray) -> np.ndarray:
     Sort-based algorithm (Held et al. 1974; Duchi et al. 2008), vectorised over rows. Rows without
     any feasible entry come back all zero.
     """
-    v = np.where(feasible, v, _INFEASIBLE)
-    u = -np.sort(-v, axis=1)
-    css = np.cumsum(u, axis=1) - 1.0
-    k = np.arange(1, v.shape[1] + 1)
-    cond = u - css / k > 0
-    rho = np.where(cond.any(axis=1), v.shape[1] - 1 - np.argmax(cond[:, ::-1], axis=1), 0)
-    theta = css[np.arange(v.shape[0]), rho] / (rho + 1)
-    out = np.maximum(v - theta[:, None], 0.0)
-    return np.where(feasible & feasible.any(axis=1, keepdims=True), out, 0.0)
+    return _Projector(feasible, np.full(v.shape[1], np.inf), 0).rows(v)
 
 
-def _project(P: np.ndarray, feasible_rows: np.ndarray, capacity: np.ndarray, rounds: int) -> np.ndarray:
-    """Rows on the simplex, columns (approximately) within capacity: alternating projections."""
-    P = project_rows_to_simplex(P, feasible_rows)
-    for _ in range(rounds):
-        col = P.sum(axis=0)
-        over = col > capacity + 1e-9
-        if not over.any():
-            break
-        P = P.copy()
-        P[:, over] *= capacity[over] / col[over]
-        P = project_rows_to_simplex(P, feasible_rows)
-    return P
+class _Projector:
+    """Rows on the simplex, columns (approximately) within capacity: alternating projections. Holds the
+    per-problem constants (masks, ranks), since the descent projects thousands of times."""
+
+    def __init__(self, feasible_rows: np.ndarray, capacity: np.ndarray, rounds: int) -> None:
+        self.feasible = feasible_rows
+        self.keep = feasible_rows & feasible_rows.any(axis=1, keepdims=True)
+        self.k = np.arange(1, feasible_rows.shape[1] + 1)
+        self.last = feasible_rows.shape[1] - 1
+        self.index = np.arange(feasible_rows.shape[0])
+        self.limit = capacity + _CAPACITY_SLACK
+        self.capacity = capacity
+        self.rounds = rounds
+
+    def rows(self, v: np.ndarray) -> np.ndarray:
+        v = np.where(self.feasible, v, _INFEASIBLE)
+        u = np.sort(v, axis=1)[:, ::-1]
+        css = np.cumsum(u, axis=1) - 1.0
+        cond = u - css / self.k > 0
+        rho = np.where(cond.any(axis=1), self.last - np.argmax(cond[:, ::-1], axis=1), 0)
+        theta = css[self.index, rho] / (rho + 1)
+        return np.where(self.keep, np.maximum(v - theta[:, None], 0.0), 0.0)
+
+    def __call__(self, P: np.ndarray) -> np.ndarray:
+        P = self.rows(P)
+        for _ in range(self.rounds):
+            col = P.sum(axis=0)
+            over = col > self.limit
+            if not over.any():
+                break
+            P[:, over] *= self.capacity[over] / col[over]
+            P = self.rows(P)
+        return P
 
 
 class _Objective:
@@ -134,10 +150,11 @@ def disperse(problem: DispersionProblem, config: SchedulerConfig | None = None) 
         return DispersionResult(empty, np.zeros_like(problem.existing, dtype=float), (), (), 0, True)
 
     objective = _Objective(problem, cfg.cache_weight)
+    project = _Projector(feasible_rows, capacity, cfg.projection_rounds)
     # Start from the greedy plan, smoothed so every feasible host has some mass (log P stays finite).
     greedy_rows = problem.initial[groups] / np.maximum(problem.requested[groups], 1)[:, None]
     uniform_rows = feasible_rows / np.maximum(feasible_rows.sum(axis=1, keepdims=True), 1)
-    P = _project(0.9 * greedy_rows + 0.1 * uniform_rows, feasible_rows, capacity, cfg.projection_rounds)
+    P = project(0.9 * greedy_rows + 0.1 * uniform_rows)
 
     value = objective.value(P)
     kl_hist, obj_hist = [objective.kl(P)], [value]
@@ -149,7 +166,7 @@ def disperse(problem: DispersionProblem, config: SchedulerConfig | None = None) 
         iterations += 1
         grad = objective.gradient(P)
         while True:
-            candidate = _project(P - alpha * grad, feasible_rows, capacity, cfg.projection_rounds)
+            candidate = project(P - alpha * grad)
             new_value = objective.value(candidate)
             if new_value < value or alpha < 1e-10:
                 break
@@ -164,6 +181,10 @@ def disperse(problem: DispersionProblem, config: SchedulerConfig | None = None) 
         alpha = min(cfg.learning_rate, alpha * 2)
         if improvement < cfg.tolerance * max(1.0, abs(value)):
             converged = True
+            break
+        window = cfg.stall_window
+        if window and len(obj_hist) > window and obj_hist[-1 - window] - value < cfg.stall_fraction * (obj_hist[0] - value):
+            converged = True  # the last `window` steps did almost nothing: the tail changes no placement
             break
     expected = objective.onehot.T @ P
     return DispersionResult(P, expected, tuple(kl_hist), tuple(obj_hist), iterations, converged)
