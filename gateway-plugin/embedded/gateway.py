@@ -497,7 +497,7 @@ class EmbeddedGateway:
             kept = tuple(sorted(f for f, h in result.keep_cached if h == name))
             pin = _pinner(self.hosts[name])
             if pin is not None and self._pins.get(name, ()) != kept:
-                calls.append(pin(list(kept)))
+                calls.append(asyncio.wait_for(pin(list(kept)), timeout=5.0))  # a stuck host must not stall placing
                 names.append((name, kept))
         for (name, kept), outcome in zip(names, await asyncio.gather(*calls, return_exceptions=True), strict=True):
             if isinstance(outcome, BaseException):
