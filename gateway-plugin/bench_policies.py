@@ -57,7 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int, default=6, help="com.openfaas.scale.max per stage")
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--gpus-per-host", type=int, default=24, help="replica slots per simulated host")
-    p.add_argument("--static-replicas", type=int, default=2, help="replicas per stage of the static policy")
+    p.add_argument("--static-replicas", type=int, default=2,
+                   help="replicas per stage of the static policy (provisioned before its runs start)")
+    p.add_argument("--baselines-keysmanager", choices=("off", "on"), default="off",
+                   help="off (default, as in the paper): baseline policies' stage functions are deployed with "
+                        "com.quart.keysmanager=off, so their scale-ups cold-start; on: baselines fork from the "
+                        "KeysManager like QUART (an ablation: the policy alone)")
+    p.add_argument("--policy-config", action="append", default=[], metavar="POLICY=JSON",
+                   help="settings of one policy (fields of its config dataclass in gateway_plugin.config), e.g. "
+                        "quart='{\"correct\": {\"scale_down_cooldown_s\": 3}}'; repeatable")
+    p.add_argument("--control-period", type=float, default=1.0,
+                   help="seconds between control steps, the same for every policy (QUART_CONTROL_PERIOD_S)")
     p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout (s)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds between the reset and the load")
     p.add_argument("--state-dir", default=None, help="state dir of the gateway (default: a temp dir)")
@@ -79,6 +89,7 @@ class Gateway:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, **env}, start_new_session=True)
         self.url = ""
+        self.param_cache: bool | None = None  # com.quart.keysmanager last set on the stages (None: as deployed)
         deadline = time.monotonic() + 300
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -116,6 +127,24 @@ class Gateway:
         if res.status_code != 200:
             raise RuntimeError(f"switching to {policy} failed: {res.status_code} {res.text}")
         return float(res.json()["time"])
+
+    def set_param_cache(self, stages: list[str], on: bool) -> None:
+        """Redeploy the stage functions with ``com.quart.keysmanager`` on/off (PUT /system/functions, as
+        ``faas-cli deploy`` would); running replicas stay, the next ones start from the cache or cold."""
+        from gateway_plugin.embedded.deployment import LABEL_KEYSMANAGER
+
+        fns = self.functions()
+        for name in stages:
+            f = fns[name]
+            labels = {**f.get("labels", {}), LABEL_KEYSMANAGER: "on" if on else "off"}
+            body = {"service": name, "image": f["image"], "labels": labels}
+            for key in ("namespace", "envProcess", "envVars", "annotations", "constraints", "secrets", "limits",
+                        "requests", "readOnlyRootFilesystem"):
+                if key in f:
+                    body[key] = f[key]
+            res = requests.put(f"{self.url}/system/functions", json=body, auth=self.auth, timeout=30)
+            if res.status_code not in (200, 202):
+                raise RuntimeError(f"setting {LABEL_KEYSMANAGER} on {name} failed: {res.status_code} {res.text}")
 
     def timeline(self, since: float) -> list[dict]:
         res = requests.get(f"{self.url}/function/quart-plugin/timeline", params={"since": since}, timeout=30)
@@ -173,9 +202,17 @@ def make_workload(name: str, rate: float, duration: float, seed: int):
 
 
 def policy_config(name: str, args: argparse.Namespace) -> dict:
-    if name == "static":
-        return {"replicas": args.static_replicas}
-    return {}
+    config: dict = {"replicas": args.static_replicas} if name == "static" else {}
+    for item in args.policy_config:
+        policy, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--policy-config wants POLICY=JSON, got {item!r}")
+        if policy == name:
+            try:
+                config.update(json.loads(raw))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--policy-config {policy}: not valid JSON ({exc})") from None
+    return config
 
 
 def samples_from_timeline(rows: list[dict], t0: float) -> list[dict]:
@@ -214,13 +251,15 @@ def run(args: argparse.Namespace) -> dict:
     plot_dir = out_path.with_suffix("")
     tmp = Path(args.state_dir or tempfile.mkdtemp(prefix="quart-bench-policies-"))
     stack = partition(tmp / "model", args.stages, args.max_replicas, args.activation_bytes)
-    env = {"QUART_POLICY": "static", "QUART_CONTROL_PERIOD_S": "1", "QUART_WINDOW_S": "5",
+    env = {"QUART_POLICY": "static", "QUART_CONTROL_PERIOD_S": str(args.control_period), "QUART_WINDOW_S": "5",
            "QUART_REQUEST_TIMEOUT_S": str(args.timeout), "QUART_QUEUE_CAP": "4096"}
     gw = Gateway(stack, tmp / "state", args.hosts, args.gpus_per_host, env)
     report: dict = {
         "benchmark": "policies", "compute": "emulated", "model": MODEL, "profiled_ms": PROFILED_MS,
         "stages": args.stages, "rate_rps": args.rate, "activation_bytes": args.activation_bytes, "duration_s": args.duration, "seed": args.seed,
         "start_replicas": args.start_replicas, "max_replicas": args.max_replicas, "repeats": args.repeats,
+        "static_replicas": args.static_replicas, "baselines_keysmanager": args.baselines_keysmanager,
+        "control_period_s": args.control_period, "policy_config": {p: policy_config(p, args) for p in policies},
         "machine": machine_info(),
         "runs": {},
     }
@@ -267,8 +306,13 @@ def one_run(gw: Gateway, stages: list[str], workload: str, policy: str, arrivals
     from quart_tools.loadgen import body_maker, generate_load
     from quart_tools.report import build_report, records_latencies
 
-    gw.switch("static", {"replicas": args.start_replicas})
-    gw.wait_reset(stages, args.start_replicas)
+    cache_on = policy == "quart" or args.baselines_keysmanager == "on"
+    if gw.param_cache is not cache_on:
+        gw.set_param_cache(stages, cache_on)
+        gw.param_cache = cache_on
+    start = args.static_replicas if policy == "static" else args.start_replicas  # static is provisioned beforehand
+    gw.switch("static", {"replicas": start})
+    gw.wait_reset(stages, start)
     time.sleep(args.settle)
     t0 = gw.switch(policy, policy_config(policy, args))
     result = generate_load(f"{gw.url}/function/{MODEL}", arrivals, timeout_s=args.timeout,
@@ -281,10 +325,15 @@ def one_run(gw: Gateway, stages: list[str], workload: str, policy: str, arrivals
     errors = {str(s): sum(1 for r in result.records if r.status == s)
               for s in sorted({r.status for r in result.records}) if not 200 <= s < 300}
     lags = ready_lags(rows)
+    import numpy as np
+
+    send_lag = float(np.percentile([r.send_error_ms for r in result.records], 99)) if result.records else 0.0
+    entry["send_error_p99_ms"] = send_lag  # the load generator's own lateness: > a few ms = the machine was starved
     print(f"[{workload}] {policy}: {n} requests, mean {entry['mean_ms']:.0f} ms, p99 {entry['p99_ms']:.0f} ms, "
           f"SLO@1.5 {entry['slo_attainment']['1.5']:.2f}, replica-s {entry['replica_seconds']:.0f}, "
-          f"errors {errors}", file=sys.stderr)
+          f"errors {errors}, send-lag p99 {send_lag:.0f} ms", file=sys.stderr)
     return {"lat": lat, "n": n, "entry": entry, "samples": samples, "errors": errors, "lags": lags,
+            "keysmanager": "on" if cache_on else "off",
             "timeline": [{k: row[k] for k in ("time", "replicas", "desired", "queue")} for row in rows]}
 
 
@@ -328,6 +377,8 @@ def aggregate(policy: str, runs: list[dict], profiled_ms: float, args: argparse.
     entry["queue_mean_by_stage"] = {s: statistics.fmean(r["entry"]["queue_mean_by_stage"].get(s, 0.0) for r in runs)
                                     for s in stages}
     entry["repeats"] = len(runs)
+    entry["keysmanager"] = runs[0]["keysmanager"]
+    entry["send_error_p99_ms"] = max(r["entry"]["send_error_p99_ms"] for r in runs)
     entry["mean_ms_by_repeat"] = [r["entry"]["mean_ms"] for r in runs]
     entry["errors"] = {k: sum(r["errors"].get(k, 0) for r in runs) for k in {k for r in runs for k in r["errors"]}}
     lags = [x for r in runs for x in r["lags"]]

@@ -70,6 +70,7 @@ class GatewayView:
             concurrency=dep.concurrency or self.default_concurrency,
             param_bytes=_int(dep.labels.get(LABEL_PARAM_BYTES)),
             profiled_service_s=_int(dep.labels.get(LABEL_PROFILE_MS)) / 1000.0,
+            start_s=fn.start_s,
         )
 
     def stage_meta(self, function: str) -> tuple[float, int]:

@@ -35,6 +35,7 @@ class StageSnapshot:
     activation_bytes: float = 0.0  # mean bytes of one request's input activations
     concurrency: int = 1  # requests one replica serves at once
     arrival_rate_recent: float = -1.0  # λ over the last second (−1: unknown → use arrival_rate)
+    replica_start_s: float = -1.0  # measured ask → ready time of a new replica (−1: unknown → the policy learns it)
 
     @property
     def mean_service_s(self) -> float:

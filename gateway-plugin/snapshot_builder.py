@@ -22,6 +22,7 @@ class StageState:
     concurrency: int = 1
     param_bytes: int = 0
     profiled_service_s: float = 0.0  # from a profile label; 0 = use the measured service time
+    start_s: float = -1.0  # measured ask → ready time of the function's recent replicas; −1 = unknown
 
 
 class Inventory(Protocol):
@@ -77,6 +78,7 @@ def build_snapshot(
             activation_bytes=m.mean_activation_bytes(now),
             concurrency=state.concurrency,
             arrival_rate_recent=m.arrival_rate(now, 1.0),
+            replica_start_s=state.start_s,
         ))
     slo = (slo_s or {}).get(model, 0.0) or slo_factor * total_service
     return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window)

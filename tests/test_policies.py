@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -232,6 +233,12 @@ def test_dead_time_gate_ignores_a_burst_that_drains_before_a_replica_starts() ->
     assert ungated.decide(snap(0.0, short)).stages[0].replicas > 1
     long = stage(0, arrival_rate=2.0, service_rate=20.0, replicas=1, queue_len=60, mean_wait_s=1.5, target_s=0.1)
     assert make_policy("quart").decide(snap(0.0, long)).stages[0].replicas > 1
+    # the platform measured 50 ms from ask to ready (a fork): the same 0.5 s backlog is now worth replicas,
+    # whatever the configured default says
+    forked = replace(short, replica_start_s=0.05)
+    assert make_policy("quart").decide(snap(0.0, forked)).stages[0].replicas > 1
+    slow = replace(short, replica_start_s=2.0)  # a measured 2 s start: still gated
+    assert make_policy("quart", correct={"replica_start_s": 0.01}).decide(snap(0.0, slow)).stages[0].replicas == 1
 
 
 def test_replica_start_time_is_learned_from_snapshots() -> None:

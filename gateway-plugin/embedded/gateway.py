@@ -78,10 +78,15 @@ class FunctionState:
     start_failures: int = 0  # consecutive failed replica starts (backoff)
     retry_at: float = 0.0  # monotonic time before which no new start is tried
     last_error: str = ""
+    start_s: float = -1.0  # ask → ready of this function's recent replicas (EMA, seconds); −1 until one started
 
     @property
     def name(self) -> str:
         return self.deployment.service
+
+    def note_start_time(self, seconds: float, alpha: float = 0.3) -> None:
+        """A replica became ready ``seconds`` after it was asked for (the control loop's dead time)."""
+        self.start_s = seconds if self.start_s < 0 else (1 - alpha) * self.start_s + alpha * seconds
 
     @property
     def metric_name(self) -> str:
@@ -527,6 +532,7 @@ class EmbeddedGateway:
         source = "cold" if "cold" in (planned, endpoint.source) else endpoint.source
         self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, 1000 * (time.monotonic() - asked_at),
                                               key=key)
+        fn.note_start_time(time.monotonic() - asked_at)
 
     def replica_spec(self, fn: FunctionState) -> ReplicaSpec:
         dep = fn.deployment

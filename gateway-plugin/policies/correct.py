@@ -103,7 +103,7 @@ class Corrector:
         current = stage.replicas + stage.pending_replicas
         self._learn_start_time(st, stage, now)
         target = stage_target_s(snapshot, stage, cfg.default_target_factor)
-        gate = self.replica_start_s(stage.index) if cfg.dead_time_gate else 0.0
+        gate = self.dead_time_s(stage) if cfg.dead_time_gate else 0.0
         delay = estimated_delay_s(stage, max(current, 0), cfg.use_queue_feedback, gate)
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
             error = 0.0  # no service time measured yet: no evidence either way
@@ -165,6 +165,12 @@ class Corrector:
                 st.start_s = sample if st.start_s is None else (1 - a) * st.start_s + a * sample
             st.pending_since = now if stage.pending_replicas > 0 else None
             st.ready_then = stage.replicas
+
+    def dead_time_s(self, stage: StageSnapshot) -> float:
+        """How long a replica asked for now takes to serve: the platform's measurement when the snapshot has one
+        (the embedded gateway times every ask → ready), else what this corrector learned from its snapshots
+        (resolution: one control period), else the configured default."""
+        return stage.replica_start_s if stage.replica_start_s >= 0 else self.replica_start_s(stage.index)
 
     def replica_start_s(self, index: int) -> float:
         """Learned time from asking for a replica to its being ready (config default until observed)."""

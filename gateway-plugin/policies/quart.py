@@ -76,7 +76,7 @@ class QuartPolicy:
     def _compensate(self, stage, replicas: int, target_s: float) -> float | None:
         """CPUs that let ``replicas`` replicas meet the target, or None (keep Correct's count)."""
         cpu_cfg = self.config.cpu
-        gate = self.corrector.replica_start_s(stage.index) if self.config.correct.dead_time_gate else 0.0
+        gate = self.corrector.dead_time_s(stage) if self.config.correct.dead_time_gate else 0.0
         if estimated_delay_s(stage, replicas, self.config.correct.use_queue_feedback, gate) <= target_s:
             return stage.cpus
         if not cpu_cfg.enabled or self.cpu_model is None:
