@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway_plugin.config import QuartConfig
-from gateway_plugin.policies.correct import Corrector, estimated_delay_s, servers_of
+from gateway_plugin.policies.correct import Correction, Corrector, estimated_delay_s, servers_of
 from gateway_plugin.policies.cpu_model import CPULatencyModel
+from gateway_plugin.policies.queueing import servers_for_utilisation
 from gateway_plugin.policies.smooth import beta, reclaim_target
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 
@@ -45,6 +46,8 @@ class QuartPolicy:
     def decide(self, snapshot: PipelineSnapshot) -> Decision:
         cfg = self.config
         corrections = [self.corrector.correct(snapshot, s) for s in snapshot.stages]
+        if cfg.backlog_lookahead:
+            corrections = self._lookahead(snapshot, corrections)
         demand = [c.replicas for c in corrections]
         cvs = self.predicted_cv(snapshot)
         decisions: list[StageDecision] = []
@@ -72,6 +75,32 @@ class QuartPolicy:
             self.key_history.update(key)
             self.key_log.append((snapshot.time, key))
         return Decision(time=snapshot.time, stages=tuple(decisions), key_stages=key)
+
+    def _lookahead(self, snapshot: PipelineSnapshot, corrections: list[Correction]) -> list[Correction]:
+        """Raise stages downstream of a backlog to the rate it will be released at (see QuartConfig)."""
+        rho_max = self.config.correct.rho_max
+        out = list(corrections)
+        backlog = 0  # requests queued or in service upstream of stage i: all of them come to stage i next
+        release = math.inf  # req/s they can reach stage i at: the slowest upstream stage at its new size
+        for i, stage in enumerate(snapshot.stages):
+            if i > 0:
+                up = snapshot.stages[i - 1]
+                backlog += up.queue_len + up.busy
+                release = min(release, servers_of(up, out[i - 1].replicas) * up.service_rate)
+            if backlog == 0 or not math.isfinite(release) or release <= 0 or stage.service_rate <= 0:
+                continue
+            if backlog / release < self.corrector.dead_time_s(stage):
+                continue  # gone before a new replica could serve
+            need = math.ceil(servers_for_utilisation(release, stage.service_rate, rho_max) / max(1, stage.concurrency))
+            need = min(need, stage.max_replicas)
+            current = stage.replicas + stage.pending_replicas
+            if need > out[i].replicas:
+                if need > current:
+                    self.corrector.note_scale_up(stage.index, snapshot.time)
+                c = out[i]
+                out[i] = replace(c, replicas=need, scaled_up=need > current,
+                                 reason=c.reason + f" backlog {backlog} upstream at {release:.0f}/s")
+        return out
 
     def _compensate(self, stage, replicas: int, target_s: float) -> float | None:
         """CPUs that let ``replicas`` replicas meet the target, or None (keep Correct's count)."""
