@@ -66,7 +66,9 @@ class QuartConfig:
     # Backlog propagation (ours, beyond the paper): requests queued upstream are the next arrivals of the stages
     # after it. While that backlog outlasts a stage's replica start, the stage gets the replicas to keep up with
     # the rate its upstream will release it at, in the same step, instead of one control period per stage later.
-    backlog_lookahead: bool = True
+    # Off by default: on the live bench (gamma CV 8, 20 req/s) it did not lower latency (481 vs 457–487 ms) and
+    # cost up to 1.6–2× the replica-seconds (docs/benchmarks.md, Policies).
+    backlog_lookahead: bool = False
 
 
 @dataclass(frozen=True, slots=True)
