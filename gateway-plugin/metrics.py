@@ -2,7 +2,8 @@
 
 The router reports every event (arrival at a stage, dispatch to a replica, completion with the
 stage's timing headers); ``StageMetrics`` keeps them for ``window_s`` seconds and answers λ_i, μ_i,
-mean wait, CV_i of inter-arrival times, utilisation and mean activation bytes. Queue length and
+mean wait, CV_i of inter-arrival times, utilisation and mean activation bytes from running sums
+(O(1) per event and per snapshot; the simulator uses the same class). Queue length and
 busy counts are read live from the router. ``MetricsCollector`` exports everything on a private
 prometheus registry (``/metrics``) and as JSON, and appends one JSON line per finished request
 (arrival, per-stage wait and service, status) for CV-model training, CPU profiling and reports.
@@ -10,9 +11,9 @@ prometheus registry (``/metrics``) and as JSON, and appends one JSON line per fi
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-import statistics
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -56,73 +57,153 @@ class RequestRecord:
         return json.dumps(asdict(self), separators=(",", ":"))
 
 
-@dataclass(slots=True)
 class StageMetrics:
-    """Sliding windows of one stage. Times are the router's monotonic clock in seconds."""
+    """Sliding windows of one stage with running sums. Times are the caller's clock in seconds.
 
-    window_s: float
-    arrivals: deque = field(default_factory=deque)  # arrival times
-    waits: deque = field(default_factory=deque)  # (time, wait seconds)
-    services: deque = field(default_factory=deque)  # (time, service seconds)
-    activations: deque = field(default_factory=deque)  # (time, input bytes)
-    total_arrivals: int = 0
-    total_completions: int = 0
-    last_service_s: float = 0.0  # most recent mean service time, kept when the window empties
+    One implementation serves the live router and the simulator. Every event is O(1) and every
+    statistic is O(1) (amortised: each event enters and leaves its window once): the sums of waits,
+    service times, activation bytes and squared inter-arrival gaps follow the windows, and arrivals
+    of the last ``recent_s`` are counted in a second window. The windows are the deques the statistics
+    are defined on (an entry leaves when its time falls before ``now − window_s``, oldest first); the
+    sums are rebuilt from them whenever as many entries have left as remain, so rounding cannot drift.
+    ``trim_on_event=False`` (the simulator) trims only when a statistic is read: the same answers,
+    fewer calls; memory stays bounded as long as something reads the metrics periodically.
+    """
 
-    def _trim(self, now: float) -> None:
-        cutoff = now - self.window_s
-        while self.arrivals and self.arrivals[0] < cutoff:
-            self.arrivals.popleft()
-        for dq in (self.waits, self.services, self.activations):
-            while dq and dq[0][0] < cutoff:
-                dq.popleft()
+    __slots__ = ("window_s", "recent_s", "trim_on_event", "arrivals", "recent", "waits", "services",
+                 "activations", "total_arrivals", "total_completions", "last_service_s", "_wait_sum",
+                 "_busy_sum", "_act_sum", "_gap_sq_sum", "_removed")
 
-    def on_arrival(self, now: float, activation_bytes: int) -> None:
-        self.arrivals.append(now)
+    def __init__(self, window_s: float, recent_s: float = 1.0, trim_on_event: bool = True) -> None:
+        self.window_s = window_s
+        self.recent_s = recent_s  # the short window of arrival_rate(now, recent_s) (snapshot's λ recent)
+        self.trim_on_event = trim_on_event
+        self.arrivals: deque[float] = deque()  # arrival times
+        self.recent: deque[float] = deque()  # arrival times of the last recent_s
+        self.waits: deque[tuple[float, float]] = deque()  # (dispatch time, wait seconds)
+        self.services: deque[tuple[float, float]] = deque()  # (completion time, service seconds)
+        self.activations: deque[tuple[float, float]] = deque()  # (arrival time, input bytes)
+        self.total_arrivals = 0
+        self.total_completions = 0
+        self.last_service_s = 0.0  # most recent mean service time, kept when the window empties
+        self._wait_sum = 0.0
+        self._busy_sum = 0.0
+        self._act_sum = 0.0
+        self._gap_sq_sum = 0.0  # Σ (a[k+1] − a[k])² over consecutive arrivals in the window
+        self._removed = 0  # entries trimmed since the sums were last rebuilt
+
+    # ------------------------------------------------------------------------------ events
+    def on_arrival(self, now: float, activation_bytes: float) -> None:
+        arrivals = self.arrivals
+        if arrivals:
+            gap = now - arrivals[-1]
+            self._gap_sq_sum += gap * gap
+        arrivals.append(now)
+        self.recent.append(now)
         self.activations.append((now, activation_bytes))
+        self._act_sum += activation_bytes
         self.total_arrivals += 1
-        self._trim(now)
+        if self.trim_on_event:
+            self._trim(now)
 
     def on_dispatch(self, now: float, wait_s: float) -> None:
         self.waits.append((now, wait_s))
-        self._trim(now)
+        self._wait_sum += wait_s
+        if self.trim_on_event:
+            self._trim(now)
 
     def on_complete(self, now: float, service_s: float) -> None:
         self.services.append((now, service_s))
+        self._busy_sum += service_s
         self.total_completions += 1
-        self._trim(now)
+        if self.trim_on_event:
+            self._trim(now)
 
+    # ------------------------------------------------------------------------------ window
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window_s
+        removed = 0
+        arrivals = self.arrivals
+        while arrivals and arrivals[0] < cutoff:
+            first = arrivals.popleft()
+            if arrivals:
+                gap = arrivals[0] - first
+                self._gap_sq_sum -= gap * gap
+            removed += 1
+        recent, recent_cutoff = self.recent, now - self.recent_s
+        while recent and recent[0] < recent_cutoff:
+            recent.popleft()
+        waits = self.waits
+        while waits and waits[0][0] < cutoff:
+            self._wait_sum -= waits.popleft()[1]
+            removed += 1
+        services = self.services
+        while services and services[0][0] < cutoff:
+            self._busy_sum -= services.popleft()[1]
+            removed += 1
+        acts = self.activations
+        while acts and acts[0][0] < cutoff:
+            self._act_sum -= acts.popleft()[1]
+            removed += 1
+        if removed:
+            self._removed += removed
+            if self._removed > len(arrivals) + len(waits) + len(services) + len(acts):
+                self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Recompute the running sums from the windows (bounds floating-point drift)."""
+        self._wait_sum = math.fsum(w for _, w in self.waits)
+        self._busy_sum = math.fsum(s for _, s in self.services)
+        self._act_sum = math.fsum(b for _, b in self.activations)
+        a = self.arrivals
+        self._gap_sq_sum = math.fsum((y - x) ** 2 for x, y in zip(a, itertools.islice(a, 1, None), strict=False))
+        self._removed = 0
+
+    # -------------------------------------------------------------------------- statistics
     def arrival_rate(self, now: float, window_s: float | None = None) -> float:
+        """Arrivals per second over ``window_s`` (default the window; ``recent_s`` is O(1) too)."""
         self._trim(now)
-        w = self.window_s if window_s is None else window_s
-        return sum(1 for t in self.arrivals if t >= now - w) / w
+        if window_s is None:
+            return len(self.arrivals) / self.window_s
+        if window_s == self.recent_s:
+            return len(self.recent) / window_s
+        cutoff, count = now - window_s, 0
+        for t in reversed(self.arrivals):  # other short windows: count back from the newest
+            if t < cutoff:
+                break
+            count += 1
+        return count / window_s
 
     def mean_service_s(self, now: float) -> float:
         self._trim(now)
         if self.services:
-            self.last_service_s = statistics.fmean(s for _, s in self.services)
+            self.last_service_s = max(0.0, self._busy_sum) / len(self.services)
         return self.last_service_s
 
     def mean_wait_s(self, now: float) -> float:
         self._trim(now)
-        return statistics.fmean(w for _, w in self.waits) if self.waits else 0.0
+        return max(0.0, self._wait_sum) / len(self.waits) if self.waits else 0.0
 
     def cv_arrival(self, now: float) -> float:
         """std / mean of inter-arrival times in the window; 1.0 (Poisson) with fewer than 3 arrivals."""
         self._trim(now)
-        if len(self.arrivals) < 3:
+        n = len(self.arrivals)
+        if n < 3:
             return 1.0
-        gaps = [b - a for a, b in zip(self.arrivals, list(self.arrivals)[1:], strict=False)]
-        mean = statistics.fmean(gaps)
-        return statistics.pstdev(gaps) / mean if mean > 0 else 0.0
+        gaps = n - 1
+        mean = (self.arrivals[-1] - self.arrivals[0]) / gaps  # the gaps telescope
+        if mean <= 0:
+            return 0.0
+        variance = max(0.0, self._gap_sq_sum / gaps - mean * mean)
+        return math.sqrt(variance) / mean
 
     def busy_s(self, now: float) -> float:
         self._trim(now)
-        return sum(s for _, s in self.services)
+        return max(0.0, self._busy_sum) if self.services else 0.0
 
     def mean_activation_bytes(self, now: float) -> float:
         self._trim(now)
-        return statistics.fmean(b for _, b in self.activations) if self.activations else 0.0
+        return max(0.0, self._act_sum) / len(self.activations) if self.activations else 0.0
 
 
 class MetricsCollector:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from gateway_plugin.metrics import StageMetrics
 from gateway_plugin.policies import make_policy
 from gateway_plugin.policies.queueing import mmc_delay
 from gateway_plugin.snapshot import Decision, StageDecision
 from quart_tools.arrivals import Arrivals, poisson_arrivals
 from quart_tools.sim.calibration import Calibration
-from quart_tools.sim.engine import SimConfig, Simulation, StageSpec, WindowMetrics
+from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
 from quart_tools.sim.scenario import run, system
 
 GB = 1_000_000_000
@@ -99,23 +97,6 @@ def test_keysmanager_caches_after_cold_start_and_evicts_lru() -> None:
     assert not host.cache_stage("big", 6 * GB, 5.0)  # can never fit: not cached, nothing evicted
     assert set(host.cache) == {"a", "c"}
     assert Host("n", 4, 10 * GB, keysmanager=False).cache_stage("a", GB, 0.0) is False
-
-
-def test_window_metrics_agree_with_live_stage_metrics() -> None:
-    fast, live = WindowMetrics(10.0), StageMetrics(10.0)
-    rng = random.Random(2)
-    t = 0.0
-    for i in range(4000):
-        t += rng.expovariate(80.0)
-        for m in (fast, live):
-            m.on_arrival(t, 100 + i % 3)
-            m.on_dispatch(t, 0.002 * (i % 11))
-            m.on_complete(t, 0.01 + 0.001 * (i % 7))
-        if i % 400 == 0:
-            for name in ("arrival_rate", "mean_service_s", "mean_wait_s", "cv_arrival", "busy_s",
-                         "mean_activation_bytes"):
-                assert getattr(fast, name)(t) == pytest.approx(getattr(live, name)(t), rel=1e-9, abs=1e-12)
-            assert fast.arrival_rate(t, 1.0) == live.arrival_rate(t, 1.0)
 
 
 def test_whole_model_mode_serves_without_pipelining() -> None:

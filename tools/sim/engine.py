@@ -4,8 +4,8 @@ One request walks the pipeline's stages; each stage has one FIFO queue (the rout
 to a free replica slot. Service times are the stage's profiled time × the CPU effect × a gamma draw;
 the draws are per (request, stage), so every policy sees the same request sizes (common random
 numbers). Every ``control_period_s`` the controller builds a `PipelineSnapshot` with the live
-`gateway_plugin.snapshot_builder.build_snapshot` over sliding-window stage metrics (the live
-`gateway_plugin.metrics.StageMetrics`, kept incrementally), calls the policy
+`gateway_plugin.snapshot_builder.build_snapshot` over the live sliding-window stage metrics
+(`gateway_plugin.metrics.StageMetrics`, running sums), calls the policy
 (`gateway_plugin.policies.make_policy`), asks the placer (`gateway_plugin.scheduling.make_placer`)
 where new replicas go, and starts them after the delay of their source (gpu / fork / cold).
 
@@ -34,6 +34,7 @@ from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.cluster import Host, Slot, make_hosts
 
 _COMPLETE, _READY, _CONTROL = 0, 1, 2
+START_TIME_ALPHA = 0.3  # weight of the newest ask → ready sample (gateway FunctionState.note_start_time)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class SimConfig:
 
     model: str
     stages: tuple[StageSpec, ...]
-    slo_s: float  # the SLO the policy aims at (snapshot.slo_s)
+    slo_s: float  # the SLO the policy aims at (snapshot.slo_s); 0 = slo_factor × Σ stage times, as live
     calibration: Calibration = field(default_factory=Calibration)
     keysmanager: bool = True  # hosts cache parameters and fork; False: every start is cold
     placer: str = "cache-aware"  # or "first-fit"
@@ -64,99 +65,15 @@ class SimConfig:
     control_period_s: float = 1.0
     window_s: float = 10.0
     queue_cap: int = 1024  # waiting requests per stage before the gateway answers 429
-    hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway), added to end-to-end latency
+    hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway)
+    hop_holds_replica: bool = True  # the hop is part of the replica's busy time (the live router's call)
+    slo_factor: float = 2.0  # with slo_s = 0: the live PluginConfig.slo_factor rule
+    profile_label: bool = True  # stages carry their profiled time (com.quart.profile-ms); False: measured
     gpu_keep_s: float = 0.0  # a released replica's parameters stay on its GPU this long
     cpus: float = 1.0  # initial CPUs per replica
     drain_s: float = 120.0  # after the last arrival, keep simulating this long for stragglers
     seed: int = 0
     record_series: bool = True
-
-
-class WindowMetrics(StageMetrics):
-    """The live `StageMetrics` windows, with its statistics kept incrementally.
-
-    Same events, same window, same formulas (rates are counts / window; means are sums / counts;
-    CV is population std / mean of the gaps). The live class recomputes everything from the deques
-    with `statistics` (exact fractions), which costs milliseconds per snapshot on a 1,000-arrival
-    window: too slow for 175 ten-minute runs. tests/test_sim.py checks that both agree.
-    """
-
-    __slots__ = ("_wait_sum", "_busy_sum", "_act_sum")
-
-    def __init__(self, window_s: float) -> None:
-        super().__init__(window_s)
-        self._wait_sum = 0.0
-        self._busy_sum = 0.0
-        self._act_sum = 0.0
-
-    def _trim(self, now: float) -> None:
-        cutoff = now - self.window_s
-        arrivals = self.arrivals
-        while arrivals and arrivals[0] < cutoff:
-            arrivals.popleft()
-        waits = self.waits
-        while waits and waits[0][0] < cutoff:
-            self._wait_sum -= waits.popleft()[1]
-        services = self.services
-        while services and services[0][0] < cutoff:
-            self._busy_sum -= services.popleft()[1]
-        acts = self.activations
-        while acts and acts[0][0] < cutoff:
-            self._act_sum -= acts.popleft()[1]
-
-    # Events only append; the window is trimmed when a statistic is read (every read trims first,
-    # so the answers are those of the live class, which trims on every event).
-    def on_arrival(self, now: float, activation_bytes: int) -> None:
-        self.arrivals.append(now)
-        self.activations.append((now, activation_bytes))
-        self._act_sum += activation_bytes
-        self.total_arrivals += 1
-
-    def on_dispatch(self, now: float, wait_s: float) -> None:
-        self.waits.append((now, wait_s))
-        self._wait_sum += wait_s
-
-    def on_complete(self, now: float, service_s: float) -> None:
-        self.services.append((now, service_s))
-        self.total_completions += 1
-        self._busy_sum += service_s
-
-    def arrival_rate(self, now: float, window_s: float | None = None) -> float:
-        self._trim(now)
-        if window_s is None or window_s >= self.window_s:
-            return len(self.arrivals) / (self.window_s if window_s is None else window_s)
-        cutoff, count = now - window_s, 0
-        for t in reversed(self.arrivals):
-            if t < cutoff:
-                break
-            count += 1
-        return count / window_s
-
-    def mean_service_s(self, now: float) -> float:
-        self._trim(now)
-        if self.services:
-            self.last_service_s = max(0.0, self._busy_sum) / len(self.services)
-        return self.last_service_s
-
-    def mean_wait_s(self, now: float) -> float:
-        self._trim(now)
-        return max(0.0, self._wait_sum) / len(self.waits) if self.waits else 0.0
-
-    def busy_s(self, now: float) -> float:
-        self._trim(now)
-        return max(0.0, self._busy_sum) if self.services else 0.0
-
-    def mean_activation_bytes(self, now: float) -> float:
-        self._trim(now)
-        return max(0.0, self._act_sum) / len(self.activations) if self.activations else 0.0
-
-    def cv_arrival(self, now: float) -> float:
-        self._trim(now)
-        if len(self.arrivals) < 3:
-            return 1.0
-        gaps = np.diff(np.fromiter(self.arrivals, dtype=np.float64, count=len(self.arrivals)))
-        mean = gaps.mean()
-        return float(gaps.std() / mean) if mean > 0 else 0.0
 
 
 class Replica:
@@ -171,7 +88,7 @@ class Replica:
 
 class _Stage:
     __slots__ = ("index", "spec", "queue", "free", "ready", "starting", "busy", "metrics", "draws", "cpus",
-                 "arrivals", "function")
+                 "arrivals", "function", "start_s")
 
     def __init__(self, index: int, spec: StageSpec, window_s: float, draws: list[float], cpus: float):
         self.index, self.spec, self.function = index, spec, spec.name
@@ -180,10 +97,11 @@ class _Stage:
         self.ready: dict[Replica, None] = {}  # ready, not draining; insertion-ordered for determinism
         self.starting: list[Replica] = []
         self.busy = 0
-        self.metrics = WindowMetrics(window_s)
+        self.metrics = StageMetrics(window_s, trim_on_event=False)  # the live class; reads trim
         self.draws = draws
         self.cpus = cpus
         self.arrivals: list[float] = []
+        self.start_s = -1.0  # ask → ready of recent replicas (EMA), as the live gateway measures it
 
 
 @dataclass
@@ -232,7 +150,11 @@ class Simulation:
             else:
                 draws = [1.0] * n
             self.stages.append(_Stage(i, spec, cfg.window_s, draws, cfg.cpus))
-        self.hops_s = cfg.hop_s * len(cfg.stages)  # a constant: the hops do not hold a replica
+        # A hop either holds the replica (added to each stage visit, measured as service time, as the live
+        # router times its whole call) or is a constant added to the end-to-end latency.
+        self.hop_in_service = cfg.hop_s if cfg.hop_holds_replica else 0.0
+        self.hops_s = cfg.hop_s * len(cfg.stages)
+        self.hops_after = 0.0 if cfg.hop_holds_replica else self.hops_s
         self.functions = [st.function for st in self.stages]
         self.stage_by_fn = {st.function: st for st in self.stages}
         self.collector = MetricsCollector(cfg.window_s)
@@ -309,7 +231,7 @@ class Simulation:
     def _start(self, req: int, stage: _Stage, rep: Replica, now: float, enqueued: float) -> None:
         stage.metrics.on_dispatch(now, now - enqueued)
         stage.busy += 1
-        service = stage.spec.service_s * rep.factor * stage.draws[req]
+        service = stage.spec.service_s * rep.factor * stage.draws[req] + self.hop_in_service
         self.seq += 1
         heapq.heappush(self.heap, (now + service, self.seq, _COMPLETE, (req, rep, service)))
 
@@ -328,7 +250,7 @@ class Simulation:
         if nxt_index < len(self.stages):
             self._arrive(req, self.stages[nxt_index], now)
         else:
-            self.latency[req] = (now - self.arrival[req] + self.hops_s) * 1000.0
+            self.latency[req] = (now - self.arrival[req] + self.hops_after) * 1000.0
 
     # ------------------------------------------------------- whole-model (non-pipelined) flow
     def _wm_arrive(self, req: int, now: float) -> None:
@@ -376,7 +298,7 @@ class Simulation:
     def _snapshot(self, now: float) -> PipelineSnapshot:
         """The live controller's snapshot builder over the simulated router, platform and windows."""
         return build_snapshot(now, self.cfg.model, self.functions, self, self, self.collector,
-                              slo_factor=0.0, slo_s={self.cfg.model: self.cfg.slo_s})
+                              slo_factor=self.cfg.slo_factor, slo_s={self.cfg.model: self.cfg.slo_s})
 
     # Inventory and QueueView (gateway_plugin.snapshot_builder) of the simulated platform and router.
     def pipelines(self) -> dict[str, list[str]]:
@@ -387,7 +309,9 @@ class Simulation:
         ready = len(st.ready)
         return StageState(ready=ready, desired=ready + len(st.starting), cpus=st.cpus,
                           min_replicas=self.cfg.min_replicas, max_replicas=self.max_replicas, concurrency=1,
-                          param_bytes=st.spec.param_bytes, profiled_service_s=st.spec.service_s)
+                          param_bytes=st.spec.param_bytes,
+                          profiled_service_s=st.spec.service_s if self.cfg.profile_label else 0.0,
+                          start_s=st.start_s)
 
     def queue_len(self, function: str) -> int:
         return len(self.stage_by_fn[function].queue)
@@ -467,7 +391,10 @@ class Simulation:
         st = self.stages[rep.stage]
         st.starting.remove(rep)
         rep.state = "ready"
-        self.ready_s_by_source[rep.source].append(now - rep.requested_at)
+        took = now - rep.requested_at
+        self.ready_s_by_source[rep.source].append(took)
+        # The live gateway's FunctionState.note_start_time: EMA with weight START_TIME_ALPHA.
+        st.start_s = took if st.start_s < 0 else (1 - START_TIME_ALPHA) * st.start_s + START_TIME_ALPHA * took
         st.ready[rep] = None
         if self.cfg.whole_model:
             st.free.append(rep)

@@ -19,6 +19,7 @@ Writes ``{"sim": {mean_ms, p99_ms}, "live": {mean_ms, p99_ms}, "agreement": {...
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -33,7 +34,7 @@ import numpy as np
 from quart_tools.arrivals import gamma_arrivals, poisson_arrivals
 from quart_tools.bench import write_report
 from quart_tools.report import latency_stats
-from quart_tools.sim.calibration import PAPER_MODELS, Calibration
+from quart_tools.sim.calibration import Calibration
 
 MODEL = "bert-21b"
 EMULATED_CV = 0.1  # quart_stage's default QUART_EMULATED_CV
@@ -58,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int, default=6)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--diagnostics-out", default=None,
+                   help="JSON with both sides' per-request latencies and replica/queue time series")
     return p
 
 
@@ -67,23 +70,37 @@ def _stats(lat_ms: np.ndarray) -> dict:
             "completed": int(np.count_nonzero(~np.isnan(lat_ms))), "requests": len(lat_ms)}
 
 
-def simulate(args, arrivals, hop_s: float) -> dict:
-    """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy."""
+def simulate(args, arrivals, hop_s: float, start_s: float | None = None) -> dict:
+    """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy.
+
+    The live stages are emulated and hold no parameters, so a scale-up costs the live ask → ready time
+    (``start_s``, measured by the gateway; the calibration's fork cost when not measured), not the paper's
+    host → GPU copy of a BERT-21B stage.
+    """
+    from gateway_plugin.config import PluginConfig
     from gateway_plugin.policies import make_policy
     from quart_tools.sim.engine import SimConfig, Simulation
     from quart_tools.sim.scenario import model_stages
 
-    prof = PAPER_MODELS[MODEL]
     cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=EMULATED_CV)
-    stages = tuple(replace(s, service_s=args.stage_ms / 1000.0) for s in model_stages(MODEL, args.stages))
+    if start_s is not None and start_s >= 0:
+        cal = replace(cal, fork_fixed_s=start_s)
+    stages = tuple(replace(s, service_s=args.stage_ms / 1000.0, param_bytes=0)
+                   for s in model_stages(MODEL, args.stages))
+    # The live deploy has no com.quart.profile-ms label: the SLO is slo_factor × the measured stage times.
     cfg = SimConfig(
-        model=MODEL, stages=stages, slo_s=2.0 * prof.exec_ms / 1000.0, calibration=cal,
+        model=MODEL, stages=stages, slo_s=0.0, slo_factor=PluginConfig().slo_factor, profile_label=False,
+        calibration=cal,
         keysmanager=True, placer="cache-aware", initial_replicas=args.replicas, max_replicas=args.max_replicas,
         window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, seed=args.seed,
     )
     config = {"replicas": args.replicas} if args.policy == "static" else {}
     result = Simulation(cfg, make_policy(args.policy, **config), arrivals).run()
-    return _stats(result.latencies_ms)
+    stats = _stats(result.latencies_ms)
+    stats["series"] = {"latency_ms": result.latencies_ms.tolist(),
+                       "samples": [[s.t, s.stage, s.replicas, s.queue] for s in result.samples],
+                       "ready_s_by_source": result.ready_s_by_source}
+    return stats
 
 
 def _partition(out_dir: Path, args) -> Path:
@@ -120,11 +137,16 @@ def live(args, arrivals, calibration_arrivals) -> dict:
         calibration_mean_ms = float(np.nanmean(lat))
         gw.wait_reset(stages, args.replicas)
         config = {"replicas": args.replicas} if args.policy == "static" else {}
-        gw.switch(args.policy, config)
+        t0 = gw.switch(args.policy, config)
         res = generate_load(url, arrivals, timeout_s=args.timeout, body=body, progress=False)
         lat, _, _ = records_latencies(res.records)
         stats = _stats(lat)
+        stats["series"] = {"latency_ms": lat.tolist(), "sent_s": [r.sent_s for r in res.records],
+                           "timeline": gw.timeline(t0)}
         stats["errors"] = sum(1 for r in res.records if not r.ok)
+        starts = [s.get("replica_start_s", -1.0) for s in gw.snapshot().get(MODEL, {}).get("stages", [])]
+        starts = [x for x in starts if x is not None and x >= 0]
+        stats["replica_start_s"] = float(np.mean(starts)) if starts else None
         stats["calibration_mean_ms"] = calibration_mean_ms
         return stats
     finally:
@@ -155,14 +177,19 @@ def main(argv: list[str]) -> int:
         print(f"quartctl bench sim-vs-live: the live side could not run: {exc}", file=sys.stderr)
         return 1
     # The real pipeline's fixed overhead (hops, serde, router): live − simulated-without-hops, low rate.
-    overhead_ms = live_stats["calibration_mean_ms"] - simulate(args, calibration, 0.0)["mean_ms"]
+    start_s = live_stats.get("replica_start_s")
+    overhead_ms = live_stats["calibration_mean_ms"] - simulate(args, calibration, 0.0, start_s)["mean_ms"]
     hop_s = max(0.0, overhead_ms) / 1000.0 / args.stages
-    sim = simulate(args, arrivals, hop_s)
+    sim = simulate(args, arrivals, hop_s, start_s)
+    series = {"sim": sim.pop("series"), "live": live_stats.pop("series")}
+    if args.diagnostics_out:
+        Path(args.diagnostics_out).write_text(json.dumps(json_safe(series)) + "\n")
     doc = {
         "sim": sim,
         "live": live_stats,
         "agreement": compare(sim, live_stats),
         "calibrated_hop_ms_per_stage": hop_s * 1000.0,
+        "calibrated_start_s": start_s,
         "config": {"model": MODEL, "compute": "emulated", "stages": args.stages, "stage_ms": args.stage_ms,
                    "tokens": args.tokens, "policy": args.policy,
                    "replicas": args.replicas, "rate_rps": args.rate, "cv": args.cv, "duration_s": args.duration,
