@@ -117,8 +117,29 @@ def test_systems() -> None:
     assert not system("inferline").keysmanager and system("inferline").placer == "first-fit"
     assert system("infless").whole_model and system("infless+km").keysmanager
     assert not system("quart-no-km").keysmanager
-    with pytest.raises(ValueError, match="unknown system"):
-        system("nope")
+    for retired in ("nope", "quart+rho-floor"):  # the diagnostic's floor is in the corrector now
+        with pytest.raises(ValueError, match="unknown system"):
+            system(retired)
+
+
+def test_hop_holds_the_replica_and_start_time_is_measured() -> None:
+    """As in the live router, a hop is part of the replica's busy time (the router times its whole call):
+    two requests at once on one replica of a 10 ms stage with a 5 ms hop end at 15 and 30 ms. The
+    stage's measured ask → ready time (the gateway's FunctionState.start_s) reaches the snapshot."""
+    cal = Calibration(hosts=1, gpus_per_host=4, service_cv=0.0)
+    cfg = replace(_one_stage(0.01, cal, placer="first-fit", keysmanager=False), hop_s=0.005)
+    arrivals = Arrivals(times=np.array([0.0, 0.0]), sizes=np.ones(2, dtype=np.int64))
+    res = Simulation(cfg, make_policy("static", replicas=1), arrivals).run()
+    assert res.latencies_ms.tolist() == pytest.approx([15.0, 30.0])
+    outside = Simulation(replace(cfg, hop_holds_replica=False), make_policy("static", replicas=1), arrivals).run()
+    assert outside.latencies_ms.tolist() == pytest.approx([15.0, 25.0])
+
+    cal = Calibration(hosts=1, gpus_per_host=4, service_cv=0.0)
+    sim = Simulation(_one_stage(0.01, cal, keysmanager=True, placer="cache-aware", drain_s=20.0),
+                     Scripted([(0.0, 2)]), Arrivals(times=np.arange(0.0, 10.0, 0.5), sizes=np.ones(20, dtype=np.int64)))
+    assert sim.stage_state("m-stage-0").start_s == -1.0  # nothing started yet: unknown, as live
+    sim.run()
+    assert sim.stage_state("m-stage-0").start_s == pytest.approx(cal.fork_s(2 * GB))
 
 
 def test_cli_run_and_small_fig7(tmp_path) -> None:
@@ -144,19 +165,6 @@ def test_cli_run_and_small_fig7(tmp_path) -> None:
     assert row["mean_ratio"] == pytest.approx(doc["entries"][0]["mean_ms"] / doc["entries"][1]["mean_ms"])
     with pytest.raises(SystemExit):
         main(["--model", "nope"])
-
-
-def test_rho_floor_diagnostic_never_leaves_a_stage_unstable() -> None:
-    from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
-    from quart_tools.sim.diagnostics import RhoFloor
-
-    snap = PipelineSnapshot(time=100.0, model="m", stages=(
-        StageSnapshot("m-stage-0", 0, arrival_rate=259.0, service_rate=108.0, replicas=4),
-        StageSnapshot("m-stage-1", 1, arrival_rate=10.0, service_rate=108.0, replicas=4),
-    ))
-    wrapped = RhoFloor(Scripted([(0.0, 1)]))
-    got = [d.replicas for d in wrapped.decide(snap).stages]
-    assert got == [3, 1]  # 259 / (3 × 108) = 0.80 ≤ 0.95; stage 1 may go down to 1
 
 
 def test_calibration_from_live_keysmanager_bench(tmp_path) -> None:

@@ -88,13 +88,6 @@ def _systems(args, default) -> list[str]:
     return [s.strip() for s in args.systems.split(",")] if args.systems else list(default)
 
 
-def _diagnostic_summary(entries: list[dict], keys: tuple[str, ...]) -> dict:
-    """The same comparison for the diagnostic variant, when it ran (never mixed into `summary`)."""
-    if not any(e["policy"] == "quart+rho-floor" for e in entries):
-        return {}
-    return {"summary_quart_rho_floor": ex.compare(entries, keys, subject="quart+rho-floor")}
-
-
 def _fig7(args, cal: Calibration) -> dict:
     models = [m.strip() for m in args.models.split(",")]
     cvs = [float(c) for c in args.cvs.split(",")]
@@ -107,7 +100,6 @@ def _fig7(args, cal: Calibration) -> dict:
                    "quart_config": args.quart_config},
         "entries": entries,
         "summary": ex.compare(entries, ("model", "target_cv")),
-        **_diagnostic_summary(entries, ("model", "target_cv")),
         "fig8": ex.fig8(entries),
         "paper": {k: v for k, v in ex.PAPER_REPORTED.items() if k.startswith("cv") or k.startswith("infless")},
     }
@@ -123,7 +115,6 @@ def _fig6(args, cal: Calibration) -> dict:
         "config": {"models": models, "duration_s": args.duration, "load": args.load, "trace": args.trace},
         "entries": entries,
         "summary": ex.compare(entries, ("model",)),
-        **_diagnostic_summary(entries, ("model",)),
         "paper": {k: v for k, v in ex.PAPER_REPORTED.items() if k.startswith("trace")},
     }
 

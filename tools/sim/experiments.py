@@ -27,7 +27,6 @@ FIG7_CVS = (0.1, 1.0, 2.0, 4.0, 8.0)
 FIG7_SYSTEMS = POLICY_NAMES  # QUART and every baseline
 PAPER_BASELINES = ("infless", "inferline", "cocktail")  # the three the paper compares against
 ABLATIONS = ("quart", "quart-no-km", *(f"{b}+km" for b in PAPER_BASELINES), *PAPER_BASELINES)
-DIAGNOSTIC = "quart+rho-floor"  # tools/sim/diagnostics.py: a proposed corrector fix, reported apart
 
 # QUART §8 (and ../shared/design/ALGORITHMS.md): what the paper reports.
 PAPER_REPORTED = {

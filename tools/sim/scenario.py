@@ -41,10 +41,8 @@ def system(name: str) -> System:
     base = name[:-3] if km_variant else name
     if base == "quart-no-km":
         return System(name, "quart", keysmanager=False, placer="cache-aware")
-    if base == "quart+rho-floor":  # diagnostic: a proposed corrector fix (tools/sim/diagnostics.py)
-        return System(name, "quart", keysmanager=True, placer="cache-aware")
     if base not in POLICY_NAMES:
-        known = ", ".join([*POLICY_NAMES, "quart-no-km", "quart+rho-floor", *(f"{b}+km" for b in BASELINES)])
+        known = ", ".join([*POLICY_NAMES, "quart-no-km", *(f"{b}+km" for b in BASELINES)])
         raise ValueError(f"unknown system {name!r}; one of {known}")
     if base == "quart":
         return System(name, "quart", keysmanager=True, placer="cache-aware")
@@ -94,12 +92,7 @@ def make_system_policy(sys_: System, policy_config: dict | None = None):
     config = dict(policy_config or {})
     if sys_.whole_model:
         config.setdefault("pipelined", False)
-    policy = make_policy(sys_.policy, **config)
-    if sys_.name == "quart+rho-floor":
-        from quart_tools.sim.diagnostics import RhoFloor
-
-        return RhoFloor(policy)
-    return policy
+    return make_policy(sys_.policy, **config)
 
 
 def run(model: str, system_name: str, arrivals: Arrivals, calibration: Calibration | None = None,
