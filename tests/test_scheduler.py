@@ -312,7 +312,7 @@ def test_stall_stop_cuts_the_slow_tail_without_moving_placements():
     rng = np.random.default_rng(11)
     full_steps = fast_steps = same = total = 0
     losses: list[float] = []  # objective left on the table by stopping early, as a share of the full descent
-    for _ in range(40):
+    for _ in range(25):
         S, M = int(rng.integers(1, 5)), int(rng.integers(3, 10))
         capacity = rng.integers(1, 6, size=M).astype(float)
         requested = rng.integers(1, 5, size=S).astype(float)
