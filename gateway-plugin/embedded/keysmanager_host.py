@@ -6,6 +6,8 @@ gateway, counted in the same host's slots.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gateway_plugin.embedded.hosts import ProcessHost, ReplicaSpec, ReplicaStatus
 from gateway_plugin.scheduling.hosts import host_view_from_report
 from gateway_plugin.scheduling.types import HostView
@@ -46,8 +48,16 @@ class KeysManagerHost:
             return [_status(r) for r in await self.client.start(stage, count, wait=False, source="cold")]
         # QUART §6.1: the stage scheduled here gets a zygote first (one parameter load), and every
         # replica, the first one included, forks from it, instead of a cold replica plus a zygote.
-        await self.client.ensure_cached(stage)
-        return [_status(r) for r in await self.client.start(stage, count, wait=False)]
+        before = {z.function: z.pid for z in await self.client.zygotes()}
+        zygote = await self.client.ensure_cached(stage)
+        statuses = [_status(r) for r in await self.client.start(stage, count, wait=False)]
+        if before.get(spec.function) != zygote["pid"]:  # this start paid for the parameter load: a cache miss
+            statuses = [replace(s, source="cold") for s in statuses]
+        return statuses
+
+    async def pin(self, functions: list[str]) -> list[str]:
+        """Keep these stages' zygotes through LRU eviction (the scheduler's ``keep_cached`` for this host)."""
+        return await self.client.pin(functions)
 
     async def stop(self, replica_id: str) -> None:
         if replica_id.startswith(f"{self.name}-") and replica_id in {r.id for r in await self._processes.replicas()}:
