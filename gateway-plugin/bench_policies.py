@@ -5,7 +5,9 @@ activation bytes travel over real HTTP):
 1. partitions the paper's BERT-21B into 8 parameter-free stages (``quartctl partition --weights none``),
 2. starts ``quartctl up -f stack.yml`` (embedded gateway, KeysManagers, this plugin) in a subprocess,
 3. for every workload (gamma arrivals at CV 1, 4, 8 and the Azure trace, rate-scaled) and every
-   policy: resets every stage to ``--start-replicas`` under the static policy, switches the plugin to
+   policy: sets ``com.quart.keysmanager`` on the stage functions (on for QUART; off for the baselines, as
+   the paper ran them, unless ``--baselines-keysmanager on``), resets every stage to ``--start-replicas``
+   (static: ``--static-replicas``) under the static policy, switches the plugin to
    the policy under test (``POST /function/quart-plugin/policy``), replays the same arrivals with the
    load generator, and reads the controller's timeline (replicas, queue per stage),
 4. writes one JSON report entry per policy and workload (the keys of ``quart_tools.report``) and the
