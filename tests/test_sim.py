@@ -161,7 +161,8 @@ def test_cli_run_and_small_fig7(tmp_path) -> None:
     assert [(e["model"], e["target_cv"], e["policy"]) for e in doc["entries"]] == [
         ("wideresnet", 1.0, "quart"), ("wideresnet", 1.0, "cocktail")]
     row = doc["summary"]["vs_best_baseline"][0]
-    assert row["best_baseline"] == "cocktail"
+    assert row["best_baseline"] == "cocktail" and row["best_slo_baseline"] == "cocktail"
+    assert row["slo_2x_reachable"] == (row["top_slo15"] <= 0.5)
     assert row["mean_ratio"] == pytest.approx(doc["entries"][0]["mean_ms"] / doc["entries"][1]["mean_ms"])
     with pytest.raises(SystemExit):
         main(["--model", "nope"])

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quart-config", default="",
                    help="JSON settings for QUART's make_policy (diagnostics, e.g. a shorter cooldown)")
+    p.add_argument("--max-replicas", type=int, default=0,
+                   help="per-stage replica cap (com.openfaas.scale.max) of every system; 0 = 2 × GPUs / stages")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--calibration", default=None, help="calibration JSON (Calibration.to_json format)")
     p.add_argument("--keysmanager-bench", default=None,
@@ -69,7 +71,8 @@ def _single(args, cal: Calibration) -> dict:
     else:
         arrivals = replay_trace(load_trace(args.trace), target_rate=rate, duration_s=args.duration, loop=True)
     config = json.loads(args.quart_config) if args.quart_config and args.system.startswith("quart") else None
-    entry, result = run(args.model, args.system, arrivals, cal, policy_config=config, seed=args.seed)
+    entry, result = run(args.model, args.system, arrivals, cal, policy_config=config, seed=args.seed,
+                        **dict(_overrides(args)))
     if args.series_out:
         with open(args.series_out, "w") as fh:
             for s in result.samples:
@@ -84,6 +87,11 @@ def _single(args, cal: Calibration) -> dict:
     return entry
 
 
+def _overrides(args) -> tuple[tuple[str, object], ...]:
+    """SimConfig fields set from the command line (only those given)."""
+    return (("max_replicas", args.max_replicas),) if args.max_replicas else ()
+
+
 def _systems(args, default) -> list[str]:
     return [s.strip() for s in args.systems.split(",")] if args.systems else list(default)
 
@@ -92,12 +100,12 @@ def _fig7(args, cal: Calibration) -> dict:
     models = [m.strip() for m in args.models.split(",")]
     cvs = [float(c) for c in args.cvs.split(",")]
     specs = ex.fig7_specs(models, cvs, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.seed,
-                          args.quart_config)
+                          args.quart_config, _overrides(args))
     entries = ex.run_many(specs, args.workers, "fig7")
     return {
         "experiment": "fig7",
         "config": {"models": models, "cvs": cvs, "duration_s": args.duration, "load": args.load, "seed": args.seed,
-                   "quart_config": args.quart_config},
+                   "quart_config": args.quart_config, "max_replicas": args.max_replicas},
         "entries": entries,
         "summary": ex.compare(entries, ("model", "target_cv")),
         "fig8": ex.fig8(entries),
@@ -108,7 +116,7 @@ def _fig7(args, cal: Calibration) -> dict:
 def _fig6(args, cal: Calibration) -> dict:
     models = [m.strip() for m in args.models.split(",")]
     specs = ex.fig6_specs(models, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.trace,
-                          args.seed, args.quart_config)
+                          args.seed, args.quart_config, _overrides(args))
     entries = ex.run_many(specs, args.workers, "fig6")
     return {
         "experiment": "fig6",

@@ -128,19 +128,21 @@ def rate_for(model: str, load: float, calibration: Calibration) -> float:
 
 
 def fig7_specs(models: Iterable[str], cvs: Iterable[float], systems: Iterable[str], duration_s: float,
-               load: float, calibration: Calibration, seed: int = 0, policy_config: str = "") -> list[RunSpec]:
+               load: float, calibration: Calibration, seed: int = 0, policy_config: str = "",
+               overrides: tuple[tuple[str, object], ...] = ()) -> list[RunSpec]:
     return [
         RunSpec(m, s, "gamma", rate_for(m, load, calibration), cv, duration_s, seed, calibration, tag="fig7",
-                policy_config=policy_config if s.startswith("quart") else "")
+                policy_config=policy_config if s.startswith("quart") else "", overrides=overrides)
         for m in models for cv in cvs for s in systems
     ]
 
 
 def fig6_specs(models: Iterable[str], systems: Iterable[str], duration_s: float, load: float,
-               calibration: Calibration, trace_path: str, seed: int = 0, policy_config: str = "") -> list[RunSpec]:
+               calibration: Calibration, trace_path: str, seed: int = 0, policy_config: str = "",
+               overrides: tuple[tuple[str, object], ...] = ()) -> list[RunSpec]:
     return [
         RunSpec(m, s, "trace", rate_for(m, load, calibration), 0.0, duration_s, seed, calibration, trace_path,
-                tag="fig6", policy_config=policy_config if s.startswith("quart") else "")
+                tag="fig6", policy_config=policy_config if s.startswith("quart") else "", overrides=overrides)
         for m in models for s in systems
     ]
 
@@ -214,6 +216,7 @@ def compare(entries: list[dict], group_keys: tuple[str, ...], baselines: Iterabl
         candidates = [by_policy[b] for b in BASELINES if b in by_policy and _finite(by_policy[b]["mean_ms"])]
         if candidates:
             best = min(candidates, key=lambda e: e["mean_ms"])
+            best_slo = max(candidates, key=lambda e: e["slo_attainment"]["1.5"] or 0.0)
             best_rows.append({
                 "group": list(g),
                 "best_baseline": best["policy"],
@@ -224,6 +227,14 @@ def compare(entries: list[dict], group_keys: tuple[str, ...], baselines: Iterabl
                 "gpu_seconds_ratio": _ratio(q["gpu_seconds"], best["gpu_seconds"]),
                 "quart_slo15": q["slo_attainment"]["1.5"],
                 "best_slo15": best["slo_attainment"]["1.5"],
+                # The baseline that meets 1.5× most often (may differ from the lowest-mean one); "2×" of
+                # an attainment above 0.5 exceeds 1 and cannot be reached.
+                "best_slo_baseline": best_slo["policy"],
+                "top_slo15": best_slo["slo_attainment"]["1.5"],
+                "slo15_ratio_vs_top": _ratio(q["slo_attainment"]["1.5"], best_slo["slo_attainment"]["1.5"]),
+                "slo_2x_reachable": (best_slo["slo_attainment"]["1.5"] or 0.0) <= 0.5,
+                "quart_gpu_seconds": q["gpu_seconds"],
+                "best_gpu_seconds": best["gpu_seconds"],
             })
     summary = {}
     for b, rows in pairs.items():
