@@ -241,11 +241,8 @@ class Simulation:
         stage.busy -= 1
         if rep.state == "draining":
             self._release(rep, now)
-        elif stage.queue:
-            nxt, enq = stage.queue.popleft()
-            self._start(nxt, stage, rep, now, enq)
         else:
-            stage.free.append(rep)
+            self._serve_next(stage, rep, now)
         nxt_index = rep.stage + 1
         if nxt_index < len(self.stages):
             self._arrive(req, self.stages[nxt_index], now)
@@ -399,11 +396,16 @@ class Simulation:
         if self.cfg.whole_model:
             st.free.append(rep)
             self._wm_dispatch(now)
-        elif st.queue:
-            req, enq = st.queue.popleft()
-            self._start(req, st, rep, now, enq)
         else:
-            st.free.append(rep)
+            self._serve_next(st, rep, now)
+
+    def _serve_next(self, stage: _Stage, rep: Replica, now: float) -> None:
+        """A replica is free: it takes the oldest waiting request of its stage, or goes idle."""
+        if stage.queue:
+            req, enq = stage.queue.popleft()
+            self._start(req, stage, rep, now, enq)
+        else:
+            stage.free.append(rep)
 
     # --------------------------------------------------------------------------------- run
     def run(self) -> SimResult:

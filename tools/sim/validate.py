@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from quart_tools.arrivals import gamma_arrivals, poisson_arrivals
-from quart_tools.bench import write_report
+from quart_tools.bench import machine_info, write_report
 from quart_tools.report import latency_stats
 from quart_tools.sim.calibration import Calibration
 
@@ -194,8 +193,7 @@ def main(argv: list[str]) -> int:
                    "tokens": args.tokens, "policy": args.policy,
                    "replicas": args.replicas, "rate_rps": args.rate, "cv": args.cv, "duration_s": args.duration,
                    "hosts": args.hosts, "gpus_per_host": args.gpus_per_host, "seed": args.seed},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_at_end": round(os.getloadavg()[0], 2)},
+        "machine": machine_info(loadavg_at_end=round(os.getloadavg()[0], 2)),
         "wall_s": round(time.time() - started, 1),
     }
     write_report(json_safe(doc), args.out, always_print=True)
