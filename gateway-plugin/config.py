@@ -35,6 +35,7 @@ class CorrectConfig:
     replica_start_s: float = 1.0  # expected time until a new replica serves (learned from snapshots)
     start_time_alpha: float = 0.3  # EMA weight of a newly observed replica start time
     dead_time_gate: bool = True  # a backlog that drains before a new replica could start adds no replicas
+    peak_rate: bool = False  # M/M/c at max(λ over the window, λ over the last second) instead of the window's λ
 
 
 @dataclass(frozen=True, slots=True)

@@ -267,3 +267,11 @@ def test_backlog_lookahead_sizes_downstream_stages_for_the_released_burst() -> N
     # a backlog gone before a replica could start (2 s measured start) raises nothing downstream
     slow = snap(0.0, *(replace(s, replica_start_s=2.0) for s in burst.stages))
     assert [d.replicas for d in make_policy("quart", backlog_lookahead=True).decide(slow).stages[1:]] == [1, 1]
+
+
+def test_peak_rate_option_sizes_for_the_last_second() -> None:
+    # 5 req/s over the window but 40 req/s in the last second, 20/s replicas: M/M/c at the peak needs more
+    s = stage(0, arrival_rate=5.0, arrival_rate_recent=40.0, service_rate=20.0, replicas=2, target_s=0.2)
+    window = make_policy("quart").decide(snap(0.0, s)).stages[0].replicas
+    peak = make_policy("quart", correct={"peak_rate": True}).decide(snap(0.0, s)).stages[0].replicas
+    assert peak > window >= 2

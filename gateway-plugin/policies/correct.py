@@ -46,7 +46,8 @@ def stability_floor(stage: StageSnapshot, rho_max: float) -> int:
 
 
 def estimated_delay_s(
-    stage: StageSnapshot, replicas: int, use_queue_feedback: bool, min_backlog_s: float = 0.0
+    stage: StageSnapshot, replicas: int, use_queue_feedback: bool, min_backlog_s: float = 0.0,
+    peak_rate: bool = False,
 ) -> float:
     """T_i: M/M/c delay at the measured λ, μ, raised by what the queue shows now (backlog and wait).
 
@@ -56,7 +57,8 @@ def estimated_delay_s(
     if stage.service_rate <= 0:
         return 0.0  # nothing measured yet: no evidence of delay
     servers = servers_of(stage, replicas)
-    t = mmc_delay(stage.arrival_rate, stage.service_rate, servers)
+    rate = max(stage.arrival_rate, stage.recent_rate) if peak_rate else stage.arrival_rate
+    t = mmc_delay(rate, stage.service_rate, servers)
     if use_queue_feedback and servers > 0:
         drain_s = stage.queue_len / (servers * stage.service_rate)
         if drain_s >= min_backlog_s:
@@ -104,7 +106,7 @@ class Corrector:
         self._learn_start_time(st, stage, now)
         target = stage_target_s(snapshot, stage, cfg.default_target_factor)
         gate = self.dead_time_s(stage) if cfg.dead_time_gate else 0.0
-        delay = estimated_delay_s(stage, max(current, 0), cfg.use_queue_feedback, gate)
+        delay = estimated_delay_s(stage, max(current, 0), cfg.use_queue_feedback, gate, cfg.peak_rate)
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
             error = 0.0  # no service time measured yet: no evidence either way
         elif math.isinf(delay):
@@ -135,7 +137,8 @@ class Corrector:
         desired = max(floor, min(stage.max_replicas, desired))
         if desired < current and stage.service_rate > 0 and math.isfinite(target):
             # Scale down only to a count that still meets the target at the measured load.
-            while desired < current and estimated_delay_s(stage, desired, cfg.use_queue_feedback, gate) > target:
+            while desired < current and estimated_delay_s(stage, desired, cfg.use_queue_feedback, gate,
+                                                          cfg.peak_rate) > target:
                 desired += 1
 
         if desired < current:

@@ -106,7 +106,8 @@ class QuartPolicy:
         """CPUs that let ``replicas`` replicas meet the target, or None (keep Correct's count)."""
         cpu_cfg = self.config.cpu
         gate = self.corrector.dead_time_s(stage) if self.config.correct.dead_time_gate else 0.0
-        if estimated_delay_s(stage, replicas, self.config.correct.use_queue_feedback, gate) <= target_s:
+        cfg = self.config.correct
+        if estimated_delay_s(stage, replicas, cfg.use_queue_feedback, gate, cfg.peak_rate) <= target_s:
             return stage.cpus
         if not cpu_cfg.enabled or self.cpu_model is None:
             return None
