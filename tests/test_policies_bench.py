@@ -36,3 +36,13 @@ def test_compare_against_the_best_baseline() -> None:
     # an oracle without queueing is as fast as the idle pipeline: 160 ms ÷ 200 ms → the 0.6× target is out of reach
     bound = compare([entry("quart", 250, 0.6, 100), entry("static", 200, 0.8, 90)], profiled_ms=160.0)
     assert bound["best_possible_mean_ratio"] == 0.8 and bound["best_possible_slo15_ratio"] == 1.25
+
+
+def test_trace_window_has_the_target_rate_and_the_traces_burstiness() -> None:
+    import numpy as np
+    from gateway_plugin.bench_policies import trace_window
+
+    arrivals = trace_window(20.0, 20.0)
+    assert len(arrivals.times) == 400 and arrivals.times[-1] < 20.0
+    gaps = np.diff(arrivals.times)
+    assert gaps.std() / gaps.mean() > 4  # the real trace's bursts, not a smoothed rate
