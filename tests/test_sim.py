@@ -168,6 +168,37 @@ def test_cli_run_and_small_fig7(tmp_path) -> None:
         main(["--model", "nope"])
 
 
+class PerStage:
+    """Test double: per-stage replicas by time; keeps the snapshots it saw."""
+
+    name = "per-stage"
+
+    def __init__(self, plans: list[list[tuple[float, int]]]):
+        self.plans, self.seen = plans, []
+
+    def decide(self, snap):
+        self.seen.append(snap)
+        return Decision(snap.time, tuple(StageDecision([r for t, r in plan if snap.time >= t][-1])
+                                         for plan in self.plans))
+
+
+def test_unplaced_replicas_stay_desired_and_are_placed_when_a_gpu_frees() -> None:
+    """As the embedded gateway: an ask the full cluster cannot place stays desired (the policy sees it
+    pending) and is placed by the reconcile pass as soon as a GPU is released."""
+    cal = Calibration(hosts=1, gpus_per_host=4, service_cv=0.0)
+    stages = (StageSpec("m-stage-0", 0.01, GB), StageSpec("m-stage-1", 0.01, GB))
+    cfg = SimConfig("m", stages, 1.0, cal, keysmanager=True, placer="first-fit", hop_s=0.0, drain_s=30.0)
+    # Stage 0 wants 3 and stage 1 wants 2 on 4 GPUs (stage 1's ask is unplaced); stage 0 drops to 1 at t = 10.
+    policy = PerStage([[(0.0, 3), (10.0, 1)], [(0.0, 2)]])
+    arrivals = Arrivals(times=np.arange(0.0, 20.0, 0.5), sizes=np.ones(40, dtype=np.int64))
+    res = Simulation(cfg, policy, arrivals).run()
+    first = next(s for s in policy.seen if s.time == 2.0)
+    held = [s.replicas for s in first.stages]
+    assert sum(held) == 4 and [s.replicas + s.pending_replicas for s in first.stages] == [3, 2]
+    assert res.starts_by_source["fork"] == 3  # 2 at t = 0, the unplaced one once stage 0 shrank
+    assert [s.replicas for s in policy.seen[-1].stages] == [1, 2]
+
+
 def test_calibration_from_live_keysmanager_bench(tmp_path) -> None:
     import json
 

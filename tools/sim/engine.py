@@ -33,7 +33,7 @@ from quart_tools.report import StageSample
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.cluster import Host, Slot, make_hosts
 
-_COMPLETE, _READY, _CONTROL = 0, 1, 2
+_COMPLETE, _READY, _CONTROL, _RECONCILE = 0, 1, 2, 3
 START_TIME_ALPHA = 0.3  # weight of the newest ask → ready sample (gateway FunctionState.note_start_time)
 
 
@@ -63,6 +63,8 @@ class SimConfig:
     min_replicas: int = 1
     max_replicas: int = 0  # per stage (com.openfaas.scale.max); 0 = 2 × GPU slots / stages
     control_period_s: float = 1.0
+    reconcile_s: float = 0.2  # replicas asked for but not placed (full cluster) are retried this often, as the
+    # embedded gateway's reconcile loop (reconcile_interval_s) does; the policy sees them as pending meanwhile
     window_s: float = 10.0
     queue_cap: int = 1024  # waiting requests per stage before the gateway answers 429
     hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway)
@@ -88,7 +90,7 @@ class Replica:
 
 class _Stage:
     __slots__ = ("index", "spec", "queue", "free", "ready", "starting", "busy", "metrics", "draws", "cpus",
-                 "arrivals", "function", "start_s")
+                 "arrivals", "function", "start_s", "desired")
 
     def __init__(self, index: int, spec: StageSpec, window_s: float, draws: list[float], cpus: float):
         self.index, self.spec, self.function = index, spec, spec.name
@@ -102,6 +104,7 @@ class _Stage:
         self.cpus = cpus
         self.arrivals: list[float] = []
         self.start_s = -1.0  # ask → ready of recent replicas (EMA), as the live gateway measures it
+        self.desired = 0  # the last count asked for (the gateway's FunctionState.desired), placed or not
 
 
 @dataclass
@@ -175,6 +178,9 @@ class Simulation:
         self.gpu_seconds = 0.0
         self.events = 0
         self.decisions: list[tuple[float, tuple[int, ...]]] = []
+        self._reconcile_due = False
+        for st in self.stages:
+            st.desired = cfg.initial_replicas
         self._place_initial()
 
     # ------------------------------------------------------------------------------ helpers
@@ -304,7 +310,7 @@ class Simulation:
     def stage_state(self, function: str) -> StageState:
         st = self.stage_by_fn[function]
         ready = len(st.ready)
-        return StageState(ready=ready, desired=ready + len(st.starting), cpus=st.cpus,
+        return StageState(ready=ready, desired=max(st.desired, ready + len(st.starting)), cpus=st.cpus,
                           min_replicas=self.cfg.min_replicas, max_replicas=self.max_replicas, concurrency=1,
                           param_bytes=st.spec.param_bytes,
                           profiled_service_s=st.spec.service_s if self.cfg.profile_label else 0.0,
@@ -338,6 +344,7 @@ class Simulation:
                 for rep in [*st.ready, *st.starting]:
                     rep.cpus, rep.factor = d.cpus, factor
             want = max(0, min(self.max_replicas, d.replicas))
+            st.desired = want
             have = len(st.ready) + len(st.starting)
             if want > have:
                 requests.append(ReplicaRequest(st.function, want - have, st.spec.param_bytes, st.index in key))
@@ -345,6 +352,23 @@ class Simulation:
                 self._scale_down(st, have - want, now)
         if requests:
             self._scale_up(requests, now)
+
+    def _missing(self) -> list[ReplicaRequest]:
+        """Replicas asked for and not placed yet (the gateway's ``unplaced``), as placer requests."""
+        hist = getattr(self.policy, "key_history", None) or {}
+        return [ReplicaRequest(st.function, st.desired - have, st.spec.param_bytes, st.index in hist)
+                for st in self.stages if (have := len(st.ready) + len(st.starting)) < st.desired]
+
+    def _reconcile(self, now: float) -> None:
+        """The gateway's reconcile pass: place what is still missing when a GPU has come free."""
+        self._reconcile_due = False
+        missing = self._missing()
+        if missing and any(h.gpu_used < h.gpus for h in self.hosts):
+            self._scale_up(missing, now)
+            missing = self._missing()
+        if missing:
+            self._reconcile_due = True
+            self._push(now + self.cfg.reconcile_s, _RECONCILE, None)
 
     def _scale_up(self, requests: list[ReplicaRequest], now: float) -> None:
         result = self.placer.place([h.view() for h in self.hosts], requests, self._key_history())
@@ -363,6 +387,9 @@ class Simulation:
             self.starts_by_source[rep.source] += 1
             stage.starting.append(rep)
             self._push(now + delay, _READY, rep)
+        if result.unplaced and not self._reconcile_due and self.cfg.reconcile_s > 0:
+            self._reconcile_due = True
+            self._push(now + self.cfg.reconcile_s, _RECONCILE, None)
 
     def _scale_down(self, st: _Stage, count: int, now: float) -> None:
         while count > 0 and st.starting:  # cancel the newest start first
@@ -434,6 +461,8 @@ class Simulation:
                         self._complete(payload[0], payload[1], payload[2], t)
                 elif kind == _READY:
                     self._ready(payload, t)
+                elif kind == _RECONCILE:
+                    self._reconcile(t)
                 else:
                     self._control(t)
                     if i < n or any(s.busy or s.queue for s in self.stages):
