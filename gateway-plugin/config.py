@@ -36,6 +36,10 @@ class CorrectConfig:
     start_time_alpha: float = 0.3  # EMA weight of a newly observed replica start time
     dead_time_gate: bool = True  # a backlog that drains before a new replica could start adds no replicas
     peak_rate: bool = False  # M/M/c at max(λ over the window, λ over the last second) instead of the window's λ
+    # A stage waiting for replicas the cluster has no room for (pending > max(starved_after_s, 3 × its start
+    # time)) lets idle stages (empty queue) skip their scale-down cooldown, down to what still meets their target.
+    release_when_starved: bool = True
+    starved_after_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -275,3 +275,20 @@ def test_peak_rate_option_sizes_for_the_last_second() -> None:
     window = make_policy("quart").decide(snap(0.0, s)).stages[0].replicas
     peak = make_policy("quart", correct={"peak_rate": True}).decide(snap(0.0, s)).stages[0].replicas
     assert peak > window >= 2
+
+
+def test_idle_stages_give_back_replicas_in_cooldown_when_another_stage_is_starved() -> None:
+    kw = dict(arrival_rate=10.0, service_rate=50.0, target_s=0.05, max_replicas=12, replica_start_s=0.1)
+
+    def run(stage1_pending: int) -> int:
+        policy = make_policy("quart", smooth={"enabled": False})
+        policy.decide(snap(0.0, stage(0, replicas=1, queue_len=200, mean_wait_s=2.0, **kw), stage(1, replicas=1, **kw)))
+        desired = 0
+        for t in (1.0, 2.0, 3.0, 3.5):  # stage 0 got its 12 and is idle now; stage 1 waits for its asks
+            s0 = stage(0, replicas=12, **kw)
+            s1 = stage(1, replicas=1, pending_replicas=stage1_pending, queue_len=60, mean_wait_s=1.0, **kw)
+            desired = policy.decide(snap(t, s0, s1)).stages[0].replicas
+        return desired
+
+    assert run(stage1_pending=0) == 12  # nobody waits: stage 0 keeps its replicas through the cooldown
+    assert run(stage1_pending=4) < 12  # stage 1's asks cannot be placed: idle stage 0 releases early

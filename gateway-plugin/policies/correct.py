@@ -98,7 +98,9 @@ class Corrector:
     config: CorrectConfig = field(default_factory=CorrectConfig)
     _state: dict[int, _PIDState] = field(default_factory=dict)
 
-    def correct(self, snapshot: PipelineSnapshot, stage: StageSnapshot) -> Correction:
+    def correct(self, snapshot: PipelineSnapshot, stage: StageSnapshot, release_idle: bool = False) -> Correction:
+        """``release_idle``: another stage is starved of replicas (see ``starved``), so an idle stage in its
+        cooldown may give back what it does not need now instead of holding it for the cooldown."""
         cfg = self.config
         st = self._state.setdefault(stage.index, _PIDState())
         now = snapshot.time
@@ -142,7 +144,9 @@ class Corrector:
                 desired += 1
 
         if desired < current:
-            if now - st.last_scale_up < cfg.scale_down_cooldown_s:
+            if release_idle and stage.queue_len == 0:
+                reason += " (released: another stage waits for replicas)"
+            elif now - st.last_scale_up < cfg.scale_down_cooldown_s:
                 desired = current
                 reason += " (cooldown)"
             else:
@@ -174,6 +178,14 @@ class Corrector:
         (the embedded gateway times every ask → ready), else what this corrector learned from its snapshots
         (resolution: one control period), else the configured default."""
         return stage.replica_start_s if stage.replica_start_s >= 0 else self.replica_start_s(stage.index)
+
+    def starved(self, stage: StageSnapshot, now: float) -> bool:
+        """The stage has waited for asked-for replicas much longer than a start takes: the cluster has no room
+        (the platform keeps the ask pending until a slot frees)."""
+        st = self._state.get(stage.index)
+        if st is None or st.pending_since is None or stage.pending_replicas <= 0:
+            return False
+        return now - st.pending_since > max(self.config.starved_after_s, 3 * self.dead_time_s(stage))
 
     def replica_start_s(self, index: int) -> float:
         """Learned time from asking for a replica to its being ready (config default until observed)."""

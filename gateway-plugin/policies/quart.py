@@ -45,7 +45,9 @@ class QuartPolicy:
 
     def decide(self, snapshot: PipelineSnapshot) -> Decision:
         cfg = self.config
-        corrections = [self.corrector.correct(snapshot, s) for s in snapshot.stages]
+        release = cfg.correct.release_when_starved and any(self.corrector.starved(s, snapshot.time)
+                                                             for s in snapshot.stages)
+        corrections = [self.corrector.correct(snapshot, s, release) for s in snapshot.stages]
         if cfg.backlog_lookahead:
             corrections = self._lookahead(snapshot, corrections)
         demand = [c.replicas for c in corrections]
@@ -59,7 +61,8 @@ class QuartPolicy:
                 busy_replicas = math.ceil(stage.busy / max(1, stage.concurrency))
                 keep = reclaim_target(demand, stage.index, b, stage.min_replicas, busy_replicas)
                 cooling = snapshot.time - self.corrector.last_scale_up(stage.index)
-                if keep < replicas and cooling >= cfg.correct.scale_down_cooldown_s:
+                released = release and stage.queue_len == 0
+                if keep < replicas and (cooling >= cfg.correct.scale_down_cooldown_s or released):
                     keep = max(keep, replicas - cfg.correct.max_step_down)
                     for candidate in range(keep, replicas):  # fewest replicas that still meet the target
                         new_cpus = self._compensate(stage, candidate, corr.target_s)
