@@ -218,3 +218,19 @@ def test_calibration_from_live_keysmanager_bench(tmp_path) -> None:
     path.write_text(json.dumps({"nope": 1}))
     with pytest.raises(ValueError, match="unknown calibration keys"):
         Calibration.load(path)
+
+
+def test_simulated_cache_keeps_pinned_zygotes_as_the_live_keysmanager_does() -> None:
+    from quart_tools.sim.cluster import make_hosts
+
+    def fill(pinned: frozenset[str]) -> set[str]:
+        [host] = make_hosts(1, gpus=4, memory_bytes=300, keysmanager=True, eviction_threshold=1.0)
+        host.cache_stage("a", 100, now=1.0)
+        host.cache_stage("b", 100, now=2.0)
+        host.pinned = pinned
+        host.cache_stage("c", 150, now=3.0)  # a cold start wants to cache c: something must go
+        return set(host.cache)
+
+    assert fill(frozenset()) == {"b", "c"}  # plain LRU drops a
+    assert fill(frozenset({"a"})) == {"a", "c"}  # a is a key stage's pinned zygote: b goes instead
+    assert fill(frozenset({"a", "b"})) == {"a", "b"}  # never a pinned one for a cache-after-cold

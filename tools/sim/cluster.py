@@ -48,6 +48,7 @@ class Host:
     cache: dict[str, CachedStage] = field(default_factory=dict)
     running: dict[str, int] = field(default_factory=dict)
     evictions: int = 0
+    pinned: frozenset[str] = frozenset()  # the placer's keep_cached for this host (the live KeysManager's pins)
 
     def __post_init__(self) -> None:
         self.slots = [Slot(i) for i in range(self.gpus)]
@@ -122,9 +123,11 @@ class Host:
             self.touch(function, now)
             return True
         limit = int(self.eviction_threshold * self.memory_limit)
-        entries = [CacheEntry(c.function, c.param_bytes, c.last_used, self.running.get(c.function, 0))
+        entries = [CacheEntry(c.function, c.param_bytes, c.last_used, self.running.get(c.function, 0),
+                              pinned=c.function in self.pinned)
                    for c in self.cache.values()]
-        plan = plan_eviction(entries, self.memory_used, limit, param_bytes, protect=(function,))
+        # as the live daemon's cache-after-cold: never drop a pinned (key-stage) zygote for it
+        plan = plan_eviction(entries, self.memory_used, limit, param_bytes, protect=(function,), evict_pinned=False)
         if not plan.satisfied:
             return False
         for victim in plan.evict:

@@ -372,6 +372,8 @@ class Simulation:
 
     def _scale_up(self, requests: list[ReplicaRequest], now: float) -> None:
         result = self.placer.place([h.view() for h in self.hosts], requests, self._key_history())
+        for host in self.hosts:  # keep_cached is binding, as the live gateway pins it on each KeysManager
+            host.pinned = frozenset(f for f, h in result.keep_cached if h == host.name)
         by_fn = {s.function: s for s in self.stages}
         for p in result.placements:
             stage, host = by_fn[p.function], self.host_by_name[p.host]
