@@ -130,6 +130,12 @@ class Gateway:
             raise RuntimeError(f"switching to {policy} failed: {res.status_code} {res.text}")
         return float(res.json()["time"])
 
+    def stages(self, model: str) -> list[str]:
+        """The stage functions of ``model`` in pipeline order (``com.quart.stage``)."""
+        fns = [(int(st["labels"]["com.quart.stage"]), name) for name, st in self.functions().items()
+               if st["labels"].get("com.quart.model") == model]
+        return [name for _, name in sorted(fns)]
+
     def set_param_cache(self, stages: list[str], on: bool) -> None:
         """Redeploy the stage functions with ``com.quart.keysmanager`` on/off (PUT /system/functions, as
         ``faas-cli deploy`` would); running replicas stay, the next ones start from the cache or cold."""
@@ -281,8 +287,7 @@ def run(args: argparse.Namespace) -> dict:
     latencies: dict[str, dict] = {}
     series: dict[str, dict] = {}
     try:
-        stages = [f for f, st in sorted(gw.functions().items(), key=lambda kv: int(kv[1]["labels"]["com.quart.stage"]))
-                  if st["labels"].get("com.quart.model") == MODEL]
+        stages = gw.stages(MODEL)
         gw.switch("static", {"replicas": args.start_replicas})
         gw.wait_reset(stages, args.start_replicas, timeout_s=600)
         profiled_ms, service_ms = profile(gw, args.profile_requests)

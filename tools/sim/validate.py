@@ -127,8 +127,7 @@ def live(args, arrivals, calibration_arrivals) -> dict:
     url = f"{gw.url}/function/{MODEL}"
     body = body_maker("input-ids", max_tokens=args.tokens)
     try:
-        stages = [f for f, st in sorted(gw.functions().items(), key=lambda kv: int(kv[1]["labels"]["com.quart.stage"]))
-                  if st["labels"].get("com.quart.model") == MODEL]
+        stages = gw.stages(MODEL)
         gw.switch("static", {"replicas": args.replicas})
         gw.wait_reset(stages, args.replicas)
         res = generate_load(url, calibration_arrivals, timeout_s=args.timeout, body=body, progress=False)
