@@ -212,14 +212,20 @@ def test_dispersion_spreads_key_stages_more_evenly_than_greedy():
     assert max(_per_host(dispersed).values()) <= 4
 
 
+def _random_demand(rng, stages: tuple[int, int], hosts: tuple[int, int], cap_hi: int, req_hi: int):
+    """A random dispersion instance: (S stages, M hosts, capacity per host, replicas requested per stage ≤ total)."""
+    S, M = int(rng.integers(*stages)), int(rng.integers(*hosts))
+    capacity = rng.integers(1, cap_hi, size=M).astype(float)
+    requested = rng.integers(1, req_hi, size=S).astype(float)
+    while requested.sum() > capacity.sum():
+        requested[np.argmax(requested)] -= 1
+    return S, M, capacity, requested
+
+
 def test_disperse_objective_monotone_and_capacity_respected():
     rng = np.random.default_rng(7)
     for _ in range(20):
-        S, M = int(rng.integers(1, 4)), int(rng.integers(2, 6))
-        capacity = rng.integers(1, 5, size=M).astype(float)
-        requested = rng.integers(1, 4, size=S).astype(float)
-        while requested.sum() > capacity.sum():
-            requested[np.argmax(requested)] -= 1
+        S, M, capacity, requested = _random_demand(rng, stages=(1, 4), hosts=(2, 6), cap_hi=5, req_hi=4)
         initial = np.zeros((S, M))
         initial[:, 0] = requested  # greedy that piles everything on one host
         problem = DispersionProblem(
@@ -313,11 +319,7 @@ def test_stall_stop_cuts_the_slow_tail_without_moving_placements():
     full_steps = fast_steps = same = total = 0
     losses: list[float] = []  # objective left on the table by stopping early, as a share of the full descent
     for _ in range(25):
-        S, M = int(rng.integers(1, 5)), int(rng.integers(3, 10))
-        capacity = rng.integers(1, 6, size=M).astype(float)
-        requested = rng.integers(1, 5, size=S).astype(float)
-        while requested.sum() > capacity.sum():
-            requested[np.argmax(requested)] -= 1
+        S, M, capacity, requested = _random_demand(rng, stages=(1, 5), hosts=(3, 10), cap_hi=6, req_hi=5)
         if requested.sum() == 0:
             continue
         initial = np.zeros((S, M))
