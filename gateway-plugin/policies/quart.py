@@ -84,17 +84,17 @@ class QuartPolicy:
         rho_max = self.config.correct.rho_max
         out = list(corrections)
         backlog = 0  # requests queued or in service upstream of stage i: all of them come to stage i next
-        release = math.inf  # req/s they can reach stage i at: the slowest upstream stage at its new size
+        release_rate = math.inf  # req/s they can reach stage i at: the slowest upstream stage at its new size
         for i, stage in enumerate(snapshot.stages):
             if i > 0:
                 up = snapshot.stages[i - 1]
                 backlog += up.queue_len + up.busy
-                release = min(release, servers_of(up, out[i - 1].replicas) * up.service_rate)
-            if backlog == 0 or not math.isfinite(release) or release <= 0 or stage.service_rate <= 0:
+                release_rate = min(release_rate, servers_of(up, out[i - 1].replicas) * up.service_rate)
+            if backlog == 0 or not math.isfinite(release_rate) or release_rate <= 0 or stage.service_rate <= 0:
                 continue
-            if backlog / release < self.corrector.dead_time_s(stage):
+            if backlog / release_rate < self.corrector.dead_time_s(stage):
                 continue  # gone before a new replica could serve
-            need = math.ceil(servers_for_utilisation(release, stage.service_rate, rho_max) / max(1, stage.concurrency))
+            need = math.ceil(servers_for_utilisation(release_rate, stage.service_rate, rho_max) / max(1, stage.concurrency))
             need = min(need, stage.max_replicas)
             current = stage.replicas + stage.pending_replicas
             if need > out[i].replicas:
@@ -102,14 +102,14 @@ class QuartPolicy:
                     self.corrector.note_scale_up(stage.index, snapshot.time)
                 c = out[i]
                 out[i] = replace(c, replicas=need, scaled_up=need > current,
-                                 reason=c.reason + f" backlog {backlog} upstream at {release:.0f}/s")
+                                 reason=c.reason + f" backlog {backlog} upstream at {release_rate:.0f}/s")
         return out
 
     def _compensate(self, stage, replicas: int, target_s: float) -> float | None:
         """CPUs that let ``replicas`` replicas meet the target, or None (keep Correct's count)."""
         cpu_cfg = self.config.cpu
-        gate = self.corrector.dead_time_s(stage) if self.config.correct.dead_time_gate else 0.0
         cfg = self.config.correct
+        gate = self.corrector.dead_time_s(stage) if cfg.dead_time_gate else 0.0
         if estimated_delay_s(stage, replicas, cfg.use_queue_feedback, gate, cfg.peak_rate) <= target_s:
             return stage.cpus
         if not cpu_cfg.enabled or self.cpu_model is None:
