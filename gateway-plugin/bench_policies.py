@@ -139,17 +139,13 @@ class Gateway:
     def set_param_cache(self, stages: list[str], on: bool) -> None:
         """Redeploy the stage functions with ``com.quart.keysmanager`` on/off (PUT /system/functions, as
         ``faas-cli deploy`` would); running replicas stay, the next ones start from the cache or cold."""
+        from gateway_plugin.actuators.rest import deployment_from_status
         from gateway_plugin.embedded.deployment import LABEL_KEYSMANAGER
 
         fns = self.functions()
         for name in stages:
-            f = fns[name]
-            labels = {**f.get("labels", {}), LABEL_KEYSMANAGER: "on" if on else "off"}
-            body = {"service": name, "image": f["image"], "labels": labels}
-            for key in ("namespace", "envProcess", "envVars", "annotations", "constraints", "secrets", "limits",
-                        "requests", "readOnlyRootFilesystem"):
-                if key in f:
-                    body[key] = f[key]
+            body = deployment_from_status(name, fns[name])
+            body["labels"] = {**(body.get("labels") or {}), LABEL_KEYSMANAGER: "on" if on else "off"}
             res = requests.put(f"{self.url}/system/functions", json=body, auth=self.auth, timeout=30)
             if res.status_code not in (200, 202):
                 raise RuntimeError(f"setting {LABEL_KEYSMANAGER} on {name} failed: {res.status_code} {res.text}")

@@ -17,6 +17,13 @@ DEPLOYMENT_FIELDS = ("service", "image", "namespace", "envProcess", "envVars", "
                      "labels", "annotations", "limits", "requests", "readOnlyRootFilesystem")
 
 
+def deployment_from_status(function: str, status: dict[str, Any]) -> dict[str, Any]:
+    """The ``PUT /system/functions`` body that redeploys a function as its ``FunctionStatus`` describes it."""
+    deployment = {k: status[k] for k in DEPLOYMENT_FIELDS if k in status and status[k] is not None}
+    deployment["service"] = function
+    return deployment
+
+
 @dataclass(slots=True)
 class RestActuator:
     gateway_url: str
@@ -59,9 +66,7 @@ class RestActuator:
         return await self._call("GET", f"/system/function/{function}")
 
     async def set_cpus(self, function: str, cpus: float) -> None:
-        status = await self.describe(function)
-        deployment = {k: status[k] for k in DEPLOYMENT_FIELDS if k in status and status[k] is not None}
-        deployment["service"] = function
+        deployment = deployment_from_status(function, await self.describe(function))
         limits = dict(deployment.get("limits") or {})
         limits["cpu"] = f"{cpus:g}"
         deployment["limits"] = limits
