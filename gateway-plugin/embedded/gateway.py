@@ -500,7 +500,7 @@ class EmbeddedGateway:
         calls, names = [], []
         for name in hosts:
             kept = tuple(sorted(f for f, h in result.keep_cached if h == name))
-            pin = _pinner(self.hosts[name])
+            pin = getattr(self.hosts[name], "pin", None)  # KeysManager hosts pin; process hosts have nothing to pin
             if pin is not None and self._pins.get(name, ()) != kept:
                 calls.append(asyncio.wait_for(pin(list(kept)), timeout=5.0))  # a stuck host must not stall placing
                 names.append((name, kept))
@@ -627,8 +627,3 @@ class EmbeddedGateway:
                 log.warning("stopping replica %s failed: %s", endpoint.id, exc)
         endpoint.state = "dead"
 
-
-def _pinner(host: Host) -> Callable[[list[str]], Awaitable[Any]] | None:
-    """The host's way to pin zygotes: its own ``pin``, or its KeysManager client's; None for process hosts."""
-    pin = getattr(host, "pin", None) or getattr(getattr(host, "client", None), "pin", None)
-    return pin if callable(pin) else None
