@@ -9,7 +9,6 @@ optional JSONL log (training data for the CV model) and to ``timeline`` (plots, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -23,6 +22,8 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy
 from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
+
+from keysmanager.aio import wait_event
 
 log = logging.getLogger("quart.controller")
 
@@ -103,8 +104,7 @@ class Controller:
             except Exception as exc:
                 self.errors += 1
                 log.exception("control step failed: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=max(0.0, period - (self.clock() - started)))
+            await wait_event(stop, period - (self.clock() - started))
 
 
 def snapshot_from_json(data: Mapping[str, Any]) -> PipelineSnapshot:

@@ -31,6 +31,8 @@ from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 
+from keysmanager.aio import wait_event, within
+
 log = logging.getLogger("quart.router")
 
 TIMING_HEADERS = ("X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms")
@@ -244,7 +246,7 @@ class Router:
         self.accepted += 1
         self._enqueue(job, front=False)
         try:
-            return await asyncio.wait_for(asyncio.shield(job.future), timeout=timeout + 0.5)
+            return await within(timeout + 0.5, asyncio.shield(job.future))
         except TimeoutError:
             self._abandon(job)
             return job.future.result()
@@ -297,8 +299,7 @@ class Router:
                 replica = None
             if replica is None:
                 q.wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(q.wake.wait(), timeout=self.dispatch_poll_s)
+                await wait_event(q.wake, self.dispatch_poll_s)
                 continue
             q.jobs.popleft()
             self.source.take(q.function, replica)

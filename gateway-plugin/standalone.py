@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import signal
@@ -30,6 +29,8 @@ from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import LABEL_PARAM_BYTES, LABEL_PROFILE_MS, make_actuator, policy_factory
 from gateway_plugin.router import Router, StaticReplica
 from gateway_plugin.snapshot_builder import StageState
+
+from keysmanager.aio import wait_event
 
 log = logging.getLogger("quart.standalone")
 
@@ -157,8 +158,7 @@ class StandalonePlugin:
                 await self.view.refresh(self._session)
             except Exception as exc:  # the gateway restarting must not stop the plugin
                 log.warning("refreshing functions failed: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=self.config.replica_refresh_s)
+            await wait_event(self._stop, self.config.replica_refresh_s)
 
     async def _startup(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))

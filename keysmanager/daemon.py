@@ -36,6 +36,7 @@ import psutil
 from aiohttp import web
 
 from keysmanager import sysutil
+from keysmanager.aio import within
 from keysmanager.api import ApiError, build_app
 from keysmanager.config import KeysManagerConfig
 from keysmanager.eviction import CacheEntry, plan_eviction
@@ -394,7 +395,7 @@ class KeysManager:
         self.zygotes[spec.function] = z
         self._state_dirty = True
         try:
-            hello = await asyncio.wait_for(asyncio.shield(z.ready), self.config.zygote_timeout_s)
+            hello = await within(self.config.zygote_timeout_s, asyncio.shield(z.ready))
         except (TimeoutError, RuntimeError) as exc:
             await self._drop_zygote(z, "failed to load")
             tail = _tail(log_path)
@@ -463,7 +464,7 @@ class KeysManager:
                 await self._start_preloader()  # ready for the next stage; this one starts fresh
             return None
         try:
-            await asyncio.wait_for(asyncio.shield(pre.ready), self.config.zygote_timeout_s)
+            await within(self.config.zygote_timeout_s, asyncio.shield(pre.ready))
         except (TimeoutError, RuntimeError):
             return None
         oid = next(self._order_ids)
@@ -473,7 +474,7 @@ class KeysManager:
                           "log_path": str(log_path)})
         try:
             socket.send_fds(pre.sock, [message], [theirs.fileno()])
-            answer = await asyncio.wait_for(fut, 30.0)
+            answer = await within(30.0, fut)
         except (OSError, TimeoutError):
             pre.pending.pop(oid, None)
             return None
@@ -616,7 +617,7 @@ class KeysManager:
         z.writer.write(encode({"op": "fork", "id": order_id, "replica_id": rid, "mode": mode, "survive": survive,
                                "env": self._replica_env(spec, slot), "cores": cores, "threads": threads}))
         await z.writer.drain()
-        answer = await asyncio.wait_for(fut, 30.0)
+        answer = await within(30.0, fut)
         if answer.get("op") != "forked":
             self._slots_used.discard(slot)
             raise ApiError(500, f"fork of {spec.function!r} failed: {answer.get('error')}", "spec")
@@ -693,11 +694,11 @@ class KeysManager:
         rep.state = "draining"
         self._signal(rep, signal.SIGTERM if drain else signal.SIGKILL)
         try:
-            await asyncio.wait_for(rep.died.wait(), self.config.drain_timeout_s + 2.0 if drain else 5.0)
+            await within(self.config.drain_timeout_s + 2.0 if drain else 5.0, rep.died.wait())
         except TimeoutError:
             self._signal(rep, signal.SIGKILL)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(rep.died.wait(), 5.0)
+                await within(5.0, rep.died.wait())
         return rep
 
     # ---------------------------------------------------------------- reaping and monitoring

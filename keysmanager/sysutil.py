@@ -19,9 +19,16 @@ def _prctl(option: int, arg: int) -> None:
         raise OSError(err, f"prctl({option}, {arg}) failed: {os.strerror(err)}")
 
 
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` when our parent exits (Linux). Safe as a ``preexec_fn``: libc was
+    loaded when this module was imported, so the child between fork and exec takes no loader or import lock
+    (a lock another thread of the parent held at fork time would never be released there)."""
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
 def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` when our parent exits; exit now if it already has."""
-    _prctl(_PR_SET_PDEATHSIG, int(sig))
+    set_parent_death_signal(sig)
     if os.getppid() != expected_parent:
         os._exit(70)
 

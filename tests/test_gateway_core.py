@@ -176,6 +176,38 @@ def test_rolling_update_keeps_old_replicas_until_new_ones_are_ready(tmp_path):
     asyncio.run(scenario())
 
 
+class SlowHost(FakeHost):
+    """A host whose replica listing and starts take a while, so a start can finish during a poll."""
+
+    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+        await asyncio.sleep(0.02)
+        return await super().start(spec, count)
+
+    async def replicas(self) -> list[ReplicaStatus]:
+        listing = list(self.replicas_.values())  # what the host knew when asked
+        await asyncio.sleep(0.05)
+        return listing
+
+
+def test_a_replica_started_during_a_poll_is_kept(tmp_path):
+    """The reconcile must not drop (and so orphan, and start again) a replica whose start finished after it
+    polled the hosts: the answer could not list it."""
+    host = SlowHost("h")
+
+    async def go():
+        gw = make(tmp_path, [host])
+        fn = await gw.deploy(dep("f"))
+        await gw.reconcile()  # places the first replica; its start runs in the background
+        await gw.reconcile()  # polls while that start finishes
+        assert len(fn.replicas) == 1, "the replica started during the poll was dropped"
+        for _ in range(3):
+            await gw.reconcile()
+        assert len(host.started) == 1 and not host.stopped, (len(host.started), host.stopped)
+        await gw.close()
+
+    asyncio.run(go())
+
+
 def test_invoke_hooks_and_pipelines(tmp_path):
     async def scenario():
         gw = make(tmp_path, [FakeHost("h0")])

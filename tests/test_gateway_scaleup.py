@@ -18,6 +18,8 @@ from gateway_plugin.embedded.deployment import LABEL_KEYSMANAGER, FunctionDeploy
 from gateway_plugin.embedded.stack import load_stack
 from gateway_plugin.embedded.system import EmbeddedSystem
 
+from keysmanager.aio import within
+
 READY_BOUND_S = 2.0  # generous: measured 30–80 ms on the shared 2-core machine, even with 3 CPU burners
 
 
@@ -62,7 +64,7 @@ async def _scale_up_timings(stack_path, state_dir) -> dict:
         body = json.dumps({"input_ids": [[1, 2, 3, 4]]}).encode()
         first.in_flight += 1  # the old replica is busy: least-loaded routing must pick the new one
         try:
-            async with aiohttp.ClientSession() as session, session.post(
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session, session.post(
                     f"{system.url}/function/{name}", data=body, headers={"Content-Type": "application/json"}) as res:
                 assert res.status == 200, await res.text()
                 await res.read()
@@ -83,7 +85,10 @@ async def _scale_up_timings(stack_path, state_dir) -> dict:
         return {"ready_s": ready_s, "served_s": served_s, "new_served": new.served, "sources": sources,
                 "kept": first in fn.ready and new in fn.ready}
     finally:
-        await system.stop()
+        try:
+            await within(60, system.stop())
+        except TimeoutError:  # a bounded failure that names the step, not the suite's 300 s timeout
+            pytest.fail("the embedded system did not stop within 60 s")
 
 
 def test_scale_up_to_ready_and_first_traffic_is_fast(emulated_stack, tmp_path):

@@ -19,6 +19,8 @@ from typing import Any
 from gateway_plugin.actuators import ActuatorError
 from gateway_plugin.actuators.rest import RestActuator
 
+from keysmanager.aio import within
+
 LABEL_MIN = "com.openfaas.scale.min"
 LABEL_MAX = "com.openfaas.scale.max"
 
@@ -82,7 +84,7 @@ class FaasCliActuator:
         except FileNotFoundError:
             raise ActuatorError(f"{argv[0]} is not on PATH; install faas-cli or use the rest actuator") from None
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(stdin), timeout=self.timeout_s)
+            out, _ = await within(self.timeout_s, proc.communicate(stdin))
         except TimeoutError:
             proc.kill()
             await proc.wait()

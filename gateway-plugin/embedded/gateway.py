@@ -32,6 +32,8 @@ from gateway_plugin.embedded.metrics import GatewayMetrics
 from gateway_plugin.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 from gateway_plugin.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 
+from keysmanager.aio import wait_event, within
+
 log = logging.getLogger("quart.gateway")
 
 InvokeHook = Callable[[Any, str, str], Awaitable[Any]]  # (aiohttp request, name, sub-path) → response | None
@@ -143,6 +145,7 @@ class EmbeddedGateway:
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []
         self.key_history: dict[str, int] = {}
         self._kick = asyncio.Event()
+        self._closing = False
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._host_views: dict[str, HostView] = {}
@@ -159,6 +162,8 @@ class EmbeddedGateway:
         for callback in reversed(self.shutdown_callbacks):
             with contextlib.suppress(Exception):
                 await callback()
+        self._closing = True
+        self.kick()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -328,8 +333,8 @@ class EmbeddedGateway:
                     break
                 fut = loop.create_future()
                 fn.wakeups.append(fut)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(fut, timeout=remaining)
+                with contextlib.suppress(TimeoutError):
+                    await within(remaining, fut)
                 endpoint = self.acquire_nowait(fn)
                 if endpoint is not None:
                     return endpoint
@@ -376,20 +381,20 @@ class EmbeddedGateway:
     # ---------------------------------------------------------------- reconciliation
 
     async def _reconcile_forever(self) -> None:
-        while True:
+        while not self._closing:  # close() also cancels; the flag stops the loop if a cancel is ever lost
             try:
                 await self.reconcile()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a host down must not stop the loop
                 log.warning("reconcile failed: %s", exc)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), timeout=self.config.reconcile_interval_s)
+            await wait_event(self._kick, self.config.reconcile_interval_s)
             self._kick.clear()
 
     async def reconcile(self) -> None:
         """One pass: poll hosts, drop dead replicas, start missing ones, stop surplus, roll updates."""
         names = list(self.hosts)
+        polled_at = time.monotonic()
         results = await asyncio.gather(*(self.hosts[n].replicas() for n in names), return_exceptions=True)
         seen: dict[str, ReplicaStatus] = {}
         polled_hosts: set[str] = set()
@@ -405,7 +410,8 @@ class EmbeddedGateway:
             for endpoint in list(fn.replicas.values()):
                 status = seen.get(endpoint.id)
                 if status is None or status.state == "dead":
-                    if endpoint.host in polled_hosts:
+                    # a replica whose start finished while the hosts were being polled is not in their answers
+                    if endpoint.host in polled_hosts and endpoint.started_at < polled_at:
                         del fn.replicas[endpoint.id]
                         changed = True
                     continue
@@ -502,7 +508,7 @@ class EmbeddedGateway:
             kept = tuple(sorted(f for f, h in result.keep_cached if h == name))
             pin = getattr(self.hosts[name], "pin", None)  # KeysManager hosts pin; process hosts have nothing to pin
             if pin is not None and self._pins.get(name, ()) != kept:
-                calls.append(asyncio.wait_for(pin(list(kept)), timeout=5.0))  # a stuck host must not stall placing
+                calls.append(within(5.0, pin(list(kept))))  # a stuck host must not stall placing
                 names.append((name, kept))
         for (name, kept), outcome in zip(names, await asyncio.gather(*calls, return_exceptions=True), strict=True):
             if isinstance(outcome, BaseException):

@@ -28,6 +28,9 @@ from typing import Literal, Protocol
 import aiohttp
 from gateway_plugin.scheduling.types import HostView
 
+from keysmanager.aio import within
+from keysmanager.sysutil import set_parent_death_signal
+
 ReplicaState = Literal["starting", "ready", "draining", "dead"]
 LISTEN_FD_ENV = "QUART_LISTEN_FD"  # a process runnable serves HTTP on this inherited socket
 
@@ -97,20 +100,6 @@ def thread_env(cpus: float | None) -> dict[str, str]:
     return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "QUART_THREADS": threads}
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In a child between fork and exec: get SIGTERM when the parent dies (Linux), so no orphan survives
-    a gateway that was killed without a chance to clean up."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-
-
 @dataclass(slots=True)
 class _Child:
     status: ReplicaStatus
@@ -163,7 +152,7 @@ class ProcessHost:
         memory = spec.memory_bytes
 
         def limit_child() -> None:  # runs in the child between fork and exec
-            die_with_parent()
+            set_parent_death_signal()
             if cores:
                 os.sched_setaffinity(0, cores)
             if memory:
@@ -235,7 +224,7 @@ async def _terminate(process: asyncio.subprocess.Process, grace_s: float = 5.0) 
         deadline = time.monotonic() + grace_s
         while process.returncode is None and time.monotonic() < deadline:
             try:
-                await asyncio.wait_for(process.wait(), timeout=max(0.01, deadline - time.monotonic()))
+                await within(max(0.01, deadline - time.monotonic()), process.wait())
             except TimeoutError:
                 break
         if process.returncode is None:

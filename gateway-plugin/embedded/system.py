@@ -25,8 +25,10 @@ from gateway_plugin.embedded.auth import Credentials, load_or_create
 from gateway_plugin.embedded.config import GatewayConfig
 from gateway_plugin.embedded.deployment import FunctionDeployment
 from gateway_plugin.embedded.gateway import EmbeddedGateway
-from gateway_plugin.embedded.hosts import Host, ProcessHost, die_with_parent
+from gateway_plugin.embedded.hosts import Host, ProcessHost
 from gateway_plugin.embedded.stack import Stack
+
+from keysmanager.sysutil import set_parent_death_signal
 
 log = logging.getLogger("quart.up")
 STATE_FILE = "up.json"
@@ -112,7 +114,7 @@ class EmbeddedSystem:
             argv = [sys.executable, "-m", "quart_tools.cli", "keysmanager", "--socket", str(sock), "--name", name,
                     "--memory-limit", str(cfg.host_memory_bytes), "--gpus", str(cfg.gpus_per_host)]
             process = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, preexec_fn=die_with_parent)
+                                       start_new_session=True, preexec_fn=set_parent_death_signal)
             logfile.close()
             self.agents.append(_Agent(name, sock, process))
         hosts = [KeysManagerHost(a.name, str(a.socket), cfg.gpus_per_host, cfg.host_memory_bytes) for a in self.agents]
