@@ -20,15 +20,14 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from gateway_plugin.embedded.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
 from gateway_plugin.embedded.auth import Credentials
 from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError, bad, parse_json_object
 from gateway_plugin.embedded.gateway import EmbeddedGateway, ServiceUnavailable
+from gateway_plugin.embedded.headers import forwardable
+from yarl import URL
 
 VERSION = "0.1.0"
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length",
-})
 GATEWAY_KEY = web.AppKey("gateway", EmbeddedGateway)
 
 
@@ -56,6 +55,8 @@ class GatewayAPI:
         self.session: aiohttp.ClientSession | None = None
         self._call_ids = itertools.count(1)
         self._call_prefix = f"{os.getpid():x}{int(time.time()):x}"
+        self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
+                                        self.config.async_timeout_s)
 
     # ------------------------------------------------------------ app wiring
 
@@ -73,6 +74,7 @@ class GatewayAPI:
         r.add_get("/system/namespaces", self.system(self.namespaces))
         r.add_get("/system/replicas/{name}", self.system(self.replicas))
         r.add_route("*", "/async-function/{name}", self.system(self.async_invoke, auth=False))
+        r.add_route("*", "/async-function/{name}/{tail:.*}", self.system(self.async_invoke, auth=False))
         r.add_route("*", "/function/{name}", self.invoke)
         r.add_route("*", "/function/{name}/{tail:.*}", self.invoke)
         app.on_startup.append(self._startup)
@@ -88,6 +90,7 @@ class GatewayAPI:
             await self.gateway.start()
 
     async def _cleanup(self, app: web.Application) -> None:
+        await self.async_calls.close(drain_s=min(5.0, self.config.drain_timeout_s))
         if not self.provider:
             await self.gateway.close()
         if self.session is not None:
@@ -202,8 +205,42 @@ class GatewayAPI:
                                   "replicas": [e.to_json() for e in fn.replicas.values()]})
 
     async def async_invoke(self, request: web.Request) -> web.Response:
-        return error_response(501, "asynchronous invocation needs a queue worker, which the embedded gateway "
-                                   "does not run; use /function/{name}")
+        """``POST /async-function/{name}``: 202 + ``X-Call-Id`` now, the call later (see :mod:`.async_calls`)."""
+        if request.method != "POST":
+            return error_response(405, f"asynchronous invocation takes POST, not {request.method}", "method",
+                                  headers={"Allow": "POST"})
+        name = request.match_info["name"]
+        base, _, namespace = name.partition(".")
+        if namespace and namespace != self.config.namespace:
+            return error_response(404, f"namespace {namespace!r} does not exist", "namespace")
+        if base not in self.gateway.functions and base not in self.gateway.pipelines():
+            return error_response(404, f"function {base!r} not found", "functionName")
+        try:
+            callback = parse_callback(request.headers.get(CALLBACK_HEADER))
+        except ValueError as exc:
+            return error_response(400, str(exc), CALLBACK_HEADER)
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return error_response(413, f"request body of {request.content_length} bytes is over the {limit}-byte "
+                                       "limit", "body")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"request body is over the {limit}-byte limit", "body")
+        host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
+        tail = request.match_info.get("tail", "")
+        url = URL.build(scheme="http", host=host, port=port, path=f"/function/{name}" + (f"/{tail}" if tail else ""),
+                        query_string=request.query_string)
+        call_id = f"{self._call_prefix}-{next(self._call_ids)}"
+        headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
+        headers["X-Call-Id"] = call_id
+        if not self.async_calls.submit(AsyncCall(call_id, name, url, headers, body, callback)):
+            if self.async_calls.closed:
+                return error_response(503, "the gateway is stopping", None,
+                                      headers={"Retry-After": str(self.config.retry_after_s)})
+            return error_response(429, f"the async queue is full ({self.async_calls.capacity} calls wait); retry "
+                                       "later", None, headers={"Retry-After": str(self.config.retry_after_s)})
+        return web.Response(status=202, headers={"X-Call-Id": call_id})
 
     # ------------------------------------------------------------ /function (the proxy)
 
@@ -234,7 +271,7 @@ class GatewayAPI:
         metrics.invocation_started(metric_name)
         start = time.perf_counter()
         call_id = f"{self._call_prefix}-{next(self._call_ids)}"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = forwardable(request.headers.items())
         headers["X-Call-Id"] = call_id
         headers["X-Forwarded-Host"] = request.host
         path = f"/{tail}?{request.query_string}" if request.query_string else f"/{tail}"
@@ -250,7 +287,7 @@ class GatewayAPI:
                                                 headers=headers) as upstream:
                     payload = await upstream.read()
                     status = upstream.status
-                    out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+                    out_headers = forwardable(upstream.headers.items())
                 break
             except aiohttp.ClientConnectorError as exc:
                 gateway.mark_unreachable(fn, endpoint)

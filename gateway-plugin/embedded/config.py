@@ -37,6 +37,9 @@ class GatewayConfig:
     upstream_timeout_s: float = 300.0  # one proxied request to a replica
     drain_timeout_s: float = 30.0  # a replica being stopped finishes its in-flight requests within this
     start_timeout_s: float = 120.0  # a replica not ready after this is stopped and replaced
+    async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)
+    async_queue_cap: int = 10_000  # /async-function calls accepted and waiting; more → 429
+    async_timeout_s: float = 600.0  # one async call (its callback has 30 s more)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> GatewayConfig:

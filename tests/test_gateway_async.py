@@ -1,0 +1,154 @@
+"""``POST /async-function/{name}``: 202 + X-Call-Id, the call runs later, its result goes to X-Callback-Url."""
+
+from __future__ import annotations
+
+import http.server
+import queue
+import threading
+import time
+
+import pytest
+import requests
+from embedded_system import ThreadedSystem
+
+
+class CallbackServer:
+    """Collects the callbacks (headers, body) on a loopback port; ``hold`` makes it answer only when released."""
+
+    def __init__(self) -> None:
+        self.received: queue.Queue[tuple[dict[str, str], bytes]] = queue.Queue()
+        self.release = threading.Event()
+        self.release.set()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.received.put(({k: v for k, v in self.headers.items()}, body))
+                outer.release.wait(30)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/done"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def next(self, timeout: float = 20.0) -> tuple[dict[str, str], bytes]:
+        return self.received.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def callbacks():
+    server = CallbackServer()
+    yield server
+    server.close()
+
+
+def _deploy(system: ThreadedSystem, name: str, **labels: str) -> None:
+    body = {"service": name, "image": "quart/echo:latest", "labels": labels}
+    res = requests.post(f"{system.url}/system/functions", json=body, auth=system.auth, timeout=30)
+    assert res.status_code == 202, res.text
+
+
+def _wait_available(system: ThreadedSystem, name: str, count: int = 1) -> None:
+    deadline = time.monotonic() + 30
+    while requests.get(f"{system.url}/system/function/{name}", auth=system.auth,
+                       timeout=10).json()["availableReplicas"] < count:
+        assert time.monotonic() < deadline, f"{name} never became ready"
+        time.sleep(0.05)
+
+
+def test_async_call_is_accepted_then_calls_back_with_the_result(tmp_path, callbacks):
+    system = ThreadedSystem(tmp_path)
+    try:
+        _deploy(system, "echo")
+        _wait_available(system, "echo")
+        res = requests.post(f"{system.url}/async-function/echo/sub/path?x=1", data=b"hello async",
+                            headers={"X-Callback-Url": callbacks.url, "Content-Type": "text/plain"}, timeout=10)
+        assert res.status_code == 202 and res.content == b"", res.text
+        call_id = res.headers["X-Call-Id"]
+        headers, body = callbacks.next()
+        assert body == b"hello async"
+        assert headers["X-Call-Id"] == call_id and headers["X-Function-Name"] == "echo"
+        assert headers["X-Function-Status"] == "200" and float(headers["X-Duration-Seconds"]) >= 0
+        # the same call through the namespace-qualified name, without a callback: accepted, runs, nobody told
+        res = requests.post(f"{system.url}/async-function/echo.openfaas-fn", data=b"x", timeout=10)
+        assert res.status_code == 202
+        deadline = time.monotonic() + 10
+        while requests.get(f"{system.url}/system/functions", auth=system.auth,
+                           timeout=10).json()[0]["invocationCount"] < 2:
+            assert time.monotonic() < deadline, "the async call without a callback never ran"
+            time.sleep(0.05)
+    finally:
+        system.close()
+
+
+def test_async_call_errors_name_what_is_wrong(tmp_path):
+    system = ThreadedSystem(tmp_path)
+    try:
+        _deploy(system, "echo")
+        res = requests.get(f"{system.url}/async-function/echo", timeout=10)
+        assert res.status_code == 405 and res.headers["Allow"] == "POST"
+        res = requests.post(f"{system.url}/async-function/nope", data=b"x", timeout=10)
+        assert res.status_code == 404 and "nope" in res.json()["error"]
+        res = requests.post(f"{system.url}/async-function/echo.other-ns", data=b"x", timeout=10)
+        assert res.status_code == 404 and res.json()["field"] == "namespace"
+        res = requests.post(f"{system.url}/async-function/echo", data=b"x",
+                            headers={"X-Callback-Url": "ftp://example/x"}, timeout=10)
+        assert res.status_code == 400 and res.json()["field"] == "X-Callback-Url"
+        assert requests.get(f"{system.url}/healthz", timeout=10).status_code == 200  # still serving
+    finally:
+        system.close()
+
+
+def test_a_full_async_queue_answers_429_and_stopping_calls_back_503(tmp_path, callbacks):
+    system = ThreadedSystem(tmp_path, async_workers=1, async_queue_cap=1)
+    try:
+        _deploy(system, "echo")
+        _wait_available(system, "echo")
+        callbacks.release.clear()  # the one worker stays busy delivering the first callback
+        post = lambda body: requests.post(f"{system.url}/async-function/echo", data=body,  # noqa: E731
+                                          headers={"X-Callback-Url": callbacks.url}, timeout=10)
+        assert post(b"first").status_code == 202
+        assert callbacks.next()[1] == b"first"  # the worker is now held in that callback
+        assert post(b"second").status_code == 202  # waits in the queue (capacity 1)
+        full = post(b"third")
+        assert full.status_code == 429 and full.headers["Retry-After"] and "queue" in full.json()["error"]
+    finally:
+        callbacks.release.set()
+        system.close()
+    # "second" ran once the worker was free, or got its 503 when the gateway stopped: never silence
+    headers, body = callbacks.next()
+    assert (headers["X-Function-Status"], body) == ("200", b"second") or headers["X-Function-Status"] == "503"
+
+
+def test_an_async_call_to_a_model_goes_through_the_pipeline(tmp_path, callbacks, monkeypatch):
+    monkeypatch.setenv("QUART_POLICY", "static")
+    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
+    system = ThreadedSystem(tmp_path, attach_plugin=True)
+    try:
+        for i in range(2):
+            _deploy(system, f"m-stage-{i}", **{"com.quart.model": "m", "com.quart.stage": str(i),
+                                              "com.quart.stages": "2", "com.openfaas.scale.min": "1"})
+        for i in range(2):
+            _wait_available(system, f"m-stage-{i}")
+        res = requests.post(f"{system.url}/async-function/m", data=b"through both stages",
+                            headers={"X-Callback-Url": callbacks.url}, timeout=10)
+        assert res.status_code == 202, res.text
+        headers, body = callbacks.next()
+        assert (headers["X-Function-Status"], body) == ("200", b"through both stages")
+        assert headers["X-Function-Name"] == "m" and headers["X-Call-Id"] == res.headers["X-Call-Id"]
+        listing = requests.get(f"{system.url}/system/functions", auth=system.auth, timeout=10).json()
+        assert {f["name"]: f["invocationCount"] for f in listing} == {"m-stage-0": 1, "m-stage-1": 1}
+    finally:
+        system.close()
