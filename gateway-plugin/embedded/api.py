@@ -120,6 +120,17 @@ class GatewayAPI:
             raise RequestError(413, f"request body is over the {limit}-byte limit", "body")
         return parse_json_object(raw)
 
+    async def _invocation_body(self, request: web.Request) -> bytes:
+        """The body of a /function or /async-function call; 413 over ``max_body_bytes``."""
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit",
+                               "body")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(413, f"request body is over the {limit}-byte limit", "body") from None
+
     def _check_namespace(self, namespace: str | None) -> None:
         if namespace and namespace != self.config.namespace:
             raise bad(f"namespace {namespace!r} does not exist; this gateway has {self.config.namespace!r}",
@@ -219,14 +230,7 @@ class GatewayAPI:
             callback = parse_callback(request.headers.get(CALLBACK_HEADER))
         except ValueError as exc:
             return error_response(400, str(exc), CALLBACK_HEADER)
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            return error_response(413, f"request body of {request.content_length} bytes is over the {limit}-byte "
-                                       "limit", "body")
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"request body is over the {limit}-byte limit", "body")
+        body = await self._invocation_body(request)
         host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
         tail = request.match_info.get("tail", "")
         url = URL.build(scheme="http", host=host, port=port, path=f"/function/{name}" + (f"/{tail}" if tail else ""),
@@ -259,14 +263,10 @@ class GatewayAPI:
                 if response is not None:
                     return response
             return error_response(404, f"function {name!r} not found", "functionName")
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            return error_response(413, f"request body of {request.content_length} bytes is over the {limit}-byte "
-                                       "limit", "body")
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(413, f"request body is over the {limit}-byte limit", "body")
+            body = await self._invocation_body(request)
+        except RequestError as exc:
+            return _request_error(exc, self.config.retry_after_s)
         metrics, metric_name = gateway.metrics, fn.metric_name
         metrics.invocation_started(metric_name)
         start = time.perf_counter()
