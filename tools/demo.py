@@ -323,17 +323,19 @@ async def coexist(demo: Demo, target: str, index: int, since: float | None, conf
           f"watching its decisions for {target} for up to {watch_s:g} s ...")
     desired, reason = await demo.watch_controller(target, index, since, watch_s)
     if desired >= 2:
-        print(f"  it keeps {desired} replica(s) ({reason or 'no change'}): the manual scale stands")
-        return
-    print(f"  it set {target} back to {desired} replica(s) ({reason}): with no load the stage needs one; a "
-          "manual replica count is only a starting point for an autoscaler, as in OpenFaaS")
-    print("  pinning a floor instead: PUT /system/functions with com.openfaas.scale.min=2 (the autoscaler never "
-          "goes below scale.min; only a label changes, so no replica restarts)")
+        print(f"  it keeps {desired} replica(s) so far ({reason or 'no change'}); with no load it releases the extra "
+              "one after its scale-down cool-down: a manual replica count is only a starting point for an "
+              "autoscaler, as in OpenFaaS")
+    else:
+        print(f"  it set {target} back to {desired} replica(s) ({reason}): with no load the stage needs one; a "
+              "manual replica count is only a starting point for an autoscaler, as in OpenFaaS")
+    print("  pinning a floor: PUT /system/functions with com.openfaas.scale.min=2 (the autoscaler never goes below "
+          "scale.min; only a label changes, so no replica restarts)")
     await demo.pin_floor(target, 2)
     started = time.perf_counter()
     await demo.wait_available([target], {target: 2}, timeout_s=60)
-    print(f"  {target}: 2 replicas available again after {time.perf_counter() - started:.2f} s, kept by the "
-          "autoscaler from now on")
+    print(f"  {target}: 2 replicas available after {time.perf_counter() - started:.2f} s, kept by the autoscaler "
+          "from now on")
 
 
 def main(argv: list[str]) -> int:
