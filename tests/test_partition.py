@@ -73,9 +73,9 @@ def test_random_weights_are_deterministic_by_seed(tmp_path):
     assert [s.sha256 for s in a.stages] == [s.sha256 for s in b.stages] != [s.sha256 for s in c.stages]
 
 
-def _chain(out: str, ids: torch.Tensor) -> torch.Tensor:
+def _chain(out: str, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     m = Manifest.load(out)
-    body = wire.encode_bytes({"input_ids": ids})
+    body = wire.encode_bytes({"input_ids": ids} if mask is None else {"input_ids": ids, "attention_mask": mask})
     for i in range(m.num_stages):
         r = StageRuntime.load(StageConfig(model_dir=out, stage_index=i)).handle(body, {})
         assert r.status == 200, r.body
@@ -119,6 +119,13 @@ def test_hf_checkpoint_folder_partitions_lazily_and_matches(tmp_path, kind):
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     assert (_chain(out, ids) - expected).abs().max().item() <= 1e-5
+    # a padded batch (left-padded row 0, right-padded row 1) with its attention_mask: the same as the whole
+    # model given the same mask, at every real token (padding positions carry no meaning)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert (_chain(out, ids, mask)[real] - expected[real]).abs().max().item() <= 1e-5
 
 
 def test_stage_size_helper_hits_the_target(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import statistics
@@ -135,8 +136,46 @@ def test_text_input_uses_the_tokenizer_and_json_output(tiny2):
     r = rt.handle(b'{"text": "abc"}', {"Content-Type": "application/json"})
     assert r.status == 200
     assert wire.decode(r.body).tensors["hidden_states"].shape == (1, 3, 64)
+    # texts of different lengths: padded on the right, with an attention_mask that travels to the next stage
     r = rt.handle(b'{"text": ["ab", "abc"]}', {"Content-Type": "application/json"})
-    assert r.status == 400 and b"different lengths" in r.body
+    assert r.status == 200, r.body
+    out = wire.decode(r.body).tensors
+    assert out["hidden_states"].shape == (2, 3, 64)
+    assert out["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_a_padded_batch_gives_each_text_what_it_gets_alone(tiny2):
+    """Through both stages, a padded batch's real positions equal each text run unpadded (right padding)."""
+    rts = [StageRuntime.load(StageConfig(model_dir=tiny2, stage_index=i)) for i in range(2)]
+
+    def run(body: bytes, ctype: str) -> dict:
+        for rt in rts:
+            r = rt.handle(body, {"Content-Type": ctype})
+            assert r.status == 200, r.body
+            body, ctype = r.body, wire.CONTENT_TYPE
+        return wire.decode(body).tensors
+
+    batch = run(b'{"text": ["a", "abcd", "ab"]}', "application/json")
+    assert batch["attention_mask"].tolist() == [[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
+    for row, text in enumerate(["a", "abcd", "ab"]):
+        alone = run(json.dumps({"text": text}).encode(), "application/json")["logits"][0]
+        assert (batch["logits"][row, : len(text)] - alone).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("mask, field_error", [
+    ([[1, 1]], "shape must be [1, 3]"),
+    ([[1, 2, 0]], "0 (padding) or 1"),
+    ([[0, 0, 0]], "at least one token"),
+])
+def test_bad_attention_masks_are_400_naming_the_field(tiny2, mask, field_error):
+    rt = StageRuntime.load(StageConfig(model_dir=tiny2, stage_index=0))
+    r = rt.handle(json.dumps({"input_ids": [[1, 2, 3]], "attention_mask": mask}).encode(),
+                  {"Content-Type": "application/json"})
+    assert r.status == 400, r.body
+    doc = json.loads(r.body)
+    assert doc["field"] == "attention_mask" and field_error in doc["error"]
+    r = rt.handle(b'{"input_ids": [[1, 2], [3]]}', {"Content-Type": "application/json"})
+    assert r.status == 400 and b"attention_mask" in r.body  # ragged rows: the error says how to pad
 
 
 FORK_SCRIPT = textwrap.dedent("""

@@ -149,7 +149,8 @@ class StageModule(nn.Module):
     """Layers ``[start, end)`` of the layer list of one model, and their forward.
 
     Built from a meta skeleton: only the stage's submodules are kept, and their tensors are attached by
-    reference. Inputs: ``input_ids`` (stage holding the embeddings) or ``hidden_states``; output:
+    reference. Inputs: ``input_ids`` (stage holding the embeddings) or ``hidden_states``, and optionally
+    ``attention_mask`` (batch × sequence, 1 = token, 0 = padding) for padded batches; output:
     ``hidden_states`` or, for the stage holding the head, ``logits``.
     """
 
@@ -209,17 +210,18 @@ class StageModule(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        mask = inputs.get("attention_mask")
         if self.has_embed:
-            hidden = self._embed(inputs)
+            hidden = self._embed(inputs, mask)
         else:
             hidden = inputs["hidden_states"]
         if len(self.blocks):
-            hidden = self._blocks(hidden)
+            hidden = self._blocks(hidden, mask)
         if self.has_head:
             hidden = self._head(hidden)
         return hidden
 
-    def _embed(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def _embed(self, inputs: Mapping[str, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
         ids = inputs["input_ids"]
         if self.plan.model_type == "bert":
             return self.embed["bert_embeddings"](input_ids=ids, token_type_ids=inputs.get("token_type_ids"))
@@ -227,29 +229,48 @@ class StageModule(nn.Module):
             hidden = self.embed["model_decoder_embed_tokens"](ids)
             if "model_decoder_project_in" in self.embed:
                 hidden = self.embed["model_decoder_project_in"](hidden)
-            mask = torch.ones(ids.shape, dtype=torch.long, device=ids.device)
-            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+            positions = self._opt_positions(ids, mask)
             return hidden + self.embed["model_decoder_embed_positions"](mask, 0, position_ids=positions)
         return self.embed["model_embed_tokens"](ids)
 
-    def _blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _opt_positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """OPT's learned positions count the tokens before each one (padding skipped), as OPTDecoder does."""
+        if mask is None:
+            return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return (torch.cumsum(mask, dim=1) * mask - 1).long()
+
+    def _blocks(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        kwargs: dict = {}
-        if self.plan.model_type == "opt":
-            kwargs = {"position_ids": positions}
-        elif self.plan.family == "decoder":
-            kwargs = {"position_ids": positions, "position_embeddings": self.rotary(hidden, positions)}
-            window = getattr(self.cfg, "sliding_window", None) if self.plan.model_type == "mistral" else None
-            if window and hidden.shape[1] > window:
-                # SDPA's is_causal knows no window: pass the causal sliding-window mask (True = attend)
-                q = torch.arange(hidden.shape[1], device=hidden.device)
-                offset = q[:, None] - q[None, :]
-                kwargs["attention_mask"] = ((offset >= 0) & (offset < window))[None, None]
-        kwargs.setdefault("attention_mask", None)
-        for block in self.blocks:
-            out = block(hidden, **kwargs)
+        kwargs: dict = {"position_ids": positions}
+        if self.plan.family == "decoder" and self.plan.model_type != "opt":
+            kwargs["position_embeddings"] = self.rotary(hidden, positions)
+        for block, block_mask in zip(self.blocks, self._attention_masks(hidden, mask, positions), strict=True):
+            out = block(hidden, attention_mask=block_mask, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+    def _attention_masks(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> list:
+        """Each block's attention mask, built by transformers' own mask functions exactly as the whole model
+        builds it: padding (``mask``), causality, Mistral's and Qwen2's sliding windows. None where SDPA's
+        ``is_causal`` (or no mask at all) is enough."""
+        from transformers import masking_utils
+
+        if self.plan.family == "encoder":
+            return [masking_utils.create_bidirectional_mask(config=self.cfg, inputs_embeds=hidden,
+                                                            attention_mask=mask)] * len(self.blocks)
+        args = {"config": self.cfg, "inputs_embeds": hidden, "attention_mask": mask, "past_key_values": None}
+        if self.plan.model_type != "opt":  # OPTDecoder passes no position ids to its mask
+            args["position_ids"] = positions
+        if self.plan.model_type == "mistral" and getattr(self.cfg, "sliding_window", None) is not None:
+            return [masking_utils.create_sliding_window_causal_mask(**args)] * len(self.blocks)
+        full = masking_utils.create_causal_mask(**args)
+        types = getattr(self.cfg, "layer_types", None) if self.plan.model_type == "qwen2" else None
+        if not types or "sliding_attention" not in types:
+            return [full] * len(self.blocks)
+        sliding = masking_utils.create_sliding_window_causal_mask(**args)
+        return [sliding if types[self.block_offset + i] == "sliding_attention" else full
+                for i in range(len(self.blocks))]
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         for module in self.head.values():

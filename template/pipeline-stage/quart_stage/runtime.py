@@ -32,6 +32,7 @@ from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.presets import paper_profile
 
 INPUT_IDS, TOKEN_TYPE_IDS, HIDDEN, LOGITS = "input_ids", "token_type_ids", "hidden_states", "logits"
+ATTENTION_MASK = "attention_mask"  # batch × sequence, 1 = token, 0 = padding; every stage passes it on
 JSON_TYPE = "application/json"
 JSON_DATA_LIMIT = 1 << 16
 """JSON responses carry the output values only up to this many elements (always shape, dtype, argmax)."""
@@ -221,13 +222,15 @@ class StageRuntime:
                                       {**base, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1)})
         t2 = time.perf_counter()
         name = LOGITS if self.shape.gives_logits else HIDDEN
+        mask = inputs.get(ATTENTION_MASK)
         if JSON_TYPE in headers.get("accept", "") and wire.CONTENT_TYPE not in headers.get("accept", ""):
-            chunks = [json.dumps(self._json_output(name, output, request_id)).encode()]
+            chunks = [json.dumps(self._json_output(name, output, request_id, mask)).encode()]
             ctype = JSON_TYPE
         else:
             meta = {"model": self.model, "stage": str(self.stage_index + 1), "producer": str(self.stage_index),
                     "request_id": request_id}
-            chunks = wire.encode_chunks({name: output}, meta)
+            outputs = {name: output} if mask is None else {name: output, ATTENTION_MASK: mask}  # for the next stage
+            chunks = wire.encode_chunks(outputs, meta)
             ctype = wire.CONTENT_TYPE
         t3 = time.perf_counter()
         base.update({"Content-Type": ctype, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1, t2), H_SER: _ms(t2, t3)})
@@ -267,21 +270,25 @@ class StageRuntime:
             raise StageInputError("body", "body is not valid JSON") from None
         if not isinstance(doc, dict):
             raise StageInputError("body", 'JSON input must be an object like {"input_ids": [[1, 2, 3]]}')
-        unknown = set(doc) - {INPUT_IDS, TOKEN_TYPE_IDS, "text"}
+        unknown = set(doc) - {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, "text"}
         if unknown:
-            raise StageInputError(sorted(unknown)[0], "unknown field; expected input_ids, token_type_ids or text")
+            raise StageInputError(sorted(unknown)[0], "unknown field; expected input_ids, token_type_ids, "
+                                                      "attention_mask or text")
         if "text" in doc:
-            if INPUT_IDS in doc:
-                raise StageInputError("text", "send either text or input_ids, not both")
-            return {INPUT_IDS: self._tokenize(doc["text"])}
+            if INPUT_IDS in doc or ATTENTION_MASK in doc:
+                raise StageInputError("text", "send either text or input_ids (and attention_mask), not both")
+            return self._tokenize(doc["text"])
         if INPUT_IDS not in doc:
             raise StageInputError(INPUT_IDS, 'missing; send {"input_ids": [[...]]}')
         out = {INPUT_IDS: _int_matrix(doc[INPUT_IDS], INPUT_IDS)}
-        if TOKEN_TYPE_IDS in doc:
-            out[TOKEN_TYPE_IDS] = _int_matrix(doc[TOKEN_TYPE_IDS], TOKEN_TYPE_IDS)
+        for name in (TOKEN_TYPE_IDS, ATTENTION_MASK):
+            if name in doc:
+                out[name] = _int_matrix(doc[name], name)
         return out
 
-    def _tokenize(self, text) -> torch.Tensor:
+    def _tokenize(self, text) -> dict[str, torch.Tensor]:
+        """Token ids of one text or a batch; texts of different lengths are padded on the right and get an
+        ``attention_mask`` (right padding keeps each text's positions, so its outputs equal an unpadded run)."""
         texts = [text] if isinstance(text, str) else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
             raise StageInputError("text", "text must be a non-empty string or a list of them")
@@ -294,19 +301,21 @@ class StageRuntime:
 
             self._tokenizer = Tokenizer.from_file(os.path.join(self.cfg.model_dir, tok_file))
         ids = [self._tokenizer.encode(t).ids for t in texts]
-        if len({len(x) for x in ids}) != 1:
-            raise StageInputError("text", f"texts tokenize to different lengths {[len(x) for x in ids]}; "
-                                  "send one text per request (no padding support)")
-        return torch.tensor(ids, dtype=torch.int64)
+        longest = max(len(x) for x in ids)
+        if all(len(x) == longest for x in ids):
+            return {INPUT_IDS: torch.tensor(ids, dtype=torch.int64)}
+        pad = (self._tokenizer.padding or {}).get("pad_id", 0)
+        return {INPUT_IDS: torch.tensor([x + [pad] * (longest - len(x)) for x in ids], dtype=torch.int64),
+                ATTENTION_MASK: torch.tensor([[1] * len(x) + [0] * (longest - len(x)) for x in ids], dtype=torch.int64)}
 
     def _validate(self, inputs: dict[str, torch.Tensor]) -> None:
         s = self.shape
         if s.takes_ids:
-            allowed = {INPUT_IDS, TOKEN_TYPE_IDS} if s.type_vocab_size else {INPUT_IDS}
+            allowed = {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK} if s.type_vocab_size else {INPUT_IDS, ATTENTION_MASK}
             if INPUT_IDS not in inputs:
                 raise StageInputError(INPUT_IDS, f"missing; stage {self.stage_index} takes token ids")
         else:
-            allowed = {HIDDEN}
+            allowed = {HIDDEN, ATTENTION_MASK}
             if HIDDEN not in inputs:
                 raise StageInputError(HIDDEN, f"missing; stage {self.stage_index} takes {HIDDEN}")
         for name in inputs:
@@ -343,6 +352,8 @@ class StageRuntime:
             raise StageInputError(name, f"batch size must be 1..{self.cfg.max_batch}, got {batch}")
         if seq < 1 or (s.max_seq is not None and seq > s.max_seq):
             raise StageInputError(name, f"sequence length must be 1..{s.max_seq}, got {seq}")
+        if ATTENTION_MASK in inputs:
+            inputs[ATTENTION_MASK] = _padding_mask(inputs[ATTENTION_MASK], (batch, seq), name)
 
     def _compute(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.cfg.compute == "emulated":
@@ -363,9 +374,11 @@ class StageRuntime:
         time.sleep(self.service_time.sample_ms(self._rng) / 1000.0)
         return out
 
-    def _json_output(self, name: str, output: torch.Tensor, request_id: str) -> dict:
+    def _json_output(self, name: str, output: torch.Tensor, request_id: str, mask: torch.Tensor | None) -> dict:
         doc = {"model": self.model, "stage": self.stage_index, "request_id": request_id, "output": name,
                "dtype": _dt(output.dtype), "shape": list(output.shape)}
+        if mask is not None:
+            doc[ATTENTION_MASK] = mask.tolist()
         if name == LOGITS:
             doc["argmax"] = output.argmax(-1).tolist()
         if output.numel() <= JSON_DATA_LIMIT:
@@ -404,13 +417,29 @@ def _int_matrix(value, name: str) -> torch.Tensor:
     if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
         raise StageInputError(name, "must be a non-empty list of lists of integers (batch, sequence)")
     if len({len(r) for r in value}) != 1:
-        raise StageInputError(name, "rows must all have the same length (no padding support)")
+        raise StageInputError(name, "rows must all have the same length: pad the shorter ones and send an "
+                                    "attention_mask (1 = token, 0 = padding)")
     if not all(isinstance(x, int) and not isinstance(x, bool) for r in value for x in r):
         raise StageInputError(name, "values must be integers")
     try:
         return torch.tensor(value, dtype=torch.int64)
     except (OverflowError, RuntimeError):
         raise StageInputError(name, "values must fit in int64") from None
+
+
+def _padding_mask(mask: torch.Tensor, shape: tuple[int, int], against: str) -> torch.Tensor:
+    """An ``attention_mask`` checked against the batch × sequence of ``against``; as int64 0/1."""
+    if mask.dtype not in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        raise StageInputError(ATTENTION_MASK, f"dtype must be int64, int32, uint8 or bool, got {_dt(mask.dtype)}")
+    if tuple(mask.shape) != shape:
+        raise StageInputError(ATTENTION_MASK, f"shape must be {list(shape)} (batch, sequence of {against}), got "
+                                              f"{list(mask.shape)}")
+    mask = mask.long()
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise StageInputError(ATTENTION_MASK, "values must be 0 (padding) or 1 (token)")
+    if not bool(mask.any(dim=1).all()):
+        raise StageInputError(ATTENTION_MASK, "every sequence needs at least one token (a row of 1s somewhere)")
+    return mask
 
 
 def _dt(dtype: torch.dtype) -> str:
