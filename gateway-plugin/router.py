@@ -112,6 +112,7 @@ class Job:
     arrival: float
     deadline: float
     future: asyncio.Future
+    accept: str = ""  # the client's Accept header, for the last stage only (the others exchange safetensors)
     stage: int = 0
     enqueued_at: float = 0.0
     queue_len_seen: int = 0
@@ -217,12 +218,13 @@ class Router:
                 return json_reply(400, f"X-Quart-Timeout-Ms must be a positive number, got {raw!r}",
                                   "X-Quart-Timeout-Ms").response()
         reply = await self.invoke(model, body, request.headers.get("Content-Type", "application/octet-stream"),
-                                  timeout_s=timeout, request_id=request.headers.get("X-Quart-Request-Id"))
+                                  timeout_s=timeout, request_id=request.headers.get("X-Quart-Request-Id"),
+                                  accept=request.headers.get("Accept", ""))
         return reply.response()
 
     async def invoke(
         self, model: str, body: bytes, content_type: str = "application/octet-stream",
-        timeout_s: float | None = None, request_id: str | None = None,
+        timeout_s: float | None = None, request_id: str | None = None, accept: str = "",
     ) -> Reply:
         if self._closed:
             return json_reply(503, "the router is shutting down", None, **{"Retry-After": str(self.config.retry_after_s)})
@@ -241,7 +243,7 @@ class Router:
         job = Job(
             id=request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}",
             model=model, stages=list(stages), body=body, content_type=content_type,
-            arrival=now, deadline=now + timeout, future=asyncio.get_running_loop().create_future(),
+            arrival=now, deadline=now + timeout, future=asyncio.get_running_loop().create_future(), accept=accept,
         )
         self.accepted += 1
         self._enqueue(job, front=False)
@@ -318,10 +320,12 @@ class Router:
             timeout = min(self.config.attempt_timeout_s, job.deadline - start)
             if self.session is None:
                 raise aiohttp.ClientError("the router's HTTP client is closed")
+            sent = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
+                    "X-Quart-Model": job.model, "X-Quart-Stage": str(job.stage)}
+            if job.accept and job.stage == len(job.stages) - 1:
+                sent["Accept"] = job.accept  # e.g. application/json: the client's format for the final answer
             async with self.session.post(
-                replica.url, data=job.body,
-                headers={"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
-                         "X-Quart-Model": job.model, "X-Quart-Stage": str(job.stage)},
+                replica.url, data=job.body, headers=sent,
                 timeout=aiohttp.ClientTimeout(total=max(0.001, timeout)),
             ) as resp:
                 data = await resp.read()

@@ -24,16 +24,20 @@ class FakeReplica:
         self.writers: set[asyncio.StreamWriter] = set()
         self.url = ""
         self.calls = 0
+        self.accepts: list[str] = []  # the Accept header of each call ("" when none)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writers.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
+                length, accept = 0, ""
                 for line in head.split(b"\r\n")[1:]:
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":", 1)[1])
+                    elif line.lower().startswith(b"accept:"):
+                        accept = line.split(b":", 1)[1].strip().decode()
+                self.accepts.append(accept)
                 body = await reader.readexactly(length)
                 self.calls += 1
                 await asyncio.sleep(self.delay_s)
@@ -131,11 +135,16 @@ async def test_pipeline_runs_stages_in_order_over_http(cluster: Cluster) -> None
         assert missing.status == 404 and (await missing.json())["field"] == "model"
         bad = await client.post("/function/m", data=b"x", headers={"X-Quart-Timeout-Ms": "soon"})
         assert bad.status == 400 and "X-Quart-Timeout-Ms" in (await bad.json())["error"]
+        # the client's Accept reaches the last stage only (it picks the answer's format; the others exchange bytes)
+        resp = await client.post("/function/m", data=b"y", headers={"Accept": "application/json"})
+        assert resp.status == 200
+        first, last = cluster.fakes["r1"], cluster.fakes["r2"]
+        assert last.accepts[-1] == "application/json" and first.accepts[-1] != "application/json"
     finally:
         await client.close()
         await router.close()
     st = router.collector.stage("m-stage-1")
-    assert st.total_arrivals == 1 and st.total_completions == 1
+    assert st.total_arrivals == 2 and st.total_completions == 2
 
 
 @with_cluster
