@@ -41,6 +41,7 @@ def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path, polic
     for step in ("[1/6]", "[2/6]", "[3/6]", "[4/6]", "[5/6]", "[6/6]"):
         assert step in out
     assert "-> 200" in out and "next-token id(s)" in out
+    assert "-> 202 Accepted" in out and "X-Function-Status 200" in out  # the async batch call and its callback
     assert "'replicas': 2" in out and "second replica ready" in out
     assert "tiny-stage-1" in out and "started by fork" in out
     assert f"the autoscaler (policy {policy}" in out

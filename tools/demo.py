@@ -136,6 +136,45 @@ class Demo:
             body, content_type = payload, OCTETS
         return _output(body, "application/json")
 
+    async def invoke_async(self, model: str, texts: list[str], timeout_s: float = 120.0) -> None:
+        """``POST /async-function/<model>`` with a batch of texts and a callback to a loopback listener of the
+        demo's own; prints the 202 and what the callback brought."""
+        from aiohttp import web
+        from gateway_plugin.embedded.api import start_site
+
+        from keysmanager.aio import within
+
+        received: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_callback(request: web.Request) -> web.Response:
+            if not received.done():
+                received.set_result((dict(request.headers), await request.read()))
+            return web.Response(status=200)
+
+        app = web.Application()
+        app.router.add_post("/done", on_callback)
+        runner, port = await start_site(app, "127.0.0.1", 0)
+        try:
+            headers = {"Content-Type": "application/json", "Accept": "application/json",
+                       "X-Callback-Url": f"http://127.0.0.1:{port}/done"}
+            async with self.session.post(f"{self.url}/async-function/{model}", json={"text": texts},
+                                         headers=headers) as res:
+                if res.status != 202:
+                    raise RuntimeError(f"/async-function/{model} answered {res.status}: {await res.text()}")
+                call_id = res.headers["X-Call-Id"]
+            print(f"  POST /async-function/{model} (a batch of {len(texts)} texts, X-Callback-Url) -> 202 Accepted, "
+                  f"X-Call-Id {call_id}")
+            try:
+                got, payload = await within(timeout_s, received)
+            except TimeoutError:
+                raise RuntimeError(f"no callback for async call {call_id} within {timeout_s:g} s") from None
+            doc = json.loads(payload)
+            print(f"  callback for {got.get('X-Call-Id')}: X-Function-Status {got.get('X-Function-Status')}, "
+                  f"{doc['output']} {doc['shape']}, tokens per text {[sum(r) for r in doc.get('attention_mask', [])]} "
+                  f"(the shorter text padded, its attention_mask carried through every stage)")
+        finally:
+            await runner.cleanup()
+
     async def wait_scaled(self, name: str, replicas: int, timeout_s: float) -> dict:
         """Until ``replicas`` are available, or the desired count drops below it (the autoscaler undid the
         scale); a clear error after ``timeout_s``."""
@@ -282,6 +321,7 @@ async def run(args: argparse.Namespace) -> int:
             if out.get("top5"):
                 print(f"  top-5 next tokens: {top_tokens(model_dir, out['top5']) or out['top5']}")
             print("  (random weights: the tokens are arbitrary; the point is the path through every stage)")
+            await demo.invoke_async(model, [args.prompt, args.prompt.split()[0]])
 
             index = min(1, len(stages) - 1)
             target = stages[index]
