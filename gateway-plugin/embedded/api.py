@@ -25,7 +25,6 @@ from gateway_plugin.embedded.auth import Credentials
 from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError, bad, parse_json_object
 from gateway_plugin.embedded.gateway import EmbeddedGateway, ServiceUnavailable
 from gateway_plugin.embedded.headers import forwardable
-from yarl import URL
 
 VERSION = "0.1.0"
 GATEWAY_KEY = web.AppKey("gateway", EmbeddedGateway)
@@ -232,9 +231,8 @@ class GatewayAPI:
             return error_response(400, str(exc), CALLBACK_HEADER)
         body = await self._invocation_body(request)
         host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
-        tail = request.match_info.get("tail", "")
-        url = URL.build(scheme="http", host=host, port=port, path=f"/function/{name}" + (f"/{tail}" if tail else ""),
-                        query_string=request.query_string)
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{port}/function/{request.raw_path.split('/async-function/', 1)[1]}"  # path, query as sent
         call_id = f"{self._call_prefix}-{next(self._call_ids)}"
         headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
         headers["X-Call-Id"] = call_id

@@ -18,10 +18,10 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 from gateway_plugin.embedded.headers import forwardable
-from yarl import URL
 
 from keysmanager.aio import within
 
@@ -39,19 +39,25 @@ class AsyncCall:
 
     call_id: str
     function: str  # as given in the path (``name`` or ``name.namespace``)
-    url: URL  # the gateway's own /function/... URL, query included
+    url: str  # the gateway's own /function/... URL, query included
     headers: dict[str, str]
     body: bytes
-    callback: URL | None
+    callback: str | None
     accepted_at: float = field(default_factory=time.monotonic)
 
 
-def parse_callback(raw: str | None) -> URL | None:
-    """The ``X-Callback-Url`` header as an absolute http(s) URL; ValueError names what is wrong."""
+def parse_callback(raw: str | None) -> str | None:
+    """The ``X-Callback-Url`` header, checked to be an absolute http(s) URL; ValueError names what is wrong."""
     if raw is None or not raw.strip():
         return None
-    url = URL(raw.strip())
-    if url.scheme not in ("http", "https") or not url.host:
+    url = raw.strip()
+    try:
+        parts = urlsplit(url)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        valid = False
+    if not valid:
         raise ValueError(f"{CALLBACK_HEADER} must be an absolute http(s) URL, got {raw!r}")
     return url
 
