@@ -85,10 +85,13 @@ def test_async_call_is_accepted_then_calls_back_with_the_result(tmp_path, callba
         res = requests.post(f"{system.url}/async-function/echo.openfaas-fn", data=b"x", timeout=10)
         assert res.status_code == 202
         deadline = time.monotonic() + 10
-        while requests.get(f"{system.url}/system/functions", auth=system.auth,
-                           timeout=10).json()[0]["invocationCount"] < 2:
-            assert time.monotonic() < deadline, "the async call without a callback never ran"
+        while 'quart_async_calls_total{outcome="completed"} 2.0' not in (
+                metrics := requests.get(f"{system.url}/metrics", timeout=10).text):
+            assert time.monotonic() < deadline, "the async call without a callback never completed"
             time.sleep(0.05)
+        assert 'quart_async_calls_total{outcome="accepted"} 2.0' in metrics and "quart_async_queue_length 0.0" in metrics
+        listing = requests.get(f"{system.url}/system/functions", auth=system.auth, timeout=10).json()
+        assert listing[0]["invocationCount"] == 2  # both ran through /function/echo
     finally:
         system.close()
 

@@ -56,6 +56,8 @@ class GatewayAPI:
         self._call_prefix = f"{os.getpid():x}{int(time.time()):x}"
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
                                         self.config.async_timeout_s)
+        if not provider:  # one registration per gateway (the provider app shares the gateway's registry)
+            gateway.metrics.registry.register(self.async_calls)
 
     # ------------------------------------------------------------ app wiring
 

@@ -17,11 +17,14 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
 from gateway_plugin.embedded.headers import forwardable
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from keysmanager.aio import within
 
@@ -151,6 +154,18 @@ class AsyncInvoker:
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.callbacks_failed += 1
             log.warning("callback of async call %s to %s failed: %s", call.call_id, call.callback, exc)
+
+    def collect(self) -> Iterator[Metric]:
+        """prometheus_client custom collector: queue length and call outcomes (``registry.register(invoker)``)."""
+        queued = GaugeMetricFamily("quart_async_queue_length", "Asynchronous calls accepted and waiting to run")
+        queued.add_metric([], self.queued)
+        calls = CounterMetricFamily("quart_async_calls", "Asynchronous calls by outcome (accepted, completed: a 2xx "
+                                    "answer, failed: any other)", labels=["outcome"])
+        for outcome, value in (("accepted", self.accepted), ("completed", self.completed), ("failed", self.failed)):
+            calls.add_metric([outcome], value)
+        callbacks = CounterMetricFamily("quart_async_callbacks_failed", "Callbacks that could not be delivered")
+        callbacks.add_metric([], self.callbacks_failed)
+        yield from (queued, calls, callbacks)
 
     async def close(self, drain_s: float = 5.0) -> None:
         """Stop accepting; calls running get ``drain_s`` to finish; queued ones get a 503 callback, not a run
