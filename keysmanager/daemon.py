@@ -745,10 +745,19 @@ class KeysManager:
         self._all_zygote_procs = [p for p in self._all_zygote_procs if p.returncode is None]
 
     def _check_liveness(self) -> None:
-        """Replicas we cannot reap (adopted, or grandchildren whose zygote report was lost)."""
+        """Replicas we cannot reap (adopted, or grandchildren whose zygote report was lost). Our own children
+        (``_reap``) and the forks of a live zygote (its ``exited`` report) are left to those: they bring the
+        exit status, which a liveness check that sees the process gone first would lose."""
         for rep in list(self.replicas.values()):
-            if rep.state != "dead" and not sysutil.is_running(rep.pid, rep.create_time or None):
+            if rep.state == "dead" or (not rep.adopted and (rep.proc is not None or self._zygote_reports(rep))):
+                continue
+            if not sysutil.is_running(rep.pid, rep.create_time or None):
                 self._mark_dead(rep, rep.exit_status)
+
+    def _zygote_reports(self, rep: _Replica) -> bool:
+        """Whether the zygote that forked ``rep`` is alive (and so reaps it and reports its exit)."""
+        z = self.zygotes.get(rep.function)
+        return rep.source == "fork" and z is not None and z.alive and rep.segment is z.segment
 
     async def _check_checkpoints(self) -> None:
         """Invalidation: drop a zygote whose stage file or manifest changed (sha256 in the manifest)."""
