@@ -24,10 +24,14 @@ import time
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
+from gateway_plugin.embedded.api import start_site
 from gateway_plugin.embedded.config import GatewayConfig
 from gateway_plugin.embedded.stack import load_stack
 from gateway_plugin.embedded.system import EmbeddedSystem
 from tqdm import tqdm
+
+from keysmanager.aio import within
 
 OCTETS = "application/octet-stream"
 
@@ -139,11 +143,6 @@ class Demo:
     async def invoke_async(self, model: str, texts: list[str], timeout_s: float = 120.0) -> None:
         """``POST /async-function/<model>`` with a batch of texts and a callback to a loopback listener of the
         demo's own; prints the 202 and what the callback brought."""
-        from aiohttp import web
-        from gateway_plugin.embedded.api import start_site
-
-        from keysmanager.aio import within
-
         received: asyncio.Future = asyncio.get_running_loop().create_future()
 
         async def on_callback(request: web.Request) -> web.Response:

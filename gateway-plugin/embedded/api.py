@@ -121,6 +121,10 @@ class GatewayAPI:
             raise RequestError(413, f"request body is over the {limit}-byte limit", "body")
         return parse_json_object(raw)
 
+    def _new_call_id(self) -> str:
+        """An ``X-Call-Id`` unique to this gateway process."""
+        return f"{self._call_prefix}-{next(self._call_ids)}"
+
     async def _invocation_body(self, request: web.Request) -> bytes:
         """The body of a /function or /async-function call; 413 over ``max_body_bytes``."""
         limit = self.config.max_body_bytes
@@ -235,7 +239,7 @@ class GatewayAPI:
         host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
         host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{port}/function/{request.raw_path.split('/async-function/', 1)[1]}"  # path, query as sent
-        call_id = f"{self._call_prefix}-{next(self._call_ids)}"
+        call_id = self._new_call_id()
         headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
         headers["X-Call-Id"] = call_id
         if not self.async_calls.submit(AsyncCall(call_id, name, url, headers, body, callback)):
@@ -270,7 +274,7 @@ class GatewayAPI:
         metrics, metric_name = gateway.metrics, fn.metric_name
         metrics.invocation_started(metric_name)
         start = time.perf_counter()
-        call_id = f"{self._call_prefix}-{next(self._call_ids)}"
+        call_id = self._new_call_id()
         headers = forwardable(request.headers.items())
         headers["X-Call-Id"] = call_id
         headers["X-Forwarded-Host"] = request.host
