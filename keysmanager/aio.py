@@ -1,13 +1,9 @@
 """asyncio waits with a deadline that never lose or invent a cancellation (shared by the KeysManager and the gateway).
 
-On Python 3.11 both standard ways to bound a wait race with cancellation:
-
-- ``asyncio.wait_for`` returns the result, swallowing the cancel, when the caller is cancelled just as the
-  awaited thing completes: a ``while True`` loop stopped by ``task.cancel()`` then runs on forever (it hung
-  the embedded gateway's shutdown).
-- ``asyncio.timeout`` cancels its own task when the deadline passes; if the awaited thing completed in the
-  same loop iteration, the cancel request outlives the block and a later, unrelated ``await`` of that task
-  raises ``CancelledError`` (it stopped the router's dispatch loop under load).
+On Python 3.11, ``asyncio.wait_for`` returns the result, swallowing the cancel, when the caller is cancelled
+just as the awaited thing completes: a ``while True`` loop stopped by ``task.cancel()`` then runs on forever
+(it hung the embedded gateway's shutdown; tests/test_aio.py reproduces it). ``asyncio.timeout`` ends a wait
+by cancelling its own task and relies on ``uncancel`` bookkeeping to tell that apart from a real cancel.
 
 These helpers wait with ``asyncio.wait``, which cancels nothing of the caller's: a cancel of the caller
 always propagates, and a timeout is a plain ``TimeoutError`` / ``False``.
