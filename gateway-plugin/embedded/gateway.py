@@ -529,8 +529,9 @@ class EmbeddedGateway:
     def _replica_ready(self, fn: FunctionState, endpoint: Endpoint) -> None:
         """The replica-ready hook: count the scale-up (source, ready ms) in the scheduler metrics, once.
 
-        A stage replica counts as a cache hit only if its host held the stage when it was placed *and* the
-        KeysManager forked it: a KeysManagerHost loads the zygote first and reports every replica a fork."""
+        A stage replica counts as a cache hit only if its host held the stage when it was placed *and* it was
+        forked from a zygote that was already there (a KeysManagerHost reports a start that had to load the
+        zygote as cold)."""
         placed = self._placed.pop(endpoint.id, None)
         if placed is None:
             return
@@ -632,4 +633,3 @@ class EmbeddedGateway:
             except Exception as exc:
                 log.warning("stopping replica %s failed: %s", endpoint.id, exc)
         endpoint.state = "dead"
-
