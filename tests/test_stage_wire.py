@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 from quart_stage import wire
-from quart_stage.errors import StageInputError
+from quart_stage.errors import QuartError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -78,7 +78,7 @@ BAD = [
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
 def test_decode_rejects_with_the_field_named(case):
     _, raw, field, words = case
-    with pytest.raises(StageInputError) as info:
+    with pytest.raises(QuartError) as info:
         wire.decode(raw)
     assert info.value.field == field
     assert words in info.value.message

@@ -19,7 +19,7 @@ import threading
 from flask import Flask, Response, request
 
 from quart_stage.config import StageConfig
-from quart_stage.errors import StageInputError
+from quart_stage.errors import QuartError, invalid
 from quart_stage.runtime import StageResponse, StageRuntime
 
 MOUNTS_ENV = "QUART_STAGE_MOUNTS"
@@ -44,17 +44,17 @@ class _Inflight:
 
 
 def read_body_limited(max_bytes: int) -> bytes:
-    """The request body, or StageInputError(413) when it is (or announces to be) over `max_bytes`."""
+    """The request body, or invalid(413) when it is (or announces to be) over `max_bytes`."""
     length = request.content_length
     if length is not None and length > max_bytes:
-        raise StageInputError("body", f"body of {length} bytes is over the limit of {max_bytes} bytes "
+        raise invalid("body", f"body of {length} bytes is over the limit of {max_bytes} bytes "
                               "(QUART_MAX_BODY_BYTES)", status=413)
     data = request.stream.read(max_bytes + 1) if length is None else request.get_data(cache=False)
     if len(data) > max_bytes:
-        raise StageInputError("body", f"body is over the limit of {max_bytes} bytes (QUART_MAX_BODY_BYTES)",
+        raise invalid("body", f"body is over the limit of {max_bytes} bytes (QUART_MAX_BODY_BYTES)",
                               status=413)
     if length is not None and len(data) < length:
-        raise StageInputError("body", f"body is truncated: Content-Length {length}, {len(data)} bytes arrived")
+        raise invalid("body", f"body is truncated: Content-Length {length}, {len(data)} bytes arrived")
     return data
 
 
@@ -91,7 +91,7 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
         try:
             try:
                 body = read_body_limited(max_body)
-            except StageInputError as exc:
+            except QuartError as exc:
                 return to_flask(StageResponse.error(exc, {**runtime.response_headers(request_id), "Connection": "close"}))
             return to_flask(runtime.handle(body, request.headers))
         finally:

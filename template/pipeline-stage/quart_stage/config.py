@@ -9,34 +9,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from quart_stage.settings import ConfigError, settings_from_env
+
 COMPUTE_MODES = ("cpu", "cuda", "emulated")
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 """Largest request body a stage reads (QUART_MAX_BODY_BYTES); larger bodies get 413 before being read."""
-
-
-class ConfigError(ValueError):
-    """A stage setting is missing or malformed."""
-
-
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -82,6 +60,12 @@ class StageConfig:
     device: str | None = None
 
     def __post_init__(self) -> None:
+        # normalised forms: an absolute model folder, a lower-case mode, 0 meaning "not set"
+        if self.model_dir:
+            object.__setattr__(self, "model_dir", os.path.abspath(self.model_dir))
+        object.__setattr__(self, "compute", self.compute.strip().lower())
+        object.__setattr__(self, "num_stages", self.num_stages or None)
+        object.__setattr__(self, "emulated_activation_bytes", self.emulated_activation_bytes or None)
         if self.compute not in COMPUTE_MODES:
             raise ConfigError(f"QUART_COMPUTE must be one of {', '.join(COMPUTE_MODES)}, got {self.compute!r}")
         if self.stage_index < 0:
@@ -99,32 +83,8 @@ class StageConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StageConfig:
-        """Read the QUART_* variables (os.environ by default)."""
-        env = os.environ if env is None else env
-        model_dir = env.get("QUART_MODEL_DIR") or None
-        if model_dir is not None:
-            model_dir = os.path.abspath(model_dir)
-        num_stages = _int(env, "QUART_NUM_STAGES", 0) or None
-        act = _int(env, "QUART_EMULATED_ACTIVATION_BYTES", 0) or None
-        seed_raw = env.get("QUART_SEED")
-        return cls(
-            model_dir=model_dir,
-            stage_index=_int(env, "QUART_STAGE_INDEX", 0),
-            num_stages=num_stages,
-            compute=(env.get("QUART_COMPUTE") or "cpu").strip().lower(),
-            max_body_bytes=_int(env, "QUART_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
-            model=env.get("QUART_MODEL") or None,
-            profile=(env.get("QUART_PROFILE") or None),
-            emulated_mean_ms=_float(env, "QUART_EMULATED_MEAN_MS", None),
-            emulated_cv=_float(env, "QUART_EMULATED_CV", 0.1) or 0.0,
-            emulated_activation_bytes=act,
-            seed=int(seed_raw) if seed_raw else None,
-            threads=_int(env, "QUART_THREADS", 1),
-            max_batch=_int(env, "QUART_MAX_BATCH", 64),
-            max_inflight=_int(env, "QUART_MAX_INFLIGHT", 0),
-            verify_checksum=env.get("QUART_VERIFY_CHECKSUM", "0") in {"1", "true", "yes"},
-            device=env.get("QUART_DEVICE") or None,
-        )
+        """Read the QUART_<FIELD> variables (os.environ by default) with quart_stage.settings' rules."""
+        return settings_from_env(cls, "QUART_", env)
 
     def to_env(self) -> dict[str, str]:
         """The QUART_* variables that reproduce this config (for stack.yml and child processes)."""

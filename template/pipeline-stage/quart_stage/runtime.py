@@ -27,7 +27,7 @@ import torch
 from quart_stage import wire
 from quart_stage.config import ConfigError, StageConfig
 from quart_stage.emulated import ServiceTime, service_time_for
-from quart_stage.errors import StageInputError
+from quart_stage.errors import QuartError, invalid
 from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.presets import paper_profile
 
@@ -55,7 +55,7 @@ class StageResponse:
         return self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
 
     @classmethod
-    def error(cls, exc: StageInputError, headers: dict[str, str] | None = None) -> StageResponse:
+    def error(cls, exc: QuartError, headers: dict[str, str] | None = None) -> StageResponse:
         return cls.json(exc.status, exc.to_json(), headers)
 
     @classmethod
@@ -210,7 +210,7 @@ class StageRuntime:
             inputs, metadata = self._parse(body, headers)
             self._check_route(metadata)
             self._validate(inputs)
-        except StageInputError as exc:
+        except QuartError as exc:
             base[H_DESER] = _ms(t0)
             return StageResponse.error(exc, base)
         t1 = time.perf_counter()
@@ -244,21 +244,21 @@ class StageRuntime:
     def _check_route(self, source: Mapping[str, str]) -> None:
         model = source.get(H_MODEL.lower(), source.get("model"))
         if model is not None and model != self.model:
-            raise StageInputError("model", f"this is model {self.model!r}, the request is for {model!r}")
+            raise invalid("model", f"this is model {self.model!r}, the request is for {model!r}")
         stage = source.get(H_STAGE.lower(), source.get("stage"))
         if stage is not None and stage != str(self.stage_index):
-            raise StageInputError("stage", f"this is stage {self.stage_index}, the request is for stage {stage!r}")
+            raise invalid("stage", f"this is stage {self.stage_index}, the request is for stage {stage!r}")
 
     def _parse(self, body, headers: Mapping[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == JSON_TYPE:
             if not self.shape.takes_ids:
-                raise StageInputError(
+                raise invalid(
                     "content-type", f"stage {self.stage_index} takes activations as {wire.CONTENT_TYPE} "
                     "(safetensors), not JSON", status=415)
             return self._parse_json(body), {}
         if ctype not in ("", wire.CONTENT_TYPE):
-            raise StageInputError("content-type", f"unsupported Content-Type {ctype!r}; send {wire.CONTENT_TYPE}"
+            raise invalid("content-type", f"unsupported Content-Type {ctype!r}; send {wire.CONTENT_TYPE}"
                                   + (" or application/json" if self.shape.takes_ids else ""), status=415)
         decoded = wire.decode(body)
         return decoded.tensors, {k: v for k, v in decoded.metadata.items() if k in ("model", "stage")}
@@ -267,19 +267,19 @@ class StageRuntime:
         try:
             doc = json.loads(bytes(body))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise StageInputError("body", "body is not valid JSON") from None
+            raise invalid("body", "body is not valid JSON") from None
         if not isinstance(doc, dict):
-            raise StageInputError("body", 'JSON input must be an object like {"input_ids": [[1, 2, 3]]}')
+            raise invalid("body", 'JSON input must be an object like {"input_ids": [[1, 2, 3]]}')
         unknown = set(doc) - {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, "text"}
         if unknown:
-            raise StageInputError(sorted(unknown)[0], "unknown field; expected input_ids, token_type_ids, "
+            raise invalid(sorted(unknown)[0], "unknown field; expected input_ids, token_type_ids, "
                                                       "attention_mask or text")
         if "text" in doc:
             if INPUT_IDS in doc or ATTENTION_MASK in doc:
-                raise StageInputError("text", "send either text or input_ids (and attention_mask), not both")
+                raise invalid("text", "send either text or input_ids (and attention_mask), not both")
             return self._tokenize(doc["text"])
         if INPUT_IDS not in doc:
-            raise StageInputError(INPUT_IDS, 'missing; send {"input_ids": [[...]]}')
+            raise invalid(INPUT_IDS, 'missing; send {"input_ids": [[...]]}')
         out = {INPUT_IDS: _int_matrix(doc[INPUT_IDS], INPUT_IDS)}
         for name in (TOKEN_TYPE_IDS, ATTENTION_MASK):
             if name in doc:
@@ -291,10 +291,10 @@ class StageRuntime:
         ``attention_mask`` (right padding keeps each text's positions, so its outputs equal an unpadded run)."""
         texts = [text] if isinstance(text, str) else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-            raise StageInputError("text", "text must be a non-empty string or a list of them")
+            raise invalid("text", "text must be a non-empty string or a list of them")
         tok_file = self.manifest.tokenizer if self.manifest else None
         if not tok_file:
-            raise StageInputError("text", f"model {self.model!r} has no tokenizer file; send input_ids")
+            raise invalid("text", f"model {self.model!r} has no tokenizer file; send input_ids")
         if self._tokenizer is None:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no thread pool in a forked replica
             from tokenizers import Tokenizer
@@ -313,45 +313,45 @@ class StageRuntime:
         if s.takes_ids:
             allowed = {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK} if s.type_vocab_size else {INPUT_IDS, ATTENTION_MASK}
             if INPUT_IDS not in inputs:
-                raise StageInputError(INPUT_IDS, f"missing; stage {self.stage_index} takes token ids")
+                raise invalid(INPUT_IDS, f"missing; stage {self.stage_index} takes token ids")
         else:
             allowed = {HIDDEN, ATTENTION_MASK}
             if HIDDEN not in inputs:
-                raise StageInputError(HIDDEN, f"missing; stage {self.stage_index} takes {HIDDEN}")
+                raise invalid(HIDDEN, f"missing; stage {self.stage_index} takes {HIDDEN}")
         for name in inputs:
             if name not in allowed:
-                raise StageInputError(name, f"unexpected tensor; stage {self.stage_index} takes {sorted(allowed)}")
+                raise invalid(name, f"unexpected tensor; stage {self.stage_index} takes {sorted(allowed)}")
         if s.takes_ids:
             for name in (INPUT_IDS, TOKEN_TYPE_IDS):
                 if name not in inputs:
                     continue
                 t = inputs[name]
                 if t.dtype not in (torch.int64, torch.int32):
-                    raise StageInputError(name, f"dtype must be int64 or int32, got {_dt(t.dtype)}")
+                    raise invalid(name, f"dtype must be int64 or int32, got {_dt(t.dtype)}")
                 if t.dim() != 2:
-                    raise StageInputError(name, f"rank must be 2 (batch, sequence), got shape {list(t.shape)}")
+                    raise invalid(name, f"rank must be 2 (batch, sequence), got shape {list(t.shape)}")
                 limit = s.vocab_size if name == INPUT_IDS else s.type_vocab_size
                 if t.numel() and (int(t.min()) < 0 or (limit is not None and int(t.max()) >= limit)):
-                    raise StageInputError(name, f"values must be in [0, {limit}), got [{int(t.min())}, {int(t.max())}]")
+                    raise invalid(name, f"values must be in [0, {limit}), got [{int(t.min())}, {int(t.max())}]")
                 inputs[name] = t.long()
             if TOKEN_TYPE_IDS in inputs and inputs[TOKEN_TYPE_IDS].shape != inputs[INPUT_IDS].shape:
-                raise StageInputError(TOKEN_TYPE_IDS, "shape must equal input_ids' shape")
+                raise invalid(TOKEN_TYPE_IDS, "shape must equal input_ids' shape")
             batch, seq = inputs[INPUT_IDS].shape
             name = INPUT_IDS
         else:
             t = inputs[HIDDEN]
             if t.dtype != s.dtype:
-                raise StageInputError(HIDDEN, f"dtype must be {_dt(s.dtype)}, got {_dt(t.dtype)}")
+                raise invalid(HIDDEN, f"dtype must be {_dt(s.dtype)}, got {_dt(t.dtype)}")
             if t.dim() != 3:
-                raise StageInputError(HIDDEN, f"rank must be 3 (batch, sequence, hidden), got shape {list(t.shape)}")
+                raise invalid(HIDDEN, f"rank must be 3 (batch, sequence, hidden), got shape {list(t.shape)}")
             batch, seq, width = t.shape
             if width != s.in_width and not (self.cfg.compute == "emulated" and self.cfg.emulated_activation_bytes):
-                raise StageInputError(HIDDEN, f"shape {list(t.shape)} must end in the hidden size {s.in_width}")
+                raise invalid(HIDDEN, f"shape {list(t.shape)} must end in the hidden size {s.in_width}")
             name = HIDDEN
         if not 1 <= batch <= self.cfg.max_batch:
-            raise StageInputError(name, f"batch size must be 1..{self.cfg.max_batch}, got {batch}")
+            raise invalid(name, f"batch size must be 1..{self.cfg.max_batch}, got {batch}")
         if seq < 1 or (s.max_seq is not None and seq > s.max_seq):
-            raise StageInputError(name, f"sequence length must be 1..{s.max_seq}, got {seq}")
+            raise invalid(name, f"sequence length must be 1..{s.max_seq}, got {seq}")
         if ATTENTION_MASK in inputs:
             inputs[ATTENTION_MASK] = _padding_mask(inputs[ATTENTION_MASK], (batch, seq), name)
 
@@ -409,36 +409,36 @@ def read_stage_file(model_dir: str, entry: StageEntry, verify: bool = False) -> 
             raise ConfigError(f"{path} does not match its manifest sha256: the checkpoint changed")
     try:
         return wire.decode(view, field=entry.file).tensors
-    except StageInputError as exc:
+    except QuartError as exc:
         raise ConfigError(f"{path} is not a valid safetensors file: {exc}") from None
 
 
 def _int_matrix(value, name: str) -> torch.Tensor:
     if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
-        raise StageInputError(name, "must be a non-empty list of lists of integers (batch, sequence)")
+        raise invalid(name, "must be a non-empty list of lists of integers (batch, sequence)")
     if len({len(r) for r in value}) != 1:
-        raise StageInputError(name, "rows must all have the same length: pad the shorter ones and send an "
+        raise invalid(name, "rows must all have the same length: pad the shorter ones and send an "
                                     "attention_mask (1 = token, 0 = padding)")
     if not all(isinstance(x, int) and not isinstance(x, bool) for r in value for x in r):
-        raise StageInputError(name, "values must be integers")
+        raise invalid(name, "values must be integers")
     try:
         return torch.tensor(value, dtype=torch.int64)
     except (OverflowError, RuntimeError):
-        raise StageInputError(name, "values must fit in int64") from None
+        raise invalid(name, "values must fit in int64") from None
 
 
 def _padding_mask(mask: torch.Tensor, shape: tuple[int, int], against: str) -> torch.Tensor:
     """An ``attention_mask`` checked against the batch × sequence of ``against``; as int64 0/1."""
     if mask.dtype not in (torch.int64, torch.int32, torch.uint8, torch.bool):
-        raise StageInputError(ATTENTION_MASK, f"dtype must be int64, int32, uint8 or bool, got {_dt(mask.dtype)}")
+        raise invalid(ATTENTION_MASK, f"dtype must be int64, int32, uint8 or bool, got {_dt(mask.dtype)}")
     if tuple(mask.shape) != shape:
-        raise StageInputError(ATTENTION_MASK, f"shape must be {list(shape)} (batch, sequence of {against}), got "
+        raise invalid(ATTENTION_MASK, f"shape must be {list(shape)} (batch, sequence of {against}), got "
                                               f"{list(mask.shape)}")
     mask = mask.long()
     if bool(((mask != 0) & (mask != 1)).any()):
-        raise StageInputError(ATTENTION_MASK, "values must be 0 (padding) or 1 (token)")
+        raise invalid(ATTENTION_MASK, "values must be 0 (padding) or 1 (token)")
     if not bool(mask.any(dim=1).all()):
-        raise StageInputError(ATTENTION_MASK, "every sequence needs at least one token (a row of 1s somewhere)")
+        raise invalid(ATTENTION_MASK, "every sequence needs at least one token (a row of 1s somewhere)")
     return mask
 
 

@@ -21,7 +21,7 @@ from json.encoder import encode_basestring as _quote  # C-accelerated JSON strin
 import numpy as np
 import torch
 
-from quart_stage.errors import StageInputError
+from quart_stage.errors import invalid
 
 CONTENT_TYPE = "application/octet-stream"
 MAX_HEADER_BYTES = 1 << 20
@@ -131,25 +131,25 @@ def encode_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str
 
 
 def decode(buf: bytes | bytearray | memoryview, field: str = "body") -> Decoded:
-    """Parse and validate safetensors bytes; tensors view `buf` (no copy). Raises StageInputError."""
+    """Parse and validate safetensors bytes; tensors view `buf` (no copy). Raises QuartError."""
     view = memoryview(buf).cast("B")
     total = len(view)
     if total < 8:
-        raise StageInputError(field, f"body is truncated: {total} bytes, a safetensors message needs at least 8")
+        raise invalid(field, f"body is truncated: {total} bytes, a safetensors message needs at least 8")
     (header_len,) = struct.unpack_from("<Q", view, 0)
     if header_len > MAX_HEADER_BYTES:
-        raise StageInputError(field, f"safetensors header claims {header_len} bytes (limit {MAX_HEADER_BYTES})")
+        raise invalid(field, f"safetensors header claims {header_len} bytes (limit {MAX_HEADER_BYTES})")
     if 8 + header_len > total:
-        raise StageInputError(field, f"body is truncated: header claims {header_len} bytes but only {total - 8} follow")
+        raise invalid(field, f"body is truncated: header claims {header_len} bytes but only {total - 8} follow")
     try:
         header = json.loads(bytes(view[8 : 8 + header_len]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StageInputError(field, f"safetensors header is not valid JSON ({exc.__class__.__name__})") from None
+        raise invalid(field, f"safetensors header is not valid JSON ({exc.__class__.__name__})") from None
     if not isinstance(header, dict):
-        raise StageInputError(field, "safetensors header must be a JSON object")
+        raise invalid(field, "safetensors header must be a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise StageInputError("__metadata__", "safetensors metadata must map strings to strings")
+        raise invalid("__metadata__", "safetensors metadata must map strings to strings")
     body_start = 8 + header_len
     body_len = total - body_start
     spans = []
@@ -159,12 +159,12 @@ def decode(buf: bytes | bytearray | memoryview, field: str = "body") -> Decoded:
     expected = 0
     for (begin, end), name, _ in spans:
         if begin != expected:
-            raise StageInputError(name, f"data_offsets start at {begin}, expected {expected} (gaps or overlaps)")
+            raise invalid(name, f"data_offsets start at {begin}, expected {expected} (gaps or overlaps)")
         expected = end
     if expected != body_len:
         if expected > body_len:
-            raise StageInputError(field, f"body is truncated: header describes {expected} data bytes, {body_len} present")
-        raise StageInputError(field, f"body has {body_len - expected} bytes beyond what the header describes")
+            raise invalid(field, f"body is truncated: header describes {expected} data bytes, {body_len} present")
+        raise invalid(field, f"body has {body_len - expected} bytes beyond what the header describes")
     writable = not view.readonly
     tensors: dict[str, torch.Tensor] = {}
     for (begin, end), name, entry in spans:
@@ -187,24 +187,24 @@ def decode(buf: bytes | bytearray | memoryview, field: str = "body") -> Decoded:
 
 def _check_entry(name: str, entry) -> tuple[int, int]:
     if not isinstance(entry, dict):
-        raise StageInputError(name, "tensor entry must be an object with dtype, shape, data_offsets")
+        raise invalid(name, "tensor entry must be an object with dtype, shape, data_offsets")
     dtype = entry.get("dtype")
     if dtype not in DTYPES:
-        raise StageInputError(name, f"dtype {dtype!r} is not supported; one of {', '.join(DTYPES)}")
+        raise invalid(name, f"dtype {dtype!r} is not supported; one of {', '.join(DTYPES)}")
     shape = entry.get("shape")
     if type(shape) is not list:
-        raise StageInputError(name, "shape must be a list of non-negative integers")
+        raise invalid(name, "shape must be a list of non-negative integers")
     nbytes = ITEMSIZE[dtype]
     for d in shape:
         if type(d) is not int or d < 0:  # type() rather than isinstance(): JSON true is not a dimension
-            raise StageInputError(name, "shape must be a list of non-negative integers")
+            raise invalid(name, "shape must be a list of non-negative integers")
         nbytes *= d
     offsets = entry.get("data_offsets")
     if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
             or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1]):
-        raise StageInputError(name, "data_offsets must be [begin, end] with 0 <= begin <= end")
+        raise invalid(name, "data_offsets must be [begin, end] with 0 <= begin <= end")
     if offsets[1] - offsets[0] != nbytes:
-        raise StageInputError(
+        raise invalid(
             name, f"header lies: shape {shape} of {dtype} needs {nbytes} bytes, data_offsets span "
             f"{offsets[1] - offsets[0]}")
     return offsets[0], offsets[1]
