@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 from quart_tools.arrivals import Arrivals, poisson_arrivals
-from quart_tools.bench_loadgen import trivial_server
+from quart_tools.bench.loadgen import trivial_server
 from quart_tools.loadgen import generate_load, parse_stage_headers, read_records, write_records
 
 

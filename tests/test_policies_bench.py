@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway_plugin.bench_policies import compare, ready_lags, samples_from_timeline
+from quart_tools.bench.policies import compare, ready_lags, samples_from_timeline
 
 
 def test_ready_lags_and_samples_from_timeline() -> None:
@@ -40,7 +40,7 @@ def test_compare_against_the_best_baseline() -> None:
 
 def test_trace_window_has_the_target_rate_and_the_traces_burstiness() -> None:
     import numpy as np
-    from gateway_plugin.bench_policies import trace_window
+    from quart_tools.bench.policies import trace_window
 
     arrivals = trace_window(20.0, 20.0)
     assert len(arrivals.times) == 400 and arrivals.times[-1] < 20.0

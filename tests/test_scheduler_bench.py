@@ -9,8 +9,8 @@ from collections import OrderedDict
 
 import pytest
 from gateway_plugin.scheduling import HostView, make_placer
-from gateway_plugin.scheduling.bench import Started, run_script
-from gateway_plugin.scheduling.scenario import scripted_sequence
+from quart_tools.bench.scheduler import Started, run_script
+from quart_tools.bench.scheduler_scenario import scripted_sequence
 
 from keysmanager.eviction import CacheEntry, plan_eviction
 
@@ -94,7 +94,7 @@ def test_run_script_cache_aware_beats_first_fit_on_fake_hosts():
 @pytest.mark.slow
 def test_live_bench_scheduler(tmp_path):
     """The real thing: 3 KeysManagers x 4 slots, both placers (minutes)."""
-    from gateway_plugin.scheduling.bench import main
+    from quart_tools.bench.scheduler import main
 
     out = tmp_path / "sched.json"
     assert main(["--out", str(out), "--bursts", os.environ.get("QUART_BENCH_BURSTS", "8")]) == 0

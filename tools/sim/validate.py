@@ -115,7 +115,7 @@ def _partition(out_dir: Path, args) -> Path:
 
 def live(args, arrivals, calibration_arrivals) -> dict:
     """The live side on `quartctl up`: stats of the measured run, and the calibration run's mean."""
-    from gateway_plugin.bench_policies import Gateway
+    from quart_tools.bench.policies import Gateway
     from quart_tools.loadgen import body_maker, generate_load
     from quart_tools.report import records_latencies
 

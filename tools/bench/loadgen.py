@@ -2,7 +2,7 @@
 
 Starts a trivial HTTP/1.1 keep-alive server in a separate process (so the client has a core of its
 own) on an ephemeral loopback port, sends Poisson arrivals open loop at the target rate, and writes
-``{rps, send_error_p99_ms, ...}``. The server (``python -m quart_tools.bench_loadgen --serve``) is
+``{rps, send_error_p99_ms, ...}``. The server (``python -m quart_tools.bench.loadgen --serve``) is
 also what the tests use as a slow server (``--delay-ms``).
 """
 
@@ -89,7 +89,7 @@ def trivial_server(delay_ms: float = 0.0, nice: int = 0):
     load generator (whose punctuality is measured) first.
     """
     proc = subprocess.Popen(
-        [sys.executable, "-m", "quart_tools.bench_loadgen", "--serve", "--delay-ms", str(delay_ms)],
+        [sys.executable, "-m", "quart_tools.bench.loadgen", "--serve", "--delay-ms", str(delay_ms)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         preexec_fn=(lambda: os.nice(nice)) if nice > 0 else None,
     )

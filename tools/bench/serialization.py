@@ -12,15 +12,12 @@ Writes JSON ``{"machine": ..., "rows": [{mb, serde_gbps, copy_gbps, ratio, ...}]
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 
 import torch
-
 from quart_stage import wire
+from quart_tools.bench import machine_info, write_report
 
 DEFAULT_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
@@ -81,8 +78,7 @@ def run(sizes_mb=DEFAULT_SIZES_MB, repeats: int = 20) -> dict:
     rows = [measure(mb, max(10, int(repeats * min(1.0, 8.0 / mb)))) for mb in sizes_mb]
     return {
         "benchmark": "serialization",
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+        "machine": machine_info(torch=torch.__version__, torch_threads=torch.get_num_threads()),
         "method": "best of repeats; serde = wire.encode + wire.decode; copy = ndarray.copy() of the bytes; ratio = copy_time / serde_time",
         "rows": rows,
     }
@@ -95,12 +91,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=200)
     args = p.parse_args(argv)
     doc = run([float(s) for s in args.sizes.split(",") if s], args.repeats)
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_report(doc, args.out)
     for r in doc["rows"]:
         print(f"{r['mb']:8.2f} MB  serde {r['serde_gbps']:7.2f} GB/s  copy {r['copy_gbps']:7.2f} GB/s  "
               f"ratio {r['ratio']:.2f}  (safetensors lib {r['library_gbps']:.2f} GB/s)", file=sys.stderr)

@@ -1,4 +1,8 @@
-"""`quartctl bench <name> [--out FILE]`: benchmarks, each owned by its component's module.
+"""`quartctl bench <name> [--out FILE]`: every benchmark of the project, one module each in this package.
+
+Benchmarks live here, not in the product packages: the stage image, the KeysManager and the gateway
+ship without them, and nothing under template/, keysmanager/, gateway-plugin/ or the provider imports
+quart_tools.
 
 Every benchmark writes one JSON document (to ``--out`` or stdout); docs/benchmarks.md records the
 figures with the command and the machine.
@@ -15,19 +19,18 @@ from pathlib import Path
 from quart_tools.cli import resolve
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "serialization": ("quart_stage.bench_serialization:main", "activation serde vs memcpy, 1-64 MB"),
-    "keysmanager": ("keysmanager.bench:main", "replica-ready time, fork vs cold, 100 MB-4 GB; PSS"),
-    "gateway": ("gateway_plugin.embedded.bench:main", "latency added by one gateway hop; req/s"),
-    "policies": ("gateway_plugin.bench_policies:main", "live policy comparison on quartctl up"),
-    "scheduler": ("gateway_plugin.scheduling.bench:main", "cache-aware vs first-fit, 3 hosts x 4 GPUs"),
-    "loadgen": ("quart_tools.bench_loadgen:main", "load generator rate and send-time error"),
+    "serialization": ("quart_tools.bench.serialization:main", "activation serde vs memcpy, 1-64 MB"),
+    "keysmanager": ("quart_tools.bench.keysmanager:main", "replica-ready time, fork vs cold, 100 MB-4 GB; PSS"),
+    "gateway": ("quart_tools.bench.gateway:main", "latency added by one gateway hop; req/s"),
+    "policies": ("quart_tools.bench.policies:main", "live policy comparison on quartctl up"),
+    "scheduler": ("quart_tools.bench.scheduler:main", "cache-aware vs first-fit, 3 hosts x 4 GPUs"),
+    "loadgen": ("quart_tools.bench.loadgen:main", "load generator rate and send-time error"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 
 
 def machine_info(**extra) -> dict:
-    """The machine a benchmark ran on, for its JSON (quart_stage's own bench keeps a copy: the stage image
-    ships without quart_tools)."""
+    """The machine a benchmark ran on, for its JSON."""
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(), **extra}
 
 

@@ -4,7 +4,7 @@ Three KeysManager daemons (simulated hosts with their own GPU slots and memory l
 that caching every stage everywhere is impossible) run real stage replicas of a small partitioned
 model (emulated compute). Each placer gets fresh daemons and the very same script: deploy one
 replica per stage, then a seeded sequence of key-stage scale-ups and scale-downs
-(:mod:`gateway_plugin.scheduling.scenario`). Every scale-up asks the placer where its replicas go;
+(:mod:`quart_tools.bench.scheduler_scenario`). Every scale-up asks the placer where its replicas go;
 that host's KeysManager forks them from a cached zygote or cold-starts them. Measured: the cache hit
 rate of key-stage scale-ups (replicas the KeysManager forked) and their replica-ready time.
 """
@@ -25,9 +25,9 @@ from typing import Protocol
 from gateway_plugin.scheduling import make_placer
 from gateway_plugin.scheduling.hosts import host_view_from_report
 from gateway_plugin.scheduling.metrics import SchedulerMetrics
-from gateway_plugin.scheduling.scenario import Step, scripted_sequence
 from gateway_plugin.scheduling.types import HostView, Placer, ReplicaRequest
 from quart_tools.bench import machine_info, write_report
+from quart_tools.bench.scheduler_scenario import Step, scripted_sequence
 from tqdm import tqdm
 
 
