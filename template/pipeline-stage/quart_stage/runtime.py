@@ -26,6 +26,7 @@ import torch
 
 from quart_stage import wire
 from quart_stage.config import ConfigError, StageConfig
+from quart_stage.device_copy import move_module
 from quart_stage.emulated import ServiceTime, service_time_for
 from quart_stage.errors import QuartError, invalid
 from quart_stage.manifest import Manifest, StageEntry
@@ -181,7 +182,7 @@ class StageRuntime:
                     if not torch.cuda.is_available():
                         raise ConfigError("QUART_COMPUTE=cuda but no CUDA device is visible")
                     self._device = torch.device(self.cfg.device or "cuda:0")
-                    self.module.to(self._device)
+                    move_module(self.module, self._device, self.cfg.device_copy)
                 self.module.materialize_buffers(self._device)
             self.prepared = True
 
