@@ -84,8 +84,8 @@ def registered_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     cudart = torch.cuda.cudart()
     registered: list[int] = []
     try:
-        for src, _ in pairs:
-            if src.nbytes and cudart.cudaHostRegister(src.data_ptr(), src.nbytes, _REGISTER_READ_ONLY) == 0:
+        for src, _ in pairs:  # a source that cannot be registered is copied as pageable memory
+            if src.nbytes and int(cudart.cudaHostRegister(src.data_ptr(), src.nbytes, _REGISTER_READ_ONLY)) == 0:
                 registered.append(src.data_ptr())
         for src, dst in pairs:
             dst.copy_(src, non_blocking=True)
