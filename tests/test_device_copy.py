@@ -34,7 +34,7 @@ def test_move_module_keeps_values_and_rejects_unknown_methods():
 
 
 def test_device_copy_setting_is_checked():
-    assert StageConfig.from_env({"QUART_COMPUTE": "emulated", "QUART_PROFILE": "bert-21b"}).device_copy == "staged"
+    assert StageConfig.from_env({"QUART_COMPUTE": "emulated", "QUART_PROFILE": "bert-21b"}).device_copy == "auto"
     with pytest.raises(ConfigError, match="QUART_DEVICE_COPY"):
         StageConfig.from_env({"QUART_COMPUTE": "emulated", "QUART_PROFILE": "bert-21b", "QUART_DEVICE_COPY": "x"})
 

@@ -205,7 +205,7 @@ def run(sizes_gb: list[float], repeats: int, workdir: Path, device: torch.device
         disk = workdir / "stage.safetensors"
         try:
             shapes = make_segment(seg, disk, nbytes)
-            fork = {m: [_fork_once(seg, shapes, m, device) for _ in range(repeats)] for m in METHODS}
+            fork = {m: [_fork_once(seg, shapes, m, device) for _ in range(repeats)] for m in METHODS if m != "auto"}
             cold = [_cold_once(disk, device) for _ in range(max(1, repeats - 1))]
             bandwidth = _in_child(_bandwidth, seg, shapes, nbytes, repeats, device)
         finally:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from quart_stage.settings import ConfigError, settings_from_env
 
 COMPUTE_MODES = ("cpu", "cuda", "emulated")
-DEVICE_COPY_METHODS = ("staged", "register", "pageable")  # how quart_stage.device_copy moves parameters
+DEVICE_COPY_METHODS = ("auto", "staged", "register", "pageable")  # how quart_stage.device_copy moves parameters
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 """Largest request body a stage reads (QUART_MAX_BODY_BYTES); larger bodies get 413 before being read."""
@@ -41,8 +41,9 @@ class StageConfig:
     verify_checksum [QUART_VERIFY_CHECKSUM]  1: check the stage file's sha256 against the manifest on load (default 0;
                                              the file size is always checked)
     device          [QUART_DEVICE]           torch device for cuda mode (default cuda:0 or the first visible GPU)
-    device_copy     [QUART_DEVICE_COPY]      how parameters reach the GPU after a fork: staged (pinned double
-                                             buffer, default) | register (page-lock in place) | pageable
+    device_copy     [QUART_DEVICE_COPY]      how parameters reach the GPU after a fork: auto (default: staged
+                                             from 1 GB, else pageable) | staged (pinned double buffer) |
+                                             register (page-lock in place) | pageable
     """
 
     model_dir: str | None = None
@@ -61,7 +62,7 @@ class StageConfig:
     max_inflight: int = 0
     verify_checksum: bool = False
     device: str | None = None
-    device_copy: str = "staged"
+    device_copy: str = "auto"
 
     def __post_init__(self) -> None:
         # normalised forms: an absolute model folder, a lower-case mode, 0 meaning "not set"
@@ -112,7 +113,7 @@ class StageConfig:
             "QUART_EMULATED_ACTIVATION_BYTES": self.emulated_activation_bytes,
             "QUART_SEED": self.seed,
             "QUART_DEVICE": self.device,
-            "QUART_DEVICE_COPY": self.device_copy if self.device_copy != "staged" else None,
+            "QUART_DEVICE_COPY": self.device_copy if self.device_copy != "auto" else None,
         }
         env.update({k: str(v) for k, v in optional.items() if v is not None})
         if self.compute == "emulated":
