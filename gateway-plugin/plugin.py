@@ -70,7 +70,7 @@ class GatewayView:
             concurrency=dep.concurrency or self.default_concurrency,
             param_bytes=_int(dep.labels.get(LABEL_PARAM_BYTES)),
             profiled_service_s=_int(dep.labels.get(LABEL_PROFILE_MS)) / 1000.0,
-            start_s=fn.start_s,
+            start_s=fn.start_time.seconds,
         )
 
     def stage_meta(self, function: str) -> tuple[float, int]:
@@ -213,7 +213,7 @@ class Plugin:
         cfg = getattr(self.gateway, "config", None)
         if cfg is None or not getattr(cfg, "auth", False):
             return True
-        from gateway_plugin.embedded.auth import load_or_create
+        from quart_provider.auth import load_or_create
 
         return load_or_create(cfg.credentials_dir).check(request.headers.get("Authorization"))
 

@@ -83,7 +83,7 @@ class OpenFaaSView:
         return {m: [n for _, n in sorted(s)] for m, s in stages.items()}
 
     def stage_state(self, function: str) -> StageState:
-        from gateway_plugin.embedded.quantities import parse_cpu
+        from quart_provider.quantities import parse_cpu
 
         st = self.status[function]
         labels = st.get("labels") or {}

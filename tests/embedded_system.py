@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.system import EmbeddedSystem
+from quart_provider.config import GatewayConfig
+from quart_provider.system import EmbeddedSystem
 
 
 class ThreadedSystem:

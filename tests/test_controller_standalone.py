@@ -17,8 +17,8 @@ from gateway_plugin.standalone import StandalonePlugin
 
 class Setup:
     def __init__(self, tmp_path) -> None:
-        from gateway_plugin.embedded.config import GatewayConfig
-        from gateway_plugin.embedded.system import EmbeddedSystem
+        from quart_provider.config import GatewayConfig
+        from quart_provider.system import EmbeddedSystem
 
         cfg = GatewayConfig(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, drain_timeout_s=5)
         self.system = EmbeddedSystem(cfg, use_keysmanager=False, attach_plugin=False)

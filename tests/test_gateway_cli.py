@@ -100,7 +100,7 @@ def test_down_stops_a_gateway_that_is_not_a_process_group_leader(tmp_path):
 
 
 def test_stop_process_signals_the_pid_and_reports_whether_it_is_gone(tmp_path):
-    from gateway_plugin.embedded.system import stop_process
+    from quart_provider.system import stop_process
 
     stubborn = subprocess.Popen([sys.executable, "-c",
                                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "

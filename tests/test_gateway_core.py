@@ -6,13 +6,13 @@ import asyncio
 import textwrap
 
 import pytest
-from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError
-from gateway_plugin.embedded.gateway import EmbeddedGateway, ServiceUnavailable
-from gateway_plugin.embedded.hosts import ReplicaSpec, ReplicaStatus
-from gateway_plugin.embedded.quantities import parse_cpu, parse_memory
-from gateway_plugin.embedded.stack import StackError, load_stack
-from gateway_plugin.scheduling.types import HostView
+from quart_provider.config import GatewayConfig
+from quart_provider.deployment import FunctionDeployment, RequestError
+from quart_provider.gateway import EmbeddedGateway, ServiceUnavailable
+from quart_provider.hosts import ReplicaSpec, ReplicaStatus
+from quart_provider.quantities import parse_cpu, parse_memory
+from quart_provider.scheduling.types import HostView
+from quart_provider.stack import StackError, load_stack
 
 
 class FakeHost:

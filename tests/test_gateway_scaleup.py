@@ -13,10 +13,10 @@ import time
 
 import aiohttp
 import pytest
-from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.deployment import LABEL_KEYSMANAGER, FunctionDeployment, RequestError
-from gateway_plugin.embedded.stack import load_stack
-from gateway_plugin.embedded.system import EmbeddedSystem
+from quart_provider.config import GatewayConfig
+from quart_provider.deployment import LABEL_KEYSMANAGER, FunctionDeployment, RequestError
+from quart_provider.stack import load_stack
+from quart_provider.system import EmbeddedSystem
 
 from keysmanager.aio import within
 

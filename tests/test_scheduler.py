@@ -7,22 +7,22 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from gateway_plugin.scheduling import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from quart_provider.scheduling import (
     HostView,
     ReplicaRequest,
     SchedulerConfig,
     host_view_from_report,
     make_placer,
 )
-from gateway_plugin.scheduling.dispersion import (
+from quart_provider.scheduling.dispersion import (
     DispersionProblem,
     disperse,
     project_rows_to_simplex,
     round_expected,
     spread_kl,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 GB = 1 << 30
 

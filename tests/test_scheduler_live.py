@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from gateway_plugin.scheduling.types import ScheduleResult
+from quart_provider.scheduling.types import ScheduleResult
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +30,9 @@ class RecordingPlacer:
 
 
 def test_gateway_scale_ups_follow_the_cache_aware_placer(tmp_path):
-    from gateway_plugin.embedded.config import GatewayConfig
-    from gateway_plugin.embedded.stack import load_stack
-    from gateway_plugin.embedded.system import EmbeddedSystem
+    from quart_provider.config import GatewayConfig
+    from quart_provider.stack import load_stack
+    from quart_provider.system import EmbeddedSystem
 
     model = tmp_path / "model"
     subprocess.run(

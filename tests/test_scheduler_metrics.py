@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from gateway_plugin.scheduling import HostView, ReplicaRequest, make_placer
-from gateway_plugin.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 from prometheus_client import CollectorRegistry, generate_latest
+from quart_provider.scheduling import HostView, ReplicaRequest, make_placer
+from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 
 
 def _fed() -> SchedulerMetrics:

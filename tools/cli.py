@@ -14,9 +14,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "partition": ("quart_tools.partition:main", "split a model into N pipeline stages (DeepSpeed partitioner)"),
     "demo": ("quart_tools.demo:main", "partition the small model, run it on the embedded gateway, show scaling"),
-    "up": ("gateway_plugin.embedded.cli:up", "start the embedded OpenFaaS-compatible gateway and KeysManagers"),
-    "down": ("gateway_plugin.embedded.cli:down", "stop everything `quartctl up` started"),
-    "deploy": ("gateway_plugin.embedded.cli:deploy", "deploy a stack.yml through the gateway REST API (as faas-cli)"),
+    "up": ("quart_provider.cli:up", "start the embedded OpenFaaS-compatible gateway and KeysManagers"),
+    "down": ("quart_provider.cli:down", "stop everything `quartctl up` started"),
+    "deploy": ("quart_provider.cli:deploy", "deploy a stack.yml through the gateway REST API (as faas-cli)"),
     "plugin": ("gateway_plugin.standalone:main", "run the gateway plugin as its own process in front of an OpenFaaS gateway"),
     "keysmanager": ("keysmanager.daemon:main", "run one KeysManager host agent in the foreground"),
     "load": ("quart_tools.loadgen:main", "open-loop load generator (Poisson, gamma, trace replay)"),

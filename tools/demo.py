@@ -25,10 +25,10 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from gateway_plugin.embedded.api import start_site
-from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.stack import load_stack
-from gateway_plugin.embedded.system import EmbeddedSystem
+from quart_provider.api import start_site
+from quart_provider.config import GatewayConfig
+from quart_provider.stack import load_stack
+from quart_provider.system import EmbeddedSystem
 from tqdm import tqdm
 
 from keysmanager.aio import within

@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(slots=True)
 class GatewayActuator:
-    gateway: Any  # gateway_plugin.embedded.gateway.EmbeddedGateway
+    gateway: Any  # quart_provider.gateway.EmbeddedGateway
 
     async def scale(self, function: str, replicas: int, key: bool = False) -> None:
         await self.gateway.scale(function, replicas, key=key)

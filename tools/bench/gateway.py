@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import requests
-from gateway_plugin.embedded.system import stop_process
+from quart_provider.system import stop_process
 from quart_tools.bench import machine_info, write_report
 from tqdm import tqdm
 

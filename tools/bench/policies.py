@@ -106,14 +106,14 @@ class Gateway:
         if not self.url or self.proc.poll() is not None:
             self.close()
             raise RuntimeError(f"quartctl up did not start; see {self.log_path}")
-        from gateway_plugin.embedded.auth import load_or_create
+        from quart_provider.auth import load_or_create
 
         creds = load_or_create(state_dir / "secrets")
         self.auth = (creds.user, creds.password)
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            from gateway_plugin.embedded.system import stop_process
+            from quart_provider.system import stop_process
 
             stop_process(self.proc.pid, self.proc, grace_s=20)
         self.log.close()
@@ -140,7 +140,7 @@ class Gateway:
         """Redeploy the stage functions with ``com.quart.keysmanager`` on/off (PUT /system/functions, as
         ``faas-cli deploy`` would); running replicas stay, the next ones start from the cache or cold."""
         from gateway_plugin.actuators.rest import deployment_from_status
-        from gateway_plugin.embedded.deployment import LABEL_KEYSMANAGER
+        from quart_provider.deployment import LABEL_KEYSMANAGER
 
         fns = self.functions()
         for name in stages:

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from gateway_plugin.scheduling import make_placer
-from gateway_plugin.scheduling.hosts import host_view_from_report
-from gateway_plugin.scheduling.metrics import SchedulerMetrics
-from gateway_plugin.scheduling.types import HostView, Placer, ReplicaRequest
+from quart_provider.scheduling import make_placer
+from quart_provider.scheduling.hosts import host_view_from_report
+from quart_provider.scheduling.metrics import SchedulerMetrics
+from quart_provider.scheduling.types import HostView, Placer, ReplicaRequest
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.scheduler_scenario import Step, scripted_sequence
 from tqdm import tqdm

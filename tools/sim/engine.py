@@ -6,7 +6,7 @@ the draws are per (request, stage), so every policy sees the same request sizes 
 numbers). Every ``control_period_s`` the controller builds a `PipelineSnapshot` with the live
 `gateway_plugin.snapshot_builder.build_snapshot` over the live sliding-window stage metrics
 (`gateway_plugin.metrics.StageMetrics`, running sums), calls the policy
-(`gateway_plugin.policies.make_policy`), asks the placer (`gateway_plugin.scheduling.make_placer`)
+(`gateway_plugin.policies.make_policy`), asks the placer (`quart_provider.scheduling.make_placer`)
 where new replicas go, and starts them after the delay of their source (gpu / fork / cold).
 
 ``whole_model=True`` serves the model as one function (INFless as the paper ran it): a request holds
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from gateway_plugin.metrics import MetricsCollector, StageMetrics
-from gateway_plugin.scheduling import ReplicaRequest, make_placer
 from gateway_plugin.snapshot import PipelineSnapshot
 from gateway_plugin.snapshot_builder import StageState, build_snapshot
+from quart_provider.scheduling import ReplicaRequest, make_placer
 from quart_tools.arrivals import Arrivals
 from quart_tools.report import StageSample
 from quart_tools.sim.calibration import Calibration

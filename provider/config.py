@@ -25,7 +25,7 @@ class GatewayConfig:
     auth: bool = True  # basic auth on /system/* (OpenFaaS's basic_auth=true)
     max_body_bytes: int = 64 * 1024 * 1024  # largest request body; larger → 413
     max_deploy_bytes: int = 1024 * 1024  # largest JSON body on /system/*
-    placer: str = "first-fit"  # replica placer: first-fit | cache-aware (gateway_plugin.scheduling)
+    placer: str = "first-fit"  # replica placer: first-fit | cache-aware (quart_provider.scheduling)
     hosts: int = 1  # simulated hosts (one KeysManager each)
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
     host_memory_bytes: int = 8 * 1024**3  # parameter-cache memory per host (KeysManager --memory-limit)

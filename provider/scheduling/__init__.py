@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gateway_plugin.scheduling.config import SchedulerConfig
-from gateway_plugin.scheduling.hosts import host_view_from_report
-from gateway_plugin.scheduling.placers import CacheAwarePlacer, FirstFitPlacer, contention
-from gateway_plugin.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
+from quart_provider.scheduling.config import SchedulerConfig
+from quart_provider.scheduling.hosts import host_view_from_report
+from quart_provider.scheduling.placers import CacheAwarePlacer, FirstFitPlacer, contention
+from quart_provider.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 
 PLACERS = ("cache-aware", "first-fit")
 

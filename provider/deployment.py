@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway_plugin.embedded.quantities import parse_cpu, parse_memory
+from quart_provider.quantities import parse_cpu, parse_memory
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # DNS-1123 label, as faas-netes requires
 LABEL_MIN = "com.openfaas.scale.min"

@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.deployment import RequestError
-from gateway_plugin.embedded.quantities import parse_memory
-from gateway_plugin.embedded.stack import StackError, load_stack
-from gateway_plugin.embedded.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
+from quart_provider.config import GatewayConfig
+from quart_provider.deployment import RequestError
+from quart_provider.quantities import parse_memory
+from quart_provider.stack import StackError, load_stack
+from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
 
 DEFAULT_STATE_DIR = Path(".quart")
 
@@ -195,7 +195,7 @@ def _password(args: argparse.Namespace, state_dir: Path) -> tuple[str, str]:
         return args.username, sys.stdin.read().strip()
     if os.environ.get("OPENFAAS_PASSWORD"):
         return args.username, os.environ["OPENFAAS_PASSWORD"]
-    from gateway_plugin.embedded.auth import PASSWORD_FILE, USER_FILE
+    from quart_provider.auth import PASSWORD_FILE, USER_FILE
 
     secrets = state_dir / "secrets"
     try:
@@ -228,7 +228,7 @@ def deploy(argv: list[str]) -> int:
     gateway = (args.gateway or os.environ.get("OPENFAAS_URL") or state.get("url") or stack.gateway
                or "http://127.0.0.1:8080").rstrip("/")
     user, password = _password(args, state_dir)
-    from gateway_plugin.embedded.images import INDEX_FILE, ImageIndex
+    from quart_provider.images import INDEX_FILE, ImageIndex
 
     ImageIndex(state_dir / INDEX_FILE).register(stack.image_index_entries())
     failures = 0

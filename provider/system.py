@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway_plugin.embedded.api import create_app, start_site
-from gateway_plugin.embedded.auth import Credentials, load_or_create
-from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.deployment import FunctionDeployment
-from gateway_plugin.embedded.gateway import EmbeddedGateway
-from gateway_plugin.embedded.hosts import Host, ProcessHost
-from gateway_plugin.embedded.stack import Stack
+from quart_provider.api import create_app, start_site
+from quart_provider.auth import Credentials, load_or_create
+from quart_provider.config import GatewayConfig
+from quart_provider.deployment import FunctionDeployment
+from quart_provider.gateway import EmbeddedGateway
+from quart_provider.hosts import Host, ProcessHost
+from quart_provider.stack import Stack
 
 from keysmanager.sysutil import set_parent_death_signal
 
@@ -101,7 +101,7 @@ class EmbeddedSystem:
         if not use_km:
             log.warning("hosts without KeysManagers: only process runnables (quart/echo) can run")
             return [ProcessHost(n, cfg.gpus_per_host, cfg.host_memory_bytes) for n in names]
-        from gateway_plugin.embedded.keysmanager_host import KeysManagerHost
+        from quart_provider.keysmanager_host import KeysManagerHost
 
         sockets_dir = cfg.state_dir / "sockets"
         sockets_dir.mkdir(exist_ok=True)

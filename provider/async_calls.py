@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
-from gateway_plugin.embedded.headers import forwardable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+from quart_provider.headers import forwardable
 
 from keysmanager.aio import within
 

@@ -7,7 +7,7 @@ the host reports ``ready``. Two implementations:
 - :class:`ProcessHost` (here): runs a runnable's command as a child process that inherits a listening
   socket, checks its health path until it answers 200. Used for process runnables (the built-in
   echo function) and in tests, with real processes.
-- :class:`gateway_plugin.embedded.keysmanager_host.KeysManagerHost`: stage functions through the
+- :class:`quart_provider.keysmanager_host.KeysManagerHost`: stage functions through the
   host's KeysManager (fork from a cached zygote, or cold start).
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import aiohttp
-from gateway_plugin.scheduling.types import HostView
+from quart_provider.scheduling.types import HostView
 
 from keysmanager.aio import within
 from keysmanager.sysutil import set_parent_death_signal

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from gateway_plugin.scheduling.cluster import Batch, HostState, merge_requests
-from gateway_plugin.scheduling.config import SchedulerConfig
-from gateway_plugin.scheduling.dispersion import DispersionProblem, disperse, round_expected
-from gateway_plugin.scheduling.types import HostView, ReplicaRequest, ScheduleResult
+from quart_provider.scheduling.cluster import Batch, HostState, merge_requests
+from quart_provider.scheduling.config import SchedulerConfig
+from quart_provider.scheduling.dispersion import DispersionProblem, disperse, round_expected
+from quart_provider.scheduling.types import HostView, ReplicaRequest, ScheduleResult
 
 
 def _states(hosts: list[HostView]) -> list[HostState]:

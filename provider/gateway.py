@@ -24,13 +24,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
-from gateway_plugin.embedded.config import GatewayConfig
-from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError, Resources
-from gateway_plugin.embedded.hosts import Host, ReplicaSpec, ReplicaStatus
-from gateway_plugin.embedded.images import INDEX_FILE, ImageIndex, Runnable, resolve
-from gateway_plugin.embedded.metrics import GatewayMetrics
-from gateway_plugin.scheduling.metrics import SchedulerCollector, SchedulerMetrics
-from gateway_plugin.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
+from quart_provider.config import GatewayConfig
+from quart_provider.deployment import FunctionDeployment, RequestError, Resources
+from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
+from quart_provider.images import INDEX_FILE, ImageIndex, Runnable, resolve
+from quart_provider.metrics import GatewayMetrics
+from quart_provider.replicaset import StartTimeEstimate, choose_surplus, shortfall
+from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
+from quart_provider.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 
 from keysmanager.aio import wait_event, within
 
@@ -80,15 +81,11 @@ class FunctionState:
     start_failures: int = 0  # consecutive failed replica starts (backoff)
     retry_at: float = 0.0  # monotonic time before which no new start is tried
     last_error: str = ""
-    start_s: float = -1.0  # ask → ready of this function's recent replicas (EMA, seconds); −1 until one started
+    start_time: StartTimeEstimate = field(default_factory=StartTimeEstimate)  # ask → ready of recent replicas
 
     @property
     def name(self) -> str:
         return self.deployment.service
-
-    def note_start_time(self, seconds: float, alpha: float = 0.3) -> None:
-        """A replica became ready ``seconds`` after it was asked for (the control loop's dead time)."""
-        self.start_s = seconds if self.start_s < 0 else (1 - alpha) * self.start_s + alpha * seconds
 
     @property
     def metric_name(self) -> str:
@@ -120,7 +117,7 @@ class ServiceUnavailable(RequestError):
 
 
 def default_placer(name: str) -> Placer:
-    from gateway_plugin.scheduling import make_placer
+    from quart_provider.scheduling import make_placer
 
     return make_placer(name)
 
@@ -436,14 +433,12 @@ class EmbeddedGateway:
         for fn in self.functions.values():
             current = [e for e in fn.replicas.values()
                        if e.generation == fn.generation and e.state in ("starting", "ready")]
-            have = len(current) + fn.pending_starts
-            if have < fn.desired and now >= fn.retry_at:
-                requests.append(ReplicaRequest(fn.name, fn.desired - have, param_bytes=self._stage_param_bytes(fn),
+            missing = shortfall(fn.desired, len(current), fn.pending_starts)
+            if missing and now >= fn.retry_at:
+                requests.append(ReplicaRequest(fn.name, missing, param_bytes=self._stage_param_bytes(fn),
                                                key=fn.name in self.key_history))
-            elif len(current) > fn.desired:
-                surplus = sorted(current, key=lambda e: (e.state == "ready", e.in_flight, -e.started_at))
-                for endpoint in surplus[: len(current) - fn.desired]:
-                    self._drain_and_stop(fn, endpoint)
+            for endpoint in choose_surplus(current, fn.desired):
+                self._drain_and_stop(fn, endpoint)
             ready_current = sum(1 for e in current if e.state == "ready")
             old = [e for e in fn.replicas.values() if e.generation != fn.generation and e.state != "draining"]
             if old and (ready_current >= fn.desired or fn.desired == 0):
@@ -539,7 +534,7 @@ class EmbeddedGateway:
         source = "cold" if "cold" in (planned, endpoint.source) else endpoint.source
         self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, 1000 * (time.monotonic() - asked_at),
                                               key=key)
-        fn.note_start_time(time.monotonic() - asked_at)
+        fn.start_time.note(time.monotonic() - asked_at)
 
     def replica_spec(self, fn: FunctionState) -> ReplicaSpec:
         dep = fn.deployment

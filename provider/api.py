@@ -20,11 +20,11 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from gateway_plugin.embedded.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
-from gateway_plugin.embedded.auth import Credentials
-from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError, bad, parse_json_object
-from gateway_plugin.embedded.gateway import EmbeddedGateway, ServiceUnavailable
-from gateway_plugin.embedded.headers import forwardable
+from quart_provider.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
+from quart_provider.auth import Credentials
+from quart_provider.deployment import FunctionDeployment, RequestError, bad, parse_json_object
+from quart_provider.gateway import EmbeddedGateway, ServiceUnavailable
+from quart_provider.headers import forwardable
 
 VERSION = "0.1.0"
 GATEWAY_KEY = web.AppKey("gateway", EmbeddedGateway)

@@ -2,7 +2,7 @@
 
 It answers ``GET /_/health`` with 200 and any other request with its body (status 200), so the
 gateway benchmark measures the gateway, not the function. It serves on the socket inherited in
-``QUART_LISTEN_FD`` (see :class:`gateway_plugin.embedded.hosts.ProcessHost`) or ``--port``.
+``QUART_LISTEN_FD`` (see :class:`quart_provider.hosts.ProcessHost`) or ``--port``.
 Bodies must carry ``Content-Length`` (chunked uploads get 411).
 """
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gateway_plugin.embedded.hosts import ProcessHost, ReplicaSpec, ReplicaStatus
-from gateway_plugin.scheduling.hosts import host_view_from_report
-from gateway_plugin.scheduling.types import HostView
+from quart_provider.hosts import ProcessHost, ReplicaSpec, ReplicaStatus
+from quart_provider.scheduling.hosts import host_view_from_report
+from quart_provider.scheduling.types import HostView
 
 from keysmanager.client import AsyncKeysManagerClient
 from keysmanager.types import ReplicaInfo, StageSpec

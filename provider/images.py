@@ -2,7 +2,7 @@
 
 There is no container runtime here, so an image name is resolved, in this order:
 
-1. **Built-in images**: ``quart/echo[:tag]`` runs :mod:`gateway_plugin.embedded.echo` as a process
+1. **Built-in images**: ``quart/echo[:tag]`` runs :mod:`quart_provider.echo` as a process
    (a fast echo function for benchmarks and tests).
 2. **The image index** ``<state>/images.json``, written by `quartctl up -f` / `quartctl deploy -f`
    from a stack.yml: image → ``{function, lang, handler, stack}``. A ``pipeline-stage`` entry is a
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gateway_plugin.embedded.deployment import FunctionDeployment, RequestError, bad
+from quart_provider.deployment import FunctionDeployment, RequestError, bad
 
 INDEX_FILE = "images.json"
 STAGE_LANG = "pipeline-stage"
@@ -94,7 +94,7 @@ def resolve(deployment: FunctionDeployment, index: ImageIndex) -> Runnable:
     """The runnable behind ``deployment.image``; raises a 400 :class:`RequestError` naming the field."""
     image = deployment.image
     if _image_name(image) == ECHO_IMAGE:
-        argv = (sys.executable, "-m", "gateway_plugin.embedded.echo")
+        argv = (sys.executable, "-m", "quart_provider.echo")
         return Runnable("process", f"built-in {ECHO_IMAGE}", argv)
     try:
         entry = index.lookup(image)

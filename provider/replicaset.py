@@ -1,0 +1,64 @@
+"""How a function's replica set converges on its desired count: pure rules, shared by the live provider and
+the simulator (``quart_tools.sim``), so a simulated figure rests on the same choices.
+
+- ``shortfall``: how many replicas to ask the placer for (desired − current − already asked for);
+- ``choose_surplus``: which replicas to stop when there are too many — a starting replica first (newest
+  first: it has served nothing), then ready ones with the fewest requests in flight (newest first); a
+  busy replica is drained (finishes its requests) by the caller, never cut off;
+- ``StartTimeEstimate``: the ask → ready time of recent replicas (exponential moving average), the dead
+  time the control loop sees as ``StageSnapshot.replica_start_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+START_TIME_ALPHA = 0.3  # weight of the newest ask → ready sample
+
+
+class ReplicaLike(Protocol):
+    """What the surplus choice reads of a replica (the provider's Endpoint, the simulator's Replica)."""
+
+    @property
+    def state(self) -> str: ...  # "starting" | "ready" | ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def started_at(self) -> float: ...
+
+
+R = TypeVar("R", bound=ReplicaLike)
+
+
+def shortfall(desired: int, current: int, pending: int = 0) -> int:
+    """Replicas still to ask for: desired − (current + asked for and not started yet), never negative."""
+    return max(0, desired - current - pending)
+
+
+def choose_surplus(current: Sequence[R], desired: int) -> list[R]:
+    """The replicas to stop so that ``desired`` of ``current`` remain (empty if there are not too many)."""
+    extra = len(current) - max(0, desired)
+    if extra <= 0:
+        return []
+    order = sorted(current, key=lambda r: (r.state == "ready", r.in_flight, -r.started_at))
+    return order[:extra]
+
+
+@dataclass(slots=True)
+class StartTimeEstimate:
+    """Ask → ready seconds of a function's replicas, smoothed; ``seconds`` < 0 until the first sample."""
+
+    seconds: float = -1.0
+    alpha: float = START_TIME_ALPHA
+
+    def note(self, sample_s: float) -> float:
+        """Fold in one replica's ask → ready time; returns the new estimate."""
+        if self.seconds < 0:
+            self.seconds = sample_s
+        else:
+            self.seconds = (1 - self.alpha) * self.seconds + self.alpha * sample_s
+        return self.seconds
