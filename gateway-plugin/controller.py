@@ -1,5 +1,8 @@
-"""The control loop: every period, snapshot → policy → desired {replicas, CPUs} → actuator.
+"""The control loop: every period, snapshot → policy → bounds → desired {replicas, CPUs} → actuator.
 
+The one path from a decision to an action, for every policy and for the simulator alike
+(``quart_tools.sim`` drives this class through a simulated inventory and actuator): the policy decides,
+``bounded`` applies ``com.openfaas.scale.min/max`` once, and the actuator is told only what changed.
 One policy object per pipeline (policies keep state). Scale-ups of the stages the policy names as
 key stages are flagged ``key`` so the placer (the cache-aware scheduler behind the gateway's scale
 call) prefers hosts that cache their parameters. Each step's snapshot and decision go to an
@@ -14,18 +17,30 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import IO, Any
 
 from gateway_plugin.actuators import Actuator
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector
-from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy
+from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
 
 from keysmanager.aio import wait_event
 
 log = logging.getLogger("quart.controller")
+
+
+def bounded_replicas(stage: StageSnapshot, replicas: int) -> int:
+    """``replicas`` within the stage's ``com.openfaas.scale.min`` … ``max`` (the only place bounds apply)."""
+    return max(stage.min_replicas, min(stage.max_replicas, int(replicas)))
+
+
+def bounded(snap: PipelineSnapshot, decision: Decision) -> Decision:
+    """The decision with every stage's replicas within its bounds (reasons and CPUs kept)."""
+    stages = tuple(replace(want, replicas=bounded_replicas(stage, want.replicas))
+                   for stage, want in zip(snap.stages, decision.stages, strict=True))
+    return replace(decision, stages=stages)
 
 
 @dataclass(slots=True)
@@ -40,6 +55,7 @@ class Controller:
     clock: Callable[[], float] = time.monotonic
     log_file: IO[str] | None = None
     keep_timeline: bool = True
+    export_metrics: bool = True  # copy snapshots into the prometheus gauges (the simulator has none to feed)
     policies: dict[str, Policy] = field(default_factory=dict)
     timeline: deque = field(default_factory=lambda: deque(maxlen=100_000))  # dict rows, oldest dropped
     last_snapshots: dict[str, PipelineSnapshot] = field(default_factory=dict)
@@ -60,11 +76,12 @@ class Controller:
         for model, functions in self.inventory.pipelines().items():
             snap = self.snapshot(model, functions)
             self.last_snapshots[model] = snap
-            decision = self.policy(model).decide(snap)
+            decision = bounded(snap, self.policy(model).decide(snap))
             decisions[model] = decision
             await self._apply(snap, decision)
             self._log(snap, decision)
-        self.collector.export(list(self.last_snapshots.values()))
+        if self.export_metrics:
+            self.collector.export(list(self.last_snapshots.values()))
         return decisions
 
     async def _apply(self, snap: PipelineSnapshot, decision: Decision) -> None:

@@ -48,6 +48,17 @@ def choose_surplus(current: Sequence[R], desired: int) -> list[R]:
     return order[:extra]
 
 
+def rollover_done(ready_current: int, desired: int) -> bool:
+    """A rolling update may drain the previous generation once the new one has ``desired`` ready replicas."""
+    return desired == 0 or ready_current >= desired
+
+
+def note_key_scale(history: dict[str, int], function: str, before: int, after: int, key: bool) -> None:
+    """Count a scale-up the policy flagged as a key stage's (the placer's key-stage history, QUART §6)."""
+    if key and after > before:
+        history[function] = history.get(function, 0) + 1
+
+
 @dataclass(slots=True)
 class StartTimeEstimate:
     """Ask → ready seconds of a function's replicas, smoothed; ``seconds`` < 0 until the first sample."""

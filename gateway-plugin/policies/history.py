@@ -31,7 +31,3 @@ class SampleWindow:
     def max(self, window_s: float) -> float:
         tail = self._tail(window_s)
         return max(tail) if tail else 0.0
-
-
-def clamp_replicas(value: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, int(value)))

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from gateway_plugin.config import InferLineConfig
-from gateway_plugin.policies.history import SampleWindow, clamp_replicas
+from gateway_plugin.policies.history import SampleWindow
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 
 
@@ -38,7 +38,7 @@ class InferLinePolicy:
             current = s.replicas + s.pending_replicas
             capacity = s.service_rate * max(1, s.concurrency) * cfg.utilisation
             if capacity <= 0:
-                out.append(StageDecision(clamp_replicas(current, s.min_replicas, s.max_replicas), s.cpus, "no profile"))
+                out.append(StageDecision(current, s.cpus, "no profile"))
                 continue
             envelope = max(st.rates.mean(w) for w in cfg.window_sizes_s)
             needed = math.ceil(envelope / capacity - 1e-9)
@@ -53,5 +53,5 @@ class InferLinePolicy:
                     st.below_since = None if desired >= current else now
             else:
                 st.below_since = None
-            out.append(StageDecision(clamp_replicas(desired, s.min_replicas, s.max_replicas), s.cpus, reason))
+            out.append(StageDecision(desired, s.cpus, reason))
         return Decision(now, tuple(out))

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from gateway_plugin.config import KnativeKPAConfig
-from gateway_plugin.policies.history import SampleWindow, clamp_replicas
+from gateway_plugin.policies.history import SampleWindow
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 
 
@@ -63,5 +63,5 @@ class KnativeKPAPolicy:
             if cfg.scale_down_delay_s > 0:
                 st.desired_history.add(now, float(desired))
                 desired = int(st.desired_history.max(cfg.scale_down_delay_s))
-            out.append(StageDecision(clamp_replicas(desired, s.min_replicas, s.max_replicas), s.cpus, reason))
+            out.append(StageDecision(desired, s.cpus, reason))
         return Decision(now, tuple(out))

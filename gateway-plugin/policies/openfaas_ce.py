@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 
 from gateway_plugin.config import OpenFaaSCEConfig
-from gateway_plugin.policies.history import clamp_replicas
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 
 
@@ -54,5 +53,5 @@ class OpenFaaSCEPolicy:
                     al.firing = False
                     al.desired = s.min_replicas
                     reason += " alert resolved"
-            out.append(StageDecision(clamp_replicas(al.desired, s.min_replicas, s.max_replicas), s.cpus, reason))
+            out.append(StageDecision(al.desired, s.cpus, reason))
         return Decision(now, tuple(out))

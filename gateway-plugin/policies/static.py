@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway_plugin.config import StaticConfig
-from gateway_plugin.policies.history import clamp_replicas
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 
 
@@ -16,7 +15,7 @@ class StaticPolicy:
 
     def decide(self, snapshot: PipelineSnapshot) -> Decision:
         stages = tuple(
-            StageDecision(clamp_replicas(self.config.replicas, s.min_replicas, s.max_replicas), s.cpus, "static")
+            StageDecision(self.config.replicas, s.cpus, "static")
             for s in snapshot.stages
         )
         return Decision(snapshot.time, stages)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from gateway_plugin.policies.history import clamp_replicas
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 
 
@@ -28,7 +27,7 @@ def uniform_decision(snapshot: PipelineSnapshot, instances: int, reason: str) ->
     return Decision(
         snapshot.time,
         tuple(
-            StageDecision(clamp_replicas(instances, s.min_replicas, s.max_replicas), s.cpus, reason)
+            StageDecision(instances, s.cpus, reason)
             for s in snapshot.stages
         ),
     )

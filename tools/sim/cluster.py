@@ -112,6 +112,14 @@ class Host:
         if function in self.cache:
             self.cache[function].last_used = now
 
+    def invalidate(self, function: str) -> None:
+        """A new spec of ``function`` (e.g. CPUs): its zygote and GPU-resident parameters are dropped, as the
+        live gateway's rolling update makes every KeysManager do."""
+        self.cache.pop(function, None)
+        for slot in self.slots:
+            if slot.resident == function:
+                slot.resident = None
+
     def cache_stage(self, function: str, param_bytes: int, now: float) -> bool:
         """Keep ``function``'s parameters as a zygote after a cold load; evict LRU zygotes if needed.
 

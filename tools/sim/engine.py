@@ -3,11 +3,14 @@
 One request walks the pipeline's stages; each stage has one FIFO queue (the router's) and dispatches
 to a free replica slot. Service times are the stage's profiled time × the CPU effect × a gamma draw;
 the draws are per (request, stage), so every policy sees the same request sizes (common random
-numbers). Every ``control_period_s`` the controller builds a `PipelineSnapshot` with the live
-`gateway_plugin.snapshot_builder.build_snapshot` over the live sliding-window stage metrics
-(`gateway_plugin.metrics.StageMetrics`, running sums), calls the policy
-(`gateway_plugin.policies.make_policy`), asks the placer (`quart_provider.scheduling.make_placer`)
-where new replicas go, and starts them after the delay of their source (gpu / fork / cold).
+numbers). Every ``control_period_s`` the live `gateway_plugin.controller.Controller` takes a step over
+this simulated platform (it is the controller's Inventory, QueueView and, through `SimActuator`, its
+Actuator): the same snapshot builder over the live sliding-window metrics, the same policy, the same
+bounds. What follows a decision is the live provider's rules (`quart_provider.replicaset`): the
+shortfall goes to the placer (`quart_provider.scheduling`), the surplus choice stops the same replicas,
+a CPU change is a rolling update that drops the stage's cached zygotes, the ask → ready estimate is the
+same moving average. New replicas are ready after the delay of their source (gpu / fork / cold).
+Requests are admitted or refused (429) only at the pipeline's entry, as by the live router.
 
 ``whole_model=True`` serves the model as one function (INFless as the paper ran it): a request holds
 one replica of every stage for the whole model's time, no pipelining.
@@ -24,17 +27,25 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from gateway_plugin.config import PluginConfig
+from gateway_plugin.controller import Controller
 from gateway_plugin.metrics import MetricsCollector, StageMetrics
-from gateway_plugin.snapshot import PipelineSnapshot
-from gateway_plugin.snapshot_builder import StageState, build_snapshot
-from quart_provider.scheduling import ReplicaRequest, make_placer
+from gateway_plugin.snapshot_builder import StageState
+from quart_provider.replicaset import (
+    StartTimeEstimate,
+    choose_surplus,
+    note_key_scale,
+    rollover_done,
+    shortfall,
+)
+from quart_provider.scheduling import ReplicaRequest, SchedulerConfig, make_placer
 from quart_tools.arrivals import Arrivals
 from quart_tools.report import StageSample
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.cluster import Host, Slot, make_hosts
 
 _COMPLETE, _READY, _CONTROL, _RECONCILE = 0, 1, 2, 3
-START_TIME_ALPHA = 0.3  # weight of the newest ask → ready sample (gateway FunctionState.note_start_time)
+_LIVE = PluginConfig()  # the live defaults the simulator starts from
 
 
 @dataclass(frozen=True)
@@ -62,14 +73,14 @@ class SimConfig:
     prewarm_hosts: int = -1  # hosts whose KeysManager holds every stage at t = 0 (−1 = all; KM only)
     min_replicas: int = 1
     max_replicas: int = 0  # per stage (com.openfaas.scale.max); 0 = 2 × GPU slots / stages
-    control_period_s: float = 1.0
+    control_period_s: float = _LIVE.control_period_s
     reconcile_s: float = 0.2  # replicas asked for but not placed (full cluster) are retried this often, as the
     # embedded gateway's reconcile loop (reconcile_interval_s) does; the policy sees them as pending meanwhile
-    window_s: float = 10.0
-    queue_cap: int = 1024  # waiting requests per stage before the gateway answers 429
+    window_s: float = _LIVE.window_s
+    queue_cap: int = _LIVE.queue_cap  # waiting requests per stage before the router answers 429
     hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway)
     hop_holds_replica: bool = True  # the hop is part of the replica's busy time (the live router's call)
-    slo_factor: float = 2.0  # with slo_s = 0: the live PluginConfig.slo_factor rule
+    slo_factor: float = _LIVE.slo_factor  # with slo_s = 0: SLO = slo_factor × Σ profiled stage times
     profile_label: bool = True  # stages carry their profiled time (com.quart.profile-ms); False: measured
     gpu_keep_s: float = 0.0  # a released replica's parameters stay on its GPU this long
     cpus: float = 1.0  # initial CPUs per replica
@@ -79,18 +90,49 @@ class SimConfig:
 
 
 class Replica:
-    __slots__ = ("id", "stage", "host", "slot", "state", "cpus", "source", "requested_at", "factor")
+    __slots__ = ("id", "stage", "host", "slot", "state", "cpus", "source", "requested_at", "factor", "in_flight",
+                 "generation")
 
-    def __init__(self, rid: int, stage: int, host: Host, slot: Slot, source: str, now: float, cpus: float):
+    def __init__(self, rid: int, stage: int, host: Host, slot: Slot, source: str, now: float, cpus: float,
+                 generation: int = 1):
         self.id, self.stage, self.host, self.slot = rid, stage, host, slot
         self.state = "starting"  # starting | ready | draining | gone
         self.cpus, self.source, self.requested_at = cpus, source, now
         self.factor = 1.0  # service-time multiplier of its CPUs (Calibration.cpu_factor)
+        self.in_flight = 0
+        self.generation = generation  # the stage's spec generation it runs (a CPU change starts a new one)
+
+    @property
+    def started_at(self) -> float:  # quart_provider.replicaset.ReplicaLike
+        return self.requested_at
+
+
+class SimActuator:
+    """The controller's actuator on the simulated platform: the embedded gateway's scale / update_limits."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    async def scale(self, function: str, replicas: int, key: bool = False) -> None:
+        self.sim.scale(function, replicas, key)
+
+    async def set_cpus(self, function: str, cpus: float) -> None:
+        self.sim.set_cpus(function, cpus)
+
+
+def drive(coro):
+    """Run a coroutine that never suspends (the simulated actuator answers at once); returns its result."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a simulated control step suspended: the simulated platform must answer at once")
 
 
 class _Stage:
     __slots__ = ("index", "spec", "queue", "free", "ready", "starting", "busy", "metrics", "draws", "cpus",
-                 "arrivals", "function", "start_s", "desired")
+                 "arrivals", "function", "start_time", "desired", "generation")
 
     def __init__(self, index: int, spec: StageSpec, window_s: float, draws: list[float], cpus: float):
         self.index, self.spec, self.function = index, spec, spec.name
@@ -103,8 +145,13 @@ class _Stage:
         self.draws = draws
         self.cpus = cpus
         self.arrivals: list[float] = []
-        self.start_s = -1.0  # ask → ready of recent replicas (EMA), as the live gateway measures it
+        self.start_time = StartTimeEstimate()  # ask → ready of recent replicas, as the live gateway measures it
         self.desired = 0  # the last count asked for (the gateway's FunctionState.desired), placed or not
+        self.generation = 1
+
+    def current(self) -> list[Replica]:
+        """Starting and ready replicas (not draining) of every generation."""
+        return [*self.ready, *self.starting]
 
 
 @dataclass
@@ -141,7 +188,7 @@ class Simulation:
         self.hosts = make_hosts(cal.hosts, cal.gpus_per_host, cal.host_memory_bytes, cfg.keysmanager,
                                 cal.eviction_threshold)
         self.host_by_name = {h.name: h for h in self.hosts}
-        self.placer = make_placer(cfg.placer)
+        self.placer = make_placer(cfg.placer, SchedulerConfig())  # defaults, never the QUART_SCHED_* environment
         n = len(arrivals)
         rng = np.random.default_rng(cfg.seed)
         cv = cal.service_cv
@@ -178,7 +225,13 @@ class Simulation:
         self.gpu_seconds = 0.0
         self.events = 0
         self.decisions: list[tuple[float, tuple[int, ...]]] = []
+        self.key_history: dict[str, int] = {}  # the gateway's count of key-stage scale-ups per function
         self._reconcile_due = False
+        plugin = PluginConfig(queue_cap=cfg.queue_cap, window_s=cfg.window_s, control_period_s=cfg.control_period_s,
+                              slo_factor=cfg.slo_factor)
+        self.controller = Controller(self, self, self.collector, SimActuator(self), lambda: policy, plugin,
+                                     slo_s={cfg.model: cfg.slo_s}, clock=lambda: self.now, keep_timeline=False,
+                                     export_metrics=False)
         for st in self.stages:
             st.desired = cfg.initial_replicas
         self._place_initial()
@@ -192,7 +245,7 @@ class Simulation:
         slot, resident = host.take_slot(stage.function, now)
         if resident:
             source = "gpu"
-        rep = Replica(self.next_replica, stage.index, host, slot, source, now, stage.cpus)
+        rep = Replica(self.next_replica, stage.index, host, slot, source, now, stage.cpus, stage.generation)
         rep.factor = self.cal.cpu_factor(stage.cpus)
         self.next_replica += 1
         host.occupy(slot, rep, stage.function)
@@ -224,19 +277,27 @@ class Simulation:
         rep.host.release_slot(rep.slot, self.stages[rep.stage].function, now, self.cfg.gpu_keep_s)
 
     # ------------------------------------------------------------------------- request flow
+    def _admit(self) -> bool:
+        """The live router's admission, at the pipeline's entry only: 429 when any stage's queue is full."""
+        if any(len(st.queue) >= self.cfg.queue_cap for st in self.stages):
+            self.rejected += 1  # the request ends here, latency stays NaN
+            return False
+        return True
+
     def _arrive(self, req: int, stage: _Stage, now: float) -> None:
+        if stage.index == 0 and not self._admit():
+            return
         stage.metrics.on_arrival(now, stage.spec.activation_bytes)
         stage.arrivals.append(now)
         if stage.free:
             self._start(req, stage, stage.free.pop(), now, now)
-        elif len(stage.queue) >= self.cfg.queue_cap:
-            self.rejected += 1  # 429: the request ends here, latency stays NaN
         else:
             stage.queue.append((req, now))
 
     def _start(self, req: int, stage: _Stage, rep: Replica, now: float, enqueued: float) -> None:
         stage.metrics.on_dispatch(now, now - enqueued)
         stage.busy += 1
+        rep.in_flight += 1
         service = stage.spec.service_s * rep.factor * stage.draws[req] + self.hop_in_service
         self.seq += 1
         heapq.heappush(self.heap, (now + service, self.seq, _COMPLETE, (req, rep, service)))
@@ -245,6 +306,7 @@ class Simulation:
         stage = self.stages[rep.stage]
         stage.metrics.on_complete(now, service)
         stage.busy -= 1
+        rep.in_flight -= 1
         if rep.state == "draining":
             self._release(rep, now)
         else:
@@ -257,14 +319,14 @@ class Simulation:
 
     # ------------------------------------------------------- whole-model (non-pipelined) flow
     def _wm_arrive(self, req: int, now: float) -> None:
+        if not self._admit():
+            return
         for st in self.stages:
             st.metrics.on_arrival(now, st.spec.activation_bytes)
         self.stages[0].arrivals.append(now)
         q = self.stages[0].queue
         if not q and all(st.free for st in self.stages):
             self._wm_start(req, now, now)
-        elif len(q) >= self.cfg.queue_cap:
-            self.rejected += 1
         else:
             q.append((req, now))
 
@@ -273,6 +335,7 @@ class Simulation:
         for st in self.stages:
             rep = st.free.pop()
             st.busy += 1
+            rep.in_flight += 1
             st.metrics.on_dispatch(now, now - enqueued)
             reps.append(rep)
             total += st.spec.service_s * rep.factor * st.draws[req]
@@ -284,6 +347,7 @@ class Simulation:
         for st, rep in zip(self.stages, reps, strict=True):
             st.metrics.on_complete(now, st.spec.service_s * rep.factor * st.draws[req])
             st.busy -= 1
+            rep.in_flight -= 1
             if rep.state == "draining":
                 self._release(rep, now)
             else:
@@ -298,23 +362,17 @@ class Simulation:
             self._wm_start(req, now, enq)
 
     # ------------------------------------------------------------------------- control loop
-    def _snapshot(self, now: float) -> PipelineSnapshot:
-        """The live controller's snapshot builder over the simulated router, platform and windows."""
-        return build_snapshot(now, self.cfg.model, self.functions, self, self, self.collector,
-                              slo_factor=self.cfg.slo_factor, slo_s={self.cfg.model: self.cfg.slo_s})
-
     # Inventory and QueueView (gateway_plugin.snapshot_builder) of the simulated platform and router.
     def pipelines(self) -> dict[str, list[str]]:
         return {self.cfg.model: list(self.functions)}
 
     def stage_state(self, function: str) -> StageState:
         st = self.stage_by_fn[function]
-        ready = len(st.ready)
-        return StageState(ready=ready, desired=max(st.desired, ready + len(st.starting)), cpus=st.cpus,
+        return StageState(ready=len(st.ready), desired=st.desired, cpus=st.cpus,
                           min_replicas=self.cfg.min_replicas, max_replicas=self.max_replicas, concurrency=1,
                           param_bytes=st.spec.param_bytes,
                           profiled_service_s=st.spec.service_s if self.cfg.profile_label else 0.0,
-                          start_s=st.start_s)
+                          start_s=st.start_time.seconds)
 
     def queue_len(self, function: str) -> int:
         return len(self.stage_by_fn[function].queue)
@@ -322,56 +380,78 @@ class Simulation:
     def busy(self, function: str) -> int:
         return self.stage_by_fn[function].busy
 
-    def _key_history(self) -> dict[str, int]:
-        hist = getattr(self.policy, "key_history", None) or {}
-        return {self.stages[i].function: int(n) for i, n in hist.items() if 0 <= i < len(self.stages)}
-
     def _control(self, now: float) -> None:
+        """One step of the live controller; then the platform converges, as the gateway's kicked reconcile."""
         if self.cfg.record_series:
             for st in self.stages:
                 self.samples.append(StageSample(now, st.index, len(st.ready) + len(st.starting), len(st.queue)))
-        decision = self.policy.decide(self._snapshot(now))
-        key = set(decision.key_stages)
-        if key:
-            self.decisions.append((now, tuple(sorted(key))))
-            for i in key:
+        decision = drive(self.controller.step())[self.cfg.model]
+        if self.controller.errors:
+            raise RuntimeError(f"the simulated actuator failed {self.controller.errors} time(s); see the log")
+        if decision.key_stages:
+            self.decisions.append((now, tuple(sorted(decision.key_stages))))
+            for i in decision.key_stages:
                 self.key_counts[i] = self.key_counts.get(i, 0) + 1
+        self._converge(now)
+
+    # The embedded gateway's scale / update_limits (EmbeddedGateway.scale, .update_limits), on simulated time.
+    def scale(self, function: str, replicas: int, key: bool = False) -> None:
+        st = self.stage_by_fn[function]
+        applied = min(replicas, self.max_replicas)  # the gateway clamps to com.openfaas.scale.max
+        note_key_scale(self.key_history, function, st.desired, applied, key)
+        st.desired = applied
+
+    def set_cpus(self, function: str, cpus: float) -> None:
+        """A CPU change is a rolling update: a new generation starts, the hosts drop the stage's zygotes."""
+        st = self.stage_by_fn[function]
+        st.cpus = cpus
+        st.generation += 1
+        for host in self.hosts:
+            host.invalidate(function)
+
+    def _converge(self, now: float) -> None:
+        """The gateway's reconcile (quart_provider.replicaset): ask the placer for the shortfall, stop the
+        surplus, retire a previous generation once the new one is ready."""
         requests = []
-        for st, d in zip(self.stages, decision.stages, strict=True):
-            if d.cpus > 0 and d.cpus != st.cpus:
-                st.cpus = d.cpus
-                factor = self.cal.cpu_factor(d.cpus)
-                for rep in [*st.ready, *st.starting]:
-                    rep.cpus, rep.factor = d.cpus, factor
-            want = max(0, min(self.max_replicas, d.replicas))
-            st.desired = want
-            have = len(st.ready) + len(st.starting)
-            if want > have:
-                requests.append(ReplicaRequest(st.function, want - have, st.spec.param_bytes, st.index in key))
-            elif want < have:
-                self._scale_down(st, have - want, now)
+        for st in self.stages:
+            current = [r for r in st.current() if r.generation == st.generation]
+            missing = shortfall(st.desired, len(current))
+            if missing:
+                requests.append(ReplicaRequest(st.function, missing, st.spec.param_bytes,
+                                               st.function in self.key_history))
+            for rep in choose_surplus(current, st.desired):
+                self._stop(st, rep, now)
+            old = [r for r in st.current() if r.generation != st.generation]
+            if old and rollover_done(sum(1 for r in current if r.state == "ready"), st.desired):
+                for rep in old:
+                    self._stop(st, rep, now)
         if requests:
             self._scale_up(requests, now)
 
-    def _missing(self) -> list[ReplicaRequest]:
-        """Replicas asked for and not placed yet (the gateway's ``unplaced``), as placer requests."""
-        hist = getattr(self.policy, "key_history", None) or {}
-        return [ReplicaRequest(st.function, st.desired - have, st.spec.param_bytes, st.index in hist)
-                for st in self.stages if (have := len(st.ready) + len(st.starting)) < st.desired]
+    def _stop(self, st: _Stage, rep: Replica, now: float) -> None:
+        """Drain and stop one replica: at once if it serves nothing, after its request otherwise."""
+        if rep.state == "starting":
+            st.starting.remove(rep)
+        else:
+            st.ready.pop(rep, None)
+            if rep.in_flight:
+                rep.state = "draining"
+                return
+            st.free.remove(rep)
+        self._release(rep, now)
 
     def _reconcile(self, now: float) -> None:
-        """The gateway's reconcile pass: place what is still missing when a GPU has come free."""
+        """The gateway's periodic reconcile: place what is still missing once a GPU has come free."""
         self._reconcile_due = False
-        missing = self._missing()
-        if missing and any(h.gpu_used < h.gpus for h in self.hosts):
-            self._scale_up(missing, now)
-            missing = self._missing()
-        if missing:
+        if any(h.gpu_used < h.gpus for h in self.hosts):
+            self._converge(now)
+        elif any(len([r for r in st.current() if r.generation == st.generation]) < st.desired
+                 for st in self.stages):
             self._reconcile_due = True
             self._push(now + self.cfg.reconcile_s, _RECONCILE, None)
 
     def _scale_up(self, requests: list[ReplicaRequest], now: float) -> None:
-        result = self.placer.place([h.view() for h in self.hosts], requests, self._key_history())
+        result = self.placer.place([h.view() for h in self.hosts], requests, dict(self.key_history))
         for host in self.hosts:  # keep_cached is binding, as the live gateway pins it on each KeysManager
             host.pinned = frozenset(f for f, h in result.keep_cached if h == host.name)
         by_fn = {s.function: s for s in self.stages}
@@ -393,24 +473,6 @@ class Simulation:
             self._reconcile_due = True
             self._push(now + self.cfg.reconcile_s, _RECONCILE, None)
 
-    def _scale_down(self, st: _Stage, count: int, now: float) -> None:
-        while count > 0 and st.starting:  # cancel the newest start first
-            rep = st.starting.pop()
-            self._release(rep, now)
-            count -= 1
-        while count > 0 and st.free:  # then idle replicas
-            rep = st.free.pop()
-            st.ready.pop(rep, None)
-            self._release(rep, now)
-            count -= 1
-        if count > 0:  # then busy ones: they finish their request, then leave
-            for rep in list(st.ready):
-                if count == 0:
-                    break
-                rep.state = "draining"
-                st.ready.pop(rep, None)
-                count -= 1
-
     def _ready(self, rep: Replica, now: float) -> None:
         if rep.state != "starting":
             return  # cancelled while starting
@@ -419,14 +481,15 @@ class Simulation:
         rep.state = "ready"
         took = now - rep.requested_at
         self.ready_s_by_source[rep.source].append(took)
-        # The live gateway's FunctionState.note_start_time: EMA with weight START_TIME_ALPHA.
-        st.start_s = took if st.start_s < 0 else (1 - START_TIME_ALPHA) * st.start_s + START_TIME_ALPHA * took
+        st.start_time.note(took)
         st.ready[rep] = None
         if self.cfg.whole_model:
             st.free.append(rep)
             self._wm_dispatch(now)
         else:
             self._serve_next(st, rep, now)
+        if any(r.generation != st.generation for r in st.ready):
+            self._converge(now)  # a rolling update may retire the previous generation now
 
     def _serve_next(self, stage: _Stage, rep: Replica, now: float) -> None:
         """A replica is free: it takes the oldest waiting request of its stage, or goes idle."""
