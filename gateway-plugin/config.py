@@ -7,10 +7,11 @@ settings (router, metrics, controller, actuator) are read from the environment b
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from quart_stage.settings import settings_from_env
 
 # ---------------------------------------------------------------------------------------------
 # Policies (pure; time comes from the snapshot)
@@ -155,18 +156,6 @@ def build_config(cls: type, overrides: Mapping[str, Any]):
 # ---------------------------------------------------------------------------------------------
 
 
-def _env(env: Mapping[str, str], name: str, default: Any) -> Any:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        if isinstance(default, bool):
-            return raw.strip().lower() in {"1", "true", "yes", "on"}
-        return type(default)(raw)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}") from exc
-
-
 @dataclass(frozen=True, slots=True)
 class PluginConfig:
     """Runtime settings of router, metrics and controller. Environment names in brackets."""
@@ -193,7 +182,7 @@ class PluginConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
-        env = os.environ if env is None else env
+        """Defaults, then the ``QUART_*`` variables named beside each field (``quart_stage.settings`` rules)."""
         names = {
             "queue_cap": "QUART_QUEUE_CAP",
             "retry_after_s": "QUART_RETRY_AFTER_S",
@@ -215,5 +204,4 @@ class PluginConfig:
             "gateway_user": "QUART_GATEWAY_USER",
             "gateway_password_file": "QUART_GATEWAY_PASSWORD_FILE",
         }
-        base = cls()
-        return replace(base, **{k: _env(env, v, getattr(base, k)) for k, v in names.items()})
+        return settings_from_env(cls, "QUART_", env, names=names)

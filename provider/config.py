@@ -6,9 +6,10 @@ flags of `quartctl up` override both.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
+
+from quart_stage.settings import settings_from_env
 
 DEFAULT_NAMESPACE = "openfaas-fn"
 
@@ -43,22 +44,9 @@ class GatewayConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> GatewayConfig:
-        """Defaults, then ``QUART_GATEWAY_*`` variables, then explicit overrides (None = keep)."""
-        env = dict(os.environ if env is None else env)
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(f"QUART_GATEWAY_{f.name.upper()}")
-            if raw is None:
-                continue
-            default = getattr(cls, f.name)
-            if isinstance(default, bool):
-                values[f.name] = raw.strip().lower() in {"1", "true", "yes", "on"}
-            elif isinstance(default, Path):
-                values[f.name] = Path(raw)
-            else:
-                values[f.name] = type(default)(raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return replace(cls(), **values)
+        """Defaults, then ``QUART_GATEWAY_*`` variables (``quart_stage.settings`` rules), then explicit
+        overrides (None = keep)."""
+        return settings_from_env(cls, "QUART_GATEWAY_", env, **overrides)
 
     @property
     def credentials_dir(self) -> Path:

@@ -6,9 +6,10 @@ Every field can be overridden from the environment as ``QUART_SCHED_<FIELD>`` (u
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
+
+from quart_stage.settings import settings_from_env
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,17 +55,6 @@ class SchedulerConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> SchedulerConfig:
-        """Defaults, then ``QUART_SCHED_*`` variables from `env` (os.environ by default), then `overrides`."""
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(f"QUART_SCHED_{f.name.upper()}")
-            if raw is not None:
-                try:
-                    values[f.name] = int(raw) if f.type == "int" else float(raw)
-                except ValueError:
-                    raise ValueError(f"QUART_SCHED_{f.name.upper()}={raw!r} is not a number") from None
-        unknown = set(overrides) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown scheduler setting(s): {', '.join(sorted(unknown))}")
-        return replace(cls(), **values, **overrides)  # type: ignore[arg-type]
+        """Defaults, then ``QUART_SCHED_*`` variables from `env` (os.environ by default; ``quart_stage.settings``
+        rules), then `overrides`."""
+        return settings_from_env(cls, "QUART_SCHED_", env, **overrides)
