@@ -68,7 +68,6 @@ class QuartConfig:
     correct: CorrectConfig = field(default_factory=CorrectConfig)
     smooth: SmoothConfig = field(default_factory=SmoothConfig)
     cpu: CPUConfig = field(default_factory=CPUConfig)
-    key_history_len: int = 256  # decisions kept in the key-stage history
     # Backlog propagation (ours, beyond the paper): requests queued upstream are the next arrivals of the stages
     # after it. While that backlog outlasts a stage's replica start, the stage gets the replicas to keep up with
     # the rate its upstream will release it at, in the same step, instead of one control period per stage later.

@@ -251,8 +251,3 @@ class MetricsCollector:
 
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def finite(x: float) -> float | None:
-    """JSON-safe float (None for inf/nan)."""
-    return x if math.isfinite(x) else None

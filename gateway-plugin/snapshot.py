@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from quart_stage.labels import DEFAULT_MAX_REPLICAS, DEFAULT_MIN_REPLICAS
+
 
 @dataclass(frozen=True, slots=True)
 class StageSnapshot:
@@ -28,8 +30,8 @@ class StageSnapshot:
     cv_arrival: float = 1.0  # CV_i of inter-arrival times over the window
     utilisation: float = 0.0  # busy time / (replicas × window)
     cpus: float = 1.0  # c_i, CPUs per replica
-    min_replicas: int = 1  # r_min (com.openfaas.scale.min)
-    max_replicas: int = 64  # r_max (com.openfaas.scale.max)
+    min_replicas: int = DEFAULT_MIN_REPLICAS  # r_min (com.openfaas.scale.min)
+    max_replicas: int = DEFAULT_MAX_REPLICAS  # r_max (com.openfaas.scale.max)
     target_s: float = 0.0  # per-stage delay target derived from the SLO
     param_bytes: int = 0  # parameters held by one replica
     activation_bytes: float = 0.0  # mean bytes of one request's input activations
@@ -61,9 +63,6 @@ class PipelineSnapshot:
     stages: tuple[StageSnapshot, ...]
     slo_s: float = 0.0  # end-to-end SLO (k × profiled model time)
     window_s: float = 10.0  # length of the metrics window the rates came from
-
-    def stage(self, index: int) -> StageSnapshot:
-        return self.stages[index]
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+from quart_stage.labels import DEFAULT_MAX_REPLICAS, DEFAULT_MIN_REPLICAS
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,8 +18,8 @@ class StageState:
     ready: int
     desired: int
     cpus: float = 1.0
-    min_replicas: int = 1
-    max_replicas: int = 64
+    min_replicas: int = DEFAULT_MIN_REPLICAS
+    max_replicas: int = DEFAULT_MAX_REPLICAS
     concurrency: int = 1
     param_bytes: int = 0
     profiled_service_s: float = 0.0  # from a profile label; 0 = use the measured service time

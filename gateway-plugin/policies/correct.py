@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from gateway_plugin.config import CorrectConfig
 from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+from quart_provider.replicaset import StartTimeEstimate
 
 
 def stage_target_s(snapshot: PipelineSnapshot, stage: StageSnapshot, default_factor: float) -> float:
@@ -76,7 +77,7 @@ class _PIDState:
     last_scale_up: float = -math.inf
     pending_since: float | None = None  # when replicas were first seen pending (start-time learning)
     ready_then: int = 0
-    start_s: float | None = None  # learned replica start time (EMA)
+    start_time: StartTimeEstimate | None = None  # learned ask → ready time, when the platform measures none
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +168,9 @@ class Corrector:
             st.pending_since, st.ready_then = now, stage.replicas
         elif st.pending_since is not None and (stage.replicas > st.ready_then or stage.pending_replicas == 0):
             if stage.replicas > st.ready_then:
-                sample = now - st.pending_since
-                a = self.config.start_time_alpha
-                st.start_s = sample if st.start_s is None else (1 - a) * st.start_s + a * sample
+                if st.start_time is None:
+                    st.start_time = StartTimeEstimate(alpha=self.config.start_time_alpha)
+                st.start_time.note(now - st.pending_since)
             st.pending_since = now if stage.pending_replicas > 0 else None
             st.ready_then = stage.replicas
 
@@ -190,7 +191,7 @@ class Corrector:
     def replica_start_s(self, index: int) -> float:
         """Learned time from asking for a replica to its being ready (config default until observed)."""
         st = self._state.get(index)
-        return st.start_s if st is not None and st.start_s is not None else self.config.replica_start_s
+        return st.start_time.seconds if st is not None and st.start_time is not None else self.config.replica_start_s
 
     def last_scale_up(self, index: int) -> float:
         """Time the stage last scaled up (−inf if never)."""

@@ -13,7 +13,6 @@ was key) goes to the scheduler. Pure: no I/O, time from the snapshot.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
 from gateway_plugin.config import QuartConfig
@@ -31,12 +30,9 @@ class QuartPolicy:
     cpu_model: CPULatencyModel | None = None
     name: str = "quart"
     corrector: Corrector = field(init=False)
-    key_history: Counter = field(default_factory=Counter)  # stage index → decisions in which it was key
-    key_log: deque = field(init=False)  # (time, key stage indices), most recent last
 
     def __post_init__(self) -> None:
         self.corrector = Corrector(self.config.correct)
-        self.key_log = deque(maxlen=self.config.key_history_len)
 
     def predicted_cv(self, snapshot: PipelineSnapshot) -> list[float]:
         if self.cv_model is not None:
@@ -74,9 +70,6 @@ class QuartPolicy:
                             break
             decisions.append(StageDecision(replicas=replicas, cpus=cpus, reason=reason))
         key = tuple(c_i for c_i, corr in enumerate(corrections) if corr.scaled_up)
-        if key:
-            self.key_history.update(key)
-            self.key_log.append((snapshot.time, key))
         return Decision(time=snapshot.time, stages=tuple(decisions), key_stages=key)
 
     def _lookahead(self, snapshot: PipelineSnapshot, corrections: list[Correction]) -> list[Correction]:

@@ -179,13 +179,6 @@ def fig2(calibration: Calibration, duration_s: float = 600.0, stages: int = 5, s
 # ------------------------------------------------------------------------------ summaries
 
 
-def _by(entries: list[dict], *keys: str) -> dict:
-    out: dict = {}
-    for e in entries:
-        out[tuple(e[k] for k in keys)] = e
-    return out
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not math.isfinite(a) or not math.isfinite(b) or b == 0:
         return None
