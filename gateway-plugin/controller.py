@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from gateway_plugin.actuators import Actuator
 from gateway_plugin.config import PluginConfig
-from gateway_plugin.metrics import MetricsCollector
+from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
 
@@ -55,11 +55,13 @@ class Controller:
     clock: Callable[[], float] = time.monotonic
     log_file: IO[str] | None = None
     keep_timeline: bool = True
-    export_metrics: bool = True  # copy snapshots into the prometheus gauges (the simulator has none to feed)
     policies: dict[str, Policy] = field(default_factory=dict)
     timeline: deque = field(default_factory=lambda: deque(maxlen=100_000))  # dict rows, oldest dropped
     last_snapshots: dict[str, PipelineSnapshot] = field(default_factory=dict)
     errors: int = 0
+
+    def __post_init__(self) -> None:
+        self.collector.registry.register(SnapshotGauges(self.last_snapshots.values))  # read at scrape time
 
     def policy(self, model: str) -> Policy:
         if model not in self.policies:
@@ -80,8 +82,6 @@ class Controller:
             decisions[model] = decision
             await self._apply(snap, decision)
             self._log(snap, decision)
-        if self.export_metrics:
-            self.collector.export(list(self.last_snapshots.values()))
         return decisions
 
     async def _apply(self, snap: PipelineSnapshot, decision: Decision) -> None:

@@ -16,10 +16,12 @@ import json
 import math
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 
 @dataclass(slots=True)
@@ -215,14 +217,6 @@ class MetricsCollector:
         self.records = records
         self._records_lock = threading.Lock()
         self.registry = CollectorRegistry()
-        labels = ["model", "stage", "function"]
-        self.g_arrival = Gauge("quart_stage_arrival_rate", "λ_i, requests/s over the window", labels, registry=self.registry)
-        self.g_service = Gauge("quart_stage_service_rate", "μ_i, requests/s of one replica", labels, registry=self.registry)
-        self.g_replicas = Gauge("quart_stage_replicas", "r_i, ready replicas", labels, registry=self.registry)
-        self.g_queue = Gauge("quart_stage_queue_length", "q_i, requests waiting", labels, registry=self.registry)
-        self.g_wait = Gauge("quart_stage_wait_seconds", "W_i, mean queueing delay over the window", labels, registry=self.registry)
-        self.g_cv = Gauge("quart_stage_arrival_cv", "CV_i of inter-arrival times", labels, registry=self.registry)
-        self.g_util = Gauge("quart_stage_utilisation", "busy time / (replicas × window)", labels, registry=self.registry)
         self.c_requests = Counter("quart_pipeline_requests", "finished pipeline requests", ["model", "code"], registry=self.registry)
 
     def stage(self, function: str) -> StageMetrics:
@@ -236,18 +230,33 @@ class MetricsCollector:
             with self._records_lock:
                 self.records.write(rec.to_json() + "\n")
 
-    def export(self, snapshots: list[Any]) -> None:
-        """Copy PipelineSnapshots into the prometheus gauges."""
-        for snap in snapshots:
-            for s in snap.stages:
-                lab = (snap.model, str(s.index), s.name)
-                self.g_arrival.labels(*lab).set(s.arrival_rate)
-                self.g_service.labels(*lab).set(s.service_rate)
-                self.g_replicas.labels(*lab).set(s.replicas)
-                self.g_queue.labels(*lab).set(s.queue_len)
-                self.g_wait.labels(*lab).set(s.mean_wait_s)
-                self.g_cv.labels(*lab).set(s.cv_arrival)
-                self.g_util.labels(*lab).set(s.utilisation)
-
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+SNAPSHOT_GAUGES = (  # (metric, help, StageSnapshot attribute)
+    ("quart_stage_arrival_rate", "λ_i, requests/s over the window", "arrival_rate"),
+    ("quart_stage_service_rate", "μ_i, requests/s of one replica", "service_rate"),
+    ("quart_stage_replicas", "r_i, ready replicas", "replicas"),
+    ("quart_stage_queue_length", "q_i, requests waiting", "queue_len"),
+    ("quart_stage_wait_seconds", "W_i, mean queueing delay over the window", "mean_wait_s"),
+    ("quart_stage_arrival_cv", "CV_i of inter-arrival times", "cv_arrival"),
+    ("quart_stage_utilisation", "busy time / (replicas × window)", "utilisation"),
+)
+
+
+class SnapshotGauges:
+    """The controller's latest pipeline snapshots as prometheus gauges, read at scrape time (a custom
+    collector: nothing is written back into the metrics the snapshots were built from)."""
+
+    def __init__(self, snapshots: Callable[[], Iterable[Any]]) -> None:
+        self.snapshots = snapshots
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snaps = list(self.snapshots())
+        for metric, doc, attr in SNAPSHOT_GAUGES:
+            family = GaugeMetricFamily(metric, doc, labels=["model", "stage", "function"])
+            for snap in snaps:
+                for s in snap.stages:
+                    family.add_metric([snap.model, str(s.index), s.name], float(getattr(s, attr)))
+            yield family

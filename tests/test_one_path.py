@@ -95,8 +95,7 @@ def test_simulated_and_live_steps_take_the_same_actions(tmp_path) -> None:
                 assert state == simulated, st.function
             recorder = Recorder(GatewayActuator(gw))
             ctl = Controller(view, sim, sim.collector, recorder, lambda: live_policy, sim.controller.config,
-                             slo_s={"m": sim.cfg.slo_s}, clock=lambda: sim.now, keep_timeline=False,
-                             export_metrics=False)
+                             slo_s={"m": sim.cfg.slo_s}, clock=lambda: sim.now, keep_timeline=False)
             await ctl.step()
             await settle(gw)
             return ctl.last_snapshots["m"], recorder.calls, {f: gw.functions[f].desired for f in sim.functions}

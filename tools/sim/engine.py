@@ -230,8 +230,7 @@ class Simulation:
         plugin = PluginConfig(queue_cap=cfg.queue_cap, window_s=cfg.window_s, control_period_s=cfg.control_period_s,
                               slo_factor=cfg.slo_factor)
         self.controller = Controller(self, self, self.collector, SimActuator(self), lambda: policy, plugin,
-                                     slo_s={cfg.model: cfg.slo_s}, clock=lambda: self.now, keep_timeline=False,
-                                     export_metrics=False)
+                                     slo_s={cfg.model: cfg.slo_s}, clock=lambda: self.now, keep_timeline=False)
         for st in self.stages:
             st.desired = cfg.initial_replicas
         self._place_initial()
