@@ -26,12 +26,15 @@ import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from quart_stage import families, wire
 from quart_stage.config import DEFAULT_MAX_BODY_BYTES
 from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.presets import PAPER_PROFILES, PRESET_DTYPES, preset_config, resolve_preset
+
+from keysmanager.registry import MODEL_URL_ENV, ModelRegistry, RegistryError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANDLERS = {"decoder": "decoder-lm", "encoder": "encoder"}
@@ -372,12 +375,13 @@ def stack_document(model: str, family: str, stages: int, out: str, *, profile: s
                    scale_max: int = 16, concurrency: int = 1, model_dir_value: str | None = "",
                    gateway: str = "http://127.0.0.1:8080", image: str | None = None, threads: int = 1,
                    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, emulated_mean_ms: float | None = None,
-                   stack_dir: str | None = None) -> dict:
+                   stack_dir: str | None = None, model_url: str | None = None) -> dict:
     """The faas-cli stack.yml of a partitioned model: one `<model>-stage-<i>` function per stage.
 
     model_dir_value: what QUART_MODEL_DIR says ("" = the absolute `out` path; None = no model dir, for
     parameter-free emulated stages). stack_dir: where stack.yml will live (handler paths are relative
-    to it; default `out`).
+    to it; default `out`). model_url: the model in the registry (``s3://…``, ``QUART_MODEL_URL``), which
+    replaces QUART_MODEL_DIR: a host fetches the stage from there.
     """
     stack_dir = os.path.abspath(stack_dir or out)
     folder = HANDLERS.get(family, "decoder-lm")
@@ -390,6 +394,8 @@ def stack_document(model: str, family: str, stages: int, out: str, *, profile: s
     functions = {}
     for i in range(stages):
         env = {"QUART_MODEL_DIR": model_dir_value} if model_dir_value is not None else {}
+        if model_url and model_dir_value is not None:
+            env = {MODEL_URL_ENV: model_url}
         env |= {"QUART_STAGE_INDEX": str(i), "QUART_NUM_STAGES": str(stages), "QUART_COMPUTE": compute,
                "QUART_MAX_BODY_BYTES": str(max_body_bytes), "QUART_THREADS": str(threads),
                "max_inflight": str(concurrency), "read_timeout": "60s", "write_timeout": "60s",
@@ -459,6 +465,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     p.add_argument("--gateway", default="http://127.0.0.1:8080")
     p.add_argument("--image", default=None)
+    p.add_argument("--upload", metavar="URL", default=None,
+                   help="then upload the model to the registry at s3://bucket/prefix (endpoint and credentials: "
+                        "QUART_REGISTRY_ENDPOINT / AWS_* settings) and write QUART_MODEL_URL into stack.yml")
     args = p.parse_args(argv)
     model: str | dict = args.model
     if args.model == "sized":
@@ -467,7 +476,8 @@ def main(argv: list[str]) -> int:
         model = stage_size_config(args.target_stage_mb, args.stages, args.family, args.dtype or "float32")
     stack = {"scale_min": args.scale_min, "scale_max": args.scale_max, "concurrency": args.concurrency,
              "threads": args.threads, "gateway": args.gateway, "image": args.image,
-             "model_dir_value": args.model_dir_value, "emulated_mean_ms": args.emulated_mean_ms}
+             "model_dir_value": args.model_dir_value, "emulated_mean_ms": args.emulated_mean_ms,
+             "model_url": args.upload}
     if args.compute:
         stack["compute"] = args.compute
     try:
@@ -488,4 +498,11 @@ def main(argv: list[str]) -> int:
         print(f"  stage {s.index}: layers {s.layers[0]}..{s.layers[-1]} [{s.start},{s.end}) "
               f"{s.parameter_bytes / 1e6:9.2f} MB ({ratio:.2f}x mean) {s.file or '(no weights)'}")
     print(f"wrote {args.out}/manifest.json and {args.stack_out or os.path.join(args.out, 'stack.yml')}")
+    if args.upload:
+        try:
+            keys = ModelRegistry(args.upload).upload(Path(args.out), progress=True)
+        except RegistryError as exc:
+            print(f"quartctl partition: {exc}", file=sys.stderr)
+            return 2
+        print(f"uploaded {len(keys)} objects to {args.upload}")
     return 0

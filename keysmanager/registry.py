@@ -1,0 +1,228 @@
+"""The model registry: partitioned models in an S3-compatible object store (S3, MinIO; moto's server in tests).
+
+A model lives at ``s3://<bucket>/<prefix>/`` as the folder ``quartctl partition`` writes: ``manifest.json``,
+``stage-<i>.safetensors``, the tokenizer. ``upload`` writes the manifest last, so a model whose upload
+stopped halfway has no manifest and is never resolved. ``fetch_stage`` streams one stage object in file
+order (the partitioner writes tensors layer by layer, so bytes arrive layer after layer; a progress
+callback sees each chunk) into host memory under a temporary name, verifies its size and sha256 against the
+manifest, and only then renames it into place: nothing half-fetched or corrupt is ever loaded.
+``materialize`` builds a local model folder (manifest, tokenizer, one stage) a zygote loads as usual.
+
+Endpoint and credentials: boto3's own configuration (``AWS_ENDPOINT_URL``, ``AWS_SHARED_CREDENTIALS_FILE``
+— a file, mode 0600 —, ``AWS_ACCESS_KEY_ID`` …) or ``QUART_REGISTRY_ENDPOINT``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+MODEL_URL_ENV = "QUART_MODEL_URL"  # s3://bucket/prefix of a partitioned model (stack.yml environment)
+ENDPOINT_ENV = "QUART_REGISTRY_ENDPOINT"  # S3 endpoint URL when not AWS (MinIO, a local server)
+MANIFEST = "manifest.json"
+CHUNK_BYTES = 4 << 20
+
+Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
+
+
+class RegistryError(RuntimeError):
+    """The registry could not give what was asked; the message names the cause (unreachable, missing
+    object, access denied, checksum mismatch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    path: Path
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return 8 * self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def parse_model_url(url: str) -> tuple[str, str]:
+    """(bucket, key prefix without trailing slash) of ``s3://bucket/prefix``; RegistryError if malformed."""
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise RegistryError(f"{MODEL_URL_ENV} must look like s3://bucket/path/to/model, got {url!r}")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+def s3_client(endpoint_url: str | None = None) -> Any:
+    """A boto3 S3 client with short connect/read timeouts and few retries (a dead registry fails fast)."""
+    import boto3
+    from botocore.config import Config
+
+    endpoint = endpoint_url or os.environ.get(ENDPOINT_ENV) or None
+    config = Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"},
+                    s3={"addressing_style": "path"})
+    return boto3.client("s3", endpoint_url=endpoint, config=config,
+                        region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+
+
+class ModelRegistry:
+    """One model in the registry, by its ``s3://`` URL."""
+
+    def __init__(self, url: str, endpoint_url: str | None = None, client: Any = None) -> None:
+        self.url = url.rstrip("/")
+        self.bucket, self.prefix = parse_model_url(url)
+        self.endpoint_url = endpoint_url
+        self._client = client
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = s3_client(self.endpoint_url)
+        return self._client
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    # ------------------------------------------------------------------------------ errors
+    def _explain(self, exc: Exception, what: str) -> RegistryError:
+        from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+
+        if isinstance(exc, ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in {"NoSuchKey", "404", "NotFound"}:
+                return RegistryError(f"{what}: no such object in the registry ({self.url})")
+            if code == "NoSuchBucket":
+                return RegistryError(f"{what}: bucket {self.bucket!r} does not exist")
+            if code in {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"}:
+                return RegistryError(f"{what}: access denied by the registry ({code}); check the credentials")
+            return RegistryError(f"{what}: the registry answered {code or exc}")
+        if isinstance(exc, EndpointConnectionError):
+            return RegistryError(f"{what}: the registry is unreachable ({exc})")
+        if isinstance(exc, BotoCoreError | OSError):
+            return RegistryError(f"{what}: {exc}")
+        return RegistryError(f"{what}: {exc!r}")
+
+    # ------------------------------------------------------------------------------ upload
+    def upload(self, model_dir: Path, progress: bool = False) -> list[str]:
+        """Upload a partitioned model folder; the manifest goes last. Returns the keys written."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        model_dir = Path(model_dir)
+        if not (model_dir / MANIFEST).is_file():
+            raise RegistryError(f"{model_dir} holds no {MANIFEST}: partition the model first")
+        files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.name != MANIFEST)
+        files.append(model_dir / MANIFEST)
+        total = sum(p.stat().st_size for p in files)
+        bar = _bar(total, f"upload {self.url}", progress)
+        try:
+            self._ensure_bucket()
+            for path in files:
+                self.client.upload_file(str(path), self.bucket, self.key(path.name),
+                                        Callback=bar.update if bar is not None else None)
+        except (BotoCoreError, ClientError) as exc:
+            raise self._explain(exc, f"uploading {model_dir}") from None
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self.key(p.name) for p in files]
+
+    def _ensure_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code")) not in {"404", "NoSuchBucket", "NotFound"}:
+                raise
+            self.client.create_bucket(Bucket=self.bucket)
+
+    # ------------------------------------------------------------------------------ fetch
+    def manifest(self) -> dict:
+        """The model's manifest (small: one GET)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key(MANIFEST))["Body"].read()
+        except (BotoCoreError, ClientError) as exc:
+            raise self._explain(exc, f"reading {self.url}/{MANIFEST}") from None
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise RegistryError(f"{self.url}/{MANIFEST} is not valid JSON") from None
+
+    def fetch(self, name: str, dest: Path, sha256: str | None = None, size: int | None = None,
+              on_progress: Progress | None = None) -> FetchResult:
+        """Stream object ``name`` into ``dest`` (via ``dest.partial``), verified; returns bytes and seconds."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        dest = Path(dest)
+        partial = dest.with_name(dest.name + ".partial")
+        digest, done = hashlib.sha256(), 0
+        started = time.perf_counter()
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+            total = int(reply.get("ContentLength") or size or 0)
+            with open(partial, "wb") as out:
+                for chunk in reply["Body"].iter_chunks(CHUNK_BYTES):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    done += len(chunk)
+                    if on_progress is not None:
+                        on_progress(done, total)
+        except (BotoCoreError, ClientError, OSError) as exc:
+            partial.unlink(missing_ok=True)
+            raise self._explain(exc, f"fetching {self.url}/{name}") from None
+        seconds = time.perf_counter() - started
+        if size is not None and done != size:
+            partial.unlink(missing_ok=True)
+            raise RegistryError(f"{self.url}/{name}: got {done} bytes, the manifest says {size}")
+        if sha256 and digest.hexdigest() != sha256:
+            partial.unlink(missing_ok=True)
+            raise RegistryError(f"{self.url}/{name}: checksum mismatch (sha256 {digest.hexdigest()[:16]}…, "
+                                f"the manifest says {sha256[:16]}…); nothing was cached")
+        os.replace(partial, dest)
+        return FetchResult(dest, done, seconds)
+
+    def materialize(self, stage_index: int, dest_dir: Path, on_progress: Progress | None = None) -> FetchResult:
+        """A local model folder holding the manifest, the tokenizer and stage ``stage_index`` (fetched,
+        verified), usable as ``QUART_MODEL_DIR``. A stage file already there with the right checksum is kept."""
+        dest_dir = Path(dest_dir)
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        manifest = self.manifest()
+        stages = manifest.get("stages") or []
+        if not 0 <= stage_index < len(stages):
+            raise RegistryError(f"{self.url}: model {manifest.get('model')!r} has stages 0..{len(stages) - 1}, "
+                                f"not {stage_index}")
+        entry = stages[stage_index]
+        for extra in filter(None, [manifest.get("tokenizer")]):
+            if not (dest_dir / extra).exists():
+                self.fetch(extra, dest_dir / extra)
+        result = FetchResult(dest_dir, 0, 0.0)
+        name = entry.get("file")
+        if name:
+            target = dest_dir / name
+            if not (target.exists() and _sha256(target) == entry.get("sha256")):
+                result = self.fetch(name, target, entry.get("sha256"), entry.get("file_bytes"), on_progress)
+        tmp = dest_dir / (MANIFEST + ".partial")  # the manifest last: the folder is complete once it exists
+        tmp.write_text(json.dumps(manifest))
+        os.replace(tmp, dest_dir / MANIFEST)
+        return result
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc)
