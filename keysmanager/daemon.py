@@ -37,8 +37,9 @@ from aiohttp import web
 
 from keysmanager import sysutil
 from keysmanager.aio import within
-from keysmanager.api import ApiError, build_app
+from keysmanager.api import build_app
 from keysmanager.config import KeysManagerConfig
+from keysmanager.errors import InvalidSpec, ManagerError, NoFreeSlot, NoRoom, NotFound, StartFailed
 from keysmanager.eviction import CacheEntry, plan_eviction
 from keysmanager.protocol import encode
 from keysmanager.stage import StageRef, UnknownStage, resolve_stage
@@ -302,9 +303,9 @@ class KeysManager:
         try:
             return resolve_stage(spec.function, spec.env)
         except UnknownStage as exc:
-            raise ApiError(404, f"unknown stage for function {spec.function!r}: {exc}", exc.field) from None
+            raise NotFound(f"unknown stage for function {spec.function!r}: {exc}", exc.field) from None
         except ValueError as exc:
-            raise ApiError(400, f"bad stage environment for {spec.function!r}: {exc}", "spec.env") from None
+            raise InvalidSpec(f"bad stage environment for {spec.function!r}: {exc}", "spec.env") from None
 
     # ---------------------------------------------------------------- memory
     def memory_used(self) -> int:
@@ -344,7 +345,7 @@ class KeysManager:
             if z is not None:
                 await self._drop_zygote(z, "evicted (LRU)")
         if not plan.satisfied:
-            raise ApiError(507, f"not enough host memory to cache {incoming} bytes: {self.memory_used()} used of "
+            raise NoRoom(f"not enough host memory to cache {incoming} bytes: {self.memory_used()} used of "
                                 f"a {self.memory_limit()}-byte limit, and evicting every unprotected zygote"
                                 + ("" if evict_pinned else " that is not pinned") + " would not make room", "spec")
 
@@ -399,7 +400,7 @@ class KeysManager:
         except (TimeoutError, RuntimeError) as exc:
             await self._drop_zygote(z, "failed to load")
             tail = _tail(log_path)
-            raise ApiError(500, f"the zygote of {spec.function!r} did not load its parameters: {exc}. "
+            raise StartFailed(f"the zygote of {spec.function!r} did not load its parameters: {exc}. "
                                 f"Log tail: {tail}", "spec") from None
         z.load_ms = float(hello.get("load_ms", 0.0))
         z.threads = int(hello.get("threads", 0))
@@ -549,7 +550,7 @@ class KeysManager:
             if slot not in self._slots_used:
                 self._slots_used.add(slot)
                 return slot
-        raise ApiError(409, f"host {self.name} has no free GPU slot ({self.config.gpus} in use)", "count")
+        raise NoFreeSlot(f"host {self.name} has no free GPU slot ({self.config.gpus} in use)", "count")
 
     def _take_cores(self, cpus: float) -> list[int]:
         if not self.config.pin_cpus:
@@ -573,7 +574,7 @@ class KeysManager:
         requested_at = time.monotonic()
         stage = self._resolve(spec)
         if self.config.gpus and count > self.config.gpus - len(self._slots_used):
-            raise ApiError(409, f"host {self.name} has {self.config.gpus - len(self._slots_used)} free GPU slots; "
+            raise NoFreeSlot(f"host {self.name} has {self.config.gpus - len(self._slots_used)} free GPU slots; "
                                 f"asked for {count}", "count")
         z = None if cold else self.zygotes.get(spec.function)
         if z is not None and z.alive and z.stage.fingerprint != stage.fingerprint:
@@ -602,7 +603,7 @@ class KeysManager:
 
     async def _cache_quietly(self, spec: StageSpec) -> None:
         """Cache what a cold start just loaded, unless that would displace a pinned (key-stage) zygote."""
-        with contextlib.suppress(ApiError):
+        with contextlib.suppress(ManagerError):
             await self.ensure_cached(spec, evict_pinned=False)
 
     async def _fork(self, z: _Zygote, spec: StageSpec, mode: str, survive: bool, threads: int,
@@ -620,7 +621,7 @@ class KeysManager:
         answer = await within(30.0, fut)
         if answer.get("op") != "forked":
             self._slots_used.discard(slot)
-            raise ApiError(500, f"fork of {spec.function!r} failed: {answer.get('error')}", "spec")
+            raise StartFailed(f"fork of {spec.function!r} failed: {answer.get('error')}", "spec")
         rep = _Replica(rid, spec.function, int(answer["pid"]), int(answer["port"]), "fork", mode, survive,
                        requested_at, slot, cores, segment=z.segment, param_bytes=z.segment.nbytes)
         rep.create_time = sysutil.create_time(rep.pid)
@@ -688,7 +689,7 @@ class KeysManager:
     async def stop(self, rid: str, drain: bool) -> _Replica:
         rep = self.replicas.get(rid)
         if rep is None:
-            raise ApiError(404, f"no replica with id {rid!r}", "replica_id")
+            raise NotFound(f"no replica with id {rid!r}", "replica_id")
         if rep.state == "dead":
             return rep
         rep.state = "draining"
@@ -784,7 +785,7 @@ class KeysManager:
                 if tick % 10 == 0:
                     await self._check_checkpoints()
                     if self.memory_used() > self.memory_limit():
-                        with contextlib.suppress(ApiError):
+                        with contextlib.suppress(ManagerError):
                             await self._make_room(0, set())
                 self._write_state()
             except Exception as exc:  # the monitor must survive anything; say what happened
