@@ -19,7 +19,7 @@ from keysmanager.errors import InvalidSpec, ManagerError, NoFreeSlot, NoRoom, No
 from keysmanager.types import FORK_MODES, START_SOURCES, StageSpec
 
 if TYPE_CHECKING:
-    from keysmanager.daemon import KeysManager
+    from keysmanager.manager import KeysManager
 
 _FUNCTION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -105,8 +105,7 @@ class _Api:
     async def h_replicas(self, request: web.Request) -> web.Response:
         function = request.query.get("function")
         memory = request.query.get("memory", "1") not in {"0", "false"}  # PSS readings cost ~1 ms a replica
-        reps = [r for r in self.km.replicas.values() if function is None or r.function == function]
-        return web.json_response({"replicas": [self.km.replica_info(r, memory=memory).to_dict() for r in reps]})
+        return web.json_response({"replicas": [i.to_dict() for i in self.km.replica_infos(function, memory)]})
 
     async def h_stop(self, request: web.Request) -> web.Response:
         body = await _json(request, allow_empty=True)
@@ -117,8 +116,7 @@ class _Api:
         return web.json_response(self.km.replica_info(rep).to_dict())
 
     async def h_zygotes(self, request: web.Request) -> web.Response:
-        return web.json_response({"zygotes": [self.km.zygote_info(z).to_dict() for z in self.km.zygotes.values()
-                                              if z.alive]})
+        return web.json_response({"zygotes": [i.to_dict() for i in self.km.zygote_infos()]})
 
     async def h_invalidate(self, request: web.Request) -> web.Response:
         body = await _json(request)
