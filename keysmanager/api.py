@@ -1,4 +1,8 @@
-"""The KeysManager's HTTP API (JSON over the Unix socket): request validation, routes, errors as JSON."""
+"""The KeysManager's HTTP API (JSON over the Unix socket): request validation, routes, errors as JSON.
+
+Every error is answered as ``quart_stage.errors.QuartError`` renders it; the core's domain errors
+(``keysmanager.errors``) get their HTTP status here.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,19 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from quart_stage.errors import QuartError, invalid
 
+from keysmanager.errors import InvalidSpec, ManagerError, NoFreeSlot, NoRoom, NotFound, StartFailed
 from keysmanager.types import FORK_MODES, START_SOURCES, StageSpec
 
 if TYPE_CHECKING:
-    from keysmanager.daemon import KeysManager
+    from keysmanager.manager import KeysManager
 
 _FUNCTION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
-class ApiError(Exception):
-    """An error answered to the API caller as ``{"error": ..., "field": ...}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.field = field
+_STATUS: dict[type[ManagerError], int] = {NotFound: 404, InvalidSpec: 400, NoFreeSlot: 409, NoRoom: 507,
+                                          StartFailed: 500}
 
 
 def build_app(km: KeysManager) -> web.Application:
@@ -41,21 +41,21 @@ class _Api:
 
     def spec(self, body: Any, key: str = "spec") -> StageSpec:
         if not isinstance(body, dict) or not isinstance(body.get(key), dict):
-            raise ApiError(400, f"the request body must be a JSON object with a {key!r} object", key)
+            raise invalid(key, f"the request body must be a JSON object with a {key!r} object")
         raw = body[key]
         function = raw.get("function")
         if not isinstance(function, str) or not _FUNCTION_RE.match(function):
-            raise ApiError(400, "spec.function must be a name of letters, digits, '_', '.', '-'", "spec.function")
+            raise invalid("spec.function", "spec.function must be a name of letters, digits, '_', '.', '-'")
         env = raw.get("env", {})
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise ApiError(400, "spec.env must be an object of string values", "spec.env")
+            raise invalid("spec.env", "spec.env must be an object of string values")
         cpus = raw.get("cpus", 1.0)
         if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not 0 < cpus <= 1024:
-            raise ApiError(400, "spec.cpus must be a number in (0, 1024]", "spec.cpus")
+            raise invalid("spec.cpus", "spec.cpus must be a number in (0, 1024]")
         for name in ("memory_bytes", "concurrency"):
             value = raw.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ApiError(400, f"spec.{name} must be a non-negative integer", f"spec.{name}")
+                raise invalid(f"spec.{name}", f"spec.{name} must be a non-negative integer")
         return StageSpec.from_dict(raw)
 
     def routes(self, app: web.Application) -> None:
@@ -84,20 +84,20 @@ class _Api:
         spec = self.spec(body)
         count = body.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ApiError(400, f"count must be a non-negative integer, got {count!r}", "count")
+            raise invalid("count", f"count must be a non-negative integer, got {count!r}")
         if count > self.km.config.max_replicas_per_call:
-            raise ApiError(400, f"count must be at most {self.km.config.max_replicas_per_call}", "count")
+            raise invalid("count", f"count must be at most {self.km.config.max_replicas_per_call}")
         mode = body.get("mode", self.km.config.fork_mode)
         if mode not in FORK_MODES:
-            raise ApiError(400, f"mode must be one of {', '.join(FORK_MODES)}, got {mode!r}", "mode")
+            raise invalid("mode", f"mode must be one of {', '.join(FORK_MODES)}, got {mode!r}")
         flags = {}
         for name, default in (("survive", False), ("wait", True), ("cache", self.km.config.cache_on_cold)):
             flags[name] = body.get(name, default)
             if not isinstance(flags[name], bool):
-                raise ApiError(400, f"{name} must be true or false", name)
+                raise invalid(name, f"{name} must be true or false")
         source = body.get("source", "auto")
         if source not in START_SOURCES:
-            raise ApiError(400, f"source must be one of {', '.join(START_SOURCES)}, got {source!r}", "source")
+            raise invalid("source", f"source must be one of {', '.join(START_SOURCES)}, got {source!r}")
         started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold")
         # no memory readings here: they are slow to take from a process that is still starting
         return web.json_response({"replicas": [self.km.replica_info(r, memory=False).to_dict() for r in started]})
@@ -105,26 +105,24 @@ class _Api:
     async def h_replicas(self, request: web.Request) -> web.Response:
         function = request.query.get("function")
         memory = request.query.get("memory", "1") not in {"0", "false"}  # PSS readings cost ~1 ms a replica
-        reps = [r for r in self.km.replicas.values() if function is None or r.function == function]
-        return web.json_response({"replicas": [self.km.replica_info(r, memory=memory).to_dict() for r in reps]})
+        return web.json_response({"replicas": [i.to_dict() for i in self.km.replica_infos(function, memory)]})
 
     async def h_stop(self, request: web.Request) -> web.Response:
         body = await _json(request, allow_empty=True)
         drain = body.get("drain", True) if isinstance(body, dict) else True
         if not isinstance(drain, bool):
-            raise ApiError(400, "drain must be true or false", "drain")
+            raise invalid("drain", "drain must be true or false")
         rep = await self.km.stop(request.match_info["rid"], drain)
         return web.json_response(self.km.replica_info(rep).to_dict())
 
     async def h_zygotes(self, request: web.Request) -> web.Response:
-        return web.json_response({"zygotes": [self.km.zygote_info(z).to_dict() for z in self.km.zygotes.values()
-                                              if z.alive]})
+        return web.json_response({"zygotes": [i.to_dict() for i in self.km.zygote_infos()]})
 
     async def h_invalidate(self, request: web.Request) -> web.Response:
         body = await _json(request)
         function = body.get("function") if isinstance(body, dict) else None
         if not isinstance(function, str) or not _FUNCTION_RE.match(function):
-            raise ApiError(400, "the body must be {\"function\": <stage function name>}", "function")
+            raise invalid("function", "the body must be {\"function\": <stage function name>}")
         dropped = await self.km.invalidate(function)
         return web.json_response({"function": function, "dropped": dropped})
 
@@ -136,9 +134,9 @@ class _Api:
         body = await _json(request)
         functions = body.get("functions") if isinstance(body, dict) else None
         if not isinstance(functions, list) or not all(isinstance(f, str) and _FUNCTION_RE.match(f) for f in functions):
-            raise ApiError(400, "the body must be {\"functions\": [<stage function name>, ...]}", "functions")
+            raise invalid("functions", "the body must be {\"functions\": [<stage function name>, ...]}")
         if len(functions) > 4096:
-            raise ApiError(400, "at most 4096 pinned functions", "functions")
+            raise invalid("functions", "at most 4096 pinned functions")
         return web.json_response({"pinned": self.km.pin(functions)})
 
     async def h_report(self, request: web.Request) -> web.Response:
@@ -154,23 +152,28 @@ async def _json(request: web.Request, allow_empty: bool = False) -> Any:
     if not raw.strip():
         if allow_empty:
             return {}
-        raise ApiError(400, "the request body is empty; expected a JSON object", "body")
+        raise invalid("body", "the request body is empty; expected a JSON object")
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", "body") from None
+        raise invalid("body", f"the request body is not valid JSON: {exc}") from None
 
 
 @web.middleware
 async def _errors_as_json(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as exc:
-        return web.json_response({"error": exc.message, "field": exc.field}, status=exc.status)
+    except QuartError as exc:
+        return _answer(exc)
+    except ManagerError as exc:
+        return _answer(QuartError(_STATUS.get(type(exc), 500), exc.message, exc.field))
     except web.HTTPException as exc:
-        return web.json_response({"error": exc.reason, "field": None}, status=exc.status)
+        return _answer(QuartError(exc.status, exc.reason))
     except Exception as exc:  # a bug must not take the daemon down; answer it
-        return web.json_response({"error": f"internal error: {type(exc).__name__}: {exc}", "field": None},
-                                 status=500)
+        return _answer(QuartError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def _answer(exc: QuartError) -> web.Response:
+    return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers)
 
 

@@ -7,8 +7,10 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
+
+from quart_stage.settings import settings_from_env
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -72,17 +74,6 @@ class KeysManagerConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> KeysManagerConfig:
-        """Defaults, then KM_<FIELD> variables (e.g. KM_MEMORY_LIMIT=2000000000), then ``overrides``."""
-        env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(f"KM_{f.name.upper()}")
-            if raw is None:
-                continue
-            kind = type(getattr(cls(), f.name))
-            if kind is bool:
-                values[f.name] = raw.strip().lower() in {"1", "true", "yes", "on"}
-            else:
-                values[f.name] = kind(raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return replace(cls(), **values)
+        """Defaults, then KM_<FIELD> variables (e.g. KM_MEMORY_LIMIT=2000000000), then ``overrides``
+        (``None`` keeps the value). Raises ``quart_stage.settings.ConfigError`` (a ValueError)."""
+        return settings_from_env(cls, "KM_", env, **overrides)

@@ -38,6 +38,20 @@ def become_subreaper() -> None:
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
+def reap_children() -> list[tuple[int, int]]:
+    """``waitpid`` every ended child (or orphan re-parented to a subreaper): [(pid, exit code or -signal)]."""
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+    return ended
+
+
 def thread_count(pid: int | None = None) -> int:
     """Kernel threads of a process (``/proc/<pid>/task``): 1 means no thread pool was started."""
     return len(os.listdir(f"/proc/{pid or os.getpid()}/task"))

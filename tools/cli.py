@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("quart_provider.cli:down", "stop everything `quartctl up` started"),
     "deploy": ("quart_provider.cli:deploy", "deploy a stack.yml through the gateway REST API (as faas-cli)"),
     "plugin": ("gateway_plugin.standalone:main", "run the gateway plugin as its own process in front of an OpenFaaS gateway"),
-    "keysmanager": ("keysmanager.daemon:main", "run one KeysManager host agent in the foreground"),
+    "keysmanager": ("keysmanager.cli:main", "run one KeysManager host agent in the foreground"),
     "load": ("quart_tools.loadgen:main", "open-loop load generator (Poisson, gamma, trace replay)"),
     "report": ("quart_tools.report:main", "latency/SLO/goodput report and plots from request records"),
     "simulate": ("quart_tools.sim.cli:main", "cluster-scale discrete-event simulator and paper experiments"),
