@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from quart_stage.errors import QuartError, invalid
 
-from keysmanager.errors import InvalidSpec, ManagerError, NoFreeSlot, NoRoom, NotFound, StartFailed
+from keysmanager.errors import (
+    InvalidSpec,
+    ManagerError,
+    NoFreeSlot,
+    NoRoom,
+    NotFound,
+    RegistryUnavailable,
+    StartFailed,
+)
 from keysmanager.types import FORK_MODES, START_SOURCES, StageSpec
 
 if TYPE_CHECKING:
@@ -25,7 +33,7 @@ _FUNCTION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 _STATUS: dict[type[ManagerError], int] = {NotFound: 404, InvalidSpec: 400, NoFreeSlot: 409, NoRoom: 507,
-                                          StartFailed: 500}
+                                          StartFailed: 500, RegistryUnavailable: 502}
 
 
 def build_app(km: KeysManager) -> web.Application:

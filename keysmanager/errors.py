@@ -35,3 +35,7 @@ class NoRoom(ManagerError):
 
 class StartFailed(ManagerError):
     """A zygote did not load its parameters, or a fork from it failed."""
+
+
+class RegistryUnavailable(ManagerError):
+    """The model registry could not give the stage: unreachable, object missing, access denied, corrupt."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import signal
 import sys
 import time
@@ -30,11 +31,12 @@ import psutil
 
 from keysmanager import sysutil
 from keysmanager.config import KeysManagerConfig
-from keysmanager.errors import InvalidSpec, ManagerError, NoRoom, NotFound
+from keysmanager.errors import InvalidSpec, ManagerError, NoRoom, NotFound, RegistryUnavailable
 from keysmanager.eviction import CacheEntry, plan_eviction
 from keysmanager.launcher import Launcher
 from keysmanager.records import Replica, Segments, Zygote
 from keysmanager.recovery import Recovered, StateFile, recover
+from keysmanager.registry import MANIFEST, MODEL_URL_ENV, ModelRegistry, RegistryError
 from keysmanager.replicas import Replicas
 from keysmanager.stage import StageRef, UnknownStage, resolve_stage
 from keysmanager.types import HostReport, ReplicaInfo, StageSpec, ZygoteInfo
@@ -57,6 +59,7 @@ class KeysManager:
         self.zygotes = Zygotes(config, self._launcher, self._segments, self._spawn_task, self._reap,
                                self.replicas.exited, self._state.touch)
         self._cache_locks: dict[str, asyncio.Lock] = {}
+        self._fetch_locks: dict[str, asyncio.Lock] = {}
         self._caching: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
@@ -166,9 +169,32 @@ class KeysManager:
                          + ("" if evict_pinned else " that is not pinned") + " would not make room", "spec")
 
     # ---------------------------------------------------------------- caching and starting
+    async def localize(self, spec: StageSpec) -> StageSpec:
+        """A stage deployed from the model registry (``QUART_MODEL_URL``) with its local model folder: the
+        stage is fetched once per host (streamed, sha256-verified, in a worker thread) into the state dir, then
+        loaded as from any folder. Raises RegistryUnavailable naming the cause."""
+        if spec.env.get(MODEL_URL_ENV) is None or spec.env.get("QUART_MODEL_DIR"):
+            return spec
+        url = spec.env[MODEL_URL_ENV]
+        index = spec.env.get("QUART_STAGE_INDEX", "0")
+        folder = self.state_dir / "registry" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{index}"
+        lock = self._fetch_locks.setdefault(str(folder), asyncio.Lock())
+        async with lock:  # one fetch per stage and host, however many starts ask at once
+            if not (folder / MANIFEST).exists():
+                try:
+                    stage_index = int(index)
+                except ValueError:
+                    raise InvalidSpec(f"QUART_STAGE_INDEX must be an integer, got {index!r}", "spec.env") from None
+                try:
+                    await asyncio.to_thread(ModelRegistry(url).materialize, stage_index, folder)
+                except RegistryError as exc:
+                    raise RegistryUnavailable(f"stage {spec.function!r}: {exc}", "spec.env." + MODEL_URL_ENV) from None
+        return replace(spec, env={**spec.env, "QUART_MODEL_DIR": str(folder)})
+
     async def ensure_cached(self, spec: StageSpec, evict_pinned: bool = True) -> Zygote:
         """The stage's zygote, loading it (after LRU eviction) when there is none. ``evict_pinned=False``: fail
         (NoRoom) rather than drop a pinned zygote to make room."""
+        spec = await self.localize(spec)
         stage = self._resolve(spec)
         lock = self._cache_locks.setdefault(spec.function, asyncio.Lock())
         async with lock:
@@ -193,6 +219,7 @@ class KeysManager:
         when ``cache``). ``cold``: always cold-start, never touching the cache (a function deployed without the
         KeysManager, ``com.quart.keysmanager: off``)."""
         requested_at = time.monotonic()
+        spec = await self.localize(spec)
         stage = self._resolve(spec)
         self.replicas.check_free_slots(count)
         z = None if cold else self.zygotes.get(spec.function)

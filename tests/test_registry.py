@@ -131,3 +131,32 @@ def test_clear_errors(endpoint, tiny, tmp_path) -> None:
     (half / MANIFEST).unlink()
     with pytest.raises(RegistryError, match="partition the model first"):
         ModelRegistry("s3://models/half", endpoint_url=endpoint).upload(half)
+
+
+def test_a_keysmanager_starts_a_stage_from_the_registry_and_forks_it_after(endpoint, tiny, monkeypatch) -> None:
+    """The host agent fetches the stage on its first start (cold), caches a zygote, forks the next one; the
+    replicas answer as replicas of the local folder do. A missing model is a 502 naming the cause."""
+    from keysmanager.client import KeysManagerError
+    from keysmanager.types import StageSpec
+    from tests.test_keysmanager import Daemon, daemons_in_temp_dir, infer, stage
+
+    monkeypatch.setenv("QUART_REGISTRY_ENDPOINT", endpoint)  # the host agent's registry settings
+    remote = StageSpec("tiny-stage-0", env={"QUART_MODEL_URL": "s3://models/cli/tiny", "QUART_STAGE_INDEX": "0",
+                                            "QUART_COMPUTE": "cpu"})
+    with daemons_in_temp_dir() as (root, daemons, _):
+        d = Daemon(root, "reg")
+        daemons.append(d)
+        d.start()
+        first = d.client.start(remote)[0]
+        assert first.source == "cold"
+        fetched = list((d.state_dir / "registry").glob("*-0/stage-0.safetensors"))
+        assert len(fetched) == 1 and not list((d.state_dir / "registry").rglob("*.partial"))
+        second = d.client.start(remote)[0]
+        assert second.source == "fork"
+        local = d.client.start(stage(tiny, 0, function="local-stage-0"))[0]
+        assert infer(first.url) == infer(second.url) == infer(local.url)
+        missing = StageSpec("gone-stage-0", env={**remote.env, "QUART_MODEL_URL": "s3://models/never/there"})
+        with pytest.raises(KeysManagerError) as err:
+            d.client.start(missing)
+        assert err.value.status == 502 and "no such object" in err.value.message
+        assert d.client.health()  # and it keeps serving
