@@ -22,8 +22,9 @@ import aiohttp
 from aiohttp import web
 from quart_provider.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
 from quart_provider.auth import Credentials
+from quart_provider.balancer import ServiceUnavailable
 from quart_provider.deployment import FunctionDeployment, RequestError, bad, parse_json_object
-from quart_provider.gateway import EmbeddedGateway, ServiceUnavailable
+from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 
 VERSION = "0.1.0"

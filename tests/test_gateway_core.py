@@ -6,9 +6,10 @@ import asyncio
 import textwrap
 
 import pytest
+from quart_provider.balancer import ServiceUnavailable
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment, RequestError
-from quart_provider.gateway import EmbeddedGateway, ServiceUnavailable
+from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
 from quart_provider.quantities import parse_cpu, parse_memory
 from quart_provider.scheduling.types import HostView

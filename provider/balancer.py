@@ -1,0 +1,118 @@
+"""Load balancing over a function's ready replicas: one pick rule for the proxy and the pipeline router.
+
+- :func:`pick`: the pure rule both use — least in-flight among the ready replicas with a free slot
+  (``com.quart.concurrency`` 0 = unlimited, OpenFaaS's ``max_inflight`` meaning), replicas already
+  tried for this request last;
+- :class:`Balancer`: the proxy's path — ``acquire_nowait / acquire / release`` keep each replica's
+  in-flight count exact; ``acquire`` waits (bounded) for a replica, scaling a function up from zero,
+  and raises :class:`ServiceUnavailable` (429 / 503) when none comes in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Protocol, TypeVar
+
+from quart_provider.config import GatewayConfig
+from quart_provider.types import Endpoint, FunctionState
+from quart_stage.errors import QuartError
+
+from keysmanager.aio import within
+
+
+class Slotted(Protocol):
+    """What the pick rule reads of a replica (the provider's Endpoint, the router's StaticReplica)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+R = TypeVar("R", bound=Slotted)
+
+
+def pick(ready: Iterable[R], concurrency: int, tried: Collection[str] = ()) -> R | None:
+    """The ready replica to send the next request to, or None when every one is at ``concurrency``.
+
+    Least in flight first (the first listed on a tie); a replica in ``tried`` only when no untried one
+    has a free slot (a retry goes elsewhere when it can). ``concurrency`` 0 = no per-replica limit."""
+    free = [r for r in ready if not concurrency or r.in_flight < concurrency]
+    fresh = [r for r in free if r.id not in tried] if tried else free
+    return min(fresh or free, key=lambda r: r.in_flight, default=None)
+
+
+class ServiceUnavailable(QuartError):
+    """No replica could take the request in time (503 or 429, with Retry-After)."""
+
+
+class Balancer:
+    """Hands out the ready replicas of the functions in ``functions`` (the registry's live mapping)."""
+
+    def __init__(self, config: GatewayConfig, functions: Mapping[str, FunctionState], kick: Callable[[], None]
+                 ) -> None:
+        self.config = config
+        self.functions = functions
+        self.kick = kick  # ask the reconciler to act now (scale from zero, a replica gone)
+
+    def acquire_nowait(self, fn: FunctionState) -> Endpoint | None:
+        """The :func:`pick` of ``fn``'s ready replicas, its in-flight count taken; None if none."""
+        endpoint = pick(fn.ready, fn.deployment.concurrency)
+        if endpoint is not None:
+            endpoint.in_flight += 1
+        return endpoint
+
+    async def acquire(self, fn: FunctionState) -> Endpoint:
+        """Like :meth:`acquire_nowait`, waiting up to ``ready_wait_s`` (scales from zero if needed).
+
+        Raises :class:`ServiceUnavailable`: 429 when too many requests wait or all replicas stay busy,
+        503 when no replica became ready in time.
+        """
+        endpoint = self.acquire_nowait(fn)
+        if endpoint is not None:
+            return endpoint
+        if fn.waiting >= self.config.max_waiting:
+            raise ServiceUnavailable(429, f"function {fn.name!r} is overloaded: {fn.waiting} requests already "
+                                          "wait for a replica", None)
+        if fn.desired == 0:
+            fn.desired = max(1, fn.deployment.min_replicas)  # scale from zero
+            self.kick()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.ready_wait_s
+        fn.waiting += 1
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or fn.name not in self.functions:
+                    break
+                fut = loop.create_future()
+                fn.wakeups.append(fut)
+                with contextlib.suppress(TimeoutError):
+                    await within(remaining, fut)
+                endpoint = self.acquire_nowait(fn)
+                if endpoint is not None:
+                    return endpoint
+        finally:
+            fn.waiting -= 1
+        if fn.ready:
+            raise ServiceUnavailable(429, f"all replicas of {fn.name!r} stayed at their concurrency limit for "
+                                          f"{self.config.ready_wait_s:g} s", None)
+        raise ServiceUnavailable(503, f"no replica of {fn.name!r} became ready within "
+                                      f"{self.config.ready_wait_s:g} s", None)
+
+    def release(self, fn: FunctionState, endpoint: Endpoint) -> None:
+        """A request to ``endpoint`` is over: free its slot and wake a waiter."""
+        endpoint.in_flight -= 1
+        endpoint.served += 1
+        if fn.wakeups:
+            fn.wake()
+
+    def mark_unreachable(self, fn: FunctionState, endpoint: Endpoint) -> None:
+        """A replica refused a connection: route nothing more to it; the next reconcile confirms or removes it."""
+        if endpoint.state == "ready":
+            endpoint.state, endpoint.probed = "starting", False  # the host's next report says ready if a blip
+            fn.refresh_ready()
+            self.kick()

@@ -1,0 +1,115 @@
+"""The function registry: the desired state the OpenFaaS control-plane calls change.
+
+``deploy / update / remove / scale / update_limits / get`` back ``/system/functions`` and
+``/system/scale-function``; ``pipelines()`` groups stage functions by model. What runs follows from
+here by reconciliation (:mod:`.reconciler`), which the registry asks to act now through ``changed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+
+from quart_provider.deployment import FunctionDeployment, RequestError, Resources
+from quart_provider.hosts import Host
+from quart_provider.images import ImageIndex, resolve
+from quart_provider.replicaset import note_key_scale
+from quart_provider.types import Endpoint, FunctionState
+
+
+class Registry:
+    """Deployed functions by name, and the key-stage scale-up history the placer reads."""
+
+    def __init__(self, images: ImageIndex, hosts: Mapping[str, Host], max_body_bytes: int,
+                 changed: Callable[[], None], retire: Callable[[FunctionState, Endpoint], None]) -> None:
+        self.images = images
+        self.hosts = hosts
+        self.max_body_bytes = max_body_bytes
+        self.changed = changed  # reconcile now
+        self.retire = retire  # drain and stop one replica
+        self.functions: dict[str, FunctionState] = {}
+        self.key_history: dict[str, int] = {}  # function → scale-ups flagged as a key stage's
+
+    def get(self, name: str) -> FunctionState:
+        fn = self.functions.get(name)
+        if fn is None:
+            raise RequestError(404, f"function {name!r} not found", "functionName")
+        return fn
+
+    async def deploy(self, deployment: FunctionDeployment) -> FunctionState:
+        """Create a function (POST /system/functions); starts ``com.openfaas.scale.min`` replicas."""
+        if deployment.service in self.functions:
+            raise RequestError(400, f"function {deployment.service!r} already exists; update it with "
+                                    "PUT /system/functions", "service")
+        runnable = resolve(deployment, self.images)
+        fn = FunctionState(deployment, runnable, deployment.min_replicas, datetime.now(UTC))
+        self.functions[deployment.service] = fn
+        self.changed()
+        return fn
+
+    async def update(self, deployment: FunctionDeployment) -> FunctionState:
+        """Replace a function's spec (PUT /system/functions): a rolling update to a new generation.
+
+        When what a replica runs is unchanged (same image resolution, environment, limits and
+        concurrency: only labels such as ``com.openfaas.scale.min/max`` or annotations differ), the
+        running replicas are kept and only the desired count is clamped to the new bounds.
+        """
+        fn = self.get(deployment.service)
+        runnable = resolve(deployment, self.images)
+        before = fn.replica_spec(self.max_body_bytes)
+        fn.deployment, fn.runnable = deployment, runnable
+        fn.desired = min(max(fn.desired, deployment.min_replicas), deployment.max_replicas)
+        if fn.replica_spec(self.max_body_bytes) != before:
+            fn.generation += 1
+            await self._invalidate(fn.name)
+        self.changed()
+        return fn
+
+    async def remove(self, name: str) -> None:
+        """Delete a function (DELETE /system/functions): drain and stop all its replicas."""
+        fn = self.get(name)
+        del self.functions[name]
+        fn.desired = 0
+        for endpoint in list(fn.replicas.values()):
+            self.retire(fn, endpoint)
+        fn.wake()
+        await self._invalidate(name)
+
+    async def scale(self, name: str, replicas: int, key: bool = False) -> int:
+        """Set desired replicas (clamped to ``com.openfaas.scale.max``); returns the count applied."""
+        if replicas < 0:
+            raise RequestError(400, f"replicas must not be negative, got {replicas}", "replicas")
+        fn = self.get(name)
+        applied = min(replicas, fn.deployment.max_replicas)
+        note_key_scale(self.key_history, name, fn.desired, applied, key)
+        fn.desired = applied
+        self.changed()
+        return applied
+
+    async def update_limits(self, name: str, cpus: float | None = None, memory_bytes: int | None = None) -> None:
+        """Change a function's CPU / memory limits (the CPU compensator's actuator): rolling update."""
+        fn = self.get(name)
+        old = fn.deployment.limits or Resources()
+        limits = Resources(
+            memory=str(memory_bytes) if memory_bytes else old.memory,
+            cpu=f"{cpus:g}" if cpus else old.cpu,
+            memory_bytes=memory_bytes or old.memory_bytes,
+            cpus=cpus or old.cpus,
+        )
+        await self.update(replace(fn.deployment, limits=limits))
+
+    def pipelines(self) -> dict[str, list[str]]:
+        """model → its stage functions in stage order (from the ``com.quart.*`` labels)."""
+        stages: dict[str, list[tuple[int, str]]] = {}
+        for fn in self.functions.values():
+            model = fn.deployment.model
+            if model:
+                index = int(fn.deployment.labels.get("com.quart.stage", "0") or 0)
+                stages.setdefault(model, []).append((index, fn.name))
+        return {m: [name for _, name in sorted(s)] for m, s in stages.items()}
+
+    async def _invalidate(self, name: str) -> None:
+        """Hosts drop what they cached of the function's previous spec (zygotes)."""
+        await asyncio.gather(*(h.invalidate(name) for h in self.hosts.values()), return_exceptions=True)

@@ -1,0 +1,101 @@
+"""The provider's shared state types: a replica the gateway routes to, and one deployed function.
+
+Like faas-provider's ``types`` package: the registry, the balancer and the reconciler all read and
+write these; placement's own inputs (``ReplicaRequest``, ``HostView``) live in :mod:`.scheduling.types`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from quart_provider.deployment import FunctionDeployment
+from quart_provider.hosts import ReplicaSpec
+from quart_provider.images import Runnable
+from quart_provider.replicaset import StartTimeEstimate
+
+InvokeHook = Callable[[Any, str, str], Awaitable[Any]]  # (aiohttp request, name, sub-path) → response | None
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """A replica the gateway routes to; ``in_flight`` counts requests it is serving now."""
+
+    id: str
+    function: str
+    host: str
+    url: str
+    state: str  # starting | ready | draining | dead
+    source: str
+    generation: int
+    started_at: float
+    in_flight: int = 0
+    served: int = 0
+    probed: bool = False  # the gateway's own health probe saw it ready (ahead of the host's report)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "function": self.function, "host": self.host, "url": self.url, "state": self.state,
+                "source": self.source, "generation": self.generation, "inFlight": self.in_flight,
+                "served": self.served}
+
+
+@dataclass(slots=True)
+class FunctionState:
+    """One deployed function: its spec, desired replicas, and the replicas it has."""
+
+    deployment: FunctionDeployment
+    runnable: Runnable
+    desired: int
+    created_at: datetime
+    generation: int = 1
+    replicas: dict[str, Endpoint] = field(default_factory=dict)
+    ready: list[Endpoint] = field(default_factory=list)  # routing list: state == ready
+    pending_starts: int = 0
+    invocations: int = 0
+    waiting: int = 0
+    wakeups: list[asyncio.Future] = field(default_factory=list)
+    unplaced: int = 0
+    start_failures: int = 0  # consecutive failed replica starts (backoff)
+    retry_at: float = 0.0  # monotonic time before which no new start is tried
+    last_error: str = ""
+    start_time: StartTimeEstimate = field(default_factory=StartTimeEstimate)  # ask → ready of recent replicas
+
+    @property
+    def name(self) -> str:
+        return self.deployment.service
+
+    @property
+    def metric_name(self) -> str:
+        return f"{self.deployment.service}.{self.deployment.namespace}"
+
+    def refresh_ready(self) -> None:
+        self.ready = [e for e in self.replicas.values() if e.state == "ready"]
+        self.wake()
+
+    def wake(self) -> None:
+        if self.wakeups:
+            for fut in self.wakeups:
+                if not fut.done():
+                    fut.set_result(None)
+            self.wakeups.clear()
+
+    def replica_spec(self, max_body_bytes: int) -> ReplicaSpec:
+        """What a host starts for this function (its generation changes when this does)."""
+        dep = self.deployment
+        env = {**dep.env_vars, **self.runnable.env}
+        env.setdefault("QUART_MAX_BODY_BYTES", str(max_body_bytes))
+        return ReplicaSpec(function=self.name, kind=self.runnable.kind, env=env, cpus=dep.cpus,
+                           memory_bytes=dep.memory_bytes, concurrency=dep.concurrency, argv=self.runnable.argv,
+                           health_path=self.runnable.health_path, param_cache=dep.param_cache)
+
+    def status_json(self) -> dict[str, Any]:
+        """A ``FunctionStatus`` (faas-provider types / spec.openapi.yml)."""
+        out = self.deployment.to_json()
+        out["invocationCount"] = self.invocations
+        out["replicas"] = self.desired
+        out["availableReplicas"] = len(self.ready)
+        out["createdAt"] = self.created_at.isoformat().replace("+00:00", "Z")
+        return out
