@@ -26,12 +26,11 @@ from gateway_plugin.policies import make_policy
 from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
+from quart_stage import labels as vocab
 
 log = logging.getLogger("quart.plugin")
 
 PLUGIN_PATH = "quart-plugin"  # /function/quart-plugin/{snapshot,timeline}
-LABEL_PARAM_BYTES = "com.quart.param-bytes"
-LABEL_PROFILE_MS = "com.quart.profile-ms"
 
 
 class GatewayView:
@@ -68,8 +67,8 @@ class GatewayView:
             ready=len(fn.ready), desired=fn.desired, cpus=dep.cpus or 1.0,
             min_replicas=dep.min_replicas, max_replicas=dep.max_replicas,
             concurrency=dep.concurrency or self.default_concurrency,
-            param_bytes=_int(dep.labels.get(LABEL_PARAM_BYTES)),
-            profiled_service_s=_int(dep.labels.get(LABEL_PROFILE_MS)) / 1000.0,
+            param_bytes=_int(dep.labels.get(vocab.PARAM_BYTES)),
+            profiled_service_s=_int(dep.labels.get(vocab.PROFILE_MS)) / 1000.0,
             start_s=fn.start_time.seconds,
         )
 

@@ -1,7 +1,8 @@
 """The pipeline router: ``POST /function/<model>`` runs every stage of the model in order.
 
-Each stage function has a FIFO queue. A per-stage dispatcher hands the head of the queue to a ready
-replica with a free slot (in-flight < per-replica concurrency), least outstanding first, and carries
+Each stage function has a FIFO queue. A per-stage dispatcher hands the head of the queue to the replica
+the provider's one pick rule names (:func:`quart_provider.balancer.pick`, the same as the gateway's
+proxy: least in flight among ready replicas with a free slot, concurrency 0 = unlimited), and carries
 the stage's output (safetensors bytes) to the next stage's queue: a replica never calls its
 successor. A failed or timed-out stage call is retried on another replica while the request's
 deadline allows, otherwise the client gets an explicit 5xx JSON error. A request that finds a stage
@@ -30,6 +31,7 @@ import aiohttp
 from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
+from quart_provider.balancer import pick
 
 from keysmanager.aio import wait_event, within
 
@@ -49,7 +51,7 @@ class ReplicaSource(Protocol):
 
     def ready(self, function: str) -> list[Any]: ...
 
-    def concurrency(self, function: str) -> int: ...
+    def concurrency(self, function: str) -> int: ...  # per replica; 0 = unlimited
 
     def take(self, function: str, replica: Any) -> None: ...
 
@@ -274,12 +276,7 @@ class Router:
         q.wake.set()
 
     def _pick(self, function: str, tried: set) -> Any | None:
-        limit = max(1, self.source.concurrency(function))
-        free = [r for r in self.source.ready(function) if r.in_flight < limit]
-        if not free:
-            return None
-        fresh = [r for r in free if r.id not in tried]
-        return min(fresh or free, key=lambda r: r.in_flight)
+        return pick(self.source.ready(function), self.source.concurrency(function), tried)
 
     async def _dispatch(self, q: StageQueue) -> None:
         while True:

@@ -26,9 +26,10 @@ from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
 from gateway_plugin.metrics import MetricsCollector
-from gateway_plugin.plugin import LABEL_PARAM_BYTES, LABEL_PROFILE_MS, make_actuator, policy_factory
+from gateway_plugin.plugin import make_actuator, policy_factory
 from gateway_plugin.router import Router, StaticReplica
 from gateway_plugin.snapshot_builder import StageState
+from quart_stage import labels as vocab
 
 from keysmanager.aio import wait_event
 
@@ -77,9 +78,9 @@ class OpenFaaSView:
         stages: dict[str, list[tuple[int, str]]] = {}
         for name, st in self.status.items():
             labels = st.get("labels") or {}
-            model = labels.get("com.quart.model")
+            model = labels.get(vocab.MODEL)
             if model:
-                stages.setdefault(model, []).append((_label_int(labels, "com.quart.stage", 0), name))
+                stages.setdefault(model, []).append((_label_int(labels, vocab.STAGE, 0), name))
         return {m: [n for _, n in sorted(s)] for m, s in stages.items()}
 
     def stage_state(self, function: str) -> StageState:
@@ -91,11 +92,11 @@ class OpenFaaSView:
         return StageState(
             ready=int(st.get("availableReplicas") or 0), desired=int(st.get("replicas") or 0),
             cpus=parse_cpu(cpu) if cpu else 1.0,
-            min_replicas=_label_int(labels, "com.openfaas.scale.min", 1),
-            max_replicas=_label_int(labels, "com.openfaas.scale.max", 20),
+            min_replicas=_label_int(labels, vocab.SCALE_MIN, vocab.DEFAULT_MIN_REPLICAS),
+            max_replicas=_label_int(labels, vocab.SCALE_MAX, vocab.DEFAULT_MAX_REPLICAS),
             concurrency=self.concurrency(function),
-            param_bytes=_label_int(labels, LABEL_PARAM_BYTES, 0),
-            profiled_service_s=_label_int(labels, LABEL_PROFILE_MS, 0) / 1000.0,
+            param_bytes=_label_int(labels, vocab.PARAM_BYTES, 0),
+            profiled_service_s=_label_int(labels, vocab.PROFILE_MS, 0) / 1000.0,
         )
 
     def stage_meta(self, function: str) -> tuple[float, int]:
@@ -110,7 +111,7 @@ class OpenFaaSView:
 
     def concurrency(self, function: str) -> int:
         labels = (self.status.get(function) or {}).get("labels") or {}
-        return _label_int(labels, "com.quart.concurrency", 0) or self.default_concurrency
+        return _label_int(labels, vocab.CONCURRENCY, 0) or self.default_concurrency
 
     def take(self, function: str, replica: StaticReplica) -> None:
         replica.in_flight += 1

@@ -12,19 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quart_provider.quantities import parse_cpu, parse_memory
+from quart_stage import labels as vocab
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # DNS-1123 label, as faas-netes requires
-LABEL_MIN = "com.openfaas.scale.min"
-LABEL_MAX = "com.openfaas.scale.max"
-LABEL_CONCURRENCY = "com.quart.concurrency"
-LABEL_MODEL = "com.quart.model"
-LABEL_STAGE = "com.quart.stage"
-LABEL_STAGES = "com.quart.stages"
-# "off": the function runs without the KeysManager's parameter cache (every replica cold-starts, like a plain
-# OpenFaaS function: the paper's baselines); "on" (default): replicas fork from the host's cached zygote
-LABEL_KEYSMANAGER = "com.quart.keysmanager"
-DEFAULT_MIN_REPLICAS = 1  # OpenFaaS's default minimum
-DEFAULT_MAX_REPLICAS = 20  # OpenFaaS CE's default maximum
 
 
 class RequestError(Exception):
@@ -176,35 +166,35 @@ class FunctionDeployment:
         )
         if deployment.min_replicas > deployment.max_replicas:
             raise bad(
-                f"{LABEL_MIN}={deployment.min_replicas} is above {LABEL_MAX}={deployment.max_replicas}",
-                f"labels.{LABEL_MIN}",
+                f"{vocab.SCALE_MIN}={deployment.min_replicas} is above {vocab.SCALE_MAX}={deployment.max_replicas}",
+                f"labels.{vocab.SCALE_MIN}",
             )
-        if deployment.labels.get(LABEL_KEYSMANAGER, "on") not in ("on", "off"):
-            raise bad(f"label {LABEL_KEYSMANAGER} must be on or off, got {deployment.labels[LABEL_KEYSMANAGER]!r}",
-                      f"labels.{LABEL_KEYSMANAGER}")
+        if deployment.labels.get(vocab.KEYSMANAGER, "on") not in ("on", "off"):
+            raise bad(f"label {vocab.KEYSMANAGER} must be on or off, got {deployment.labels[vocab.KEYSMANAGER]!r}",
+                      f"labels.{vocab.KEYSMANAGER}")
         if deployment.concurrency < 0:  # pragma: no cover - _int_label rejects negatives
-            raise bad("concurrency must not be negative", f"labels.{LABEL_CONCURRENCY}")
+            raise bad("concurrency must not be negative", f"labels.{vocab.CONCURRENCY}")
         return deployment
 
     # Settings the labels and limits carry -------------------------------------------------------
 
     @property
     def min_replicas(self) -> int:
-        return _int_label(self.labels, LABEL_MIN, DEFAULT_MIN_REPLICAS)
+        return _int_label(self.labels, vocab.SCALE_MIN, vocab.DEFAULT_MIN_REPLICAS)
 
     @property
     def max_replicas(self) -> int:
-        return _int_label(self.labels, LABEL_MAX, DEFAULT_MAX_REPLICAS)
+        return _int_label(self.labels, vocab.SCALE_MAX, vocab.DEFAULT_MAX_REPLICAS)
 
     @property
     def concurrency(self) -> int:
         """Requests one replica serves at once; 0 = unlimited."""
-        return _int_label(self.labels, LABEL_CONCURRENCY, 0)
+        return _int_label(self.labels, vocab.CONCURRENCY, 0)
 
     @property
     def param_cache(self) -> bool:
         """Whether replicas start from the KeysManager's cached parameters (``com.quart.keysmanager``)."""
-        return self.labels.get(LABEL_KEYSMANAGER, "on") == "on"
+        return self.labels.get(vocab.KEYSMANAGER, "on") == "on"
 
     @property
     def cpus(self) -> float | None:
@@ -217,7 +207,7 @@ class FunctionDeployment:
     @property
     def model(self) -> str | None:
         """The pipeline this function is a stage of (``com.quart.model``), if any."""
-        return self.labels.get(LABEL_MODEL) or None
+        return self.labels.get(vocab.MODEL) or None
 
     def to_json(self) -> dict[str, Any]:
         """The deployment fields of a ``FunctionStatus`` (without runtime counters)."""

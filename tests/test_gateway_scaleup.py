@@ -14,9 +14,10 @@ import time
 import aiohttp
 import pytest
 from quart_provider.config import GatewayConfig
-from quart_provider.deployment import LABEL_KEYSMANAGER, FunctionDeployment, RequestError
+from quart_provider.deployment import FunctionDeployment, RequestError
 from quart_provider.stack import load_stack
 from quart_provider.system import EmbeddedSystem
+from quart_stage.labels import KEYSMANAGER as LABEL_KEYSMANAGER
 
 from keysmanager.aio import within
 

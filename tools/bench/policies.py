@@ -140,7 +140,7 @@ class Gateway:
         """Redeploy the stage functions with ``com.quart.keysmanager`` on/off (PUT /system/functions, as
         ``faas-cli deploy`` would); running replicas stay, the next ones start from the cache or cold."""
         from gateway_plugin.actuators.rest import deployment_from_status
-        from quart_provider.deployment import LABEL_KEYSMANAGER
+        from quart_stage.labels import KEYSMANAGER as LABEL_KEYSMANAGER
 
         fns = self.functions()
         for name in stages:
