@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from quart_provider.config import GatewayConfig
-from quart_provider.deployment import RequestError
 from quart_provider.quantities import parse_memory
 from quart_provider.stack import StackError, load_stack
 from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
+from quart_stage.errors import QuartError
 
 DEFAULT_STATE_DIR = Path(".quart")
 
@@ -122,7 +122,7 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
             try:
                 for line in await system.deploy_stack(stack):
                     print(line, flush=True)
-            except RequestError as exc:
+            except QuartError as exc:
                 print(f"quartctl up: deploying {stack.path} failed: {exc.message}"
                       + (f" (field {exc.field})" if exc.field else ""), file=sys.stderr)
                 return 1

@@ -13,40 +13,21 @@ from typing import Any
 
 from quart_provider.quantities import parse_cpu, parse_memory
 from quart_stage import labels as vocab
+from quart_stage.errors import invalid
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # DNS-1123 label, as faas-netes requires
-
-
-class RequestError(Exception):
-    """A client error: the HTTP status, a sentence, and the request field it is about."""
-
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.field = field
-
-    def body(self) -> dict[str, str]:
-        out = {"error": self.message}
-        if self.field:
-            out["field"] = self.field
-        return out
-
-
-def bad(message: str, field_name: str | None = None) -> RequestError:
-    return RequestError(400, message, field_name)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """A JSON object from a request body, or a 400 naming the body."""
     if not raw.strip():
-        raise bad("request body is empty; a JSON object is required", "body")
+        raise invalid("body", "request body is empty; a JSON object is required")
     try:
         value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad(f"request body is not valid JSON: {exc}", "body") from None
+        raise invalid("body", f"request body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise bad("request body must be a JSON object", "body")
+        raise invalid("body", "request body must be a JSON object")
     return value
 
 
@@ -54,7 +35,7 @@ def _str_map(value: Any, name: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise bad(f"{name} must be an object of string values", name)
+        raise invalid(name, f"{name} must be an object of string values")
     return dict(value)
 
 
@@ -62,7 +43,7 @@ def _str_list(value: Any, name: str) -> list[str]:
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise bad(f"{name} must be an array of strings", name)
+        raise invalid(name, f"{name} must be an array of strings")
     return list(value)
 
 
@@ -73,9 +54,9 @@ def _int_label(labels: dict[str, str], key: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise bad(f"label {key} must be an integer, got {raw!r}", f"labels.{key}") from None
+        raise invalid(f"labels.{key}", f"label {key} must be an integer, got {raw!r}") from None
     if value < 0:
-        raise bad(f"label {key} must not be negative, got {value}", f"labels.{key}")
+        raise invalid(f"labels.{key}", f"label {key} must not be negative, got {value}")
     return value
 
 
@@ -93,16 +74,16 @@ class Resources:
         if value is None:
             return None
         if not isinstance(value, dict):
-            raise bad(f"{name} must be an object with memory and/or cpu", name)
+            raise invalid(name, f"{name} must be an object with memory and/or cpu")
         memory, cpu = value.get("memory") or None, value.get("cpu") or None
         try:
             memory_bytes = parse_memory(memory) if memory is not None else None
         except ValueError as exc:
-            raise bad(f"{name}.memory: {exc}", f"{name}.memory") from None
+            raise invalid(f"{name}.memory", f"{name}.memory: {exc}") from None
         try:
             cpus = parse_cpu(cpu) if cpu is not None else None
         except ValueError as exc:
-            raise bad(f"{name}.cpu: {exc}", f"{name}.cpu") from None
+            raise invalid(f"{name}.cpu", f"{name}.cpu: {exc}") from None
         return cls(memory, cpu, memory_bytes, cpus)
 
     def to_json(self) -> dict[str, str]:
@@ -128,28 +109,29 @@ class FunctionDeployment:
 
     @classmethod
     def from_json(cls, body: dict[str, Any], default_namespace: str) -> FunctionDeployment:
-        """Validate a decoded request body; raises :class:`RequestError` (400) naming the field."""
+        """Validate a decoded request body; raises :class:`~quart_stage.errors.QuartError` (400) naming the field."""
         service = body.get("service")
         if not isinstance(service, str) or not service:
-            raise bad("service (the function name) is required", "service")
+            raise invalid("service", "service (the function name) is required")
         if len(service) > 63 or not NAME_RE.match(service):
-            raise bad(
+            raise invalid(
+                "service",
                 f"service {service!r} is not a valid function name: lower-case letters, digits and '-', "
                 "starting and ending with a letter or digit, at most 63 characters",
-                "service",
             )
         image = body.get("image")
         if not isinstance(image, str) or not image.strip():
-            raise bad("image is required", "image")
+            raise invalid("image", "image is required")
         namespace = body.get("namespace") or default_namespace
         if not isinstance(namespace, str) or namespace != default_namespace:
-            raise bad(f"namespace {namespace!r} does not exist; this gateway has {default_namespace!r}", "namespace")
+            raise invalid("namespace",
+                          f"namespace {namespace!r} does not exist; this gateway has {default_namespace!r}")
         env_process = body.get("envProcess") or ""
         if not isinstance(env_process, str):
-            raise bad("envProcess must be a string", "envProcess")
+            raise invalid("envProcess", "envProcess must be a string")
         read_only = body.get("readOnlyRootFilesystem", False)
         if not isinstance(read_only, bool):
-            raise bad("readOnlyRootFilesystem must be a boolean", "readOnlyRootFilesystem")
+            raise invalid("readOnlyRootFilesystem", "readOnlyRootFilesystem must be a boolean")
         deployment = cls(
             service=service,
             image=image.strip(),
@@ -165,15 +147,15 @@ class FunctionDeployment:
             read_only_root_filesystem=read_only,
         )
         if deployment.min_replicas > deployment.max_replicas:
-            raise bad(
-                f"{vocab.SCALE_MIN}={deployment.min_replicas} is above {vocab.SCALE_MAX}={deployment.max_replicas}",
+            raise invalid(
                 f"labels.{vocab.SCALE_MIN}",
+                f"{vocab.SCALE_MIN}={deployment.min_replicas} is above {vocab.SCALE_MAX}={deployment.max_replicas}",
             )
         if deployment.labels.get(vocab.KEYSMANAGER, "on") not in ("on", "off"):
-            raise bad(f"label {vocab.KEYSMANAGER} must be on or off, got {deployment.labels[vocab.KEYSMANAGER]!r}",
-                      f"labels.{vocab.KEYSMANAGER}")
+            raise invalid(f"labels.{vocab.KEYSMANAGER}",
+                          f"label {vocab.KEYSMANAGER} must be on or off, got {deployment.labels[vocab.KEYSMANAGER]!r}")
         if deployment.concurrency < 0:  # pragma: no cover - _int_label rejects negatives
-            raise bad("concurrency must not be negative", f"labels.{vocab.CONCURRENCY}")
+            raise invalid(f"labels.{vocab.CONCURRENCY}", "concurrency must not be negative")
         return deployment
 
     # Settings the labels and limits carry -------------------------------------------------------

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from quart_provider.deployment import FunctionDeployment, RequestError, bad
+from quart_provider.deployment import FunctionDeployment
+from quart_stage.errors import QuartError, invalid
 
 INDEX_FILE = "images.json"
 STAGE_LANG = "pipeline-stage"
@@ -82,16 +83,16 @@ class ImageIndex:
 def _stage_runnable(deployment: FunctionDeployment, source: str) -> Runnable:
     model_dir = deployment.env_vars.get(MODEL_DIR_ENV)
     if not model_dir:
-        raise bad(f"a {STAGE_LANG} function needs envVars.{MODEL_DIR_ENV} (the partitioned model folder)",
-                  f"envVars.{MODEL_DIR_ENV}")
+        raise invalid(f"envVars.{MODEL_DIR_ENV}",
+                      f"a {STAGE_LANG} function needs envVars.{MODEL_DIR_ENV} (the partitioned model folder)")
     if not (Path(model_dir) / "manifest.json").is_file():
-        raise bad(f"envVars.{MODEL_DIR_ENV}={model_dir!r} holds no manifest.json; partition the model first "
-                  "(quartctl partition)", f"envVars.{MODEL_DIR_ENV}")
+        raise invalid(f"envVars.{MODEL_DIR_ENV}", f"envVars.{MODEL_DIR_ENV}={model_dir!r} holds no manifest.json; "
+                      "partition the model first (quartctl partition)")
     return Runnable("stage", source)
 
 
 def resolve(deployment: FunctionDeployment, index: ImageIndex) -> Runnable:
-    """The runnable behind ``deployment.image``; raises a 400 :class:`RequestError` naming the field."""
+    """The runnable behind ``deployment.image``; raises a 400 :class:`QuartError` naming the field."""
     image = deployment.image
     if _image_name(image) == ECHO_IMAGE:
         argv = (sys.executable, "-m", "quart_provider.echo")
@@ -99,18 +100,18 @@ def resolve(deployment: FunctionDeployment, index: ImageIndex) -> Runnable:
     try:
         entry = index.lookup(image)
     except RuntimeError as exc:
-        raise RequestError(500, str(exc), "image") from None
+        raise QuartError(500, str(exc), "image") from None
     if entry is not None:
         lang = entry.get("lang", "")
         if lang != STAGE_LANG:
-            raise bad(f"image {image!r} is built from template {lang!r}; only {STAGE_LANG!r} functions and "
-                      f"{ECHO_IMAGE} run on the embedded gateway (no container runtime)", "image")
+            raise invalid("image", f"image {image!r} is built from template {lang!r}; only {STAGE_LANG!r} functions "
+                                   f"and {ECHO_IMAGE} run on the embedded gateway (no container runtime)")
         return _stage_runnable(deployment, f"image index ({entry.get('stack', index.path)})")
     if MODEL_DIR_ENV in deployment.env_vars:
         return _stage_runnable(deployment, f"{STAGE_LANG} (envVars.{MODEL_DIR_ENV})")
-    raise bad(
+    raise invalid(
+        "image",
         f"cannot resolve image {image!r} to something runnable on this machine: deploy its stack with "
         f"`quartctl up -f stack.yml` or `quartctl deploy -f stack.yml` (records the image in {index.path}), "
         f"set envVars.{MODEL_DIR_ENV} for a {STAGE_LANG} function, or use the built-in {ECHO_IMAGE}",
-        "image",
     )

@@ -12,11 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from quart_provider.deployment import FunctionDeployment, RequestError, Resources
+from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
 from quart_provider.replicaset import note_key_scale
 from quart_provider.types import Endpoint, FunctionState
+from quart_stage.errors import QuartError
 
 
 class Registry:
@@ -35,13 +36,13 @@ class Registry:
     def get(self, name: str) -> FunctionState:
         fn = self.functions.get(name)
         if fn is None:
-            raise RequestError(404, f"function {name!r} not found", "functionName")
+            raise QuartError(404, f"function {name!r} not found", "functionName")
         return fn
 
     async def deploy(self, deployment: FunctionDeployment) -> FunctionState:
         """Create a function (POST /system/functions); starts ``com.openfaas.scale.min`` replicas."""
         if deployment.service in self.functions:
-            raise RequestError(400, f"function {deployment.service!r} already exists; update it with "
+            raise QuartError(400, f"function {deployment.service!r} already exists; update it with "
                                     "PUT /system/functions", "service")
         runnable = resolve(deployment, self.images)
         fn = FunctionState(deployment, runnable, deployment.min_replicas, datetime.now(UTC))
@@ -80,7 +81,7 @@ class Registry:
     async def scale(self, name: str, replicas: int, key: bool = False) -> int:
         """Set desired replicas (clamped to ``com.openfaas.scale.max``); returns the count applied."""
         if replicas < 0:
-            raise RequestError(400, f"replicas must not be negative, got {replicas}", "replicas")
+            raise QuartError(400, f"replicas must not be negative, got {replicas}", "replicas")
         fn = self.get(name)
         applied = min(replicas, fn.deployment.max_replicas)
         note_key_scale(self.key_history, name, fn.desired, applied, key)

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quart_provider.api import create_app, start_site
 from quart_provider.auth import Credentials, load_or_create
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import Host, ProcessHost
+from quart_provider.routes import create_app, start_site
 from quart_provider.stack import Stack
 
 from keysmanager.sysutil import set_parent_death_signal

@@ -8,12 +8,13 @@ import textwrap
 import pytest
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.config import GatewayConfig
-from quart_provider.deployment import FunctionDeployment, RequestError
+from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
 from quart_provider.quantities import parse_cpu, parse_memory
 from quart_provider.scheduling.types import HostView
 from quart_provider.stack import StackError, load_stack
+from quart_stage.errors import QuartError
 
 
 class FakeHost:
@@ -147,7 +148,7 @@ def test_placement_spreads_over_hosts_and_scale_down_drains(tmp_path):
         await asyncio.sleep(0.05)
         assert [e.id for e in fn.ready] == [busy.id]  # the idle replica went first
         assert sum(len(h.stopped) for h in hosts) == 1
-        with pytest.raises(RequestError):
+        with pytest.raises(QuartError):
             await gw.scale("f", -1)
         await gw.close()
 
@@ -240,7 +241,7 @@ def test_deployment_validation_names_fields():
         ({"service": "a", "image": "x", "namespace": "other"}, "namespace"),
     ]
     for body, field in cases:
-        with pytest.raises(RequestError) as err:
+        with pytest.raises(QuartError) as err:
             FunctionDeployment.from_json(body, "openfaas-fn")
         assert err.value.status == 400 and err.value.field == field, body
 

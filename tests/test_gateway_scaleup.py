@@ -14,9 +14,10 @@ import time
 import aiohttp
 import pytest
 from quart_provider.config import GatewayConfig
-from quart_provider.deployment import FunctionDeployment, RequestError
+from quart_provider.deployment import FunctionDeployment
 from quart_provider.stack import load_stack
 from quart_provider.system import EmbeddedSystem
+from quart_stage.errors import QuartError
 from quart_stage.labels import KEYSMANAGER as LABEL_KEYSMANAGER
 
 from keysmanager.aio import within
@@ -103,7 +104,7 @@ def test_scale_up_to_ready_and_first_traffic_is_fast(emulated_stack, tmp_path):
 def test_keysmanager_label_takes_on_or_off_only():
     ok = FunctionDeployment.from_json({"service": "s", "image": "i", "labels": {LABEL_KEYSMANAGER: "off"}}, "openfaas-fn")
     assert not ok.param_cache and FunctionDeployment.from_json({"service": "s", "image": "i"}, "openfaas-fn").param_cache
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(QuartError) as err:
         FunctionDeployment.from_json({"service": "s", "image": "i", "labels": {LABEL_KEYSMANAGER: "maybe"}},
                                      "openfaas-fn")
     assert err.value.status == 400 and LABEL_KEYSMANAGER in str(err.value)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from quart_provider.api import start_site
 from quart_provider.config import GatewayConfig
+from quart_provider.routes import start_site
 from quart_provider.stack import load_stack
 from quart_provider.system import EmbeddedSystem
 from tqdm import tqdm

@@ -1,0 +1,158 @@
+"""Handlers of the data plane: ``/function/{name}`` (the proxy) and ``/async-function/{name}``.
+
+The proxy hands a request to a replica the balancer picks, retrying once elsewhere when a replica
+refuses the connection (it never saw the request); names that are not deployed functions go to the
+invoke hooks (the plugin's pipeline router). An async call is answered 202 + ``X-Call-Id`` at once
+and run later through this gateway's own ``/function`` path (see :mod:`.async_calls`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import aiohttp
+from aiohttp import web
+from quart_provider.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
+from quart_provider.balancer import ServiceUnavailable
+from quart_provider.gateway import EmbeddedGateway
+from quart_provider.headers import forwardable
+from quart_provider.responses import error_of, error_response
+from quart_stage.errors import QuartError
+
+
+class InvokeHandlers:
+    """The invocation handlers over one gateway, with the HTTP client they call replicas through."""
+
+    def __init__(self, gateway: EmbeddedGateway, provider: bool = False) -> None:
+        self.gateway = gateway
+        self.config = gateway.config
+        self.session: aiohttp.ClientSession | None = None
+        self._call_ids = itertools.count(1)
+        self._call_prefix = f"{os.getpid():x}{int(time.time()):x}"
+        self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
+                                        self.config.async_timeout_s)
+        if not provider:  # one registration per gateway (the provider app shares the gateway's registry)
+            gateway.metrics.registry.register(self.async_calls)
+
+    async def startup(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=None)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s), skip_auto_headers=("User-Agent",),
+        )
+
+    async def stop_async_calls(self) -> None:
+        """Let queued async calls run a little (they need the replicas), then answer the rest 503."""
+        await self.async_calls.close(drain_s=min(5.0, self.config.drain_timeout_s))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def _new_call_id(self) -> str:
+        """An ``X-Call-Id`` unique to this gateway process."""
+        return f"{self._call_prefix}-{next(self._call_ids)}"
+
+    async def _invocation_body(self, request: web.Request) -> bytes:
+        """The body of a /function or /async-function call; 413 over ``max_body_bytes``."""
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise QuartError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit",
+                             "body")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise QuartError(413, f"request body is over the {limit}-byte limit", "body") from None
+
+    async def async_invoke(self, request: web.Request) -> web.Response:
+        """``POST /async-function/{name}``: 202 + ``X-Call-Id`` now, the call later (see :mod:`.async_calls`)."""
+        if request.method != "POST":
+            return error_response(405, f"asynchronous invocation takes POST, not {request.method}", "method",
+                                  headers={"Allow": "POST"})
+        name = request.match_info["name"]
+        base, _, namespace = name.partition(".")
+        if namespace and namespace != self.config.namespace:
+            return error_response(404, f"namespace {namespace!r} does not exist", "namespace")
+        if base not in self.gateway.functions and base not in self.gateway.pipelines():
+            return error_response(404, f"function {base!r} not found", "functionName")
+        try:
+            callback = parse_callback(request.headers.get(CALLBACK_HEADER))
+        except ValueError as exc:
+            return error_response(400, str(exc), CALLBACK_HEADER)
+        body = await self._invocation_body(request)
+        host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{port}/function/{request.raw_path.split('/async-function/', 1)[1]}"  # path, query as sent
+        call_id = self._new_call_id()
+        headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
+        headers["X-Call-Id"] = call_id
+        if not self.async_calls.submit(AsyncCall(call_id, name, url, headers, body, callback)):
+            if self.async_calls.closed:
+                return error_response(503, "the gateway is stopping", None,
+                                      headers={"Retry-After": str(self.config.retry_after_s)})
+            return error_response(429, f"the async queue is full ({self.async_calls.capacity} calls wait); retry "
+                                       "later", None, headers={"Retry-After": str(self.config.retry_after_s)})
+        return web.Response(status=202, headers={"X-Call-Id": call_id})
+
+    async def invoke(self, request: web.Request) -> web.StreamResponse:
+        """``/function/{name}[/{tail}]``: proxy to a replica of a deployed function, else ask the invoke hooks."""
+        gateway = self.gateway
+        name = request.match_info["name"]
+        if "." in name:
+            name, _, namespace = name.partition(".")
+            if namespace != self.config.namespace:
+                return error_response(404, f"namespace {namespace!r} does not exist", "namespace")
+        fn = gateway.functions.get(name)
+        tail = request.match_info.get("tail", "")
+        if fn is None:
+            for hook in gateway.invoke_hooks:
+                response = await hook(request, name, tail)
+                if response is not None:
+                    return response
+            return error_response(404, f"function {name!r} not found", "functionName")
+        try:
+            body = await self._invocation_body(request)
+        except QuartError as exc:
+            return error_of(exc, self.config.retry_after_s)
+        metrics, metric_name = gateway.metrics, fn.metric_name
+        metrics.invocation_started(metric_name)
+        start = time.perf_counter()
+        call_id = self._new_call_id()
+        headers = forwardable(request.headers.items())
+        headers["X-Call-Id"] = call_id
+        headers["X-Forwarded-Host"] = request.host
+        path = f"/{tail}?{request.query_string}" if request.query_string else f"/{tail}"
+        payload = None
+        for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
+            try:
+                endpoint = await gateway.acquire(fn)
+            except ServiceUnavailable as exc:
+                metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
+                return error_of(exc, self.config.retry_after_s)
+            try:
+                async with self.session.request(request.method, endpoint.url + path, data=body,
+                                                headers=headers) as upstream:
+                    payload = await upstream.read()
+                    status = upstream.status
+                    out_headers = forwardable(upstream.headers.items())
+                break
+            except aiohttp.ClientConnectorError as exc:
+                gateway.mark_unreachable(fn, endpoint)
+                status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
+                if attempt == 1:
+                    break  # else: the next acquire waits (bounded) for another ready replica
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                status, message = 502, f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
+                break
+            finally:
+                gateway.release(fn, endpoint)
+        fn.invocations += 1
+        elapsed = time.perf_counter() - start
+        metrics.invocation_done(metric_name, status, elapsed)
+        if payload is None:
+            return error_response(502, message)
+        out_headers["X-Call-Id"] = call_id
+        out_headers["X-Duration-Seconds"] = f"{elapsed:.6f}"
+        return web.Response(status=status, body=payload, headers=out_headers)

@@ -1,0 +1,91 @@
+"""Every route of the provider's HTTP API, wired in one place (faas-provider's ``serve.go``).
+
+The OpenFaaS gateway REST API (``api-docs/spec.openapi.yml``) over an :class:`.gateway.EmbeddedGateway`:
+``/system/*`` (:mod:`.handlers_system`, basic auth) and ``/function``, ``/async-function``
+(:mod:`.handlers_invoke`). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
+``{"error": ..., "field": ...}`` with its status here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from quart_provider.auth import Credentials
+from quart_provider.gateway import EmbeddedGateway
+from quart_provider.handlers_invoke import InvokeHandlers
+from quart_provider.handlers_system import SystemHandlers
+from quart_provider.responses import error_of, error_response
+from quart_stage.errors import QuartError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provider: bool = False
+               ) -> web.Application:
+    """The aiohttp application; starting it starts the gateway's reconcile loop, cleanup stops everything.
+
+    ``provider=True``: the faas-provider flavour of the same API, for a real OpenFaaS gateway in front
+    (``functions_provider_url``): ``/system/info`` answers a ``ProviderInfo``, and the app leaves the
+    gateway's lifecycle to the main app.
+    """
+    app = web.Application(client_max_size=gateway.config.max_body_bytes)
+    system = SystemHandlers(gateway, provider)
+    invoke = InvokeHandlers(gateway, provider)
+    retry_after_s = gateway.config.retry_after_s
+
+    def guarded(handler: Handler, auth: bool = True) -> Handler:
+        """Basic auth (unless ``auth`` is False), and a :class:`QuartError` answered as JSON."""
+
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            if auth and credentials is not None and not credentials.check(request.headers.get("Authorization")):
+                return error_response(401, "missing or wrong credentials: use basic auth (faas-cli login)",
+                                      headers={"WWW-Authenticate": 'Basic realm="Restricted"'})
+            try:
+                return await handler(request)
+            except QuartError as exc:
+                return error_of(exc, retry_after_s)
+
+        return wrapped
+
+    r = app.router
+    r.add_get("/healthz", system.healthz)
+    r.add_get("/metrics", system.metrics)
+    r.add_get("/system/info", guarded(system.info))
+    r.add_get("/system/functions", guarded(system.list_functions))
+    r.add_post("/system/functions", guarded(system.deploy))
+    r.add_put("/system/functions", guarded(system.update))
+    r.add_delete("/system/functions", guarded(system.delete))
+    r.add_get("/system/function/{name}", guarded(system.describe))
+    r.add_post("/system/scale-function/{name}", guarded(system.scale))
+    r.add_get("/system/namespaces", guarded(system.namespaces))
+    r.add_get("/system/replicas/{name}", guarded(system.replicas))
+    r.add_route("*", "/async-function/{name}", guarded(invoke.async_invoke, auth=False))
+    r.add_route("*", "/async-function/{name}/{tail:.*}", guarded(invoke.async_invoke, auth=False))
+    r.add_route("*", "/function/{name}", invoke.invoke)
+    r.add_route("*", "/function/{name}/{tail:.*}", invoke.invoke)
+
+    async def startup(app: web.Application) -> None:
+        await invoke.startup()
+        if not provider:
+            await gateway.start()
+
+    async def cleanup(app: web.Application) -> None:
+        await invoke.stop_async_calls()
+        if not provider:
+            await gateway.close()
+        await invoke.close()
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+    return app
+
+
+async def start_site(app: web.Application, bind: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving ``app``; returns the runner (``await runner.cleanup()`` to stop) and the bound port."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, bind, port, backlog=1024, reuse_address=True)
+    await site.start()
+    sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no public getter
+    return runner, sockets[0].getsockname()[1] if sockets else port
