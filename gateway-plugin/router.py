@@ -40,12 +40,6 @@ log = logging.getLogger("quart.router")
 TIMING_HEADERS = ("X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms")
 
 
-class Replica(Protocol):
-    id: str
-    url: str
-    in_flight: int
-
-
 class ReplicaSource(Protocol):
     """Where a stage function's replicas are and how their slots are counted."""
 

@@ -75,13 +75,7 @@ class OpenFaaSView:
 
     # Inventory
     def pipelines(self) -> dict[str, list[str]]:
-        stages: dict[str, list[tuple[int, str]]] = {}
-        for name, st in self.status.items():
-            labels = st.get("labels") or {}
-            model = labels.get(vocab.MODEL)
-            if model:
-                stages.setdefault(model, []).append((_label_int(labels, vocab.STAGE, 0), name))
-        return {m: [n for _, n in sorted(s)] for m, s in stages.items()}
+        return vocab.pipelines((name, st.get("labels") or {}) for name, st in self.status.items())
 
     def stage_state(self, function: str) -> StageState:
         from quart_provider.quantities import parse_cpu

@@ -186,11 +186,6 @@ class FunctionDeployment:
     def memory_bytes(self) -> int | None:
         return self.limits.memory_bytes if self.limits and self.limits.memory_bytes else None
 
-    @property
-    def model(self) -> str | None:
-        """The pipeline this function is a stage of (``com.quart.model``), if any."""
-        return self.labels.get(vocab.MODEL) or None
-
     def to_json(self) -> dict[str, Any]:
         """The deployment fields of a ``FunctionStatus`` (without runtime counters)."""
         out: dict[str, Any] = {"name": self.service, "image": self.image, "namespace": self.namespace}

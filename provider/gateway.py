@@ -24,7 +24,7 @@ from quart_provider.metrics import GatewayMetrics
 from quart_provider.reconciler import Reconciler
 from quart_provider.registry import Registry
 from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
-from quart_provider.scheduling.types import HostView, Placer
+from quart_provider.scheduling.types import Placer
 from quart_provider.types import Endpoint, FunctionState, InvokeHook
 
 
@@ -133,10 +133,6 @@ class EmbeddedGateway:
         """The ready replicas of a function (live objects: ``in_flight`` is current)."""
         fn = self.functions.get(name)
         return list(fn.ready) if fn else []
-
-    def host_views(self) -> list[HostView]:
-        """What the last reconcile saw of every host."""
-        return list(self.reconciler.host_views.values())
 
     def record_invocation(self, name: str, code: int, seconds: float) -> None:
         """Count an invocation served outside the proxy (the router's per-stage calls) like the proxy does."""

@@ -43,7 +43,6 @@ class Reconciler:
         self.key_history = key_history
         self.scheduler_metrics = scheduler_metrics
         self.pins: dict[str, tuple[str, ...]] = {}  # host → key-stage zygotes last pinned there (keep_cached)
-        self.host_views: dict[str, HostView] = {}  # what the last placing saw of every host
         self._placed: dict[str, tuple[float, str, bool]] = {}  # replica id → (asked at, planned source, key)
         self._param_bytes: dict[str, tuple[int, int]] = {}  # function → (generation, stage parameter bytes)
         self._kick = asyncio.Event()
@@ -197,7 +196,6 @@ class Reconciler:
                 continue
             pending = sum(1 for t in self._tasks if t.get_name().startswith(f"start:{name}:"))
             views.append(replace(report, gpu_used=min(report.gpu_slots, report.gpu_used + pending)))
-        self.host_views = {v.name: v for v in views}
         self.scheduler_metrics.record_hosts(views)
         result = self.placer.place(views, requests, dict(self.key_history))
         self.scheduler_metrics.record_schedule(result)

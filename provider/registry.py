@@ -17,6 +17,7 @@ from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
 from quart_provider.replicaset import note_key_scale
 from quart_provider.types import Endpoint, FunctionState
+from quart_stage import labels as vocab
 from quart_stage.errors import QuartError
 
 
@@ -102,14 +103,9 @@ class Registry:
         await self.update(replace(fn.deployment, limits=limits))
 
     def pipelines(self) -> dict[str, list[str]]:
-        """model → its stage functions in stage order (from the ``com.quart.*`` labels)."""
-        stages: dict[str, list[tuple[int, str]]] = {}
-        for fn in self.functions.values():
-            model = fn.deployment.model
-            if model:
-                index = int(fn.deployment.labels.get("com.quart.stage", "0") or 0)
-                stages.setdefault(model, []).append((index, fn.name))
-        return {m: [name for _, name in sorted(s)] for m, s in stages.items()}
+        """model → its stage functions in stage order (:func:`quart_stage.labels.pipelines`: a model whose
+        stages are not numbered 0…n−1, or a function with malformed labels, is no pipeline)."""
+        return vocab.pipelines((fn.name, fn.deployment.labels) for fn in self.functions.values())
 
     async def _invalidate(self, name: str) -> None:
         """Hosts drop what they cached of the function's previous spec (zygotes)."""

@@ -26,10 +26,6 @@ class HostView:
     def gpu_free(self) -> int:
         return max(0, self.gpu_slots - self.gpu_used)
 
-    @property
-    def memory_free(self) -> int:
-        return max(0, self.memory_limit - self.memory_used)
-
 
 @dataclass(frozen=True, slots=True)
 class ReplicaRequest:
