@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from quart_provider.balancer import Balancer
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
-from quart_provider.hosts import Host, ReplicaSpec
+from quart_provider.hosts import Host
 from quart_provider.images import INDEX_FILE, ImageIndex
 from quart_provider.metrics import GatewayMetrics
 from quart_provider.reconciler import Reconciler
@@ -79,9 +79,6 @@ class EmbeddedGateway:
 
     def _retire(self, fn: FunctionState, endpoint: Endpoint) -> None:
         self.reconciler.retire(fn, endpoint)
-
-    def replica_spec(self, fn: FunctionState) -> ReplicaSpec:
-        return fn.replica_spec(self.config.max_body_bytes)
 
     # ---------------------------------------------------------------- control plane (the registry)
 
