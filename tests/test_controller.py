@@ -94,7 +94,9 @@ class PluginGateway(ThreadedSystem):
     """EmbeddedSystem with the plugin attached, on its own loop thread; echo replicas as stages."""
 
     def __init__(self, tmp_path) -> None:
-        super().__init__(tmp_path, attach_plugin=True)
+        # slots for every replica the static policy asks (2 per stage, 3 stages): with fewer, the placer could
+        # fill the host before the last stage got one, and a pipeline request would wait for it forever
+        super().__init__(tmp_path, attach_plugin=True, gpus_per_host=8)
 
     def deploy_stage(self, model: str, index: int, stages: int, **labels: str) -> None:
         body = {"service": f"{model}-stage-{index}", "image": "quart/echo:latest",
