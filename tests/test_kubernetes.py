@@ -16,7 +16,9 @@ from dataclasses import fields
 import pytest
 import yaml
 from gateway_plugin.config import PluginConfig
+from quart_stage.config import StageConfig
 from quart_stage.settings import ConfigError
+from quart_tools.stackfile import stack_document
 
 from keysmanager.config import KeysManagerConfig
 
@@ -28,6 +30,8 @@ OVERLAYS = sorted(os.listdir(os.path.join(KUBE, "overlays")))
 # (with the stage-node-cache component) apply to; the newest kubernetes-validate knows is checked as well.
 KUBERNETES_VERSIONS = ("1.36.0", "1.37.0")
 SOCKET_VOLUME, SHM_VOLUME = "quart-km-socket", "quart-km-shm"
+NODE_CACHE_POLICY, GPU_POLICY = "quart-stage-node-cache", "quart-stage-gpu"
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
 @functools.cache
@@ -58,7 +62,7 @@ def pod_spec(objects: tuple[dict, ...], kind: str) -> dict:
 
 def stage_pod_patch(objects: tuple[dict, ...]) -> tuple[dict[str, str], dict[str, str]]:
     """(volume → hostPath, volume → mountPath) that the admission policy adds to stage pods."""
-    policy = one(objects, "MutatingAdmissionPolicy")
+    policy = one(objects, "MutatingAdmissionPolicy", NODE_CACHE_POLICY)
     [expr] = [m["jsonPatch"]["expression"] for m in policy["spec"]["mutations"]]
     host = dict(re.findall(r'name: "([\w-]+)",\s*hostPath: Object\.spec\.volumes\.hostPath\{path: "([^"]+)"', expr))
     mounts = dict(re.findall(r'name: "([\w-]+)", mountPath: "([^"]+)"', expr))
@@ -90,10 +94,14 @@ def test_namespaces_are_openfaas_ones(overlay: str):
     for obj in objects:
         if not obj["kind"].startswith("MutatingAdmissionPolicy"):  # cluster-scoped
             assert obj["metadata"]["namespace"] == "openfaas", obj["metadata"]["name"]
-    policy = one(objects, "MutatingAdmissionPolicy")["spec"]
-    assert policy["matchConstraints"]["namespaceSelector"]["matchLabels"] == {
-        "kubernetes.io/metadata.name": "openfaas-fn"}
-    assert one(objects, "MutatingAdmissionPolicyBinding")["spec"]["policyName"] == "quart-stage-node-cache"
+    policies = [o for o in objects if o["kind"] == "MutatingAdmissionPolicy"]
+    bindings = {o["spec"]["policyName"] for o in objects if o["kind"] == "MutatingAdmissionPolicyBinding"}
+    assert bindings == {p["metadata"]["name"] for p in policies}  # every policy is bound
+    for policy in policies:  # only stage pods in the functions' namespace, never OpenFaaS's own pods
+        match = policy["spec"]["matchConstraints"]
+        assert match["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "openfaas-fn"}
+        assert match["objectSelector"]["matchExpressions"] == [{"key": "com.quart.model", "operator": "Exists"}]
+        assert policy["spec"]["failurePolicy"] == "Ignore"  # a pod left unpatched still starts (cold path)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -189,10 +197,9 @@ def test_resources_and_node_placement(overlay: str):
     [km] = spec["containers"]
     # the segments are tmpfs pages charged to the KeysManager's cgroup: its limit must hold them and more
     assert _bytes(km["resources"]["limits"]["memory"]) > int(configmap(objects, km)["KM_MEMORY_LIMIT"])
-    gpu_toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     if overlay == "gpu":
         assert spec["nodeSelector"]["nvidia.com/gpu.present"] == "true"
-        assert gpu_toleration in spec["tolerations"]
+        assert GPU_TOLERATION in spec["tolerations"]
         assert "nvidia.com/gpu" not in km["resources"]["limits"]  # stage pods hold the GPUs, not the agent
     else:
         assert "nvidia.com/gpu.present" not in spec["nodeSelector"] and "tolerations" not in spec
@@ -230,3 +237,18 @@ def test_images_are_built_from_this_repository_as_non_root(component: str, modul
     for source in re.findall(r"^COPY (?!--from)(?:--\S+ )?(\S+(?: \S+)*) \S+$", text, re.M):
         for path in source.split():
             assert os.path.exists(os.path.join(ROOT, path)), f"{component}.Dockerfile copies missing {path}"
+
+
+def test_cuda_stage_pods_get_a_gpu_and_the_gpu_nodes_toleration_in_the_gpu_overlay(tmp_path):
+    assert not [o for o in render("cpu") if o["metadata"]["name"] == GPU_POLICY]
+    policy = one(render("gpu"), "MutatingAdmissionPolicy", GPU_POLICY)["spec"]
+    conditions = " ".join(c["expression"] for c in policy["matchConditions"])
+    # selects by the stage runtime's own setting, with the value `quartctl partition --compute cuda` writes
+    [(variable, value)] = re.findall(r"e\.name == '(\w+)' && has\(e\.value\) && e\.value == '(\w+)'", conditions)
+    assert StageConfig.from_env({variable: value, "QUART_MODEL_DIR": str(tmp_path)}).compute == value
+    doc = stack_document("m", "decoder", 1, str(tmp_path), compute="cuda")
+    assert doc["functions"]["m-stage-0"]["environment"][variable] == value
+    [expr] = [m["jsonPatch"]["expression"] for m in policy["mutations"]]
+    assert '"/spec/containers/0/resources/limits/" + jsonpatch.escapeKey("nvidia.com/gpu")' in expr
+    toleration = re.search(r"Object\.spec\.tolerations\{\s*(.*?)\}", expr, re.S).group(1)
+    assert dict(re.findall(r'(\w+): "([^"]+)"', toleration)) == GPU_TOLERATION  # the DaemonSet's toleration
