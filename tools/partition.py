@@ -30,14 +30,12 @@ from pathlib import Path
 
 import torch
 from quart_stage import families, wire
-from quart_stage.config import DEFAULT_MAX_BODY_BYTES
 from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.presets import PAPER_PROFILES, PRESET_DTYPES, preset_config, resolve_preset
+from quart_tools.stackfile import GPU_CONSTRAINT, GPU_PROFILE, stack_document, write_stack
 
-from keysmanager.registry import MODEL_URL_ENV, ModelRegistry, RegistryError
+from keysmanager.registry import ModelRegistry, RegistryError
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HANDLERS = {"decoder": "decoder-lm", "encoder": "encoder"}
 RANDOM_WEIGHTS_LIMIT = 64 << 30
 """`--weights auto` writes random weights only below this model size; paper models get `none`."""
 METHODS = ("parameters", "uniform")
@@ -251,7 +249,7 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
 
     weights: ``auto`` (checkpoint if the folder has one; random for presets/configs under 64 GB; none
     for paper models), ``random``, ``checkpoint`` or ``none`` (manifest + stack.yml only: emulated).
-    stack: options of `stack_document` (compute, scale_min, scale_max, concurrency, model_dir_value, ...).
+    stack: options of `quart_tools.stackfile.stack_document` (compute, scale_min, scale_max, concurrency, model_dir_value, ...).
     stack_out: where to write stack.yml (default ``out/stack.yml``); handler paths are relative to it.
     """
     if method not in METHODS:
@@ -268,7 +266,7 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
         stack.setdefault("compute", "emulated")
         stack["model_dir_value"] = None
         doc = stack_document(model_name, "emulated", stages, out, profile=src.profile, **stack)
-        _write_yaml(doc, stack_path, command)
+        write_stack(doc, stack_path, command)
         return None
     cfg = families.make_config(src.config)
     plan = families.plan_for(cfg)
@@ -332,7 +330,7 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
     if weights == "none":
         stack.setdefault("compute", "emulated")
     doc = stack_document(model_name, plan.family, stages, out, profile=src.profile, manifest=manifest, **stack)
-    _write_yaml(doc, stack_path, command)
+    write_stack(doc, stack_path, command)
     return manifest
 
 
@@ -364,78 +362,6 @@ def _write_tokenizer(src: Source, out: str, cfg) -> str | None:
     return None
 
 
-# --- stack.yml -------------------------------------------------------------------------------------
-
-def _mebibytes(n: int) -> str:
-    return f"{max(64, int(math.ceil(n / (1 << 20))))}Mi"
-
-
-def stack_document(model: str, family: str, stages: int, out: str, *, profile: str | None = None,
-                   manifest: Manifest | None = None, compute: str = "cpu", scale_min: int = 1,
-                   scale_max: int = 16, concurrency: int = 1, model_dir_value: str | None = "",
-                   gateway: str = "http://127.0.0.1:8080", image: str | None = None, threads: int = 1,
-                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, emulated_mean_ms: float | None = None,
-                   stack_dir: str | None = None, model_url: str | None = None) -> dict:
-    """The faas-cli stack.yml of a partitioned model: one `<model>-stage-<i>` function per stage.
-
-    model_dir_value: what QUART_MODEL_DIR says ("" = the absolute `out` path; None = no model dir, for
-    parameter-free emulated stages). stack_dir: where stack.yml will live (handler paths are relative
-    to it; default `out`). model_url: the model in the registry (``s3://…``, ``QUART_MODEL_URL``), which
-    replaces QUART_MODEL_DIR: a host fetches the stage from there.
-    """
-    stack_dir = os.path.abspath(stack_dir or out)
-    folder = HANDLERS.get(family, "decoder-lm")
-    handler = os.path.join(REPO_ROOT, "functions", folder)
-    if os.path.commonpath([stack_dir, REPO_ROOT]) == REPO_ROOT:  # inside the repo: relative, as faas-cli expects
-        handler = os.path.relpath(handler, stack_dir)
-        handler = handler if handler.startswith(".") else "./" + handler
-    if model_dir_value == "":
-        model_dir_value = os.path.abspath(out)
-    functions = {}
-    for i in range(stages):
-        env = {"QUART_MODEL_DIR": model_dir_value} if model_dir_value is not None else {}
-        if model_url and model_dir_value is not None:
-            env = {MODEL_URL_ENV: model_url}
-        env |= {"QUART_STAGE_INDEX": str(i), "QUART_NUM_STAGES": str(stages), "QUART_COMPUTE": compute,
-               "QUART_MAX_BODY_BYTES": str(max_body_bytes), "QUART_THREADS": str(threads),
-               "max_inflight": str(concurrency), "read_timeout": "60s", "write_timeout": "60s",
-               "exec_timeout": "60s", "upstream_timeout": "55s"}
-        if compute == "emulated":
-            if emulated_mean_ms is not None:
-                env["QUART_EMULATED_MEAN_MS"] = str(emulated_mean_ms)
-            elif profile:
-                env["QUART_PROFILE"] = profile
-            if model_dir_value is None:
-                env["QUART_MODEL"] = model
-        param_bytes = manifest.stages[i].parameter_bytes if manifest else 0
-        fn = {
-            "lang": "pipeline-stage",
-            "handler": handler,
-            "image": image or f"quart-faas/{folder}:0.1.0",
-            "environment": env,
-            "labels": {
-                "com.openfaas.scale.min": str(scale_min), "com.openfaas.scale.max": str(scale_max),
-                "com.quart.model": model, "com.quart.stage": str(i), "com.quart.stages": str(stages),
-                "com.quart.concurrency": str(concurrency),
-            },
-            "limits": {"memory": _mebibytes(2 * param_bytes + (512 << 20)), "cpu": str(max(1, threads))},
-            "requests": {"memory": _mebibytes(param_bytes + (256 << 20)), "cpu": str(max(1, threads))},
-        }
-        functions[f"{model}-stage-{i}"] = fn
-    return {"version": 1.0, "provider": {"name": "openfaas", "gateway": gateway}, "functions": functions}
-
-
-def _write_yaml(doc: dict, path: str, command: str | None = None) -> None:
-    import yaml
-
-    header = "# Generated by `quartctl partition`; deploy with `faas-cli deploy -f` or `quartctl deploy`.\n"
-    if command:
-        header += f"# {command}\n"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(header)
-        yaml.safe_dump(doc, f, sort_keys=False)
-
-
 # --- CLI -------------------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> int:
@@ -465,6 +391,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     p.add_argument("--gateway", default="http://127.0.0.1:8080")
     p.add_argument("--image", default=None)
+    p.add_argument("--gpu-constraint", default=GPU_CONSTRAINT,
+                   help=f"constraint of cuda stages (default {GPU_CONSTRAINT}; '' = none)")
+    p.add_argument("--gpu-profile", default=GPU_PROFILE,
+                   help=f"com.openfaas.profile annotation of cuda stages (default {GPU_PROFILE}; '' = none)")
     p.add_argument("--upload", metavar="URL", default=None,
                    help="then upload the model to the registry at s3://bucket/prefix (endpoint and credentials: "
                         "QUART_REGISTRY_ENDPOINT / AWS_* settings) and write QUART_MODEL_URL into stack.yml")
@@ -477,7 +407,7 @@ def main(argv: list[str]) -> int:
     stack = {"scale_min": args.scale_min, "scale_max": args.scale_max, "concurrency": args.concurrency,
              "threads": args.threads, "gateway": args.gateway, "image": args.image,
              "model_dir_value": args.model_dir_value, "emulated_mean_ms": args.emulated_mean_ms,
-             "model_url": args.upload}
+             "model_url": args.upload, "gpu_constraint": args.gpu_constraint, "gpu_profile": args.gpu_profile}
     if args.compute:
         stack["compute"] = args.compute
     try:
