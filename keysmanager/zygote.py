@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 
 from keysmanager.protocol import LineReader, encode
-from keysmanager.sysutil import die_with_parent, set_cpu_budget, thread_count
+from keysmanager.sysutil import die_with_parent, reap_children, set_cpu_budget, thread_count
 
 
 def _replica_setup(env: dict[str, str], cores: list[int], threads: int) -> None:
@@ -208,15 +208,9 @@ def run_preloader(args: argparse.Namespace) -> int:
                 os.close(zygote_fd)
                 children.add(pid)
                 ctrl.sendall(encode({"op": "spawned", "id": order.get("id"), "pid": pid}))
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, code in reap_children() if children else ():
             children.discard(pid)
-            ctrl.sendall(encode({"op": "exited", "pid": pid, "status": os.waitstatus_to_exitcode(status)}))
+            ctrl.sendall(encode({"op": "exited", "pid": pid, "status": code}))
 
 
 def run_cold(args: argparse.Namespace) -> int:

@@ -29,6 +29,16 @@ def descendants_alive(pids: list[int]) -> list[int]:
     return alive
 
 
+def down_and_wait(state, cwd, tracked: list[int], timeout_s: float = 15) -> None:
+    """`quartctl down`, then wait until none of the processes `up` started is alive."""
+    down = quartctl("down", "--state-dir", str(state), cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + timeout_s
+    while descendants_alive(tracked):
+        assert time.monotonic() < deadline, f"left running: {descendants_alive(tracked)}"
+        time.sleep(0.1)
+
+
 def test_up_detached_deploy_down(tmp_path):
     (tmp_path / "stack.yml").write_text(textwrap.dedent("""
         version: 1.0
@@ -69,12 +79,7 @@ def test_up_detached_deploy_down(tmp_path):
         res = quartctl("deploy", "-f", "stack.yml", "--state-dir", str(state), "--password-stdin", cwd=tmp_path)
         assert res.returncode == 1 and "unauthorized" in res.stderr  # empty password from stdin
     finally:
-        down = quartctl("down", "--state-dir", str(state), cwd=tmp_path)
-    assert down.returncode == 0, down.stderr
-    deadline = time.monotonic() + 15
-    while descendants_alive(tracked):
-        assert time.monotonic() < deadline, f"left running: {descendants_alive(tracked)}"
-        time.sleep(0.1)
+        down_and_wait(state, tmp_path, tracked)
     assert not (state / "up.json").exists()
     assert "nothing is running" in quartctl("down", "--state-dir", str(state), cwd=tmp_path).stdout
 

@@ -5,7 +5,6 @@ gateway: `quartctl up -f` of a written stack serves it, with those fields kept."
 from __future__ import annotations
 
 import json
-import time
 
 import requests
 import yaml
@@ -14,7 +13,7 @@ from quart_provider.stack import load_stack
 from quart_stage.labels import StageLabels
 from quart_tools.partition import main, partition
 from quart_tools.stackfile import GPU_CONSTRAINT, GPU_PROFILE
-from test_gateway_cli import descendants_alive, quartctl
+from test_gateway_cli import down_and_wait, quartctl
 
 
 def _deployments(stack_path) -> dict[str, FunctionDeployment]:
@@ -89,9 +88,4 @@ def test_quartctl_up_serves_a_written_stack_with_its_kubernetes_fields(tmp_path)
         answer = requests.post(f"{info['url']}/function/tiny", json={"input_ids": [[1, 2, 3]]}, timeout=120)
         assert answer.status_code == 200, answer.text[:300]
     finally:
-        down = quartctl("down", "--state-dir", str(state), cwd=tmp_path)
-    assert down.returncode == 0, down.stderr
-    deadline = time.monotonic() + 15
-    while descendants_alive(tracked):
-        assert time.monotonic() < deadline, f"left running: {descendants_alive(tracked)}"
-        time.sleep(0.1)
+        down_and_wait(state, tmp_path, tracked)
