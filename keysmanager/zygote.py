@@ -117,15 +117,9 @@ def run_zygote(args: argparse.Namespace) -> int:
                 listen.close()
                 children.add(pid)
                 ctrl.sendall(encode({"op": "forked", "id": order.get("id"), "pid": pid, "port": port}))
-        while children:  # reap every child that ended; report it
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, code in reap_children() if children else ():  # every child that ended, reported
             children.discard(pid)
-            ctrl.sendall(encode({"op": "exited", "pid": pid, "status": os.waitstatus_to_exitcode(status)}))
+            ctrl.sendall(encode({"op": "exited", "pid": pid, "status": code}))
 
 
 def preload() -> None:
