@@ -1,4 +1,5 @@
-"""The KeysManager's HTTP API (JSON over the Unix socket): request validation, routes, errors as JSON.
+"""The KeysManager's HTTP API (JSON on the Unix socket, and on TCP with a bearer token): request
+validation, routes, errors as JSON.
 
 Every error is answered as ``quart_stage.errors.QuartError`` renders it; the core's domain errors
 (``keysmanager.errors``) get their HTTP status here.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from quart_stage.errors import QuartError, invalid
 
+from keysmanager.auth import require_token
 from keysmanager.errors import (
     InvalidSpec,
     ManagerError,
@@ -36,9 +38,11 @@ _STATUS: dict[type[ManagerError], int] = {NotFound: 404, InvalidSpec: 400, NoFre
                                           StartFailed: 500, RegistryUnavailable: 502}
 
 
-def build_app(km: KeysManager) -> web.Application:
-    """The aiohttp application serving ``km``'s API under ``/v1/``."""
-    app = web.Application(middlewares=[_errors_as_json], client_max_size=1 << 20)
+def build_app(km: KeysManager, token: str | None = None) -> web.Application:
+    """The aiohttp application serving ``km``'s API under ``/v1/``; with ``token``, only to requests that
+    carry it (``keysmanager.auth``: the TCP listener)."""
+    middlewares = [require_token(token)] if token is not None else []
+    app = web.Application(middlewares=[*middlewares, _errors_as_json], client_max_size=1 << 20)
     _Api(km).routes(app)
     return app
 

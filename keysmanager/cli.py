@@ -22,12 +22,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus", type=int, help="GPU slots of this host (0 = CPU host)")
     parser.add_argument("--fork-mode", choices=FORK_MODES, help="default replica mode (cow)")
     parser.add_argument("--shm-dir", help="parameter segments folder (default /dev/shm)")
+    parser.add_argument("--listen", metavar="HOST:PORT",
+                        help="also serve the API on TCP, only to clients sending the bearer token of --token-file")
+    parser.add_argument("--token-file", help="file holding the bearer token (mode 0600; required with --listen)")
+    parser.add_argument("--host-address", help="this host's address: replicas listen on it (default 127.0.0.1)")
     args = parser.parse_args(argv)
     try:
         config = KeysManagerConfig.from_env(
             name=args.name, socket=args.socket, state_dir=args.state_dir, memory_limit=args.memory_limit,
             memory_threshold=args.memory_threshold, gpus=args.gpus, fork_mode=args.fork_mode,
-            shm_dir=args.shm_dir)
+            shm_dir=args.shm_dir, listen=args.listen, token_file=args.token_file, host_address=args.host_address)
         asyncio.run(serve(config))
     except (ValueError, RuntimeError) as exc:
         print(f"quartctl keysmanager: {exc}", file=sys.stderr)

@@ -1,6 +1,9 @@
-"""Clients of the KeysManager API (JSON over HTTP on a Unix socket): sync for tools/tests, async for aiohttp.
+"""Clients of the KeysManager API (JSON over HTTP): sync for tools/tests, async for aiohttp.
 
-    km = KeysManagerClient("/run/.../km.sock")
+The address is the daemon's Unix socket path, or ``http://HOST:PORT`` for its TCP listener, which needs
+the cluster's bearer token (``token=``; see ``keysmanager.auth``).
+
+    km = KeysManagerClient("/run/.../km.sock")       # or KeysManagerClient("http://10.200.3.2:7077", token=...)
     km.ensure_cached(spec)
     [replica] = km.start(spec, 1)
     requests.post(replica.url, data=...)
@@ -13,8 +16,9 @@ import http.client
 import json
 import socket
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
+from keysmanager.auth import bearer_header
 from keysmanager.types import HostReport, ReplicaInfo, StageSpec, ZygoteInfo
 
 
@@ -40,6 +44,25 @@ def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wa
     return body
 
 
+def _tcp_address(address: str) -> tuple[str, int] | None:
+    """(host, port) of an ``http://HOST:PORT`` address; None for a Unix socket path."""
+    if not address.startswith("http://"):
+        return None
+    parts = urlsplit(address)
+    if not parts.hostname or not parts.port:
+        raise ValueError(f"KeysManager address {address!r} must be http://HOST:PORT or a Unix socket path")
+    return parts.hostname, parts.port
+
+
+def _headers(address: str, token: str | None) -> dict[str, str]:
+    """The bearer header for a TCP address; a TCP address without a token is refused here already."""
+    if _tcp_address(address) is None:
+        return {}
+    if not token:
+        raise ValueError(f"the KeysManager at {address} is on TCP: it needs the cluster's token (token=...)")
+    return bearer_header(token)
+
+
 class _UnixHTTPConnection(http.client.HTTPConnection):
     def __init__(self, socket_path: str, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -55,20 +78,23 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 class KeysManagerClient:
     """Synchronous client; one short-lived connection per call (safe to share between threads)."""
 
-    def __init__(self, socket_path: str, timeout: float = 600.0) -> None:
-        self.socket_path = str(socket_path)
+    def __init__(self, address: str, timeout: float = 600.0, token: str | None = None) -> None:
+        self.address = str(address)
         self.timeout = timeout
+        self._tcp = _tcp_address(self.address)
+        self._auth = _headers(self.address, token)
 
     def _call(self, method: str, path: str, body: dict | None = None) -> Any:
-        conn = _UnixHTTPConnection(self.socket_path, self.timeout)
+        conn = (http.client.HTTPConnection(*self._tcp, timeout=self.timeout) if self._tcp
+                else _UnixHTTPConnection(self.address, self.timeout))
         try:
             payload = None if body is None else json.dumps(body).encode()
-            headers = {"Content-Type": "application/json"} if payload is not None else {}
+            headers = {**self._auth, **({"Content-Type": "application/json"} if payload is not None else {})}
             conn.request(method, path, body=payload, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()
         except OSError as exc:
-            raise KeysManagerError(503, f"cannot reach the KeysManager at {self.socket_path}: {exc}") from exc
+            raise KeysManagerError(503, f"cannot reach the KeysManager at {self.address}: {exc}") from exc
         finally:
             conn.close()
         data = json.loads(raw) if raw else {}
@@ -130,19 +156,20 @@ class KeysManagerClient:
 class AsyncKeysManagerClient:
     """The same API for aiohttp callers (the embedded gateway). Close with ``await client.close()``."""
 
-    def __init__(self, socket_path: str, timeout: float = 600.0) -> None:
-        self.socket_path = str(socket_path)
+    def __init__(self, address: str, timeout: float = 600.0, token: str | None = None) -> None:
+        self.address = str(address)
         self.timeout = timeout
+        self._tcp = _tcp_address(self.address)
+        self._auth = _headers(self.address, token)
         self._session = None
 
     async def _session_get(self):
         import aiohttp
 
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=self.socket_path),
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-            )
+            connector = aiohttp.TCPConnector() if self._tcp else aiohttp.UnixConnector(path=self.address)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._auth,
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout))
         return self._session
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
@@ -150,11 +177,12 @@ class AsyncKeysManagerClient:
 
         session = await self._session_get()
         try:
-            async with session.request(method, "http://localhost" + path, json=body) as resp:
+            base = self.address if self._tcp else "http://localhost"
+            async with session.request(method, base + path, json=body) as resp:
                 raw = await resp.read()
                 status = resp.status
         except aiohttp.ClientError as exc:
-            raise KeysManagerError(503, f"cannot reach the KeysManager at {self.socket_path}: {exc}") from exc
+            raise KeysManagerError(503, f"cannot reach the KeysManager at {self.address}: {exc}") from exc
         data = json.loads(raw) if raw else {}
         if status >= 400:
             raise KeysManagerError(status, data.get("error", raw.decode(errors="replace")), data.get("field"))

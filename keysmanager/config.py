@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 import tempfile
@@ -42,6 +43,9 @@ class KeysManagerConfig:
     monitor_interval_s: float = 0.1  # reaping and memory-pressure checks
     max_replicas_per_call: int = 256
     python: str = ""  # interpreter for zygotes and cold replicas; default sys.executable
+    listen: str = ""  # HOST:PORT: also serve the API on TCP, only with the bearer token of token_file
+    token_file: str = ""  # the bearer token TCP clients must send (mode 0600); required with listen
+    host_address: str = "127.0.0.1"  # the host's address: replicas listen on it and report URLs with it
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -52,6 +56,22 @@ class KeysManagerConfig:
             raise ValueError("memory_limit and gpus must be >= 0")
         if self.fork_mode not in ("cow", "isolated"):
             raise ValueError("fork_mode must be 'cow' or 'isolated'")
+        if self.listen:
+            self.listen_address  # noqa: B018 - validates HOST:PORT
+            if not self.token_file:
+                raise ValueError("listen needs token_file: the API is never served on TCP without a token")
+        try:
+            ipaddress.ip_address(self.host_address)
+        except ValueError:
+            raise ValueError(f"host_address must be an IP address, got {self.host_address!r}") from None
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        """``listen`` as (host, port)."""
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"listen must be HOST:PORT (port 1-65535), got {self.listen!r}")
+        return host, int(port)
 
     @property
     def state_path(self) -> Path:

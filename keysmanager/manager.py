@@ -303,7 +303,7 @@ class KeysManager:
     def replica_info(self, rep: Replica, memory: bool = True) -> ReplicaInfo:
         rss, pss = sysutil.memory_of(rep.pid) if memory and rep.state != "dead" else (0, 0)
         return ReplicaInfo(id=rep.id, function=rep.function, host=self.name, pid=rep.pid, port=rep.port,
-                           url=f"http://127.0.0.1:{rep.port}", state=rep.state, source=rep.source,
+                           url=f"http://{self.config.host_address}:{rep.port}", state=rep.state, source=rep.source,
                            ready_ms=rep.ready_ms, rss_bytes=rss, pss_bytes=pss, mode=rep.mode,
                            survive=rep.survive, gpu_slot=rep.gpu_slot, exit_status=rep.exit_status)
 

@@ -98,6 +98,7 @@ class Replicas:
         cores = self._take_cores(spec.cpus)
         rid = f"{spec.function}-{uuid.uuid4().hex[:8]}"
         answer = await zygotes.fork(z, {"replica_id": rid, "mode": mode, "survive": survive,
+                                        "host": self.config.host_address,
                                         "env": self._env(spec, slot), "cores": cores, "threads": threads_of(spec)})
         if answer.get("op") != "forked":
             self.slots_used.discard(slot)
@@ -114,7 +115,7 @@ class Replicas:
         cores = self._take_cores(spec.cpus)
         rid = f"{spec.function}-{uuid.uuid4().hex[:8]}"
         listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listen.bind(("127.0.0.1", 0))
+        listen.bind((self.config.host_address, 0))
         listen.listen(1024)
         port = listen.getsockname()[1]
         env = {**os.environ, **spec.env, **self._env(spec, slot), "PYTHONUNBUFFERED": "1"}
@@ -134,7 +135,7 @@ class Replicas:
         """Healthy once ``GET /_/health`` answers 200 (the request waits in the listen backlog until then)."""
         assert self._http is not None
         deadline = rep.requested_at + self.config.ready_timeout_s
-        url = f"http://127.0.0.1:{rep.port}/_/health"
+        url = f"http://{self.config.host_address}:{rep.port}/_/health"
         while rep.state == "starting":
             remaining = deadline - time.monotonic()
             if remaining <= 0:

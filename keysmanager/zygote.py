@@ -2,9 +2,10 @@
 
 Zygote: load the stage's checkpoint into a shared-memory segment, build the stage runtime and its WSGI
 app over tensors mapped copy-on-write from it, then wait for ``fork`` commands on the control socket.
-It starts no thread and touches no GPU, so forking it is safe. Per ``fork``: bind 127.0.0.1:0, fork; the
-child (the replica) sets its CPU budget and environment, copies the parameters in isolated mode, calls
-``prepare_device()`` and serves; the zygote answers ``{pid, port}`` and reaps the children it forked.
+It starts no thread and touches no GPU, so forking it is safe. Per ``fork``: bind the order's ``host``
+(the KeysManager's ``host_address``, 127.0.0.1 by default) on port 0, fork; the child (the replica) sets
+its CPU budget and environment, copies the parameters in isolated mode, calls ``prepare_device()`` and
+serves; the zygote answers ``{pid, port}`` and reaps the children it forked.
 
 Preloader (``--preloader``): a fork server that imported torch, flask, transformers and the stage runtime
 once and forks a new zygote per ``spawn`` order (its control socket arrives as a passed descriptor).
@@ -104,7 +105,7 @@ def run_zygote(args: argparse.Namespace) -> int:
                     continue
                 try:
                     listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    listen.bind(("127.0.0.1", 0))
+                    listen.bind((order.get("host", "127.0.0.1"), 0))
                     listen.listen(1024)
                     port = listen.getsockname()[1]
                     pid = os.fork()

@@ -3,6 +3,8 @@
 The user name and password live in ``<state>/secrets/basic-auth-user`` and
 ``basic-auth-password`` (mode 0600, folder 0700), the file names OpenFaaS mounts its secret under.
 They are generated once (``secrets.token_urlsafe``) and reused by later `quartctl up` runs.
+The KeysManagers' bearer token of a cluster on host namespaces lives beside them
+(``keysmanager-token``, same rules).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 USER_FILE = "basic-auth-user"
 PASSWORD_FILE = "basic-auth-password"
 DEFAULT_USER = "admin"
+KEYSMANAGER_TOKEN_FILE = "keysmanager-token"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +57,25 @@ def _write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)
 
 
-def load_or_create(secrets_dir: Path) -> Credentials:
-    """Read the credentials in ``secrets_dir``, generating them (mode 0600) when absent."""
+def _private_file(secrets_dir: Path, name: str, default: str) -> Path:
+    """``secrets_dir/name`` (folder 0700, file 0600), written with ``default`` when absent."""
     secrets_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(secrets_dir, 0o700)
-    user_path, password_path = secrets_dir / USER_FILE, secrets_dir / PASSWORD_FILE
-    if not user_path.exists():
-        _write_private(user_path, DEFAULT_USER)
-    if not password_path.exists():
-        _write_private(password_path, secrets.token_urlsafe(24))
-    for path in (user_path, password_path):
-        if path.stat().st_mode & 0o077:
-            os.chmod(path, 0o600)
+    path = secrets_dir / name
+    if not path.exists():
+        _write_private(path, default)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+    return path
+
+
+def load_or_create(secrets_dir: Path) -> Credentials:
+    """Read the credentials in ``secrets_dir``, generating them (mode 0600) when absent."""
+    user_path = _private_file(secrets_dir, USER_FILE, DEFAULT_USER)
+    password_path = _private_file(secrets_dir, PASSWORD_FILE, secrets.token_urlsafe(24))
     return Credentials(user_path.read_text().strip(), password_path.read_text().strip(), password_path)
+
+
+def keysmanager_token_file(secrets_dir: Path) -> Path:
+    """The cluster's KeysManager bearer token (256 bits, mode 0600), generated once."""
+    return _private_file(secrets_dir, KEYSMANAGER_TOKEN_FILE, secrets.token_urlsafe(32))

@@ -1,8 +1,9 @@
 """`quartctl up`, `quartctl down`, `quartctl deploy`: run the embedded gateway and deploy to it.
 
     quartctl up [-f stack.yml] [--port 8080] [--hosts H --gpus-per-host G --host-memory M] [--placer NAME]
-                [--state-dir .quart] [--detach]
+                [--network loopback|netns [--nic-gbps G]] [--state-dir .quart] [--detach]
     quartctl down [--state-dir .quart]
+    quartctl host down|up NAME [--state-dir .quart]
     quartctl deploy -f stack.yml [--gateway URL] [--password-stdin]
 """
 
@@ -19,11 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-from quart_provider.config import GatewayConfig
+from quart_provider.config import NETWORKS, GatewayConfig
+from quart_provider.network import (
+    DEFAULT_NIC_GBPS,
+    HostNetwork,
+    NetworkError,
+    cleanup_by_prefix,
+    unavailable_reason,
+)
 from quart_provider.quantities import parse_memory
 from quart_provider.stack import StackError, load_stack
 from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
 from quart_stage.errors import QuartError
+from quart_stage.settings import ConfigError
 
 DEFAULT_STATE_DIR = Path(".quart")
 
@@ -54,6 +63,11 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-host", type=int, default=None, help="replica slots per host (default 4)")
     p.add_argument("--host-memory", type=_memory, default=None, help="parameter cache per host, e.g. 8Gi (default 8Gi)")
     p.add_argument("--placer", default=None, help="replica placer: first-fit | cache-aware (default first-fit)")
+    p.add_argument("--network", choices=NETWORKS, default=None,
+                   help="loopback (default): KeysManagers on Unix sockets, replicas on 127.0.0.1; netns: each "
+                        "host a network namespace on a bridge, KeysManager on TCP with a token (needs root)")
+    p.add_argument("--nic-gbps", type=float, default=None,
+                   help=f"netns: each host's NIC limit in Gbit/s, both directions (default {DEFAULT_NIC_GBPS})")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="credentials, sockets, logs (.quart)")
     p.add_argument("--no-plugin", action="store_true", help="do not attach gateway_plugin.plugin")
     p.add_argument("--process-hosts", action="store_true",
@@ -66,6 +80,7 @@ def _config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig.from_env(
         port=args.port, provider_port=args.provider_port, bind=args.bind, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
         host_memory_bytes=args.host_memory, placer=args.placer, state_dir=args.state_dir.resolve(),
+        network=args.network, nic_gbps=args.nic_gbps,
     )
 
 
@@ -84,6 +99,14 @@ def up(argv: list[str]) -> int:
         except StackError as exc:
             print(f"quartctl up: {exc}", file=sys.stderr)
             return 2
+    try:
+        config = _config(args)
+    except ConfigError as exc:
+        print(f"quartctl up: {exc}", file=sys.stderr)
+        return 2
+    if config.network == "netns" and (reason := unavailable_reason()):
+        print(f"quartctl up: --network netns: {reason}", file=sys.stderr)
+        return 2
     if args.detach:
         return _detach(argv, state_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -94,7 +117,7 @@ def up(argv: list[str]) -> int:
     except ImportError:  # pragma: no cover
         pass
     use_km = False if args.process_hosts else None
-    return asyncio.run(_run_foreground(_config(args), stack, not args.no_plugin, use_km))
+    return asyncio.run(_run_foreground(config, stack, not args.no_plugin, use_km))
 
 
 async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None) -> int:
@@ -105,7 +128,7 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
         loop.add_signal_handler(sig, stop.set)
     try:
         await system.start()
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError) as exc:  # NetworkError included
         print(f"quartctl up: {exc}", file=sys.stderr)
         return 1
     try:
@@ -118,6 +141,10 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
             print(f"Provider API: http://{config.bind}:{system.provider_port} (functions_provider_url of an "
                   "OpenFaaS gateway)", flush=True)
         print(f"Hosts:        {config.hosts} x {config.gpus_per_host} slots, placer {config.placer}", flush=True)
+        if system.network is not None:
+            print(f"Network:      netns, bridge {system.network.bridge} {system.network.subnet}, NICs "
+                  f"{config.nic_gbps:g} Gbit/s: " + ", ".join(f"{h.name} {h.address}" for h in system.network.hosts),
+                  flush=True)
         if stack is not None:
             try:
                 for line in await system.deploy_stack(stack):
@@ -181,12 +208,41 @@ def down(argv: list[str]) -> int:
         host_pid = int(host["pid"])
         if _alive(host_pid) and not stop_process(host_pid):
             survivors.append(f"KeysManager pid {host_pid}")
+    if state.get("network"):  # the namespaces of a gateway that could not remove them itself
+        removed = cleanup_by_prefix(state["network"]["cluster_id"])
+        if removed:
+            print(f"Removed leftovers: {', '.join(removed)}")
     if survivors:
         print(f"quartctl down: still running after SIGTERM and SIGKILL: {', '.join(survivors)} "
               f"(state kept in {state_dir / STATE_FILE})", file=sys.stderr)
         return 1
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     print(f"Stopped the gateway (pid {pid}) and {len(state.get('hosts', []))} KeysManager(s).")
+    return 0
+
+
+def host(argv: list[str]) -> int:
+    """Take a host's link down or up (netns clusters): its KeysManager and replicas stop answering."""
+    p = argparse.ArgumentParser(prog="quartctl host", description=host.__doc__)
+    p.add_argument("action", choices=("down", "up"))
+    p.add_argument("name", help="host name, e.g. host-1")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    args = p.parse_args(argv)
+    state = _state(args.state_dir.resolve())
+    if state is None:
+        print(f"quartctl host: nothing is running (no {args.state_dir.resolve() / STATE_FILE})", file=sys.stderr)
+        return 1
+    if not state.get("network"):
+        print("quartctl host: this cluster runs on loopback; host links exist only with "
+              "`quartctl up --network netns`", file=sys.stderr)
+        return 2
+    network = HostNetwork.from_json(state["network"])
+    try:
+        (network.link_down if args.action == "down" else network.link_up)(args.name)
+    except NetworkError as exc:
+        print(f"quartctl host: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.name}: link {args.action}")
     return 0
 
 

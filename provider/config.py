@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from quart_stage.settings import settings_from_env
+from quart_provider.network import DEFAULT_NIC_GBPS
+from quart_stage.settings import ConfigError, settings_from_env
 
 DEFAULT_NAMESPACE = "openfaas-fn"
+NETWORKS = ("loopback", "netns")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +32,12 @@ class GatewayConfig:
     hosts: int = 1  # simulated hosts (one KeysManager each)
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
     host_memory_bytes: int = 8 * 1024**3  # parameter-cache memory per host (KeysManager --memory-limit)
+    network: str = "loopback"  # loopback: KeysManagers on Unix sockets, replicas on 127.0.0.1 | netns: see docs/hosts.md
+    nic_gbps: float = DEFAULT_NIC_GBPS  # netns: each host's NIC limit (tc tbf, both directions); 1 GB takes 8 s
+    keysmanager_port: int = 7077  # netns: the TCP port of each host's KeysManager on the host's address
     reconcile_interval_s: float = 0.2  # how often replica states are polled and desired counts enforced
+    host_timeout_s: float = 0.5  # one poll of a host (its replicas, its report); slower counts as no answer
+    host_down_after_s: float = 0.8  # no answer for this long: the host is down, its replicas dead (hosts.md)
     ready_probe_s: float = 0.005  # first interval of the gateway's own health probe of a starting replica
     ready_wait_s: float = 60.0  # how long an invocation waits for a first ready replica (scale from zero)
     max_waiting: int = 1024  # invocations allowed to wait for a replica per function; more → 429
@@ -41,6 +48,14 @@ class GatewayConfig:
     async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)
     async_queue_cap: int = 10_000  # /async-function calls accepted and waiting; more → 429
     async_timeout_s: float = 600.0  # one async call (its callback has 30 s more)
+
+    def __post_init__(self) -> None:
+        if self.network not in NETWORKS:
+            raise ConfigError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
+        if self.nic_gbps <= 0:
+            raise ConfigError(f"nic_gbps must be > 0, got {self.nic_gbps}")
+        if self.host_timeout_s <= 0 or self.host_down_after_s <= 0:
+            raise ConfigError("host_timeout_s and host_down_after_s must be > 0")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> GatewayConfig:

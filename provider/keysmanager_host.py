@@ -21,11 +21,12 @@ def _status(info: ReplicaInfo) -> ReplicaStatus:
 
 
 class KeysManagerHost:
-    """One simulated host: its KeysManager (Unix socket) plus a :class:`ProcessHost` for process runnables."""
+    """One host: its KeysManager (a client on its Unix socket, or on TCP with the cluster token) plus a
+    :class:`ProcessHost` for process runnables."""
 
-    def __init__(self, name: str, socket_path: str, gpu_slots: int, memory_limit: int) -> None:
+    def __init__(self, name: str, client: AsyncKeysManagerClient, gpu_slots: int, memory_limit: int) -> None:
         self.name = name
-        self.client = AsyncKeysManagerClient(socket_path)
+        self.client = client
         self._processes = ProcessHost(name, gpu_slots, memory_limit)
 
     async def report(self) -> HostView:

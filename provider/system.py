@@ -20,14 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quart_provider.auth import Credentials, load_or_create
+from quart_provider.auth import Credentials, keysmanager_token_file, load_or_create
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import Host, ProcessHost
+from quart_provider.network import HostNetwork, cluster_id
 from quart_provider.routes import create_app, start_site
 from quart_provider.stack import Stack
 
+from keysmanager.client import AsyncKeysManagerClient
 from keysmanager.sysutil import set_parent_death_signal
 
 log = logging.getLogger("quart.up")
@@ -46,7 +48,7 @@ def keysmanager_available() -> bool:
 @dataclass(slots=True)
 class _Agent:
     name: str
-    socket: Path
+    endpoint: str  # Unix socket path (loopback) or http://<host address>:<port> (netns)
     process: subprocess.Popen
 
 
@@ -62,6 +64,7 @@ class EmbeddedSystem:
     port: int = 0
     provider_port: int | None = None
     agents: list[_Agent] = field(default_factory=list)
+    network: HostNetwork | None = None  # netns mode: the host namespaces and bridge
     _runner: Any = None
     _provider_runner: Any = None
 
@@ -99,10 +102,20 @@ class EmbeddedSystem:
         cfg = self.config
         names = [f"host-{i}" for i in range(cfg.hosts)]
         if not use_km:
+            if cfg.network == "netns":
+                raise RuntimeError("--network netns runs a KeysManager inside each host's namespace: it needs "
+                                   "KeysManagers (drop --process-hosts)")
             log.warning("hosts without KeysManagers: only process runnables (quart/echo) can run")
             return [ProcessHost(n, cfg.gpus_per_host, cfg.host_memory_bytes) for n in names]
         from quart_provider.keysmanager_host import KeysManagerHost
 
+        if cfg.network == "netns":
+            self.network = await asyncio.to_thread(HostNetwork.create, names, cluster_id(str(cfg.state_dir)),
+                                                   cfg.nic_gbps)
+            token_file = keysmanager_token_file(cfg.credentials_dir)
+            token = token_file.read_text().strip()
+        else:
+            token = None
         sockets_dir = cfg.state_dir / "sockets"
         sockets_dir.mkdir(exist_ok=True)
         os.chmod(sockets_dir, 0o700)
@@ -110,14 +123,21 @@ class EmbeddedSystem:
             sock = sockets_dir / f"{name}.sock"
             with contextlib.suppress(FileNotFoundError):
                 sock.unlink()
-            logfile = open(cfg.state_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
             argv = [sys.executable, "-m", "quart_tools.cli", "keysmanager", "--socket", str(sock), "--name", name,
                     "--memory-limit", str(cfg.host_memory_bytes), "--gpus", str(cfg.gpus_per_host)]
+            endpoint = str(sock)
+            if self.network is not None:  # inside the host's namespace, on its address, with the cluster token
+                address = self.network.host(name).address
+                endpoint = f"http://{address}:{cfg.keysmanager_port}"
+                argv = self.network.exec_argv(name, [*argv, "--listen", f"{address}:{cfg.keysmanager_port}",
+                                                     "--token-file", str(token_file), "--host-address", address])
+            logfile = open(cfg.state_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
             process = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True, preexec_fn=set_parent_death_signal)
             logfile.close()
-            self.agents.append(_Agent(name, sock, process))
-        hosts = [KeysManagerHost(a.name, str(a.socket), cfg.gpus_per_host, cfg.host_memory_bytes) for a in self.agents]
+            self.agents.append(_Agent(name, endpoint, process))
+        hosts = [KeysManagerHost(a.name, AsyncKeysManagerClient(a.endpoint, token=token), cfg.gpus_per_host,
+                                 cfg.host_memory_bytes) for a in self.agents]
         try:
             await self._wait_agents(hosts)
         except BaseException:
@@ -138,7 +158,7 @@ class EmbeddedSystem:
                     break
                 except Exception:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"KeysManager {agent.name} did not answer on {agent.socket} in 60 s") from None
+                        raise RuntimeError(f"KeysManager {agent.name} did not answer on {agent.endpoint} in 60 s") from None
                     await asyncio.sleep(0.1)
 
     async def _attach_plugin(self, app: Any) -> None:
@@ -159,7 +179,8 @@ class EmbeddedSystem:
             "provider_url": f"http://{self.config.bind}:{self.provider_port}" if self.provider_port else None,
             "password_file": str(self.credentials.password_file) if self.credentials else None,
             "user": self.credentials.user if self.credentials else None,
-            "hosts": [{"name": a.name, "socket": str(a.socket), "pid": a.process.pid} for a in self.agents],
+            "hosts": [{"name": a.name, "endpoint": a.endpoint, "pid": a.process.pid} for a in self.agents],
+            "network": self.network.to_json() if self.network else None,
         }
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
@@ -205,6 +226,9 @@ class EmbeddedSystem:
         for agent in self.agents:
             stop_process(agent.process.pid, agent.process)
         self.agents.clear()
+        if self.network is not None:
+            await asyncio.to_thread(self.network.destroy)
+            self.network = None
         with contextlib.suppress(FileNotFoundError):
             if self.state_file.exists() and json.loads(self.state_file.read_text()).get("pid") == os.getpid():
                 self.state_file.unlink()

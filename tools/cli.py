@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("quart_tools.demo:main", "partition the small model, run it on the embedded gateway, show scaling"),
     "up": ("quart_provider.cli:up", "start the embedded OpenFaaS-compatible gateway and KeysManagers"),
     "down": ("quart_provider.cli:down", "stop everything `quartctl up` started"),
+    "host": ("quart_provider.cli:host", "take a host's link down or up (`quartctl up --network netns`)"),
     "deploy": ("quart_provider.cli:deploy", "deploy a stack.yml through the gateway REST API (as faas-cli)"),
     "plugin": ("gateway_plugin.standalone:main", "run the gateway plugin as its own process in front of an OpenFaaS gateway"),
     "keysmanager": ("keysmanager.cli:main", "run one KeysManager host agent in the foreground"),
