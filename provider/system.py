@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from keysmanager.sysutil import set_parent_death_signal
 
 log = logging.getLogger("quart.up")
 STATE_FILE = "up.json"
-PLUGIN_MODULE = "gateway_plugin.plugin"  # attach(gateway, app) -> None | awaitable, if the module exists
+PluginAttach = Callable[[EmbeddedGateway, Any], Awaitable[Any] | None]  # e.g. gateway_plugin.plugin.attach
 
 
 def keysmanager_available() -> bool:
@@ -58,7 +59,7 @@ class EmbeddedSystem:
 
     config: GatewayConfig
     use_keysmanager: bool | None = None  # None: when keysmanager.daemon exists
-    attach_plugin: bool = True
+    plugin: PluginAttach | None = None  # given by the composition root (quartctl up): the platform names no plugin
     gateway: EmbeddedGateway | None = None
     credentials: Credentials | None = None
     port: int = 0
@@ -91,8 +92,10 @@ class EmbeddedSystem:
                 provider_app = create_app(self.gateway, self.credentials if cfg.auth else None, provider=True)
                 self._provider_runner, self.provider_port = await start_site(provider_app, cfg.bind,
                                                                              cfg.provider_port)
-            if self.attach_plugin:
-                await self._attach_plugin(app)
+            if self.plugin is not None:
+                result = self.plugin(self.gateway, app)
+                if inspect.isawaitable(result):
+                    await result
         except BaseException:
             await self.stop()
             raise
@@ -123,7 +126,7 @@ class EmbeddedSystem:
             sock = sockets_dir / f"{name}.sock"
             with contextlib.suppress(FileNotFoundError):
                 sock.unlink()
-            argv = [sys.executable, "-m", "quart_tools.cli", "keysmanager", "--socket", str(sock), "--name", name,
+            argv = [sys.executable, "-m", "keysmanager.daemon", "--socket", str(sock), "--name", name,
                     "--memory-limit", str(cfg.host_memory_bytes), "--gpus", str(cfg.gpus_per_host)]
             endpoint = str(sock)
             if self.network is not None:  # inside the host's namespace, on its address, with the cluster token
@@ -160,18 +163,6 @@ class EmbeddedSystem:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"KeysManager {agent.name} did not answer on {agent.endpoint} in 60 s") from None
                     await asyncio.sleep(0.1)
-
-    async def _attach_plugin(self, app: Any) -> None:
-        try:
-            plugin = importlib.import_module(PLUGIN_MODULE)
-        except ModuleNotFoundError as exc:
-            if exc.name != PLUGIN_MODULE:
-                raise
-            log.info("no gateway plugin (%s) installed: functions are invoked one by one", PLUGIN_MODULE)
-            return
-        result = plugin.attach(self.gateway, app)
-        if inspect.isawaitable(result):
-            await result
 
     def _write_state(self) -> None:
         state = {

@@ -19,7 +19,10 @@ class ThreadedSystem:
         settings = dict(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, ready_wait_s=20,
                         drain_timeout_s=5)
         settings.update(config)
-        self.system = EmbeddedSystem(GatewayConfig(**settings), use_keysmanager=False, attach_plugin=attach_plugin)
+        from gateway_plugin.plugin import attach
+
+        self.system = EmbeddedSystem(GatewayConfig(**settings), use_keysmanager=False,
+                                     plugin=attach if attach_plugin else None)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -21,7 +21,7 @@ class Setup:
         from quart_provider.system import EmbeddedSystem
 
         cfg = GatewayConfig(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, drain_timeout_s=5)
-        self.system = EmbeddedSystem(cfg, use_keysmanager=False, attach_plugin=False)
+        self.system = EmbeddedSystem(cfg, use_keysmanager=False)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -38,7 +38,7 @@ def emulated_stack(tmp_path_factory):
 async def _scale_up_timings(stack_path, state_dir) -> dict:
     cfg = GatewayConfig(port=0, state_dir=state_dir, hosts=1, gpus_per_host=6, reconcile_interval_s=30.0,
                         drain_timeout_s=5)
-    system = EmbeddedSystem(cfg, use_keysmanager=True, attach_plugin=False)
+    system = EmbeddedSystem(cfg, use_keysmanager=True)
     await system.start()
     try:
         gw = system.gateway

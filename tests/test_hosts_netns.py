@@ -13,13 +13,13 @@ import json
 import aiohttp
 import pytest
 import requests
-from quart_provider.cli import host as host_command
 from quart_provider.config import GatewayConfig
 from quart_provider.network import HostNetwork, NetHost, cleanup_by_prefix, cluster_id, links, namespaces
 from quart_provider.network import unavailable_reason as netns_unavailable
 from quart_provider.stack import load_stack
 from quart_provider.system import STATE_FILE, EmbeddedSystem
 from quart_stage.settings import ConfigError
+from quart_tools.platform import host as host_command
 
 REASON = netns_unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"host namespaces unavailable: {REASON}")
@@ -56,7 +56,7 @@ def test_up_netns_runs_stages_on_host_addresses(tmp_path, emulated_stack) -> Non
     cid = cluster_id(str(state_dir))
 
     async def scenario() -> None:
-        system = EmbeddedSystem(netns_config(state_dir), use_keysmanager=True, attach_plugin=False)
+        system = EmbeddedSystem(netns_config(state_dir), use_keysmanager=True)
         try:
             await system.start()
             net = system.network

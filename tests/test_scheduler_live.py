@@ -48,7 +48,7 @@ def test_gateway_scale_ups_follow_the_cache_aware_placer(tmp_path):
     async def scenario() -> None:
         cfg = GatewayConfig(port=0, state_dir=tmp_path / "state", hosts=3, gpus_per_host=4,
                             placer="cache-aware", host_memory_bytes=256 * 1024**2)
-        system = EmbeddedSystem(cfg, attach_plugin=False)
+        system = EmbeddedSystem(cfg)
         await system.start()
         try:
             gateway = system.gateway

@@ -1,4 +1,5 @@
-"""`quartctl up`, `quartctl down`, `quartctl deploy`: run the embedded gateway and deploy to it.
+"""`quartctl up`, `quartctl down`, `quartctl host`, `quartctl deploy`: the composition root that runs the platform
+(`quart_provider`) with the gateway plugin attached, and deploys to it.
 
     quartctl up [-f stack.yml] [--port 8080] [--hosts H --gpus-per-host G --host-memory M] [--placer NAME]
                 [--network loopback|netns [--nic-gbps G]] [--state-dir .quart] [--detach]
@@ -53,7 +54,7 @@ def _memory(text: str) -> int:
 
 def _up_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quartctl up", description="Start the embedded OpenFaaS-compatible gateway, "
-                                "one KeysManager per simulated host, and the gateway plugin if installed.")
+                                "one KeysManager per simulated host, and the gateway plugin.")
     p.add_argument("-f", "--file", "--yaml", dest="file", help="stack.yml to deploy once the gateway is up")
     p.add_argument("--port", type=int, default=None, help="gateway port (default 8080; 0 = any free port)")
     p.add_argument("--provider-port", type=int, default=None,
@@ -120,8 +121,15 @@ def up(argv: list[str]) -> int:
     return asyncio.run(_run_foreground(config, stack, not args.no_plugin, use_km))
 
 
+def _plugin():
+    """The gateway plugin's attach hook: the composition root wires the plugin onto the platform."""
+    from gateway_plugin.plugin import attach
+
+    return attach
+
+
 async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None) -> int:
-    system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, attach_plugin=attach_plugin)
+    system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, plugin=_plugin() if attach_plugin else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
