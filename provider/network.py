@@ -230,6 +230,13 @@ class HostNetwork:
         h = host if isinstance(host, NetHost) else self.host(host)
         run(["ip", "link", "set", h.veth, "up"])
 
+    def set_rate(self, host: str | NetHost, gbps: float) -> None:
+        """Change the host's NIC limit, both directions (e.g. a registry host faster or slower than the rest)."""
+        h = host if isinstance(host, NetHost) else self.host(host)
+        shape = tbf_args(gbps)
+        run(["tc", "-n", h.netns, "qdisc", "replace", "dev", "eth0", "root", *shape])
+        run(["tc", "qdisc", "replace", "dev", h.veth, "root", *shape])
+
     def link_is_up(self, host: str | NetHost) -> bool:
         h = host if isinstance(host, NetHost) else self.host(host)
         return ",UP" in run(["ip", "-o", "link", "show", h.veth]).stdout.split(">")[0]

@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "policies": ("quart_tools.bench.policies:main", "live policy comparison on quartctl up"),
     "scheduler": ("quart_tools.bench.scheduler:main", "cache-aware vs first-fit, 3 hosts x 4 GPUs"),
     "loadgen": ("quart_tools.bench.loadgen:main", "load generator rate and send-time error"),
+    "hosts": ("quart_tools.bench.hosts:main", "netns hosts: registry fetch at NIC rate, cross-host requests, host failure"),
     "cuda": ("quart_tools.bench.cuda:main", "fork then parameters onto the GPU: pageable vs staged vs registered; cold"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }

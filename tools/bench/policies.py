@@ -82,9 +82,10 @@ def _parser() -> argparse.ArgumentParser:
 class Gateway:
     """`quartctl up` in a subprocess; stopped (process group) on close."""
 
-    def __init__(self, stack: Path, state_dir: Path, hosts: int, gpus: int, env: dict[str, str]) -> None:
+    def __init__(self, stack: Path, state_dir: Path, hosts: int, gpus: int, env: dict[str, str],
+                 extra: tuple[str, ...] = ()) -> None:
         argv = [sys.executable, "-m", "quart_tools.cli", "up", "-f", str(stack), "--port", "0", "--state-dir",
-                str(state_dir), "--hosts", str(hosts), "--gpus-per-host", str(gpus)]
+                str(state_dir), "--hosts", str(hosts), "--gpus-per-host", str(gpus), *extra]
         self.log_path = state_dir / "up.log"
         state_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
