@@ -63,25 +63,18 @@ class GatewayView:
     def stage_state(self, function: str) -> StageState:
         fn = self.gateway.functions[function]
         dep = fn.deployment
+        labels = vocab.StageLabels.lenient(dep.labels)
         return StageState(
             ready=len(fn.ready), desired=fn.desired, cpus=dep.cpus or 1.0,
             min_replicas=dep.min_replicas, max_replicas=dep.max_replicas,
             concurrency=dep.concurrency or self.default_concurrency,
-            param_bytes=_int(dep.labels.get(vocab.PARAM_BYTES)),
-            profiled_service_s=_int(dep.labels.get(vocab.PROFILE_MS)) / 1000.0,
+            param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
             start_s=fn.start_time.seconds,
         )
 
     def stage_meta(self, function: str) -> tuple[float, int]:
         state = self.stage_state(function) if function in self.gateway.functions else None
         return (state.cpus, state.param_bytes) if state else (1.0, 0)
-
-
-def _int(raw: str | None) -> int:
-    try:
-        return int(float(raw)) if raw else 0
-    except ValueError:
-        return 0
 
 
 def policy_factory(config: PluginConfig, **overrides: Any):

@@ -36,13 +36,6 @@ from keysmanager.aio import wait_event
 log = logging.getLogger("quart.standalone")
 
 
-def _label_int(labels: dict[str, str], key: str, default: int) -> int:
-    try:
-        return int(float(labels.get(key, "") or default))
-    except ValueError:
-        return default
-
-
 class OpenFaaSView:
     """ReplicaSource + Inventory from an OpenFaaS gateway's REST API, refreshed by ``refresh()``."""
 
@@ -81,16 +74,14 @@ class OpenFaaSView:
         from quart_provider.quantities import parse_cpu
 
         st = self.status[function]
-        labels = st.get("labels") or {}
+        labels = vocab.StageLabels.lenient(st.get("labels") or {})
         cpu = (st.get("limits") or {}).get("cpu")
         return StageState(
             ready=int(st.get("availableReplicas") or 0), desired=int(st.get("replicas") or 0),
             cpus=parse_cpu(cpu) if cpu else 1.0,
-            min_replicas=_label_int(labels, vocab.SCALE_MIN, vocab.DEFAULT_MIN_REPLICAS),
-            max_replicas=_label_int(labels, vocab.SCALE_MAX, vocab.DEFAULT_MAX_REPLICAS),
+            min_replicas=labels.min_replicas, max_replicas=labels.max_replicas,
             concurrency=self.concurrency(function),
-            param_bytes=_label_int(labels, vocab.PARAM_BYTES, 0),
-            profiled_service_s=_label_int(labels, vocab.PROFILE_MS, 0) / 1000.0,
+            param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
         )
 
     def stage_meta(self, function: str) -> tuple[float, int]:
@@ -104,8 +95,8 @@ class OpenFaaSView:
         return list(self.slots.get(function, ()))
 
     def concurrency(self, function: str) -> int:
-        labels = (self.status.get(function) or {}).get("labels") or {}
-        return _label_int(labels, vocab.CONCURRENCY, 0) or self.default_concurrency
+        labels = vocab.StageLabels.lenient((self.status.get(function) or {}).get("labels") or {})
+        return labels.concurrency or self.default_concurrency
 
     def take(self, function: str, replica: StaticReplica) -> None:
         replica.in_flight += 1

@@ -47,17 +47,6 @@ def _str_list(value: Any, name: str) -> list[str]:
     return list(value)
 
 
-def _int_label(labels: dict[str, str], key: str, default: int) -> int:
-    raw = labels.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise invalid(f"labels.{key}", f"label {key} must be an integer, got {raw!r}") from None
-    if value < 0:
-        raise invalid(f"labels.{key}", f"label {key} must not be negative, got {value}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +143,7 @@ class FunctionDeployment:
         if deployment.labels.get(vocab.KEYSMANAGER, "on") not in ("on", "off"):
             raise invalid(f"labels.{vocab.KEYSMANAGER}",
                           f"label {vocab.KEYSMANAGER} must be on or off, got {deployment.labels[vocab.KEYSMANAGER]!r}")
-        if deployment.concurrency < 0:  # pragma: no cover - _int_label rejects negatives
+        if deployment.concurrency < 0:  # pragma: no cover - label_int rejects negatives
             raise invalid(f"labels.{vocab.CONCURRENCY}", "concurrency must not be negative")
         return deployment
 
@@ -162,16 +151,16 @@ class FunctionDeployment:
 
     @property
     def min_replicas(self) -> int:
-        return _int_label(self.labels, vocab.SCALE_MIN, vocab.DEFAULT_MIN_REPLICAS)
+        return vocab.label_int(self.labels, vocab.SCALE_MIN, vocab.DEFAULT_MIN_REPLICAS)
 
     @property
     def max_replicas(self) -> int:
-        return _int_label(self.labels, vocab.SCALE_MAX, vocab.DEFAULT_MAX_REPLICAS)
+        return vocab.label_int(self.labels, vocab.SCALE_MAX, vocab.DEFAULT_MAX_REPLICAS)
 
     @property
     def concurrency(self) -> int:
         """Requests one replica serves at once; 0 = unlimited."""
-        return _int_label(self.labels, vocab.CONCURRENCY, 0)
+        return vocab.label_int(self.labels, vocab.CONCURRENCY, 0)
 
     @property
     def param_cache(self) -> bool:
