@@ -32,6 +32,7 @@ from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 from quart_provider.balancer import pick
+from quart_provider.dead_peer import dead_peer_connector
 
 from keysmanager.aio import wait_event, within
 
@@ -163,7 +164,8 @@ class Router:
     async def start(self) -> None:
         if self.session is None:
             self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+                # a call in flight to a host that went silent fails in ~2 s and is retried elsewhere
+                connector=dead_peer_connector(limit=0, enable_cleanup_closed=True),
                 timeout=aiohttp.ClientTimeout(total=None),
             )
 

@@ -1,6 +1,8 @@
 """Reconciliation: make the replicas that run match the registry's desired state.
 
-A loop (every ``reconcile_interval_s``, or at once on :meth:`Reconciler.kick`) polls every host,
+A loop (every ``reconcile_interval_s``, or at once on :meth:`Reconciler.kick`) polls every host (each
+poll bounded by ``host_timeout_s``; a host silent for ``host_down_after_s`` is down: its replicas are
+dropped as dead and replaced elsewhere, and whatever still runs there is stopped when it answers again),
 drops dead replicas, replaces ones that never became ready, and converges each function by the pure
 rules of :mod:`.replicaset`: asks the placer for the shortfall, drains and stops the surplus, and
 retires the previous generation once a rolling update's replicas are ready. New replicas are started
@@ -19,6 +21,7 @@ from typing import Any
 
 import aiohttp
 from quart_provider.config import GatewayConfig
+from quart_provider.host_health import HostHealth
 from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
 from quart_provider.replicaset import choose_surplus, rollover_done, shortfall
 from quart_provider.scheduling.metrics import SchedulerMetrics
@@ -50,6 +53,7 @@ class Reconciler:
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._probe_session: aiohttp.ClientSession | None = None
+        self.health = HostHealth(config.host_down_after_s)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -107,16 +111,22 @@ class Reconciler:
         """One pass: poll hosts, drop dead replicas, start missing ones, stop surplus, roll updates."""
         names = list(self.hosts)
         polled_at = time.monotonic()
-        results = await asyncio.gather(*(self.hosts[n].replicas() for n in names), return_exceptions=True)
+        results = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].replicas()) for n in names),
+                                       return_exceptions=True)
         seen: dict[str, ReplicaStatus] = {}
         polled_hosts: set[str] = set()
+        now = time.monotonic()
         for name, result in zip(names, results, strict=True):
             if isinstance(result, BaseException):
-                log.warning("host %s did not answer: %s", name, result)
+                if self.health.failed(name, now):
+                    self._host_down(name, result)
+                elif self.health.is_up(name):
+                    log.warning("host %s did not answer: %s", name, result or type(result).__name__)
                 continue
+            if self.health.answered(name, now):
+                self._host_back(name, result)
             polled_hosts.add(name)
             seen.update((r.id, r) for r in result)
-        now = time.monotonic()
         for fn in self.functions.values():
             changed = False
             for endpoint in list(fn.replicas.values()):
@@ -142,6 +152,37 @@ class Reconciler:
             if changed:
                 fn.refresh_ready()
         await self._converge(now)
+
+    def _host_down(self, name: str, why: BaseException) -> None:
+        """``name`` stopped answering: its replicas are dead to routing (requests in flight on them fail over
+        by the dead-peer sockets, see ``quart_provider.dead_peer``), starts and stops on it are abandoned,
+        and the next pass places the missing replicas on the hosts that answer."""
+        lost: set[str] = set()
+        for fn in self.functions.values():
+            gone = [e for e in fn.replicas.values() if e.host == name]
+            for endpoint in gone:
+                endpoint.state = "dead"
+                del fn.replicas[endpoint.id]
+                lost.add(endpoint.id)
+            if gone:
+                fn.refresh_ready()
+        names = {f"stop:{rid}" for rid in lost} | {f"probe:{rid}" for rid in lost}
+        for task in list(self._tasks):
+            if task.get_name().startswith(f"start:{name}:") or task.get_name() in names:
+                task.cancel()
+        log.warning("host %s has not answered for %.1f s (%s): down; %d replica(s) marked dead", name,
+                    self.health.silent_for(name, time.monotonic()), why or type(why).__name__, len(lost))
+        self.kick()
+
+    def _host_back(self, name: str, running: list[ReplicaStatus]) -> None:
+        """``name`` answers again: what still runs there was replaced while it was down, so stop it."""
+        tracked = {rid for fn in self.functions.values() for rid in fn.replicas}
+        stale = [r for r in running if r.id not in tracked and r.state != "dead"]
+        for status in stale:
+            self._spawn(self._stop_now(Endpoint(status.id, status.function, name, status.url, status.state,
+                                                status.source, 0, 0.0)), f"stop:{status.id}")
+        log.warning("host %s answers again; stopping %d replica(s) replaced while it was down", name, len(stale))
+        self.kick()
 
     async def _converge(self, now: float) -> None:
         requests: list[ReplicaRequest] = []
@@ -187,8 +228,9 @@ class Reconciler:
     # ---------------------------------------------------------------- placing and starting
 
     async def _place(self, requests: list[ReplicaRequest]) -> None:
-        names = list(self.hosts)
-        reports = await asyncio.gather(*(self.hosts[n].report() for n in names), return_exceptions=True)
+        names = [n for n in self.hosts if self.health.is_up(n)]
+        reports = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].report()) for n in names),
+                                       return_exceptions=True)
         views: list[HostView] = []
         for name, report in zip(names, reports, strict=True):
             if isinstance(report, BaseException):

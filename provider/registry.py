@@ -20,6 +20,10 @@ from quart_provider.types import Endpoint, FunctionState
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError
 
+from keysmanager.aio import within
+
+INVALIDATE_TIMEOUT_S = 5.0  # one host's answer to "drop the cached stage" (a host that is down gives none)
+
 
 class Registry:
     """Deployed functions by name, and the key-stage scale-up history the placer reads."""
@@ -109,4 +113,6 @@ class Registry:
 
     async def _invalidate(self, name: str) -> None:
         """Hosts drop what they cached of the function's previous spec (zygotes)."""
-        await asyncio.gather(*(h.invalidate(name) for h in self.hosts.values()), return_exceptions=True)
+        # bounded: a host that is down cannot answer (its KeysManager re-checks fingerprints when it is back)
+        await asyncio.gather(*(within(INVALIDATE_TIMEOUT_S, h.invalidate(name)) for h in self.hosts.values()),
+                             return_exceptions=True)

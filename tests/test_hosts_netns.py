@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
 import requests
+from gateway_plugin.plugin import attach
 from quart_provider.config import GatewayConfig
 from quart_provider.network import HostNetwork, NetHost, cleanup_by_prefix, cluster_id, links, namespaces
 from quart_provider.network import unavailable_reason as netns_unavailable
@@ -131,3 +133,92 @@ def test_host_down_and_up_take_the_link(tmp_path, capsys) -> None:
         assert "host-1: link up" in capsys.readouterr().out
     finally:
         cleanup_by_prefix(cid)
+
+
+async def wait_for(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until ``predicate()`` holds; fails the test after ``timeout_s``."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s} s"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def pipeline_load(url: str, model: str, rate: float, seconds: float) -> list[tuple[int, str]]:
+    """Open-loop load: ``rate`` pipeline requests a second for ``seconds``; (status, error) of each
+    (status 0: no answer at all)."""
+
+    async def one(session: aiohttp.ClientSession) -> tuple[int, str]:
+        try:
+            async with session.post(f"{url}/function/{model}", data=BODY,
+                                    headers={"Content-Type": "application/json"}) as res:
+                body = await res.read()
+                return res.status, "" if res.status == 200 else body.decode(errors="replace")[:200]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return 0, repr(exc)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        calls = []
+        for _ in range(int(rate * seconds)):
+            calls.append(asyncio.create_task(one(session)))
+            await asyncio.sleep(1 / rate)
+        return list(await asyncio.gather(*calls))
+
+
+@needs_netns
+def test_host_down_fails_over_and_replaces_its_replicas(tmp_path, emulated_stack, monkeypatch) -> None:
+    """Issue 12, item 3: a host's link goes down under load. Its replicas leave routing and
+    availableReplicas within about a second, every request is answered (failed-over ones retried on the
+    other hosts), the missing replicas are placed on the hosts that answer, and when the link is back
+    the replicas left running there are stopped."""
+    monkeypatch.setenv("QUART_ACTUATOR", "none")  # the autoscaler decides but does not act: counts stay ours
+    state_dir = tmp_path / "state"
+    cid = cluster_id(str(state_dir))
+    names = [f.name for f in emulated_stack.functions]
+    model = emulated_stack.functions[0].request["labels"]["com.quart.model"]
+
+    async def scenario() -> None:
+        system = EmbeddedSystem(netns_config(state_dir, hosts=3, gpus_per_host=2), use_keysmanager=True,
+                                plugin=attach)
+        try:
+            await system.start()
+            gw, net = system.gateway, system.network
+            await system.deploy_stack(emulated_stack)
+            for name in names:
+                await gw.scale(name, 2)
+            await system.wait_ready(names, timeout_s=120)
+            victim = gw.functions[names[0]].ready[0].host  # holds at least one replica
+            assert await invoke(system.url, model) == 200
+
+            load = asyncio.create_task(pipeline_load(system.url, model, rate=10, seconds=8))
+            await asyncio.sleep(2)
+            await asyncio.to_thread(net.link_down, victim)
+            dead_s = await wait_for(lambda: not any(e.host == victim for n in names
+                                                    for e in gw.functions[n].replicas.values()), 3, "marked dead")
+            for name in names:
+                fn = gw.functions[name]
+                assert victim not in {e.host for e in fn.ready}
+                assert fn.status_json()["availableReplicas"] == len(fn.ready)
+            back_s = await wait_for(lambda: all(len(gw.functions[n].ready) == 2 for n in names), 10, "replaced")
+            assert all(e.host != victim for n in names for e in gw.functions[n].ready)
+            answers = await load
+            assert [a for a in answers if a[0] != 200] == [], answers
+            print(f"host down: replicas dead after {dead_s:.2f} s, replaced {back_s:.2f} s later, "
+                  f"{len(answers)} requests all answered 200")
+            assert dead_s < 2.0
+
+            # the link comes back: the replicas that ran on the victim through the outage are stopped
+            await asyncio.to_thread(net.link_up, victim)
+            client = gw.hosts[victim].client
+            await wait_for(lambda: gw.reconciler.health.is_up(victim), 10, "host back")
+            deadline = time.monotonic() + 30
+            while any(r.state != "dead" for r in await client.replicas(memory=False)):
+                assert time.monotonic() < deadline, "replicas replaced during the outage still run on the host"
+                await asyncio.sleep(0.1)
+            assert await invoke(system.url, model) == 200
+        finally:
+            await system.stop()
+            cleanup_by_prefix(cid)
+        assert not [n for n in namespaces() if n.startswith(cid)]
+
+    asyncio.run(scenario())
