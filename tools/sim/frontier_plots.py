@@ -27,7 +27,8 @@ def plot_frontier(entries: list[dict], out_dir: str | Path) -> list[Path]:
         loads = list(dict.fromkeys(e["workload"] for e in entries if e["model"] == model))
         cols = min(3, len(loads))
         rows = math.ceil(len(loads) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
+        height = 4.0 * rows + 1.0  # an inch at the bottom for the legend
+        fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, height), squeeze=False)
         for ax, load in zip(axes.flat, loads, strict=False):
             mine = [e for e in entries if e["workload"] == load and _finite(e["mean_ms"], e["replica_seconds"])]
             front = frontier_points([e for e in mine if e["table"] == "km"])
@@ -54,7 +55,7 @@ def plot_frontier(entries: list[dict], out_dir: str | Path) -> list[Path]:
             ax.axis("off")
         handles, labels = axes.flat[0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=8)
-        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        fig.tight_layout(rect=(0, 1.0 / height, 1, 1))
         path = out / f"frontier-{model}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
