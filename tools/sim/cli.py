@@ -3,6 +3,7 @@
     quartctl simulate --model bert-21b --system quart --cv 4 --duration 600          # one run
     quartctl simulate --experiment fig7 --out fig7.json                             # CV sweep
     quartctl simulate --experiment fig6|fig2|ablations|all --out FILE [--plots DIR]
+    quartctl simulate --experiment frontier --out FILE [--plots DIR] [--quick]    # equal cost (issue 15)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from quart_tools.sim import experiments as ex
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
 DEFAULT_LOAD = 0.4  # mean rate as a fraction of what the whole cluster sustains for the model
-EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "all")
+EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "all")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=None, help="mean requests/s (default: --load × capacity)")
     p.add_argument("--load", type=float, default=DEFAULT_LOAD, help="mean rate / cluster capacity for the model")
     p.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals per run")
+    p.add_argument("--quick", action="store_true", help="frontier: 30 simulated seconds per run (tests, smoke runs)")
+    p.add_argument("--no-trace", action="store_true", help="frontier: gamma workloads only")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV for fig6 / --arrivals trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quart-config", default="",
@@ -139,6 +142,24 @@ def _ablations(args, cal: Calibration) -> dict:
             "entries": entries, "table": {"trace": ex.ablation_table(trace), "cv4": ex.ablation_table(cv4)}}
 
 
+def _frontier(args, cal: Calibration) -> dict:
+    from quart_tools.sim.frontier import QUICK_DURATION_S, run_frontier
+
+    models = [m.strip() for m in args.models.split(",")]
+    cvs = [float(c) for c in args.cvs.split(",")]
+    duration = QUICK_DURATION_S if args.quick else args.duration
+    trace = None if args.no_trace else args.trace
+    doc = run_frontier(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, _overrides(args))
+    if args.plots:
+        from quart_tools.sim.frontier_plots import plot_frontier
+
+        plot_frontier(doc["entries"], args.plots)
+    return {"experiment": "frontier",
+            "config": {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
+                       "seed": args.seed, "max_replicas": args.max_replicas},
+            **doc}
+
+
 def _cpu_seconds() -> float:
     import resource
 
@@ -161,6 +182,8 @@ def main(argv: list[str]) -> int:
             doc = _fig7(args, cal)
         elif args.experiment == "ablations":
             doc = _ablations(args, cal)
+        elif args.experiment == "frontier":
+            doc = _frontier(args, cal)
         else:
             doc = {"experiment": "all", "fig2": ex.fig2(cal, args.duration, seed=args.seed), "fig6": _fig6(args, cal),
                    "fig7": _fig7(args, cal), "ablations": _ablations(args, cal)}
