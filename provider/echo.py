@@ -3,7 +3,8 @@
 It answers ``GET /_/health`` with 200 and any other request with its body (status 200), so the
 gateway benchmark measures the gateway, not the function. It serves on the socket inherited in
 ``QUART_LISTEN_FD`` (see :class:`quart_provider.hosts.ProcessHost`) or ``--port``.
-Bodies must carry ``Content-Length`` (chunked uploads get 411).
+Bodies carry ``Content-Length`` or ``Transfer-Encoding: chunked`` (the OpenFaaS gateway forwards
+bodies chunked); chunk extensions and trailers are read and dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,34 @@ import sys
 
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
+
+
+def dechunk(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
+    """The body of a chunked message starting at ``buffer[start]`` and the offset just past it (trailers
+    included); None while incomplete; ValueError when malformed."""
+    pieces, pos = [], start
+    while True:
+        eol = buffer.find(b"\r\n", pos)
+        if eol < 0:
+            return None
+        size = int(bytes(buffer[pos:eol]).split(b";", 1)[0].strip() or b"x", 16)  # ValueError if not hex
+        if size < 0:
+            raise ValueError("negative chunk size")
+        pos = eol + 2
+        if size == 0:
+            while True:  # trailer fields, up to an empty line
+                eol = buffer.find(b"\r\n", pos)
+                if eol < 0:
+                    return None
+                if eol == pos:
+                    return b"".join(pieces), eol + 2
+                pos = eol + 2
+        if len(buffer) < pos + size + 2:
+            return None
+        if buffer[pos + size:pos + size + 2] != b"\r\n":
+            raise ValueError("chunk not followed by CRLF")
+        pieces.append(bytes(buffer[pos:pos + size]))
+        pos += size + 2
 
 
 class EchoProtocol(asyncio.Protocol):
@@ -41,28 +70,37 @@ class EchoProtocol(asyncio.Protocol):
             if len(parts) != 3:
                 self._reply(400, b"bad request line", close=True)
                 return
-            length, close = 0, parts[2] == "HTTP/1.0"
+            length, close, chunked = 0, parts[2] == "HTTP/1.0", False
             for line in lines[1:]:
                 name, _, value = line.partition(":")
                 key = name.strip().lower()
                 if key == "content-length":
                     length = int(value.strip() or 0)
                 elif key == "transfer-encoding":
-                    self._reply(411, b"send Content-Length", close=True)
-                    return
+                    chunked = value.strip().lower().endswith("chunked")
                 elif key == "connection":
                     close = value.strip().lower() == "close"
-            total = end + 4 + length
-            if len(self.buffer) < total:
-                return
-            body = bytes(self.buffer[end + 4:total])
+            if chunked:
+                try:
+                    framed = dechunk(self.buffer, end + 4)
+                except ValueError:
+                    self._reply(400, b"bad chunked body", close=True)
+                    return
+                if framed is None:
+                    return
+                body, total = framed
+            else:
+                total = end + 4 + length
+                if len(self.buffer) < total:
+                    return
+                body = bytes(self.buffer[end + 4:total])
             del self.buffer[:total]
             self._reply(200, b"" if parts[1] == "/_/health" else body, close)
             if close:
                 return
 
     def _reply(self, status: int, body: bytes, close: bool) -> None:
-        reason = {200: "OK", 400: "Bad Request", 411: "Length Required", 431: "Headers Too Large"}[status]
+        reason = {200: "OK", 400: "Bad Request", 431: "Headers Too Large"}[status]
         head = (
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/octet-stream\r\n"
             f"Content-Length: {len(body)}\r\n{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n"

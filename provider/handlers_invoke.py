@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 from quart_provider.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
 from quart_provider.balancer import ServiceUnavailable
+from quart_provider.bodies import read_body
 from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
@@ -59,14 +60,7 @@ class InvokeHandlers:
 
     async def _invocation_body(self, request: web.Request) -> bytes:
         """The body of a /function or /async-function call; 413 over ``max_body_bytes``."""
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise QuartError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit",
-                             "body")
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise QuartError(413, f"request body is over the {limit}-byte limit", "body") from None
+        return await read_body(request, self.config.max_body_bytes)
 
     async def async_invoke(self, request: web.Request) -> web.Response:
         """``POST /async-function/{name}``: 202 + ``X-Call-Id`` now, the call later (see :mod:`.async_calls`)."""

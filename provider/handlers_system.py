@@ -18,9 +18,10 @@ import platform
 from typing import Any
 
 from aiohttp import web
+from quart_provider.bodies import read_body
 from quart_provider.deployment import FunctionDeployment, parse_json_object
 from quart_provider.gateway import EmbeddedGateway
-from quart_stage.errors import QuartError, invalid
+from quart_stage.errors import invalid
 
 VERSION = "0.1.0"
 
@@ -34,14 +35,7 @@ class SystemHandlers:
         self.provider = provider
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
-        limit = self.config.max_deploy_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise QuartError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit",
-                             "body")
-        raw = await request.content.read(limit + 1)
-        if len(raw) > limit:
-            raise QuartError(413, f"request body is over the {limit}-byte limit", "body")
-        return parse_json_object(raw)
+        return parse_json_object(await read_body(request, self.config.max_deploy_bytes))
 
     def _check_namespace(self, namespace: str | None) -> None:
         if namespace and namespace != self.config.namespace:
