@@ -33,6 +33,7 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 from quart_provider.balancer import pick
 from quart_provider.dead_peer import dead_peer_connector
+from quart_provider.tracing import CALL_ID
 
 from keysmanager.aio import wait_event, within
 
@@ -201,9 +202,16 @@ class Router:
     # ------------------------------------------------------------------ entry points
 
     async def handle(self, request: web.Request, model: str) -> web.StreamResponse:
-        """aiohttp handler body for ``POST /function/<model>``."""
+        """aiohttp handler body for ``POST /function/<model>``; every answer carries the request's ``X-Call-Id``
+        (the client's, else a new UUID4), which is also the request id unless ``X-Quart-Request-Id`` is sent."""
+        call_id = request.headers.get(CALL_ID) or str(uuid.uuid4())
+        response = (await self._handle(request, model, call_id)).response()
+        response.headers[CALL_ID] = call_id
+        return response
+
+    async def _handle(self, request: web.Request, model: str, call_id: str) -> Reply:
         if request.method != "POST":
-            return json_reply(405, f"use POST to invoke pipeline {model!r}", "method").response()
+            return json_reply(405, f"use POST to invoke pipeline {model!r}", "method")
         body = await request.read()
         timeout = None
         raw = request.headers.get("X-Quart-Timeout-Ms")
@@ -214,11 +222,10 @@ class Router:
                     raise ValueError
             except ValueError:
                 return json_reply(400, f"X-Quart-Timeout-Ms must be a positive number, got {raw!r}",
-                                  "X-Quart-Timeout-Ms").response()
-        reply = await self.invoke(model, body, request.headers.get("Content-Type", "application/octet-stream"),
-                                  timeout_s=timeout, request_id=request.headers.get("X-Quart-Request-Id"),
-                                  accept=request.headers.get("Accept", ""))
-        return reply.response()
+                                  "X-Quart-Timeout-Ms")
+        return await self.invoke(model, body, request.headers.get("Content-Type", "application/octet-stream"),
+                                 timeout_s=timeout, request_id=request.headers.get("X-Quart-Request-Id") or call_id,
+                                 accept=request.headers.get("Accept", ""))
 
     async def invoke(
         self, model: str, body: bytes, content_type: str = "application/octet-stream",

@@ -3,13 +3,12 @@
 The proxy hands a request to a replica the balancer picks, retrying once elsewhere when a replica
 refuses the connection (it never saw the request); names that are not deployed functions go to the
 invoke hooks (the plugin's pipeline router). An async call is answered 202 + ``X-Call-Id`` at once
-and run later through this gateway's own ``/function`` path (see :mod:`.async_calls`).
+and run later through this gateway's own ``/function`` path (see :mod:`.async_calls`). Tracing
+headers (:mod:`.tracing`) go upstream here; :mod:`.routes` stamps them on every answer.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 
 import aiohttp
@@ -21,6 +20,7 @@ from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 from quart_provider.responses import error_of, error_response
+from quart_provider.tracing import trace_of, with_trace
 from quart_stage.errors import QuartError
 
 
@@ -31,8 +31,6 @@ class InvokeHandlers:
         self.gateway = gateway
         self.config = gateway.config
         self.session: aiohttp.ClientSession | None = None
-        self._call_ids = itertools.count(1)
-        self._call_prefix = f"{os.getpid():x}{int(time.time()):x}"
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
                                         self.config.async_timeout_s)
         if not provider:  # one registration per gateway (the provider app shares the gateway's registry)
@@ -53,10 +51,6 @@ class InvokeHandlers:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
-
-    def _new_call_id(self) -> str:
-        """An ``X-Call-Id`` unique to this gateway process."""
-        return f"{self._call_prefix}-{next(self._call_ids)}"
 
     async def _invocation_body(self, request: web.Request) -> bytes:
         """The body of a /function or /async-function call; 413 over ``max_body_bytes``."""
@@ -81,16 +75,16 @@ class InvokeHandlers:
         host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
         host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{port}/function/{request.raw_path.split('/async-function/', 1)[1]}"  # path, query as sent
-        call_id = self._new_call_id()
+        trace = trace_of(request)
         headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
-        headers["X-Call-Id"] = call_id
-        if not self.async_calls.submit(AsyncCall(call_id, name, url, headers, body, callback)):
+        trace.mark(headers)
+        if not self.async_calls.submit(AsyncCall(trace.call_id, name, url, headers, body, callback)):
             if self.async_calls.closed:
                 return error_response(503, "the gateway is stopping", None,
                                       headers={"Retry-After": str(self.config.retry_after_s)})
             return error_response(429, f"the async queue is full ({self.async_calls.capacity} calls wait); retry "
                                        "later", None, headers={"Retry-After": str(self.config.retry_after_s)})
-        return web.Response(status=202, headers={"X-Call-Id": call_id})
+        return web.Response(status=202)
 
     async def invoke(self, request: web.Request) -> web.StreamResponse:
         """``/function/{name}[/{tail}]``: proxy to a replica of a deployed function, else ask the invoke hooks."""
@@ -104,7 +98,7 @@ class InvokeHandlers:
         tail = request.match_info.get("tail", "")
         if fn is None:
             for hook in gateway.invoke_hooks:
-                response = await hook(request, name, tail)
+                response = await hook(with_trace(request), name, tail)
                 if response is not None:
                     return response
             return error_response(404, f"function {name!r} not found", "functionName")
@@ -115,9 +109,7 @@ class InvokeHandlers:
         metrics, metric_name = gateway.metrics, fn.metric_name
         metrics.invocation_started(metric_name)
         start = time.perf_counter()
-        call_id = self._new_call_id()
-        headers = forwardable(request.headers.items())
-        headers["X-Call-Id"] = call_id
+        headers = trace_of(request).mark(forwardable(request.headers.items()))
         headers["X-Forwarded-Host"] = request.host
         path = f"/{tail}?{request.query_string}" if request.query_string else f"/{tail}"
         payload = None
@@ -149,6 +141,4 @@ class InvokeHandlers:
         metrics.invocation_done(metric_name, status, elapsed)
         if payload is None:
             return error_response(502, message)
-        out_headers["X-Call-Id"] = call_id
-        out_headers["X-Duration-Seconds"] = f"{elapsed:.6f}"
         return web.Response(status=status, body=payload, headers=out_headers)

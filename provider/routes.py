@@ -2,7 +2,7 @@
 
 The OpenFaaS gateway REST API (``api-docs/spec.openapi.yml``) over an :class:`.gateway.EmbeddedGateway`:
 ``/system/*`` (:mod:`.handlers_system`, basic auth) and ``/function``, ``/async-function``
-(:mod:`.handlers_invoke`). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
+(:mod:`.handlers_invoke`, their answers stamped with :mod:`.tracing` headers). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
 ``{"error": ..., "field": ...}`` with its status here.
 """
 
@@ -16,6 +16,7 @@ from quart_provider.gateway import EmbeddedGateway
 from quart_provider.handlers_invoke import InvokeHandlers
 from quart_provider.handlers_system import SystemHandlers
 from quart_provider.responses import error_of, error_response
+from quart_provider.tracing import traced
 from quart_stage.errors import QuartError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -60,10 +61,11 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     r.add_post("/system/scale-function/{name}", guarded(system.scale))
     r.add_get("/system/namespaces", guarded(system.namespaces))
     r.add_get("/system/replicas/{name}", guarded(system.replicas))
-    r.add_route("*", "/async-function/{name}", guarded(invoke.async_invoke, auth=False))
-    r.add_route("*", "/async-function/{name}/{tail:.*}", guarded(invoke.async_invoke, auth=False))
-    r.add_route("*", "/function/{name}", invoke.invoke)
-    r.add_route("*", "/function/{name}/{tail:.*}", invoke.invoke)
+    async_invoke, sync_invoke = traced(guarded(invoke.async_invoke, auth=False)), traced(invoke.invoke)
+    r.add_route("*", "/async-function/{name}", async_invoke)
+    r.add_route("*", "/async-function/{name}/{tail:.*}", async_invoke)
+    r.add_route("*", "/function/{name}", sync_invoke)
+    r.add_route("*", "/function/{name}/{tail:.*}", sync_invoke)
 
     async def startup(app: web.Application) -> None:
         await invoke.startup()

@@ -1,0 +1,72 @@
+"""Tracing headers of invocations, as the OpenFaaS gateway sets them (``MakeCallIDMiddleware``).
+
+``X-Call-Id``: the client's when it sends one, else a new UUID4; ``X-Start-Time``: when the gateway
+took the request, in unix nanoseconds. Both go on the upstream request and on every answer of
+``/function`` and ``/async-function`` (errors and the pipeline router's answers included), with
+``X-Duration-Seconds``: the gateway's time from taking the request to answering it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+
+from aiohttp import web
+
+CALL_ID = "X-Call-Id"
+START_TIME = "X-Start-Time"
+DURATION = "X-Duration-Seconds"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    call_id: str
+    start_ns: int  # unix time
+    started: float  # perf_counter, for the duration
+
+    @classmethod
+    def begin(cls, headers: Mapping[str, str]) -> Trace:
+        return cls(headers.get(CALL_ID) or str(uuid.uuid4()), time.time_ns(), time.perf_counter())
+
+    def mark(self, headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
+        """Put the call id and start time on ``headers`` (an upstream request's); returns them."""
+        headers[CALL_ID] = self.call_id
+        headers[START_TIME] = str(self.start_ns)
+        return headers
+
+    def stamp(self, response: web.StreamResponse) -> web.StreamResponse:
+        """The answer's tracing headers (before it is sent)."""
+        if not response.prepared:
+            self.mark(response.headers)
+            response.headers[DURATION] = f"{time.perf_counter() - self.started:.6f}"
+        return response
+
+
+_KEY = web.RequestKey("quart.trace", Trace)
+
+
+def trace_of(request: web.Request) -> Trace:
+    """The trace :func:`traced` began for ``request`` (a new one if it has none)."""
+    trace = request.get(_KEY)
+    if trace is None:
+        trace = request[_KEY] = Trace.begin(request.headers)
+    return trace
+
+
+def traced(handler: Handler) -> Handler:
+    """``handler`` with a trace begun before it runs and stamped on its answer."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        trace = trace_of(request)
+        return trace.stamp(await handler(request))
+
+    return wrapped
+
+
+def with_trace(request: web.Request) -> web.Request:
+    """``request`` carrying its trace's headers, for a handler that reads them (the invoke hooks)."""
+    return request.clone(headers=trace_of(request).mark(request.headers.copy()))
