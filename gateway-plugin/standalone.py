@@ -27,13 +27,16 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
-from gateway_plugin.router import Router, StaticReplica
+from gateway_plugin.router import Router, StaticReplica, json_reply
 from gateway_plugin.snapshot_builder import StageState
+from quart_provider import namespaces
+from quart_provider.tracing import traced, with_trace
 from quart_stage import labels as vocab
 
 from keysmanager.aio import wait_event
 
 log = logging.getLogger("quart.standalone")
+DEFAULT_NAMESPACE = "openfaas-fn"  # a FunctionStatus without one is in the gateway's default namespace
 
 
 class OpenFaaSView:
@@ -69,6 +72,11 @@ class OpenFaaSView:
     # Inventory
     def pipelines(self) -> dict[str, list[str]]:
         return vocab.pipelines((name, st.get("labels") or {}) for name, st in self.status.items())
+
+    def namespace_of(self, model: str) -> str | None:
+        """The namespace a pipeline's stage functions live in (None: no such pipeline)."""
+        stages = self.pipelines().get(model)
+        return (self.status[stages[0]].get("namespace") or DEFAULT_NAMESPACE) if stages else None
 
     def stage_state(self, function: str) -> StageState:
         from quart_provider.quantities import parse_cpu
@@ -126,7 +134,7 @@ class StandalonePlugin:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/function/{model}", lambda r: self.router.handle(r, r.match_info["model"]))
+        app.router.add_post("/function/{model}", traced(self._invoke))
         app.router.add_get("/metrics", lambda r: web.Response(body=self.collector.prometheus_text(),
                                                                content_type="text/plain"))
         app.router.add_get("/snapshot", lambda r: web.json_response(
@@ -136,6 +144,17 @@ class StandalonePlugin:
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
+
+    async def _invoke(self, request: web.Request) -> web.StreamResponse:
+        """``POST /function/<model>[.<namespace>]`` (faas-cli adds the namespace): the model's pipeline, with the
+        embedded gateway's tracing headers."""
+        model, namespace = namespaces.split(request.match_info["model"])
+        known = self.view.namespace_of(model)
+        if namespace and known is not None and namespace != known:
+            reply = json_reply(404, f"namespace {namespace!r} does not exist for pipeline {model!r} (it is in "
+                                    f"{known!r})", "namespace")
+            return reply.response()
+        return await self.router.handle(with_trace(request), model)
 
     async def _refresh_forever(self) -> None:
         assert self._session is not None

@@ -13,6 +13,7 @@ import time
 
 import aiohttp
 from aiohttp import web
+from quart_provider import namespaces
 from quart_provider.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.bodies import read_body
@@ -61,12 +62,9 @@ class InvokeHandlers:
         if request.method != "POST":
             return error_response(405, f"asynchronous invocation takes POST, not {request.method}", "method",
                                   headers={"Allow": "POST"})
-        name = request.match_info["name"]
-        base, _, namespace = name.partition(".")
-        if namespace and namespace != self.config.namespace:
-            return error_response(404, f"namespace {namespace!r} does not exist", "namespace")
-        if base not in self.gateway.functions and base not in self.gateway.pipelines():
-            return error_response(404, f"function {base!r} not found", "functionName")
+        name = namespaces.function_name(request.match_info["name"], self.config.namespace)
+        if name not in self.gateway.functions and name not in self.gateway.pipelines():
+            return error_response(404, f"function {name!r} not found", "functionName")
         try:
             callback = parse_callback(request.headers.get(CALLBACK_HEADER))
         except ValueError as exc:
@@ -89,11 +87,10 @@ class InvokeHandlers:
     async def invoke(self, request: web.Request) -> web.StreamResponse:
         """``/function/{name}[/{tail}]``: proxy to a replica of a deployed function, else ask the invoke hooks."""
         gateway = self.gateway
-        name = request.match_info["name"]
-        if "." in name:
-            name, _, namespace = name.partition(".")
-            if namespace != self.config.namespace:
-                return error_response(404, f"namespace {namespace!r} does not exist", "namespace")
+        try:
+            name = namespaces.function_name(request.match_info["name"], self.config.namespace)
+        except QuartError as exc:
+            return error_of(exc, self.config.retry_after_s)
         fn = gateway.functions.get(name)
         tail = request.match_info.get("tail", "")
         if fn is None:

@@ -18,6 +18,7 @@ import platform
 from typing import Any
 
 from aiohttp import web
+from quart_provider import namespaces
 from quart_provider.bodies import read_body
 from quart_provider.deployment import FunctionDeployment, parse_json_object
 from quart_provider.gateway import EmbeddedGateway
@@ -38,9 +39,7 @@ class SystemHandlers:
         return parse_json_object(await read_body(request, self.config.max_deploy_bytes))
 
     def _check_namespace(self, namespace: str | None) -> None:
-        if namespace and namespace != self.config.namespace:
-            raise invalid("namespace",
-                          f"namespace {namespace!r} does not exist; this gateway has {self.config.namespace!r}")
+        namespaces.check(namespace, self.config.namespace)
 
     # ------------------------------------------------------------ internal endpoints
 
@@ -113,6 +112,12 @@ class SystemHandlers:
 
     async def namespaces(self, request: web.Request) -> web.Response:
         return web.json_response([self.config.namespace])
+
+    async def namespace(self, request: web.Request) -> web.Response:
+        """``GET /system/namespace/{name}``: a ``FunctionNamespace`` (faas-provider types); 404 for another."""
+        name = request.match_info["name"]
+        namespaces.check(name, self.config.namespace)
+        return web.json_response({"name": name, "labels": {"openfaas": "1"}})
 
     async def replicas(self, request: web.Request) -> web.Response:
         """Extension: the replicas of a function, with host, state and in-flight requests."""

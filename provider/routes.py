@@ -60,6 +60,7 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     r.add_get("/system/function/{name}", guarded(system.describe))
     r.add_post("/system/scale-function/{name}", guarded(system.scale))
     r.add_get("/system/namespaces", guarded(system.namespaces))
+    r.add_get("/system/namespace/{name}", guarded(system.namespace))
     r.add_get("/system/replicas/{name}", guarded(system.replicas))
     async_invoke, sync_invoke = traced(guarded(invoke.async_invoke, auth=False)), traced(invoke.invoke)
     r.add_route("*", "/async-function/{name}", async_invoke)
