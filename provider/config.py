@@ -66,3 +66,8 @@ class GatewayConfig:
     @property
     def credentials_dir(self) -> Path:
         return self.state_dir / "secrets"
+
+    @property
+    def function_secrets_dir(self) -> Path:
+        """``/system/secrets``' store (:mod:`quart_provider.secrets`), apart from the gateway's credentials."""
+        return self.state_dir / "function-secrets"

@@ -25,6 +25,7 @@ from quart_provider.reconciler import Reconciler
 from quart_provider.registry import Registry
 from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 from quart_provider.scheduling.types import Placer
+from quart_provider.secrets import SecretStore
 from quart_provider.types import Endpoint, FunctionState, InvokeHook
 
 
@@ -42,7 +43,9 @@ class EmbeddedGateway:
         self.hosts: dict[str, Host] = {h.name: h for h in hosts}
         self.images = ImageIndex(config.state_dir / INDEX_FILE)
         self.scheduler_metrics = SchedulerMetrics()  # cache hits, replica-ready time by source, host use
-        self.registry = Registry(self.images, self.hosts, config.max_body_bytes, self.kick, self._retire)
+        self.secrets = SecretStore(config.function_secrets_dir, config.namespace)
+        self.registry = Registry(self.images, self.hosts, config.max_body_bytes, self.kick, self._retire,
+                                 self.secrets)
         self.functions: dict[str, FunctionState] = self.registry.functions
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,

@@ -23,10 +23,12 @@ import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 import aiohttp
 from quart_provider.scheduling.types import HostView
+from quart_provider.secrets import SECRETS_DIR_ENV, mount, unmount
 
 from keysmanager.aio import within
 from keysmanager.sysutil import set_parent_death_signal
@@ -50,6 +52,8 @@ class ReplicaSpec:
     # False: cold-start every replica (no KeysManager cache). Not part of what a replica runs, so changing it
     # restarts nothing: it applies to the replicas started from then on.
     param_cache: bool = field(default=True, compare=False)
+    secrets: tuple[str, ...] = ()  # names, given to each replica as files (:mod:`quart_provider.secrets`)
+    secrets_source: str = field(default="", compare=False)  # the namespace's secret store folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,7 @@ class _Child:
     status: ReplicaStatus
     process: asyncio.subprocess.Process
     health_task: asyncio.Task | None = None
+    secrets: Path | None = None  # this replica's copy of its function's secrets
 
 
 class ProcessHost:
@@ -148,6 +153,9 @@ class ProcessHost:
         sock.listen(1024)
         port = sock.getsockname()[1]
         env = {**os.environ, **spec.env, **thread_env(spec.cpus), LISTEN_FD_ENV: str(sock.fileno())}
+        secrets = mount(Path(spec.secrets_source), spec.secrets, replica_id) if spec.secrets else None
+        if secrets is not None:
+            env[SECRETS_DIR_ENV] = str(secrets)
         cores = cpu_set(spec.cpus, number)
         memory = spec.memory_bytes
 
@@ -163,11 +171,14 @@ class ProcessHost:
                 *spec.argv, env=env, pass_fds=(sock.fileno(),), preexec_fn=limit_child,
                 stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
             )
+        except BaseException:
+            unmount(secrets)
+            raise
         finally:
             sock.close()
         status = ReplicaStatus(replica_id, spec.function, self.name, f"http://127.0.0.1:{port}", "starting",
                                "cold", process.pid)
-        child = _Child(status, process)
+        child = _Child(status, process, secrets=secrets)
         self._children[replica_id] = child
         child.health_task = asyncio.create_task(self._await_ready(child, spec.health_path))
         return status
@@ -191,6 +202,7 @@ class ProcessHost:
         if child.health_task:
             child.health_task.cancel()
         await _terminate(child.process)
+        unmount(child.secrets)
 
     async def replicas(self) -> list[ReplicaStatus]:
         for child in self._children.values():
@@ -198,7 +210,7 @@ class ProcessHost:
                 child.status = _with_state(child.status, "dead")
         statuses = [c.status for c in self._children.values()]
         for replica_id in [k for k, c in self._children.items() if c.status.state == "dead"]:
-            self._children.pop(replica_id)  # reported dead once, then forgotten
+            unmount(self._children.pop(replica_id).secrets)  # reported dead once, then forgotten
         return statuses
 
     async def invalidate(self, function: str) -> None:

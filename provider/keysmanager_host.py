@@ -43,6 +43,9 @@ class KeysManagerHost:
     async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
         if spec.kind == "process":
             return await self._processes.start(spec, count)
+        if spec.secrets:  # the KeysManager starts a stage's replicas from one spec: no per-replica folder yet
+            raise ValueError(f"{spec.function}: secrets are given to process replicas only, not yet to KeysManager "
+                             "stage replicas")
         stage = StageSpec(function=spec.function, env=dict(spec.env), cpus=spec.cpus or 1.0,
                           memory_bytes=spec.memory_bytes or 0, concurrency=spec.concurrency or 1)
         if not spec.param_cache:  # com.quart.keysmanager: off — a plain function: every replica loads from disk

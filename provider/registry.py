@@ -16,9 +16,10 @@ from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
 from quart_provider.replicaset import note_key_scale
+from quart_provider.secrets import SecretStore
 from quart_provider.types import Endpoint, FunctionState
 from quart_stage import labels as vocab
-from quart_stage.errors import QuartError
+from quart_stage.errors import QuartError, invalid
 
 from keysmanager.aio import within
 
@@ -29,8 +30,10 @@ class Registry:
     """Deployed functions by name, and the key-stage scale-up history the placer reads."""
 
     def __init__(self, images: ImageIndex, hosts: Mapping[str, Host], max_body_bytes: int,
-                 changed: Callable[[], None], retire: Callable[[FunctionState, Endpoint], None]) -> None:
+                 changed: Callable[[], None], retire: Callable[[FunctionState, Endpoint], None],
+                 secrets: SecretStore) -> None:
         self.images = images
+        self.secrets = secrets
         self.hosts = hosts
         self.max_body_bytes = max_body_bytes
         self.changed = changed  # reconcile now
@@ -49,8 +52,10 @@ class Registry:
         if deployment.service in self.functions:
             raise QuartError(400, f"function {deployment.service!r} already exists; update it with "
                                     "PUT /system/functions", "service")
+        self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
-        fn = FunctionState(deployment, runnable, deployment.min_replicas, datetime.now(UTC))
+        fn = FunctionState(deployment, runnable, deployment.min_replicas, datetime.now(UTC),
+                           secrets_source=str(self.secrets.folder))
         self.functions[deployment.service] = fn
         self.changed()
         return fn
@@ -63,6 +68,7 @@ class Registry:
         running replicas are kept and only the desired count is clamped to the new bounds.
         """
         fn = self.get(deployment.service)
+        self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
         before = fn.replica_spec(self.max_body_bytes)
         fn.deployment, fn.runnable = deployment, runnable
@@ -110,6 +116,13 @@ class Registry:
         """model → its stage functions in stage order (:func:`quart_stage.labels.pipelines`: a model whose
         stages are not numbered 0…n−1, or a function with malformed labels, is no pipeline)."""
         return vocab.pipelines((fn.name, fn.deployment.labels) for fn in self.functions.values())
+
+    def _check_secrets(self, deployment: FunctionDeployment) -> None:
+        """A deploy naming a secret that does not exist is refused (OpenFaaS: the pod could not start)."""
+        missing = self.secrets.missing(deployment.secrets)
+        if missing:
+            raise invalid("secrets", f"secret(s) {', '.join(map(repr, missing))} do not exist in namespace "
+                                     f"{self.secrets.namespace!r}; create them first (faas-cli secret create)")
 
     async def _invalidate(self, name: str) -> None:
         """Hosts drop what they cached of the function's previous spec (zygotes)."""

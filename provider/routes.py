@@ -1,7 +1,7 @@
 """Every route of the provider's HTTP API, wired in one place (faas-provider's ``serve.go``).
 
 The OpenFaaS gateway REST API (``api-docs/spec.openapi.yml``) over an :class:`.gateway.EmbeddedGateway`:
-``/system/*`` (:mod:`.handlers_system`, basic auth) and ``/function``, ``/async-function``
+``/system/*`` (:mod:`.handlers_system`, :mod:`.handlers_secrets`, basic auth) and ``/function``, ``/async-function``
 (:mod:`.handlers_invoke`, their answers stamped with :mod:`.tracing` headers). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
 ``{"error": ..., "field": ...}`` with its status here.
 """
@@ -14,6 +14,7 @@ from aiohttp import web
 from quart_provider.auth import Credentials
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.handlers_invoke import InvokeHandlers
+from quart_provider.handlers_secrets import SecretHandlers
 from quart_provider.handlers_system import SystemHandlers
 from quart_provider.responses import error_of, error_response
 from quart_provider.tracing import traced
@@ -33,6 +34,7 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     app = web.Application(client_max_size=gateway.config.max_body_bytes)
     system = SystemHandlers(gateway, provider)
     invoke = InvokeHandlers(gateway, provider)
+    secrets = SecretHandlers(gateway)
     retry_after_s = gateway.config.retry_after_s
 
     def guarded(handler: Handler, auth: bool = True) -> Handler:
@@ -62,6 +64,10 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     r.add_get("/system/namespaces", guarded(system.namespaces))
     r.add_get("/system/namespace/{name}", guarded(system.namespace))
     r.add_get("/system/replicas/{name}", guarded(system.replicas))
+    r.add_get("/system/secrets", guarded(secrets.list))
+    r.add_post("/system/secrets", guarded(secrets.create))
+    r.add_put("/system/secrets", guarded(secrets.update))
+    r.add_delete("/system/secrets", guarded(secrets.delete))
     async_invoke, sync_invoke = traced(guarded(invoke.async_invoke, auth=False)), traced(invoke.invoke)
     r.add_route("*", "/async-function/{name}", async_invoke)
     r.add_route("*", "/async-function/{name}/{tail:.*}", async_invoke)

@@ -62,6 +62,7 @@ class FunctionState:
     retry_at: float = 0.0  # monotonic time before which no new start is tried
     last_error: str = ""
     start_time: StartTimeEstimate = field(default_factory=StartTimeEstimate)  # ask → ready of recent replicas
+    secrets_source: str = ""  # the secret store folder of the function's namespace
 
     @property
     def name(self) -> str:
@@ -89,7 +90,8 @@ class FunctionState:
         env.setdefault("QUART_MAX_BODY_BYTES", str(max_body_bytes))
         return ReplicaSpec(function=self.name, kind=self.runnable.kind, env=env, cpus=dep.cpus,
                            memory_bytes=dep.memory_bytes, concurrency=dep.concurrency, argv=self.runnable.argv,
-                           health_path=self.runnable.health_path, param_cache=dep.param_cache)
+                           health_path=self.runnable.health_path, param_cache=dep.param_cache,
+                           secrets=tuple(dep.secrets), secrets_source=self.secrets_source)
 
     def status_json(self) -> dict[str, Any]:
         """A ``FunctionStatus`` (faas-provider types / spec.openapi.yml)."""
