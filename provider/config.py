@@ -68,6 +68,11 @@ class GatewayConfig:
         return self.state_dir / "secrets"
 
     @property
+    def replica_logs_dir(self) -> Path:
+        """Process replicas' stdout/stderr, one folder per function (``/system/logs``)."""
+        return self.state_dir / "logs" / "replicas"
+
+    @property
     def function_secrets_dir(self) -> Path:
         """``/system/secrets``' store (:mod:`quart_provider.secrets`), apart from the gateway's credentials."""
         return self.state_dir / "function-secrets"

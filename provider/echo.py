@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sock = socket.create_server(("127.0.0.1", args.port))
         print(sock.getsockname()[1], flush=True)
+    print(f"quart/echo listening on {sock.getsockname()[0]}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     try:
         import uvloop
 

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from quart_provider.balancer import Balancer
 from quart_provider.config import GatewayConfig
@@ -102,6 +104,11 @@ class EmbeddedGateway:
 
     async def update_limits(self, name: str, cpus: float | None = None, memory_bytes: int | None = None) -> None:
         await self.registry.update_limits(name, cpus, memory_bytes)
+
+    async def log_files(self, name: str) -> list[tuple[str, Path]]:
+        """(instance, file) of every replica log of ``name`` on every host; a host that fails to say is skipped."""
+        found = await asyncio.gather(*(h.log_files(name) for h in self.hosts.values()), return_exceptions=True)
+        return [item for files in found if not isinstance(files, BaseException) for item in files]
 
     def pipelines(self) -> dict[str, list[str]]:
         return self.registry.pipelines()

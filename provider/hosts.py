@@ -84,6 +84,8 @@ class Host(Protocol):
 
     async def invalidate(self, function: str) -> None: ...
 
+    async def log_files(self, function: str) -> list[tuple[str, Path]]: ...  # (instance, file) of its replicas
+
     async def close(self) -> None: ...
 
 
@@ -117,11 +119,14 @@ class ProcessHost:
 
     Limits: ``cpus`` → CPU affinity (``sched_setaffinity``) and thread-pool variables;
     ``memory_bytes`` → ``RLIMIT_AS`` of the child (its address space), so an over-allocating replica
-    fails instead of starving its neighbours.
+    fails instead of starving its neighbours. With ``log_dir``, a replica's stdout and stderr go to
+    ``<log_dir>/<function>/<replica>.log`` (``/system/logs`` reads them); else they are the gateway's.
     """
 
-    def __init__(self, name: str, gpu_slots: int, memory_limit: int, health_interval_s: float = 0.02) -> None:
+    def __init__(self, name: str, gpu_slots: int, memory_limit: int, health_interval_s: float = 0.02,
+                 log_dir: Path | None = None) -> None:
         self.name = name
+        self.log_dir = log_dir
         self.gpu_slots = gpu_slots
         self.memory_limit = memory_limit
         self._children: dict[str, _Child] = {}
@@ -166,16 +171,23 @@ class ProcessHost:
             if memory:
                 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
+        log = None
+        if self.log_dir is not None:
+            (self.log_dir / spec.function).mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / spec.function / f"{replica_id}.log", "ab")  # noqa: SIM115 - the child's
         try:
             process = await asyncio.create_subprocess_exec(
                 *spec.argv, env=env, pass_fds=(sock.fileno(),), preexec_fn=limit_child,
-                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True, stdout=log,
+                stderr=asyncio.subprocess.STDOUT if log else None,
             )
         except BaseException:
             unmount(secrets)
             raise
         finally:
             sock.close()
+            if log is not None:
+                log.close()
         status = ReplicaStatus(replica_id, spec.function, self.name, f"http://127.0.0.1:{port}", "starting",
                                "cold", process.pid)
         child = _Child(status, process, secrets=secrets)
@@ -215,6 +227,13 @@ class ProcessHost:
 
     async def invalidate(self, function: str) -> None:
         """Process runnables keep no cached parameters: nothing to drop."""
+
+    async def log_files(self, function: str) -> list[tuple[str, Path]]:
+        """The log file of every replica of ``function`` this host started (stopped ones included)."""
+        folder = self.log_dir / function if self.log_dir is not None else None
+        if folder is None or not folder.is_dir():
+            return []
+        return [(p.stem, p) for p in sorted(folder.glob("*.log"))]
 
     async def close(self) -> None:
         await asyncio.gather(*(self.stop(k) for k in list(self._children)))

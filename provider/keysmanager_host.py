@@ -6,7 +6,9 @@ gateway, counted in the same host's slots.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 from quart_provider.hosts import ProcessHost, ReplicaSpec, ReplicaStatus
 from quart_provider.scheduling.hosts import host_view_from_report
@@ -24,10 +26,12 @@ class KeysManagerHost:
     """One host: its KeysManager (a client on its Unix socket, or on TCP with the cluster token) plus a
     :class:`ProcessHost` for process runnables."""
 
-    def __init__(self, name: str, client: AsyncKeysManagerClient, gpu_slots: int, memory_limit: int) -> None:
+    def __init__(self, name: str, client: AsyncKeysManagerClient, gpu_slots: int, memory_limit: int,
+                 log_dir: Path | None = None, km_logs: Path | None = None) -> None:
         self.name = name
         self.client = client
-        self._processes = ProcessHost(name, gpu_slots, memory_limit)
+        self.km_logs = km_logs  # the KeysManager's own logs folder (replica and zygote output), if readable here
+        self._processes = ProcessHost(name, gpu_slots, memory_limit, log_dir=log_dir)
 
     async def report(self) -> HostView:
         km_replicas = await self.client.replicas(memory=False)
@@ -75,6 +79,20 @@ class KeysManagerHost:
 
     async def invalidate(self, function: str) -> None:
         await self.client.invalidate(function)
+
+    async def log_files(self, function: str) -> list[tuple[str, Path]]:
+        """Process replicas' logs, then the KeysManager's for the stage: a cold replica writes
+        ``<rid>.log``; replicas forked from a zygote share its ``zygote-<function>-<n>.log``."""
+        files = await self._processes.log_files(function)
+        if self.km_logs is None or not self.km_logs.is_dir():
+            return files
+        for info in await self.client.replicas(memory=False):
+            path = self.km_logs / f"{info.id}.log"
+            if info.function == function and path.is_file():
+                files.append((info.id, path))
+        zygote = re.compile(rf"^zygote-{re.escape(function.replace('/', '_'))}-\d+\.log$")
+        files += [(f"{self.name}-{p.stem}", p) for p in sorted(self.km_logs.iterdir()) if zygote.match(p.name)]
+        return files
 
     async def close(self) -> None:
         await self._processes.close()

@@ -109,7 +109,7 @@ class EmbeddedSystem:
                 raise RuntimeError("--network netns runs a KeysManager inside each host's namespace: it needs "
                                    "KeysManagers (drop --process-hosts)")
             log.warning("hosts without KeysManagers: only process runnables (quart/echo) can run")
-            return [ProcessHost(n, cfg.gpus_per_host, cfg.host_memory_bytes) for n in names]
+            return [ProcessHost(n, cfg.gpus_per_host, cfg.host_memory_bytes, log_dir=cfg.replica_logs_dir) for n in names]
         from quart_provider.keysmanager_host import KeysManagerHost
 
         if cfg.network == "netns":
@@ -140,7 +140,9 @@ class EmbeddedSystem:
             logfile.close()
             self.agents.append(_Agent(name, endpoint, process))
         hosts = [KeysManagerHost(a.name, AsyncKeysManagerClient(a.endpoint, token=token), cfg.gpus_per_host,
-                                 cfg.host_memory_bytes) for a in self.agents]
+                                 cfg.host_memory_bytes, log_dir=cfg.replica_logs_dir,
+                                 km_logs=sockets_dir / f"{a.name}.sock.d" / "logs")  # KeysManagerConfig.state_path
+                 for a in self.agents]
         try:
             await self._wait_agents(hosts)
         except BaseException:
