@@ -292,12 +292,13 @@ async def run(args: argparse.Namespace) -> int:
     # The plugin's controller runs as in `quartctl up` (QUART_POLICY, default quart; QUART_ACTUATOR,
     # default gateway). Step 5 shows how a manual scale and the autoscaler coexist.
     from gateway_plugin.config import PluginConfig
+    from gateway_plugin.plugin import attach
 
     plugin_config = PluginConfig.from_env()
     say("2/6", f"Starting the embedded gateway and {args.hosts} KeysManager(s) ({args.gpus_per_host} slots each)")
     config = GatewayConfig.from_env(port=0, state_dir=state_dir, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
                                     placer=args.placer)
-    system = EmbeddedSystem(config)
+    system = EmbeddedSystem(config, plugin=attach)
     await system.start()
     try:
         print(f"  gateway {system.url}; credentials: user {system.credentials.user}, password in "
