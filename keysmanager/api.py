@@ -73,6 +73,7 @@ class _Api:
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/health", self.h_health)
         app.router.add_post("/v1/cache", self.h_cache)
+        app.router.add_post("/v1/attach", self.h_attach)
         app.router.add_post("/v1/replicas", self.h_start)
         app.router.add_get("/v1/replicas", self.h_replicas)
         app.router.add_post("/v1/replicas/{rid}/stop", self.h_stop)
@@ -90,6 +91,12 @@ class _Api:
         spec = self.spec(await _json(request))
         z = await self.km.ensure_cached(spec)
         return web.json_response(self.km.zygote_info(z).to_dict())
+
+    async def h_attach(self, request: web.Request) -> web.Response:
+        """Cache the stage, answer its segment (path + tensor index) and manifest: a stage pod maps it itself
+        (``quart_stage.attach``)."""
+        spec = self.spec(await _json(request))
+        return web.json_response(self.km.attach_info(await self.km.ensure_cached(spec)))
 
     async def h_start(self, request: web.Request) -> web.Response:
         body = await _json(request)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 from typing import Any
 from urllib.parse import urlencode, urlsplit
+
+from quart_stage.unixhttp import UnixHTTPConnection
 
 from keysmanager.auth import bearer_header
 from keysmanager.types import HostReport, ReplicaInfo, StageSpec, ZygoteInfo
@@ -63,18 +64,6 @@ def _headers(address: str, token: str | None) -> dict[str, str]:
     return bearer_header(token)
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, socket_path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self._socket_path)
-        self.sock = sock
-
-
 class KeysManagerClient:
     """Synchronous client; one short-lived connection per call (safe to share between threads)."""
 
@@ -86,7 +75,7 @@ class KeysManagerClient:
 
     def _call(self, method: str, path: str, body: dict | None = None) -> Any:
         conn = (http.client.HTTPConnection(*self._tcp, timeout=self.timeout) if self._tcp
-                else _UnixHTTPConnection(self.address, self.timeout))
+                else UnixHTTPConnection(self.address, self.timeout))
         try:
             payload = None if body is None else json.dumps(body).encode()
             headers = {**self._auth, **({"Content-Type": "application/json"} if payload is not None else {})}
@@ -108,6 +97,11 @@ class KeysManagerClient:
     def ensure_cached(self, spec: StageSpec) -> dict:
         """Make sure a zygote holds the stage's parameters; returns its ZygoteInfo as a dict."""
         return self._call("POST", "/v1/cache", {"spec": spec.to_dict()})
+
+    def attach(self, spec: StageSpec) -> dict:
+        """Cache the stage; its segment (path and tensor index), checkpoint sha256 and manifest, as a stage pod
+        gets them (``quart_stage.attach``)."""
+        return self._call("POST", "/v1/attach", {"spec": spec.to_dict()})
 
     def start(
         self,

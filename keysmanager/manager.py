@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import signal
 import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -318,6 +320,15 @@ class KeysManager:
                           shm_path=str(z.segment.path), load_ms=z.load_ms, last_used=z.last_used,
                           live_replicas=len(self.replicas.live(z.function)), threads=z.threads,
                           rss_bytes=rss, pss_bytes=pss)
+
+    def attach_info(self, z: Zygote) -> dict[str, Any]:
+        """What a process outside this agent (a stage pod) needs to map ``z``'s segment: ``POST /v1/attach``.
+        Such a mapping is not counted in ``memory_used``: the pages stay while it maps them, even after eviction."""
+        if z.index is None:
+            raise InvalidSpec(f"stage {z.function!r} holds no parameters: there is no segment to attach", "spec")
+        manifest = json.loads((Path(z.stage.env["QUART_MODEL_DIR"]) / MANIFEST).read_text())
+        return {"function": z.function, "sha256": z.stage.sha256, "param_bytes": z.segment.nbytes,
+                "segment": z.index, "manifest": manifest}
 
     def zygote_infos(self) -> list[ZygoteInfo]:
         return [self.zygote_info(z) for z in self.zygotes.alive()]

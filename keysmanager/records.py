@@ -83,6 +83,7 @@ class Zygote:
     threads: int = 0
     last_used: float = 0.0
     alive: bool = True
+    index: dict | None = None  # the segment's tensor index as the zygote reported it (quart_stage.segment)
 
     @property
     def pid(self) -> int:

@@ -68,12 +68,14 @@ def run_zygote(args: argparse.Namespace) -> int:
     ctrl = socket.socket(fileno=args.control_fd)
     started = time.perf_counter()
     try:
-        from keysmanager.shm_store import map_segment, write_segment
+        from quart_stage.segment import map_segment
+
+        from keysmanager.shm_store import write_segment
         from keysmanager.stage import build_runtime, stage_checkpoint, warm_up
 
         checkpoint = stage_checkpoint(os.environ)
         if checkpoint is None:  # a parameter-free (emulated) stage: nothing to share
-            mm, tensors, param_bytes = None, None, 0
+            mm, tensors, param_bytes, index = None, None, 0, None
         else:
             index = write_segment(checkpoint, Path(args.shm_path))
             mm, tensors = map_segment(index)
@@ -88,7 +90,8 @@ def run_zygote(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()  # objects inherited by replicas are not rewritten by their garbage collector (less CoW)
     ctrl.sendall(encode({"op": "ready", "load_ms": (time.perf_counter() - started) * 1e3,
-                         "param_bytes": param_bytes, "threads": thread_count()}))
+                         "param_bytes": param_bytes, "threads": thread_count(),
+                         "index": index.to_dict() if index is not None else None}))
     reader = LineReader(ctrl)
     children: set[int] = set()
     while True:
@@ -134,7 +137,7 @@ def preload() -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
     import werkzeug.serving  # noqa: F401
-    from quart_stage import app, families, runtime  # noqa: F401
+    from quart_stage import app, families, runtime, segment  # noqa: F401
 
     import keysmanager.serve  # noqa: F401
     import keysmanager.shm_store  # noqa: F401

@@ -117,6 +117,7 @@ class Zygotes:
                               f"Log tail: {_tail(log_path)}", "spec") from None
         z.load_ms = float(hello.get("load_ms", 0.0))
         z.threads = int(hello.get("threads", 0))
+        z.index = hello.get("index")
         segment.nbytes = int(hello.get("param_bytes", stage.param_bytes))
         return z
 

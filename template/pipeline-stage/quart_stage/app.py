@@ -18,6 +18,7 @@ import threading
 
 from flask import Flask, Response, request
 
+from quart_stage.attach import load_stage
 from quart_stage.config import StageConfig
 from quart_stage.errors import QuartError, invalid
 from quart_stage.runtime import StageResponse, StageRuntime
@@ -73,7 +74,7 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
     @app.get("/_/health")
     def health():
         return {"status": "ok", "model": runtime.model, "stage": runtime.stage_index,
-                "stages": runtime.num_stages, "compute": runtime.compute}
+                "stages": runtime.num_stages, "compute": runtime.compute, "parameters": runtime.parameter_source}
 
     @app.get("/")
     def info():
@@ -101,8 +102,9 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
 
 
 def create_app_from_env(env=None) -> Flask:
-    """Load the stage named by the QUART_* environment and return its app (gunicorn factory)."""
-    runtime = StageRuntime.load(StageConfig.from_env(env))
+    """Load the stage named by the QUART_* environment (from the node's cache when QUART_KEYSMANAGER_SOCKET is
+    set, see quart_stage.attach) and return its app (gunicorn factory)."""
+    runtime = load_stage(StageConfig.from_env(env))
     runtime.prepare_device()
     return create_app(runtime)
 

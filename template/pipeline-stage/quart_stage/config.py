@@ -44,6 +44,12 @@ class StageConfig:
     device_copy     [QUART_DEVICE_COPY]      how parameters reach the GPU after a fork: auto (default: staged
                                              from 1 GB, else pageable) | staged (pinned double buffer) |
                                              register (page-lock in place) | pageable
+    model_url       [QUART_MODEL_URL]        the model in the registry (s3://bucket/prefix); a stage reaches it only
+                                             through its node's KeysManager (quart_stage.attach)
+    keysmanager_socket [QUART_KEYSMANAGER_SOCKET] the node's KeysManager socket: start from its parameter cache
+                                             (quart_stage.attach), falling back to QUART_MODEL_DIR
+    keysmanager_timeout_s [QUART_KEYSMANAGER_TIMEOUT_S] how long to wait for the KeysManager to cache the stage
+                                             (default 300)
     """
 
     model_dir: str | None = None
@@ -63,6 +69,9 @@ class StageConfig:
     verify_checksum: bool = False
     device: str | None = None
     device_copy: str = "auto"
+    model_url: str | None = None
+    keysmanager_socket: str | None = None
+    keysmanager_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         # normalised forms: an absolute model folder, a lower-case mode, 0 meaning "not set"
@@ -86,8 +95,10 @@ class StageConfig:
         if self.device_copy not in DEVICE_COPY_METHODS:
             raise ConfigError(f"QUART_DEVICE_COPY must be one of {', '.join(DEVICE_COPY_METHODS)}, "
                               f"got {self.device_copy!r}")
-        if self.model_dir is None and self.compute != "emulated":
-            raise ConfigError(f"QUART_MODEL_DIR is required for compute mode {self.compute!r}")
+        if self.keysmanager_timeout_s <= 0:
+            raise ConfigError("QUART_KEYSMANAGER_TIMEOUT_S must be positive")
+        if self.model_dir is None and self.model_url is None and self.compute != "emulated":
+            raise ConfigError(f"QUART_MODEL_DIR (or QUART_MODEL_URL) is required for compute mode {self.compute!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StageConfig:
@@ -114,6 +125,8 @@ class StageConfig:
             "QUART_SEED": self.seed,
             "QUART_DEVICE": self.device,
             "QUART_DEVICE_COPY": self.device_copy if self.device_copy != "auto" else None,
+            "QUART_MODEL_URL": self.model_url,
+            "QUART_KEYSMANAGER_SOCKET": self.keysmanager_socket,
         }
         env.update({k: str(v) for k, v in optional.items() if v is not None})
         if self.compute == "emulated":

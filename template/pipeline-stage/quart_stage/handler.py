@@ -7,6 +7,7 @@ A function's ``handler.py`` is two lines: ``from quart_stage.handler import Stag
 
 from __future__ import annotations
 
+from quart_stage.attach import load_stage
 from quart_stage.config import ConfigError, StageConfig
 from quart_stage.runtime import StageRuntime
 
@@ -19,8 +20,9 @@ class StageHandler:
 
     @classmethod
     def from_env(cls, env=None, family: str | None = None) -> StageHandler:
-        """Load the stage the environment names; `family` (decoder|encoder) refuses a model of another family."""
-        runtime = StageRuntime.load(StageConfig.from_env(env))
+        """Load the stage the environment names (from the node's cache when QUART_KEYSMANAGER_SOCKET is set,
+        see quart_stage.attach); `family` (decoder|encoder) refuses a model of another family."""
+        runtime = load_stage(StageConfig.from_env(env))
         if family is not None and runtime.manifest is not None and runtime.manifest.family != family:
             raise ConfigError(f"this is the {family} handler but {runtime.cfg.model_dir} holds a "
                               f"{runtime.manifest.family} model ({runtime.model}); use the {runtime.manifest.family} handler in functions/")
@@ -31,6 +33,6 @@ class StageHandler:
         if getattr(event, "method", "POST") == "GET":
             return {"statusCode": 200, "headers": {"Content-Type": "application/json"},
                     "body": {"status": "ok", "model": rt.model, "stage": rt.stage_index,
-                             "stages": rt.num_stages, "compute": rt.compute}}
+                             "stages": rt.num_stages, "compute": rt.compute, "parameters": rt.parameter_source}}
         resp = rt.handle(event.body, event.headers)
         return {"statusCode": resp.status, "body": resp.body, "headers": resp.headers}

@@ -115,6 +115,8 @@ class StageRuntime:
             self.parameter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         elif cfg.compute != "emulated":
             raise ConfigError(f"compute mode {cfg.compute!r} needs the stage's parameters")
+        # where the parameters came from: "memory" (a file or someone's tensors), "node-cache" (quart_stage.attach)
+        self.parameter_source = "memory" if tensors is not None else "none"
         self._tokenizer = None
         self._rng = random.Random(cfg.seed)
         self._device = torch.device("cpu")
@@ -126,6 +128,10 @@ class StageRuntime:
     def load(cls, cfg: StageConfig) -> StageRuntime:
         """Load the stage named by `cfg` into host memory (fork-safe: no GPU, no threads, no compute)."""
         if cfg.model_dir is None:
+            if cfg.model_url is not None:
+                raise ConfigError(f"QUART_MODEL_URL={cfg.model_url}: a stage reaches the model registry only through "
+                                  "its node's KeysManager (QUART_KEYSMANAGER_SOCKET), and that did not work; put the "
+                                  "model in the image (QUART_MODEL_DIR) or run the stage where a KeysManager caches it")
             return cls(cfg, None, None)
         manifest = Manifest.load(cfg.model_dir)
         entry = manifest.stage(cfg.stage_index)

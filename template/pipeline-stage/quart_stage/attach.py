@@ -1,0 +1,103 @@
+"""Start a stage from its node's parameter cache: the path a stage pod takes on Kubernetes.
+
+With ``QUART_KEYSMANAGER_SOCKET`` set (the admission policy of deploy/kubernetes mounts the node's
+KeysManager socket and segment folder into stage pods), :func:`load_stage` asks that KeysManager
+(``POST /v1/attach``, JSON over its Unix socket) to cache the stage — a zygote loads it once per node — and
+answer its parameter segment's path and tensor index. The stage maps the segment copy-on-write from a
+read-only descriptor (``quart_stage.segment``: shared pages, never written, nothing copied) and builds its
+runtime with ``StageRuntime.from_tensors``. On any failure (no socket, a KeysManager error, a segment that
+does not match its index or the stage's manifest) it logs why and loads as a stage without a KeysManager
+does: from ``QUART_MODEL_DIR``. A stage never reads the model registry itself (``QUART_MODEL_URL``): only
+through the KeysManager.
+
+The stage names itself to the KeysManager by its model folder or URL, index and a hash of its ``QUART_*``
+settings: every replica of one function sends the same name and environment, so they share one zygote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+
+from quart_stage.config import StageConfig
+from quart_stage.manifest import Manifest
+from quart_stage.runtime import StageRuntime
+from quart_stage.segment import SegmentIndex, map_segment
+from quart_stage.unixhttp import UnixHTTPConnection
+
+ATTACH_ROUTE = "/v1/attach"
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+_NOT_SENT = ("QUART_KEYSMANAGER_SOCKET",)  # where the KeysManager is, not what the stage is
+
+log = logging.getLogger("quart_stage.attach")
+
+
+class AttachError(RuntimeError):
+    """The node's cache could not give this stage its parameters (the message says why)."""
+
+
+def stage_spec(cfg: StageConfig) -> dict:
+    """The KeysManager's ``StageSpec`` of this stage: its function name and ``QUART_*`` environment."""
+    env = {k: v for k, v in sorted(cfg.to_env().items()) if k not in _NOT_SENT}
+    source = (cfg.model_dir or cfg.model_url or "stage").rstrip("/")
+    base = _NAME_CHARS.sub("-", os.path.basename(source)).strip("-.")[:80] or "stage"
+    digest = hashlib.sha256(json.dumps(env).encode()).hexdigest()[:8]
+    return {"function": f"{base}-stage-{cfg.stage_index}-{digest}", "env": env, "cpus": float(cfg.threads)}
+
+
+def ask_keysmanager(socket_path: str, spec: dict, timeout_s: float) -> dict:
+    """``POST /v1/attach`` on the KeysManager's socket; its answer, or AttachError naming the cause."""
+    conn = UnixHTTPConnection(socket_path, timeout_s)
+    try:
+        conn.request("POST", ATTACH_ROUTE, body=json.dumps({"spec": spec}).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+    except OSError as exc:
+        raise AttachError(f"cannot reach the KeysManager at {socket_path}: {exc}") from None
+    finally:
+        conn.close()
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        raise AttachError(f"the KeysManager answered {resp.status} with a body that is not JSON") from None
+    if resp.status != 200 or not isinstance(answer, dict):
+        error = answer.get("error") if isinstance(answer, dict) else answer
+        raise AttachError(f"the KeysManager answered {resp.status}: {error}")
+    return answer
+
+
+def attach(cfg: StageConfig) -> StageRuntime:
+    """The stage's runtime over its node's cached segment (raises AttachError and the segment's errors)."""
+    answer = ask_keysmanager(cfg.keysmanager_socket, stage_spec(cfg), cfg.keysmanager_timeout_s)
+    index = SegmentIndex.from_dict(answer.get("segment"))
+    manifest = Manifest.load(cfg.model_dir) if cfg.model_dir else Manifest.from_dict(answer["manifest"])
+    entry = manifest.stage(cfg.stage_index)
+    if entry.sha256 and answer.get("sha256") != entry.sha256:
+        raise AttachError(f"the node caches another checkpoint of this stage (sha256 {answer.get('sha256')}, "
+                          f"the manifest says {entry.sha256})")
+    _, tensors = map_segment(index)  # the tensors keep the mapping alive
+    runtime = StageRuntime.from_tensors(cfg, manifest, tensors)
+    runtime.parameter_source = "node-cache"
+    return runtime
+
+
+def load_stage(cfg: StageConfig) -> StageRuntime:
+    """The stage's runtime: from the node's cache when ``cfg.keysmanager_socket`` is set and that works,
+    else ``StageRuntime.load`` (the model folder)."""
+    if cfg.keysmanager_socket:
+        started = time.perf_counter()
+        try:
+            runtime = attach(cfg)
+        except Exception as exc:  # any failure of the cache path falls back to the folder; say why
+            log.warning("stage %d: not started from the node cache (%s: %s); loading from %s", cfg.stage_index,
+                        type(exc).__name__, exc, cfg.model_dir or "QUART_MODEL_DIR (unset)")
+        else:
+            log.info("stage %d: %d parameter bytes mapped from the node cache in %.1f ms", cfg.stage_index,
+                     runtime.parameter_bytes, (time.perf_counter() - started) * 1e3)
+            return runtime
+    return StageRuntime.load(cfg)
