@@ -14,7 +14,6 @@ import http.server
 import json
 import logging
 import os
-import shutil
 import socketserver
 import threading
 from pathlib import Path
@@ -27,6 +26,7 @@ from quart_stage.attach import load_stage, stage_spec
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from quart_stage.serve import GunicornServer
+from quart_tools.bench.k8s_start import shrinkwrap
 from quart_tools.partition import partition
 from test_keysmanager import Daemon, daemons_in_temp_dir
 
@@ -108,10 +108,7 @@ def test_a_write_never_reaches_the_segment(km):
 def test_pod_start_path_serves_from_the_node_cache(km, tmp_path):
     """The template as faas-cli shrinkwraps it, under gunicorn with a pod's environment."""
     model, d, _ = km
-    build = tmp_path / "build"
-    shutil.copytree(TEMPLATE, build, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.rmtree(build / "function")
-    shutil.copytree(ROOT / "functions" / "decoder-lm", build / "function", ignore=shutil.ignore_patterns("__pycache__"))
+    build = shrinkwrap(tmp_path / "build")
     env = {"QUART_MODEL_DIR": str(model), "QUART_STAGE_INDEX": "0", "QUART_NUM_STAGES": "2", "QUART_COMPUTE": "cpu",
            "PYTHONPATH": ""}
     pod_env = {**env, "QUART_KEYSMANAGER_SOCKET": str(d.socket)}

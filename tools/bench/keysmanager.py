@@ -40,7 +40,7 @@ IDS = {"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8]]}
 MB = 1_000_000
 
 
-class _Daemon:
+class Daemon:
     """A KeysManager subprocess for the benchmark, in a temp dir."""
 
     def __init__(self, root: Path) -> None:
@@ -98,7 +98,7 @@ def _ready_ms(km: KeysManagerClient, spec: StageSpec, cache: bool, timeout_s: fl
             time.sleep(0.002)
 
 
-def _make_stage(root: Path, mb: int) -> tuple[Path, int]:
+def make_stage(root: Path, mb: int) -> tuple[Path, int]:
     from quart_tools.partition import partition, stage_size_config
 
     out = root / f"stage-{mb}mb"
@@ -107,7 +107,7 @@ def _make_stage(root: Path, mb: int) -> tuple[Path, int]:
     return out, int(manifest.stages[0].parameter_bytes)
 
 
-def _need_memory(nbytes: int, what: str) -> None:
+def need_memory(nbytes: int, what: str) -> None:
     available = psutil.virtual_memory().available
     shm_free = shutil.disk_usage("/dev/shm").free
     if available < nbytes or shm_free < nbytes // 2:
@@ -147,7 +147,7 @@ def _memory_point(km: KeysManagerClient, model: Path, nbytes: int, replicas: int
     for mode, count in (("cow", replicas), ("isolated", isolated)):
         if count == 0:
             continue
-        _need_memory(nbytes * (count if mode == "isolated" else 1) + (1 << 30), f"{count} {mode} replicas")
+        need_memory(nbytes * (count if mode == "isolated" else 1) + (1 << 30), f"{count} {mode} replicas")
         z_before = {z.function: z for z in km.zygotes()}["pss-stage-0"].pss_bytes
         started = km.start(spec, count, mode=mode)
         with requests.Session() as session:
@@ -190,12 +190,12 @@ def main(argv: list[str]) -> int:
     cpu_row: dict | None = None
     memory: dict | None = None
     steps = len(sizes) * 2 * args.reps + 2 * args.reps + args.pss_replicas + args.isolated_replicas
-    daemon = _Daemon(root)
+    daemon = Daemon(root)
     try:
         with tqdm(total=steps, desc="keysmanager bench", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
             for mb in sizes:
-                _need_memory(int(2.3 * mb * MB), f"the {mb} MB stage")
-                model, nbytes = _make_stage(root, mb)
+                need_memory(int(2.3 * mb * MB), f"the {mb} MB stage")
+                model, nbytes = make_stage(root, mb)
                 rows.append(_size_row(daemon.client, model, mb, nbytes, "emulated", args.reps, bar))
                 if mb == sizes[0]:
                     cpu_row = _size_row(daemon.client, model, mb, nbytes, "cpu", args.reps, bar)
@@ -204,7 +204,7 @@ def main(argv: list[str]) -> int:
                                            args.isolated_replicas, bar)
                 shutil.rmtree(model, ignore_errors=True)
             if memory is None and args.pss_replicas:
-                model, nbytes = _make_stage(root, args.pss_size_mb)
+                model, nbytes = make_stage(root, args.pss_size_mb)
                 memory = _memory_point(daemon.client, model, nbytes, args.pss_replicas, args.isolated_replicas, bar)
                 shutil.rmtree(model, ignore_errors=True)
     finally:

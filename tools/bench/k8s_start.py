@@ -1,0 +1,198 @@
+"""`quartctl bench k8s-start [--out FILE] [--size-gb 1] [--reps 3]`: a stage pod's time to ready, attached to
+its node's parameter cache vs a cold load, on one machine without Kubernetes.
+
+What a stage pod runs is started as a fresh process, exactly as the image starts it after of-watchdog:
+``gunicorn index:app --config gunicorn.conf.py`` in the folder ``faas-cli build --shrinkwrap`` lays out
+(template + ``functions/decoder-lm`` handler; ``quart_stage`` from that folder, not from the repository),
+with the environment stack.yml gives a stage (``QUART_MODEL_DIR``, ``QUART_STAGE_INDEX``, ...) and, for the
+attach path, ``QUART_KEYSMANAGER_SOCKET`` (what the admission policy adds). Ready = the first 200 of
+``GET /_/health`` (the readiness path), timed from the process start, polled every 5 ms; the health answer
+must say where the parameters came from (``node-cache`` / ``memory``), and one inference is checked after.
+
+Setup: a one-stage model of ``--size-gb`` (the partitioner's ``sized`` preset: ``quartctl partition --model
+sized --target-stage-mb 1000 --stages 1``), a real KeysManager (``python -m keysmanager.daemon``, private
+socket and state dir) that caches the stage once (``POST /v1/attach``, as the first pod of a node would).
+Before every start the page cache is dropped (``echo 1 > /proc/sys/vm/drop_caches``, root only; the JSON says
+whether it was) and the interpreter's libraries are read back by a throwaway ``import torch, transformers,
+flask``: code is warm as on a node that ran the image before, the checkpoint is cold. tmpfs segments are
+not page cache: dropping it leaves the node cache in place. Medians over ``--reps``; the attach and cold
+starts alternate. ``*_params_ms``: the parameter step alone (``quart_stage.attach.load_stage`` after the
+imports), measured in its own fresh process the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+from quart_stage.attach import stage_spec
+from quart_stage.config import StageConfig
+from quart_tools.bench import machine_info, write_report
+from quart_tools.bench.keysmanager import Daemon, make_stage, need_memory
+
+from keysmanager.types import StageSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "template" / "pipeline-stage"
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+WARM_IMPORTS = "import torch, transformers, flask, werkzeug; import quart_stage.families, quart_stage.attach"
+PARAMS_PROBE = """
+import json, sys, time
+import quart_stage.families, quart_stage.attach, transformers.models.llama.modeling_llama
+from quart_stage.config import StageConfig
+t = time.perf_counter()
+rt = quart_stage.attach.load_stage(StageConfig.from_env())
+print(json.dumps({"ms": (time.perf_counter() - t) * 1e3, "source": rt.parameter_source}))
+"""
+
+
+def shrinkwrap(dest: Path, handler: str = "decoder-lm") -> Path:
+    """What ``faas-cli build --shrinkwrap`` lays out: the template, with ``functions/<handler>`` as function/."""
+    shutil.copytree(TEMPLATE, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.rmtree(dest / "function")
+    shutil.copytree(ROOT / "functions" / handler, dest / "function", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def pod_env(model: Path, socket_path: Path | None) -> dict[str, str]:
+    """A stage pod's environment: stack.yml's stage settings, the image's ENV, quart_stage from the image."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QUART_", "PYTHONPATH"))}
+    env.update({"QUART_MODEL_DIR": str(model), "QUART_STAGE_INDEX": "0", "QUART_NUM_STAGES": "1",
+                "QUART_COMPUTE": "cpu", "QUART_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if socket_path is not None:
+        env["QUART_KEYSMANAGER_SOCKET"] = str(socket_path)
+    return env
+
+
+def drop_page_cache(build: Path) -> bool:
+    """Drop the page cache (root only), then read the interpreter's libraries back; True when dropped."""
+    dropped = False
+    if os.geteuid() == 0:
+        os.sync()
+        try:
+            DROP_CACHES.write_text("1\n")
+            dropped = True
+        except OSError:
+            pass
+    subprocess.run([sys.executable, "-c", WARM_IMPORTS], check=True, cwd=build, env=pod_env(Path("/"), None))
+    return dropped
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ready_ms(build: Path, env: dict[str, str], source: str, timeout_s: float = 600.0) -> float:
+    """Start the stage as a pod does; ms from the process start to its first healthy answer."""
+    bind = f"127.0.0.1:{_free_port()}"
+    url = f"http://{bind}"
+    with tempfile.TemporaryFile() as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "index:app", "--config", "gunicorn.conf.py"],
+                                cwd=build, env={**env, "QUART_BIND": bind}, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log, start_new_session=True)
+        try:
+            with requests.Session() as session:
+                while True:
+                    try:
+                        health = session.get(url + "/_/health", timeout=5)
+                        if health.status_code == 200:
+                            elapsed = (time.perf_counter() - t0) * 1e3
+                            break
+                    except requests.ConnectionError:
+                        pass
+                    if proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
+                        log.seek(0)
+                        raise RuntimeError(f"the stage did not become ready:\n{log.read().decode()[-3000:]}")
+                    time.sleep(0.005)
+                if health.json().get("parameters") != source:
+                    raise RuntimeError(f"expected parameters from {source}, the stage says {health.json()}")
+                answer = session.post(url, json={"input_ids": [[1, 2, 3]]}, timeout=120)
+                if answer.status_code != 200:
+                    raise RuntimeError(f"inference answered {answer.status_code}: {answer.text[:300]}")
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    return elapsed
+
+
+def params_ms(build: Path, env: dict[str, str], source: str) -> float:
+    """The parameter step alone (load_stage after the imports), in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", PARAMS_PROBE], cwd=build, env=env, check=True, capture_output=True,
+                         text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if result["source"] != source:
+        raise RuntimeError(f"expected parameters from {source}, got {result}")
+    return result["ms"]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="quartctl bench k8s-start", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the JSON here (default stdout)")
+    parser.add_argument("--size-gb", type=float, default=1.0, help="stage size in GB (default 1)")
+    parser.add_argument("--reps", type=int, default=3, help="starts per path; medians (default 3)")
+    args = parser.parse_args(argv)
+    if args.reps < 1 or args.size_gb <= 0:
+        parser.error("--reps must be >= 1 and --size-gb > 0")
+    mb = int(args.size_gb * 1000)
+    need_memory(int(2.3 * mb * 1_000_000), f"the {mb} MB stage")
+    root = Path(tempfile.mkdtemp(prefix="k8s-start-", dir="/tmp"))  # short: Unix socket paths are limited
+    load_before = os.getloadavg()
+    daemon = None
+    try:
+        model, nbytes = make_stage(root, mb)
+        build = shrinkwrap(root / "build")
+        daemon = Daemon(root)
+        attach_env, cold_env = pod_env(model, daemon.socket), pod_env(model, None)
+        t0 = time.perf_counter()
+        daemon.client.attach(StageSpec.from_dict(stage_spec(StageConfig.from_env(attach_env))))
+        cache_ms = (time.perf_counter() - t0) * 1e3
+        runs: dict[str, list[float]] = {"attach": [], "cold": [], "attach_params": [], "cold_params": []}
+        dropped = []
+        for _ in range(args.reps):
+            for path, env, source in (("attach", attach_env, "node-cache"), ("cold", cold_env, "memory")):
+                dropped.append(drop_page_cache(build))
+                runs[path].append(ready_ms(build, env, source))
+                dropped.append(drop_page_cache(build))
+                runs[f"{path}_params"].append(params_ms(build, env, source))
+                print(f"{path}: ready {runs[path][-1]:.0f} ms, parameters {runs[path + '_params'][-1]:.0f} ms",
+                      file=sys.stderr)
+    finally:
+        if daemon is not None:
+            daemon.close()
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: round(statistics.median(v), 1) for k, v in runs.items()}
+    doc = {
+        "benchmark": "k8s-start",
+        "attach_ready_ms": med["attach"], "cold_ready_ms": med["cold"], "size_bytes": nbytes,
+        "repeats": args.reps, "page_cache_dropped": all(dropped),
+        "attach_params_ms": med["attach_params"], "cold_params_ms": med["cold_params"],
+        "all_ms": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+        "node_cache_fill_ms": round(cache_ms, 1),
+        "ready_ratio_cold_over_attach": round(med["cold"] / med["attach"], 2),
+        "params_ratio_cold_over_attach": round(med["cold_params"] / med["attach_params"], 1),
+        "target_attach_at_most_cold_over_20": med["attach"] * 20 <= med["cold"],
+        "ready": "gunicorn index:app of the shrinkwrapped template started as a fresh process -> first 200 of "
+                 "GET /_/health (of-watchdog, container start, scheduling not included)",
+        "machine": machine_info(load_before=[round(x, 2) for x in load_before],
+                                load_after=[round(x, 2) for x in os.getloadavg()]),
+    }
+    write_report(doc, args.out)
+    return 0
