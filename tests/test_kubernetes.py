@@ -123,6 +123,10 @@ def test_keysmanager_and_stage_pods_mount_the_same_host_folders_at_the_same_path
     config = KeysManagerConfig.from_env({**configmap(objects, km), "KM_NAME": "node-a"})
     assert os.path.dirname(config.socket_path) == stage_mounts[SOCKET_VOLUME]
     assert config.shm_dir == stage_mounts[SHM_VOLUME]
+    policy = one(objects, "MutatingAdmissionPolicy", NODE_CACHE_POLICY)
+    [expr] = [m["jsonPatch"]["expression"] for m in policy["spec"]["mutations"]]
+    stage_env = dict(re.findall(r'env\{\s*name: "(\w+)", value: "([^"]+)"', expr))
+    assert stage_env == {"QUART_KEYSMANAGER_SOCKET": str(config.socket_path)}  # the stage asks this socket
     assert config.state_path.as_posix() in {m["mountPath"] for m in km["volumeMounts"]}
     assert config.gpus == 0 and not config.pin_cpus  # GPUs and cores belong to the kubelet on a cluster
     [init] = spec["initContainers"]  # hostPath folders are made root-owned: handed to the agent's uid first

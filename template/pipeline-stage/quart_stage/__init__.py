@@ -3,7 +3,9 @@
 Modules: config (StageConfig from QUART_* env), presets (model presets, paper profiles), families
 (layer plans, StageModule), manifest (manifest.json), wire (safetensors activation format), emulated
 (gamma service times), runtime (StageRuntime), app (flask app), handler (OpenFaaS handler contract),
-serve (gunicorn on an ephemeral port), verify (the unpartitioned reference); settings, errors, labels:
+serve (gunicorn on an ephemeral port), verify (the unpartitioned reference), attach (start from the node's
+KeysManager cache), segment (the layout and mapping of a shared-memory parameter segment), unixhttp (HTTP
+over a Unix socket); settings, errors, labels:
 the vocabulary every component shares (this package is the lowest layer: every stage image ships it).
 
 Fork safety: numpy's OpenBLAS starts a thread pool when numpy is imported (torch imports numpy), and a
