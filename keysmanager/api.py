@@ -26,12 +26,14 @@ from keysmanager.errors import (
     RegistryUnavailable,
     StartFailed,
 )
+from keysmanager.peers import serve_file
 from keysmanager.types import FORK_MODES, START_SOURCES, StageSpec
 
 if TYPE_CHECKING:
     from keysmanager.manager import KeysManager
 
 _FUNCTION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_PEER_RE = re.compile(r"^http://[A-Za-z0-9.:\[\]-]+:\d{1,5}$")
 
 
 _STATUS: dict[type[ManagerError], int] = {NotFound: 404, InvalidSpec: 400, NoFreeSlot: 409, NoRoom: 507,
@@ -83,13 +85,17 @@ class _Api:
         app.router.add_get("/v1/pins", self.h_pins)
         app.router.add_put("/v1/pins", self.h_set_pins)
         app.router.add_post("/v1/shutdown", self.h_shutdown)
+        app.router.add_post("/v1/prefetch", self.h_prefetch)
+        app.router.add_get("/v1/stages/{function}", self.h_stage)
+        app.router.add_get("/v1/stages/{function}/file", self.h_stage_file)
 
     async def h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.km.name, "pid": os.getpid(), "recovered": self.km.recovered})
 
     async def h_cache(self, request: web.Request) -> web.Response:
-        spec = self.spec(await _json(request))
-        z = await self.km.ensure_cached(spec)
+        body = await _json(request)
+        spec = self.spec(body)
+        z = await self.km.ensure_cached(spec, peers=_peers(body))
         return web.json_response(self.km.zygote_info(z).to_dict())
 
     async def h_attach(self, request: web.Request) -> web.Response:
@@ -117,7 +123,7 @@ class _Api:
         source = body.get("source", "auto")
         if source not in START_SOURCES:
             raise invalid("source", f"source must be one of {', '.join(START_SOURCES)}, got {source!r}")
-        started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold")
+        started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold", peers=_peers(body))
         # no memory readings here: they are slow to take from a process that is still starting
         return web.json_response({"replicas": [self.km.replica_info(r, memory=False).to_dict() for r in started]})
 
@@ -161,9 +167,46 @@ class _Api:
     async def h_report(self, request: web.Request) -> web.Response:
         return web.json_response(self.km.report().to_dict())
 
+    async def h_prefetch(self, request: web.Request) -> web.Response:
+        """Start making the stage local (from ``peers``, else the registry) and answer at once (202): a chain's
+        receivers are told in order, each before the next asks it for the bytes."""
+        body = await _json(request)
+        spec = self.spec(body)
+        self.km.localizer.prefetch(spec, _peers(body))
+        return web.json_response(self.km.localizer.status(spec.function), status=202)
+
+    async def h_stage(self, request: web.Request) -> web.Response:
+        function = self.function(request)
+        info = self.km.localizer.status(function)
+        if info["state"] == "absent" and self.km.stage_file(function) is not None:
+            info["state"] = "held"
+        return web.json_response(info)
+
+    async def h_stage_file(self, request: web.Request) -> web.StreamResponse:
+        """The stage's checkpoint bytes for a peer (Range supported; a file still arriving is served as it grows)."""
+        function = self.function(request)
+        stage = self.km.stage_file(function) or await self.km.localizer.wait_file(function)
+        if stage is None:
+            raise NotFound(f"this host holds no stage file of {function!r}", "function")
+        return await serve_file(request, stage)
+
+    def function(self, request: web.Request) -> str:
+        function = request.match_info["function"]
+        if not _FUNCTION_RE.match(function):
+            raise invalid("function", "a function name is letters, digits, '_', '.', '-'")
+        return function
+
     async def h_shutdown(self, request: web.Request) -> web.Response:
         asyncio.get_running_loop().call_later(0.05, self.km.request_stop)
         return web.json_response({"stopping": True})
+
+
+def _peers(body: dict) -> list[str]:
+    """``peers``: KeysManagers (``http://HOST:PORT``) that hold the stage, tried in order before the registry."""
+    peers = body.get("peers", [])
+    if not isinstance(peers, list) or len(peers) > 64 or not all(isinstance(p, str) and _PEER_RE.match(p) for p in peers):
+        raise invalid("peers", "peers must be a list of at most 64 KeysManager addresses http://HOST:PORT")
+    return peers
 
 
 async def _json(request: web.Request, allow_empty: bool = False) -> Any:

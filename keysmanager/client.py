@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -33,9 +34,14 @@ class KeysManagerError(RuntimeError):
         self.field = field
 
 
+def _spec_body(spec: StageSpec, peers: Sequence[str] = ()) -> dict[str, Any]:
+    """``{"spec"}``, with ``peers`` (KeysManagers holding the stage, tried before the registry) when given."""
+    return {"spec": spec.to_dict(), **({"peers": list(peers)} if peers else {})}
+
+
 def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wait: bool, cache: bool | None,
-                source: str = "auto"):
-    body: dict[str, Any] = {"spec": spec.to_dict(), "count": count, "survive": survive, "wait": wait}
+                source: str = "auto", peers: Sequence[str] = ()):
+    body: dict[str, Any] = {**_spec_body(spec, peers), "count": count, "survive": survive, "wait": wait}
     if source != "auto":
         body["source"] = source
     if mode is not None:
@@ -94,9 +100,17 @@ class KeysManagerClient:
     def health(self) -> dict:
         return self._call("GET", "/v1/health")
 
-    def ensure_cached(self, spec: StageSpec) -> dict:
+    def ensure_cached(self, spec: StageSpec, peers: Sequence[str] = ()) -> dict:
         """Make sure a zygote holds the stage's parameters; returns its ZygoteInfo as a dict."""
-        return self._call("POST", "/v1/cache", {"spec": spec.to_dict()})
+        return self._call("POST", "/v1/cache", _spec_body(spec, peers))
+
+    def prefetch(self, spec: StageSpec, peers: Sequence[str] = ()) -> dict:
+        """Start making a registry stage local (from ``peers``, else the registry); returns at once."""
+        return self._call("POST", "/v1/prefetch", _spec_body(spec, peers))
+
+    def stage(self, function: str) -> dict:
+        """What the host has of the stage's file: ``state`` held / fetching / absent, bytes, source, seconds."""
+        return self._call("GET", f"/v1/stages/{function}")
 
     def attach(self, spec: StageSpec) -> dict:
         """Cache the stage; its segment (path and tensor index), checkpoint sha256 and manifest, as a stage pod
@@ -112,10 +126,11 @@ class KeysManagerClient:
         wait: bool = True,
         cache: bool | None = None,
         source: str = "auto",
+        peers: Sequence[str] = (),
     ) -> list[ReplicaInfo]:
         """Start ``count`` replicas: fork when cached, cold otherwise (``source="cold"``: always cold).
-        ``wait``: return once they are healthy."""
-        data = self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache, source))
+        ``wait``: return once they are healthy. ``peers``: KeysManagers holding the stage (for a registry stage)."""
+        data = self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache, source, peers))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
     def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
@@ -189,12 +204,20 @@ class AsyncKeysManagerClient:
     async def health(self) -> dict:
         return await self._call("GET", "/v1/health")
 
-    async def ensure_cached(self, spec: StageSpec) -> dict:
-        return await self._call("POST", "/v1/cache", {"spec": spec.to_dict()})
+    async def ensure_cached(self, spec: StageSpec, peers: Sequence[str] = ()) -> dict:
+        return await self._call("POST", "/v1/cache", _spec_body(spec, peers))
+
+    async def prefetch(self, spec: StageSpec, peers: Sequence[str] = ()) -> dict:
+        return await self._call("POST", "/v1/prefetch", _spec_body(spec, peers))
+
+    async def stage(self, function: str) -> dict:
+        return await self._call("GET", f"/v1/stages/{function}")
 
     async def start(self, spec: StageSpec, count: int = 1, mode: str | None = None, survive: bool = False,
-                    wait: bool = True, cache: bool | None = None, source: str = "auto") -> list[ReplicaInfo]:
-        data = await self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache, source))
+                    wait: bool = True, cache: bool | None = None, source: str = "auto",
+                    peers: Sequence[str] = ()) -> list[ReplicaInfo]:
+        data = await self._call("POST", "/v1/replicas",
+                                _start_body(spec, count, mode, survive, wait, cache, source, peers))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:

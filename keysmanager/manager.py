@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,13 +31,16 @@ from typing import Any
 import psutil
 
 from keysmanager import sysutil
+from keysmanager.auth import read_token
 from keysmanager.config import KeysManagerConfig
-from keysmanager.errors import InvalidSpec, ManagerError, NoRoom, NotFound, RegistryUnavailable
+from keysmanager.errors import InvalidSpec, ManagerError, NoRoom, NotFound
 from keysmanager.eviction import CacheEntry, plan_eviction
 from keysmanager.launcher import Launcher
+from keysmanager.localize import Localizer
+from keysmanager.peers import StageFile
 from keysmanager.records import Replica, Segments, Zygote
 from keysmanager.recovery import Recovered, StateFile, recover
-from keysmanager.registry import MANIFEST, MODEL_URL_ENV, ModelRegistry, RegistryError
+from keysmanager.registry import MANIFEST
 from keysmanager.replicas import Replicas
 from keysmanager.stage import StageRef, UnknownStage, resolve_stage
 from keysmanager.types import HostReport, ReplicaInfo, StageSpec, ZygoteInfo
@@ -61,7 +63,7 @@ class KeysManager:
         self.zygotes = Zygotes(config, self._launcher, self._segments, self._spawn_task, self._reap,
                                self.replicas.exited, self._state.touch)
         self._cache_locks: dict[str, asyncio.Lock] = {}
-        self._fetch_locks: dict[str, asyncio.Lock] = {}
+        self.localizer = Localizer(self.state_dir, read_token(config.token_file) if config.token_file else None)
         self._caching: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
@@ -171,32 +173,25 @@ class KeysManager:
                          + ("" if evict_pinned else " that is not pinned") + " would not make room", "spec")
 
     # ---------------------------------------------------------------- caching and starting
-    async def localize(self, spec: StageSpec) -> StageSpec:
-        """A stage deployed from the model registry (``QUART_MODEL_URL``) with its local model folder: the
-        stage is fetched once per host (streamed, sha256-verified, in a worker thread) into the state dir, then
-        loaded as from any folder. Raises RegistryUnavailable naming the cause."""
-        if spec.env.get(MODEL_URL_ENV) is None or spec.env.get("QUART_MODEL_DIR"):
-            return spec
-        url = spec.env[MODEL_URL_ENV]
-        index = spec.env.get("QUART_STAGE_INDEX", "0")
-        folder = self.state_dir / "registry" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{index}"
-        lock = self._fetch_locks.setdefault(str(folder), asyncio.Lock())
-        async with lock:  # one fetch per stage and host, however many starts ask at once
-            if not (folder / MANIFEST).exists():
-                try:
-                    stage_index = int(index)
-                except ValueError:
-                    raise InvalidSpec(f"QUART_STAGE_INDEX must be an integer, got {index!r}", "spec.env") from None
-                try:
-                    await asyncio.to_thread(ModelRegistry(url).materialize, stage_index, folder)
-                except RegistryError as exc:
-                    raise RegistryUnavailable(f"stage {spec.function!r}: {exc}", "spec.env." + MODEL_URL_ENV) from None
-        return replace(spec, env={**spec.env, "QUART_MODEL_DIR": str(folder)})
+    async def localize(self, spec: StageSpec, peers: Sequence[str] = ()) -> StageSpec:
+        """A stage deployed from the model registry (``QUART_MODEL_URL``) with its local model folder, fetched
+        once per host from a peer in ``peers`` or the registry (``keysmanager.localize``)."""
+        return await self.localizer.localize(spec, peers)
 
-    async def ensure_cached(self, spec: StageSpec, evict_pinned: bool = True) -> Zygote:
+    def stage_file(self, function: str) -> StageFile | None:
+        """The stage file this host can serve to peers: fetched here (or arriving), or a cached stage's own."""
+        held = self.localizer.files.get(function)
+        if held is not None:
+            return held
+        z = self.zygotes.get(function)
+        if z is not None and z.alive and z.stage.checkpoint is not None and z.stage.checkpoint.exists():
+            return StageFile(function, z.stage.checkpoint, z.stage.sha256, z.stage.checkpoint.stat().st_size)
+        return None
+
+    async def ensure_cached(self, spec: StageSpec, evict_pinned: bool = True, peers: Sequence[str] = ()) -> Zygote:
         """The stage's zygote, loading it (after LRU eviction) when there is none. ``evict_pinned=False``: fail
-        (NoRoom) rather than drop a pinned zygote to make room."""
-        spec = await self.localize(spec)
+        (NoRoom) rather than drop a pinned zygote to make room. ``peers``: KeysManagers that hold the stage."""
+        spec = await self.localize(spec, peers)
         stage = self._resolve(spec)
         lock = self._cache_locks.setdefault(spec.function, asyncio.Lock())
         async with lock:
@@ -216,12 +211,12 @@ class KeysManager:
             return z
 
     async def start_replicas(self, spec: StageSpec, count: int, mode: str, survive: bool, wait: bool,
-                             cache: bool, cold: bool = False) -> list[Replica]:
+                             cache: bool, cold: bool = False, peers: Sequence[str] = ()) -> list[Replica]:
         """Fork ``count`` replicas from the stage's zygote, or cold-start them when it has none (and cache the stage
         when ``cache``). ``cold``: always cold-start, never touching the cache (a function deployed without the
         KeysManager, ``com.quart.keysmanager: off``)."""
         requested_at = time.monotonic()
-        spec = await self.localize(spec)
+        spec = await self.localize(spec, peers)
         stage = self._resolve(spec)
         self.replicas.check_free_slots(count)
         z = None if cold else self.zygotes.get(spec.function)

@@ -14,38 +14,33 @@ Endpoint and credentials: boto3's own configuration (``AWS_ENDPOINT_URL``, ``AWS
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from keysmanager.transfer import (
+    CHUNK_BYTES,
+    FetchResult,
+    Progress,
+    StreamInto,
+    TransferError,
+    VerifiedWriter,
+    fetch_first,
+    sha256_file,
+)
+
 MODEL_URL_ENV = "QUART_MODEL_URL"  # s3://bucket/prefix of a partitioned model (stack.yml environment)
 ENDPOINT_ENV = "QUART_REGISTRY_ENDPOINT"  # S3 endpoint URL when not AWS (MinIO, a local server)
 MANIFEST = "manifest.json"
-CHUNK_BYTES = 4 << 20
-
-Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 
 
-class RegistryError(RuntimeError):
+class RegistryError(TransferError):
     """The registry could not give what was asked; the message names the cause (unreachable, missing
     object, access denied, checksum mismatch)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FetchResult:
-    path: Path
-    nbytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return 8 * self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def parse_model_url(url: str) -> tuple[str, str]:
@@ -154,41 +149,32 @@ class ModelRegistry:
             raise RegistryError(f"{self.url}/{MANIFEST} is not valid JSON") from None
 
     def fetch(self, name: str, dest: Path, sha256: str | None = None, size: int | None = None,
-              on_progress: Progress | None = None) -> FetchResult:
-        """Stream object ``name`` into ``dest`` (via ``dest.partial``), verified; returns bytes and seconds."""
+              on_progress: Progress | None = None, writer: VerifiedWriter | None = None) -> FetchResult:
+        """Stream object ``name`` into ``dest`` (via ``dest.partial``, ``keysmanager.transfer``), verified; returns
+        bytes and seconds. ``writer``: an open writer to stream into (a KeysManager serves it on to peers)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        dest = Path(dest)
-        partial = dest.with_name(dest.name + ".partial")
-        digest, done = hashlib.sha256(), 0
-        started = time.perf_counter()
+        what = f"{self.url}/{name}"
         try:
-            reply = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
-            total = int(reply.get("ContentLength") or size or 0)
-            with open(partial, "wb") as out:
-                for chunk in reply["Body"].iter_chunks(CHUNK_BYTES):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    done += len(chunk)
-                    if on_progress is not None:
-                        on_progress(done, total)
+            with contextlib.ExitStack() as stack:
+                if writer is None:
+                    writer = stack.enter_context(VerifiedWriter(Path(dest), sha256, size, what, on_progress))
+                reply = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+                return writer.write_all(reply["Body"].iter_chunks(CHUNK_BYTES))
         except (BotoCoreError, ClientError, OSError) as exc:
-            partial.unlink(missing_ok=True)
-            raise self._explain(exc, f"fetching {self.url}/{name}") from None
-        seconds = time.perf_counter() - started
-        if size is not None and done != size:
-            partial.unlink(missing_ok=True)
-            raise RegistryError(f"{self.url}/{name}: got {done} bytes, the manifest says {size}")
-        if sha256 and digest.hexdigest() != sha256:
-            partial.unlink(missing_ok=True)
-            raise RegistryError(f"{self.url}/{name}: checksum mismatch (sha256 {digest.hexdigest()[:16]}…, "
-                                f"the manifest says {sha256[:16]}…); nothing was cached")
-        os.replace(partial, dest)
-        return FetchResult(dest, done, seconds)
+            raise self._explain(exc, f"fetching {what}") from None
+        except TransferError as exc:
+            raise RegistryError(str(exc)) from None
 
-    def materialize(self, stage_index: int, dest_dir: Path, on_progress: Progress | None = None) -> FetchResult:
+    def materialize(self, stage_index: int, dest_dir: Path, on_progress: Progress | None = None,
+                    peers: Sequence[tuple[str, StreamInto]] = (),
+                    on_writer: Callable[[VerifiedWriter], None] | None = None) -> FetchResult:
         """A local model folder holding the manifest, the tokenizer and stage ``stage_index`` (fetched,
-        verified), usable as ``QUART_MODEL_DIR``. A stage file already there with the right checksum is kept."""
+        verified), usable as ``QUART_MODEL_DIR``. A stage file already there with the right checksum is kept.
+
+        The manifest always comes from the registry (the authority on what the stage's bytes must be); the stage
+        file comes from the first of ``peers`` (label, stream) that delivers it verified, else from the registry.
+        ``on_writer`` sees each writer as it opens (a KeysManager serves a transfer in flight on to peers)."""
         dest_dir = Path(dest_dir)
         dest_dir.mkdir(parents=True, exist_ok=True)
         manifest = self.manifest()
@@ -200,24 +186,27 @@ class ModelRegistry:
         for extra in filter(None, [manifest.get("tokenizer")]):
             if not (dest_dir / extra).exists():
                 self.fetch(extra, dest_dir / extra)
-        result = FetchResult(dest_dir, 0, 0.0)
+        result = FetchResult(dest_dir, 0, 0.0, "local")
         name = entry.get("file")
         if name:
             target = dest_dir / name
-            if not (target.exists() and _sha256(target) == entry.get("sha256")):
-                result = self.fetch(name, target, entry.get("sha256"), entry.get("file_bytes"), on_progress)
+            if not (target.exists() and sha256_file(target) == entry.get("sha256")):
+                def open_writer() -> VerifiedWriter:
+                    writer = VerifiedWriter(target, entry.get("sha256"), entry.get("file_bytes"),
+                                            f"stage {stage_index} of {self.url}", on_progress)
+                    if on_writer is not None:
+                        on_writer(writer)
+                    return writer
+
+                registry = (self.url, lambda w: self.fetch(name, target, writer=w))
+                try:
+                    result = fetch_first([*peers, registry], open_writer)
+                except TransferError as exc:
+                    raise RegistryError(str(exc)) from None
         tmp = dest_dir / (MANIFEST + ".partial")  # the manifest last: the folder is complete once it exists
         tmp.write_text(json.dumps(manifest))
         os.replace(tmp, dest_dir / MANIFEST)
         return result
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _bar(total: int, desc: str, enabled: bool):

@@ -7,6 +7,7 @@ gateway, counted in the same host's slots.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,22 @@ from keysmanager.types import ReplicaInfo, StageSpec
 
 def _status(info: ReplicaInfo) -> ReplicaStatus:
     return ReplicaStatus(info.id, info.function, info.host, info.url, info.state, info.source, info.pid)
+
+
+def _stage(spec: ReplicaSpec) -> StageSpec:
+    return StageSpec(function=spec.function, env=dict(spec.env), cpus=spec.cpus or 1.0,
+                     memory_bytes=spec.memory_bytes or 0, concurrency=spec.concurrency or 1)
+
+
+async def multicast(spec: ReplicaSpec, chain: Sequence[KeysManagerHost | None]) -> None:
+    """Start a chain multicast (``quart_provider.scheduling.multicast.plan_chain``'s order: the source, or None
+    for the registry, then the receivers): each receiver fetches from its predecessor, which forwards every
+    chunk as it writes it, falling back to the source and then the registry. Told in order, so each transfer
+    is registered before the next host asks for its bytes; returns once all are told (starts then fork)."""
+    source = chain[0].peer_address if chain and chain[0] is not None else None
+    for prev, host in zip(chain, chain[1:], strict=False):
+        peers = [a for a in (prev.peer_address if prev is not None else None, source) if a]
+        await host.prefetch(spec, list(dict.fromkeys(peers)))
 
 
 class KeysManagerHost:
@@ -44,20 +61,30 @@ class KeysManagerHost:
                         memory_limit=view.memory_limit, memory_used=view.memory_used, cached=view.cached,
                         running=running)
 
-    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+    @property
+    def peer_address(self) -> str | None:
+        """Where other KeysManagers fetch stage files from this host (its TCP address); None on a Unix socket."""
+        return self.client.address if self.client.address.startswith("http://") else None
+
+    async def prefetch(self, spec: ReplicaSpec, peers: Sequence[str] = ()) -> dict:
+        """Start fetching a registry stage onto this host (from ``peers``, else the registry); answers at once."""
+        return await self.client.prefetch(_stage(spec), peers)
+
+    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = ()) -> list[ReplicaStatus]:
+        """Start ``count`` replicas. ``peers``: KeysManager addresses of hosts that hold the stage (their
+        ``peer_address``): a registry stage not held here is fetched from them before the registry."""
         if spec.kind == "process":
             return await self._processes.start(spec, count)
         if spec.secrets:  # the KeysManager starts a stage's replicas from one spec: no per-replica folder yet
             raise ValueError(f"{spec.function}: secrets are given to process replicas only, not yet to KeysManager "
                              "stage replicas")
-        stage = StageSpec(function=spec.function, env=dict(spec.env), cpus=spec.cpus or 1.0,
-                          memory_bytes=spec.memory_bytes or 0, concurrency=spec.concurrency or 1)
+        stage = _stage(spec)
         if not spec.param_cache:  # com.quart.keysmanager: off — a plain function: every replica loads from disk
             return [_status(r) for r in await self.client.start(stage, count, wait=False, source="cold")]
         # QUART §6.1: the stage scheduled here gets a zygote first (one parameter load), and every
         # replica, the first one included, forks from it, instead of a cold replica plus a zygote.
         before = {z.function: z.pid for z in await self.client.zygotes()}
-        zygote = await self.client.ensure_cached(stage)
+        zygote = await self.client.ensure_cached(stage, peers)
         statuses = [_status(r) for r in await self.client.start(stage, count, wait=False)]
         if before.get(spec.function) != zygote["pid"]:  # this start paid for the parameter load: a cache miss
             statuses = [replace(s, source="cold") for s in statuses]

@@ -97,8 +97,10 @@ def test_capacity_never_exceeded_and_every_replica_accounted(raw_hosts, requests
         if r.count > 0:  # requests for no replica carry no size
             size[r.function] = max(size[r.function], r.param_bytes)
     cached = {h.name: set(h.cached) for h in hosts}
+    held = set().union(*cached.values())  # held before the batch: a load from a peer, else from the registry
     for p in result.placements:
-        if p.source == "cold":
+        if p.source in ("cold", "peer"):
+            assert p.source == ("peer" if p.function in held else "cold")
             assert size[p.function] <= by_name[p.host].memory_limit
             assert p.function not in cached[p.host]
             cached[p.host].add(p.function)
@@ -124,9 +126,10 @@ def test_cached_host_is_preferred(threshold):
     result = placer.place(hosts, [ReplicaRequest("m-s1", 1, GB, key=True)])
     assert [(p.host, p.source) for p in result.placements] == [("b", "fork")]
     assert result.dispersed == (threshold == 0.0)
-    # first-fit is blind to the cache: it cold-starts on the first host with a slot
+    # first-fit is blind to the cache: it places on the first host with a slot, which loads the stage from
+    # b (a peer that holds it) instead of forking
     blind = make_placer("first-fit").place(hosts, [ReplicaRequest("m-s1", 1, GB, key=True)])
-    assert [(p.host, p.source) for p in blind.placements] == [("a", "cold")]
+    assert [(p.host, p.source) for p in blind.placements] == [("a", "peer")]
 
 
 def test_non_key_stage_also_goes_to_its_cache():

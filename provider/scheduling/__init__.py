@@ -2,7 +2,7 @@
 
     placer = make_placer("cache-aware")            # or "first-fit" (cache-blind baseline)
     result = placer.place(hosts, [ReplicaRequest("m-stage-2", 2, param_bytes, key=True)], key_history)
-    for p in result.placements: ...                 # p.host, p.source ("fork" | "cold")
+    for p in result.placements: ...                 # p.host, p.source ("fork" | "peer" | "cold")
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ class HostState:
     cached: set[str]
     running: dict[str, int]
     order: int  # position in the caller's host list (first-fit order)
+    held_elsewhere: frozenset[str] = frozenset()  # stages some host held when the batch began (a peer to fetch from)
 
     @classmethod
-    def of(cls, view: HostView, order: int) -> HostState:
+    def of(cls, view: HostView, order: int, held_elsewhere: frozenset[str] = frozenset()) -> HostState:
         return cls(
             name=view.name,
             gpu_free=view.gpu_free,
@@ -30,13 +31,14 @@ class HostState:
             cached=set(view.cached),
             running={k: int(v) for k, v in view.running.items()},
             order=order,
+            held_elsewhere=held_elsewhere,
         )
 
     @classmethod
     def of_copy(cls, other: HostState) -> HostState:
         return cls(
             other.name, other.gpu_free, other.memory_limit, other.memory_used,
-            set(other.cached), dict(other.running), other.order,
+            set(other.cached), dict(other.running), other.order, other.held_elsewhere,
         )
 
     def fits(self, request: ReplicaRequest) -> bool:
@@ -52,13 +54,16 @@ class HostState:
         return self.memory_used + cold_copies * request.param_bytes > memory_fill * self.memory_limit
 
     def source_for(self, function: str) -> Source:
-        return "fork" if function in self.cached else "cold"
+        """fork (cached here) < peer (another host holds it: fetch over the network) < cold (the registry)."""
+        if function in self.cached:
+            return "fork"
+        return "peer" if function in self.held_elsewhere else "cold"
 
     def take(self, request: ReplicaRequest, key: bool, cold_copies: float = 1.0) -> Placement:
         """Place one replica here; a cold start leaves a zygote (the KeysManager caches what it loads)."""
         source = self.source_for(request.function)
         self.gpu_free -= 1
-        if source == "cold":
+        if source != "fork":
             self.cached.add(request.function)
             self.memory_used += int(cold_copies * request.param_bytes)
         self.running[request.function] = self.running.get(request.function, 0) + 1

@@ -10,12 +10,15 @@ from quart_provider.scheduling.config import SchedulerConfig
 from quart_provider.scheduling.dispersion import DispersionProblem, disperse, round_expected
 from quart_provider.scheduling.types import HostView, ReplicaRequest, ScheduleResult
 
+SOURCE_COST = {"fork": 0.0, "peer": 0.5, "cold": 1.0}  # a peer fetch costs a network transfer, no registry
+
 
 def _states(hosts: list[HostView]) -> list[HostState]:
     names = [h.name for h in hosts]
     if len(set(names)) != len(names):
         raise ValueError(f"host names must be unique, got {names}")
-    return [HostState.of(h, i) for i, h in enumerate(hosts)]
+    held = frozenset().union(*(h.cached for h in hosts))
+    return [HostState.of(h, i, held) for i, h in enumerate(hosts)]
 
 
 def contention(hosts: list[HostView], requests: list[ReplicaRequest]) -> float:
@@ -98,7 +101,8 @@ class CacheAwarePlacer:
         existing = np.array([[h.running.get(r.function, 0) for h in states] for r in key_reqs], dtype=float)
         feasible = np.array([[h.fits(r) for h in states] for r in key_reqs], dtype=bool)
         cold_cost = np.array(
-            [[0.0 if r.function in h.cached else 1.0 + self._risk(h, r, keys)[0] for h in states] for r in key_reqs]
+            [[0.0 if r.function in h.cached else SOURCE_COST[h.source_for(r.function)] + self._risk(h, r, keys)[0]
+              for h in states] for r in key_reqs]
         )
         # The greedy (low-contention) plan on a scratch copy is the starting point of the descent.
         scratch = [HostState.of_copy(h) for h in states]

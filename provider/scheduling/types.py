@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-Source = Literal["gpu", "fork", "cold"]  # already resident / KeysManager fork / cold load from disk
+# already resident / KeysManager fork / parameters from a peer host that holds them (BlitzScale) / cold load
+Source = Literal["gpu", "fork", "peer", "cold"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,136 @@
+"""A stage deployed from the model registry (``QUART_MODEL_URL``), made local on this host: once per host,
+from a peer KeysManager that holds it (BlitzScale's peer fetch, ``keysmanager.peers``) or else from the
+registry, into ``<state_dir>/registry/<key>/``; then it loads as from any folder.
+
+The manifest comes from the registry even when the bytes come from a peer: the registry is the authority on
+what the stage's bytes must be, so a peer holding an older generation or corrupt bytes is caught by the
+sha256 check at every hop; the token only says that the peer belongs to the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+from keysmanager.errors import InvalidSpec, RegistryUnavailable
+from keysmanager.peers import StageFile, stream_from_peer
+from keysmanager.registry import MANIFEST, MODEL_URL_ENV, ModelRegistry, RegistryError
+from keysmanager.transfer import FetchResult, VerifiedWriter
+from keysmanager.types import StageSpec
+
+
+class Localizer:
+    """Local folders of registry stages, the transfers in flight, and what this host can serve to peers."""
+
+    def __init__(self, state_dir: Path, token: str | None) -> None:
+        self.root = Path(state_dir) / "registry"
+        self.token = token  # the cluster's bearer token, to fetch from peers
+        self.files: dict[str, StageFile] = {}  # function → its stage file here (complete or arriving)
+        self.fetched: dict[str, FetchResult] = {}  # function → how its last transfer went
+        self.active: set[str] = set()  # functions being made local now (a peer asking for one waits for its bytes)
+        self._locks: dict[Path, asyncio.Lock] = {}
+        self._registries: dict[str, ModelRegistry] = {}  # one client per model URL (boto3 clients are thread-safe)
+        self._tasks: set[asyncio.Task] = set()
+
+    def folder(self, spec: StageSpec) -> Path:
+        url = spec.env[MODEL_URL_ENV]
+        index = spec.env.get("QUART_STAGE_INDEX", "0")
+        return self.root / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{index}"
+
+    async def localize(self, spec: StageSpec, peers: Sequence[str] = ()) -> StageSpec:
+        """``spec`` with its local ``QUART_MODEL_DIR``: fetched once per host, however many starts ask at once,
+        from the first of ``peers`` that delivers verified bytes, else from the registry (in a worker thread).
+        Raises RegistryUnavailable naming every cause."""
+        if not _from_registry(spec):
+            return spec
+        folder = self.folder(spec)
+        self.active.add(spec.function)
+        try:
+            async with self._locks.setdefault(folder, asyncio.Lock()):
+                if not (folder / MANIFEST).exists():
+                    await self._fetch(spec, folder, list(peers))
+        finally:
+            self.active.discard(spec.function)
+        return replace(spec, env={**spec.env, "QUART_MODEL_DIR": str(folder)})
+
+    def prefetch(self, spec: StageSpec, peers: Sequence[str] = ()) -> None:
+        """Start localizing in the background (a chain's receivers are told in order: each one's transfer is
+        registered here before the next host asks it for the bytes)."""
+        if _from_registry(spec):
+            self.active.add(spec.function)  # before answering: the next host of a chain may ask at once
+        task = asyncio.create_task(self._quietly(spec, peers))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _quietly(self, spec: StageSpec, peers: Sequence[str]) -> None:
+        with contextlib.suppress(RegistryUnavailable, InvalidSpec):
+            await self.localize(spec, peers)
+
+    async def _fetch(self, spec: StageSpec, folder: Path, peers: list[str]) -> None:
+        index = spec.env.get("QUART_STAGE_INDEX", "0")
+        try:
+            stage_index = int(index)
+        except ValueError:
+            raise InvalidSpec(f"QUART_STAGE_INDEX must be an integer, got {index!r}", "spec.env") from None
+        function = spec.function
+
+        def on_writer(writer: VerifiedWriter) -> None:  # runs in the worker thread as each attempt opens
+            self.files[function] = StageFile(function, writer.dest, writer.sha256 or "", writer.size or 0, writer)
+
+        sources = [(f"peer {p}", partial(stream_from_peer, p, function, self.token)) for p in peers]
+        url = spec.env[MODEL_URL_ENV]
+        registry = self._registries.get(url) or self._registries.setdefault(url, ModelRegistry(url))
+        self.files.pop(function, None)
+        try:
+            result = await asyncio.to_thread(registry.materialize, stage_index, folder, peers=sources,
+                                             on_writer=on_writer)
+        except RegistryError as exc:
+            self.files.pop(function, None)
+            raise RegistryUnavailable(f"stage {function!r}: {exc}", "spec.env." + MODEL_URL_ENV) from None
+        self.fetched[function] = result
+        done = self.files.get(function)
+        if done is not None:
+            self.files[function] = replace(done, writer=None)
+        else:  # already here from an earlier run of this state dir
+            self._note_folder(function, folder, stage_index)
+
+    async def wait_file(self, function: str, timeout_s: float = 10.0) -> StageFile | None:
+        """The stage file once a transfer of ``function`` that is starting here opens it; None when none is
+        starting, or it does not open within ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while function in self.active and asyncio.get_running_loop().time() < deadline:
+            stage = self.files.get(function)
+            if stage is not None and (stage.writer is None or stage.writer.state != "failed"):
+                return stage
+            await asyncio.sleep(0.005)
+        return self.files.get(function)
+
+    def _note_folder(self, function: str, folder: Path, stage_index: int) -> None:
+        from quart_stage.manifest import Manifest
+
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, IndexError, TypeError):
+            entry = Manifest.load(folder).stage(stage_index)
+            if entry.file is not None:
+                path = folder / entry.file
+                self.files[function] = StageFile(function, path, entry.sha256 or "", path.stat().st_size)
+
+    def status(self, function: str) -> dict:
+        """What this host has of ``function``'s file: ``held``, ``fetching`` (bytes so far) or ``absent``."""
+        stage = self.files.get(function)
+        last = self.fetched.get(function)
+        info: dict = {"function": function, "state": "absent"}
+        if stage is not None:
+            info.update(state="held" if stage.complete else "fetching", size=stage.size, sha256=stage.sha256,
+                        bytes=stage.size if stage.complete else stage.writer.written)
+        if last is not None:
+            info.update(source=last.source, seconds=round(last.seconds, 4))
+        return info
+
+
+def _from_registry(spec: StageSpec) -> bool:
+    return spec.env.get(MODEL_URL_ENV) is not None and not spec.env.get("QUART_MODEL_DIR")

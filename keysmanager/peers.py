@@ -1,0 +1,133 @@
+"""Stage files between KeysManagers (BlitzScale's peer fetch): the serving side and the fetching side.
+
+A KeysManager that holds a stage's file (fetched from the registry or a peer, or the stage's own
+``QUART_MODEL_DIR``) serves it on ``GET /v1/stages/{function}/file`` (the API's token middleware guards it on
+TCP), with ``Range`` support and the manifest's sha256 and size in headers. A file still arriving is served
+as it grows (serial forwarding: the next host of a chain gets each chunk as soon as it is written here); if
+that transfer fails, the answer is cut short and the reader falls back.
+
+The fetching side (:func:`stream_from_peer`) runs in a worker thread and writes through the same
+``keysmanager.transfer.VerifiedWriter`` as the registry path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from keysmanager.auth import bearer_header
+from keysmanager.transfer import FetchResult, TransferError, VerifiedWriter
+
+PEER_CHUNK_BYTES = 1 << 20  # forwarding granularity: a chain adds about one chunk time per hop
+SHA_HEADER = "X-Quart-Sha256"
+SIZE_HEADER = "X-Quart-Stage-Bytes"
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_POLL_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class StageFile:
+    """A stage file this host can serve: complete at ``path``, or still arriving through ``writer``."""
+
+    function: str
+    path: Path
+    sha256: str
+    size: int
+    writer: VerifiedWriter | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.writer is None or self.writer.state == "done"
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(start, end exclusive) of a single ``bytes=a-b`` range; None for the whole file. ValueError when it is
+    malformed or outside the file."""
+    if header is None:
+        return None
+    m = _RANGE_RE.match(header.strip())
+    if m is None or m.groups() == ("", ""):
+        raise ValueError(f"unsupported Range {header!r}: expected bytes=START-END")
+    first, last = m.groups()
+    if first == "":
+        start, end = max(0, size - int(last)), size
+    else:
+        start, end = int(first), size if last == "" else min(size, int(last) + 1)
+    if start >= end:
+        raise ValueError(f"Range {header!r} is outside the file's {size} bytes")
+    return start, end
+
+
+async def serve_file(request: web.Request, stage: StageFile) -> web.StreamResponse:
+    """Stream ``stage`` (a range of it with ``Range``); bytes still arriving are sent as they land."""
+    try:
+        span = parse_range(request.headers.get("Range"), stage.size)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc), "field": "Range"}, status=416,
+                                 headers={"Content-Range": f"bytes */{stage.size}"})
+    start, end = span or (0, stage.size)
+    headers = {SHA_HEADER: stage.sha256, SIZE_HEADER: str(stage.size), "Accept-Ranges": "bytes",
+               "Content-Type": "application/octet-stream"}
+    if span is not None:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{stage.size}"
+    response = web.StreamResponse(status=206 if span else 200, headers=headers)
+    response.content_length = end - start
+    await response.prepare(request)
+    with _open(stage) as f:
+        f.seek(start)
+        pos = start
+        while pos < end:
+            available = end if stage.complete else min(end, stage.writer.written)
+            if available <= pos:
+                if stage.writer is not None and stage.writer.state == "failed":
+                    raise ConnectionAbortedError(f"the transfer of {stage.function} here failed")  # cut it short
+                await asyncio.sleep(_POLL_S)
+                continue
+            chunk = f.read(min(PEER_CHUNK_BYTES, available - pos))
+            await response.write(chunk)
+            pos += len(chunk)
+    await response.write_eof()
+    return response
+
+
+def _open(stage: StageFile):
+    """The file, by its partial name while it arrives (renamed to ``path`` once verified: then open that)."""
+    if stage.writer is not None:
+        try:
+            return open(stage.writer.partial, "rb")  # noqa: SIM115 - closed by the caller's with
+        except FileNotFoundError:
+            pass
+    return open(stage.path, "rb")  # noqa: SIM115
+
+
+def stream_from_peer(peer: str, function: str, token: str | None, writer: VerifiedWriter,
+                     connect_timeout_s: float = 3.0, read_timeout_s: float = 10.0) -> FetchResult:
+    """Stream ``function``'s stage file from the KeysManager at ``peer`` (``http://HOST:PORT``) into ``writer``
+    and commit it (size and sha256 checked there). TransferError naming the peer and the cause."""
+    import requests
+
+    url = f"{peer.rstrip('/')}/v1/stages/{function}/file"
+    headers = bearer_header(token) if token else {}
+    try:
+        with requests.get(url, headers=headers, stream=True, timeout=(connect_timeout_s, read_timeout_s)) as reply:
+            if reply.status_code != 200:
+                raise TransferError(f"peer {peer} answered {reply.status_code}: {_error_text(reply)}")
+            offered = reply.headers.get(SHA_HEADER)
+            if writer.sha256 and offered and offered != writer.sha256:
+                raise TransferError(f"peer {peer} holds another version of {function} (sha256 {offered[:16]}…)")
+            for chunk in reply.iter_content(PEER_CHUNK_BYTES):
+                writer.write(chunk)
+    except requests.RequestException as exc:
+        raise TransferError(f"peer {peer}: {type(exc).__name__}: {exc}") from None
+    return writer.commit(source=peer)
+
+
+def _error_text(reply) -> str:
+    try:
+        return str(reply.json().get("error"))
+    except ValueError:
+        return reply.text[:200]

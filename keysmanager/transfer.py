@@ -1,0 +1,135 @@
+"""The one way a stage's bytes land on a host: streamed in file order into ``<dest>.partial``, hashed as they
+arrive, checked against the manifest's size and sha256, then renamed into place. The registry
+(``keysmanager.registry``) and peers (``keysmanager.peers``) both write through :class:`VerifiedWriter`, so
+nothing half-fetched or corrupt is ever where a zygote could load it.
+
+While a transfer runs, ``written`` says how many bytes of the partial file are on disk: a KeysManager serves
+them on to the next host of a chain (``keysmanager.peers.serve_file``) before the transfer ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+CHUNK_BYTES = 4 << 20
+
+Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
+
+
+class TransferError(RuntimeError):
+    """A transfer did not give the bytes the manifest names (short, long, checksum mismatch) or broke off."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    path: Path
+    nbytes: int
+    seconds: float
+    source: str = "registry"  # where the bytes came from: "registry" or a peer's URL
+
+    @property
+    def gbps(self) -> float:
+        return 8 * self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class VerifiedWriter:
+    """Write one object in order into ``dest`` (via ``dest.partial``) and verify it on :meth:`commit`.
+
+    ``with VerifiedWriter(dest, sha256, size, what="s3://m/stage-0") as w: w.write(chunk) ...; w.commit()``;
+    leaving the block without a commit removes the partial file. ``state`` is ``writing``, ``done`` or
+    ``failed``; readers of a transfer in flight follow ``written`` (thread-safe to read).
+    """
+
+    def __init__(self, dest: Path, sha256: str | None = None, size: int | None = None, what: str = "",
+                 on_progress: Progress | None = None) -> None:
+        self.dest = Path(dest)
+        self.partial = self.dest.with_name(self.dest.name + ".partial")
+        self.sha256, self.size, self.what = sha256, size, what or str(dest)
+        self.on_progress = on_progress
+        self.written = 0
+        self.state = "writing"
+        self.changed = threading.Condition()
+        self._digest = hashlib.sha256()
+        self._started = time.perf_counter()
+        self._file = None
+
+    def __enter__(self) -> VerifiedWriter:
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.partial, "wb")  # noqa: SIM115 - closed in commit/abort
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.state == "writing":
+            self.abort()
+
+    def write(self, chunk: bytes) -> None:
+        self._file.write(chunk)
+        self._file.flush()  # readers of the partial file see what ``written`` says
+        self._digest.update(chunk)
+        with self.changed:
+            self.written += len(chunk)
+            self.changed.notify_all()
+        if self.on_progress is not None:
+            self.on_progress(self.written, self.size or 0)
+
+    def write_all(self, chunks: Iterable[bytes]) -> FetchResult:
+        """Write every chunk, then commit."""
+        for chunk in chunks:
+            self.write(chunk)
+        return self.commit()
+
+    def commit(self, source: str = "registry") -> FetchResult:
+        """Verify size and sha256, rename into place; TransferError (partial file removed) when they differ."""
+        self._file.close()
+        if self.size is not None and self.written != self.size:
+            self.abort()
+            raise TransferError(f"{self.what}: got {self.written} bytes, the manifest says {self.size}")
+        got = self._digest.hexdigest()
+        if self.sha256 and got != self.sha256:
+            self.abort()
+            raise TransferError(f"{self.what}: checksum mismatch (sha256 {got[:16]}…, the manifest says "
+                                f"{self.sha256[:16]}…); nothing was cached")
+        os.replace(self.partial, self.dest)
+        self._finish("done")
+        return FetchResult(self.dest, self.written, time.perf_counter() - self._started, source)
+
+    def abort(self) -> None:
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+        self.partial.unlink(missing_ok=True)
+        self._finish("failed")
+
+    def _finish(self, state: str) -> None:
+        with self.changed:
+            self.state = state
+            self.changed.notify_all()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+StreamInto = Callable[[VerifiedWriter], FetchResult]  # streams an object into an open writer and commits it
+
+
+def fetch_first(sources: Sequence[tuple[str, StreamInto]], open_writer: Callable[[], VerifiedWriter]) -> FetchResult:
+    """The first source (label, stream) that delivers verified bytes, each tried with a fresh writer; a failed
+    one (broken off, wrong bytes) is followed by the next. TransferError naming every failure when none does."""
+    failures: list[str] = []
+    for label, stream in sources:
+        try:
+            with open_writer() as writer:
+                return stream(writer)
+        except (TransferError, OSError) as exc:
+            failures.append(f"{label}: {exc}")
+    raise TransferError("; ".join(failures) or "no source to fetch from")

@@ -1,0 +1,247 @@
+"""`quartctl bench blitz [--out FILE]`: a stage to k hosts at once from one holder (BlitzScale §5.1).
+
+Hosts are network namespaces with tbf-limited NICs (``--nic-gbps``, default 1); a KeysManager runs in each,
+on TCP with the cluster's token; the model registry (moto's S3 server) listens on the bridge in the root
+namespace and holds one synthetic stage of ``--stage-mb`` random bytes. The source host fetches the stage
+from the registry first; then, timed from the first order to the last receiver holding verified bytes:
+
+- ``one_transfer_s``: one receiver fetches from the source (``peers=[source]``);
+- ``star_last_ready_s``: ``--receivers`` k hosts each fetch from the source at once (the source sends k
+  times: bound by its NIC, ≈ k × one transfer);
+- ``chain_last_ready_s``: the planner's chain (``quart_provider.scheduling.multicast.plan_chain``): each
+  receiver is told, in chain order, to fetch from its predecessor, which forwards every chunk while it writes
+  it (≈ one transfer + (k − 1) chunk times).
+
+Every run uses fresh receivers (restarted, state dirs emptied, the registry client warmed: one manifest
+read) and removes its namespaces at the end. Ready times are polled every 10 ms from the root namespace.
+:class:`PeerCluster` is also the harness of ``tests/test_peer_fetch.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quart_provider.network import HostNetwork, cleanup_by_prefix, cluster_id
+from quart_provider.scheduling.multicast import plan_chain
+from quart_tools.bench import machine_info, write_report
+
+from keysmanager.client import KeysManagerClient, KeysManagerError
+from keysmanager.registry import ModelRegistry
+from keysmanager.transfer import sha256_file
+from keysmanager.types import StageSpec
+
+PORT = 7077
+FUNCTION = "blitz-stage-0"
+MODEL_URL = "s3://models/blitz"
+TOKEN = "blitz-token-" + "x" * 24
+
+
+@dataclass
+class PeerCluster:
+    """Namespaced hosts, a KeysManager on each (TCP, token), a registry on the bridge holding one stage."""
+
+    net: HostNetwork
+    work: Path
+    endpoint: str = ""
+    stage: Path | None = None  # the stage's bytes as uploaded (for equality checks)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> StageSpec:
+        return StageSpec(FUNCTION, env={"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "0"})
+
+    def url(self, host: str) -> str:
+        return f"http://{self.net.host(host).address}:{PORT}"
+
+    def client(self, host: str, token: str = TOKEN, timeout: float = 30.0) -> KeysManagerClient:
+        return KeysManagerClient(self.url(host), timeout=timeout, token=token)
+
+    def state_dir(self, host: str) -> Path:
+        return self.work / f"{host}-state"
+
+    def token_file(self, token: str = TOKEN) -> Path:
+        path = self.work / f"token-{hashlib.sha256(token.encode()).hexdigest()[:8]}"
+        path.write_text(token + "\n")
+        path.chmod(0o600)
+        return path
+
+    def env(self) -> dict[str, str]:
+        creds = self.work / "aws-credentials"
+        creds.write_text("[default]\naws_access_key_id = blitz\naws_secret_access_key = blitz-secret\n")
+        creds.chmod(0o600)
+        return {**os.environ, "AWS_SHARED_CREDENTIALS_FILE": str(creds), "QUART_REGISTRY_ENDPOINT": self.endpoint,
+                "KM_PRELOAD": "false"}
+
+    def start_km(self, host: str, token: str = TOKEN) -> None:
+        """A KeysManager in ``host``'s namespace (fresh state dir), listening on its address."""
+        shutil.rmtree(self.state_dir(host), ignore_errors=True)
+        address = self.net.host(host).address
+        argv = [sys.executable, "-m", "keysmanager.daemon", "--name", host, "--socket",
+                str(self.work / f"{host}.sock"), "--state-dir", str(self.state_dir(host)), "--listen",
+                f"{address}:{PORT}", "--token-file", str(self.token_file(token)), "--host-address", address]
+        log = open(self.work / f"{host}.log", "ab")  # noqa: SIM115 - the child owns it
+        self.procs[host] = subprocess.Popen(self.net.exec_argv(host, argv), env=self.env(), stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.client(host, token, timeout=2).health()
+                return
+            except (KeysManagerError, OSError):
+                if self.procs[host].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"KeysManager {host} did not start: "
+                                       f"{(self.work / f'{host}.log').read_text()[-2000:]}") from None
+                time.sleep(0.1)
+
+    def kill(self, host: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(host, None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    def upload_stage(self, nbytes: int) -> None:
+        """A synthetic one-stage model of ``nbytes`` random bytes in the registry (the manifest last)."""
+        folder = self.work / "model"
+        folder.mkdir(exist_ok=True)
+        self.stage = folder / "stage-0.safetensors"
+        digest = hashlib.sha256()
+        with open(self.stage, "wb") as f:
+            left = nbytes
+            while left > 0:
+                chunk = os.urandom(min(left, 32 << 20))
+                digest.update(chunk)
+                f.write(chunk)
+                left -= len(chunk)
+        manifest = {"model": "blitz", "stages": [{"index": 0, "file": self.stage.name, "sha256": digest.hexdigest(),
+                                                  "file_bytes": nbytes}]}
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        ModelRegistry(MODEL_URL, endpoint_url=self.endpoint).upload(folder)
+
+    def held_file(self, host: str) -> Path:
+        """The stage file as it landed on ``host``."""
+        [path] = (self.state_dir(host) / "registry").glob(f"*-0/{self.stage.name}")
+        return path
+
+    def wait_held(self, hosts: list[str], timeout_s: float = 120.0, poll_s: float = 0.01) -> dict[str, float]:
+        """Seconds (from now) until each host holds the stage's verified file; RuntimeError on timeout."""
+        start, ready = time.monotonic(), {}
+        clients = {h: self.client(h) for h in hosts}
+        while len(ready) < len(hosts):
+            for h in hosts:
+                if h not in ready and clients[h].stage(FUNCTION)["state"] == "held":
+                    ready[h] = time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise RuntimeError(f"not held after {timeout_s} s: {sorted(set(hosts) - set(ready))}")
+            time.sleep(poll_s)
+        return ready
+
+
+@contextlib.contextmanager
+def peer_cluster(hosts: list[str], nic_gbps: float, key: str) -> Iterator[PeerCluster]:
+    """A :class:`PeerCluster`; everything it made (processes, namespaces, files) is removed at exit."""
+    from moto.server import ThreadedMotoServer
+
+    cid = cluster_id(key)
+    work = Path(tempfile.mkdtemp(prefix="blitz-", dir="/tmp"))
+    server = None
+    cluster = None
+    saved = os.environ.get("AWS_SHARED_CREDENTIALS_FILE")
+    try:
+        net = HostNetwork.create(hosts, cid, nic_gbps)
+        cluster = PeerCluster(net, work)
+        server = ThreadedMotoServer(ip_address=net.bridge_address, port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        cluster.endpoint = f"http://{host}:{port}"
+        os.environ["AWS_SHARED_CREDENTIALS_FILE"] = cluster.env()["AWS_SHARED_CREDENTIALS_FILE"]
+        yield cluster
+    finally:
+        if cluster is not None:
+            for h in list(cluster.procs):
+                cluster.kill(h, signal.SIGTERM)
+        if server is not None:
+            server.stop()
+        cleanup_by_prefix(cid)
+        shutil.rmtree(work, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("AWS_SHARED_CREDENTIALS_FILE", None)
+        else:
+            os.environ["AWS_SHARED_CREDENTIALS_FILE"] = saved
+
+
+def _fresh(cluster: PeerCluster, hosts: list[str]) -> None:
+    """Restarted KeysManagers (nothing held), warmed: each has read the manifest once (boto3 imported, its
+    registry client made) through a start of a stage index the model lacks, answered 502."""
+    warm = StageSpec("warm-up", env={"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "9"})
+    for h in hosts:
+        cluster.kill(h, signal.SIGTERM)
+        cluster.start_km(h)
+        with contextlib.suppress(KeysManagerError):
+            cluster.client(h).ensure_cached(warm)
+
+
+def measure(stage_mb: int, nic_gbps: float, receivers: int) -> dict:
+    names = ["source", *(f"r{i}" for i in range(receivers))]
+    with peer_cluster(names, nic_gbps, f"bench-blitz-{os.getpid()}") as cluster:
+        cluster.upload_stage(stage_mb << 20)
+        for h in names:
+            cluster.start_km(h)
+        cluster.client("source").prefetch(cluster.spec)
+        cluster.wait_held(["source"])
+        source, targets = cluster.url("source"), names[1:]
+
+        def run(orders: list[tuple[str, list[str]]]) -> float:
+            _fresh(cluster, [h for h, _ in orders])
+            start = time.monotonic()
+            for h, peers in orders:  # in order: each is registered before the next asks it
+                cluster.client(h).prefetch(cluster.spec, peers)
+            cluster.wait_held([h for h, _ in orders])
+            return time.monotonic() - start
+
+        one = run([(targets[0], [source])])
+        star = run([(h, [source]) for h in targets])
+        chain = plan_chain(["source"], targets, busy_links=set())
+        orders = [(h, [cluster.url(prev), source]) for prev, h in zip(chain, chain[1:], strict=False)]
+        chain_s = run(orders)
+        equal = all(_same(cluster.held_file(h), cluster.stage) for h in targets)
+    return {"stage_bytes": stage_mb << 20, "nic_gbps": nic_gbps, "receivers": receivers,
+            "one_transfer_s": round(one, 3), "star_last_ready_s": round(star, 3),
+            "chain_last_ready_s": round(chain_s, 3), "chain": chain, "bytes_equal": equal,
+            "chain_over_one": round(chain_s / one, 3), "star_over_one": round(star / one, 3),
+            "line_rate_s": round(8 * (stage_mb << 20) / (nic_gbps * 1e9), 3)}
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="quartctl bench blitz", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the JSON here (default stdout)")
+    parser.add_argument("--stage-mb", type=int, default=200, help="stage size, MiB (default 200)")
+    parser.add_argument("--nic-gbps", type=float, default=1.0, help="each host's NIC limit (default 1)")
+    parser.add_argument("--receivers", type=int, default=3, help="hosts that need the stage at once (default 3)")
+    args = parser.parse_args(argv)
+    doc = measure(args.stage_mb, args.nic_gbps, args.receivers)
+    doc["machine"] = machine_info()
+    doc["command"] = "quartctl bench blitz " + " ".join(argv)
+    write_report(doc, args.out)
+    return 0
