@@ -128,7 +128,7 @@ class Localizer:
             info.update(state="held" if stage.complete else "fetching", size=stage.size, sha256=stage.sha256,
                         bytes=stage.size if stage.complete else stage.writer.written)
         if last is not None:
-            info.update(source=last.source, seconds=round(last.seconds, 4))
+            info.update(source=last.source, seconds=round(last.seconds, 4), finished_at=last.finished_at)
         return info
 
 

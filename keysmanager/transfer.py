@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CHUNK_BYTES = 4 << 20
@@ -32,6 +32,7 @@ class FetchResult:
     nbytes: int
     seconds: float
     source: str = "registry"  # where the bytes came from: "registry" or a peer's URL
+    finished_at: float = field(default_factory=time.time)  # wall clock when the verified file was in place
 
     @property
     def gbps(self) -> float:
@@ -68,7 +69,7 @@ class VerifiedWriter:
         if self.state == "writing":
             self.abort()
 
-    def write(self, chunk: bytes) -> None:
+    def write(self, chunk: bytes | memoryview) -> None:
         self._file.write(chunk)
         self._file.flush()  # readers of the partial file see what ``written`` says
         self._digest.update(chunk)

@@ -42,6 +42,10 @@ _CAP_SYS_ADMIN = 21  # `ip netns add` mounts the namespace file
 _SUBNETS = ipaddress.ip_network("10.200.0.0/13")  # private /24s are picked from here
 _TBF_LATENCY_MS = 20
 _MAX_HOSTS = 250
+# A new namespace caps TCP autotuning at 6 MB; with the tbf queue delaying data one way and ACKs the other
+# (a host that sends and receives at once: a chain multicast's forwarder) one stream then stays near 0.6 Gbit/s.
+# 32 MB covers 1 Gbit/s × 2 × the queue's delay many times over, as on hosts tuned for bulk transfer.
+_TCP_BUFFERS = ["net.ipv4.tcp_rmem=4096 131072 33554432", "net.ipv4.tcp_wmem=4096 16384 33554432"]
 
 
 class NetworkError(RuntimeError):
@@ -192,6 +196,7 @@ class HostNetwork:
             run([*ns, "link", "set", inner, "name", "eth0"])
             run([*ns, "addr", "add", f"{host.address}/{prefix}", "dev", "eth0"])
             run([*ns, "link", "set", "lo", "up"])
+            run(["ip", "netns", "exec", host.netns, "sysctl", "-q", "-w", *_TCP_BUFFERS])
             run([*ns, "link", "set", "eth0", "up"])
             run([*ns, "route", "add", "default", "via", self.bridge_address])
             run(["ip", "link", "set", host.veth, "master", self.bridge])
