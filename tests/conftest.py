@@ -14,3 +14,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def gw(tmp_path):
+    """The embedded gateway in a thread (tests/test_gateway_api.py ``Running``), closed after the test."""
+    from test_gateway_api import Running
+
+    running = Running(tmp_path)
+    try:
+        yield running
+    finally:
+        running.close()

@@ -6,19 +6,9 @@ import os
 import subprocess
 import sys
 
-import pytest
 import requests
 from chunked_http import chunked_json, chunked_request
 from test_gateway_api import Running, faas_cli_deploy_body
-
-
-@pytest.fixture
-def gw(tmp_path):
-    running = Running(tmp_path)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def test_system_bodies_sent_in_chunks_are_read_whole(gw):

@@ -8,25 +8,15 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 
-import pytest
 import requests
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.stack import load_stack
 from quart_provider.system import EmbeddedSystem
-from test_gateway_api import Running, faas_cli_deploy_body
+from test_gateway_api import faas_cli_deploy_body
 from test_gateway_scaleup import emulated_stack  # noqa: F401 - pytest fixture
 
 MESSAGE_KEYS = {"name", "namespace", "instance", "timestamp", "text"}
-
-
-@pytest.fixture
-def gw(tmp_path):
-    running = Running(tmp_path)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def get_logs(gw, **params) -> list[dict]:

@@ -8,21 +8,11 @@ import stat
 import time
 from pathlib import Path
 
-import pytest
 import requests
 from chunked_http import chunked_json
-from test_gateway_api import Running, faas_cli_deploy_body
+from test_gateway_api import faas_cli_deploy_body
 
 VALUE = "s3cr3t-value-7f1c"
-
-
-@pytest.fixture
-def gw(tmp_path):
-    running = Running(tmp_path)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def mode(path: Path) -> int:

@@ -6,21 +6,11 @@ from __future__ import annotations
 import time
 import uuid
 
-import pytest
 import requests
 from aiohttp import web
-from test_gateway_api import Running, faas_cli_deploy_body
+from test_gateway_api import faas_cli_deploy_body
 from test_gateway_async import callbacks  # noqa: F401 - pytest fixture
 from test_router import Cluster, make_router, with_cluster
-
-
-@pytest.fixture
-def gw(tmp_path):
-    running = Running(tmp_path)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def check_trace(res: requests.Response, before_ns: int, call_id: str | None = None) -> str:

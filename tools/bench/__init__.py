@@ -33,6 +33,21 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
+def write_random_file(path: str | Path, nbytes: int, chunk_bytes: int = 32 << 20) -> str:
+    """Fill ``path`` with ``nbytes`` incompressible bytes; returns their sha256 (hashed as written)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            chunk = os.urandom(min(left, chunk_bytes))
+            digest.update(chunk)
+            f.write(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
 def machine_info(**extra) -> dict:
     """The machine a benchmark ran on, for its JSON."""
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(), **extra}

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from quart_provider.network import HostNetwork, cleanup_by_prefix, cluster_id
 from quart_provider.scheduling.multicast import plan_chain
-from quart_tools.bench import machine_info, write_report
+from quart_tools.bench import machine_info, write_random_file, write_report
 
 from keysmanager.client import KeysManagerClient, KeysManagerError
 from keysmanager.registry import ModelRegistry
@@ -124,15 +124,8 @@ class PeerCluster:
         folder = self.work / "model"
         folder.mkdir(exist_ok=True)
         self.stage = folder / "stage-0.safetensors"
-        digest = hashlib.sha256()
-        with open(self.stage, "wb") as f:
-            left = nbytes
-            while left > 0:
-                chunk = os.urandom(min(left, 32 << 20))
-                digest.update(chunk)
-                f.write(chunk)
-                left -= len(chunk)
-        manifest = {"model": "blitz", "stages": [{"index": 0, "file": self.stage.name, "sha256": digest.hexdigest(),
+        sha256 = write_random_file(self.stage, nbytes)
+        manifest = {"model": "blitz", "stages": [{"index": 0, "file": self.stage.name, "sha256": sha256,
                                                   "file_bytes": nbytes}]}
         (folder / "manifest.json").write_text(json.dumps(manifest))
         ModelRegistry(MODEL_URL, endpoint_url=self.endpoint).upload(folder)

@@ -31,7 +31,7 @@ from pathlib import Path
 import requests
 from quart_provider.network import HostNetwork, cluster_id, unavailable_reason
 from quart_tools.arrivals import poisson_arrivals
-from quart_tools.bench import machine_info, write_report
+from quart_tools.bench import machine_info, write_random_file, write_report
 from quart_tools.bench.policies import Gateway
 from quart_tools.loadgen import run_load
 
@@ -59,8 +59,6 @@ def _wait_tcp(address: str, port: int, timeout_s: float = 30.0) -> None:
 
 def registry_fetch(nic_gbps: float, registry_gbps: float, stage_bytes: int, work: Path) -> dict:
     """One host fetches ``stage_bytes`` from the registry namespace; bytes, seconds, Gbit/s."""
-    import hashlib
-
     from keysmanager.registry import ModelRegistry
 
     net = HostNetwork.create(["host-0", "registry"], cluster_id(f"bench-reg-{os.getpid()}"), nic_gbps)
@@ -80,14 +78,7 @@ def registry_fetch(nic_gbps: float, registry_gbps: float, stage_bytes: int, work
         env = {**os.environ, "AWS_SHARED_CREDENTIALS_FILE": str(creds), "QUART_REGISTRY_ENDPOINT": endpoint}
         os.environ.update({k: env[k] for k in ("AWS_SHARED_CREDENTIALS_FILE", "QUART_REGISTRY_ENDPOINT")})
         blob = work / "stage.bin"
-        digest = hashlib.sha256()
-        with open(blob, "wb") as f:  # incompressible bytes, hashed as written
-            left = stage_bytes
-            while left > 0:
-                chunk = os.urandom(min(left, 64 << 20))
-                digest.update(chunk)
-                f.write(chunk)
-                left -= len(chunk)
+        sha256 = write_random_file(blob, stage_bytes)
         size = blob.stat().st_size
         registry = ModelRegistry("s3://models/bench", endpoint_url=endpoint)
         registry._ensure_bucket()
@@ -97,7 +88,7 @@ def registry_fetch(nic_gbps: float, registry_gbps: float, stage_bytes: int, work
                 "r = ModelRegistry('s3://models/bench').fetch('stage.bin', Path(sys.argv[1]), sys.argv[2], "
                 "int(sys.argv[3])); Path(sys.argv[1]).unlink(); print(json.dumps([r.nbytes, r.seconds]))")
         dest = Path("/dev/shm") / f"quart-bench-fetch-{os.getpid()}"
-        done = subprocess.run(net.exec_argv("host-0", [sys.executable, "-c", code, str(dest), digest.hexdigest(),
+        done = subprocess.run(net.exec_argv("host-0", [sys.executable, "-c", code, str(dest), sha256,
                                                        str(size)]),
                               env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
