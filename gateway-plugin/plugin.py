@@ -44,7 +44,7 @@ class GatewayView:
         return self.gateway.pipelines()
 
     def ready(self, function: str) -> list[Any]:
-        return self.gateway.ready_endpoints(function)
+        return self.gateway.ready_endpoints(function, partial=True)
 
     def concurrency(self, function: str) -> int:
         fn = self.gateway.functions.get(function)
@@ -59,6 +59,9 @@ class GatewayView:
             self.gateway.release(fn, replica)  # wakes the gateway's own waiters too
         else:
             replica.in_flight -= 1
+
+    def note_held(self, function: str, replica: Any, held: tuple[int, int]) -> None:
+        self.gateway.note_held(function, replica, held)
 
     def stage_state(self, function: str) -> StageState:
         fn = self.gateway.functions[function]

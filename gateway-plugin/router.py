@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from gateway_plugin import layers
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 from quart_provider.balancer import pick
@@ -53,12 +54,16 @@ class ReplicaSource(Protocol):
 
     def give_back(self, function: str, replica: Any) -> None: ...
 
+    def note_held(self, function: str, replica: Any, held: layers.Range) -> None: ...  # its answer's Layers-Held
+
 
 @dataclass(slots=True)
 class StaticReplica:
     id: str
     url: str
     in_flight: int = 0
+    layers: layers.Range | None = None  # its stage's layers, when it reports them (see gateway_plugin.layers)
+    held: layers.Range | None = None  # the layers it can run now (None: all of its stage)
 
 
 @dataclass(slots=True)
@@ -79,6 +84,9 @@ class StaticReplicas:
 
     def give_back(self, function: str, replica: StaticReplica) -> None:
         replica.in_flight -= 1
+
+    def note_held(self, function: str, replica: StaticReplica, held: layers.Range) -> None:
+        replica.held = held
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +120,7 @@ class Job:
     future: asyncio.Future
     accept: str = ""  # the client's Accept header, for the last stage only (the others exchange safetensors)
     stage: int = 0
+    layer_at: int | None = None  # the first layer of the stage not run yet; None at the stage's start
     enqueued_at: float = 0.0
     queue_len_seen: int = 0
     tried: set = field(default_factory=set)
@@ -278,8 +287,11 @@ class Router:
             q.jobs.appendleft(job)
         q.wake.set()
 
-    def _pick(self, function: str, tried: set) -> Any | None:
-        return pick(self.source.ready(function), self.source.concurrency(function), tried)
+    def _pick(self, function: str, tried: set, at: int | None = None) -> Any | None:
+        """The pick rule over the replicas that can run the request's next layers (all of them, unless some
+        replica holds only part of its stage: see :mod:`gateway_plugin.layers`)."""
+        ready = [r for r in self.source.ready(function) if layers.eligible(r, at)]
+        return pick(ready, self.source.concurrency(function), tried)
 
     async def _dispatch(self, q: StageQueue) -> None:
         while True:
@@ -295,7 +307,7 @@ class Router:
                 self._finish(job, self._deadline_reply(job, "waiting for a replica"))
                 continue
             try:
-                replica = self._pick(q.function, job.tried)
+                replica = self._pick(q.function, job.tried, job.layer_at)
             except Exception as exc:  # the platform's replica view failed: keep serving, retry soon
                 log.warning("listing replicas of %s failed: %s", q.function, exc)
                 replica = None
@@ -316,13 +328,18 @@ class Router:
         start = self.clock()
         wait_s = start - job.enqueued_at
         status, data, headers, failure = 0, b"", {}, ""
+        part: layers.Range | None = None
         try:
             timeout = min(self.config.attempt_timeout_s, job.deadline - start)
             if self.session is None:
                 raise aiohttp.ClientError("the router's HTTP client is closed")
             sent = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
                     "X-Quart-Model": job.model, "X-Quart-Stage": str(job.stage)}
-            if job.accept and job.stage == len(job.stages) - 1:
+            part = layers.part_for(replica, job.layer_at)
+            if part is not None:
+                sent[layers.LAYERS] = layers.format_range(part)
+            stage_end = part is None or layers.next_position(part, layers.stage_range(replica)) is None
+            if job.accept and job.stage == len(job.stages) - 1 and stage_end:
                 sent["Accept"] = job.accept  # e.g. application/json: the client's format for the final answer
             async with self.session.post(
                 replica.url, data=job.body, headers=sent,
@@ -330,6 +347,9 @@ class Router:
             ) as resp:
                 data = await resp.read()
                 status, headers = resp.status, dict(resp.headers)
+            held = layers.parse_range(headers.get(layers.HELD))
+            if held is not None and held != getattr(replica, "held", None):
+                self.source.note_held(fn, replica, held)
         except asyncio.CancelledError:
             failure = "cancelled"
             raise
@@ -351,9 +371,12 @@ class Router:
             return
         if failure == "" and 200 <= status < 300:
             service_s = end - start
+            ran = layers.parse_range(headers.get(layers.LAYERS)) or part
             stats = self.collector.stage(fn)
             stats.on_dispatch(start, wait_s)
-            stats.on_complete(end, service_s)
+            rest = layers.next_position(ran, layers.stage_range(replica)) if part is not None else None
+            if rest is None:
+                stats.on_complete(end, service_s)  # a stage run in parts completes once, with its last part
             cpus, param_bytes = self.stage_meta(fn)
             job.visits.append(StageVisit(
                 stage=job.stage, function=fn, wait_ms=1000 * wait_s, service_ms=1000 * service_s,
@@ -364,6 +387,11 @@ class Router:
             ))
             job.body = data
             job.content_type = headers.get("Content-Type", "application/octet-stream")
+            if rest is not None:  # cooperative execution: the rest of this stage's layers on another replica
+                job.layer_at, job.tried, job.attempts = rest, set(), 0
+                self._enqueue(job, front=True)
+                return
+            job.layer_at = None
             if job.stage + 1 == len(job.stages):
                 out = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id}
                 out.update({k: headers[k] for k in TIMING_HEADERS if k in headers})

@@ -136,10 +136,21 @@ class EmbeddedGateway:
         """Let ``hook(request, name, subpath)`` answer ``/function/<name>`` for names not deployed here."""
         self.invoke_hooks.append(hook)
 
-    def ready_endpoints(self, name: str) -> list[Endpoint]:
-        """The ready replicas of a function (live objects: ``in_flight`` is current)."""
+    def ready_endpoints(self, name: str, partial: bool = False) -> list[Endpoint]:
+        """The ready replicas of a function (live objects: ``in_flight`` is current); with ``partial``, also the
+        live replicas that serve only the layers they hold so far (the pipeline router runs those)."""
         fn = self.functions.get(name)
-        return list(fn.ready) if fn else []
+        if fn is None:
+            return []
+        return [*fn.ready, *fn.partial] if partial else list(fn.ready)
+
+    def note_held(self, name: str, endpoint: Endpoint, held: tuple[int, int]) -> None:
+        """A replica's answer said which layers it holds now; a live replica holding all of them joins ``ready``."""
+        was_whole = endpoint.whole
+        endpoint.held = held
+        fn = self.functions.get(name)
+        if fn is not None and endpoint.whole != was_whole:
+            fn.refresh_ready()
 
     def record_invocation(self, name: str, code: int, seconds: float) -> None:
         """Count an invocation served outside the proxy (the router's per-stage calls) like the proxy does."""

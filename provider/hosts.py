@@ -22,6 +22,7 @@ import signal
 import socket
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -67,6 +68,8 @@ class ReplicaStatus:
     state: ReplicaState
     source: str = "cold"  # fork | cold
     pid: int = 0
+    layers: tuple[int, int] | None = None  # its stage's layers [S, E), when the host reports them
+    held: tuple[int, int] | None = None  # the layers it can run now (a live replica's grow as they arrive)
 
 
 class Host(Protocol):
@@ -76,7 +79,8 @@ class Host(Protocol):
 
     async def report(self) -> HostView: ...
 
-    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]: ...
+    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = (), live: bool = False
+                    ) -> list[ReplicaStatus]: ...  # peers: hosts to fetch parameters from; live: serve while loading
 
     async def stop(self, replica_id: str) -> None: ...
 
@@ -144,7 +148,9 @@ class ProcessHost:
         return HostView(name=self.name, gpu_slots=self.gpu_slots, gpu_used=sum(running.values()),
                         memory_limit=self.memory_limit, memory_used=0, running=dict(running))
 
-    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = (), live: bool = False
+                    ) -> list[ReplicaStatus]:
+        """Start ``count`` processes (``peers`` and ``live`` concern parameters, which processes have none of)."""
         if spec.kind != "process" or not spec.argv:
             raise ValueError(f"host {self.name} runs only process runnables, not {spec.kind!r} ({spec.function})")
         return [await self._start_one(spec) for _ in range(count)]

@@ -20,7 +20,9 @@ from keysmanager.types import ReplicaInfo, StageSpec
 
 
 def _status(info: ReplicaInfo) -> ReplicaStatus:
-    return ReplicaStatus(info.id, info.function, info.host, info.url, info.state, info.source, info.pid)
+    layers, held = getattr(info, "layers", None), getattr(info, "layers_held", None)
+    return ReplicaStatus(info.id, info.function, info.host, info.url, info.state, info.source, info.pid,
+                         tuple(layers) if layers else None, tuple(held) if held else None)
 
 
 def _stage(spec: ReplicaSpec) -> StageSpec:
@@ -70,9 +72,11 @@ class KeysManagerHost:
         """Start fetching a registry stage onto this host (from ``peers``, else the registry); answers at once."""
         return await self.client.prefetch(_stage(spec), peers)
 
-    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = ()) -> list[ReplicaStatus]:
+    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = (), live: bool = False
+                    ) -> list[ReplicaStatus]:
         """Start ``count`` replicas. ``peers``: KeysManager addresses of hosts that hold the stage (their
-        ``peer_address``): a registry stage not held here is fetched from them before the registry."""
+        ``peer_address``): a registry stage not held here is fetched from them before the registry. ``live``
+        (BlitzScale): a stage not cached here starts serving the layers that have arrived while the rest load."""
         if spec.kind == "process":
             return await self._processes.start(spec, count)
         if spec.secrets:  # the KeysManager starts a stage's replicas from one spec: no per-replica folder yet

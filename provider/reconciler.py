@@ -23,8 +23,10 @@ import aiohttp
 from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
 from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
+from quart_provider.keysmanager_host import multicast
 from quart_provider.replicaset import choose_surplus, rollover_done, shortfall
 from quart_provider.scheduling.metrics import SchedulerMetrics
+from quart_provider.scheduling.multicast import FetchPlan, plan_fetches
 from quart_provider.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 from quart_provider.types import Endpoint, FunctionState
 
@@ -137,6 +139,10 @@ class Reconciler:
                         del fn.replicas[endpoint.id]
                         changed = True
                     continue
+                if (status.layers, status.held) != (endpoint.layers, endpoint.held) and status.layers is not None:
+                    was_whole = endpoint.whole
+                    endpoint.layers, endpoint.held = status.layers, status.held
+                    changed = changed or endpoint.whole != was_whole
                 if endpoint.state in ("starting", "ready") and status.state != endpoint.state:
                     if endpoint.probed and endpoint.state == "ready" and status.state == "starting":
                         continue  # our probe got the health answer first; the host's report lags behind
@@ -248,13 +254,40 @@ class Reconciler:
         for req in result.unplaced:
             if req.function in self.functions:
                 self.functions[req.function].unplaced += req.count
+        holders: dict[str, list[str]] = {}
+        for view in views:
+            for function in view.cached:
+                holders.setdefault(function, []).append(view.name)
+        fetches = {plan.function: plan for plan in plan_fetches(result.placements, holders)}
+        for plan in fetches.values():
+            if len(plan.chain) > 2 and plan.function in self.functions:
+                await self._multicast(self.functions[plan.function], plan)
         for placement in result.placements:
             fn = self.functions.get(placement.function)
             if fn is None or placement.host not in self.hosts:
                 continue
+            plan = fetches.get(fn.name)
+            peers = self._peer_addresses(plan.peers.get(placement.host, ())) if plan else []
             fn.pending_starts += 1
-            self._spawn(self._start_placed(fn, placement, fn.generation, asked_at),
+            self._spawn(self._start_placed(fn, placement, fn.generation, asked_at, peers),
                         f"start:{placement.host}:{fn.name}")
+
+    def _peer_addresses(self, names: tuple[str, ...]) -> list[str]:
+        """The KeysManager addresses other hosts fetch from (hosts without one, e.g. on Unix sockets, left out)."""
+        found = (getattr(self.hosts.get(n), "peer_address", None) for n in names)
+        return [a for a in found if a]
+
+    async def _multicast(self, fn: FunctionState, plan: FetchPlan) -> None:
+        """Several hosts need ``fn``'s parameters at once: order the chain (BlitzScale §5.1) before the starts,
+        which then find the transfer under way. A failure is logged: each start still fetches on its own."""
+        chain = [self.hosts.get(n) if n is not None else None for n in plan.chain]
+        if any(h is not None and not hasattr(h, "prefetch") for h in chain):
+            return  # hosts without a KeysManager cache nothing
+        try:
+            await within(5.0, multicast(self._spec(fn), chain))
+            log.info("%s: chain multicast %s", fn.name, " → ".join(n or "registry" for n in plan.chain))
+        except Exception as exc:
+            log.warning("%s: chain multicast over %s failed: %s", fn.name, plan.chain, exc)
 
     async def _pin_kept(self, result: ScheduleResult, hosts: list[str]) -> None:
         """Make ``keep_cached`` binding (QUART §6): each host's KeysManager evicts those key-stage zygotes last
@@ -272,10 +305,13 @@ class Reconciler:
             else:
                 self.pins[name] = kept
 
-    async def _start_placed(self, fn: FunctionState, placement: Placement, generation: int, asked_at: float) -> None:
-        """Start one placed replica and remember when it was asked for (its ready time is measured from then)."""
+    async def _start_placed(self, fn: FunctionState, placement: Placement, generation: int, asked_at: float,
+                            peers: list[str]) -> None:
+        """Start one placed replica and remember when it was asked for (its ready time is measured from then).
+        One that must fetch its parameters starts live when the gateway is set so (``live_scaling``)."""
         before = set(fn.replicas)
-        await self._start_replica(fn, placement.host, generation)
+        live = self.config.live_scaling and placement.source in ("peer", "cold")
+        await self._start_replica(fn, placement.host, generation, peers, live)
         for rid, endpoint in list(fn.replicas.items()):
             if rid not in before and endpoint.host == placement.host and rid not in self._placed:
                 self._placed[rid] = (asked_at, placement.source, placement.key)
@@ -297,9 +333,13 @@ class Reconciler:
                                               key=key)
         fn.start_time.note(time.monotonic() - asked_at)
 
-    async def _start_replica(self, fn: FunctionState, host: str, generation: int) -> None:
+    async def _start_replica(self, fn: FunctionState, host: str, generation: int, peers: list[str] | None = None,
+                             live: bool = False) -> None:
         try:
-            statuses = await self.hosts[host].start(self._spec(fn), 1)
+            extra: dict[str, Any] = {"peers": peers} if peers else {}
+            if live:
+                extra["live"] = True
+            statuses = await self.hosts[host].start(self._spec(fn), 1, **extra)
         except Exception as exc:
             fn.start_failures += 1
             backoff = min(30.0, 0.5 * 2 ** (fn.start_failures - 1))
@@ -313,7 +353,8 @@ class Reconciler:
         now = time.monotonic()
         for status in statuses:
             endpoint = Endpoint(status.id, fn.name, host, status.url, status.state if status.state != "dead"
-                                else "starting", status.source, generation, now)
+                                else "starting", status.source, generation, now, layers=status.layers,
+                                held=status.held)
             if self.functions.get(fn.name) is not fn:  # removed meanwhile
                 self._spawn(self._stop_now(endpoint), f"stop:{endpoint.id}")
                 continue

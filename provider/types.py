@@ -35,11 +35,21 @@ class Endpoint:
     in_flight: int = 0
     served: int = 0
     probed: bool = False  # the gateway's own health probe saw it ready (ahead of the host's report)
+    layers: tuple[int, int] | None = None  # its stage's layers [S, E) when its host reports them
+    held: tuple[int, int] | None = None  # the layers it can run now; short of ``layers`` while it loads (live)
+
+    @property
+    def whole(self) -> bool:
+        """Runs its whole stage (a live replica still receiving parameters runs only the layers it holds)."""
+        return self.layers is None or self.held is None or self.held == self.layers
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "function": self.function, "host": self.host, "url": self.url, "state": self.state,
-                "source": self.source, "generation": self.generation, "inFlight": self.in_flight,
-                "served": self.served}
+        out = {"id": self.id, "function": self.function, "host": self.host, "url": self.url, "state": self.state,
+               "source": self.source, "generation": self.generation, "inFlight": self.in_flight,
+               "served": self.served}
+        if self.layers is not None:
+            out.update(layers=list(self.layers), layersHeld=list(self.held or self.layers))
+        return out
 
 
 @dataclass(slots=True)
@@ -52,7 +62,8 @@ class FunctionState:
     created_at: datetime
     generation: int = 1
     replicas: dict[str, Endpoint] = field(default_factory=dict)
-    ready: list[Endpoint] = field(default_factory=list)  # routing list: state == ready
+    ready: list[Endpoint] = field(default_factory=list)  # routing list: state == ready, whole stage held
+    partial: list[Endpoint] = field(default_factory=list)  # ready, serving only the layers held so far (live)
     pending_starts: int = 0
     invocations: int = 0
     waiting: int = 0
@@ -73,7 +84,9 @@ class FunctionState:
         return f"{self.deployment.service}.{self.deployment.namespace}"
 
     def refresh_ready(self) -> None:
-        self.ready = [e for e in self.replicas.values() if e.state == "ready"]
+        serving = [e for e in self.replicas.values() if e.state == "ready"]
+        self.ready = [e for e in serving if e.whole]
+        self.partial = [e for e in serving if not e.whole]
         self.wake()
 
     def wake(self) -> None:

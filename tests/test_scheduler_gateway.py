@@ -164,3 +164,63 @@ def test_metrics_endpoint_has_scale_up_and_ready_time_series_after_a_scale_up(tm
         assert _sample(text, "gateway_service_count", function_name="echo.openfaas-fn") == 3
     finally:
         system.close()
+
+
+class FakePeerHost(FakeStageHost):
+    """A FakeStageHost with a KeysManager address: records the chain orders (prefetch) and the peers and
+    live flag each start is given."""
+
+    def __init__(self, name: str, cached: set[str], slots: int, told: list) -> None:
+        super().__init__(name, cached, slots)
+        self.told = told
+
+    @property
+    def peer_address(self) -> str:
+        return f"http://{self.name}:7077"
+
+    async def prefetch(self, spec: ReplicaSpec, peers=()) -> dict:
+        self.told.append(("prefetch", self.name, list(peers)))
+        return {}
+
+    async def start(self, spec: ReplicaSpec, count: int, peers=(), live: bool = False) -> list[ReplicaStatus]:
+        self.told.append(("start", self.name, list(peers), live))
+        return await super().start(spec, count)
+
+
+def test_scale_up_onto_hosts_without_the_stage_multicasts_from_the_holder_and_starts_live(tmp_path, tiny_model):
+    """Three hosts need a stage only h0 holds: the reconciler orders the chain (h0 → h1 → h2 → h3) before the
+    starts, each start names its predecessor then the source as peers, and with live_scaling each starts live."""
+    function = "m-stage-0"
+    told: list = []
+
+    async def scenario() -> None:
+        hosts = [FakePeerHost("h0", {function}, 1, told)] + [FakePeerHost(f"h{i}", set(), 1, told) for i in (1, 2, 3)]
+        gw = EmbeddedGateway(GatewayConfig(port=0, state_dir=tmp_path, reconcile_interval_s=0.02, live_scaling=True),
+                             hosts, make_placer("first-fit"))
+        await gw.start()
+        try:
+            await gw.deploy(FunctionDeployment.from_json(
+                {"service": function, "image": "m-stage", "envVars": {
+                    "QUART_MODEL_DIR": str(tiny_model), "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "emulated"},
+                 "labels": {"com.openfaas.scale.min": "1", "com.openfaas.scale.max": "4"}}, gw.config.namespace))
+            deadline = time.monotonic() + 10
+            while len(gw.functions[function].ready) < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            told.clear()
+            await gw.scale(function, 4)
+            while len(gw.functions[function].ready) < 4:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        finally:
+            await gw.close()
+
+    asyncio.run(scenario())
+    src = "http://h0:7077"
+    prefetches = [t for t in told if t[0] == "prefetch"]
+    assert prefetches == [("prefetch", "h1", [src]), ("prefetch", "h2", ["http://h1:7077", src]),
+                          ("prefetch", "h3", ["http://h2:7077", src])]
+    starts = sorted(t for t in told if t[0] == "start")
+    assert starts == [("start", "h1", [src], True), ("start", "h2", ["http://h1:7077", src], True),
+                      ("start", "h3", ["http://h2:7077", src], True)]
+    assert told.index(prefetches[-1]) < min(told.index(s) for s in starts)  # the chain is told before the starts
