@@ -155,14 +155,20 @@ class _Api:
         return web.json_response({"pinned": sorted(self.km.pinned)})
 
     async def h_set_pins(self, request: web.Request) -> web.Response:
-        """Replace the pinned stages: ``{"functions": [...]}`` (the scheduler's keep_cached for this host)."""
+        """Replace the pinned stages: ``{"functions": [...], "sole": [...]}`` (the scheduler's keep_cached for
+        this host; optionally the stages no other host holds, which are evicted after duplicates)."""
         body = await _json(request)
-        functions = body.get("functions") if isinstance(body, dict) else None
-        if not isinstance(functions, list) or not all(isinstance(f, str) and _FUNCTION_RE.match(f) for f in functions):
+        if not isinstance(body, dict):
             raise invalid("functions", "the body must be {\"functions\": [<stage function name>, ...]}")
-        if len(functions) > 4096:
-            raise invalid("functions", "at most 4096 pinned functions")
-        return web.json_response({"pinned": self.km.pin(functions)})
+        names = {}
+        for key in ("functions", "sole"):
+            value = body.get(key, [] if key == "sole" else None)
+            if not isinstance(value, list) or not all(isinstance(f, str) and _FUNCTION_RE.match(f) for f in value):
+                raise invalid(key, f"{key} must be a list of stage function names")
+            if len(value) > 4096:
+                raise invalid(key, f"at most 4096 {key}")
+            names[key] = value
+        return web.json_response({"pinned": self.km.pin(names["functions"], names["sole"] if "sole" in body else None)})
 
     async def h_report(self, request: web.Request) -> web.Response:
         return web.json_response(self.km.report().to_dict())

@@ -150,9 +150,9 @@ class KeysManagerClient:
     def report(self) -> HostReport:
         return HostReport.from_dict(self._call("GET", "/v1/report"))
 
-    def pin(self, functions: list[str]) -> list[str]:
+    def pin(self, functions: list[str], sole: list[str] | None = None) -> list[str]:
         """Replace the stages whose zygotes the LRU evicts last and never for another zygote (key stages)."""
-        return self._call("PUT", "/v1/pins", {"functions": sorted(set(functions))})["pinned"]
+        return self._call("PUT", "/v1/pins", _pins_body(functions, sole))["pinned"]
 
     def pinned(self) -> list[str]:
         return self._call("GET", "/v1/pins")["pinned"]
@@ -236,8 +236,8 @@ class AsyncKeysManagerClient:
     async def report(self) -> HostReport:
         return HostReport.from_dict(await self._call("GET", "/v1/report"))
 
-    async def pin(self, functions: list[str]) -> list[str]:
-        return (await self._call("PUT", "/v1/pins", {"functions": sorted(set(functions))}))["pinned"]
+    async def pin(self, functions: list[str], sole: list[str] | None = None) -> list[str]:
+        return (await self._call("PUT", "/v1/pins", _pins_body(functions, sole)))["pinned"]
 
     async def pinned(self) -> list[str]:
         return (await self._call("GET", "/v1/pins"))["pinned"]
@@ -247,3 +247,10 @@ def _replicas_path(function: str | None, memory: bool) -> str:
     """``GET /v1/replicas``; ``memory=False`` skips the per-replica RSS/PSS readings (cheap polling)."""
     query = urlencode({k: v for k, v in (("function", function), ("memory", None if memory else "0")) if v})
     return "/v1/replicas" + (f"?{query}" if query else "")
+
+
+def _pins_body(functions: list[str], sole: list[str] | None) -> dict[str, list[str]]:
+    body = {"functions": sorted(set(functions))}
+    if sole is not None:
+        body["sole"] = sorted(set(sole))
+    return body

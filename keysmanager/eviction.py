@@ -2,7 +2,10 @@
 
 Least recently used first; a stage that still has live replicas goes last (dropping its zygote frees little:
 the replicas keep mapping the shared parameter pages, and it is the stage most likely to scale again).
-A protected stage (the one being cached right now) is never chosen. A *pinned* stage (a key stage's zygote
+A stage some other host of the cluster also holds (a *duplicate*) goes before a *sole copy* of the same
+standing: one cached copy per cluster is enough for fast scaling, since a host without one fetches it from a
+peer (BlitzScale §4); the gateway tells each host which of its stages are sole copies. A protected stage
+(the one being cached right now) is never chosen. A *pinned* stage (a key stage's zygote
 the scheduler keeps, ``ScheduleResult.keep_cached``) goes only after every unpinned one, and not at all
 when the room is wanted for an opportunistic cache (``evict_pinned=False``: the zygote a cold start
 leaves behind must not displace a key stage's). Dropping a zygote never kills a replica: replicas outlive
@@ -24,6 +27,7 @@ class CacheEntry:
     last_used: float  # any monotonic clock: larger = more recent
     live_replicas: int = 0
     pinned: bool = False  # the scheduler asked to keep it (a key stage's zygote)
+    sole_copy: bool = False  # no other host of the cluster holds it (losing it means the registry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +40,9 @@ class EvictionPlan:
 
 
 def eviction_order(entries: Iterable[CacheEntry]) -> list[CacheEntry]:
-    """All entries in the order they would be evicted: unpinned before pinned, then no live replicas first,
-    then least recently used."""
-    return sorted(entries, key=lambda e: (e.pinned, e.live_replicas > 0, e.last_used, e.function))
+    """All entries in the order they would be evicted: unpinned before pinned, duplicates before sole copies,
+    then no live replicas first, then least recently used."""
+    return sorted(entries, key=lambda e: (e.pinned, e.sole_copy, e.live_replicas > 0, e.last_used, e.function))
 
 
 def plan_eviction(

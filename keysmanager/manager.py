@@ -55,6 +55,7 @@ class KeysManager:
         self.name = config.name
         self.state_dir = config.state_path
         self.recovered = Recovered().summary()
+        self.sole: set[str] = set()  # stages no other host holds (the gateway says): evicted after duplicates
         self.pinned: set[str] = set()  # zygotes the scheduler keeps (key stages): evicted last (see eviction.py)
         self._state = StateFile(self.state_dir)
         self._launcher = Launcher(config)
@@ -155,7 +156,8 @@ class KeysManager:
 
     def _cache_entries(self) -> list[CacheEntry]:
         return [CacheEntry(z.function, z.segment.nbytes if not z.segment.users else 0, z.last_used,
-                           len(self.replicas.live(z.function)), pinned=z.function in self.pinned)
+                           len(self.replicas.live(z.function)), pinned=z.function in self.pinned,
+                           sole_copy=z.function in self.sole)
                 for z in self.zygotes.by_function.values()]
 
     async def _make_room(self, incoming: int, protect: set[str], evict_pinned: bool = True) -> None:
@@ -251,11 +253,14 @@ class KeysManager:
     async def stop(self, rid: str, drain: bool) -> Replica:
         return await self.replicas.stop(rid, drain)
 
-    def pin(self, functions: list[str]) -> list[str]:
+    def pin(self, functions: list[str], sole: list[str] | None = None) -> list[str]:
         """Replace the set of pinned stages (the scheduler's ``keep_cached`` for this host); returns it sorted.
         A pin stops a key stage's zygote from being traded for another zygote; it does not stop the host
-        getting back under its memory limit (pinned zygotes are then evicted last)."""
+        getting back under its memory limit (pinned zygotes are then evicted last). ``sole``, when given,
+        replaces the stages this host alone holds in the cluster (evicted after every duplicate)."""
         self.pinned = set(functions)
+        if sole is not None:
+            self.sole = set(sole)
         return sorted(self.pinned)
 
     async def invalidate(self, function: str) -> bool:

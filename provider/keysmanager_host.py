@@ -94,9 +94,10 @@ class KeysManagerHost:
             statuses = [replace(s, source="cold") for s in statuses]
         return statuses
 
-    async def pin(self, functions: list[str]) -> list[str]:
-        """Keep these stages' zygotes through LRU eviction (the scheduler's ``keep_cached`` for this host)."""
-        return await self.client.pin(functions)
+    async def pin(self, functions: list[str], sole: list[str] | None = None) -> list[str]:
+        """Keep these stages' zygotes through LRU eviction (the scheduler's ``keep_cached`` for this host);
+        ``sole``: the stages no other host holds, which its eviction drops after any duplicate."""
+        return await self.client.pin(functions, sole)
 
     async def stop(self, replica_id: str) -> None:
         if replica_id.startswith(f"{self.name}-") and replica_id in {r.id for r in await self._processes.replicas()}:

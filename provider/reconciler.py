@@ -47,7 +47,7 @@ class Reconciler:
         self.functions = functions
         self.key_history = key_history
         self.scheduler_metrics = scheduler_metrics
-        self.pins: dict[str, tuple[str, ...]] = {}  # host → key-stage zygotes last pinned there (keep_cached)
+        self.pins: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # host → (pinned, sole copies) sent
         self._placed: dict[str, tuple[float, str, bool]] = {}  # replica id → (asked at, planned source, key)
         self._param_bytes: dict[str, tuple[int, int]] = {}  # function → (generation, stage parameter bytes)
         self._kick = asyncio.Event()
@@ -247,7 +247,7 @@ class Reconciler:
         self.scheduler_metrics.record_hosts(views)
         result = self.placer.place(views, requests, dict(self.key_history))
         self.scheduler_metrics.record_schedule(result)
-        await self._pin_kept(result, [v.name for v in views])
+        await self._pin_kept(result, views)
         asked_at = time.monotonic()
         for fn in self.functions.values():
             fn.unplaced = 0
@@ -289,21 +289,29 @@ class Reconciler:
         except Exception as exc:
             log.warning("%s: chain multicast over %s failed: %s", fn.name, plan.chain, exc)
 
-    async def _pin_kept(self, result: ScheduleResult, hosts: list[str]) -> None:
+    async def _pin_kept(self, result: ScheduleResult, views: list[HostView]) -> None:
         """Make ``keep_cached`` binding (QUART §6): each host's KeysManager evicts those key-stage zygotes last
-        and never to cache another stage. Sent only when a host's set changes; a failure is logged, not fatal."""
+        and never to cache another stage; and tell each host which stages it alone holds (its eviction drops
+        duplicates first: one copy per cluster is enough, the others fetch from it). Sent only when a host's
+        sets change; a failure is logged, not fatal."""
         calls, names = [], []
-        for name in hosts:
+        copies: dict[str, int] = {}
+        for view in views:
+            for function in view.cached:
+                copies[function] = copies.get(function, 0) + 1
+        for view in views:
+            name = view.name
             kept = tuple(sorted(f for f, h in result.keep_cached if h == name))
+            sole = tuple(sorted(f for f in view.cached if copies[f] == 1))
             pin = getattr(self.hosts[name], "pin", None)  # KeysManager hosts pin; process hosts have nothing to pin
-            if pin is not None and self.pins.get(name, ()) != kept:
-                calls.append(within(5.0, pin(list(kept))))  # a stuck host must not stall placing
-                names.append((name, kept))
-        for (name, kept), outcome in zip(names, await asyncio.gather(*calls, return_exceptions=True), strict=True):
+            if pin is not None and self.pins.get(name, ((), ())) != (kept, sole):
+                calls.append(within(5.0, pin(list(kept), list(sole))))  # a stuck host must not stall placing
+                names.append((name, (kept, sole)))
+        for (name, sent), outcome in zip(names, await asyncio.gather(*calls, return_exceptions=True), strict=True):
             if isinstance(outcome, BaseException):
-                log.warning("pinning %s on host %s failed: %s", ", ".join(kept) or "nothing", name, outcome)
+                log.warning("pinning %s on host %s failed: %s", ", ".join(sent[0]) or "nothing", name, outcome)
             else:
-                self.pins[name] = kept
+                self.pins[name] = sent
 
     async def _start_placed(self, fn: FunctionState, placement: Placement, generation: int, asked_at: float,
                             peers: list[str]) -> None:

@@ -61,3 +61,14 @@ def test_pinned_zygotes_go_last_and_never_for_an_opportunistic_cache():
     # caching another stage may not displace a pinned zygote
     plan = plan_eviction(entries, 300 * MB, 50 * MB, evict_pinned=False)
     assert plan.evict == ("idle", "busy") and not plan.satisfied
+
+
+def test_duplicates_go_before_sole_copies_of_the_cluster():
+    """One cached copy per cluster is enough (the others fetch from it): an older sole copy outlives a newer
+    duplicate; pins still rank above both."""
+    entries = [CacheEntry("sole-old", 10, last_used=1.0, sole_copy=True),
+               CacheEntry("dup-new", 10, last_used=5.0),
+               CacheEntry("pinned-dup", 10, last_used=0.5, pinned=True)]
+    assert [e.function for e in eviction_order(entries)] == ["dup-new", "sole-old", "pinned-dup"]
+    plan = plan_eviction(entries, memory_used=30, memory_limit=25)
+    assert plan.evict == ("dup-new",) and plan.satisfied

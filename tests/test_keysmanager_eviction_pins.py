@@ -40,6 +40,11 @@ def test_pins_are_set_read_and_validated_over_the_api(daemon):  # noqa: F811
             d.client._call("PUT", "/v1/pins", bad)
         assert err.value.status == 400 and err.value.field == "functions"
     assert d.client.pin([]) == [] and d.client.health()["name"] == "hv"
+    assert d.client.pin(["a-stage-1"], sole=["a-stage-1", "c-stage-0"]) == ["a-stage-1"]  # sole copies: accepted
+    for bad in ({"functions": [], "sole": "a"}, {"functions": [], "sole": ["../etc"]}):
+        with pytest.raises(KeysManagerError) as err:
+            d.client._call("PUT", "/v1/pins", bad)
+        assert err.value.status == 400 and err.value.field == "sole"
 
 
 @pytest.mark.slow  # ~15 s: zygote loads and a cold start of a real (tiny) model

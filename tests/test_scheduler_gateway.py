@@ -67,8 +67,9 @@ class FakeStageHost:
     async def close(self) -> None:
         self.live.clear()
 
-    async def pin(self, functions: list[str]) -> list[str]:
+    async def pin(self, functions: list[str], sole: list[str] | None = None) -> list[str]:
         self.pins.append(functions)
+        self.sole = sole
         return functions
 
 
@@ -119,6 +120,7 @@ def test_gateway_places_with_parameter_bytes_pins_kept_zygotes_and_counts_hits(t
             assert any(r.key for batch in placer.requests for r in batch)
             assert {e.host for e in gw.functions[function].ready} == {"h0"}  # the cached host, all forks
             assert hosts[0].pins[-1] == [function] and hosts[1].pins == []  # keep_cached, made binding
+            assert hosts[0].sole == [function]  # no other host holds it: evicted after any duplicate
             snap = gw.scheduler_metrics.snapshot()
             assert (snap.hits, snap.scale_ups) == (3, 3) and snap.key_hit_rate == 1.0
             assert snap.key_scale_ups == 2  # the deploy's first replica was not a key-stage scale-up
