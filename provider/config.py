@@ -44,6 +44,7 @@ class GatewayConfig:
     retry_after_s: int = 1  # Retry-After on 429/503
     upstream_timeout_s: float = 300.0  # one proxied request to a replica
     drain_timeout_s: float = 30.0  # a replica being stopped finishes its in-flight requests within this
+    peer_fetch: bool = True  # a host without a stage fetches it from hosts that hold it before the registry
     live_scaling: bool = False  # a start that fetches parameters serves the layers held while the rest arrive
     start_timeout_s: float = 120.0  # a replica not ready after this is stopped and replaced
     async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)

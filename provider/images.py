@@ -28,6 +28,8 @@ from typing import Literal
 from quart_provider.deployment import FunctionDeployment
 from quart_stage.errors import QuartError, invalid
 
+from keysmanager.registry import MODEL_URL_ENV, RegistryError, parse_model_url
+
 INDEX_FILE = "images.json"
 STAGE_LANG = "pipeline-stage"
 ECHO_IMAGE = "quart/echo"
@@ -82,9 +84,17 @@ class ImageIndex:
 
 def _stage_runnable(deployment: FunctionDeployment, source: str) -> Runnable:
     model_dir = deployment.env_vars.get(MODEL_DIR_ENV)
+    model_url = deployment.env_vars.get(MODEL_URL_ENV)
+    if model_url and not model_dir:  # from the model registry: each host's KeysManager makes it local
+        try:
+            parse_model_url(model_url)
+        except RegistryError as exc:
+            raise invalid(f"envVars.{MODEL_URL_ENV}", str(exc)) from None
+        return Runnable("stage", source)
     if not model_dir:
         raise invalid(f"envVars.{MODEL_DIR_ENV}",
-                      f"a {STAGE_LANG} function needs envVars.{MODEL_DIR_ENV} (the partitioned model folder)")
+                      f"a {STAGE_LANG} function needs envVars.{MODEL_DIR_ENV} (the partitioned model folder) or "
+                      f"envVars.{MODEL_URL_ENV} (the model in a registry, s3://bucket/prefix)")
     if not (Path(model_dir) / "manifest.json").is_file():
         raise invalid(f"envVars.{MODEL_DIR_ENV}", f"envVars.{MODEL_DIR_ENV}={model_dir!r} holds no manifest.json; "
                       "partition the model first (quartctl partition)")
@@ -107,7 +117,7 @@ def resolve(deployment: FunctionDeployment, index: ImageIndex) -> Runnable:
             raise invalid("image", f"image {image!r} is built from template {lang!r}; only {STAGE_LANG!r} functions "
                                    f"and {ECHO_IMAGE} run on the embedded gateway (no container runtime)")
         return _stage_runnable(deployment, f"image index ({entry.get('stack', index.path)})")
-    if MODEL_DIR_ENV in deployment.env_vars:
+    if MODEL_DIR_ENV in deployment.env_vars or MODEL_URL_ENV in deployment.env_vars:
         return _stage_runnable(deployment, f"{STAGE_LANG} (envVars.{MODEL_DIR_ENV})")
     raise invalid(
         "image",

@@ -255,7 +255,7 @@ class Reconciler:
             if req.function in self.functions:
                 self.functions[req.function].unplaced += req.count
         holders: dict[str, list[str]] = {}
-        for view in views:
+        for view in views if self.config.peer_fetch else ():
             for function in view.cached:
                 holders.setdefault(function, []).append(view.name)
         fetches = {plan.function: plan for plan in plan_fetches(result.placements, holders)}

@@ -28,6 +28,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "hosts": ("quart_tools.bench.hosts:main", "netns hosts: registry fetch at NIC rate, cross-host requests, host failure"),
     "k8s-start": ("quart_tools.bench.k8s_start:main", "stage pod start: attach to the node's KeysManager cache vs cold"),
     "blitz": ("quart_tools.bench.blitz:main", "a stage to k netns hosts: chain multicast vs the source sending k times"),
+    "blitzscale": ("quart_tools.bench.blitzscale:main",
+                   "scale-up without a local cache: registry, peer, multicast, live layers, all-cache; with a burst"),
     "cuda": ("quart_tools.bench.cuda:main", "fork then parameters onto the GPU: pageable vs staged vs registered; cold"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }

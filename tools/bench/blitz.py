@@ -60,6 +60,8 @@ class PeerCluster:
     endpoint: str = ""
     stage: Path | None = None  # the stage's bytes as uploaded (for equality checks)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    preload: bool = False  # KeysManagers with the preloader (imports done once; zygotes fork from it)
+    km_args: tuple[str, ...] = ()  # more KeysManager flags (e.g. --gpus for the gateway's placer)
 
     @property
     def spec(self) -> StageSpec:
@@ -85,7 +87,7 @@ class PeerCluster:
         creds.write_text("[default]\naws_access_key_id = blitz\naws_secret_access_key = blitz-secret\n")
         creds.chmod(0o600)
         return {**os.environ, "AWS_SHARED_CREDENTIALS_FILE": str(creds), "QUART_REGISTRY_ENDPOINT": self.endpoint,
-                "KM_PRELOAD": "false"}
+                "KM_PRELOAD": "true" if self.preload else "false"}
 
     def start_km(self, host: str, token: str = TOKEN) -> None:
         """A KeysManager in ``host``'s namespace (fresh state dir), listening on its address."""
@@ -93,7 +95,8 @@ class PeerCluster:
         address = self.net.host(host).address
         argv = [sys.executable, "-m", "keysmanager.daemon", "--name", host, "--socket",
                 str(self.work / f"{host}.sock"), "--state-dir", str(self.state_dir(host)), "--listen",
-                f"{address}:{PORT}", "--token-file", str(self.token_file(token)), "--host-address", address]
+                f"{address}:{PORT}", "--token-file", str(self.token_file(token)), "--host-address", address,
+                *self.km_args]
         log = open(self.work / f"{host}.log", "ab")  # noqa: SIM115 - the child owns it
         self.procs[host] = subprocess.Popen(self.net.exec_argv(host, argv), env=self.env(), stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
