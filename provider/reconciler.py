@@ -258,7 +258,10 @@ class Reconciler:
         for view in views if self.config.peer_fetch else ():
             for function in view.cached:
                 holders.setdefault(function, []).append(view.name)
-        fetches = {plan.function: plan for plan in plan_fetches(result.placements, holders)}
+        # a host serving replicas sends their answers (activations) on its NIC: chains avoid sending from it
+        serving = [v.name for v in views if any(v.running.values())]
+        busy = {(a, b) for a in serving for b in (v.name for v in views) if a != b}
+        fetches = {plan.function: plan for plan in plan_fetches(result.placements, holders, busy)}
         for plan in fetches.values():
             if len(plan.chain) > 2 and plan.function in self.functions:
                 await self._multicast(self.functions[plan.function], plan)
