@@ -149,3 +149,24 @@ def test_emulated_time_scales_with_the_range(models):
     assert times[0, 6] >= 0.12
     assert 0.12 * share * 0.9 <= times[0, 3] <= 0.12 * share + 0.04  # load noise: a few ms of slack
     assert wire.decode(resp.body).tensors["hidden_states"].shape == (2, 7, 32)
+
+
+def test_manifest_records_each_layers_bytes_and_sha256_in_file_order(models):
+    import hashlib
+    import os
+
+    for family in CONFIGS:
+        d = models[family, 2]
+        for entry in Manifest.load(d).stages:
+            data = open(os.path.join(d, entry.file), "rb").read()
+            spans = entry.layer_bytes
+            assert len(spans) == len(entry.layer_sha256) == entry.end - entry.start
+            assert spans[0][0] == 0 and spans[-1][1] == len(data) == entry.file_bytes
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
+            for (lo, hi), sha in zip(spans, entry.layer_sha256, strict=True):
+                assert hashlib.sha256(data[lo:hi]).hexdigest() == sha
+    legacy = Manifest.load(models["llama", 1]).to_json()
+    raw = json.loads(legacy)
+    for s in raw["stages"]:
+        del s["layer_bytes"], s["layer_sha256"]
+    assert Manifest.from_dict(raw).stages[0].layer_bytes is None  # older manifests still load
