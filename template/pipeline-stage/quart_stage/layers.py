@@ -13,20 +13,17 @@ after each layer's sha256 matched (``keysmanager.transfer``). Every response say
 
 from __future__ import annotations
 
-import os
 import re
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from quart_stage.errors import QuartError, invalid
+from quart_stage.progress import read_progress
 
 H_LAYERS, H_LAYERS_HELD = "X-Quart-Layers", "X-Quart-Layers-Held"
 FIELD = "layers"
 _RANGE = re.compile(r"^\s*(\d{1,6})\s*-\s*(\d{1,6})\s*$")
-PROGRESS_FORMAT = "<Q"
-"""The progress file: one little-endian u64, the number of the stage's layers (from its start) verified."""
 
 
 @dataclass(frozen=True)
@@ -99,17 +96,8 @@ class LiveProgress:
         self._count = 0
 
     def verified(self) -> int:
-        if self.start + self._count < self.end:
-            try:
-                fd = os.open(self.path, os.O_RDONLY)
-                try:
-                    raw = os.pread(fd, 8, 0)
-                finally:
-                    os.close(fd)
-            except OSError:
-                raw = b""
-            if len(raw) == 8:  # never goes back: the writer only ever raises it
-                self._count = max(self._count, min(struct.unpack(PROGRESS_FORMAT, raw)[0], self.end - self.start))
+        if self.start + self._count < self.end:  # never goes back: the writer only ever raises it
+            self._count = max(self._count, min(read_progress(self.path), self.end - self.start))
         return self._count
 
     def held(self) -> tuple[int, int]:
@@ -118,23 +106,3 @@ class LiveProgress:
     @property
     def full(self) -> bool:
         return self.start + self._count >= self.end
-
-
-def read_progress(path: str) -> int:
-    """The verified-layer count of a progress file (0 when absent or short)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-    except OSError:
-        return 0
-    return struct.unpack(PROGRESS_FORMAT, raw)[0] if len(raw) == 8 else 0
-
-
-def write_progress(path: str, count: int) -> None:
-    """Raise a progress file to ``count`` (never lowers it); replaced atomically, so a reader sees old or new."""
-    if read_progress(path) >= count:
-        return
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack(PROGRESS_FORMAT, count))
-    os.replace(tmp, path)
