@@ -116,7 +116,8 @@ class _Api:
         if mode not in FORK_MODES:
             raise invalid("mode", f"mode must be one of {', '.join(FORK_MODES)}, got {mode!r}")
         flags = {}
-        for name, default in (("survive", False), ("wait", True), ("cache", self.km.config.cache_on_cold)):
+        for name, default in (("survive", False), ("wait", True), ("cache", self.km.config.cache_on_cold),
+                              ("live", False)):
             flags[name] = body.get(name, default)
             if not isinstance(flags[name], bool):
                 raise invalid(name, f"{name} must be true or false")

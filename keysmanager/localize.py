@@ -13,15 +13,28 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 from keysmanager.errors import InvalidSpec, RegistryUnavailable
 from keysmanager.peers import StageFile, stream_from_peer
-from keysmanager.registry import MANIFEST, MODEL_URL_ENV, ModelRegistry, RegistryError
+from keysmanager.registry import LIVE_MANIFEST, MANIFEST, MODEL_URL_ENV, ModelRegistry, RegistryError
 from keysmanager.transfer import FetchResult, VerifiedWriter
 from keysmanager.types import StageSpec
+
+
+@dataclass(frozen=True, slots=True)
+class LiveTarget:
+    """A stage file still arriving, as a live replica maps it: the folder (tokenizer, ``LIVE_MANIFEST``), the
+    pre-sized partial file, the progress file (layers verified) and the number of the stage's layers."""
+
+    folder: Path
+    stage_index: int
+    partial: Path
+    progress: Path
+    manifest: Path
+    layers: int
 
 
 class Localizer:
@@ -42,10 +55,11 @@ class Localizer:
         index = spec.env.get("QUART_STAGE_INDEX", "0")
         return self.root / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{index}"
 
-    async def localize(self, spec: StageSpec, peers: Sequence[str] = ()) -> StageSpec:
+    async def localize(self, spec: StageSpec, peers: Sequence[str] = (), live: bool = False) -> StageSpec:
         """``spec`` with its local ``QUART_MODEL_DIR``: fetched once per host, however many starts ask at once,
         from the first of ``peers`` that delivers verified bytes, else from the registry (in a worker thread).
-        Raises RegistryUnavailable naming every cause."""
+        Raises RegistryUnavailable naming every cause. ``live``: check the file layer by layer as it arrives
+        (``start_live``)."""
         if not _from_registry(spec):
             return spec
         folder = self.folder(spec)
@@ -53,7 +67,7 @@ class Localizer:
         try:
             async with self._locks.setdefault(folder, asyncio.Lock()):
                 if not (folder / MANIFEST).exists():
-                    await self._fetch(spec, folder, list(peers))
+                    await self._fetch(spec, folder, list(peers), live)
         finally:
             self.active.discard(spec.function)
         return replace(spec, env={**spec.env, "QUART_MODEL_DIR": str(folder)})
@@ -71,7 +85,30 @@ class Localizer:
         with contextlib.suppress(RegistryUnavailable, InvalidSpec):
             await self.localize(spec, peers)
 
-    async def _fetch(self, spec: StageSpec, folder: Path, peers: list[str]) -> None:
+    async def start_live(self, spec: StageSpec, peers: Sequence[str] = ()) -> tuple[LiveTarget, asyncio.Task] | None:
+        """Start making a registry stage local with per-layer checks, and answer as soon as its writer is open:
+        where the file fills (``LiveTarget``) and the transfer's task. None when there is nothing to do live: not a
+        registry stage, already local, a manifest without per-layer hashes, or a transfer that ended before
+        (the caller then takes the ordinary path, which reports any error)."""
+        if not _from_registry(spec) or (self.folder(spec) / MANIFEST).exists():
+            return None
+        function, folder = spec.function, self.folder(spec)
+        self.active.add(function)
+        task = asyncio.create_task(self.localize(spec, peers, live=True))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: the caller reports it
+        while not task.done():
+            stage = self.files.get(function)
+            writer = stage.writer if stage is not None else None
+            if writer is not None and writer.layers is not None and writer.state == "writing":
+                index = int(spec.env.get("QUART_STAGE_INDEX", "0"))
+                return LiveTarget(folder, index, writer.partial, writer.layers.progress, folder / LIVE_MANIFEST,
+                                  len(writer.layers.spans)), task
+            await asyncio.sleep(0.002)
+        return None
+
+    async def _fetch(self, spec: StageSpec, folder: Path, peers: list[str], live: bool = False) -> None:
         index = spec.env.get("QUART_STAGE_INDEX", "0")
         try:
             stage_index = int(index)
@@ -88,7 +125,7 @@ class Localizer:
         self.files.pop(function, None)
         try:
             result = await asyncio.to_thread(registry.materialize, stage_index, folder, peers=sources,
-                                             on_writer=on_writer)
+                                             on_writer=on_writer, live=live)
         except RegistryError as exc:
             self.files.pop(function, None)
             raise RegistryUnavailable(f"stage {function!r}: {exc}", "spec.env." + MODEL_URL_ENV) from None

@@ -36,6 +36,7 @@ from keysmanager.config import KeysManagerConfig
 from keysmanager.errors import InvalidSpec, ManagerError, NoRoom, NotFound
 from keysmanager.eviction import CacheEntry, plan_eviction
 from keysmanager.launcher import Launcher
+from keysmanager.live import held_of, start_live
 from keysmanager.localize import Localizer
 from keysmanager.peers import StageFile
 from keysmanager.records import Replica, Segments, Zygote
@@ -213,11 +214,19 @@ class KeysManager:
             return z
 
     async def start_replicas(self, spec: StageSpec, count: int, mode: str, survive: bool, wait: bool,
-                             cache: bool, cold: bool = False, peers: Sequence[str] = ()) -> list[Replica]:
+                             cache: bool, cold: bool = False, peers: Sequence[str] = (),
+                             live: bool = False) -> list[Replica]:
         """Fork ``count`` replicas from the stage's zygote, or cold-start them when it has none (and cache the stage
         when ``cache``). ``cold``: always cold-start, never touching the cache (a function deployed without the
-        KeysManager, ``com.quart.keysmanager: off``)."""
+        KeysManager, ``com.quart.keysmanager: off``). ``live``: a registry stage not yet local starts serving
+        the layers that arrived while its file is still arriving (``keysmanager.live``)."""
         requested_at = time.monotonic()
+        if live and not cold:
+            self.replicas.check_free_slots(count)
+            found = await self.localizer.start_live(spec, peers)
+            if found is not None:
+                started = await start_live(self, spec, *found, count, survive, requested_at)
+                return await self._started(started, wait)
         spec = await self.localize(spec, peers)
         stage = self._resolve(spec)
         self.replicas.check_free_slots(count)
@@ -238,6 +247,11 @@ class KeysManager:
                 started.append(self.replicas.spawn_cold(spec, stage, mode, survive, requested_at))
             if cache and not cold:
                 self._spawn_task(self._cache_quietly(spec))
+        for rep in started:
+            rep.layers = stage.layers
+        return await self._started(started, wait)
+
+    async def _started(self, started: list[Replica], wait: bool) -> list[Replica]:
         self._state.touch()
         self._write_state()  # before answering: a restart must know these processes even if we die now
         waits = [self._spawn_task(self.replicas.await_ready(r)) for r in started]
@@ -304,10 +318,14 @@ class KeysManager:
     # ---------------------------------------------------------------- views
     def replica_info(self, rep: Replica, memory: bool = True) -> ReplicaInfo:
         rss, pss = sysutil.memory_of(rep.pid) if memory and rep.state != "dead" else (0, 0)
+        held = held_of(rep)
         return ReplicaInfo(id=rep.id, function=rep.function, host=self.name, pid=rep.pid, port=rep.port,
                            url=f"http://{self.config.host_address}:{rep.port}", state=rep.state, source=rep.source,
                            ready_ms=rep.ready_ms, rss_bytes=rss, pss_bytes=pss, mode=rep.mode,
-                           survive=rep.survive, gpu_slot=rep.gpu_slot, exit_status=rep.exit_status)
+                           survive=rep.survive, gpu_slot=rep.gpu_slot, exit_status=rep.exit_status,
+                           layers=list(rep.layers) if rep.layers else None,
+                           layers_held=list(held) if held else None,
+                           live=rep.progress is not None and held != rep.layers)
 
     def replica_infos(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
         """Every replica kept (live and recently dead), of ``function`` when given."""

@@ -139,8 +139,17 @@ def stream_from_peer(peer: str, function: str, token: str | None, writer: Verifi
         if writer.sha256 and offered and offered != writer.sha256:
             raise TransferError(f"peer {peer} holds another version of {function} (sha256 {offered[:16]}…)")
         buffer = memoryview(bytearray(PEER_CHUNK_BYTES))
-        while n := reply.readinto(buffer):
-            writer.write(buffer[:n])
+        remaining = reply.length  # Content-Length (None: until the peer closes)
+        while remaining is None or remaining > 0:
+            # readinto1: what has arrived (one socket read), not a full buffer: a live writer verifies and
+            # announces each layer as soon as its last byte lands, not a chunk later
+            view = buffer if remaining is None else buffer[:min(len(buffer), remaining)]
+            n = reply.fp.readinto1(view)
+            if not n:
+                break
+            writer.write(view[:n])
+            if remaining is not None:
+                remaining -= n
     except (OSError, http.client.HTTPException) as exc:
         raise TransferError(f"peer {peer}: {type(exc).__name__}: {exc}") from None
     finally:

@@ -117,3 +117,5 @@ class Replica:
     adopted: bool = False
     param_bytes: int = 0
     died: asyncio.Event = field(default_factory=asyncio.Event)
+    layers: tuple[int, int] | None = None  # the stage's layer range [S, E) (None: no manifest, no layer list)
+    progress: str | None = None  # a live replica's progress file (keysmanager.live): the layers verified so far

@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 from keysmanager.transfer import (
     CHUNK_BYTES,
     FetchResult,
+    LayerCheck,
     Progress,
     StreamInto,
     TransferError,
@@ -36,6 +37,8 @@ from keysmanager.transfer import (
 MODEL_URL_ENV = "QUART_MODEL_URL"  # s3://bucket/prefix of a partitioned model (stack.yml environment)
 ENDPOINT_ENV = "QUART_REGISTRY_ENDPOINT"  # S3 endpoint URL when not AWS (MinIO, a local server)
 MANIFEST = "manifest.json"
+LIVE_MANIFEST = "manifest.live.json"  # written first by a live fetch: a live replica reads it before MANIFEST exists
+PROGRESS_SUFFIX = ".layers"  # <stage file>.layers: the verified-layer count of a live fetch (quart_stage.progress)
 
 
 class RegistryError(TransferError):
@@ -168,13 +171,16 @@ class ModelRegistry:
 
     def materialize(self, stage_index: int, dest_dir: Path, on_progress: Progress | None = None,
                     peers: Sequence[tuple[str, StreamInto]] = (),
-                    on_writer: Callable[[VerifiedWriter], None] | None = None) -> FetchResult:
+                    on_writer: Callable[[VerifiedWriter], None] | None = None, live: bool = False) -> FetchResult:
         """A local model folder holding the manifest, the tokenizer and stage ``stage_index`` (fetched,
         verified), usable as ``QUART_MODEL_DIR``. A stage file already there with the right checksum is kept.
 
         The manifest always comes from the registry (the authority on what the stage's bytes must be); the stage
         file comes from the first of ``peers`` (label, stream) that delivers it verified, else from the registry.
-        ``on_writer`` sees each writer as it opens (a KeysManager serves a transfer in flight on to peers)."""
+        ``on_writer`` sees each writer as it opens (a KeysManager serves a transfer in flight on to peers).
+        ``live``: when the manifest has per-layer hashes, write the manifest to ``LIVE_MANIFEST`` first and check
+        the stage file layer by layer as it arrives (``keysmanager.transfer.LayerCheck``): a live replica serves
+        the layers verified so far (``keysmanager.live``)."""
         dest_dir = Path(dest_dir)
         dest_dir.mkdir(parents=True, exist_ok=True)
         manifest = self.manifest()
@@ -191,9 +197,11 @@ class ModelRegistry:
         if name:
             target = dest_dir / name
             if not (target.exists() and sha256_file(target) == entry.get("sha256")):
+                check = live_check(dest_dir, manifest, stage_index) if live else None
+
                 def open_writer() -> VerifiedWriter:
                     writer = VerifiedWriter(target, entry.get("sha256"), entry.get("file_bytes"),
-                                            f"stage {stage_index} of {self.url}", on_progress)
+                                            f"stage {stage_index} of {self.url}", on_progress, layers=check)
                     if on_writer is not None:
                         on_writer(writer)
                     return writer
@@ -207,6 +215,24 @@ class ModelRegistry:
         tmp.write_text(json.dumps(manifest))
         os.replace(tmp, dest_dir / MANIFEST)
         return result
+
+
+def live_check(dest_dir: Path, manifest: dict, stage_index: int) -> LayerCheck | None:
+    """Prepare a live fetch of stage ``stage_index`` into ``dest_dir``: the manifest written to ``LIVE_MANIFEST``
+    (a live replica reads it before the folder is complete), no stale partial or progress file; the check its
+    writer runs. None when the manifest has no per-layer hashes (an older partition) or the stage no file."""
+    entry = manifest["stages"][stage_index]
+    spans, hashes, name = entry.get("layer_bytes"), entry.get("layer_sha256"), entry.get("file")
+    if not spans or not hashes or not name or not entry.get("file_bytes"):
+        return None
+    target = dest_dir / name
+    progress = target.with_name(target.name + PROGRESS_SUFFIX)
+    progress.unlink(missing_ok=True)  # a live replica of an earlier attempt keeps what it read; it never lowers
+    target.with_name(target.name + ".partial").unlink(missing_ok=True)
+    tmp = dest_dir / (LIVE_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, dest_dir / LIVE_MANIFEST)
+    return LayerCheck(tuple((int(a), int(b)) for a, b in spans), tuple(hashes), progress)
 
 
 def _bar(total: int, desc: str, enabled: bool):

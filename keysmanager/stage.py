@@ -36,6 +36,7 @@ class StageRef:
     sha256: str
     param_bytes: int
     fingerprint: str  # changes when the checkpoint (manifest sha256, file size/mtime) or the environment does
+    layers: tuple[int, int] | None = None  # the stage's layer range [S, E) (None without a manifest)
 
 
 def _config(env: Mapping[str, str]) -> StageConfig:
@@ -49,7 +50,7 @@ def resolve_stage(function: str, env: Mapping[str, str]) -> StageRef:
     """Find the stage's checkpoint from its environment. Raises UnknownStage or ValueError."""
     cfg = _config(env)
     checkpoint: Path | None = None
-    sha, nbytes, stat_key = "", 0, ()
+    sha, nbytes, stat_key, layers = "", 0, (), None
     if cfg.model_dir is not None:
         if not os.path.isdir(cfg.model_dir):
             raise UnknownStage(f"model folder {cfg.model_dir} does not exist")
@@ -61,7 +62,7 @@ def resolve_stage(function: str, env: Mapping[str, str]) -> StageRef:
             raise UnknownStage(f"model {manifest.model!r} has stages 0..{manifest.num_stages - 1}, "
                                f"not {cfg.stage_index}", "spec.env.QUART_STAGE_INDEX")
         entry = manifest.stage(cfg.stage_index)
-        sha = entry.sha256 or ""
+        sha, layers = entry.sha256 or "", (entry.start, entry.end)
         if entry.file is not None:
             checkpoint = Path(cfg.model_dir) / entry.file
             try:
@@ -70,7 +71,7 @@ def resolve_stage(function: str, env: Mapping[str, str]) -> StageRef:
                 raise UnknownStage(f"stage file {checkpoint} is missing") from None
             nbytes, stat_key = st.st_size, (st.st_size, st.st_mtime_ns, st.st_ino)
     key = json.dumps({"env": dict(sorted(env.items())), "sha256": sha, "stat": stat_key}).encode()
-    return StageRef(function, dict(env), checkpoint, sha, nbytes, hashlib.sha256(key).hexdigest()[:16])
+    return StageRef(function, dict(env), checkpoint, sha, nbytes, hashlib.sha256(key).hexdigest()[:16], layers)
 
 
 def stage_checkpoint(env: Mapping[str, str]) -> Path | None:

@@ -5,6 +5,12 @@ nothing half-fetched or corrupt is ever where a zygote could load it.
 
 While a transfer runs, ``written`` says how many bytes of the partial file are on disk: a KeysManager serves
 them on to the next host of a chain (``keysmanager.peers.serve_file``) before the transfer ends.
+
+Live (``layers`` given, a :class:`LayerCheck`): the partial file is pre-sized (so a replica can map it while it
+fills), each layer's bytes are hashed as they arrive and, once a layer's sha256 matches the manifest, the
+progress file is raised to the number of layers verified (``quart_stage.progress``). A layer that does not
+match ends the attempt (TransferError: the next source is tried). A later attempt keeps the partial file (a
+live replica maps it) and never rewrites bytes of layers already verified: it only hashes them.
 """
 
 from __future__ import annotations
@@ -17,9 +23,21 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quart_stage.progress import read_progress, write_progress
+
 CHUNK_BYTES = 4 << 20
 
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCheck:
+    """Per-layer integrity of one stage file: byte ranges ``[offset, end)`` tiling the file in layer order, their
+    sha256, and the progress file to raise as each one verifies."""
+
+    spans: tuple[tuple[int, int], ...]
+    sha256: tuple[str, ...]
+    progress: Path
 
 
 class TransferError(RuntimeError):
@@ -48,7 +66,7 @@ class VerifiedWriter:
     """
 
     def __init__(self, dest: Path, sha256: str | None = None, size: int | None = None, what: str = "",
-                 on_progress: Progress | None = None) -> None:
+                 on_progress: Progress | None = None, layers: LayerCheck | None = None) -> None:
         self.dest = Path(dest)
         self.partial = self.dest.with_name(self.dest.name + ".partial")
         self.sha256, self.size, self.what = sha256, size, what or str(dest)
@@ -59,10 +77,22 @@ class VerifiedWriter:
         self._digest = hashlib.sha256()
         self._started = time.perf_counter()
         self._file = None
+        self.layers = layers
+        self._layer = 0  # the layer being hashed now
+        self._layer_digest = hashlib.sha256()
+        self._keep = 0  # bytes at the start already verified by an earlier attempt: hashed, never rewritten
 
     def __enter__(self) -> VerifiedWriter:
         self.dest.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.partial, "wb")  # noqa: SIM115 - closed in commit/abort
+        if self.layers is None:
+            self._file = open(self.partial, "wb")  # noqa: SIM115 - closed in commit/abort
+            return self
+        fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)  # never truncated: a live replica maps it
+        self._file = os.fdopen(fd, "r+b")
+        if self.size is not None and os.fstat(fd).st_size < self.size:
+            os.ftruncate(fd, self.size)  # pre-sized: mappable whole; bytes not arrived read as zeros
+        done = read_progress(str(self.layers.progress))
+        self._keep = self.layers.spans[done - 1][1] if done else 0
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -70,14 +100,37 @@ class VerifiedWriter:
             self.abort()
 
     def write(self, chunk: bytes | memoryview) -> None:
-        self._file.write(chunk)
+        skip = min(len(chunk), max(0, self._keep - self.written))
+        if skip:  # verified by an earlier attempt: bytes a live replica may be using stay as they are
+            self._file.seek(self.written + skip)
+        self._file.write(memoryview(chunk)[skip:] if skip else chunk)
         self._file.flush()  # readers of the partial file see what ``written`` says
         self._digest.update(chunk)
+        if self.layers is not None:
+            self._check_layers(chunk)  # after the write: a layer is announced only once its bytes are on disk
         with self.changed:
             self.written += len(chunk)
             self.changed.notify_all()
         if self.on_progress is not None:
             self.on_progress(self.written, self.size or 0)
+
+    def _check_layers(self, chunk: bytes | memoryview) -> None:
+        """Hash ``chunk`` into the layers it covers; raise the progress file as each layer verifies, or raise
+        TransferError (nothing of that layer counts as held) when one does not."""
+        spans, view, pos = self.layers.spans, memoryview(chunk).cast("B"), self.written
+        while len(view) and self._layer < len(spans):
+            end = spans[self._layer][1]
+            take = min(len(view), end - pos)
+            self._layer_digest.update(view[:take])
+            view, pos = view[take:], pos + take
+            if pos == end:
+                if self._layer_digest.hexdigest() != self.layers.sha256[self._layer]:
+                    raise TransferError(f"{self.what}: layer {self._layer} of the stage fails its sha256 check "
+                                        f"(bytes {spans[self._layer][0]}..{end}); not served, trying the next source")
+                if end > self._keep:
+                    write_progress(str(self.layers.progress), self._layer + 1)
+                self._layer += 1
+                self._layer_digest = hashlib.sha256()
 
     def write_all(self, chunks: Iterable[bytes]) -> FetchResult:
         """Write every chunk, then commit."""
@@ -103,7 +156,8 @@ class VerifiedWriter:
     def abort(self) -> None:
         if self._file is not None and not self._file.closed:
             self._file.close()
-        self.partial.unlink(missing_ok=True)
+        if self.layers is None:  # live: kept (a replica maps it; the next attempt resumes on its verified layers)
+            self.partial.unlink(missing_ok=True)
         self._finish("failed")
 
     def _finish(self, state: str) -> None:

@@ -65,6 +65,9 @@ class ReplicaInfo:
     survive: bool = False  # keeps running when the KeysManager dies
     gpu_slot: int | None = None
     exit_status: int | None = None  # set once dead: exit code, or -signal
+    layers: list[int] | None = None  # the stage's layer range [S, E] (half-open, absolute); None without a manifest
+    layers_held: list[int] | None = None  # [A, B]: the layers it can run now (a full replica: == layers)
+    live: bool = False  # started live and not yet holding its whole stage (keysmanager.live)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -70,17 +70,22 @@ def run_zygote(args: argparse.Namespace) -> int:
     try:
         from quart_stage.segment import map_segment
 
+        from keysmanager.live import LIVE_FILE_ENV, build_live
         from keysmanager.shm_store import write_segment
         from keysmanager.stage import build_runtime, stage_checkpoint, warm_up
 
-        checkpoint = stage_checkpoint(os.environ)
-        if checkpoint is None:  # a parameter-free (emulated) stage: nothing to share
+        checkpoint = None if os.environ.get(LIVE_FILE_ENV) else stage_checkpoint(os.environ)
+        if os.environ.get(LIVE_FILE_ENV):  # a live start: the stage file is still arriving (keysmanager.live)
+            mm, runtime, app, param_bytes = build_live(os.environ)
+            tensors, index = None, None
+        elif checkpoint is None:  # a parameter-free (emulated) stage: nothing to share
             mm, tensors, param_bytes, index = None, None, 0, None
         else:
             index = write_segment(checkpoint, Path(args.shm_path))
             mm, tensors = map_segment(index)
             param_bytes = index.total_bytes
-        runtime, app = build_runtime(os.environ, tensors)
+        if not os.environ.get(LIVE_FILE_ENV):
+            runtime, app = build_runtime(os.environ, tensors)
         warm_up(app)
     except BaseException as exc:
         traceback.print_exc()

@@ -88,8 +88,9 @@ class Zygotes:
         return any(p.returncode is None for p in self.procs)
 
     # ---------------------------------------------------------------- loading
-    async def spawn(self, spec: StageSpec, stage: StageRef) -> Zygote:
-        """Start the stage's zygote and wait until its parameters are loaded (raises StartFailed)."""
+    async def spawn(self, spec: StageSpec, stage: StageRef, register: bool = True) -> Zygote:
+        """Start the stage's zygote and wait until its parameters are loaded (raises StartFailed).
+        ``register=False``: a zygote that is not the stage's cache (a live start's, ``keysmanager.live``)."""
         self._generation += 1
         safe = spec.function.replace("/", "_")
         shm_path = Path(self.config.shm_dir) / f"{self.config.shm_prefix}{safe}-{self._generation}"
@@ -107,10 +108,14 @@ class Zygotes:
         z.ready = asyncio.get_running_loop().create_future()
         reader, z.writer = await asyncio.open_unix_connection(sock=ours)
         self._spawn_task(self._zygote_reader(z, reader))
-        self.by_function[spec.function] = z
+        if register:
+            self.by_function[spec.function] = z
         self._changed()
         try:
             hello = await within(self.config.zygote_timeout_s, asyncio.shield(z.ready))
+        except asyncio.CancelledError:
+            await self.drop(z, "start cancelled")
+            raise
         except (TimeoutError, RuntimeError) as exc:
             await self.drop(z, "failed to load")
             raise StartFailed(f"the zygote of {spec.function!r} did not load its parameters: {exc}. "

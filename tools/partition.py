@@ -214,15 +214,35 @@ def _progress(total: int, desc: str, enabled: bool):
                 disable=not (enabled and sys.stderr.isatty()))
 
 
+@dataclass(frozen=True)
+class StageFileInfo:
+    """What writing a stage file found: its size and sha256, and each layer's byte range and sha256."""
+
+    size: int
+    sha256: str
+    layer_bytes: list[list[int]]
+    layer_sha256: list[str]
+
+
 def write_stage_file(path: str, specs: list[families.TensorSpec], produce, dtype: torch.dtype,
-                     metadata: Mapping[str, str], progress=None) -> tuple[int, str]:
+                     metadata: Mapping[str, str], progress=None, layers: tuple[int, int] | None = None
+                     ) -> StageFileInfo:
     """Stream one stage file: header, then each tensor produced, written and hashed in turn.
 
-    Returns (file size, sha256). `produce(spec)` gives the tensor (any dtype; cast to `dtype`).
+    Tensors are written in layer order (``specs`` are; the wire encoder keeps insertion order), so each layer
+    of ``layers`` (absolute ``[start, end)``) is one contiguous byte range of the file; the first one starts at
+    0 (the header is verified with the stage's first layer). ``produce(spec)`` gives the tensor (cast to ``dtype``).
     """
+    start, end = layers if layers is not None else (min(s.layer for s in specs), max(s.layer for s in specs) + 1)
+    if [s.layer for s in specs] != sorted(s.layer for s in specs):
+        raise ValueError("stage tensors must come in layer order (file order = layer order)")
     head, _ = wire.header_bytes({s.name: (dtype, s.shape) for s in specs}, metadata)
     digest = hashlib.sha256(head)
     size = len(head)
+    spans = [[0, 0] for _ in range(start, end)]
+    layer_digests = [hashlib.sha256() for _ in range(start, end)]
+    layer_digests[0].update(head)
+    spans[0][1] = size
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(head)
@@ -233,12 +253,17 @@ def write_stage_file(path: str, specs: list[families.TensorSpec], produce, dtype
             data = wire.byte_view(tensor.to(dtype)).numpy()
             f.write(memoryview(data))
             digest.update(memoryview(data))
+            layer_digests[spec.layer - start].update(memoryview(data))
             size += data.nbytes
+            spans[spec.layer - start][1] = size
             if progress is not None:
                 progress.update(data.nbytes)
             del tensor, data
+    for i in range(1, len(spans)):  # contiguous: each layer starts where the one before it ends
+        spans[i][0] = spans[i - 1][1]
+        spans[i][1] = max(spans[i][1], spans[i][0])
     os.replace(tmp, path)
-    return size, digest.hexdigest()
+    return StageFileInfo(size, digest.hexdigest(), spans, [d.hexdigest() for d in layer_digests])
 
 
 def partition(model: str | Mapping, stages: int, out: str, method: str = "parameters", *,
@@ -298,7 +323,7 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
         for index, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
             stage_specs = [s for s in specs if start <= s.layer < end]
             n_params = sum(math.prod(s.shape) for s in stage_specs)
-            file_name, file_bytes, sha = None, None, None
+            file_name, file_bytes, sha, layer_bytes, layer_sha = None, None, None, None, None
             if weights != "none":
                 file_name = f"stage-{index}.safetensors"
                 meta = {"model": model_name, "stage": str(index), "layers": f"{start}:{end}"}
@@ -311,11 +336,13 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
                 else:
                     def produce(spec):
                         return _random_tensor(spec, torch_dtype, seed, std)
-                file_bytes, sha = write_stage_file(os.path.join(out, file_name), stage_specs, produce, torch_dtype,
-                                                   meta, bar)
+                info = write_stage_file(os.path.join(out, file_name), stage_specs, produce, torch_dtype, meta, bar,
+                                        (start, end))
+                file_bytes, sha, layer_bytes, layer_sha = info.size, info.sha256, info.layer_bytes, info.layer_sha256
             entries.append(StageEntry(index=index, start=start, end=end, layers=layer_list[start:end],
                                       file=file_name, parameter_count=n_params, parameter_bytes=n_params * itemsize,
-                                      sha256=sha, file_bytes=file_bytes))
+                                      sha256=sha, file_bytes=file_bytes, layer_bytes=layer_bytes,
+                                      layer_sha256=layer_sha))
     tokenizer = _write_tokenizer(src, out, cfg)
     manifest = Manifest(
         model=model_name, family=plan.family, model_type=plan.model_type, dtype=dtype_name, method=method,

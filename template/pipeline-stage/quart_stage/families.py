@@ -208,16 +208,29 @@ class StageModule(nn.Module):
                 raise RuntimeError(f"stage tensor {name} was never materialized")
 
     # -- forward --------------------------------------------------------------------------------
+    @property
+    def total_layers(self) -> int:
+        return num_blocks(self.cfg) + 2
+
     @torch.inference_mode()
-    def forward(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, inputs: Mapping[str, torch.Tensor], start: int | None = None,
+                end: int | None = None) -> torch.Tensor:
+        """Run layers ``[start, end)`` (absolute, inside this stage's range; default: all of them).
+
+        A sub-range runs the stage's own modules (no copy, no new module): input ``input_ids`` when it starts
+        at layer 0, else ``hidden_states``; output ``logits`` when it ends at the head, else ``hidden_states``.
+        Chaining consecutive sub-ranges gives exactly the whole range's output.
+        """
+        lo = self.start if start is None else start
+        hi = self.end if end is None else end
+        if not self.start <= lo < hi <= self.end:
+            raise ValueError(f"layers [{lo}, {hi}) are not inside this stage's [{self.start}, {self.end})")
         mask = inputs.get("attention_mask")
-        if self.has_embed:
-            hidden = self._embed(inputs, mask)
-        else:
-            hidden = inputs["hidden_states"]
-        if len(self.blocks):
-            hidden = self._blocks(hidden, mask)
-        if self.has_head:
+        hidden = self._embed(inputs, mask) if lo == 0 else inputs["hidden_states"]
+        first, last = max(lo, 1), min(hi, self.total_layers - 1)  # block layers l run block l - 1
+        if first < last:
+            hidden = self._blocks(hidden, mask, first - 1 - self.block_offset, last - 1 - self.block_offset)
+        if hi == self.total_layers:
             hidden = self._head(hidden)
         return hidden
 
@@ -240,17 +253,21 @@ class StageModule(nn.Module):
             return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         return (torch.cumsum(mask, dim=1) * mask - 1).long()
 
-    def _blocks(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _blocks(self, hidden: torch.Tensor, mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+        """Blocks ``self.blocks[lo:hi]`` (indices into this stage's blocks)."""
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         kwargs: dict = {"position_ids": positions}
         if self.plan.family == "decoder" and self.plan.model_type != "opt":
             kwargs["position_embeddings"] = self.rotary(hidden, positions)
-        for block, block_mask in zip(self.blocks, self._attention_masks(hidden, mask, positions), strict=True):
+        blocks = self.blocks[lo:hi]
+        masks = self._attention_masks(hidden, mask, positions, len(blocks), self.block_offset + lo)
+        for block, block_mask in zip(blocks, masks, strict=True):
             out = block(hidden, attention_mask=block_mask, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
-    def _attention_masks(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> list:
+    def _attention_masks(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+                         count: int, offset: int) -> list:
         """Each block's attention mask, built by transformers' own mask functions exactly as the whole model
         builds it: padding (``mask``), causality, Mistral's and Qwen2's sliding windows. None where SDPA's
         ``is_causal`` (or no mask at all) is enough."""
@@ -258,19 +275,19 @@ class StageModule(nn.Module):
 
         if self.plan.family == "encoder":
             return [masking_utils.create_bidirectional_mask(config=self.cfg, inputs_embeds=hidden,
-                                                            attention_mask=mask)] * len(self.blocks)
+                                                            attention_mask=mask)] * count
         args = {"config": self.cfg, "inputs_embeds": hidden, "attention_mask": mask, "past_key_values": None}
         if self.plan.model_type != "opt":  # OPTDecoder passes no position ids to its mask
             args["position_ids"] = positions
         if self.plan.model_type == "mistral" and getattr(self.cfg, "sliding_window", None) is not None:
-            return [masking_utils.create_sliding_window_causal_mask(**args)] * len(self.blocks)
+            return [masking_utils.create_sliding_window_causal_mask(**args)] * count
         full = masking_utils.create_causal_mask(**args)
         types = getattr(self.cfg, "layer_types", None) if self.plan.model_type == "qwen2" else None
         if not types or "sliding_attention" not in types:
-            return [full] * len(self.blocks)
+            return [full] * count
         sliding = masking_utils.create_sliding_window_causal_mask(**args)
-        return [sliding if types[self.block_offset + i] == "sliding_attention" else full
-                for i in range(len(self.blocks))]
+        return [sliding if types[offset + i] == "sliding_attention" else full
+                for i in range(count)]
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         for module in self.head.values():

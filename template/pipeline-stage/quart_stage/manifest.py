@@ -14,7 +14,11 @@ MANIFEST_VERSION = 1
 class StageEntry:
     """One stage: its layer range ``[start, end)`` in the manifest's layer list and its parameter file.
 
-    file is None for parameter-free (emulated-only) partitions (`--weights none`).
+    file is None for parameter-free (emulated-only) partitions (`--weights none`). ``layer_bytes[i]`` is the
+    byte range ``[offset, end)`` of layer ``start + i`` in the file and ``layer_sha256[i]`` its sha256: the
+    ranges tile the file in layer order (the first starts at 0 and holds the header), so a file still arriving
+    can be trusted layer by layer (KeysManager live start). Older manifests lack them: such a stage cannot
+    serve before its whole file is verified.
     """
 
     index: int
@@ -26,6 +30,8 @@ class StageEntry:
     parameter_bytes: int
     sha256: str | None
     file_bytes: int | None = None
+    layer_bytes: list[list[int]] | None = None
+    layer_sha256: list[str] | None = None
 
     @property
     def has_embeddings(self) -> bool:

@@ -29,11 +29,30 @@ from quart_stage.config import ConfigError, StageConfig
 from quart_stage.device_copy import move_module
 from quart_stage.emulated import ServiceTime, service_time_for
 from quart_stage.errors import QuartError, invalid
+from quart_stage.inputs import (
+    ATTENTION_MASK,
+    HIDDEN,
+    INPUT_IDS,
+    LOGITS,
+    TOKEN_TYPE_IDS,
+    dt,
+    int_matrix,
+    validate,
+)
+from quart_stage.layers import (
+    H_LAYERS,
+    H_LAYERS_HELD,
+    LiveProgress,
+    Shape,
+    fmt,
+    manifest_shape,
+    not_held,
+    parse_layers,
+    range_share,
+)
 from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.presets import paper_profile
 
-INPUT_IDS, TOKEN_TYPE_IDS, HIDDEN, LOGITS = "input_ids", "token_type_ids", "hidden_states", "logits"
-ATTENTION_MASK = "attention_mask"  # batch × sequence, 1 = token, 0 = padding; every stage passes it on
 JSON_TYPE = "application/json"
 JSON_DATA_LIMIT = 1 << 16
 """JSON responses carry the output values only up to this many elements (always shape, dtype, argmax)."""
@@ -65,21 +84,6 @@ class StageResponse:
         return cls(status, [json.dumps(payload).encode()], h)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What this stage accepts and produces (from the manifest, or a profile when parameter-free)."""
-
-    model: str
-    takes_ids: bool
-    gives_logits: bool
-    dtype: torch.dtype
-    in_width: int | None
-    out_width: int
-    vocab_size: int | None
-    type_vocab_size: int | None
-    max_seq: int | None
-
-
 class StageRuntime:
     """One stage of one model; see the module docstring for the lifecycle."""
 
@@ -97,6 +101,11 @@ class StageRuntime:
         else:
             self.entry = None
             self.num_stages = cfg.num_stages or 1
+        # the stage's layer range [S, E) and the model's layer count (None without a manifest: no layer list)
+        self.stage_range: tuple[int, int] | None = (self.entry.start, self.entry.end) if manifest else None
+        self.total_layers = len(manifest.layers) if manifest else 0
+        self.progress: LiveProgress | None = None  # set on a live replica: the layers verified so far
+        self._shapes: dict[tuple[int, int], Shape] = {}
         self.shape = self._shape()
         self.service_time: ServiceTime | None = None
         if cfg.compute == "emulated":
@@ -149,17 +158,7 @@ class StageRuntime:
     def _shape(self) -> Shape:
         m, i = self.manifest, self.cfg.stage_index
         if m is not None:
-            c = m.config
-            hidden = int(c.get("hidden_size"))
-            last = i == m.num_stages - 1
-            first_entry = self.entry
-            return Shape(
-                model=m.model, takes_ids=first_entry.start == 0, gives_logits=last,
-                dtype=wire.DTYPE_NAMES[m.dtype], in_width=None if first_entry.start == 0 else hidden,
-                out_width=int(c["vocab_size"]) if last else hidden, vocab_size=int(c["vocab_size"]),
-                type_vocab_size=int(c["type_vocab_size"]) if "type_vocab_size" in c else None,
-                max_seq=int(c.get("max_position_embeddings") or 0) or None,
-            )
+            return self.shape_for(self.stage_range)
         if self.cfg.profile is None:
             raise ConfigError("a stage without QUART_MODEL_DIR needs QUART_PROFILE (emulated, parameter-free)")
         try:
@@ -171,6 +170,21 @@ class StageRuntime:
             dtype=wire.DTYPE_NAMES[p.dtype], in_width=None if i == 0 else p.hidden, out_width=p.hidden,
             vocab_size=None, type_vocab_size=None, max_seq=None,
         )
+
+    def shape_for(self, span: tuple[int, int]) -> Shape:
+        """The shape of layers ``span`` of this stage (input follows its start, output its end)."""
+        shape = self._shapes.get(span)
+        if shape is None:
+            m = self.manifest
+            shape = self._shapes[span] = manifest_shape(m.model, m.config, wire.DTYPE_NAMES[m.dtype], *span,
+                                                        self.total_layers)
+        return shape
+
+    def held(self) -> tuple[int, int] | None:
+        """The contiguous layers this replica can run now: the whole stage, or a live replica's verified prefix."""
+        if self.stage_range is None:
+            return None
+        return self.stage_range if self.progress is None else self.progress.held()
 
     # -- after fork ------------------------------------------------------------------------------
     def prepare_device(self) -> None:
@@ -214,39 +228,62 @@ class StageRuntime:
         base = self.response_headers(request_id)
         try:
             self._check_route(headers)
-            inputs, metadata = self._parse(body, headers)
+            span, shape = self._layers(headers.get(H_LAYERS.lower()), base)
+            inputs, metadata = self._parse(body, headers, shape)
             self._check_route(metadata)
-            self._validate(inputs)
+            validate(inputs, shape, self.cfg, self.stage_index)
         except QuartError as exc:
             base[H_DESER] = _ms(t0)
-            return StageResponse.error(exc, base)
+            return StageResponse.error(exc, {**base, **exc.headers})
         t1 = time.perf_counter()
         try:
             self.prepare_device()
-            output = self._compute(inputs)
+            output = self._compute(inputs, span)
         except Exception as exc:  # noqa: BLE001 - any compute failure is answered, the worker keeps serving
             return StageResponse.json(500, {"error": f"stage compute failed: {exc}", "field": "compute"},
                                       {**base, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1)})
         t2 = time.perf_counter()
-        name = LOGITS if self.shape.gives_logits else HIDDEN
+        name = LOGITS if shape.gives_logits else HIDDEN
         mask = inputs.get(ATTENTION_MASK)
         if JSON_TYPE in headers.get("accept", "") and wire.CONTENT_TYPE not in headers.get("accept", ""):
             chunks = [json.dumps(self._json_output(name, output, request_id, mask)).encode()]
             ctype = JSON_TYPE
         else:
-            meta = {"model": self.model, "stage": str(self.stage_index + 1), "producer": str(self.stage_index),
-                    "request_id": request_id}
+            # the next hop: the next stage, or this stage again for the rest of its layers (a sub-range)
+            more = span is not None and span[1] < self.stage_range[1]
+            meta = {"model": self.model, "stage": str(self.stage_index + (0 if more else 1)),
+                    "producer": str(self.stage_index), "request_id": request_id}
             outputs = {name: output} if mask is None else {name: output, ATTENTION_MASK: mask}  # for the next stage
             chunks = wire.encode_chunks(outputs, meta)
             ctype = wire.CONTENT_TYPE
         t3 = time.perf_counter()
+        if span is not None:
+            base[H_LAYERS] = fmt(span)
         base.update({"Content-Type": ctype, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1, t2), H_SER: _ms(t2, t3)})
         return StageResponse(200, chunks, base)
 
     def response_headers(self, request_id: str | None = None) -> dict[str, str]:
-        """The X-Quart-* headers of every response; phases not reached report 0.000 ms."""
-        return {H_REQUEST_ID: request_id or uuid.uuid4().hex, H_MODEL: self.model, H_STAGE: str(self.stage_index),
-                H_MODE: self.cfg.compute, H_DESER: "0.000", H_COMPUTE: "0.000", H_SER: "0.000"}
+        """The X-Quart-* headers of every response; phases not reached report 0.000 ms; the layers held."""
+        out = {H_REQUEST_ID: request_id or uuid.uuid4().hex, H_MODEL: self.model, H_STAGE: str(self.stage_index),
+               H_MODE: self.cfg.compute, H_DESER: "0.000", H_COMPUTE: "0.000", H_SER: "0.000"}
+        held = self.held()
+        if held is not None:
+            out[H_LAYERS_HELD] = fmt(held)
+        return out
+
+    def _layers(self, value: str | None, base: dict[str, str]) -> tuple[tuple[int, int] | None, Shape]:
+        """The layer range a request asks for and its shape; 400 when malformed or outside the stage, 503 when
+        this replica does not hold all of it (yet)."""
+        if self.stage_range is None:
+            if value is not None:
+                raise invalid("layers", f"{H_LAYERS}: this stage has no manifest, so no layer list to pick from")
+            return None, self.shape
+        span = parse_layers(value, self.stage_range)
+        held = self.held()
+        base[H_LAYERS_HELD] = fmt(held)
+        if not held[0] <= span[0] < span[1] <= held[1]:
+            raise not_held(span, held)
+        return span, self.shape_for(span)
 
     def _check_route(self, source: Mapping[str, str]) -> None:
         model = source.get(H_MODEL.lower(), source.get("model"))
@@ -256,17 +293,17 @@ class StageRuntime:
         if stage is not None and stage != str(self.stage_index):
             raise invalid("stage", f"this is stage {self.stage_index}, the request is for stage {stage!r}")
 
-    def _parse(self, body, headers: Mapping[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def _parse(self, body, headers: Mapping[str, str], shape: Shape) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == JSON_TYPE:
-            if not self.shape.takes_ids:
+            if not shape.takes_ids:
                 raise invalid(
                     "content-type", f"stage {self.stage_index} takes activations as {wire.CONTENT_TYPE} "
                     "(safetensors), not JSON", status=415)
             return self._parse_json(body), {}
         if ctype not in ("", wire.CONTENT_TYPE):
             raise invalid("content-type", f"unsupported Content-Type {ctype!r}; send {wire.CONTENT_TYPE}"
-                                  + (" or application/json" if self.shape.takes_ids else ""), status=415)
+                                  + (" or application/json" if shape.takes_ids else ""), status=415)
         decoded = wire.decode(body)
         return decoded.tensors, {k: v for k, v in decoded.metadata.items() if k in ("model", "stage")}
 
@@ -287,10 +324,10 @@ class StageRuntime:
             return self._tokenize(doc["text"])
         if INPUT_IDS not in doc:
             raise invalid(INPUT_IDS, 'missing; send {"input_ids": [[...]]}')
-        out = {INPUT_IDS: _int_matrix(doc[INPUT_IDS], INPUT_IDS)}
+        out = {INPUT_IDS: int_matrix(doc[INPUT_IDS], INPUT_IDS)}
         for name in (TOKEN_TYPE_IDS, ATTENTION_MASK):
             if name in doc:
-                out[name] = _int_matrix(doc[name], name)
+                out[name] = int_matrix(doc[name], name)
         return out
 
     def _tokenize(self, text) -> dict[str, torch.Tensor]:
@@ -315,75 +352,34 @@ class StageRuntime:
         return {INPUT_IDS: torch.tensor([x + [pad] * (longest - len(x)) for x in ids], dtype=torch.int64),
                 ATTENTION_MASK: torch.tensor([[1] * len(x) + [0] * (longest - len(x)) for x in ids], dtype=torch.int64)}
 
-    def _validate(self, inputs: dict[str, torch.Tensor]) -> None:
-        s = self.shape
-        if s.takes_ids:
-            allowed = {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK} if s.type_vocab_size else {INPUT_IDS, ATTENTION_MASK}
-            if INPUT_IDS not in inputs:
-                raise invalid(INPUT_IDS, f"missing; stage {self.stage_index} takes token ids")
-        else:
-            allowed = {HIDDEN, ATTENTION_MASK}
-            if HIDDEN not in inputs:
-                raise invalid(HIDDEN, f"missing; stage {self.stage_index} takes {HIDDEN}")
-        for name in inputs:
-            if name not in allowed:
-                raise invalid(name, f"unexpected tensor; stage {self.stage_index} takes {sorted(allowed)}")
-        if s.takes_ids:
-            for name in (INPUT_IDS, TOKEN_TYPE_IDS):
-                if name not in inputs:
-                    continue
-                t = inputs[name]
-                if t.dtype not in (torch.int64, torch.int32):
-                    raise invalid(name, f"dtype must be int64 or int32, got {_dt(t.dtype)}")
-                if t.dim() != 2:
-                    raise invalid(name, f"rank must be 2 (batch, sequence), got shape {list(t.shape)}")
-                limit = s.vocab_size if name == INPUT_IDS else s.type_vocab_size
-                if t.numel() and (int(t.min()) < 0 or (limit is not None and int(t.max()) >= limit)):
-                    raise invalid(name, f"values must be in [0, {limit}), got [{int(t.min())}, {int(t.max())}]")
-                inputs[name] = t.long()
-            if TOKEN_TYPE_IDS in inputs and inputs[TOKEN_TYPE_IDS].shape != inputs[INPUT_IDS].shape:
-                raise invalid(TOKEN_TYPE_IDS, "shape must equal input_ids' shape")
-            batch, seq = inputs[INPUT_IDS].shape
-            name = INPUT_IDS
-        else:
-            t = inputs[HIDDEN]
-            if t.dtype != s.dtype:
-                raise invalid(HIDDEN, f"dtype must be {_dt(s.dtype)}, got {_dt(t.dtype)}")
-            if t.dim() != 3:
-                raise invalid(HIDDEN, f"rank must be 3 (batch, sequence, hidden), got shape {list(t.shape)}")
-            batch, seq, width = t.shape
-            if width != s.in_width and not (self.cfg.compute == "emulated" and self.cfg.emulated_activation_bytes):
-                raise invalid(HIDDEN, f"shape {list(t.shape)} must end in the hidden size {s.in_width}")
-            name = HIDDEN
-        if not 1 <= batch <= self.cfg.max_batch:
-            raise invalid(name, f"batch size must be 1..{self.cfg.max_batch}, got {batch}")
-        if seq < 1 or (s.max_seq is not None and seq > s.max_seq):
-            raise invalid(name, f"sequence length must be 1..{s.max_seq}, got {seq}")
-        if ATTENTION_MASK in inputs:
-            inputs[ATTENTION_MASK] = _padding_mask(inputs[ATTENTION_MASK], (batch, seq), name)
-
-    def _compute(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _compute(self, inputs: dict[str, torch.Tensor], span: tuple[int, int] | None) -> torch.Tensor:
         if self.cfg.compute == "emulated":
-            return self._emulate(inputs)
+            return self._emulate(inputs, span)
         if self._device.type != "cpu":
             inputs = {k: v.to(self._device, non_blocking=True) for k, v in inputs.items()}
-        out = self.module(inputs)
+        out = self.module(inputs) if span in (None, self.stage_range) else self.module(inputs, *span)
         return out.cpu() if out.device.type != "cpu" else out
 
-    def _emulate(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _emulate(self, inputs: dict[str, torch.Tensor], span: tuple[int, int] | None) -> torch.Tensor:
+        """Zeros of the output's shape after a service-time draw, scaled by the range's share of the stage's
+        parameters (a half-stage costs about half)."""
         first = inputs[INPUT_IDS] if INPUT_IDS in inputs else inputs[HIDDEN]
         batch, seq = int(first.shape[0]), int(first.shape[1])
-        width = self.shape.out_width
-        itemsize = torch.empty((), dtype=self.shape.dtype).element_size()
+        shape = self.shape if span is None else self.shape_for(span)
+        width = shape.out_width
+        itemsize = torch.empty((), dtype=shape.dtype).element_size()
         if self.cfg.emulated_activation_bytes:
             width = max(1, -(-self.cfg.emulated_activation_bytes // (batch * seq * itemsize)))
-        out = torch.zeros((batch, seq, width), dtype=self.shape.dtype)
-        time.sleep(self.service_time.sample_ms(self._rng) / 1000.0)
+        out = torch.zeros((batch, seq, width), dtype=shape.dtype)
+        share = 1.0
+        if span is not None and span != self.stage_range:
+            share = range_share(self.manifest.layer_parameter_counts, span, self.stage_range)
+        time.sleep(self.service_time.sample_ms(self._rng) * share / 1000.0)
         return out
 
     def _json_output(self, name: str, output: torch.Tensor, request_id: str, mask: torch.Tensor | None) -> dict:
         doc = {"model": self.model, "stage": self.stage_index, "request_id": request_id, "output": name,
-               "dtype": _dt(output.dtype), "shape": list(output.shape)}
+               "dtype": dt(output.dtype), "shape": list(output.shape)}
         if mask is not None:
             doc[ATTENTION_MASK] = mask.tolist()
         if name == LOGITS:
@@ -418,39 +414,6 @@ def read_stage_file(model_dir: str, entry: StageEntry, verify: bool = False) -> 
         return wire.decode(view, field=entry.file).tensors
     except QuartError as exc:
         raise ConfigError(f"{path} is not a valid safetensors file: {exc}") from None
-
-
-def _int_matrix(value, name: str) -> torch.Tensor:
-    if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
-        raise invalid(name, "must be a non-empty list of lists of integers (batch, sequence)")
-    if len({len(r) for r in value}) != 1:
-        raise invalid(name, "rows must all have the same length: pad the shorter ones and send an "
-                                    "attention_mask (1 = token, 0 = padding)")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for r in value for x in r):
-        raise invalid(name, "values must be integers")
-    try:
-        return torch.tensor(value, dtype=torch.int64)
-    except (OverflowError, RuntimeError):
-        raise invalid(name, "values must fit in int64") from None
-
-
-def _padding_mask(mask: torch.Tensor, shape: tuple[int, int], against: str) -> torch.Tensor:
-    """An ``attention_mask`` checked against the batch × sequence of ``against``; as int64 0/1."""
-    if mask.dtype not in (torch.int64, torch.int32, torch.uint8, torch.bool):
-        raise invalid(ATTENTION_MASK, f"dtype must be int64, int32, uint8 or bool, got {_dt(mask.dtype)}")
-    if tuple(mask.shape) != shape:
-        raise invalid(ATTENTION_MASK, f"shape must be {list(shape)} (batch, sequence of {against}), got "
-                                              f"{list(mask.shape)}")
-    mask = mask.long()
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise invalid(ATTENTION_MASK, "values must be 0 (padding) or 1 (token)")
-    if not bool(mask.any(dim=1).all()):
-        raise invalid(ATTENTION_MASK, "every sequence needs at least one token (a row of 1s somewhere)")
-    return mask
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _ms(start: float, end: float | None = None) -> str:

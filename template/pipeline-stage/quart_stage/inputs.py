@@ -1,0 +1,93 @@
+"""Validation of a stage request's tensors against the shape of the layer range it runs (4xx naming the field)."""
+
+from __future__ import annotations
+
+import torch
+
+from quart_stage.config import StageConfig
+from quart_stage.errors import invalid
+from quart_stage.layers import Shape
+
+INPUT_IDS, TOKEN_TYPE_IDS, HIDDEN, LOGITS = "input_ids", "token_type_ids", "hidden_states", "logits"
+ATTENTION_MASK = "attention_mask"  # batch × sequence, 1 = token, 0 = padding; every stage passes it on
+
+
+def validate(inputs: dict[str, torch.Tensor], s: Shape, cfg: StageConfig, stage_index: int) -> None:
+    """Check (and normalize in place) a request's tensors against the shape of the range it runs."""
+    if s.takes_ids:
+        allowed = {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK} if s.type_vocab_size else {INPUT_IDS, ATTENTION_MASK}
+        if INPUT_IDS not in inputs:
+            raise invalid(INPUT_IDS, f"missing; stage {stage_index} takes token ids")
+    else:
+        allowed = {HIDDEN, ATTENTION_MASK}
+        if HIDDEN not in inputs:
+            raise invalid(HIDDEN, f"missing; stage {stage_index} takes {HIDDEN}")
+    for name in inputs:
+        if name not in allowed:
+            raise invalid(name, f"unexpected tensor; stage {stage_index} takes {sorted(allowed)}")
+    if s.takes_ids:
+        for name in (INPUT_IDS, TOKEN_TYPE_IDS):
+            if name not in inputs:
+                continue
+            t = inputs[name]
+            if t.dtype not in (torch.int64, torch.int32):
+                raise invalid(name, f"dtype must be int64 or int32, got {dt(t.dtype)}")
+            if t.dim() != 2:
+                raise invalid(name, f"rank must be 2 (batch, sequence), got shape {list(t.shape)}")
+            limit = s.vocab_size if name == INPUT_IDS else s.type_vocab_size
+            if t.numel() and (int(t.min()) < 0 or (limit is not None and int(t.max()) >= limit)):
+                raise invalid(name, f"values must be in [0, {limit}), got [{int(t.min())}, {int(t.max())}]")
+            inputs[name] = t.long()
+        if TOKEN_TYPE_IDS in inputs and inputs[TOKEN_TYPE_IDS].shape != inputs[INPUT_IDS].shape:
+            raise invalid(TOKEN_TYPE_IDS, "shape must equal input_ids' shape")
+        batch, seq = inputs[INPUT_IDS].shape
+        name = INPUT_IDS
+    else:
+        t = inputs[HIDDEN]
+        if t.dtype != s.dtype:
+            raise invalid(HIDDEN, f"dtype must be {dt(s.dtype)}, got {dt(t.dtype)}")
+        if t.dim() != 3:
+            raise invalid(HIDDEN, f"rank must be 3 (batch, sequence, hidden), got shape {list(t.shape)}")
+        batch, seq, width = t.shape
+        if width != s.in_width and not (cfg.compute == "emulated" and cfg.emulated_activation_bytes):
+            raise invalid(HIDDEN, f"shape {list(t.shape)} must end in the hidden size {s.in_width}")
+        name = HIDDEN
+    if not 1 <= batch <= cfg.max_batch:
+        raise invalid(name, f"batch size must be 1..{cfg.max_batch}, got {batch}")
+    if seq < 1 or (s.max_seq is not None and seq > s.max_seq):
+        raise invalid(name, f"sequence length must be 1..{s.max_seq}, got {seq}")
+    if ATTENTION_MASK in inputs:
+        inputs[ATTENTION_MASK] = padding_mask(inputs[ATTENTION_MASK], (batch, seq), name)
+
+
+def int_matrix(value, name: str) -> torch.Tensor:
+    if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
+        raise invalid(name, "must be a non-empty list of lists of integers (batch, sequence)")
+    if len({len(r) for r in value}) != 1:
+        raise invalid(name, "rows must all have the same length: pad the shorter ones and send an "
+                                    "attention_mask (1 = token, 0 = padding)")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for r in value for x in r):
+        raise invalid(name, "values must be integers")
+    try:
+        return torch.tensor(value, dtype=torch.int64)
+    except (OverflowError, RuntimeError):
+        raise invalid(name, "values must fit in int64") from None
+
+
+def padding_mask(mask: torch.Tensor, shape: tuple[int, int], against: str) -> torch.Tensor:
+    """An ``attention_mask`` checked against the batch × sequence of ``against``; as int64 0/1."""
+    if mask.dtype not in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        raise invalid(ATTENTION_MASK, f"dtype must be int64, int32, uint8 or bool, got {dt(mask.dtype)}")
+    if tuple(mask.shape) != shape:
+        raise invalid(ATTENTION_MASK, f"shape must be {list(shape)} (batch, sequence of {against}), got "
+                                              f"{list(mask.shape)}")
+    mask = mask.long()
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise invalid(ATTENTION_MASK, "values must be 0 (padding) or 1 (token)")
+    if not bool(mask.any(dim=1).all()):
+        raise invalid(ATTENTION_MASK, "every sequence needs at least one token (a row of 1s somewhere)")
+    return mask
+
+
+def dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
