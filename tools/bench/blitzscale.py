@@ -33,6 +33,7 @@ import os
 import shutil
 import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -196,6 +197,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the registry's access log
     if args.hosts < 5 and "multicast-4" in args.modes:
         p.error("multicast-4 needs --hosts 5 (a holder and four receivers)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, kill: still remove the namespaces
     doc = measure(args)
     doc["machine"] = machine_info(load_avg_1m_at_start=round(os.getloadavg()[0], 2), compute="emulated")
     doc["command"] = "quartctl bench blitzscale " + " ".join(argv)
