@@ -134,3 +134,13 @@ def test_paraserve_groups_cold_replicas_on_distinct_hosts() -> None:
 def test_unknown_mechanism_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown"):
         plan_starts([], {}, {"teleport"})
+
+
+def test_a_small_paraserve_group_borrows_spare_hosts_once_each() -> None:
+    plans = plan_starts([_pl("f", "a", "cold"), _pl("g", "b", "cold")], {}, {"paraserve"},
+                        parts={"f": 3, "g": 3}, spare_hosts=["a", "x", "y", "z"])
+    by_fn = {p.function: p for p in plans}
+    assert by_fn["f"].group == ("a", "x", "y") and by_fn["f"].helpers == ("x", "y")  # "a" is in the batch
+    assert by_fn["g"].group == ("b", "z") and by_fn["g"].helpers == ("z",)  # what was left
+    lone = plan_starts([_pl("f", "a", "cold")], {}, {"paraserve"}, parts={"f": 3})
+    assert lone[0].mode == "cold"  # no spare host: nothing to split over

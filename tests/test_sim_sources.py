@@ -110,3 +110,28 @@ def test_legacy_runs_are_unchanged_by_the_new_sources() -> None:
             SimConfig(model="m", stages=(StageSpec("s", 0.1, GB),), slo_s=1.0, whole_model=True,
                       start_mechanisms=frozenset({"live"})), Scripted([(0.0, 1)]),
             Arrivals(times=np.zeros(1), sizes=np.ones(1, dtype=np.int64)))
+
+
+def test_paraserve_borrows_helpers_that_leave_after_consolidation() -> None:
+    from dataclasses import replace as dc_replace
+
+    cal = Calibration(hosts=8, gpus_per_host=1, service_cv=0.0, h2d_gbps=16.0, disk_gbps=1.25, cold_fixed_s=0.2)
+    cfg = SimConfig(model="m", stages=(StageSpec("m-stage-0", 0.05, SIZE),), slo_s=1.0, calibration=cal,
+                    hop_s=0.001, queue_cap=10**9, initial_replicas=1, prewarm_hosts=0, drain_s=60.0,
+                    start_mechanisms=frozenset({"paraserve"}), paraserve_slo_s=2.5, cache_on_ready=True)
+    n = 400
+    arrivals = Arrivals(times=np.linspace(0.0, 20.0, n, endpoint=False), sizes=np.ones(n, dtype=np.int64))
+    res = Simulation(cfg, Scripted([(0.0, 1), (1.0, 2)]), arrivals).run()
+    parts = res.paraserve_plans[0][0]
+    assert parts == 4  # 10 GB at 1.25 GB/s: P = 3 fetches 2.7 s, P = 4 2.0 s (+ copy, compute): meets 2.5 s
+    kept = [r for r in res.launched if not r.helper]
+    helpers = [r for r in res.launched if r.helper]
+    assert len(kept) == 1 and len(helpers) == 3
+    first, consolidated = dc_replace(cal).paraserve_s(SIZE, 4)
+    for rep in res.launched:
+        assert rep.ready_at - rep.requested_at == pytest.approx(first)
+    # helpers served their part and left at consolidation; the kept replica's host caches the stage then
+    assert all(h.state == "gone" for h in helpers) and any(h.first_done > 0 for h in helpers)
+    assert kept[0].state == "ready" and kept[0].host.is_cached("m-stage-0")
+    assert all(not h.host.is_cached("m-stage-0") for h in helpers)
+    assert not np.isnan(res.latencies_ms).any()

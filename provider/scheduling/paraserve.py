@@ -35,6 +35,7 @@ class ParaServeCosts:
     hop_s: float = 0.001  # per-hop latency between two parts of the sub-pipeline
     service_s: float = 0.0  # the stage's whole compute time for one request
     busy_share: float = 0.5  # fraction of a busy NIC's rate left for the fetch
+    overlap: bool = False  # the fetch runs while the worker starts (ParaServe §5): max(fixed, fetch), not the sum
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,8 @@ def predict(stage_bytes: int, rates: Sequence[float], costs: ParaServeCosts) -> 
     slowest = min(rates)
     if slowest <= 0:
         return math.inf, math.inf, math.inf
-    fetch = costs.fixed_s + part / slowest + part / costs.h2d_bytes_s
+    fixed_and_fetch = max(costs.fixed_s, part / slowest) if costs.overlap else costs.fixed_s + part / slowest
+    fetch = fixed_and_fetch + part / costs.h2d_bytes_s
     first = fetch + costs.service_s + (parts - 1) * costs.hop_s
     rest = stage_bytes - part
     consolidated = fetch + rest / slowest + rest / costs.h2d_bytes_s

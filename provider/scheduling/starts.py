@@ -10,7 +10,9 @@ on what the cluster has switched on (``enabled``, a subset of `MECHANISMS`):
 - ``live``: a peer / chain receiver serves the layers it holds while loading, an existing replica the rest
   (BlitzScale §5.2; needs a replica of the stage that serves already);
 - ``paraserve``: cold replicas of one stage fetch 1/P of it each and serve as a P-part sub-pipeline, then
-  consolidate to P full replicas (ParaServe §4-§6); P per function comes from `plan_parallelism`.
+  consolidate to full replicas (ParaServe §4-§6); P per function comes from `plan_parallelism`. A group with
+  fewer replicas than P borrows helper workers on spare hosts (a free GPU, nothing placed there in this
+  batch); a helper serves its part until the group has consolidated, then leaves (ParaServe's scaling down).
 
 Without ``peer`` / ``multicast`` / ``live`` a placer's ``peer`` start loads from the registry (``cold``).
 """
@@ -38,7 +40,8 @@ class StartPlan:
     source: str | None = None  # the peer that sends the parameters (peer / multicast / live)
     position: int = 0  # 1-based place in the chain from ``source`` (multicast / live); 1 for a plain peer
     sharers: int = 1  # receivers the source's NIC serves at once (a peer star); 1 in a chain
-    group: tuple[str, ...] = ()  # paraserve: the sub-pipeline's hosts in part order
+    group: tuple[str, ...] = ()  # paraserve: the sub-pipeline's hosts in part order (helpers last)
+    helpers: tuple[str, ...] = ()  # paraserve: the group's borrowed hosts (on the group's first plan only)
 
 
 def check_mechanisms(enabled: Collection[str]) -> frozenset[str]:
@@ -51,18 +54,20 @@ def check_mechanisms(enabled: Collection[str]) -> frozenset[str]:
 def plan_starts(placements: Sequence[Placement], holders: Mapping[str, Collection[str]],
                 enabled: Collection[str] = frozenset(), serving: Mapping[str, int] | None = None,
                 parts: Mapping[str, int] | None = None,
-                busy_links: Collection[Link] = frozenset()) -> list[StartPlan]:
+                busy_links: Collection[Link] = frozenset(), spare_hosts: Sequence[str] = ()) -> list[StartPlan]:
     """One `StartPlan` per placement, in placement order.
 
     ``holders``: function → hosts that hold its parameters (peer sources); ``serving``: function → replicas
     serving now (a live start needs one); ``parts``: function → P of a ParaServe cold start (default 1,
-    no split); ``busy_links``: (sender, receiver) directions with serving traffic (chains avoid them).
+    no split); ``busy_links``: (sender, receiver) directions with serving traffic (chains avoid them);
+    ``spare_hosts``: hosts a ParaServe group may borrow helpers on, each once, in this order.
     """
     enabled = check_mechanisms(enabled)
     serving = serving or {}
     parts = parts or {}
     network = bool(enabled & {"peer", "multicast", "live"})
     plans: list[StartPlan | None] = [None] * len(placements)
+    spare = [h for h in dict.fromkeys(spare_hosts) if h not in {p.host for p in placements}]
     by_fn: dict[str, dict[str, list[int]]] = {}
     for i, p in enumerate(placements):
         if p.source in ("fork", "gpu"):
@@ -75,7 +80,7 @@ def plan_starts(placements: Sequence[Placement], holders: Mapping[str, Collectio
         for i, plan in _network_starts(placements, kinds.get("peer", []), holders.get(function, ()), enabled,
                                        serving.get(function, 0) > 0, busy_links):
             plans[i] = plan
-        for i, plan in _cold_starts(placements, kinds.get("cold", []), enabled, parts.get(function, 1)):
+        for i, plan in _cold_starts(placements, kinds.get("cold", []), enabled, parts.get(function, 1), spare):
             plans[i] = plan
     return [p for p in plans if p is not None]
 
@@ -116,7 +121,8 @@ def _network_starts(placements: Sequence[Placement], indices: list[int], holders
         yield i, StartPlan(function, placements[i].host, "peer", assigned[i], 1, load[assigned[i]])
 
 
-def _cold_starts(placements: Sequence[Placement], indices: list[int], enabled: frozenset[str], parts: int):
+def _cold_starts(placements: Sequence[Placement], indices: list[int], enabled: frozenset[str], parts: int,
+                 spare: list[str]):
     if not indices:
         return
     function = placements[indices[0]].function
@@ -124,7 +130,8 @@ def _cold_starts(placements: Sequence[Placement], indices: list[int], enabled: f
         for i in indices:
             yield i, StartPlan(function, placements[i].host, "cold")
         return
-    # Groups of P replicas on distinct hosts; what is left (fewer than 2) starts cold on its own.
+    # Groups of P replicas on distinct hosts; a smaller group borrows helpers from ``spare`` (consumed); a
+    # group that stays alone starts cold.
     pending = list(indices)
     while pending:
         group: list[int] = []
@@ -136,10 +143,13 @@ def _cold_starts(placements: Sequence[Placement], indices: list[int], enabled: f
                 pending.remove(i)
             if len(group) == parts:
                 break
-        if len(group) < 2:
+        helpers = tuple(spare[:max(0, parts - len(group))])
+        del spare[:len(helpers)]
+        if len(group) + len(helpers) < 2:
             for i in group:
                 yield i, StartPlan(function, placements[i].host, "cold")
             continue
-        names = tuple(placements[i].host for i in group)
-        for i in group:
-            yield i, StartPlan(function, placements[i].host, "paraserve", group=names)
+        names = tuple(placements[i].host for i in group) + helpers
+        for n, i in enumerate(group):
+            yield i, StartPlan(function, placements[i].host, "paraserve", group=names,
+                               helpers=helpers if n == 0 else ())

@@ -124,6 +124,7 @@ class Simulation(StartsMixin, WholeModelFlow):
         self.key_history: dict[str, int] = {}  # the gateway's count of key-stage scale-ups per function
         self._reconcile_due = False
         self.launched: list[Replica] = []
+        self._groups: dict = {}  # ParaServe groups of this run (quart_tools.sim.starting)
         self.paraserve_plans: list[tuple[int, float, bool]] = []
         if cfg.start_mechanisms and cfg.whole_model:
             raise ValueError("start_mechanisms: not with whole_model (a live or split start needs stages)")
@@ -295,17 +296,17 @@ class Simulation(StartsMixin, WholeModelFlow):
         """Drain and stop one replica: at once if it serves nothing, after its request otherwise."""
         if rep.state == "starting":
             st.starting.remove(rep)
-            self._live_ready(st, rep)
-            if rep.in_flight:  # a live replica finishing its part of a request
-                rep.state = "draining"
-                return
+            self._live_ready(st, rep)  # a live replica may be running its part of a request
         else:
             st.ready.pop(rep, None)
-            if rep.in_flight:
-                rep.state = "draining"
-                return
-            st.free.remove(rep)
-        self._release(rep, now)
+            if not rep.in_flight:
+                st.free.remove(rep)
+        if rep.in_flight:
+            rep.state = "draining"
+        else:
+            self._release(rep, now)
+        if rep.group is not None:
+            self._group_stopped(st, rep, now)
 
     def _reconcile(self, now: float) -> None:
         """The gateway's periodic reconcile: place what is still missing once a GPU has come free."""
@@ -331,7 +332,7 @@ class Simulation(StartsMixin, WholeModelFlow):
                 continue  # defensive: a placer must not overfill a host
             source = "fork" if host.is_cached(stage.function) else "cold"
             rep = self._new_replica(stage, host, source, now)
-            if rep.source == "cold":
+            if rep.source == "cold" and not self.cfg.cache_on_ready:
                 host.cache_stage(stage.function, stage.spec.param_bytes, now)
             else:
                 host.touch(stage.function, now)
@@ -348,10 +349,15 @@ class Simulation(StartsMixin, WholeModelFlow):
         if rep.state != "starting":
             return  # cancelled while starting
         st = self.stages[rep.stage]
+        if rep.helper:
+            self._helper_ready(st, rep, now)
+            return
         st.starting.remove(rep)
         self._live_ready(st, rep)
         rep.state = "ready"
         rep.ready_at = now
+        if self.cfg.cache_on_ready and rep.source in ("cold", "peer", "multicast", "live"):
+            rep.host.cache_stage(st.function, st.spec.param_bytes, now)
         took = now - rep.requested_at
         self.ready_s_by_source.setdefault(rep.source, []).append(took)
         st.start_time.note(took)

@@ -54,19 +54,21 @@ class StartsMixin:
         holders = {f: [h.name for h in self.hosts if h.is_cached(f)] for f in functions}
         serving = {f: len(by_fn[f].ready) for f in functions}
         parts = {}
+        batch = {p.host for p in placements}
+        spare = [h.name for h in self.hosts if h.gpu_used < h.gpus and h.name not in batch]
         if "paraserve" in self.cfg.start_mechanisms:
             for f in functions:
                 hosts = sorted({p.host for p in rest if p.function == f})
-                parts[f] = self._paraserve_parts(by_fn[f], hosts)
-        for p, plan in zip(rest, plan_starts(rest, holders, self.cfg.start_mechanisms, serving, parts),
-                           strict=True):
+                parts[f] = self._paraserve_parts(by_fn[f], hosts + spare)
+        plans = plan_starts(rest, holders, self.cfg.start_mechanisms, serving, parts, spare_hosts=spare)
+        for p, plan in zip(rest, plans, strict=True):
             self._launch(by_fn[p.function], self.host_by_name[p.host], plan.mode, now, plan)
 
     def _paraserve_parts(self, stage, hosts: list[str]) -> int:
         cal, cfg = self.cal, self.cfg
         costs = ParaServeCosts(registry_bytes_s=cal.registry_gbytes_s * GB, h2d_bytes_s=cal.h2d_gbps * GB,
                                fixed_s=cal.cold_fixed_s, hop_s=self._part_hop_s(stage),
-                               service_s=stage.spec.service_s)
+                               service_s=stage.spec.service_s, overlap=cal.paraserve_overlap)
         slo = cfg.paraserve_slo_s or cfg.slo_s or cfg.slo_factor * sum(s.spec.service_s for s in self.stages)
         fetch = [FetchHost(h, cal.disk_gbps * GB) for h in hosts]
         plan = plan_parallelism(stage.spec.param_bytes, slo, fetch, costs, max_parts=cfg.paraserve_max_parts)
@@ -84,7 +86,7 @@ class StartsMixin:
         cal = self.cal
         if mode == "fork":
             host.touch(stage.function, now)
-        else:
+        elif not self.cfg.cache_on_ready:
             host.cache_stage(stage.function, size, now)
         if mode in ("gpu", "fork", "cold"):
             delay = cal.ready_s(mode, size)
@@ -98,8 +100,20 @@ class StartsMixin:
         elif mode == "paraserve":
             parts = len(plan.group)
             delay, consolidated = cal.paraserve_s(size, parts)
-            rep.factor *= 1.0 + (parts - 1) * self._part_hop_s(stage) / max(stage.spec.service_s, 1e-9)
+            slower = 1.0 + (parts - 1) * self._part_hop_s(stage) / max(stage.spec.service_s, 1e-9)
+            rep.factor *= slower
+            rep.group = self._groups.setdefault((stage.index, plan.group, now), [])
+            rep.group.append(rep)
             self._push(now + consolidated, CONSOLIDATED, rep)
+            for name in plan.helpers:  # borrowed workers: serve their part until the group has consolidated
+                helper = self._new_replica(stage, self.host_by_name[name], "paraserve", now)
+                helper.helper = True
+                helper.factor *= slower
+                helper.group = rep.group
+                rep.group.append(helper)
+                self.launched.append(helper)
+                self._push(now + delay, _READY, helper)
+                self._push(now + consolidated, CONSOLIDATED, helper)
         else:
             raise ValueError(f"unknown start mode {mode!r}")
         self.starts_by_source[mode] = self.starts_by_source.get(mode, 0) + 1
@@ -113,9 +127,41 @@ class StartsMixin:
         elif kind == PARTIAL_DONE:
             self._partial_done(*payload, now)
         elif kind == CONSOLIDATED:
-            rep = payload
-            rep.consolidated_at = now
-            rep.factor = self.cal.cpu_factor(rep.cpus)
+            self._consolidated(payload, now)
+
+    def _consolidated(self, rep, now: float) -> None:
+        """A ParaServe group holds the whole stage on each kept worker: they serve alone, helpers leave."""
+        rep.consolidated_at = now
+        rep.factor = self.cal.cpu_factor(rep.cpus)
+        stage = self.stages[rep.stage]
+        if rep.helper:
+            if rep.state == "ready" and rep.in_flight:
+                rep.state = "draining"
+            elif rep.state == "ready":
+                stage.free.remove(rep)
+                self._release(rep, now)
+        elif self.cfg.cache_on_ready and rep.state in ("ready", "starting"):
+            rep.host.cache_stage(stage.function, stage.spec.param_bytes, now)
+
+    def _group_stopped(self, stage, rep, now: float) -> None:
+        """A ParaServe replica was stopped: once no replica of its group is left, its helpers leave too (the
+        sub-pipeline's other parts; the simulator lets the remaining replicas cover a stopped one's part)."""
+        if any(r.state in ("starting", "ready") for r in rep.group if not r.helper):
+            return
+        for helper in rep.group:
+            if not helper.helper or helper.state in ("gone", "draining"):
+                continue
+            if helper.in_flight:
+                helper.state = "draining"
+                continue
+            if helper in stage.free:
+                stage.free.remove(helper)
+            self._release(helper, now)
+
+    def _helper_ready(self, stage, rep, now: float) -> None:
+        rep.state = "ready"
+        rep.ready_at = now
+        self._serve_next(stage, rep, now)
 
     # --------------------------------------------------------------------------------- live
     def _live_first(self, rep, now: float) -> None:

@@ -63,11 +63,13 @@ class SimConfig:
     start_mechanisms: frozenset[str] = frozenset()
     paraserve_slo_s: float = 0.0  # the first-response deadline ParaServe's P is chosen for; 0 = slo_s
     paraserve_max_parts: int = 8
+    cache_on_ready: bool = False  # a new replica's host caches the stage once loaded (False: at its start)
 
 
 class Replica:
     __slots__ = ("id", "stage", "host", "slot", "state", "cpus", "source", "requested_at", "factor", "in_flight",
-                 "generation", "live", "layer0", "layer_dt", "layers", "first_done", "ready_at", "consolidated_at")
+                 "generation", "live", "layer0", "layer_dt", "layers", "first_done", "ready_at", "consolidated_at",
+                 "helper", "group")
 
     def __init__(self, rid: int, stage: int, host: Host, slot: Slot, source: str, now: float, cpus: float,
                  generation: int = 1):
@@ -80,6 +82,8 @@ class Replica:
         self.live = False  # serves the layers it holds while loading (a live start, quart_tools.sim.starting)
         self.layer0, self.layer_dt, self.layers = 0.0, 1.0, 1  # live: first layer in, between layers, layers
         self.first_done = self.ready_at = self.consolidated_at = -1.0  # first work done, full load, consolidated
+        self.helper = False  # a ParaServe helper: serves its part until its group consolidates, not a replica
+        self.group: list | None = None  # ParaServe: every replica and helper of its sub-pipeline
 
     @property
     def started_at(self) -> float:  # quart_provider.replicaset.ReplicaLike
