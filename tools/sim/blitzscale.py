@@ -62,21 +62,23 @@ PARASERVE_MAX_PARTS = 4  # ParaServe §8 runs P ≤ 4 (larger P gains little)
 PEAK_FRACTION = 0.75  # the burst's peak needs at most this share of the replicas the cluster can hold per stage
 
 
-def fabric_calibration(base: Calibration, model: str) -> Calibration:
-    """``base`` (its fixed start costs: live KeysManager fork / cold) at the paper fabric for ``model``."""
+def fabric_calibration(base: Calibration, model: str, fabric: dict | None = None) -> Calibration:
+    """``base`` (its fixed start costs: live KeysManager fork / cold) at ``fabric`` (default `FABRIC`, the
+    paper's) for ``model``."""
+    fab = {**FABRIC, **(fabric or {})}
     layers = MODELS[model][2]
     src = dict(base.sources)
     src.update({
-        "nic_gbytes_s": "BlitzScale Table 1: 100 Gbit/s RDMA per GPU",
+        "nic_gbytes_s": f"BlitzScale Table 1: 100 Gbit/s RDMA per GPU (this run: {fab['nic_gbit_s']:g})",
         "h2d_gbps": "BlitzScale Table 1: 128 Gbit/s PCIe host → GPU",
         "disk_gbps": "BlitzScale Table 1: 10 Gbit/s SSD → GPU (the cold path)",
         "registry_gbytes_s": "assumption: 400 Gbit/s of storage in all",
         "hosts": "BlitzScale Table 1, cluster B: 2 × 8 GPUs; one simulated host per GPU (its own NIC and PCIe)",
         "live_layers": f"{model}: layers per stage",
     })
-    return replace(base, hosts=FABRIC["hosts"], gpus_per_host=FABRIC["gpus_per_host"],
-                   nic_gbytes_s=FABRIC["nic_gbit_s"] / 8, h2d_gbps=FABRIC["h2d_gbit_s"] / 8,
-                   disk_gbps=FABRIC["storage_gbit_s"] / 8, registry_gbytes_s=FABRIC["registry_gbit_s"] / 8,
+    return replace(base, hosts=fab["hosts"], gpus_per_host=fab["gpus_per_host"],
+                   nic_gbytes_s=fab["nic_gbit_s"] / 8, h2d_gbps=fab["h2d_gbit_s"] / 8,
+                   disk_gbps=fab["storage_gbit_s"] / 8, registry_gbytes_s=fab["registry_gbit_s"] / 8,
                    live_layers=layers, service_cv=0.1, sources=src)
 
 
@@ -136,17 +138,23 @@ def run_mode(model: str, mode: str, cal: Calibration, arrivals: Arrivals, window
 
 
 def run_blitzscale(models: list[str], cal: Calibration, seed: int = 0, base: float = 0.5, burst: float = 4.0,
-                   warm_s: float = 30.0, burst_s: float = 30.0, cool_s: float = 30.0) -> dict:
+                   warm_s: float = 30.0, burst_s: float = 30.0, cool_s: float = 30.0,
+                   fabric: dict | None = None) -> dict:
     """Every mode on every model, the same burst per model; rows and the issue's check (live vs allcache).
 
     The burst is ``burst`` × the initial replicas' capacity, lowered where the cluster could not serve it
     (the peak needs at most `PEAK_FRACTION` of the replicas per stage: as BlitzScale scales its traces).
+    ``fabric`` overrides entries of `FABRIC` (e.g. ``{"nic_gbit_s": 200.0}``).
     """
+    unknown = set(fabric or {}) - set(FABRIC)
+    if unknown:
+        raise ValueError(f"fabric: unknown {sorted(unknown)}; known: {', '.join(FABRIC)}")
+    fab = {**FABRIC, **(fabric or {})}
     rows, checks, bursts = [], {}, {}
     for model in models:
         if model not in MODELS:
             raise ValueError(f"models: unknown {model!r}; one of {', '.join(MODELS)}")
-        mcal = fabric_calibration(cal, model)
+        mcal = fabric_calibration(cal, model, fab)
         _, stages, _, service_s, _, initial = MODELS[model]
         capacity = initial / service_s  # requests/s the initial replicas of one stage sustain
         level = min(burst, PEAK_FRACTION * (mcal.hosts // stages) / initial)
@@ -158,7 +166,7 @@ def run_blitzscale(models: list[str], cal: Calibration, seed: int = 0, base: flo
         checks[model] = {"live_p99_over_allcache": live / ref if live and ref else None,
                          "target": 1.2, "met": bool(live and ref and live <= 1.2 * ref)}
     return {
-        "fabric": FABRIC,
+        "fabric": fab,
         "models": {m: {**dict(zip(("param_bytes", "stages", "layers_per_stage", "service_s", "slo_s",
                                    "initial_replicas"), MODELS[m], strict=True)), **bursts[m]} for m in models},
         "burst": {"base_x_capacity": base, "burst_x_capacity": burst, "warm_s": warm_s, "burst_s": burst_s,

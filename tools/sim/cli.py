@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="JSON settings for QUART's make_policy (diagnostics, e.g. a shorter cooldown)")
     p.add_argument("--max-replicas", type=int, default=0,
                    help="per-stage replica cap (com.openfaas.scale.max) of every system; 0 = 2 × GPUs / stages")
+    p.add_argument("--nic-gbit", type=float, default=None,
+                   help="blitzscale: network Gbit/s per host (default the paper's 100)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--calibration", default=None, help="calibration JSON (Calibration.to_json format)")
     p.add_argument("--keysmanager-bench", default=None,
@@ -166,7 +168,8 @@ def _blitzscale(args, cal: Calibration) -> dict:
     from quart_tools.sim.blitzscale import MODELS, plot_blitzscale, run_blitzscale
 
     models = [m.strip() for m in args.models.split(",")] if args.models else list(MODELS)
-    doc = {"experiment": "blitzscale", **run_blitzscale(models, cal, seed=args.seed)}
+    fabric = {"nic_gbit_s": args.nic_gbit} if args.nic_gbit else None
+    doc = {"experiment": "blitzscale", **run_blitzscale(models, cal, seed=args.seed, fabric=fabric)}
     if args.plots:
         doc["plots"] = [str(p) for p in plot_blitzscale(doc, args.plots)]
     return doc
