@@ -11,7 +11,9 @@ from dataclasses import replace
 
 from quart_provider.scheduling.config import SchedulerConfig
 from quart_provider.scheduling.hosts import host_view_from_report
+from quart_provider.scheduling.paraserve import FetchHost, ParaServeCosts, ParaServePlan, plan_parallelism
 from quart_provider.scheduling.placers import CacheAwarePlacer, FirstFitPlacer, contention
+from quart_provider.scheduling.starts import MECHANISMS, StartPlan, plan_starts
 from quart_provider.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 
 PLACERS = ("cache-aware", "first-fit")
@@ -34,15 +36,22 @@ def make_placer(name: str, config: SchedulerConfig | None = None, **settings: ob
 
 __all__ = [
     "PLACERS",
+    "MECHANISMS",
     "CacheAwarePlacer",
+    "FetchHost",
     "FirstFitPlacer",
     "HostView",
+    "ParaServeCosts",
+    "ParaServePlan",
     "Placement",
     "Placer",
     "ReplicaRequest",
     "ScheduleResult",
     "SchedulerConfig",
+    "StartPlan",
     "contention",
     "host_view_from_report",
     "make_placer",
+    "plan_parallelism",
+    "plan_starts",
 ]

@@ -43,6 +43,13 @@ class Calibration:
     h2d_gbps: float = _BERT_STAGE_GB / 0.8  # host → GPU copy rate, GB/s (≈6.7)
     cold_fixed_s: float = 2.0  # interpreter, imports, runtime set-up of a cold replica
     disk_gbps: float = _BERT_STAGE_GB / (45.0 - 2.0)  # disk → host rate, GB/s (≈0.125)
+    # Network scale-up sources (issues 16, 17): peer / chain multicast / live / ParaServe. Rates in GB/s.
+    nic_gbytes_s: float = 12.5  # a host's NIC (100 Gbit/s)
+    peer_efficiency: float = 0.954  # one peer transfer's rate ÷ the NIC's
+    chain_hop_bytes: float = 3.16e6  # extra time per chain hop, as bytes at the transfer rate
+    registry_gbytes_s: float = 50.0  # the registry's total bandwidth (ParaServe's P fetchers share it)
+    live_layers: int = 32  # layers of a stage: the granularity a live replica serves and loads in
+    paraserve_overlap: bool = True  # a ParaServe worker's fetch runs while its runtime starts (ParaServe §5)
     # Service time: stage time = exec_ms / stages × (1 − f + f × cpu_ref / cpus) × Gamma(mean 1, cv)
     service_cv: float = 0.1  # per-request variation of a stage's service time
     cpu_fraction: float = 0.2  # f: share of a stage's time that scales with its CPUs
@@ -64,6 +71,41 @@ class Calibration:
         """Cold start: process start plus reading the parameters from disk plus host → GPU copy."""
         return self.cold_fixed_s + stage_bytes / (self.disk_gbps * GB) + stage_bytes / (self.h2d_gbps * GB)
 
+    def peer_rate(self, sharers: int = 1) -> float:
+        """Bytes/s of one peer transfer when the source's NIC serves ``sharers`` receivers at once."""
+        return self.nic_gbytes_s * GB * self.peer_efficiency / max(1, sharers)
+
+    def peer_s(self, stage_bytes: int, sharers: int = 1, position: int = 1) -> float:
+        """Peer fetch (or the ``position``-th receiver of a chain): over the network into the host, then a
+        fork and the host → GPU copy."""
+        rate = self.peer_rate(sharers)
+        hops = max(0, position - 1) * self.chain_hop_bytes / rate
+        return self.fork_s(stage_bytes) + stage_bytes / rate + hops
+
+    def live_schedule(self, stage_bytes: int, sharers: int = 1, position: int = 1) -> tuple[float, float, int]:
+        """(first layer on the GPU, time between layers, layers) of a live start: layers stream from the
+        peer (or chain) straight on to the GPU, so copies overlap the transfer."""
+        layers = max(1, self.live_layers)
+        rate = self.peer_rate(sharers)
+        layer_bytes = stage_bytes / layers
+        step = max(layer_bytes / rate, layer_bytes / (self.h2d_gbps * GB))
+        first = (self.fork_fixed_s + max(0, position - 1) * self.chain_hop_bytes / rate + layer_bytes / rate
+                 + layer_bytes / (self.h2d_gbps * GB))
+        return first, step, layers
+
+    def paraserve_s(self, stage_bytes: int, parts: int) -> tuple[float, float]:
+        """(sub-pipeline serves, worker consolidated) after a ParaServe cold start over ``parts`` hosts: each
+        fetches 1/P at its storage rate (``disk_gbps``, capped by its share of the registry), then copies it
+        to the GPU; in the background it fetches and copies the rest."""
+        parts = max(1, parts)
+        rate = min(self.disk_gbps, self.registry_gbytes_s / parts) * GB
+        part = stage_bytes / parts
+        h2d = self.h2d_gbps * GB
+        fetch = part / rate
+        first = (max(self.cold_fixed_s, fetch) if self.paraserve_overlap else self.cold_fixed_s + fetch) + part / h2d
+        rest = stage_bytes - part
+        return first, first + rest / rate + rest / h2d
+
     def ready_s(self, source: str, stage_bytes: int) -> float:
         if source == "gpu":
             return self.gpu_ready_s
@@ -71,7 +113,9 @@ class Calibration:
             return self.fork_s(stage_bytes)
         if source == "cold":
             return self.cold_s(stage_bytes)
-        raise ValueError(f"unknown replica source {source!r}; one of gpu, fork, cold")
+        if source in ("peer", "multicast"):
+            return self.peer_s(stage_bytes)
+        raise ValueError(f"unknown replica source {source!r}; one of gpu, fork, peer, multicast, cold")
 
     def cpu_factor(self, cpus: float) -> float:
         """Service-time multiplier for a replica with ``cpus`` CPUs (1.0 at cpu_ref)."""
@@ -124,6 +168,12 @@ _PAPER_SOURCES = {
     "h2d_gbps": "QUART §6.1: ≈800 ms to load 1/8 of BERT-21B (5.4 GB) host → GPU",
     "cold_fixed_s": "default (overridden by live `quartctl bench keysmanager` cold times when given)",
     "disk_gbps": "QUART §6.1: ≈45 s to load 1/8 of BERT-21B from disk (43 s of reading + the default 2 s fixed)",
+    "nic_gbytes_s": "assumption: 100 Gbit/s per host (BlitzScale Table 1: 100 Gbit/s RDMA per GPU)",
+    "peer_efficiency": "live: docs/data/blitz.json, one peer transfer 200 MiB at 1 Gbit/s in 1.759 s (line 1.678 s)",
+    "chain_hop_bytes": "live: docs/data/blitz.json, chain of 3 = 1.812 s vs one 1.759 s: 26.5 ms per hop at 0.95 Gbit/s",
+    "registry_gbytes_s": "assumption: a registry serving 400 Gbit/s in all (ParaServe: the hosts' NICs are the limit)",
+    "paraserve_overlap": "ParaServe §5 (prefetch from the start of the worker); not measured in this project",
+    "live_layers": "assumption: 32 layers per stage (Llama-2-7B's count), the unit a live replica loads and serves",
     "service_cv": "assumption: GPU stage compute varies little per request",
     "cpu_fraction": "assumption: share of stage time in CPU work (serde, copies); QUART §5.3",
     "hosts": "QUART §8.1: 12 GPU servers",

@@ -4,6 +4,7 @@
     quartctl simulate --experiment fig7 --out fig7.json                             # CV sweep
     quartctl simulate --experiment fig6|fig2|ablations|all --out FILE [--plots DIR]
     quartctl simulate --experiment frontier --out FILE [--plots DIR] [--quick]    # equal cost (issue 15)
+    quartctl simulate --experiment blitzscale --out FILE [--plots DIR]            # start modes (issues 16, 17)
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from quart_tools.sim import experiments as ex
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
 DEFAULT_LOAD = 0.4  # mean rate as a fraction of what the whole cluster sustains for the model
-EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "all")
+EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "blitzscale", "all")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quartctl simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment", choices=EXPERIMENTS, default="run")
     p.add_argument("--model", default="bert-21b", choices=sorted(PAPER_MODELS), help="model of a single run")
-    p.add_argument("--models", default=",".join(PAPER_MODELS), help="models of an experiment (comma list)")
+    p.add_argument("--models", default=None,
+                   help="models of an experiment (comma list; default: the paper's, blitzscale: Llama-2/3)")
     p.add_argument("--system", default="quart",
                    help="policy of a single run: a policy name, quart-no-km or <baseline>+km")
     p.add_argument("--systems", default=None, help="systems of an experiment (comma list; default all policies)")
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="JSON settings for QUART's make_policy (diagnostics, e.g. a shorter cooldown)")
     p.add_argument("--max-replicas", type=int, default=0,
                    help="per-stage replica cap (com.openfaas.scale.max) of every system; 0 = 2 × GPUs / stages")
+    p.add_argument("--nic-gbit", type=float, default=None,
+                   help="blitzscale: network Gbit/s per host (default the paper's 100)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--calibration", default=None, help="calibration JSON (Calibration.to_json format)")
     p.add_argument("--keysmanager-bench", default=None,
@@ -160,6 +164,17 @@ def _frontier(args, cal: Calibration) -> dict:
             **doc}
 
 
+def _blitzscale(args, cal: Calibration) -> dict:
+    from quart_tools.sim.blitzscale import MODELS, plot_blitzscale, run_blitzscale
+
+    models = [m.strip() for m in args.models.split(",")] if args.models else list(MODELS)
+    fabric = {"nic_gbit_s": args.nic_gbit} if args.nic_gbit else None
+    doc = {"experiment": "blitzscale", **run_blitzscale(models, cal, seed=args.seed, fabric=fabric)}
+    if args.plots:
+        doc["plots"] = [str(p) for p in plot_blitzscale(doc, args.plots)]
+    return doc
+
+
 def _cpu_seconds() -> float:
     import resource
 
@@ -169,6 +184,8 @@ def _cpu_seconds() -> float:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.models is None and args.experiment != "blitzscale":
+        args.models = ",".join(PAPER_MODELS)
     started = time.perf_counter()
     try:
         cal = _calibration(args)
@@ -184,6 +201,8 @@ def main(argv: list[str]) -> int:
             doc = _ablations(args, cal)
         elif args.experiment == "frontier":
             doc = _frontier(args, cal)
+        elif args.experiment == "blitzscale":
+            doc = _blitzscale(args, cal)
         else:
             doc = {"experiment": "all", "fig2": ex.fig2(cal, args.duration, seed=args.seed), "fig6": _fig6(args, cal),
                    "fig7": _fig7(args, cal), "ablations": _ablations(args, cal)}

@@ -9,11 +9,12 @@ Actuator): the same snapshot builder over the live sliding-window metrics, the s
 bounds. What follows a decision is the live provider's rules (`quart_provider.replicaset`): the
 shortfall goes to the placer (`quart_provider.scheduling`), the surplus choice stops the same replicas,
 a CPU change is a rolling update that drops the stage's cached zygotes, the ask → ready estimate is the
-same moving average. New replicas are ready after the delay of their source (gpu / fork / cold).
+same moving average. New replicas are ready after the delay of their source (gpu / fork / cold; with
+``start_mechanisms`` also peer / multicast / live / paraserve: `quart_tools.sim.starting`).
 Requests are admitted or refused (429) only at the pipeline's entry, as by the live router.
 
 ``whole_model=True`` serves the model as one function (INFless as the paper ran it): a request holds
-one replica of every stage for the whole model's time, no pipelining.
+one replica of every stage for the whole model's time, no pipelining (`quart_tools.sim.wholemodel`).
 
 The event loop is a plain binary heap (heapq) rather than SimPy processes: the Fig. 7 sweep is 175
 ten-minute runs of up to a million stage visits each, and a heap of tuples is several times faster.
@@ -23,16 +24,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import numpy as np
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
-from gateway_plugin.metrics import MetricsCollector, StageMetrics
+from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.snapshot_builder import StageState
 from quart_provider.replicaset import (
-    StartTimeEstimate,
     choose_surplus,
     note_key_scale,
     rollover_done,
@@ -41,70 +40,13 @@ from quart_provider.replicaset import (
 from quart_provider.scheduling import ReplicaRequest, SchedulerConfig, make_placer
 from quart_tools.arrivals import Arrivals
 from quart_tools.report import StageSample
-from quart_tools.sim.calibration import Calibration
-from quart_tools.sim.cluster import Host, Slot, make_hosts
+from quart_tools.sim.cluster import Host, make_hosts
+from quart_tools.sim.starting import StartsMixin
+from quart_tools.sim.state import Replica, SimConfig, SimResult, StageSpec, _Stage
+from quart_tools.sim.wholemodel import WholeModelFlow
 
 _COMPLETE, _READY, _CONTROL, _RECONCILE = 0, 1, 2, 3
-_LIVE = PluginConfig()  # the live defaults the simulator starts from
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One pipeline stage as the simulator needs it."""
-
-    name: str
-    service_s: float  # mean service time at cpu_ref CPUs
-    param_bytes: int
-    activation_bytes: float = 0.0
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """One simulated run."""
-
-    model: str
-    stages: tuple[StageSpec, ...]
-    slo_s: float  # the SLO the policy aims at (snapshot.slo_s); 0 = slo_factor × Σ stage times, as live
-    calibration: Calibration = field(default_factory=Calibration)
-    keysmanager: bool = True  # hosts cache parameters and fork; False: every start is cold
-    placer: str = "cache-aware"  # or "first-fit"
-    whole_model: bool = False  # serve the model as one function (INFless)
-    initial_replicas: int = 1  # per stage, ready (on GPU) at t = 0
-    prewarm_hosts: int = -1  # hosts whose KeysManager holds every stage at t = 0 (−1 = all; KM only)
-    min_replicas: int = 1
-    max_replicas: int = 0  # per stage (com.openfaas.scale.max); 0 = 2 × GPU slots / stages
-    control_period_s: float = _LIVE.control_period_s
-    reconcile_s: float = 0.2  # replicas asked for but not placed (full cluster) are retried this often, as the
-    # embedded gateway's reconcile loop (reconcile_interval_s) does; the policy sees them as pending meanwhile
-    window_s: float = _LIVE.window_s
-    queue_cap: int = _LIVE.queue_cap  # waiting requests per stage before the router answers 429
-    hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway)
-    hop_holds_replica: bool = True  # the hop is part of the replica's busy time (the live router's call)
-    slo_factor: float = _LIVE.slo_factor  # with slo_s = 0: SLO = slo_factor × Σ profiled stage times
-    profile_label: bool = True  # stages carry their profiled time (com.quart.profile-ms); False: measured
-    gpu_keep_s: float = 0.0  # a released replica's parameters stay on its GPU this long
-    cpus: float = 1.0  # initial CPUs per replica
-    drain_s: float = 120.0  # after the last arrival, keep simulating this long for stragglers
-    seed: int = 0
-    record_series: bool = True
-
-
-class Replica:
-    __slots__ = ("id", "stage", "host", "slot", "state", "cpus", "source", "requested_at", "factor", "in_flight",
-                 "generation")
-
-    def __init__(self, rid: int, stage: int, host: Host, slot: Slot, source: str, now: float, cpus: float,
-                 generation: int = 1):
-        self.id, self.stage, self.host, self.slot = rid, stage, host, slot
-        self.state = "starting"  # starting | ready | draining | gone
-        self.cpus, self.source, self.requested_at = cpus, source, now
-        self.factor = 1.0  # service-time multiplier of its CPUs (Calibration.cpu_factor)
-        self.in_flight = 0
-        self.generation = generation  # the stage's spec generation it runs (a CPU change starts a new one)
-
-    @property
-    def started_at(self) -> float:  # quart_provider.replicaset.ReplicaLike
-        return self.requested_at
+__all__ = ["SimActuator", "SimConfig", "SimResult", "Simulation", "StageSpec", "drive"]
 
 
 class SimActuator:
@@ -130,53 +72,7 @@ def drive(coro):
     raise RuntimeError("a simulated control step suspended: the simulated platform must answer at once")
 
 
-class _Stage:
-    __slots__ = ("index", "spec", "queue", "free", "ready", "starting", "busy", "metrics", "draws", "cpus",
-                 "arrivals", "function", "start_time", "desired", "generation")
-
-    def __init__(self, index: int, spec: StageSpec, window_s: float, draws: list[float], cpus: float):
-        self.index, self.spec, self.function = index, spec, spec.name
-        self.queue: deque = deque()  # (request, enqueue time)
-        self.free: list[Replica] = []  # ready, idle
-        self.ready: dict[Replica, None] = {}  # ready, not draining; insertion-ordered for determinism
-        self.starting: list[Replica] = []
-        self.busy = 0
-        self.metrics = StageMetrics(window_s, trim_on_event=False)  # the live class; reads trim
-        self.draws = draws
-        self.cpus = cpus
-        self.arrivals: list[float] = []
-        self.start_time = StartTimeEstimate()  # ask → ready of recent replicas, as the live gateway measures it
-        self.desired = 0  # the last count asked for (the gateway's FunctionState.desired), placed or not
-        self.generation = 1
-
-    def current(self) -> list[Replica]:
-        """Starting and ready replicas (not draining) of every generation."""
-        return [*self.ready, *self.starting]
-
-
-@dataclass
-class SimResult:
-    """What one run produced: per-request latencies and the time series the report needs."""
-
-    model: str
-    policy: str
-    latencies_ms: np.ndarray  # NaN = rejected / unfinished
-    arrival_s: np.ndarray
-    duration_s: float  # the arrival schedule's span
-    end_s: float  # simulated time at the end
-    samples: list[StageSample]
-    stage_arrivals: dict[int, list[float]]
-    starts_by_source: dict[str, int]
-    ready_s_by_source: dict[str, list[float]]
-    rejected: int
-    key_stage_counts: dict[int, int]
-    gpu_seconds: float  # Σ over replicas of (release or end − request time): slots held
-    evictions: int
-    events: int
-    decisions: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
-
-
-class Simulation:
+class Simulation(StartsMixin, WholeModelFlow):
     """One run of one policy over one arrival schedule."""
 
     def __init__(self, cfg: SimConfig, policy, arrivals: Arrivals) -> None:
@@ -227,6 +123,11 @@ class Simulation:
         self.decisions: list[tuple[float, tuple[int, ...]]] = []
         self.key_history: dict[str, int] = {}  # the gateway's count of key-stage scale-ups per function
         self._reconcile_due = False
+        self.launched: list[Replica] = []
+        self._groups: dict = {}  # ParaServe groups of this run (quart_tools.sim.starting)
+        self.paraserve_plans: list[tuple[int, float, bool]] = []
+        if cfg.start_mechanisms and cfg.whole_model:
+            raise ValueError("start_mechanisms: not with whole_model (a live or split start needs stages)")
         plugin = PluginConfig(queue_cap=cfg.queue_cap, window_s=cfg.window_s, control_period_s=cfg.control_period_s,
                               slo_factor=cfg.slo_factor)
         self.controller = Controller(self, self, self.collector, SimActuator(self), lambda: policy, plugin,
@@ -290,6 +191,8 @@ class Simulation:
         stage.arrivals.append(now)
         if stage.free:
             self._start(req, stage, stage.free.pop(), now, now)
+        elif stage.live_free:
+            self._partial(req, stage, stage.live_free.pop(), now, now)
         else:
             stage.queue.append((req, now))
 
@@ -306,59 +209,20 @@ class Simulation:
         stage.metrics.on_complete(now, service)
         stage.busy -= 1
         rep.in_flight -= 1
+        if rep.first_done < 0:
+            rep.first_done = now
         if rep.state == "draining":
             self._release(rep, now)
         else:
             self._serve_next(stage, rep, now)
-        nxt_index = rep.stage + 1
-        if nxt_index < len(self.stages):
-            self._arrive(req, self.stages[nxt_index], now)
+        self._advance(req, rep.stage, now)
+
+    def _advance(self, req: int, index: int, now: float) -> None:
+        """A request is done with stage ``index``: on to the next stage, or finished."""
+        if index + 1 < len(self.stages):
+            self._arrive(req, self.stages[index + 1], now)
         else:
             self.latency[req] = (now - self.arrival[req] + self.hops_after) * 1000.0
-
-    # ------------------------------------------------------- whole-model (non-pipelined) flow
-    def _wm_arrive(self, req: int, now: float) -> None:
-        if not self._admit():
-            return
-        for st in self.stages:
-            st.metrics.on_arrival(now, st.spec.activation_bytes)
-        self.stages[0].arrivals.append(now)
-        q = self.stages[0].queue
-        if not q and all(st.free for st in self.stages):
-            self._wm_start(req, now, now)
-        else:
-            q.append((req, now))
-
-    def _wm_start(self, req: int, now: float, enqueued: float) -> None:
-        reps, total = [], 0.0
-        for st in self.stages:
-            rep = st.free.pop()
-            st.busy += 1
-            rep.in_flight += 1
-            st.metrics.on_dispatch(now, now - enqueued)
-            reps.append(rep)
-            total += st.spec.service_s * rep.factor * st.draws[req]
-        total += self.hops_s
-        self.seq += 1
-        heapq.heappush(self.heap, (now + total, self.seq, _COMPLETE, (req, reps, now)))
-
-    def _wm_complete(self, req: int, reps: list[Replica], started: float, now: float) -> None:
-        for st, rep in zip(self.stages, reps, strict=True):
-            st.metrics.on_complete(now, st.spec.service_s * rep.factor * st.draws[req])
-            st.busy -= 1
-            rep.in_flight -= 1
-            if rep.state == "draining":
-                self._release(rep, now)
-            else:
-                st.free.append(rep)
-        self.latency[req] = (now - self.arrival[req]) * 1000.0
-        self._wm_dispatch(now)
-
-    def _wm_dispatch(self, now: float) -> None:
-        q = self.stages[0].queue
-        while q and all(st.free for st in self.stages):
-            req, enq = q.popleft()
-            self._wm_start(req, now, enq)
 
     # ------------------------------------------------------------------------- control loop
     # Inventory and QueueView (gateway_plugin.snapshot_builder) of the simulated platform and router.
@@ -374,7 +238,8 @@ class Simulation:
                           start_s=st.start_time.seconds)
 
     def queue_len(self, function: str) -> int:
-        return len(self.stage_by_fn[function].queue)
+        st = self.stage_by_fn[function]
+        return len(st.queue) + len(st.remainders)
 
     def busy(self, function: str) -> int:
         return self.stage_by_fn[function].busy
@@ -431,13 +296,17 @@ class Simulation:
         """Drain and stop one replica: at once if it serves nothing, after its request otherwise."""
         if rep.state == "starting":
             st.starting.remove(rep)
+            self._live_ready(st, rep)  # a live replica may be running its part of a request
         else:
             st.ready.pop(rep, None)
-            if rep.in_flight:
-                rep.state = "draining"
-                return
-            st.free.remove(rep)
-        self._release(rep, now)
+            if not rep.in_flight:
+                st.free.remove(rep)
+        if rep.in_flight:
+            rep.state = "draining"
+        else:
+            self._release(rep, now)
+        if rep.group is not None:
+            self._group_stopped(st, rep, now)
 
     def _reconcile(self, now: float) -> None:
         """The gateway's periodic reconcile: place what is still missing once a GPU has come free."""
@@ -453,6 +322,9 @@ class Simulation:
         result = self.placer.place([h.view() for h in self.hosts], requests, dict(self.key_history))
         for host in self.hosts:  # keep_cached is binding, as the live gateway pins it on each KeysManager
             host.pinned = frozenset(f for f, h in result.keep_cached if h == host.name)
+        if self.cfg.start_mechanisms:
+            self._scale_up_sources(result.placements, now)
+            result = replace(result, placements=())
         by_fn = {s.function: s for s in self.stages}
         for p in result.placements:
             stage, host = by_fn[p.function], self.host_by_name[p.host]
@@ -460,12 +332,13 @@ class Simulation:
                 continue  # defensive: a placer must not overfill a host
             source = "fork" if host.is_cached(stage.function) else "cold"
             rep = self._new_replica(stage, host, source, now)
-            if rep.source == "cold":
+            if rep.source == "cold" and not self.cfg.cache_on_ready:
                 host.cache_stage(stage.function, stage.spec.param_bytes, now)
             else:
                 host.touch(stage.function, now)
             delay = self.cal.ready_s(rep.source, stage.spec.param_bytes)
             self.starts_by_source[rep.source] += 1
+            self.launched.append(rep)
             stage.starting.append(rep)
             self._push(now + delay, _READY, rep)
         if result.unplaced and not self._reconcile_due and self.cfg.reconcile_s > 0:
@@ -476,23 +349,33 @@ class Simulation:
         if rep.state != "starting":
             return  # cancelled while starting
         st = self.stages[rep.stage]
+        if rep.helper:
+            self._helper_ready(st, rep, now)
+            return
         st.starting.remove(rep)
+        self._live_ready(st, rep)
         rep.state = "ready"
+        rep.ready_at = now
+        if self.cfg.cache_on_ready and rep.source in ("cold", "peer", "multicast", "live"):
+            rep.host.cache_stage(st.function, st.spec.param_bytes, now)
         took = now - rep.requested_at
-        self.ready_s_by_source[rep.source].append(took)
+        self.ready_s_by_source.setdefault(rep.source, []).append(took)
         st.start_time.note(took)
         st.ready[rep] = None
         if self.cfg.whole_model:
             st.free.append(rep)
             self._wm_dispatch(now)
-        else:
+        elif not rep.in_flight:  # a live replica still running its part of a request takes the next one then
             self._serve_next(st, rep, now)
         if any(r.generation != st.generation for r in st.ready):
             self._converge(now)  # a rolling update may retire the previous generation now
 
     def _serve_next(self, stage: _Stage, rep: Replica, now: float) -> None:
-        """A replica is free: it takes the oldest waiting request of its stage, or goes idle."""
-        if stage.queue:
+        """A replica is free: it takes the oldest remainder of a live replica's request, else the oldest waiting
+        request of its stage, or goes idle."""
+        if stage.remainders:
+            self._start_remainder(stage, rep, now)
+        elif stage.queue:
             req, enq = stage.queue.popleft()
             self._start(req, stage, rep, now, enq)
         else:
@@ -527,6 +410,8 @@ class Simulation:
                     self._ready(payload, t)
                 elif kind == _RECONCILE:
                     self._reconcile(t)
+                elif kind > _RECONCILE:
+                    self._start_event(kind, payload, t)
                 else:
                     self._control(t)
                     if i < n or any(s.busy or s.queue for s in self.stages):
@@ -563,4 +448,6 @@ class Simulation:
             evictions=sum(h.evictions for h in self.hosts),
             events=events,
             decisions=self.decisions,
+            launched=self.launched,
+            paraserve_plans=self.paraserve_plans,
         )

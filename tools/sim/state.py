@@ -1,0 +1,140 @@
+"""The simulator's records: a stage's spec, a run's config, replicas, a stage's router state, a run's result.
+
+Shared by `quart_tools.sim.engine` and its mixins (`starting`, `wholemodel`); re-exported by the engine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from gateway_plugin.config import PluginConfig
+from gateway_plugin.metrics import StageMetrics
+from quart_provider.replicaset import StartTimeEstimate
+from quart_tools.report import StageSample
+from quart_tools.sim.calibration import Calibration
+from quart_tools.sim.cluster import Host, Slot
+
+_LIVE = PluginConfig()  # the live defaults the simulator starts from
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage as the simulator needs it."""
+
+    name: str
+    service_s: float  # mean service time at cpu_ref CPUs
+    param_bytes: int
+    activation_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run."""
+
+    model: str
+    stages: tuple[StageSpec, ...]
+    slo_s: float  # the SLO the policy aims at (snapshot.slo_s); 0 = slo_factor × Σ stage times, as live
+    calibration: Calibration = field(default_factory=Calibration)
+    keysmanager: bool = True  # hosts cache parameters and fork; False: every start is cold
+    placer: str = "cache-aware"  # or "first-fit"
+    whole_model: bool = False  # serve the model as one function (INFless)
+    initial_replicas: int = 1  # per stage, ready (on GPU) at t = 0
+    prewarm_hosts: int = -1  # hosts whose KeysManager holds every stage at t = 0 (−1 = all; KM only)
+    min_replicas: int = 1
+    max_replicas: int = 0  # per stage (com.openfaas.scale.max); 0 = 2 × GPU slots / stages
+    control_period_s: float = _LIVE.control_period_s
+    reconcile_s: float = 0.2  # replicas asked for but not placed (full cluster) are retried this often, as the
+    # embedded gateway's reconcile loop (reconcile_interval_s) does; the policy sees them as pending meanwhile
+    window_s: float = _LIVE.window_s
+    queue_cap: int = _LIVE.queue_cap  # waiting requests per stage before the router answers 429
+    hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway)
+    hop_holds_replica: bool = True  # the hop is part of the replica's busy time (the live router's call)
+    slo_factor: float = _LIVE.slo_factor  # with slo_s = 0: SLO = slo_factor × Σ profiled stage times
+    profile_label: bool = True  # stages carry their profiled time (com.quart.profile-ms); False: measured
+    gpu_keep_s: float = 0.0  # a released replica's parameters stay on its GPU this long
+    cpus: float = 1.0  # initial CPUs per replica
+    drain_s: float = 120.0  # after the last arrival, keep simulating this long for stragglers
+    seed: int = 0
+    record_series: bool = True
+    # Scale-up sources beyond fork / cold (quart_provider.scheduling.starts.MECHANISMS): "peer", "multicast",
+    # "live", "paraserve". Empty: the fork-or-cold rule of the QUART paper's runs.
+    start_mechanisms: frozenset[str] = frozenset()
+    paraserve_slo_s: float = 0.0  # the first-response deadline ParaServe's P is chosen for; 0 = slo_s
+    paraserve_max_parts: int = 8
+    cache_on_ready: bool = False  # a new replica's host caches the stage once loaded (False: at its start)
+
+
+class Replica:
+    __slots__ = ("id", "stage", "host", "slot", "state", "cpus", "source", "requested_at", "factor", "in_flight",
+                 "generation", "live", "layer0", "layer_dt", "layers", "first_done", "ready_at", "consolidated_at",
+                 "helper", "group")
+
+    def __init__(self, rid: int, stage: int, host: Host, slot: Slot, source: str, now: float, cpus: float,
+                 generation: int = 1):
+        self.id, self.stage, self.host, self.slot = rid, stage, host, slot
+        self.state = "starting"  # starting | ready | draining | gone
+        self.cpus, self.source, self.requested_at = cpus, source, now
+        self.factor = 1.0  # service-time multiplier of its CPUs (Calibration.cpu_factor)
+        self.in_flight = 0
+        self.generation = generation  # the stage's spec generation it runs (a CPU change starts a new one)
+        self.live = False  # serves the layers it holds while loading (a live start, quart_tools.sim.starting)
+        self.layer0, self.layer_dt, self.layers = 0.0, 1.0, 1  # live: first layer in, between layers, layers
+        self.first_done = self.ready_at = self.consolidated_at = -1.0  # first work done, full load, consolidated
+        self.helper = False  # a ParaServe helper: serves its part until its group consolidates, not a replica
+        self.group: list | None = None  # ParaServe: every replica and helper of its sub-pipeline
+
+    @property
+    def started_at(self) -> float:  # quart_provider.replicaset.ReplicaLike
+        return self.requested_at
+
+
+class _Stage:
+    __slots__ = ("index", "spec", "queue", "free", "ready", "starting", "busy", "metrics", "draws", "cpus",
+                 "arrivals", "function", "start_time", "desired", "generation", "live_free", "remainders")
+
+    def __init__(self, index: int, spec: StageSpec, window_s: float, draws: list[float], cpus: float):
+        self.index, self.spec, self.function = index, spec, spec.name
+        self.queue: deque = deque()  # (request, enqueue time)
+        self.free: list[Replica] = []  # ready, idle
+        self.ready: dict[Replica, None] = {}  # ready, not draining; insertion-ordered for determinism
+        self.starting: list[Replica] = []
+        self.busy = 0
+        self.metrics = StageMetrics(window_s, trim_on_event=False)  # the live class; reads trim
+        self.draws = draws
+        self.cpus = cpus
+        self.arrivals: list[float] = []
+        self.start_time = StartTimeEstimate()  # ask → ready of recent replicas, as the live gateway measures it
+        self.desired = 0  # the last count asked for (the gateway's FunctionState.desired), placed or not
+        self.generation = 1
+        self.live_free: list[Replica] = []  # live replicas (still loading) that wait for a request
+        self.remainders: deque = deque()  # (request, seconds, part done): the rest of a live replica's request
+
+    def current(self) -> list[Replica]:
+        """Starting and ready replicas (not draining) of every generation."""
+        return [*self.ready, *self.starting]
+
+
+@dataclass
+class SimResult:
+    """What one run produced: per-request latencies and the time series the report needs."""
+
+    model: str
+    policy: str
+    latencies_ms: np.ndarray  # NaN = rejected / unfinished
+    arrival_s: np.ndarray
+    duration_s: float  # the arrival schedule's span
+    end_s: float  # simulated time at the end
+    samples: list[StageSample]
+    stage_arrivals: dict[int, list[float]]
+    starts_by_source: dict[str, int]
+    ready_s_by_source: dict[str, list[float]]
+    rejected: int
+    key_stage_counts: dict[int, int]
+    gpu_seconds: float  # Σ over replicas of (release or end − request time): slots held
+    evictions: int
+    events: int
+    decisions: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
+    launched: list = field(default_factory=list)  # replicas started after t = 0 (Replica: times, source)
+    paraserve_plans: list[tuple[int, float, bool]] = field(default_factory=list)  # (P, predicted s, meets SLO)
