@@ -26,7 +26,7 @@ from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
 from quart_provider.keysmanager_host import multicast
 from quart_provider.replicaset import choose_surplus, rollover_done, shortfall
 from quart_provider.scheduling.metrics import SchedulerMetrics
-from quart_provider.scheduling.multicast import FetchPlan, plan_fetches
+from quart_provider.scheduling.starts import StartPlan, chains_of, peers_of, plan_starts
 from quart_provider.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 from quart_provider.types import Endpoint, FunctionState
 
@@ -254,43 +254,52 @@ class Reconciler:
         for req in result.unplaced:
             if req.function in self.functions:
                 self.functions[req.function].unplaced += req.count
-        holders: dict[str, list[str]] = {}
-        for view in views if self.config.peer_fetch else ():
-            for function in view.cached:
-                holders.setdefault(function, []).append(view.name)
-        # a host serving replicas sends their answers (activations) on its NIC: chains avoid sending from it
-        serving = [v.name for v in views if any(v.running.values())]
-        busy = {(a, b) for a in serving for b in (v.name for v in views) if a != b}
-        fetches = {plan.function: plan for plan in plan_fetches(result.placements, holders, busy)}
-        for plan in fetches.values():
-            if len(plan.chain) > 2 and plan.function in self.functions:
-                await self._multicast(self.functions[plan.function], plan)
-        for placement in result.placements:
+        plans = self._start_plans(result, views)
+        chains = chains_of(plans)
+        for function, chain in chains:
+            if function in self.functions:
+                await self._multicast(self.functions[function], chain)
+        for placement, plan in zip(result.placements, plans, strict=True):
             fn = self.functions.get(placement.function)
             if fn is None or placement.host not in self.hosts:
                 continue
-            plan = fetches.get(fn.name)
-            peers = self._peer_addresses(plan.peers.get(placement.host, ())) if plan else []
             fn.pending_starts += 1
-            self._spawn(self._start_placed(fn, placement, fn.generation, asked_at, peers),
+            self._spawn(self._start_placed(fn, placement, fn.generation, asked_at, plan,
+                                           self._peer_addresses(peers_of(plan, chains))),
                         f"start:{placement.host}:{fn.name}")
+
+    def _start_plans(self, result: ScheduleResult, views: list[HostView]) -> list[StartPlan]:
+        """How each placement starts (:func:`quart_provider.scheduling.starts.plan_starts`, the simulator's rule):
+        the holders of each stage are the hosts that cache it; a host serving replicas sends their answers on
+        its NIC, so chains avoid sending from it."""
+        holders: dict[str, list[str]] = {}
+        for view in views:
+            for function in view.cached:
+                holders.setdefault(function, []).append(view.name)
+        serving = [v.name for v in views if any(v.running.values())]
+        busy = {(a, b) for a in serving for b in (v.name for v in views) if a != b}
+        enabled = {"peer", "multicast"} if self.config.peer_fetch else set()
+        if self.config.live_scaling:
+            enabled.add("live")
+        ready = {name: len(fn.ready) for name, fn in self.functions.items()}
+        return plan_starts(result.placements, holders, enabled, ready, busy_links=busy)
 
     def _peer_addresses(self, names: tuple[str, ...]) -> list[str]:
         """The KeysManager addresses other hosts fetch from (hosts without one, e.g. on Unix sockets, left out)."""
         found = (getattr(self.hosts.get(n), "peer_address", None) for n in names)
         return [a for a in found if a]
 
-    async def _multicast(self, fn: FunctionState, plan: FetchPlan) -> None:
+    async def _multicast(self, fn: FunctionState, names: tuple[str, ...]) -> None:
         """Several hosts need ``fn``'s parameters at once: order the chain (BlitzScale §5.1) before the starts,
         which then find the transfer under way. A failure is logged: each start still fetches on its own."""
-        chain = [self.hosts.get(n) if n is not None else None for n in plan.chain]
+        chain = [self.hosts.get(n) for n in names]
         if any(h is not None and not hasattr(h, "prefetch") for h in chain):
             return  # hosts without a KeysManager cache nothing
         try:
             await within(5.0, multicast(self._spec(fn), chain))
-            log.info("%s: chain multicast %s", fn.name, " → ".join(n or "registry" for n in plan.chain))
+            log.info("%s: chain multicast %s", fn.name, " → ".join(names))
         except Exception as exc:
-            log.warning("%s: chain multicast over %s failed: %s", fn.name, plan.chain, exc)
+            log.warning("%s: chain multicast over %s failed: %s", fn.name, names, exc)
 
     async def _pin_kept(self, result: ScheduleResult, views: list[HostView]) -> None:
         """Make ``keep_cached`` binding (QUART §6): each host's KeysManager evicts those key-stage zygotes last
@@ -317,12 +326,11 @@ class Reconciler:
                 self.pins[name] = sent
 
     async def _start_placed(self, fn: FunctionState, placement: Placement, generation: int, asked_at: float,
-                            peers: list[str]) -> None:
-        """Start one placed replica and remember when it was asked for (its ready time is measured from then).
-        One that must fetch its parameters starts live when the gateway is set so (``live_scaling``)."""
+                            plan: StartPlan, peers: list[str]) -> None:
+        """Start one placed replica as ``plan`` says and remember when it was asked for (its ready time is
+        measured from then)."""
         before = set(fn.replicas)
-        live = self.config.live_scaling and placement.source in ("peer", "cold")
-        await self._start_replica(fn, placement.host, generation, peers, live)
+        await self._start_replica(fn, placement.host, generation, peers, plan.mode == "live")
         for rid, endpoint in list(fn.replicas.items()):
             if rid not in before and endpoint.host == placement.host and rid not in self._placed:
                 self._placed[rid] = (asked_at, placement.source, placement.key)

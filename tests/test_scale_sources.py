@@ -144,3 +144,17 @@ def test_a_small_paraserve_group_borrows_spare_hosts_once_each() -> None:
     assert by_fn["g"].group == ("b", "z") and by_fn["g"].helpers == ("z",)  # what was left
     lone = plan_starts([_pl("f", "a", "cold")], {}, {"paraserve"}, parts={"f": 3})
     assert lone[0].mode == "cold"  # no spare host: nothing to split over
+
+
+def test_chains_and_peers_the_gateway_orders_from_the_start_plans():
+    from quart_provider.scheduling.starts import chains_of, peers_of, plan_starts
+    from quart_provider.scheduling.types import Placement
+
+    placements = [Placement("f", h, "peer") for h in ("h3", "h1", "h2")] + [Placement("g", "h4", "peer"),
+                                                                           Placement("k", "h5", "cold")]
+    plans = plan_starts(placements, {"f": ["h0"], "g": ["h0"]}, {"peer", "multicast"})
+    chains = chains_of(plans)
+    assert chains == [("f", ("h0", "h1", "h2", "h3"))]  # g has one receiver: no chain
+    peers = {(p.function, p.host): peers_of(p, chains) for p in plans}
+    assert peers == {("f", "h1"): ("h0",), ("f", "h2"): ("h1", "h0"), ("f", "h3"): ("h2", "h0"),
+                     ("g", "h4"): ("h0",), ("k", "h5"): ()}

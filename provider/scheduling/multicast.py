@@ -7,10 +7,7 @@ one chunk time per hop, however many receivers there are. Pure.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
-
-from quart_provider.scheduling.types import Placement
+from collections.abc import Collection, Iterable
 
 Link = tuple[str, str]  # (sender, receiver): traffic on this direction of the pair
 
@@ -50,38 +47,3 @@ def chain_busy_hops(chain: list[str | None], busy_links: Collection[Link]) -> in
     """How many hops of ``chain`` run on a busy link."""
     return sum((a, b) in set(busy_links) for a, b in zip(chain, chain[1:], strict=False) if a is not None)
 
-
-@dataclass(frozen=True, slots=True)
-class FetchPlan:
-    """Where the new replicas of one stage get its bytes (hosts by name): ``chain`` when several hosts need it at
-    once (multicast it first), and per receiving host the peers to fetch from, in order (then the registry)."""
-
-    function: str
-    chain: tuple[str | None, ...] = ()
-    peers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-
-
-def plan_fetches(placements: Iterable[Placement], holders: Mapping[str, Collection[str]],
-                 busy_links: Collection[Link] = frozenset()) -> list[FetchPlan]:
-    """One :class:`FetchPlan` per stage that some placement must fetch (source ``peer`` or ``cold``).
-
-    ``holders``: function → hosts that hold its parameters now. One receiver fetches from the holders (a
-    quiet link first); two or more are served by one chain (:func:`plan_chain`): each fetches from its
-    predecessor, falling back to the chain's source."""
-    receivers: dict[str, list[str]] = {}
-    for p in placements:
-        if p.source in ("peer", "cold") and p.host not in receivers.setdefault(p.function, []):
-            receivers[p.function].append(p.host)
-    plans = []
-    busy = set(busy_links)
-    for function, hosts in sorted(receivers.items()):
-        have = sorted(set(holders.get(function, ())) - set(hosts))
-        if len(hosts) == 1:
-            host = hosts[0]
-            plans.append(FetchPlan(function, peers={host: tuple(sorted(have, key=lambda h: (h, host) in busy))}))
-            continue
-        chain = plan_chain(have, hosts, busy)
-        peers = {host: tuple(dict.fromkeys(h for h in (prev, chain[0]) if h is not None))
-                 for prev, host in zip(chain, chain[1:], strict=False)}
-        plans.append(FetchPlan(function, tuple(chain), peers))
-    return plans

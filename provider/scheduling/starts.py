@@ -153,3 +153,27 @@ def _cold_starts(placements: Sequence[Placement], indices: list[int], enabled: f
         for n, i in enumerate(group):
             yield i, StartPlan(function, placements[i].host, "paraserve", group=names,
                                helpers=helpers if n == 0 else ())
+
+
+def chains_of(plans: Sequence[StartPlan]) -> list[tuple[str, tuple[str, ...]]]:
+    """The chains to order before the starts: ``(function, (source, r1, r2, ...))`` for every source whose
+    multicast / live receivers are two or more hosts (one receiver just fetches from its source)."""
+    receivers: dict[tuple[str, str], dict[str, int]] = {}
+    for plan in plans:
+        if plan.mode in ("multicast", "live") and plan.source is not None:
+            hosts = receivers.setdefault((plan.function, plan.source), {})
+            hosts[plan.host] = min(hosts.get(plan.host, plan.position), plan.position)
+    return [(function, (source, *sorted(hosts, key=hosts.__getitem__)))
+            for (function, source), hosts in sorted(receivers.items()) if len(hosts) > 1]
+
+
+def peers_of(plan: StartPlan, chains: Sequence[tuple[str, tuple[str, ...]]]) -> tuple[str, ...]:
+    """The hosts ``plan``'s start fetches from, in order (then the registry): its predecessor in its chain and
+    the chain's source, or its one peer; none for fork, cold and paraserve starts."""
+    if plan.source is None or plan.mode not in ("peer", "multicast", "live"):
+        return ()
+    for function, chain in chains:
+        if function == plan.function and chain[0] == plan.source and plan.host in chain[1:]:
+            prev = chain[chain.index(plan.host, 1) - 1]
+            return tuple(dict.fromkeys((prev, plan.source)))
+    return (plan.source,)
