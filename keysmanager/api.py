@@ -124,7 +124,8 @@ class _Api:
         source = body.get("source", "auto")
         if source not in START_SOURCES:
             raise invalid("source", f"source must be one of {', '.join(START_SOURCES)}, got {source!r}")
-        started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold", peers=_peers(body))
+        started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold", peers=_peers(body),
+                                               layers=_layers(body))
         # no memory readings here: they are slow to take from a process that is still starting
         return web.json_response({"replicas": [self.km.replica_info(r, memory=False).to_dict() for r in started]})
 
@@ -214,6 +215,17 @@ def _peers(body: dict) -> list[str]:
     if not isinstance(peers, list) or len(peers) > 64 or not all(isinstance(p, str) and _PEER_RE.match(p) for p in peers):
         raise invalid("peers", "peers must be a list of at most 64 KeysManager addresses http://HOST:PORT")
     return peers
+
+
+def _layers(body: dict) -> tuple[int, int] | None:
+    """``layers``: ``[a, b]``, a part of the stage (absolute, half-open) to fetch and serve first (ParaServe)."""
+    layers = body.get("layers")
+    if layers is None:
+        return None
+    if (not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int and x >= 0 for x in layers)
+            or layers[0] >= layers[1]):
+        raise invalid("layers", f"layers must be [a, b] with 0 <= a < b (absolute layer indices), got {layers!r}")
+    return layers[0], layers[1]
 
 
 async def _json(request: web.Request, allow_empty: bool = False) -> Any:

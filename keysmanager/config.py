@@ -40,6 +40,7 @@ class KeysManagerConfig:
     ready_timeout_s: float = 180.0  # a replica not healthy by then is killed and reported dead
     zygote_timeout_s: float = 600.0  # loading parameters into a zygote
     drain_timeout_s: float = 30.0  # stop: wait this long for in-flight requests, then SIGKILL
+    part_read_timeout_s: float = 10.0  # a part start's ranged read from a peer: silent this long, try the next source
     monitor_interval_s: float = 0.1  # reaping and memory-pressure checks
     max_replicas_per_call: int = 256
     python: str = ""  # interpreter for zygotes and cold replicas; default sys.executable

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from quart_stage.progress import read_progress
+from quart_stage.progress import read_range
 
 from keysmanager.errors import InvalidSpec, StartFailed
 from keysmanager.stage import StageRef
@@ -54,7 +54,7 @@ async def start_live(km: KeysManager, spec: StageSpec, target: LiveTarget, trans
     stage = StageRef(spec.function, env, None, "", 0, "live")
     spawn = asyncio.ensure_future(km.zygotes.spawn(live_spec, stage, register=False))
     await asyncio.wait([spawn, transfer], return_when=asyncio.FIRST_COMPLETED)
-    if not spawn.done() and transfer.done() and read_progress(str(target.progress)) == 0:
+    if not spawn.done() and transfer.done() and not _any_held(target):
         spawn.cancel()  # the transfer ended (failed) before any layer: nothing to serve live
         with contextlib.suppress(BaseException):
             await spawn
@@ -70,6 +70,11 @@ async def start_live(km: KeysManager, spec: StageSpec, target: LiveTarget, trans
     for rep in started:
         rep.layers, rep.progress = layers, str(target.progress)
     return started
+
+
+def _any_held(target: LiveTarget) -> bool:
+    lo, hi = read_range(str(target.progress))
+    return hi > lo
 
 
 def _error_of(task: asyncio.Task) -> str:
@@ -91,11 +96,13 @@ def _stage_layers(target: LiveTarget) -> tuple[int, int] | None:
 
 
 def held_of(rep: Replica) -> tuple[int, int] | None:
-    """The layers a replica holds now: a live one's verified prefix (its progress file), else its whole stage."""
+    """The layers a replica holds now: a live one's verified range (its progress file: a prefix, or a ParaServe
+    part growing both ways), else its whole stage."""
     if rep.layers is None or rep.progress is None:
         return rep.layers
     start, end = rep.layers
-    return start, min(end, start + read_progress(rep.progress))
+    lo, hi = read_range(rep.progress)
+    return (start + lo, min(end, start + hi)) if hi > lo else (start, start)
 
 
 # ------------------------------------------------------------------------------------ live zygote side
@@ -116,13 +123,16 @@ def build_live(env: Mapping[str, str]):
     entry = manifest.stage(cfg.stage_index)
     progress_path, path = env[LIVE_PROGRESS_ENV], env[LIVE_FILE_ENV]
     deadline = time.monotonic() + float(env.get(LIVE_WAIT_ENV, "60"))
-    while read_progress(progress_path) < 1:  # the header and the first layer, verified
+    while read_range(progress_path)[1] <= read_range(progress_path)[0]:  # the header and a first layer, verified
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path}: no verified layer within {env.get(LIVE_WAIT_ENV)} s")
         time.sleep(0.002)
-    data_start, header = read_safetensors_header(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # complete already: renamed into place (the stage file without ".partial")
+        fd = os.open(path.removesuffix(".partial"), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data_start, header = read_safetensors_header(f"/proc/self/fd/{fd}")
         mm = mmap.mmap(fd, entry.file_bytes, access=mmap.ACCESS_READ)  # shared: sees the writer's pages
     finally:
         os.close(fd)

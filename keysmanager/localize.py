@@ -18,9 +18,10 @@ from functools import partial
 from pathlib import Path
 
 from keysmanager.errors import InvalidSpec, RegistryUnavailable
-from keysmanager.peers import StageFile, stream_from_peer
+from keysmanager.parts import PartError, PartJob, fetch_part
+from keysmanager.peers import StageFile, read_peer_range, stream_from_peer
 from keysmanager.registry import LIVE_MANIFEST, MANIFEST, MODEL_URL_ENV, ModelRegistry, RegistryError
-from keysmanager.transfer import FetchResult, VerifiedWriter
+from keysmanager.transfer import FetchResult, TransferError, VerifiedWriter
 from keysmanager.types import StageSpec
 
 
@@ -49,6 +50,7 @@ class Localizer:
         self._locks: dict[Path, asyncio.Lock] = {}
         self._registries: dict[str, ModelRegistry] = {}  # one client per model URL (boto3 clients are thread-safe)
         self._tasks: set[asyncio.Task] = set()
+        self.part_read_timeout_s = 10.0  # a part start's ranged read from a peer (KeysManagerConfig)
 
     def folder(self, spec: StageSpec) -> Path:
         url = spec.env[MODEL_URL_ENV]
@@ -107,6 +109,51 @@ class Localizer:
                                   len(writer.layers.spans)), task
             await asyncio.sleep(0.002)
         return None
+
+    async def start_part(self, spec: StageSpec, layers: tuple[int, int], peers: Sequence[str] = ()
+                         ) -> tuple[LiveTarget, asyncio.Task] | None:
+        """Start making a registry stage local part first (``keysmanager.parts``: the layers ``layers``, then the
+        rest) and answer once its partial file and progress file exist: where it fills and the fetch's task. None
+        when the stage is not from the registry or already local. InvalidSpec for a part outside the stage or a
+        manifest without per-layer hashes; RegistryUnavailable when even the header cannot be fetched."""
+        if not _from_registry(spec) or (self.folder(spec) / MANIFEST).exists():
+            return None
+        job = PartJob()
+        task = asyncio.create_task(self._fetch_part(spec, layers, list(peers), job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: the caller reports it
+        while not task.done():
+            if job.opened.is_set() and job.partial is not None:
+                index = int(spec.env.get("QUART_STAGE_INDEX", "0"))
+                return LiveTarget(self.folder(spec), index, job.partial, job.progress,
+                                  self.folder(spec) / LIVE_MANIFEST, job.layers), task
+            await asyncio.sleep(0.002)
+        task.result()  # raises what ended it
+        return None
+
+    async def _fetch_part(self, spec: StageSpec, layers: tuple[int, int], peers: list[str], job: PartJob) -> None:
+        function, folder = spec.function, self.folder(spec)
+        async with self._locks.setdefault(folder, asyncio.Lock()):
+            if (folder / MANIFEST).exists():
+                return
+            try:
+                stage_index = int(spec.env.get("QUART_STAGE_INDEX", "0"))
+            except ValueError:
+                raise InvalidSpec("QUART_STAGE_INDEX must be an integer", "spec.env") from None
+            url = spec.env[MODEL_URL_ENV]
+            registry = self._registries.get(url) or self._registries.setdefault(url, ModelRegistry(url))
+            readers = [(f"peer {p}", partial(read_peer_range, p, function, self.token, None,
+                                             read_timeout_s=self.part_read_timeout_s)) for p in peers]
+            try:
+                result = await asyncio.to_thread(fetch_part, registry, stage_index, folder, layers, readers, job)
+            except PartError as exc:
+                raise InvalidSpec(str(exc), exc.field) from None
+            except (TransferError, OSError) as exc:  # the registry's errors too
+                raise RegistryUnavailable(f"stage {function!r} (part {layers[0]}-{layers[1]}): {exc}",
+                                          "spec.env." + MODEL_URL_ENV) from None
+            self.fetched[function] = result
+            self._note_folder(function, folder, stage_index)
 
     async def _fetch(self, spec: StageSpec, folder: Path, peers: list[str], live: bool = False) -> None:
         index = spec.env.get("QUART_STAGE_INDEX", "0")

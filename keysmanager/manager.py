@@ -66,6 +66,7 @@ class KeysManager:
                                self.replicas.exited, self._state.touch)
         self._cache_locks: dict[str, asyncio.Lock] = {}
         self.localizer = Localizer(self.state_dir, read_token(config.token_file) if config.token_file else None)
+        self.localizer.part_read_timeout_s = config.part_read_timeout_s
         self._caching: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
@@ -215,13 +216,21 @@ class KeysManager:
 
     async def start_replicas(self, spec: StageSpec, count: int, mode: str, survive: bool, wait: bool,
                              cache: bool, cold: bool = False, peers: Sequence[str] = (),
-                             live: bool = False) -> list[Replica]:
+                             live: bool = False, layers: tuple[int, int] | None = None) -> list[Replica]:
         """Fork ``count`` replicas from the stage's zygote, or cold-start them when it has none (and cache the stage
         when ``cache``). ``cold``: always cold-start, never touching the cache (a function deployed without the
         KeysManager, ``com.quart.keysmanager: off``). ``live``: a registry stage not yet local starts serving
-        the layers that arrived while its file is still arriving (``keysmanager.live``)."""
+        the layers that arrived while its file is still arriving (``keysmanager.live``). ``layers`` (a part of
+        the stage, absolute): such a stage fetches that part first and serves it at once, then the rest
+        (``keysmanager.parts``, ParaServe); a stage already local starts whole."""
         requested_at = time.monotonic()
-        if live and not cold:
+        if layers is not None and not cold:
+            self.replicas.check_free_slots(count)
+            found = await self.localizer.start_part(spec, layers, peers)
+            if found is not None:
+                started = await start_live(self, spec, *found, count, survive, requested_at)
+                return await self._started(started, wait)
+        elif live and not cold:
             self.replicas.check_free_slots(count)
             found = await self.localizer.start_live(spec, peers)
             if found is not None:

@@ -17,6 +17,7 @@ import contextlib
 import http.client
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -155,6 +156,34 @@ def stream_from_peer(peer: str, function: str, token: str | None, writer: Verifi
     finally:
         conn.close()
     return writer.commit(source=peer)
+
+
+def read_peer_range(peer: str, function: str, token: str | None, sha256: str | None, start: int, end: int,
+                    connect_timeout_s: float = 3.0, read_timeout_s: float = 10.0) -> Iterator[bytes]:
+    """Bytes ``[start, end)`` of ``function``'s stage file at the KeysManager ``peer`` (``Range``), in chunks;
+    TransferError when it answers anything but 206 for that file (``sha256``, when given, must be the one it
+    offers). Unverified: the caller checks each layer (a part start, ``keysmanager.parts``)."""
+    parts = urlsplit(peer)
+    if parts.scheme != "http" or not parts.hostname or not parts.port:
+        raise TransferError(f"peer {peer!r} is not http://HOST:PORT")
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=connect_timeout_s)
+    try:
+        conn.connect()
+        conn.sock.settimeout(read_timeout_s)
+        headers = {"Range": f"bytes={start}-{end - 1}", **(bearer_header(token) if token else {})}
+        conn.request("GET", f"/v1/stages/{function}/file", headers=headers)
+        reply = conn.getresponse()
+        if reply.status != 206:
+            raise TransferError(f"peer {peer} answered {reply.status}: {_error_text(reply.read(4096))}")
+        offered = reply.getheader(SHA_HEADER)
+        if sha256 and offered and offered != sha256:
+            raise TransferError(f"peer {peer} holds another version of {function} (sha256 {offered[:16]}…)")
+        while chunk := reply.read(PEER_CHUNK_BYTES):
+            yield chunk
+    except (OSError, http.client.HTTPException) as exc:
+        raise TransferError(f"peer {peer}: {type(exc).__name__}: {exc}") from None
+    finally:
+        conn.close()
 
 
 def _error_text(body: bytes) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -168,6 +168,18 @@ class ModelRegistry:
             raise self._explain(exc, f"fetching {what}") from None
         except TransferError as exc:
             raise RegistryError(str(exc)) from None
+
+    def read_range(self, name: str, start: int, end: int) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of object ``name`` (GetObject with ``Range``), in chunks; RegistryError naming
+        the cause. Unverified: the caller checks them (a part start, ``keysmanager.parts``)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        what = f"{self.url}/{name} bytes {start}..{end}"
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={start}-{end - 1}")
+            yield from reply["Body"].iter_chunks(CHUNK_BYTES)
+        except (BotoCoreError, ClientError, OSError) as exc:
+            raise self._explain(exc, f"fetching {what}") from None
 
     def materialize(self, stage_index: int, dest_dir: Path, on_progress: Progress | None = None,
                     peers: Sequence[tuple[str, StreamInto]] = (),

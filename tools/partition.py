@@ -222,6 +222,8 @@ class StageFileInfo:
     sha256: str
     layer_bytes: list[list[int]]
     layer_sha256: list[str]
+    header_bytes: int = 0
+    header_sha256: str = ""
 
 
 def write_stage_file(path: str, specs: list[families.TensorSpec], produce, dtype: torch.dtype,
@@ -263,7 +265,8 @@ def write_stage_file(path: str, specs: list[families.TensorSpec], produce, dtype
         spans[i][0] = spans[i - 1][1]
         spans[i][1] = max(spans[i][1], spans[i][0])
     os.replace(tmp, path)
-    return StageFileInfo(size, digest.hexdigest(), spans, [d.hexdigest() for d in layer_digests])
+    return StageFileInfo(size, digest.hexdigest(), spans, [d.hexdigest() for d in layer_digests], len(head),
+                         hashlib.sha256(head).hexdigest())
 
 
 def partition(model: str | Mapping, stages: int, out: str, method: str = "parameters", *,
@@ -324,6 +327,7 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
             stage_specs = [s for s in specs if start <= s.layer < end]
             n_params = sum(math.prod(s.shape) for s in stage_specs)
             file_name, file_bytes, sha, layer_bytes, layer_sha = None, None, None, None, None
+            header: dict = {}
             if weights != "none":
                 file_name = f"stage-{index}.safetensors"
                 meta = {"model": model_name, "stage": str(index), "layers": f"{start}:{end}"}
@@ -339,10 +343,11 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
                 info = write_stage_file(os.path.join(out, file_name), stage_specs, produce, torch_dtype, meta, bar,
                                         (start, end))
                 file_bytes, sha, layer_bytes, layer_sha = info.size, info.sha256, info.layer_bytes, info.layer_sha256
+                header = {"header_bytes": info.header_bytes, "header_sha256": info.header_sha256}
             entries.append(StageEntry(index=index, start=start, end=end, layers=layer_list[start:end],
                                       file=file_name, parameter_count=n_params, parameter_bytes=n_params * itemsize,
                                       sha256=sha, file_bytes=file_bytes, layer_bytes=layer_bytes,
-                                      layer_sha256=layer_sha))
+                                      layer_sha256=layer_sha, **header))
     tokenizer = _write_tokenizer(src, out, cfg)
     manifest = Manifest(
         model=model_name, family=plan.family, model_type=plan.model_type, dtype=dtype_name, method=method,

@@ -6,8 +6,9 @@ A stage holds layers ``[S, E)`` of its model's layer list ``[embeddings, block_0
 ``hidden_states``), output follows ``B`` (``logits`` at the head, else ``hidden_states``).
 
 A replica started while its stage file is still arriving (KeysManager live start) holds only a prefix
-``[S, S + k)``: :class:`LiveProgress` reads ``k`` from the small progress file the transfer's writer updates
-after each layer's sha256 matched (``keysmanager.transfer``). Every response says what the replica holds
+``[S, S + k)``, a ParaServe part worker a range ``[S + lo, S + hi)`` that grows both ways as the rest arrives:
+:class:`LiveProgress` reads it from the small progress file the transfer's writer updates after each layer's
+sha256 matched (``keysmanager.transfer``, ``keysmanager.parts``). Every response says what the replica holds
 (``X-Quart-Layers-Held``).
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from quart_stage.errors import QuartError, invalid
-from quart_stage.progress import read_progress
+from quart_stage.progress import read_range
 
 H_LAYERS, H_LAYERS_HELD = "X-Quart-Layers", "X-Quart-Layers-Held"
 FIELD = "layers"
@@ -88,21 +89,26 @@ def range_share(counts: list[int], span: tuple[int, int], stage: tuple[int, int]
 
 
 class LiveProgress:
-    """The layers a live replica holds: ``[start, start + k)`` with ``k`` read from the writer's progress file
-    on each call (8 bytes, no thread, no polling); once the whole stage is held it stops reading."""
+    """The layers a live replica holds: ``[start + lo, start + hi)`` read from the writer's progress file on each
+    call (16 bytes, no thread, no polling); it only grows, and once the whole stage is held it stops reading."""
 
     def __init__(self, path: str, start: int, end: int) -> None:
         self.path, self.start, self.end = path, start, end
-        self._count = 0
+        self._lo, self._hi = 0, 0
 
     def verified(self) -> int:
-        if self.start + self._count < self.end:  # never goes back: the writer only ever raises it
-            self._count = max(self._count, min(read_progress(self.path), self.end - self.start))
-        return self._count
+        """How many layers are held now."""
+        self.held()
+        return self._hi - self._lo
 
     def held(self) -> tuple[int, int]:
-        return self.start, self.start + self.verified()
+        if not self.full:
+            lo, hi = read_range(self.path)
+            hi = min(hi, self.end - self.start)
+            if lo < hi and (self._lo == self._hi or (lo <= self._lo and self._hi <= hi)):
+                self._lo, self._hi = lo, hi  # never goes back: the writer only ever grows it
+        return self.start + self._lo, self.start + self._hi
 
     @property
     def full(self) -> bool:
-        return self.start + self._count >= self.end
+        return self._lo == 0 and self.start + self._hi >= self.end

@@ -17,8 +17,9 @@ class StageEntry:
     file is None for parameter-free (emulated-only) partitions (`--weights none`). ``layer_bytes[i]`` is the
     byte range ``[offset, end)`` of layer ``start + i`` in the file and ``layer_sha256[i]`` its sha256: the
     ranges tile the file in layer order (the first starts at 0 and holds the header), so a file still arriving
-    can be trusted layer by layer (KeysManager live start). Older manifests lack them: such a stage cannot
-    serve before its whole file is verified.
+    can be trusted layer by layer (KeysManager live start). ``header_bytes`` / ``header_sha256`` verify the
+    header alone, so a part of the stage can be trusted before its first layer arrives (ParaServe part start).
+    Older manifests lack them: such a stage cannot serve before its whole file (or first layer) is verified.
     """
 
     index: int
@@ -32,6 +33,8 @@ class StageEntry:
     file_bytes: int | None = None
     layer_bytes: list[list[int]] | None = None
     layer_sha256: list[str] | None = None
+    header_bytes: int | None = None  # the safetensors header's length (8-byte size + JSON), the start of layer 0
+    header_sha256: str | None = None  # its sha256: a part start (ParaServe) trusts the header before layer 0
 
     @property
     def has_embeddings(self) -> bool:

@@ -1,0 +1,178 @@
+"""Part start (ParaServe §5-§6): fetch one part of a stage first, serve it at once, then consolidate.
+
+A start that names a part of its stage (``"layers": [a, b]``, absolute, inside the stage's ``[S, E)``) makes
+the stage local out of file order: the safetensors header (verified by the manifest's ``header_sha256``; a
+manifest without it verifies the header with layer ``S``, fetched first), then the layers ``[a, b)``, each by
+a ranged read (a peer KeysManager with ``Range``, else the registry's GetObject ``Range``) hashed against the
+manifest's ``layer_sha256`` and only then announced in the progress file. The live replica
+(``keysmanager.live``) serves ``[a, b)`` as soon as it is announced; the worker then fetches ``[b, E)`` in
+order and ``[S, a)`` backwards, so the verified range ``[lo, hi)`` stays contiguous while it grows both
+ways (the progress file's range format, ``quart_stage.progress``). Once every layer is verified (the layers
+tile the file) the file is renamed into place and the manifest written: the folder is complete, the replica
+is whole, and later starts take the normal zygote path.
+
+A layer whose bytes fail their sha256 or whose source breaks off is fetched from the next source; when every
+source fails the fetch ends (TransferError): what was verified stays served, nothing else ever is, and the
+router answers the rest with an explicit error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quart_stage.progress import write_range
+
+from keysmanager.registry import LIVE_MANIFEST, MANIFEST, PROGRESS_SUFFIX, ModelRegistry, RegistryError
+from keysmanager.transfer import FetchResult, TransferError
+
+RangeRead = Callable[[int, int], Iterator[bytes]]  # (start, end exclusive) → the bytes, in chunks
+_ATTEMPTS = itertools.count()
+
+
+class PartError(ValueError):
+    """The part asked for is not a non-empty range inside the stage, or the manifest cannot serve parts."""
+
+    def __init__(self, message: str, field: str = "layers") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class PartJob:
+    """What the asyncio side sees of a part fetch running in a worker thread."""
+
+    partial: Path | None = None
+    progress: Path | None = None
+    layers: int = 0  # the stage's layer count
+    opened: threading.Event = field(default_factory=threading.Event)  # partial, progress, live manifest ready
+    held: tuple[int, int] = (0, 0)  # the verified range, relative to the stage's first layer
+    failures: list[str] = field(default_factory=list)
+
+
+def fetch_order(layers: int, part: tuple[int, int], header_first: bool) -> list[int]:
+    """Relative layer indices in fetch order: the part, then after it in order, then before it backwards (the
+    verified range stays contiguous); layer 0 first when it carries the only check of the header."""
+    lo, hi = part
+    order = list(range(lo, hi)) + list(range(hi, layers)) + list(range(lo - 1, -1, -1))
+    if header_first and lo > 0:
+        order.remove(0)
+        order.insert(0, 0)
+    return order
+
+
+def grow(verified: set[int], part: tuple[int, int]) -> tuple[int, int]:
+    """The contiguous verified range around ``part``: empty until the part's first layer is verified."""
+    lo = part[0]
+    if lo not in verified:
+        return 0, 0
+    hi = lo
+    while hi in verified:
+        hi += 1
+    while lo - 1 in verified:
+        lo -= 1
+    return lo, hi
+
+
+def check_spans(entry: dict) -> list[tuple[int, int]]:
+    """The stage's layer byte ranges; PartError unless they tile its file (then all layers verified = the file)."""
+    spans, hashes, size = entry.get("layer_bytes"), entry.get("layer_sha256"), entry.get("file_bytes")
+    if not entry.get("file") or not spans or not hashes or not size or len(spans) != len(hashes):
+        raise PartError("this stage's manifest has no per-layer byte ranges and hashes: it cannot start by parts "
+                        "(partition it again)", "spec.env.QUART_MODEL_URL")
+    out = [(int(a), int(b)) for a, b in spans]
+    if out[0][0] != 0 or out[-1][1] != int(size) or any(x[1] != y[0] for x, y in zip(out, out[1:], strict=False)):
+        raise PartError("this stage's layer byte ranges do not tile its file", "spec.env.QUART_MODEL_URL")
+    return out
+
+
+def fetch_part(registry: ModelRegistry, stage_index: int, dest_dir: Path, layers: tuple[int, int],
+               peers: Sequence[tuple[str, Callable[[int, int], Iterator[bytes]]]], job: PartJob) -> FetchResult:
+    """Make stage ``stage_index`` local in ``dest_dir`` part first (see the module docstring). ``layers``:
+    absolute; ``peers``: (label, ranged reader) tried before the registry for every range. Runs in a thread."""
+    started = time.perf_counter()
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    manifest = registry.manifest()
+    stages = manifest.get("stages") or []
+    if not 0 <= stage_index < len(stages):
+        raise PartError(f"model {manifest.get('model')!r} has stages 0..{len(stages) - 1}, not {stage_index}",
+                        "spec.env.QUART_STAGE_INDEX")
+    entry = stages[stage_index]
+    s, e = int(entry["start"]), int(entry["end"])
+    a, b = layers
+    if not s <= a < b <= e:
+        raise PartError(f"layers [{a}, {b}) are not a non-empty range inside this stage's layers [{s}, {e})")
+    spans, hashes = check_spans(entry), list(entry["layer_sha256"])
+    part = (a - s, b - s)
+    for extra in filter(None, [manifest.get("tokenizer")]):
+        if not (dest_dir / extra).exists():
+            registry.fetch(extra, dest_dir / extra)
+    target = dest_dir / entry["file"]
+    partial = target.with_name(target.name + ".partial")
+    progress = target.with_name(f"{target.name}.part-{os.getpid()}-{next(_ATTEMPTS)}{PROGRESS_SUFFIX}")
+    partial.unlink(missing_ok=True)  # a replica of an earlier attempt keeps its mapping (the inode stays)
+    tmp = dest_dir / (LIVE_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, dest_dir / LIVE_MANIFEST)
+    sources = [*peers, (registry.url, lambda x, y: registry.read_range(entry["file"], x, y))]
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    done = False
+    try:
+        os.ftruncate(fd, int(entry["file_bytes"]))  # pre-sized: mappable whole; bytes not arrived read as zeros
+        job.partial, job.progress, job.layers = partial, progress, len(spans)
+        header_ok = False
+        if entry.get("header_bytes") and entry.get("header_sha256"):
+            _fetch_range(fd, sources, 0, int(entry["header_bytes"]), entry["header_sha256"], "the header", job)
+            header_ok = True
+        job.opened.set()
+        verified: set[int] = set()
+        for k in fetch_order(len(spans), part, not header_ok):
+            _fetch_range(fd, sources, *spans[k], hashes[k], f"layer {s + k}", job)
+            verified.add(k)
+            held = grow(verified, part)
+            if held != job.held and held[1] > held[0]:
+                write_range(str(progress), *held)  # after the bytes are written: announced only once on disk
+                job.held = held
+        done = True
+    finally:
+        job.opened.set()
+        os.close(fd)
+        if not done:  # a later fetch starts afresh; a replica mapping this one keeps it (the inode stays)
+            partial.unlink(missing_ok=True)
+    os.replace(partial, target)  # every layer verified and they tile the file: the file is verified
+    tmp = dest_dir / (MANIFEST + ".partial")
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, dest_dir / MANIFEST)  # the folder is complete
+    return FetchResult(target, int(entry["file_bytes"]), time.perf_counter() - started, "registry")
+
+
+def _fetch_range(fd: int, sources: Sequence[tuple[str, RangeRead]], start: int, end: int, sha256: str, what: str,
+                 job: PartJob) -> None:
+    """Bytes ``[start, end)`` written at their offset, from the first source whose bytes match ``sha256``."""
+    failures = []
+    for label, read in sources:
+        digest, pos = hashlib.sha256(), start
+        try:
+            for chunk in read(start, end):
+                if pos + len(chunk) > end:
+                    raise TransferError(f"sent more than the {end - start} bytes asked for")
+                os.pwrite(fd, chunk, pos)
+                digest.update(chunk)
+                pos += len(chunk)
+            if pos != end:
+                raise TransferError(f"sent {pos - start} of {end - start} bytes")
+            if digest.hexdigest() != sha256:
+                raise TransferError(f"{what} fails its sha256 check; not served")
+            return
+        except (TransferError, RegistryError, OSError) as exc:
+            failures.append(f"{label}: {exc}")
+            job.failures.append(f"{what}: {label}: {exc}")
+    raise TransferError(f"{what} (bytes {start}..{end}): " + "; ".join(failures))
