@@ -46,6 +46,12 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0  # a replica being stopped finishes its in-flight requests within this
     peer_fetch: bool = True  # a host without a stage fetches it from hosts that hold it before the registry
     live_scaling: bool = False  # a start that fetches parameters serves the layers held while the rest arrive
+    paraserve: bool = False  # a cold stage (no host holds it) is fetched in P parts on P hosts, served as a sub-pipeline
+    paraserve_slo_ms: float = 0.0  # the first response a ParaServe start must meet; 0: the fastest P
+    paraserve_parts: int = 0  # force P (benchmarks); 0: the smallest P meeting paraserve_slo_ms (plan_parallelism)
+    paraserve_max_parts: int = 4  # the largest P considered
+    paraserve_fixed_s: float = 1.0  # a part worker's start besides its fetch (fork, runtime), overlapped with it
+    registry_gbps: float = 0.0  # the registry's total bandwidth shared by a cold start's fetchers; 0: unlimited
     start_timeout_s: float = 120.0  # a replica not ready after this is stopped and replaced
     async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)
     async_queue_cap: int = 10_000  # /async-function calls accepted and waiting; more → 429
@@ -56,6 +62,8 @@ class GatewayConfig:
             raise ConfigError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
         if self.nic_gbps <= 0:
             raise ConfigError(f"nic_gbps must be > 0, got {self.nic_gbps}")
+        if self.paraserve_parts < 0 or self.paraserve_max_parts < 1 or self.registry_gbps < 0:
+            raise ConfigError("paraserve_parts must be >= 0, paraserve_max_parts >= 1, registry_gbps >= 0")
         if self.host_timeout_s <= 0 or self.host_down_after_s <= 0:
             raise ConfigError("host_timeout_s and host_down_after_s must be > 0")
 

@@ -72,17 +72,23 @@ class KeysManagerHost:
         """Start fetching a registry stage onto this host (from ``peers``, else the registry); answers at once."""
         return await self.client.prefetch(_stage(spec), peers)
 
-    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = (), live: bool = False
-                    ) -> list[ReplicaStatus]:
+    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = (), live: bool = False,
+                    layers: tuple[int, int] | None = None) -> list[ReplicaStatus]:
         """Start ``count`` replicas. ``peers``: KeysManager addresses of hosts that hold the stage (their
         ``peer_address``): a registry stage not held here is fetched from them before the registry. ``live``
-        (BlitzScale): a stage not cached here starts serving the layers that have arrived while the rest load."""
+        (BlitzScale): a stage not cached here starts serving the layers that have arrived while the rest load.
+        ``layers`` (ParaServe): a stage not cached here fetches that part first, serves it at once, then the
+        rest (``keysmanager.parts``); a cached one forks whole."""
         if spec.kind == "process":
             return await self._processes.start(spec, count)
         if spec.secrets:  # the KeysManager starts a stage's replicas from one spec: no per-replica folder yet
             raise ValueError(f"{spec.function}: secrets are given to process replicas only, not yet to KeysManager "
                              "stage replicas")
         stage = _stage(spec)
+        if layers is not None and spec.param_cache and spec.function not in {
+                z.function for z in await self.client.zygotes()}:
+            return [_status(r) for r in await self.client.start(stage, count, wait=False, peers=peers, live=True,
+                                                                layers=layers)]
         if live and spec.param_cache and spec.function not in {z.function for z in await self.client.zygotes()}:
             # BlitzScale: the replica serves the layers that have arrived while the rest load (keysmanager.live);
             # the KeysManager takes the ordinary path when there is nothing to load live

@@ -24,6 +24,7 @@ from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
 from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
 from quart_provider.keysmanager_host import multicast
+from quart_provider.paraserve_start import Group, ParaServeStarts
 from quart_provider.replicaset import choose_surplus, rollover_done, shortfall
 from quart_provider.scheduling.metrics import SchedulerMetrics
 from quart_provider.scheduling.starts import StartPlan, chains_of, peers_of, plan_starts
@@ -56,6 +57,7 @@ class Reconciler:
         self._tasks: set[asyncio.Task] = set()
         self._probe_session: aiohttp.ClientSession | None = None
         self.health = HostHealth(config.host_down_after_s)
+        self.paraserve = ParaServeStarts(config)  # cold stages in parts (issue 17; off unless config.paraserve)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -199,7 +201,8 @@ class Reconciler:
             if missing and now >= fn.retry_at:
                 requests.append(ReplicaRequest(fn.name, missing, param_bytes=self._stage_param_bytes(fn),
                                                key=fn.name in self.key_history))
-            for endpoint in choose_surplus(current, fn.desired):
+            keep = self.paraserve.protected(fn)  # ParaServe groups leave only once consolidated
+            for endpoint in choose_surplus([e for e in current if e.id not in keep], fn.desired - len(keep)):
                 self.retire(fn, endpoint)
             ready_current = sum(1 for e in current if e.state == "ready")
             old = [e for e in fn.replicas.values() if e.generation != fn.generation and e.state != "draining"]
@@ -254,21 +257,34 @@ class Reconciler:
         for req in result.unplaced:
             if req.function in self.functions:
                 self.functions[req.function].unplaced += req.count
-        plans = self._start_plans(result, views)
+        layouts = await self.paraserve.cold_layouts(result.placements, views, self.functions, self._spec) \
+            if self.config.paraserve else {}
+        plans = self._start_plans(result, views, layouts)
+        groups = self.paraserve.plan_groups(plans, layouts)
         chains = chains_of(plans)
         for function, chain in chains:
             if function in self.functions:
                 await self._multicast(self.functions[function], chain)
-        for placement, plan in zip(result.placements, plans, strict=True):
+        for i, (placement, plan) in enumerate(zip(result.placements, plans, strict=True)):
             fn = self.functions.get(placement.function)
             if fn is None or placement.host not in self.hosts:
                 continue
             fn.pending_starts += 1
             self._spawn(self._start_placed(fn, placement, fn.generation, asked_at, plan,
-                                           self._peer_addresses(peers_of(plan, chains))),
+                                           self._peer_addresses(peers_of(plan, chains)), groups.get(i)),
                         f"start:{placement.host}:{fn.name}")
+            for helper in plan.helpers if i in groups else ():  # ParaServe: the group's borrowed hosts
+                fn.pending_starts += 1
+                self._spawn(self._start_part(fn, helper, fn.generation, groups[i]), f"start:{helper}:{fn.name}")
 
-    def _start_plans(self, result: ScheduleResult, views: list[HostView]) -> list[StartPlan]:
+    async def _start_part(self, fn: FunctionState, host: str, generation: int, group: Group) -> None:
+        """Start a ParaServe group's helper (no placement of its own: it leaves once the group is whole)."""
+        before = set(fn.replicas)
+        await self._start_replica(fn, host, generation, layers=group.part_on(host))
+        group.started([r for r, e in fn.replicas.items() if r not in before and e.host == host])
+
+    def _start_plans(self, result: ScheduleResult, views: list[HostView], layouts: dict | None = None
+                     ) -> list[StartPlan]:
         """How each placement starts (:func:`quart_provider.scheduling.starts.plan_starts`, the simulator's rule):
         the holders of each stage are the hosts that cache it; a host serving replicas sends their answers on
         its NIC, so chains avoid sending from it."""
@@ -282,6 +298,11 @@ class Reconciler:
         if self.config.live_scaling:
             enabled.add("live")
         ready = {name: len(fn.ready) for name, fn in self.functions.items()}
+        if layouts:  # ParaServe: P per cold stage, helpers on spare hosts
+            enabled.add("paraserve")
+            return plan_starts(result.placements, holders, enabled, ready,
+                               self.paraserve.parts_for(result.placements, views, layouts), busy,
+                               self.paraserve.spare_hosts(views, result.placements))
         return plan_starts(result.placements, holders, enabled, ready, busy_links=busy)
 
     def _peer_addresses(self, names: tuple[str, ...]) -> list[str]:
@@ -326,11 +347,14 @@ class Reconciler:
                 self.pins[name] = sent
 
     async def _start_placed(self, fn: FunctionState, placement: Placement, generation: int, asked_at: float,
-                            plan: StartPlan, peers: list[str]) -> None:
+                            plan: StartPlan, peers: list[str], group: Group | None = None) -> None:
         """Start one placed replica as ``plan`` says and remember when it was asked for (its ready time is
-        measured from then)."""
+        measured from then). ``group``: a ParaServe sub-pipeline; this replica starts with its part."""
         before = set(fn.replicas)
-        await self._start_replica(fn, placement.host, generation, peers, plan.mode == "live")
+        await self._start_replica(fn, placement.host, generation, peers, plan.mode == "live",
+                                  group.part_on(placement.host) if group is not None else None)
+        if group is not None:
+            group.started([r for r, e in fn.replicas.items() if r not in before and e.host == placement.host])
         for rid, endpoint in list(fn.replicas.items()):
             if rid not in before and endpoint.host == placement.host and rid not in self._placed:
                 self._placed[rid] = (asked_at, placement.source, placement.key)
@@ -353,11 +377,13 @@ class Reconciler:
         fn.start_time.note(time.monotonic() - asked_at)
 
     async def _start_replica(self, fn: FunctionState, host: str, generation: int, peers: list[str] | None = None,
-                             live: bool = False) -> None:
+                             live: bool = False, layers: tuple[int, int] | None = None) -> None:
         try:
             extra: dict[str, Any] = {"peers": peers} if peers else {}
             if live:
                 extra["live"] = True
+            if layers is not None:  # a ParaServe part start (keysmanager.parts)
+                extra["layers"] = layers
             statuses = await self.hosts[host].start(self._spec(fn), 1, **extra)
         except Exception as exc:
             fn.start_failures += 1

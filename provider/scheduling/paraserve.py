@@ -122,3 +122,38 @@ def hosts_from_rates(nic_bytes_s: Mapping[str, float], fetching: Mapping[str, in
     """`FetchHost`s from measured NIC rates per host (and running cold fetches per host)."""
     fetching = fetching or {}
     return [FetchHost(name, rate, fetching.get(name, 0)) for name, rate in sorted(nic_bytes_s.items())]
+
+
+def split_parts(layer_bytes: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous, non-empty ranges ``[a, b)`` of the layers (relative indices) tiling them, chosen so
+    the largest part's bytes are as small as possible (each worker's fetch, ParaServe §4.1), then the parts as
+    even as possible (sum of squares). ``parts`` is capped at the number of layers."""
+    n = len(layer_bytes)
+    if n == 0:
+        raise ValueError("layer_bytes: no layers to split")
+    if parts < 1:
+        raise ValueError(f"parts: must be ≥ 1, got {parts}")
+    parts = min(parts, n)
+    prefix = [0]
+    for size in layer_bytes:
+        if size < 0:
+            raise ValueError("layer_bytes: sizes must be ≥ 0")
+        prefix.append(prefix[-1] + size)
+    # best[k][j]: (largest part, sum of squares) for the first j layers in k parts (linear partition, O(P·n²))
+    worst = (math.inf, math.inf)
+    best = [[worst] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, parts + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                size = prefix[j] - prefix[i]
+                cost = (max(best[k - 1][i][0], size), best[k - 1][i][1] + size * size)
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    bounds, j = [n], n
+    for k in range(parts, 0, -1):
+        j = cut[k][j]
+        bounds.append(j)
+    bounds.reverse()
+    return list(zip(bounds, bounds[1:], strict=False))
