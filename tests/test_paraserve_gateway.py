@@ -21,14 +21,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import pytest
+from quart_provider.paraserve_start import Group, ParaServeStarts, layout_of_manifest
+from quart_provider.scheduling.paraserve import split_parts
 from quart_stage import wire
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from test_keysmanager import Daemon, daemons_in_temp_dir, emulated
 from test_live_start import IDS, URL, registry  # noqa: F401 - the module's registry fixture
-
-from quart_provider.paraserve_start import Group, ParaServeStarts, layout_of_manifest
-from quart_provider.scheduling.paraserve import split_parts
 
 DELAY_S = 1.0
 FUNCTION = "ps-llama-0"
@@ -195,8 +194,7 @@ async def _run(daemons: list[Daemon], tmp_path, parts: int, fault) -> tuple[list
         await gw.close()
 
 
-def test_a_cold_stage_starts_in_parts_answers_every_request_and_drains_the_helpers(registry, cluster, tmp_path
-                                                                                 ) -> None:  # noqa: F811
+def test_a_cold_start_in_parts_answers_every_request_and_drains_helpers(registry, cluster, tmp_path):  # noqa: F811
     results, _, groups = asyncio.run(_run(cluster[:2], tmp_path, 2, None))
     assert groups == [(("h0", "h1"), [(0, 3), (3, 6)], 2)]  # both started with their part; one replica remains
     want = _reference(registry)
@@ -204,8 +202,7 @@ def test_a_cold_stage_starts_in_parts_answers_every_request_and_drains_the_helpe
         (s, _diff(b, want)) for s, b in results]
 
 
-def test_a_part_workers_host_lost_mid_start_gives_explicit_errors_never_wrong_answers(registry, cluster, tmp_path
-                                                                                    ) -> None:  # noqa: F811
+def test_a_part_workers_host_lost_mid_start_errors_never_wrong(registry, cluster, tmp_path):  # noqa: F811
     def kill_second(fn) -> None:  # the KeysManager of the host running part 1 (its replicas die with it)
         host = sorted(e.host for e in fn.replicas.values())[1]
         next(d for d in cluster if d.name == host).kill(signal.SIGKILL)

@@ -30,6 +30,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "blitz": ("quart_tools.bench.blitz:main", "a stage to k netns hosts: chain multicast vs the source sending k times"),
     "blitzscale": ("quart_tools.bench.blitzscale:main",
                    "scale-up without a local cache: registry, peer, multicast, live layers, all-cache; with a burst"),
+    "paraserve": ("quart_tools.bench.paraserve:main",
+                  "a cold stage fetched in P parts on P netns hosts, served as a sub-pipeline, consolidated"),
     "cuda": ("quart_tools.bench.cuda:main", "fork then parameters onto the GPU: pageable vs staged vs registered; cold"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
