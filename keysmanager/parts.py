@@ -3,11 +3,12 @@
 A start that names a part of its stage (``"layers": [a, b]``, absolute, inside the stage's ``[S, E)``) makes
 the stage local out of file order: the safetensors header (verified by the manifest's ``header_sha256``; a
 manifest without it verifies the header with layer ``S``, fetched first), then the layers ``[a, b)``, each by
-a ranged read (a peer KeysManager with ``Range``, else the registry's GetObject ``Range``) hashed against the
-manifest's ``layer_sha256`` and only then announced in the progress file. The live replica
-(``keysmanager.live``) serves ``[a, b)`` as soon as it is announced; the worker then fetches ``[b, E)`` in
-order and ``[S, a)`` backwards, so the verified range ``[lo, hi)`` stays contiguous while it grows both
-ways (the progress file's range format, ``quart_stage.progress``). Once every layer is verified (the layers
+one ranged read for the whole part (a peer KeysManager with ``Range``, else the registry's GetObject
+``Range``), each layer hashed against the manifest's ``layer_sha256`` as its bytes stream in and only then
+announced in the progress file. The live replica
+(``keysmanager.live``) serves what of ``[a, b)`` is announced; the worker then fetches ``[b, E)`` and then
+``[S, a)`` (one ranged read each: an object store may pay per read — moto reads the whole object for each), so
+the verified range ``[lo, hi)`` stays contiguous while it grows (the progress file's range format, ``quart_stage.progress``). Once every layer is verified (the layers
 tile the file) the file is renamed into place and the manifest written: the folder is complete, the replica
 is whole, and later starts take the normal zygote path.
 
@@ -57,15 +58,15 @@ class PartJob:
     failures: list[str] = field(default_factory=list)
 
 
-def fetch_order(layers: int, part: tuple[int, int], header_first: bool) -> list[int]:
-    """Relative layer indices in fetch order: the part, then after it in order, then before it backwards (the
-    verified range stays contiguous); layer 0 first when it carries the only check of the header."""
+def fetch_order(layers: int, part: tuple[int, int], header_first: bool) -> list[list[int]]:
+    """Runs of relative layer indices in fetch order, each run one ranged read: the part, then the layers after
+    it, then the layers before it (the verified range stays contiguous around the part); layer 0 alone first
+    when it carries the only check of the header. Few reads: an object store may pay per read, not per byte."""
     lo, hi = part
-    order = list(range(lo, hi)) + list(range(hi, layers)) + list(range(lo - 1, -1, -1))
+    runs = [list(range(lo, hi)), list(range(hi, layers)), list(range(0, lo))]
     if header_first and lo > 0:
-        order.remove(0)
-        order.insert(0, 0)
-    return order
+        runs = [[0], runs[0], runs[1], list(range(1, lo))]
+    return [r for r in runs if r]
 
 
 def grow(verified: set[int], part: tuple[int, int]) -> tuple[int, int]:
@@ -134,13 +135,16 @@ def fetch_part(registry: ModelRegistry, stage_index: int, dest_dir: Path, layers
             header_ok = True
         job.opened.set()
         verified: set[int] = set()
-        for k in fetch_order(len(spans), part, not header_ok):
-            _fetch_range(fd, sources, *spans[k], hashes[k], f"layer {s + k}", job)
+
+        def announce(k: int) -> None:  # after the layer's bytes are written and match: announced only then
             verified.add(k)
             held = grow(verified, part)
             if held != job.held and held[1] > held[0]:
-                write_range(str(progress), *held)  # after the bytes are written: announced only once on disk
+                write_range(str(progress), *held)
                 job.held = held
+
+        for run in fetch_order(len(spans), part, not header_ok):
+            _fetch_layers(fd, sources, spans, hashes, run, announce, s, job)
         done = True
     finally:
         job.opened.set()
@@ -152,6 +156,44 @@ def fetch_part(registry: ModelRegistry, stage_index: int, dest_dir: Path, layers
     tmp.write_text(json.dumps(manifest))
     os.replace(tmp, dest_dir / MANIFEST)  # the folder is complete
     return FetchResult(target, int(entry["file_bytes"]), time.perf_counter() - started, "registry")
+
+
+def _fetch_layers(fd: int, sources: Sequence[tuple[str, RangeRead]], spans: list[tuple[int, int]],
+                  hashes: list[str], run: list[int], announce: Callable[[int], None], first: int,
+                  job: PartJob) -> None:
+    """The contiguous layers ``run`` in one ranged read per source, each layer hashed as its bytes stream in and
+    announced as soon as it matches; a source that fails (wrong bytes, short, broken off) leaves the layers it
+    verified and the next source is asked for the rest."""
+    remaining, failures = list(run), []
+    for label, read in sources:
+        if not remaining:
+            return
+        start, end = spans[remaining[0]][0], spans[remaining[-1]][1]
+        digest, pos = hashlib.sha256(), start
+        try:
+            for chunk in read(start, end):
+                view = memoryview(chunk).cast("B")
+                while len(view):
+                    if not remaining:
+                        raise TransferError(f"sent more than the {end - start} bytes asked for")
+                    k = remaining[0]
+                    take = min(len(view), spans[k][1] - pos)
+                    os.pwrite(fd, view[:take], pos)
+                    digest.update(view[:take])
+                    pos, view = pos + take, view[take:]
+                    if pos == spans[k][1]:
+                        if digest.hexdigest() != hashes[k]:
+                            raise TransferError(f"layer {first + k} fails its sha256 check; not served")
+                        remaining.pop(0)
+                        announce(k)
+                        digest = hashlib.sha256()
+            if remaining:
+                raise TransferError(f"sent {pos - start} of {end - start} bytes")
+        except (TransferError, RegistryError, OSError) as exc:
+            failures.append(f"{label}: {exc}")
+            job.failures.append(f"layers {first + run[0]}-{first + run[-1] + 1}: {label}: {exc}")
+    if remaining:
+        raise TransferError(f"layers {first + remaining[0]}-{first + remaining[-1] + 1}: " + "; ".join(failures))
 
 
 def _fetch_range(fd: int, sources: Sequence[tuple[str, RangeRead]], start: int, end: int, sha256: str, what: str,

@@ -178,7 +178,7 @@ def read_peer_range(peer: str, function: str, token: str | None, sha256: str | N
         offered = reply.getheader(SHA_HEADER)
         if sha256 and offered and offered != sha256:
             raise TransferError(f"peer {peer} holds another version of {function} (sha256 {offered[:16]}…)")
-        while chunk := reply.read(PEER_CHUNK_BYTES):
+        while chunk := reply.read1(PEER_CHUNK_BYTES):  # what has arrived: each layer verifies as it lands
             yield chunk
     except (OSError, http.client.HTTPException) as exc:
         raise TransferError(f"peer {peer}: {type(exc).__name__}: {exc}") from None

@@ -29,21 +29,25 @@ from quart_stage.runtime import StageRuntime
 from test_keysmanager import Daemon, daemons_in_temp_dir, emulated
 from test_live_start import IDS, URL, registry  # noqa: F401 - the module's registry fixture
 
-DELAY_S = 1.0
+DELAY_S = 6.0  # each ranged read after the first FAST_READS: the consolidation is still running while the test acts
 FUNCTION = "ps-llama-0"
 
 
 class SlowRegistry:
-    """A proxy in front of the registry that holds every ranged GET for ``delay_s`` first."""
+    """A proxy in front of the registry that holds every ranged GET after the first ``fast`` for ``delay_s``
+    (``fast``: the header and part reads, two a worker)."""
 
     def __init__(self, target: str, delay_s: float) -> None:
         upstream = urlsplit(target)
+        ranged = iter(range(1 << 30))
+        self.fast = 0
+        proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def _forward(self) -> None:
-                if "Range" in self.headers:
+                if "Range" in self.headers and next(ranged) >= proxy.fast:
                     time.sleep(delay_s)
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
@@ -120,7 +124,7 @@ def cluster(registry, monkeypatch):  # noqa: F811
             d = Daemon(root, f"h{i}", "--gpus", "1").start()
             daemons.append(d)
             d.client.ensure_cached(emulated())  # the preloader is up
-        yield daemons
+        yield daemons, proxy
     proxy.close()
 
 
@@ -142,7 +146,7 @@ def _same(a: bytes, b: bytes) -> bool:
     return ta.keys() == tb.keys() and all(ta[k].equal(tb[k]) for k in ta)
 
 
-async def _run(daemons: list[Daemon], tmp_path, parts: int, fault) -> tuple[list, object, object]:
+async def _run(cluster, tmp_path, parts: int, fault) -> tuple[list, object, object]:
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.plugin import GatewayView
     from gateway_plugin.router import Router
@@ -154,6 +158,8 @@ async def _run(daemons: list[Daemon], tmp_path, parts: int, fault) -> tuple[list
 
     from keysmanager.client import AsyncKeysManagerClient
 
+    daemons, proxy = cluster[0][:parts], cluster[1]
+    proxy.fast = 2 * parts
     config = GatewayConfig(port=0, state_dir=tmp_path / "gw", reconcile_interval_s=0.05, host_timeout_s=2.0,
                            host_down_after_s=1.0, peer_fetch=False, paraserve=True, paraserve_parts=parts,
                            ready_probe_s=0.005, drain_timeout_s=30.0)
@@ -176,18 +182,19 @@ async def _run(daemons: list[Daemon], tmp_path, parts: int, fault) -> tuple[list
             return reply.status, reply.body
 
         sends = asyncio.gather(*(one(i) for i in range(40)))
-        seen_partial = False
+        seen_partial = faulted = False
         deadline = time.monotonic() + 90
         paraserve = gw.reconciler.paraserve
         while fn.pending_starts or paraserve.groups.get(FUNCTION) or len(fn.replicas) != 1 or len(fn.ready) != 1:
             parted = [e for e in fn.replicas.values() if not e.whole]
             seen_partial = seen_partial or bool(parted)
-            if fault is not None and len(parted) >= parts:
+            if fault is not None and len(fn.replicas) >= 2 and parted:
                 fault(fn)
-                fault = None
+                fault, faulted = None, True
             assert time.monotonic() < deadline, (fn.replicas, fn.ready, fn.partial)
             await asyncio.sleep(0.01)
         results = await sends
+        assert fault is None and (faulted or parts < 3), "the fault never ran: the start consolidated first"
         return results, seen_partial, [(g.hosts, g.parts, len(g.members)) for g in paraserve.history]
     finally:
         await router.close()
@@ -195,7 +202,8 @@ async def _run(daemons: list[Daemon], tmp_path, parts: int, fault) -> tuple[list
 
 
 def test_a_cold_start_in_parts_answers_every_request_and_drains_helpers(registry, cluster, tmp_path):  # noqa: F811
-    results, _, groups = asyncio.run(_run(cluster[:2], tmp_path, 2, None))
+    results, seen_partial, groups = asyncio.run(_run(cluster, tmp_path, 2, None))
+    assert seen_partial  # the parts served before they were whole
     assert groups == [(("h0", "h1"), [(0, 3), (3, 6)], 2)]  # both started with their part; one replica remains
     want = _reference(registry)
     assert all(status == 200 and _same(body, want) for status, body in results), [
@@ -203,9 +211,9 @@ def test_a_cold_start_in_parts_answers_every_request_and_drains_helpers(registry
 
 
 def test_a_part_workers_host_lost_mid_start_errors_never_wrong(registry, cluster, tmp_path):  # noqa: F811
-    def kill_second(fn) -> None:  # the KeysManager of the host running part 1 (its replicas die with it)
-        host = sorted(e.host for e in fn.replicas.values())[1]
-        next(d for d in cluster if d.name == host).kill(signal.SIGKILL)
+    def kill_second(fn) -> None:  # the KeysManager of a part worker still loading (its replicas die with it)
+        host = max((e for e in fn.replicas.values() if not e.whole), key=lambda e: e.started_at).host
+        next(d for d in cluster[0] if d.name == host).kill(signal.SIGKILL)
 
     results, _, groups = asyncio.run(_run(cluster, tmp_path, 3, kill_second))
     assert [len(g[0]) for g in groups] == [3]
