@@ -225,7 +225,7 @@ class KeysManager:
             self.replicas.check_free_slots(count)
             found = await self.localizer.start_live(spec, peers)
             if found is not None:
-                started = await start_live(self, spec, *found, count, survive, requested_at)
+                started = await start_live(self.zygotes, self.replicas, spec, *found, count, survive, requested_at)
                 return await self._started(started, wait)
         spec = await self.localize(spec, peers)
         stage = self._resolve(spec)
