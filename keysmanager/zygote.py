@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
+import importlib
 import json
 import os
 import select
@@ -134,8 +136,9 @@ def run_zygote(args: argparse.Namespace) -> int:
 def preload() -> None:
     """Import what every zygote needs (torch, flask, transformers' top level, the stage runtime). No threads.
 
-    A model class's module (e.g. modeling_llama) is imported by the first zygote that needs it, not here:
-    preloading every family would make the preloader slower to be ready than a fresh interpreter.
+    A model class's module (e.g. modeling_llama) is not imported here: preloading every family would make the
+    preloader slower to be ready than a fresh interpreter. The preloader imports them afterwards, one at a time
+    while it is idle (:func:`warm_up_modules`), so later zygotes (a live start's above all) fork with them.
     """
     import flask  # noqa: F401
     import numpy  # noqa: F401
@@ -147,6 +150,13 @@ def preload() -> None:
     import keysmanager.serve  # noqa: F401
     import keysmanager.shm_store  # noqa: F401
     import keysmanager.stage  # noqa: F401
+
+
+def warm_up_modules() -> collections.deque[str]:
+    """The model-class modules of every supported family (``transformers.models.<type>.modeling_<type>``)."""
+    from quart_stage.families import PLANS
+
+    return collections.deque(f"transformers.models.{t}.modeling_{t}" for t in PLANS)
 
 
 def run_preloader(args: argparse.Namespace) -> int:
@@ -169,9 +179,16 @@ def run_preloader(args: argparse.Namespace) -> int:
     fds: collections.deque[int] = collections.deque()
     buffer = b""
     children: set[int] = set()
+    warm = warm_up_modules()
     while True:
         readable, _, _ = select.select([ctrl], [], [], 0.02)
-        if readable:
+        if not readable and warm:  # idle: import one family's model code (an order waits at most this long)
+            with contextlib.suppress(Exception):
+                importlib.import_module(warm.popleft())
+            if not warm:
+                gc.collect()
+                gc.freeze()
+        elif readable:
             data, new_fds, _, _ = socket.recv_fds(ctrl, 1 << 16, 16)
             if not data:
                 return 0
