@@ -35,11 +35,13 @@ class Endpoint:
     in_flight: int = 0
     served: int = 0
     probed: bool = False  # the gateway's own health probe saw it ready (ahead of the host's report)
+    ready_ms: float | None = None  # placement asked -> ready (the reconciler's replica-ready hook), once ready
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "function": self.function, "host": self.host, "url": self.url, "state": self.state,
                 "source": self.source, "generation": self.generation, "inFlight": self.in_flight,
-                "served": self.served}
+                "served": self.served,
+                "readyMs": round(self.ready_ms, 1) if self.ready_ms is not None else None}
 
 
 @dataclass(slots=True)

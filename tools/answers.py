@@ -86,3 +86,49 @@ class GatewayClient:
         """The greedy next token after `ids` (argmax of the last position's logits)."""
         doc = await self.run({"input_ids": [ids]})
         return int(doc["argmax"][0][-1])
+
+
+COMPARE_WITH = ("Someone plays an instrument.", "The stock market fell sharply today.")
+NEW_TOKENS = 12
+
+
+async def show_answer(session: aiohttp.ClientSession, url: str, model: str, stages: list[str], model_dir,
+                      prompt: str) -> bool:
+    """Print a real answer of a pretrained partition through the gateway; False for random weights.
+
+    A sentence model: the embeddings of `prompt` and two other sentences, and their cosine similarities.
+    A pretrained decoder: a greedy completion (ChatML for SmolLM2), one pass through every stage a token.
+    """
+    import time
+    from pathlib import Path
+
+    from quart_stage.manifest import Manifest
+
+    manifest = Manifest.load(str(model_dir))
+    if manifest.extra.get("weights") != "checkpoint" or not manifest.tokenizer:
+        return False
+    client = GatewayClient(session, url, model, stages)
+    if manifest.config.get("quart_plan") == "bert-sentence":
+        texts = [prompt, *COMPARE_WITH]
+        started = time.perf_counter()
+        vectors = await client.embed(texts)
+        print(f"  sentence embeddings ({len(vectors)} x {len(vectors[0])}, unit length, mean-pooled in the last "
+              f"stage) in {(time.perf_counter() - started) * 1000:.0f} ms; cosine similarity:")
+        for text, vector in zip(texts[1:], vectors[1:], strict=True):
+            print(f"    {cosine(vectors[0], vector):+.3f}  {prompt!r} vs {text!r}")
+        return True
+    if manifest.family != "decoder":
+        return False
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / manifest.tokenizer))
+    text = chat_prompt(prompt) if manifest.source.endswith(".gguf") else prompt
+    ids = tok.encode(text).ids
+    stop = {i for i in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")) if i is not None}
+    started = time.perf_counter()
+    new = await greedy(client.next_token, ids, NEW_TOKENS, stop)
+    took = time.perf_counter() - started
+    print(f"  greedy completion ({len(new)} tokens, each one pass through all {len(stages)} stages, no KV cache; "
+          f"{took * 1000 / max(1, len(new)):.0f} ms a token):")
+    print(f"    {prompt!r} -> {tok.decode(new).strip()!r}")
+    return True
