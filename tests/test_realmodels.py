@@ -126,6 +126,18 @@ def test_packages_are_found_without_importing_them():
     assert detect("tiny") is None
 
 
+def test_quartctl_partition_takes_the_package_path(tmp_path, capsys):
+    from quart_tools.partition import main
+
+    folder = package_path(REAL_MODELS["minilm"])
+    assert main(["--model", str(folder), "--stages", "2", "--out", str(tmp_path / "p")]) == 0
+    assert "2 stages by parameters" in capsys.readouterr().out
+    manifest = Manifest.load(str(tmp_path / "p"))
+    assert manifest.config["quart_plan"] == "bert-sentence" and manifest.source == str(folder)
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "manifest.json", "stack.yml", "stage-0.safetensors", "stage-1.safetensors", "tokenizer.json"]
+
+
 def test_minilm_partition_keeps_the_real_tokenizer_without_fixed_padding(minilm_dir):
     manifest = Manifest.load(minilm_dir)
     assert manifest.model == "minilm" and manifest.config["quart_plan"] == "bert-sentence"
