@@ -348,8 +348,8 @@ class Reconciler:
             return
         asked_at, planned, key = placed
         source = "cold" if "cold" in (planned, endpoint.source) else endpoint.source
-        self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, 1000 * (time.monotonic() - asked_at),
-                                              key=key)
+        endpoint.ready_ms = 1000 * (time.monotonic() - asked_at)
+        self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, endpoint.ready_ms, key=key)
         fn.start_time.note(time.monotonic() - asked_at)
 
     async def _start_replica(self, fn: FunctionState, host: str, generation: int, peers: list[str] | None = None,

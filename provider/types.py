@@ -37,6 +37,7 @@ class Endpoint:
     probed: bool = False  # the gateway's own health probe saw it ready (ahead of the host's report)
     layers: tuple[int, int] | None = None  # its stage's layers [S, E) when its host reports them
     held: tuple[int, int] | None = None  # the layers it can run now; short of ``layers`` while it loads (live)
+    ready_ms: float | None = None  # placement asked -> ready (the reconciler's replica-ready hook), once ready
 
     @property
     def whole(self) -> bool:
@@ -46,7 +47,7 @@ class Endpoint:
     def to_json(self) -> dict[str, Any]:
         out = {"id": self.id, "function": self.function, "host": self.host, "url": self.url, "state": self.state,
                "source": self.source, "generation": self.generation, "inFlight": self.in_flight,
-               "served": self.served}
+               "served": self.served, "readyMs": round(self.ready_ms, 1) if self.ready_ms is not None else None}
         if self.layers is not None:
             out.update(layers=list(self.layers), layersHeld=list(self.held or self.layers))
         return out
