@@ -27,7 +27,7 @@ from keysmanager.errors import (
     StartFailed,
 )
 from keysmanager.peers import serve_file
-from keysmanager.types import FORK_MODES, START_SOURCES, StageSpec
+from keysmanager.types import FORK_MODES, LISTEN_KINDS, START_SOURCES, StageSpec
 
 if TYPE_CHECKING:
     from keysmanager.manager import KeysManager
@@ -79,6 +79,7 @@ class _Api:
         app.router.add_post("/v1/replicas", self.h_start)
         app.router.add_get("/v1/replicas", self.h_replicas)
         app.router.add_post("/v1/replicas/{rid}/stop", self.h_stop)
+        app.router.add_post("/v1/replicas/{rid}/lease", self.h_lease)
         app.router.add_get("/v1/zygotes", self.h_zygotes)
         app.router.add_post("/v1/invalidate", self.h_invalidate)
         app.router.add_get("/v1/report", self.h_report)
@@ -123,7 +124,11 @@ class _Api:
         source = body.get("source", "auto")
         if source not in START_SOURCES:
             raise invalid("source", f"source must be one of {', '.join(START_SOURCES)}, got {source!r}")
-        started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold", peers=_peers(body))
+        listen = body.get("listen", "tcp")
+        if listen not in LISTEN_KINDS:
+            raise invalid("listen", f"listen must be one of {', '.join(LISTEN_KINDS)}, got {listen!r}")
+        started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold", peers=_peers(body),
+                                               unix=listen == "unix")
         # no memory readings here: they are slow to take from a process that is still starting
         return web.json_response({"replicas": [self.km.replica_info(r, memory=False).to_dict() for r in started]})
 
@@ -139,6 +144,24 @@ class _Api:
             raise invalid("drain", "drain must be true or false")
         rep = await self.km.stop(request.match_info["rid"], drain)
         return web.json_response(self.km.replica_info(rep).to_dict())
+
+    async def h_lease(self, request: web.Request) -> web.Response:
+        """Tie a replica's life to this request: a chunked body its holder (a stage pod's forwarder,
+        ``quart_stage.forward``) never ends while it lives. When the body ends or the connection drops (the
+        holder exited, even by SIGKILL: the kernel closes its socket), the replica is stopped (drained)."""
+        rid = request.match_info["rid"]
+        rep = self.km.replicas.by_id.get(rid)
+        if rep is None or rep.state == "dead":
+            raise NotFound(f"no live replica with id {rid!r}", "replica_id")
+        try:
+            while await request.content.readany():
+                pass
+        except Exception:  # the holder's connection is gone: that is the signal, not an error
+            pass
+        finally:
+            stopping = self.km.spawn_task(self.km.stop(rid, True))  # not cancelled with this handler
+        rep = await asyncio.shield(stopping)
+        return web.json_response(self.km.replica_info(rep, memory=False).to_dict())
 
     async def h_zygotes(self, request: web.Request) -> web.Response:
         return web.json_response({"zygotes": [i.to_dict() for i in self.km.zygote_infos()]})

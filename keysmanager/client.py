@@ -40,8 +40,10 @@ def _spec_body(spec: StageSpec, peers: Sequence[str] = ()) -> dict[str, Any]:
 
 
 def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wait: bool, cache: bool | None,
-                source: str = "auto", peers: Sequence[str] = ()):
+                source: str = "auto", peers: Sequence[str] = (), listen: str = "tcp"):
     body: dict[str, Any] = {**_spec_body(spec, peers), "count": count, "survive": survive, "wait": wait}
+    if listen != "tcp":
+        body["listen"] = listen
     if source != "auto":
         body["source"] = source
     if mode is not None:
@@ -127,10 +129,13 @@ class KeysManagerClient:
         cache: bool | None = None,
         source: str = "auto",
         peers: Sequence[str] = (),
+        listen: str = "tcp",
     ) -> list[ReplicaInfo]:
         """Start ``count`` replicas: fork when cached, cold otherwise (``source="cold"``: always cold).
-        ``wait``: return once they are healthy. ``peers``: KeysManagers holding the stage (for a registry stage)."""
-        data = self._call("POST", "/v1/replicas", _start_body(spec, count, mode, survive, wait, cache, source, peers))
+        ``wait``: return once they are healthy. ``peers``: KeysManagers holding the stage (for a registry stage).
+        ``listen="unix"``: each serves on a Unix socket beside the API socket (``ReplicaInfo.socket``)."""
+        data = self._call("POST", "/v1/replicas",
+                          _start_body(spec, count, mode, survive, wait, cache, source, peers, listen))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
     def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:

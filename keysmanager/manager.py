@@ -60,7 +60,7 @@ class KeysManager:
         self._launcher = Launcher(config)
         self._segments = Segments()
         self.replicas = Replicas(config, self._launcher, self._segments, self._state.touch)
-        self.zygotes = Zygotes(config, self._launcher, self._segments, self._spawn_task, self._reap,
+        self.zygotes = Zygotes(config, self._launcher, self._segments, self.spawn_task, self._reap,
                                self.replicas.exited, self._state.touch)
         self._cache_locks: dict[str, asyncio.Lock] = {}
         self.localizer = Localizer(self.state_dir, read_token(config.token_file) if config.token_file else None)
@@ -211,10 +211,12 @@ class KeysManager:
             return z
 
     async def start_replicas(self, spec: StageSpec, count: int, mode: str, survive: bool, wait: bool,
-                             cache: bool, cold: bool = False, peers: Sequence[str] = ()) -> list[Replica]:
+                             cache: bool, cold: bool = False, peers: Sequence[str] = (),
+                             unix: bool = False) -> list[Replica]:
         """Fork ``count`` replicas from the stage's zygote, or cold-start them when it has none (and cache the stage
         when ``cache``). ``cold``: always cold-start, never touching the cache (a function deployed without the
-        KeysManager, ``com.quart.keysmanager: off``)."""
+        KeysManager, ``com.quart.keysmanager: off``). ``unix``: each serves on a Unix socket beside the API socket
+        (``ReplicaInfo.socket``), not on a TCP port: a stage pod forwards to it (``quart_stage.forward``)."""
         requested_at = time.monotonic()
         spec = await self.localize(spec, peers)
         stage = self._resolve(spec)
@@ -230,15 +232,15 @@ class KeysManager:
         if z is not None and z.loaded:
             z.last_used = time.monotonic()
             for _ in range(count):
-                started.append(await self.replicas.fork(self.zygotes, z, spec, mode, survive, requested_at))
+                started.append(await self.replicas.fork(self.zygotes, z, spec, mode, survive, requested_at, unix))
         else:
             for _ in range(count):
-                started.append(self.replicas.spawn_cold(spec, stage, mode, survive, requested_at))
+                started.append(self.replicas.spawn_cold(spec, stage, mode, survive, requested_at, unix))
             if cache and not cold:
-                self._spawn_task(self._cache_quietly(spec))
+                self.spawn_task(self._cache_quietly(spec))
         self._state.touch()
         self._write_state()  # before answering: a restart must know these processes even if we die now
-        waits = [self._spawn_task(self.replicas.await_ready(r)) for r in started]
+        waits = [self.spawn_task(self.replicas.await_ready(r)) for r in started]
         if wait and waits:
             await asyncio.gather(*waits)
         return started
@@ -290,7 +292,8 @@ class KeysManager:
             except Exception as exc:  # the monitor must survive anything; say what happened
                 print(f"keysmanager {self.name}: monitor error: {exc!r}", file=sys.stderr, flush=True)
 
-    def _spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+    def spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``coro`` as a task this agent keeps (and cancels at close)."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -302,7 +305,7 @@ class KeysManager:
         return ReplicaInfo(id=rep.id, function=rep.function, host=self.name, pid=rep.pid, port=rep.port,
                            url=f"http://{self.config.host_address}:{rep.port}", state=rep.state, source=rep.source,
                            ready_ms=rep.ready_ms, rss_bytes=rss, pss_bytes=pss, mode=rep.mode,
-                           survive=rep.survive, gpu_slot=rep.gpu_slot, exit_status=rep.exit_status)
+                           survive=rep.survive, gpu_slot=rep.gpu_slot, exit_status=rep.exit_status, socket=rep.socket)
 
     def replica_infos(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
         """Every replica kept (live and recently dead), of ``function`` when given."""

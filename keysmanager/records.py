@@ -116,4 +116,5 @@ class Replica:
     dead_at: float | None = None
     adopted: bool = False
     param_bytes: int = 0
+    socket: str | None = None  # the Unix socket it serves on (started with listen=unix), else None
     died: asyncio.Event = field(default_factory=asyncio.Event)
