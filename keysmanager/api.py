@@ -8,6 +8,7 @@ Every error is answered as ``quart_stage.errors.QuartError`` renders it; the cor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -148,19 +149,21 @@ class _Api:
     async def h_lease(self, request: web.Request) -> web.Response:
         """Tie a replica's life to this request: a chunked body its holder (a stage pod's forwarder,
         ``quart_stage.forward``) never ends while it lives. When the body ends or the connection drops (the
-        holder exited, even by SIGKILL: the kernel closes its socket), the replica is stopped (drained)."""
+        holder exited, even by SIGKILL: the kernel closes its socket), the replica is stopped (drained). When
+        the replica ends first, the answer (its info, state dead) tells the holder."""
         rid = request.match_info["rid"]
         rep = self.km.replicas.by_id.get(rid)
         if rep is None or rep.state == "dead":
             raise NotFound(f"no live replica with id {rid!r}", "replica_id")
+        holder = asyncio.ensure_future(_until_body_ends(request))
+        died = asyncio.ensure_future(rep.died.wait())
         try:
-            while await request.content.readany():
-                pass
-        except Exception:  # the holder's connection is gone: that is the signal, not an error
-            pass
+            await asyncio.wait({holder, died}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stopping = self.km.spawn_task(self.km.stop(rid, True))  # not cancelled with this handler
-        rep = await asyncio.shield(stopping)
+            if not died.done():  # the holder is gone (or this handler was cancelled): stop the replica
+                self.km.spawn_task(self.km.stop(rid, True))
+            holder.cancel()
+            died.cancel()
         return web.json_response(self.km.replica_info(rep, memory=False).to_dict())
 
     async def h_zygotes(self, request: web.Request) -> web.Response:
@@ -222,6 +225,13 @@ class _Api:
     async def h_shutdown(self, request: web.Request) -> web.Response:
         asyncio.get_running_loop().call_later(0.05, self.km.request_stop)
         return web.json_response({"stopping": True})
+
+
+async def _until_body_ends(request: web.Request) -> None:
+    """Read a request body to its end; a dropped connection ends it too."""
+    with contextlib.suppress(Exception):
+        while await request.content.readany():
+            pass
 
 
 def _peers(body: dict) -> list[str]:

@@ -146,6 +146,8 @@ class _Forward(http.server.BaseHTTPRequestHandler):
                                    "field": "Content-Length"}, close=True)
             return
         conn = self.server.pool.get()
+        # a body not read to its end leaves the client's connection unusable: an error answer then closes it
+        has_body = chunked or bool(length and int(length))
         try:
             conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
             for name, value in self.headers.items():
@@ -154,7 +156,6 @@ class _Forward(http.server.BaseHTTPRequestHandler):
             if chunked:
                 conn.putheader("Transfer-Encoding", "chunked")
             conn.endheaders()
-            sent_body = chunked or bool(length and int(length))
             if chunked:
                 self._send_chunked(conn)
             elif length:
@@ -169,7 +170,7 @@ class _Forward(http.server.BaseHTTPRequestHandler):
             conn.close()
             self.answer_json(502, {"error": f"the forked replica {up.replica_id} failed: "
                                             f"{type(exc).__name__}: {exc}", "field": "replica"},
-                             close=sent_body)
+                             close=has_body)
             return
         self._relay(conn, resp)
 
