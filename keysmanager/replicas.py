@@ -14,6 +14,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 
@@ -93,11 +94,10 @@ class Replicas:
 
     # ---------------------------------------------------------------- starting
     def unix_path(self, rid: str) -> str:
-        """Where replica ``rid`` started with listen=unix serves: ``<API socket folder>/r/<id hex>.sock`` (short:
-        Unix socket paths are limited to 107 bytes; the folder a stage pod mounts holds the API socket too)."""
-        folder = self.config.socket_path.parent / "r"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        return str(folder / f"{rid.rsplit('-', 1)[-1]}.sock")
+        """Where replica ``rid`` started with listen=unix serves (``replica_socket_path``), its folder made."""
+        path = replica_socket_path(self.config.socket_path, rid)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        return str(path)
 
     async def fork(self, zygotes: Zygotes, z: Zygote, spec: StageSpec, mode: str, survive: bool,
                    requested_at: float, unix: bool = False) -> Replica:
@@ -235,6 +235,12 @@ class Replicas:
                 continue
             if not sysutil.is_running(rep.pid, rep.create_time or None):
                 self.mark_dead(rep, rep.exit_status)
+
+
+def replica_socket_path(api_socket: Path, rid: str) -> Path:
+    """``<API socket folder>/r/<id hex>.sock``: short (Unix socket paths are limited to 107 bytes), and inside
+    the folder a stage pod mounts for the API socket (deploy/kubernetes), at the same path."""
+    return api_socket.parent / "r" / f"{rid.rsplit('-', 1)[-1]}.sock"
 
 
 def threads_of(spec: StageSpec) -> int:
