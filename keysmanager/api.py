@@ -128,8 +128,14 @@ class _Api:
         listen = body.get("listen", "tcp")
         if listen not in LISTEN_KINDS:
             raise invalid("listen", f"listen must be one of {', '.join(LISTEN_KINDS)}, got {listen!r}")
+        lease_within = body.get("lease_within_s")
+        if lease_within is not None and (isinstance(lease_within, bool) or not isinstance(lease_within, int | float)
+                                         or not 0 < lease_within <= 600):
+            raise invalid("lease_within_s", "lease_within_s must be a number of seconds in (0, 600]")
         started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold", peers=_peers(body),
                                                unix=listen == "unix")
+        for rep in started if lease_within is not None else ():  # no lease by then: its holder is gone, stop it
+            self.km.spawn_task(self._stop_unleased(rep.id, float(lease_within)))
         # no memory readings here: they are slow to take from a process that is still starting
         return web.json_response({"replicas": [self.km.replica_info(r, memory=False).to_dict() for r in started]})
 
@@ -146,6 +152,12 @@ class _Api:
         rep = await self.km.stop(request.match_info["rid"], drain)
         return web.json_response(self.km.replica_info(rep).to_dict())
 
+    async def _stop_unleased(self, rid: str, within_s: float) -> None:
+        await asyncio.sleep(within_s)
+        rep = self.km.replicas.by_id.get(rid)
+        if rep is not None and not rep.leased and rep.state != "dead":
+            await self.km.stop(rid, True)
+
     async def h_lease(self, request: web.Request) -> web.Response:
         """Tie a replica's life to this request: a chunked body its holder (a stage pod's forwarder,
         ``quart_stage.forward``) never ends while it lives. When the body ends or the connection drops (the
@@ -155,6 +167,7 @@ class _Api:
         rep = self.km.replicas.by_id.get(rid)
         if rep is None or rep.state == "dead":
             raise NotFound(f"no live replica with id {rid!r}", "replica_id")
+        rep.leased = True
         holder = asyncio.ensure_future(_until_body_ends(request))
         died = asyncio.ensure_future(rep.died.wait())
         try:

@@ -117,4 +117,5 @@ class Replica:
     adopted: bool = False
     param_bytes: int = 0
     socket: str | None = None  # the Unix socket it serves on (started with listen=unix), else None
+    leased: bool = False  # a holder tied its life to a lease (POST /v1/replicas/{id}/lease)
     died: asyncio.Event = field(default_factory=asyncio.Event)

@@ -239,3 +239,24 @@ def test_keysmanager_refuses_a_bad_listen_and_an_unknown_lease(node):
     with pytest.raises(KeysManagerError) as unknown:
         d.client._call("POST", "/v1/replicas/nope-1/lease", {})
     assert unknown.value.status == 404 and unknown.value.field == "replica_id"
+
+
+def test_a_replica_never_leased_is_stopped(node):
+    """A holder that dies between the start and the lease leaves nothing running (lease_within_s)."""
+    model, d, _ = node
+    spec = stage_spec(StageConfig(model_dir=str(model), stage_index=0, num_stages=2))
+    body = {"spec": spec, "count": 1, "listen": "unix", "lease_within_s": 0.5}
+    [orphan] = d.client._call("POST", "/v1/replicas", body)["replicas"]
+    [held] = d.client._call("POST", "/v1/replicas", body)["replicas"]
+    lease = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lease.connect(str(d.socket))
+    lease.sendall(f"POST /v1/replicas/{held['id']}/lease HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+    try:
+        assert wait_dead(d, orphan["id"]).state == "dead"
+        assert replica(d, held["id"]).state == "ready", "a leased replica keeps running"
+    finally:
+        lease.close()
+    assert wait_dead(d, held["id"]).state == "dead"
+    with pytest.raises(KeysManagerError) as bad:
+        d.client._call("POST", "/v1/replicas", {**body, "lease_within_s": 0})
+    assert bad.value.status == 400 and bad.value.field == "lease_within_s"

@@ -3,7 +3,8 @@
 ``python -m quart_stage.forward`` is the pod's start command in fork mode (of-watchdog's ``fprocess``, set by
 deploy/kubernetes' admission policy). It imports no torch (stdlib and quart_stage's lean modules only):
 
-1. ``POST /v1/cache`` then ``POST /v1/replicas {"listen": "unix", "wait": false}`` on the node's KeysManager
+1. ``POST /v1/cache`` then ``POST /v1/replicas {"listen": "unix", "wait": false, "lease_within_s": 30}`` on the
+   node's KeysManager
    (``QUART_KEYSMANAGER_SOCKET``) with this pod's own stage spec and ``QUART_*`` environment: the KeysManager's
    normal start path, a fork of the stage's zygote (19-49 ms), serving on a Unix socket in the mounted socket
    folder;
@@ -149,8 +150,8 @@ def fork_replica(cfg: StageConfig, settings: ForwardSettings) -> ForkedReplica:
     t0 = time.perf_counter()
     km_call(sock, "POST", "/v1/cache", {"spec": spec}, timeout)
     t1 = time.perf_counter()
-    answer = km_call(sock, "POST", "/v1/replicas", {"spec": spec, "count": 1, "wait": False, "listen": "unix"},
-                     timeout)
+    start = {"spec": spec, "count": 1, "wait": False, "listen": "unix", "lease_within_s": 30}
+    answer = km_call(sock, "POST", "/v1/replicas", start, timeout)
     [info] = answer["replicas"]
     if not info.get("socket"):
         stop_replica(sock, info["id"])
