@@ -35,6 +35,24 @@ from keysmanager.protocol import LineReader, encode
 from keysmanager.sysutil import die_with_parent, reap_children, set_cpu_budget, thread_count
 
 
+def listen_socket(host: str, unix: str | None = None) -> socket.socket:
+    """A listening socket: on ``host`` port 0, or on the Unix socket ``unix`` (mode 0600: only our uid connects)."""
+    if unix:
+        listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(unix)
+        old = os.umask(0o177)
+        try:
+            listen.bind(unix)
+        finally:
+            os.umask(old)
+    else:
+        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listen.bind((host, 0))
+    listen.listen(1024)
+    return listen
+
+
 def _replica_setup(env: dict[str, str], cores: list[int], threads: int) -> None:
     os.environ.update(env)
     set_cpu_budget(cores or None, threads)
@@ -114,10 +132,8 @@ def run_zygote(args: argparse.Namespace) -> int:
                     ctrl.sendall(encode({"op": "error", "id": order.get("id"), "error": "unknown op"}))
                     continue
                 try:
-                    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    listen.bind((order.get("host", "127.0.0.1"), 0))
-                    listen.listen(1024)
-                    port = listen.getsockname()[1]
+                    listen = listen_socket(order.get("host", "127.0.0.1"), order.get("unix"))
+                    port = 0 if order.get("unix") else listen.getsockname()[1]
                     pid = os.fork()
                 except OSError as exc:
                     ctrl.sendall(encode({"op": "error", "id": order.get("id"), "error": str(exc)}))
