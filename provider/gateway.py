@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from quart_provider.async_queue import AsyncQueue
 from quart_provider.balancer import Balancer
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
@@ -57,6 +58,8 @@ class EmbeddedGateway:
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []
+        self.async_queue: AsyncQueue | None = None  # durable async calls (EmbeddedSystem connects it)
+        self.async_unavailable = "no durable async queue was started"  # why, while async_queue is None
 
     @property
     def placer(self) -> Placer:
