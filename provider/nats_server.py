@@ -108,9 +108,12 @@ class NatsServer:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM (the server flushes its store), SIGKILL after ``grace_s``."""
-        if self.process is None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
             return
-        from quart_provider.system import stop_process
-
-        stop_process(self.process.pid, self.process, grace_s=grace_s)
-        self.process = None
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
