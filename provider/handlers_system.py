@@ -23,6 +23,7 @@ from quart_provider.bodies import read_body
 from quart_provider.capacity import status_fields
 from quart_provider.deployment import FunctionDeployment, parse_json_object
 from quart_provider.gateway import EmbeddedGateway
+from quart_provider.models import model_status, scale_model
 from quart_provider.types import FunctionState
 from quart_stage.errors import invalid
 
@@ -70,7 +71,10 @@ class SystemHandlers:
 
     async def describe(self, request: web.Request) -> web.Response:
         self._check_namespace(request.query.get("namespace"))
-        return web.json_response(self._status(self.gateway.get(request.match_info["name"])))
+        name = request.match_info["name"]
+        if name not in self.gateway.functions and (model := model_status(self.gateway, name)) is not None:
+            return web.json_response(model)  # a pipeline, as one function (an OpenFaaS gateway in front asks)
+        return web.json_response(self._status(self.gateway.get(name)))
 
     def _status(self, fn: FunctionState) -> dict[str, Any]:
         """A ``FunctionStatus`` plus ``status`` and, when not ready, the ``reason`` (:mod:`.capacity`)."""
@@ -113,7 +117,10 @@ class SystemHandlers:
         key = body.get("key", False)
         if not isinstance(key, bool):
             raise invalid("key", f"key must be a boolean, got {json.dumps(key)}")
-        applied = await self.gateway.scale(name, int(replicas), key=key)
+        if name not in self.gateway.functions and name in self.gateway.pipelines():
+            applied = await scale_model(self.gateway, name, int(replicas))
+        else:
+            applied = await self.gateway.scale(name, int(replicas), key=key)
         return web.json_response({"serviceName": name, "replicas": applied}, status=202)
 
     async def namespaces(self, request: web.Request) -> web.Response:
