@@ -185,3 +185,56 @@ async def _worker_scenario(tmp_path) -> None:
         server.stop()
         await runner.cleanup()
         await slow_runner.cleanup()
+
+
+def test_a_result_already_delivered_is_not_called_back_again(tmp_path):
+    """A gateway that died after a callback but before its ack: the redelivered call is acked, not re-sent."""
+    asyncio.run(asyncio.wait_for(_redelivery_scenario(tmp_path), 30))
+
+
+async def _redelivery_scenario(tmp_path) -> None:
+    calls: list[str] = []
+
+    async def record(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", record)
+    runner, base = await _serve(app)
+    server = NatsServer(tmp_path / "nats", "t")
+    queue = worker = None
+    try:
+        await server.start()
+        queue = AsyncQueue(server.url, "t", 10)
+        await queue.connect()
+        seq = await queue.publish(QueuedCall("c1", "fn", "fn", {}, b"x", f"{base}/cb", time.time()))
+        await queue.delivered.put(f"seq-{seq}", b"1")  # as the previous worker recorded it before dying
+        sender = CallbackSender(CallbackPolicy.from_text("127.0.0.1/32"))
+        worker = QueueWorker(queue, base, sender, workers=1, timeout_s=5, ack_wait_s=5, max_attempts=1,
+                             initial_retry_s=0.05, max_retry_wait_s=0.1, retry_codes=frozenset())
+        await worker.start()
+        deadline = time.monotonic() + 10
+        while worker.duplicates < 1 or await queue.queued():
+            assert time.monotonic() < deadline, (worker.duplicates, calls)
+            await asyncio.sleep(0.05)
+        assert calls == []  # neither invoked nor called back again
+    finally:
+        if worker is not None:
+            await worker.stop(1)
+        if queue is not None:
+            await queue.close()
+        server.stop()
+        await runner.cleanup()
+
+
+def test_without_nats_async_calls_are_refused_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUART_NATS_SERVER", str(tmp_path / "no-such-binary"))
+    system = ThreadedSystem(tmp_path)
+    try:
+        _deploy(system, "echo")
+        res = requests.post(f"{system.url}/async-function/echo", data=b"x", timeout=10)
+        assert res.status_code == 503 and "nats-server" in res.json()["error"] and res.headers["Retry-After"]
+        assert requests.get(f"{system.url}/healthz", timeout=10).status_code == 200  # the rest still serves
+    finally:
+        system.close()
