@@ -129,6 +129,7 @@ class CallbackSender:
     failed: int = 0
     _session: aiohttp.ClientSession | None = None
     _limits: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    _users: dict[str, int] = field(default_factory=dict)  # callbacks in flight or waiting, per destination
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -142,17 +143,23 @@ class CallbackSender:
         parts = urlsplit(url)
         key = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
         limit = self._limits.setdefault(key, asyncio.Semaphore(max(1, self.per_destination)))
-        async with limit:
-            try:
-                kwargs: dict[str, Any] = dict(data=body, headers=dict(headers), allow_redirects=False,
-                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-                async with self._client().post(url, **kwargs) as res:
-                    await res.read()
-                    status = res.status
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                self.failed += 1
-                log.warning("callback to %s failed: %s: %s", url, type(exc).__name__, exc)
-                return None
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            async with limit:
+                try:
+                    kwargs: dict[str, Any] = dict(data=body, headers=dict(headers), allow_redirects=False,
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+                    async with self._client().post(url, **kwargs) as res:
+                        await res.read()
+                        status = res.status
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    self.failed += 1
+                    log.warning("callback to %s failed: %s: %s", url, type(exc).__name__, exc)
+                    return None
+        finally:
+            self._users[key] -= 1
+            if not self._users[key]:  # no callback to it in flight or waiting: forget the destination
+                del self._users[key], self._limits[key]
         self.delivered += 1
         if status >= 300:
             log.warning("callback to %s answered %d (not followed, not retried)", url, status)
