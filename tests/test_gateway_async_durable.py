@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -238,3 +239,33 @@ def test_without_nats_async_calls_are_refused_with_the_reason(tmp_path, monkeypa
         assert requests.get(f"{system.url}/healthz", timeout=10).status_code == 200  # the rest still serves
     finally:
         system.close()
+
+
+def test_accepted_calls_survive_a_killed_nats_server(tmp_path):
+    """Stored before the 202, so a crash (SIGKILL, no flush) after the answer loses no call."""
+    asyncio.run(asyncio.wait_for(_kill_scenario(tmp_path), 30))
+
+
+async def _kill_scenario(tmp_path) -> None:
+    first = NatsServer(tmp_path / "nats", "t")
+    await first.start()
+    queue = AsyncQueue(first.url, "t", 100)
+    try:
+        await queue.connect()
+        for i in range(20):
+            await queue.publish(QueuedCall(str(i), "f", "f", {}, b"x" * 1024, None, time.time()))
+        first.process.kill()
+        first.process.wait(10)
+    finally:
+        with contextlib.suppress(Exception):
+            await queue.nc.close()
+        first.stop()
+    second = NatsServer(tmp_path / "nats", "t")
+    await second.start()
+    queue = AsyncQueue(second.url, "t", 100)
+    try:
+        await queue.connect()
+        assert await queue.queued() == 20
+    finally:
+        await queue.close()
+        second.stop()
