@@ -17,7 +17,9 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from quart_provider.async_queue import AsyncQueue
 from quart_provider.balancer import Balancer
+from quart_provider.capacity import not_ready_reason
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import Host
@@ -52,11 +54,14 @@ class EmbeddedGateway:
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
                                      self.key_history, self.scheduler_metrics)
-        self.balancer = Balancer(config, self.functions, self.kick)
+        self.balancer = Balancer(config, self.functions, self.kick,
+                                 lambda fn: not_ready_reason(fn, self.functions.values(), self.hosts))
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []
+        self.async_queue: AsyncQueue | None = None  # durable async calls (EmbeddedSystem connects it)
+        self.async_unavailable = "no durable async queue was started"  # why, while async_queue is None
 
     @property
     def placer(self) -> Placer:

@@ -2,8 +2,10 @@
 
 The proxy hands a request to a replica the balancer picks, retrying once elsewhere when a replica
 refuses the connection (it never saw the request); names that are not deployed functions go to the
-invoke hooks (the plugin's pipeline router). An async call is answered 202 + ``X-Call-Id`` at once
-and run later through this gateway's own ``/function`` path (see :mod:`.async_calls`). Tracing
+invoke hooks (the plugin's pipeline router). An async call is answered 202 + ``X-Call-Id`` once it is
+stored in the durable queue (:mod:`.async_queue`; 503 while none is connected, or kept in memory with
+``async_backend=memory``, :mod:`.async_calls`) and run later through this gateway's own ``/function``
+path. Tracing
 headers (:mod:`.tracing`) go upstream here; :mod:`.routes` stamps them on every answer.
 """
 
@@ -14,9 +16,11 @@ import time
 import aiohttp
 from aiohttp import web
 from quart_provider import namespaces
-from quart_provider.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
+from quart_provider.async_calls import AsyncCall, AsyncInvoker
+from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.bodies import read_body
+from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSender
 from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
@@ -32,9 +36,12 @@ class InvokeHandlers:
         self.gateway = gateway
         self.config = gateway.config
         self.session: aiohttp.ClientSession | None = None
+        self.callback_policy = CallbackPolicy.from_text(self.config.callback_allowed_networks)
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
-                                        self.config.async_timeout_s)
-        if not provider:  # one registration per gateway (the provider app shares the gateway's registry)
+                                        self.config.async_timeout_s, CallbackSender(
+                                            self.callback_policy, self.config.callback_timeout_s,
+                                            self.config.callback_per_destination))
+        if not provider and self.config.async_backend == "memory":  # one registration per gateway
             gateway.metrics.registry.register(self.async_calls)
 
     async def startup(self) -> None:
@@ -46,8 +53,9 @@ class InvokeHandlers:
         )
 
     async def stop_async_calls(self) -> None:
-        """Let queued async calls run a little (they need the replicas), then answer the rest 503."""
+        """In memory: let queued async calls run a little (they need the replicas), then answer the rest 503."""
         await self.async_calls.close(drain_s=min(5.0, self.config.drain_timeout_s))
+        await self.async_calls.sender.close()
 
     async def close(self) -> None:
         if self.session is not None:
@@ -66,16 +74,24 @@ class InvokeHandlers:
         if name not in self.gateway.functions and name not in self.gateway.pipelines():
             return error_response(404, f"function {name!r} not found", "functionName")
         try:
-            callback = parse_callback(request.headers.get(CALLBACK_HEADER))
+            callback = await self.callback_policy.check_url(request.headers.get(CALLBACK_HEADER))
         except ValueError as exc:
             return error_response(400, str(exc), CALLBACK_HEADER)
         body = await self._invocation_body(request)
-        host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
-        host = f"[{host}]" if ":" in host else host
-        url = f"http://{host}:{port}/function/{request.raw_path.split('/async-function/', 1)[1]}"  # path, query as sent
+        tail = request.raw_path.split("/async-function/", 1)[1]  # path and query as sent
         trace = trace_of(request)
         headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
         trace.mark(headers)
+        queue = self.gateway.async_queue
+        if self.config.async_backend == "nats":
+            if queue is None:
+                return error_response(503, f"asynchronous calls are unavailable: {self.gateway.async_unavailable}",
+                                      None, headers={"Retry-After": str(self.config.retry_after_s)})
+            await queue.publish(QueuedCall(trace.call_id, name, tail, headers, body, callback, time.time()))
+            return web.Response(status=202)
+        host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{port}/function/{tail}"
         if not self.async_calls.submit(AsyncCall(trace.call_id, name, url, headers, body, callback)):
             if self.async_calls.closed:
                 return error_response(503, "the gateway is stopping", None,

@@ -127,6 +127,8 @@ class ProcessHost:
     ``<log_dir>/<function>/<replica>.log`` (``/system/logs`` reads them); else they are the gateway's.
     """
 
+    kinds = frozenset({"process"})  # runnables it can start (quart_provider.capacity)
+
     def __init__(self, name: str, gpu_slots: int, memory_limit: int, health_interval_s: float = 0.02,
                  log_dir: Path | None = None) -> None:
         self.name = name

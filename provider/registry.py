@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from quart_provider.capacity import deploy_refusal
 from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
@@ -54,6 +55,7 @@ class Registry:
                                     "PUT /system/functions", "service")
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
+        self._check_capacity(deployment, runnable.kind)
         fn = FunctionState(deployment, runnable, deployment.min_replicas, datetime.now(UTC),
                            secrets_source=str(self.secrets.folder))
         self.functions[deployment.service] = fn
@@ -70,6 +72,7 @@ class Registry:
         fn = self.get(deployment.service)
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
+        self._check_capacity(deployment, runnable.kind)
         before = fn.replica_spec(self.max_body_bytes)
         fn.deployment, fn.runnable = deployment, runnable
         fn.desired = min(max(fn.desired, deployment.min_replicas), deployment.max_replicas)
@@ -116,6 +119,12 @@ class Registry:
         """model → its stage functions in stage order (:func:`quart_stage.labels.pipelines`: a model whose
         stages are not numbered 0…n−1, or a function with malformed labels, is no pipeline)."""
         return vocab.pipelines((fn.name, fn.deployment.labels) for fn in self.functions.values())
+
+    def _check_capacity(self, deployment: FunctionDeployment, kind: str) -> None:
+        """A function that can never run here is refused (:func:`.capacity.deploy_refusal`)."""
+        refusal = deploy_refusal(kind, deployment.min_replicas, self.hosts)
+        if refusal is not None:
+            raise invalid(*refusal)
 
     def _check_secrets(self, deployment: FunctionDeployment) -> None:
         """A deploy naming a secret that does not exist is refused (OpenFaaS: the pod could not start)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quart_provider.async_service import DurableAsync
 from quart_provider.auth import Credentials, keysmanager_token_file, load_or_create
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
@@ -66,6 +67,8 @@ class EmbeddedSystem:
     provider_port: int | None = None
     agents: list[_Agent] = field(default_factory=list)
     network: HostNetwork | None = None  # netns mode: the host namespaces and bridge
+    hold_queue: bool = False  # True: async calls wait for start_queue_worker() (after a stack is deployed)
+    durable: DurableAsync | None = None  # nats-server, stream and queue worker (async_backend=nats)
     _runner: Any = None
     _provider_runner: Any = None
 
@@ -86,6 +89,9 @@ class EmbeddedSystem:
         try:
             hosts = await self._start_hosts(use_km)
             self.gateway = EmbeddedGateway(cfg, hosts)
+            if cfg.async_backend == "nats":
+                self.durable = DurableAsync(cfg)
+                await self.durable.connect(self.gateway)
             app = create_app(self.gateway, self.credentials if cfg.auth else None)
             self._runner, self.port = await start_site(app, cfg.bind, cfg.port)
             if cfg.provider_port >= 0:
@@ -96,10 +102,19 @@ class EmbeddedSystem:
                 result = self.plugin(self.gateway, app)
                 if inspect.isawaitable(result):
                     await result
+            if not self.hold_queue:
+                await self.start_queue_worker()
         except BaseException:
             await self.stop()
             raise
         self._write_state()
+
+    async def start_queue_worker(self) -> None:
+        """Start running accepted async calls (those stored before a restart included)."""
+        if self.durable is not None and self.gateway is not None:
+            host = "127.0.0.1" if self.config.bind in ("0.0.0.0", "::", "") else self.config.bind
+            host = f"[{host}]" if ":" in host else host
+            await self.durable.start_worker(self.gateway, f"http://{host}:{self.port}")
 
     async def _start_hosts(self, use_km: bool) -> list[Host]:
         cfg = self.config
@@ -174,6 +189,7 @@ class EmbeddedSystem:
             "user": self.credentials.user if self.credentials else None,
             "hosts": [{"name": a.name, "endpoint": a.endpoint, "pid": a.process.pid} for a in self.agents],
             "network": self.network.to_json() if self.network else None,
+            "nats": {"pid": self.durable.pid} if self.durable is not None and self.durable.pid else None,
         }
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
@@ -207,7 +223,10 @@ class EmbeddedSystem:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
-        """Stop the site (which stops every replica), then the KeysManagers; remove the state file."""
+        """Stop the async worker (calls not finished stay queued), the site (which stops every replica), the
+        KeysManagers, the nats-server; remove the state file."""
+        if self.durable is not None:
+            await self.durable.stop_worker(min(10.0, self.config.drain_timeout_s))
         if self._provider_runner is not None:
             await self._provider_runner.cleanup()
             self._provider_runner = None
@@ -219,6 +238,9 @@ class EmbeddedSystem:
         for agent in self.agents:
             stop_process(agent.process.pid, agent.process)
         self.agents.clear()
+        if self.durable is not None:
+            await self.durable.stop(0)
+            self.durable = None
         if self.network is not None:
             await asyncio.to_thread(self.network.destroy)
             self.network = None

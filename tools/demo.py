@@ -306,7 +306,7 @@ async def run(args: argparse.Namespace) -> int:
     plugin_config = PluginConfig.from_env()
     say("2/6", f"Starting the embedded gateway and {args.hosts} KeysManager(s) ({args.gpus_per_host} slots each)")
     config = GatewayConfig.from_env(port=0, state_dir=state_dir, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-                                    placer=args.placer)
+                                    placer=args.placer, callback_allowed_networks="127.0.0.1/32")  # our listener
     system = EmbeddedSystem(config, plugin=attach)
     await system.start()
     try:

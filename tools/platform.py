@@ -129,7 +129,8 @@ def _plugin():
 
 
 async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None) -> int:
-    system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, plugin=_plugin() if attach_plugin else None)
+    system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, plugin=_plugin() if attach_plugin else None,
+                            hold_queue=True)  # queued async calls run once the stack's functions exist again
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -161,6 +162,13 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
                 print(f"quartctl up: deploying {stack.path} failed: {exc.message}"
                       + (f" (field {exc.field})" if exc.field else ""), file=sys.stderr)
                 return 1
+        await system.start_queue_worker()
+        if system.durable is not None and system.durable.server is not None:
+            print(f"Async queue:  NATS JetStream {system.durable.server.url} (store {config.state_dir / 'nats'})",
+                  flush=True)
+        elif config.async_backend == "nats":
+            print(f"Async queue:  unavailable, /async-function answers 503 ({system.gateway.async_unavailable})",
+                  flush=True)
         print("Ready. Stop with Ctrl-C or `quartctl down`.", flush=True)
         await stop.wait()
         return 0
@@ -216,6 +224,9 @@ def down(argv: list[str]) -> int:
         host_pid = int(host["pid"])
         if _alive(host_pid) and not stop_process(host_pid):
             survivors.append(f"KeysManager pid {host_pid}")
+    nats = state.get("nats") or {}
+    if nats.get("pid") and _alive(int(nats["pid"])) and not stop_process(int(nats["pid"])):  # a killed gateway's
+        survivors.append(f"nats-server pid {nats['pid']}")
     if state.get("network"):  # the namespaces of a gateway that could not remove them itself
         removed = cleanup_by_prefix(state["network"]["cluster_id"])
         if removed:
