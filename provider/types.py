@@ -38,6 +38,7 @@ class Endpoint:
     layers: tuple[int, int] | None = None  # its stage's layers [S, E) when its host reports them
     held: tuple[int, int] | None = None  # the layers it can run now; short of ``layers`` while it loads (live)
     ready_ms: float | None = None  # placement asked -> ready (the reconciler's replica-ready hook), once ready
+    partial_ok: bool = True  # routed while it holds part of its stage (a live start); else only once whole
 
     @property
     def whole(self) -> bool:
@@ -87,7 +88,7 @@ class FunctionState:
     def refresh_ready(self) -> None:
         serving = [e for e in self.replicas.values() if e.state == "ready"]
         self.ready = [e for e in serving if e.whole]
-        self.partial = [e for e in serving if not e.whole]
+        self.partial = [e for e in serving if not e.whole and e.partial_ok]
         self.wake()
 
     def wake(self) -> None:
