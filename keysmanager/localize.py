@@ -82,8 +82,9 @@ class Localizer:
         task.add_done_callback(self._tasks.discard)
 
     async def _quietly(self, spec: StageSpec, peers: Sequence[str]) -> None:
+        # checked layer by layer (when the manifest can): a live start on this host attaches to this transfer
         with contextlib.suppress(RegistryUnavailable, InvalidSpec):
-            await self.localize(spec, peers)
+            await self.localize(spec, peers, live=True)
 
     async def start_live(self, spec: StageSpec, peers: Sequence[str] = ()) -> tuple[LiveTarget, asyncio.Task] | None:
         """Start making a registry stage local with per-layer checks, and answer as soon as its writer is open:
