@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 
 import aiohttp
+from quart_stage.envpolicy import replica_base_env
 
 from keysmanager import sysutil
 from keysmanager.aio import within
@@ -118,7 +119,7 @@ class Replicas:
         listen.bind((self.config.host_address, 0))
         listen.listen(1024)
         port = listen.getsockname()[1]
-        env = {**os.environ, **spec.env, **self._env(spec, slot), "PYTHONUNBUFFERED": "1"}
+        env = {**replica_base_env(os.environ), **spec.env, **self._env(spec, slot), "PYTHONUNBUFFERED": "1"}
         args = ["--cold", "--listen-fd", str(listen.fileno()), "--threads", str(threads_of(spec)),
                 "--cores", ",".join(map(str, cores))] + (["--survive"] if survive else [])
         try:

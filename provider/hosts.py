@@ -29,6 +29,7 @@ from typing import Literal, Protocol
 import aiohttp
 from quart_provider.scheduling.types import HostView
 from quart_provider.secrets import SECRETS_DIR_ENV, mount, unmount
+from quart_stage.envpolicy import replica_base_env
 
 from keysmanager.aio import within
 from keysmanager.sysutil import set_parent_death_signal
@@ -157,7 +158,7 @@ class ProcessHost:
         sock.bind(("127.0.0.1", 0))
         sock.listen(1024)
         port = sock.getsockname()[1]
-        env = {**os.environ, **spec.env, **thread_env(spec.cpus), LISTEN_FD_ENV: str(sock.fileno())}
+        env = {**replica_base_env(os.environ), **spec.env, **thread_env(spec.cpus), LISTEN_FD_ENV: str(sock.fileno())}
         secrets = mount(Path(spec.secrets_source), spec.secrets, replica_id) if spec.secrets else None
         if secrets is not None:
             env[SECRETS_DIR_ENV] = str(secrets)

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quart_stage import wire
+from quart_stage import jsonparse, wire
 from quart_stage.config import ConfigError, StageConfig
 from quart_stage.device_copy import move_module
 from quart_stage.emulated import ServiceTime, service_time_for
 from quart_stage.errors import QuartError, invalid
-from quart_stage.manifest import Manifest, StageEntry
+from quart_stage.manifest import Manifest, StageEntry, stage_path
 from quart_stage.presets import paper_profile
 
 INPUT_IDS, TOKEN_TYPE_IDS, HIDDEN, LOGITS = "input_ids", "token_type_ids", "hidden_states", "logits"
@@ -271,10 +271,7 @@ class StageRuntime:
         return decoded.tensors, {k: v for k, v in decoded.metadata.items() if k in ("model", "stage")}
 
     def _parse_json(self, body) -> dict[str, torch.Tensor]:
-        try:
-            doc = json.loads(bytes(body))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise invalid("body", "body is not valid JSON") from None
+        doc = jsonparse.loads(body)  # NaN, deep nesting, huge integers: 400 naming the body
         if not isinstance(doc, dict):
             raise invalid("body", 'JSON input must be an object like {"input_ids": [[1, 2, 3]]}')
         unknown = set(doc) - {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, "text"}
@@ -398,7 +395,7 @@ def read_stage_file(model_dir: str, entry: StageEntry, verify: bool = False) -> 
 
     The size is always checked against the manifest; with `verify`, the sha256 too.
     """
-    path = os.path.join(model_dir, entry.file)
+    path = stage_path(model_dir, entry.file)  # confined to the model folder
     size = os.path.getsize(path)
     if entry.file_bytes is not None and size != entry.file_bytes:
         raise ConfigError(f"{path} has {size} bytes, the manifest says {entry.file_bytes}: re-partition the model")
@@ -430,7 +427,7 @@ def _int_matrix(value, name: str) -> torch.Tensor:
         raise invalid(name, "values must be integers")
     try:
         return torch.tensor(value, dtype=torch.int64)
-    except (OverflowError, RuntimeError):
+    except (OverflowError, RuntimeError, ValueError):  # torch: "Overflow when unpacking long long" (2**70)
         raise invalid(name, "values must fit in int64") from None
 
 
