@@ -31,6 +31,7 @@ import aiohttp
 from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
+from gateway_plugin.retry import passed_on, should_retry
 from quart_provider.balancer import pick
 from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.tracing import CALL_ID
@@ -316,6 +317,7 @@ class Router:
         start = self.clock()
         wait_s = start - job.enqueued_at
         status, data, headers, failure = 0, b"", {}, ""
+        error: BaseException | None = None
         try:
             timeout = min(self.config.attempt_timeout_s, job.deadline - start)
             if self.session is None:
@@ -334,6 +336,7 @@ class Router:
             failure = "cancelled"
             raise
         except Exception as exc:  # timeout, connection, protocol, closed client: all count as a failed attempt
+            error = exc
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             status = 504 if isinstance(exc, TimeoutError) else 502  # what the gateway's proxy would count
         finally:
@@ -372,12 +375,12 @@ class Router:
                 job.stage += 1
                 self._enqueue(job, front=False)
             return
-        if failure == "" and 400 <= status < 500 and status not in (408, 429):
+        if passed_on(status, error):  # a 4xx, a stage's 500: the same on every replica (gateway_plugin.retry)
             self._finish(job, Reply(status, data, {"Content-Type": headers.get("Content-Type", "application/json")}))
             return
         why = failure or f"HTTP {status}"
         job.tried.add(replica.id)
-        if job.attempts < self.config.max_attempts and end < job.deadline:
+        if should_retry(status, error) and job.attempts < self.config.max_attempts and end < job.deadline:
             log.info("stage %s replica %s failed (%s); retrying request %s", fn, replica.id, why, job.id)
             self._enqueue(job, front=True)
             return

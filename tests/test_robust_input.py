@@ -141,3 +141,17 @@ def test_stage_input_ids_of_two_to_the_seventy_are_a_400_over_safetensors(tiny1)
     body = wire.encode_bytes({"input_ids": torch.tensor([[2**62, 1]])})
     res = rt.handle(body, {"Content-Type": wire.CONTENT_TYPE})
     assert res.status == 400 and json.loads(res.body)["field"] == "input_ids"
+
+
+def test_router_retries_only_what_another_replica_can_fix():
+    import aiohttp
+    from gateway_plugin.retry import passed_on, should_retry
+
+    assert should_retry(0, ConnectionRefusedError()) and should_retry(0, aiohttp.ServerDisconnectedError())
+    assert should_retry(0, TimeoutError()) and should_retry(0, aiohttp.ClientPayloadError("died mid-answer"))
+    assert not should_retry(0, aiohttp.ClientError("the router's HTTP client is closed"))
+    for status in (408, 429, 502, 503):
+        assert should_retry(status, None) and not passed_on(status, None)
+    for status in (400, 404, 413, 415, 422, 500, 501, 504):
+        assert not should_retry(status, None) and passed_on(status, None)
+    assert not passed_on(200, None) and not passed_on(502, TimeoutError())
