@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 from gateway_plugin.config import PluginConfig
+from gateway_plugin.entry import entry_admission
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 from gateway_plugin.retry import passed_on, should_retry
 from quart_provider.balancer import pick
@@ -238,14 +239,11 @@ class Router:
         if not stages:
             return json_reply(404, f"no pipeline named {model!r} is deployed", "model")
         await self.start()
-        for fn in stages:
-            waiting = len(self.queue(fn).jobs)
-            if waiting >= self.config.queue_cap:
-                return json_reply(429, f"stage {fn!r} already has {waiting} requests waiting (cap "
-                                       f"{self.config.queue_cap}); retry later", None,
-                                  **{"Retry-After": str(self.config.retry_after_s)})
-        now = self.clock()
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
+        verdict = entry_admission(self, model, stages, timeout)  # queue cap, expected wait vs deadline
+        if not verdict.admit:
+            return json_reply(429, verdict.reason, None, **{"Retry-After": str(verdict.retry_after_s)})
+        now = self.clock()
         job = Job(
             id=request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}",
             model=model, stages=list(stages), body=body, content_type=content_type,

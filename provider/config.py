@@ -28,6 +28,8 @@ class GatewayConfig:
     auth: bool = True  # basic auth on /system/* (OpenFaaS's basic_auth=true)
     max_body_bytes: int = 64 * 1024 * 1024  # largest request body; larger → 413
     max_deploy_bytes: int = 1024 * 1024  # largest JSON body on /system/*
+    max_inflight_bytes: int = 256 * 1024 * 1024  # request-body bytes held at once by the gateway; more → 429
+    max_function_inflight_bytes: int = 128 * 1024 * 1024  # … by one function or pipeline; one body over → 413
     placer: str = "first-fit"  # replica placer: first-fit | cache-aware (quart_provider.scheduling)
     hosts: int = 1  # simulated hosts (one KeysManager each)
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
@@ -54,6 +56,8 @@ class GatewayConfig:
             raise ConfigError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
         if self.nic_gbps <= 0:
             raise ConfigError(f"nic_gbps must be > 0, got {self.nic_gbps}")
+        if not 0 < self.max_function_inflight_bytes <= self.max_inflight_bytes:
+            raise ConfigError("max_function_inflight_bytes must be > 0 and at most max_inflight_bytes")
         if self.host_timeout_s <= 0 or self.host_down_after_s <= 0:
             raise ConfigError("host_timeout_s and host_down_after_s must be > 0")
 

@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from quart_provider.admission import ByteGate
 from quart_provider.balancer import Balancer
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
@@ -56,6 +57,9 @@ class EmbeddedGateway:
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
+        # request bodies in flight, per gateway and per function / pipeline (quart_provider.admission)
+        self.body_gate = ByteGate(config.max_inflight_bytes, config.max_function_inflight_bytes,
+                                  fallback_retry_s=config.retry_after_s)
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []
 
     @property

@@ -14,6 +14,7 @@ import time
 import aiohttp
 from aiohttp import web
 from quart_provider import namespaces
+from quart_provider.admission import Reservation, StageLoad, admit_by_time
 from quart_provider.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.bodies import read_body
@@ -22,6 +23,7 @@ from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 from quart_provider.responses import error_of, error_response
 from quart_provider.tracing import trace_of, with_trace
+from quart_provider.types import FunctionState
 from quart_stage.errors import QuartError
 
 
@@ -93,16 +95,57 @@ class InvokeHandlers:
             return error_of(exc, self.config.retry_after_s)
         fn = gateway.functions.get(name)
         tail = request.match_info.get("tail", "")
-        if fn is None:
-            for hook in gateway.invoke_hooks:
-                response = await hook(with_trace(request), name, tail)
-                if response is not None:
-                    return response
-            return error_response(404, f"function {name!r} not found", "functionName")
+        reservation = Reservation(gateway.body_gate, name)  # this body's bytes, held until the answer
         try:
-            body = await self._invocation_body(request)
-        except QuartError as exc:
-            return error_of(exc, self.config.retry_after_s)
+            if fn is None:
+                return await self._hooks(request, name, tail, reservation)
+            try:
+                admission = admit_by_time([self._load(fn)], self._deadline_s(request), f"a call of {name!r}")
+                if not admission.admit:
+                    raise admission.error()
+                body = await read_body(request, self.config.max_body_bytes, reservation)
+            except QuartError as exc:
+                return error_of(exc, self.config.retry_after_s)
+            return await self._proxy(request, fn, tail, body)
+        finally:
+            reservation.close()
+
+    async def _hooks(self, request: web.Request, name: str, tail: str, reservation: Reservation
+                     ) -> web.StreamResponse:
+        """A name that is not a function: a pipeline (its body read here, so it is counted like any
+        other) or another invoke hook's."""
+        gateway = self.gateway
+        hooked = with_trace(request)
+        if name in gateway.pipelines() and request.method == "POST":
+            try:
+                body = await read_body(request, self.config.max_body_bytes, reservation)
+            except QuartError as exc:
+                return error_of(exc, self.config.retry_after_s)
+            hooked._read_bytes = body  # noqa: SLF001 - what hooked.read() answers the hook (aiohttp's cache)
+        for hook in gateway.invoke_hooks:
+            response = await hook(hooked, name, tail)
+            if response is not None:
+                return response
+        return error_response(404, f"function {name!r} not found", "functionName")
+
+    def _deadline_s(self, request: web.Request) -> float:
+        """``X-Quart-Timeout-Ms`` when sent and valid, else the upstream timeout."""
+        try:
+            deadline = float(request.headers.get("X-Quart-Timeout-Ms", "")) / 1000.0
+        except ValueError:
+            return self.config.upstream_timeout_s
+        return min(deadline, self.config.upstream_timeout_s) if deadline > 0 else self.config.upstream_timeout_s
+
+    @staticmethod
+    def _load(fn: FunctionState) -> StageLoad:
+        """The function's queue as admission sees it (unlimited concurrency: nobody ever queues)."""
+        per_replica = fn.deployment.concurrency
+        servers = len(fn.ready) * per_replica if per_replica else 0
+        return StageLoad(fn.waiting, servers, fn.service_s)
+
+    async def _proxy(self, request: web.Request, fn: FunctionState, tail: str, body: bytes) -> web.StreamResponse:
+        """Hand the call to a replica the balancer picks (one retry elsewhere when it refused the connection)."""
+        gateway, name = self.gateway, fn.name
         metrics, metric_name = gateway.metrics, fn.metric_name
         metrics.invocation_started(metric_name)
         start = time.perf_counter()
@@ -135,6 +178,8 @@ class InvokeHandlers:
                 gateway.release(fn, endpoint)
         fn.invocations += 1
         elapsed = time.perf_counter() - start
+        if payload is not None and 200 <= status < 300:  # the service time admission by time uses
+            fn.service_s = elapsed if fn.service_s <= 0 else 0.8 * fn.service_s + 0.2 * elapsed
         metrics.invocation_done(metric_name, status, elapsed)
         if payload is None:
             return error_response(502, message)

@@ -63,6 +63,7 @@ class FunctionState:
     last_error: str = ""
     start_time: StartTimeEstimate = field(default_factory=StartTimeEstimate)  # ask → ready of recent replicas
     secrets_source: str = ""  # the secret store folder of the function's namespace
+    service_s: float = 0.0  # measured seconds per proxied request (moving average; 0 = not yet measured)
 
     @property
     def name(self) -> str:
