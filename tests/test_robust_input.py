@@ -155,3 +155,34 @@ def test_router_retries_only_what_another_replica_can_fix():
     for status in (400, 404, 413, 415, 422, 500, 501, 504):
         assert not should_retry(status, None) and passed_on(status, None)
     assert not passed_on(200, None) and not passed_on(502, TimeoutError())
+
+
+@pytest.mark.parametrize("length", [b"-5", b"abc", b"1e3", b"5\r\nContent-Length: 6", b"99999999999999999"])
+def test_echo_replica_answers_malformed_content_length_with_400_and_closes(length):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "quart_provider.echo", "--port", str(port)])
+    try:
+        import time
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with sock:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\nhello")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+            assert sock.recv(4096) == b""  # closed
+        assert requests.post(f"http://127.0.0.1:{port}/", data=b"ok", timeout=5).content == b"ok"
+    finally:
+        proc.terminate()
+        proc.wait(10)
