@@ -29,6 +29,7 @@ from quart_provider.hosts import Host, ProcessHost
 from quart_provider.network import HostNetwork, cluster_id
 from quart_provider.routes import create_app, start_site
 from quart_provider.stack import Stack
+from quart_provider.supervisor import Backoff, supervise
 
 from keysmanager.client import AsyncKeysManagerClient
 from keysmanager.sysutil import set_parent_death_signal
@@ -51,6 +52,17 @@ class _Agent:
     name: str
     endpoint: str  # Unix socket path (loopback) or http://<host address>:<port> (netns)
     process: subprocess.Popen
+    argv: list[str] = field(default_factory=list)  # how to start it again (the supervisor)
+    log_path: Path | None = None
+    socket: Path | None = None
+    backoff: Backoff = field(default_factory=Backoff)
+    restarts: int = 0
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as logfile:
+        return subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=set_parent_death_signal)
 
 
 @dataclass(slots=True)
@@ -68,6 +80,7 @@ class EmbeddedSystem:
     network: HostNetwork | None = None  # netns mode: the host namespaces and bridge
     _runner: Any = None
     _provider_runner: Any = None
+    _supervisor: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
@@ -134,11 +147,8 @@ class EmbeddedSystem:
                 endpoint = f"http://{address}:{cfg.keysmanager_port}"
                 argv = self.network.exec_argv(name, [*argv, "--listen", f"{address}:{cfg.keysmanager_port}",
                                                      "--token-file", str(token_file), "--host-address", address])
-            logfile = open(cfg.state_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-            process = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, preexec_fn=set_parent_death_signal)
-            logfile.close()
-            self.agents.append(_Agent(name, endpoint, process))
+            log_path = cfg.state_dir / "logs" / f"{name}.log"
+            self.agents.append(_Agent(name, endpoint, _spawn(argv, log_path), argv, log_path, sock))
         hosts = [KeysManagerHost(a.name, AsyncKeysManagerClient(a.endpoint, token=token), cfg.gpus_per_host,
                                  cfg.host_memory_bytes, log_dir=cfg.replica_logs_dir,
                                  km_logs=sockets_dir / f"{a.name}.sock.d" / "logs")  # KeysManagerConfig.state_path
@@ -148,7 +158,21 @@ class EmbeddedSystem:
         except BaseException:
             await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
             raise
+        now = time.monotonic()
+        for agent in self.agents:
+            agent.backoff.started(now)
+        self._supervisor = asyncio.create_task(supervise(self.agents, self._restart_agent), name="supervise")
         return hosts
+
+    def _restart_agent(self, agent: _Agent) -> None:
+        """Start a successor of an exited KeysManager on the same socket and state folder (it cleans up after
+        its predecessor); the state file names its pid for `quartctl down`."""
+        if agent.socket is not None:
+            with contextlib.suppress(FileNotFoundError):
+                agent.socket.unlink()
+        agent.process = _spawn(agent.argv, agent.log_path)
+        agent.restarts += 1
+        self._write_state()
 
     async def _wait_agents(self, hosts: list[Any]) -> None:
         cfg = self.config
@@ -172,7 +196,8 @@ class EmbeddedSystem:
             "provider_url": f"http://{self.config.bind}:{self.provider_port}" if self.provider_port else None,
             "password_file": str(self.credentials.password_file) if self.credentials else None,
             "user": self.credentials.user if self.credentials else None,
-            "hosts": [{"name": a.name, "endpoint": a.endpoint, "pid": a.process.pid} for a in self.agents],
+            "hosts": [{"name": a.name, "endpoint": a.endpoint, "pid": a.process.pid,
+                       "socket": str(a.socket) if a.socket else None, "restarts": a.restarts} for a in self.agents],
             "network": self.network.to_json() if self.network else None,
         }
         tmp = self.state_file.with_suffix(".tmp")
@@ -208,6 +233,11 @@ class EmbeddedSystem:
 
     async def stop(self) -> None:
         """Stop the site (which stops every replica), then the KeysManagers; remove the state file."""
+        if self._supervisor is not None:  # nothing is restarted from here on
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+            self._supervisor = None
         if self._provider_runner is not None:
             await self._provider_runner.cleanup()
             self._provider_runner = None
