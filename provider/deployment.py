@@ -169,6 +169,12 @@ class FunctionDeployment:
     def memory_bytes(self) -> int | None:
         return self.limits.memory_bytes if self.limits and self.limits.memory_bytes else None
 
+    def to_request(self) -> dict[str, Any]:
+        """The deploy request that gives this deployment again (``from_json(to_request())`` is equal)."""
+        out = self.to_json()
+        out["service"] = out.pop("name")
+        return out
+
     def to_json(self) -> dict[str, Any]:
         """The deployment fields of a ``FunctionStatus`` (without runtime counters)."""
         out: dict[str, Any] = {"name": self.service, "image": self.image, "namespace": self.namespace}

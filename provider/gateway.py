@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -29,7 +30,10 @@ from quart_provider.registry import Registry
 from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 from quart_provider.scheduling.types import Placer
 from quart_provider.secrets import SecretStore
+from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
 from quart_provider.types import Endpoint, FunctionState, InvokeHook
+
+log = logging.getLogger("quart.gateway")
 
 
 def default_placer(name: str) -> Placer:
@@ -48,7 +52,7 @@ class EmbeddedGateway:
         self.scheduler_metrics = SchedulerMetrics()  # cache hits, replica-ready time by source, host use
         self.secrets = SecretStore(config.function_secrets_dir, config.namespace)
         self.registry = Registry(self.images, self.hosts, config.max_body_bytes, self.kick, self._retire,
-                                 self.secrets)
+                                 self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR))
         self.functions: dict[str, FunctionState] = self.registry.functions
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
@@ -73,6 +77,11 @@ class EmbeddedGateway:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        """Restore the functions stored in the state folder (:mod:`.store`), then reconcile."""
+        restored = self.registry.restore()
+        if restored:
+            log.info("restored %d function(s) from %s: %s", len(restored), self.config.state_dir / FUNCTIONS_DIR,
+                     ", ".join(restored))
         self.reconciler.start()
 
     async def close(self) -> None:

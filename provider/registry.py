@@ -17,6 +17,7 @@ from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
 from quart_provider.replicaset import note_key_scale
 from quart_provider.secrets import SecretStore
+from quart_provider.store import DeploymentStore
 from quart_provider.types import Endpoint, FunctionState
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError, invalid
@@ -31,7 +32,8 @@ class Registry:
 
     def __init__(self, images: ImageIndex, hosts: Mapping[str, Host], max_body_bytes: int,
                  changed: Callable[[], None], retire: Callable[[FunctionState, Endpoint], None],
-                 secrets: SecretStore) -> None:
+                 secrets: SecretStore, store: DeploymentStore | None = None) -> None:
+        self.store = store  # durable copy of every function (None: in memory only)
         self.images = images
         self.secrets = secrets
         self.hosts = hosts
@@ -57,6 +59,7 @@ class Registry:
         fn = FunctionState(deployment, runnable, deployment.min_replicas, datetime.now(UTC),
                            secrets_source=str(self.secrets.folder))
         self.functions[deployment.service] = fn
+        self._save(fn)
         self.changed()
         return fn
 
@@ -76,6 +79,7 @@ class Registry:
         if fn.replica_spec(self.max_body_bytes) != before:
             fn.generation += 1
             await self._invalidate(fn.name)
+        self._save(fn)
         self.changed()
         return fn
 
@@ -83,6 +87,8 @@ class Registry:
         """Delete a function (DELETE /system/functions): drain and stop all its replicas."""
         fn = self.get(name)
         del self.functions[name]
+        if self.store is not None:
+            self.store.delete(name)
         fn.desired = 0
         for endpoint in list(fn.replicas.values()):
             self.retire(fn, endpoint)
@@ -96,9 +102,37 @@ class Registry:
         fn = self.get(name)
         applied = min(replicas, fn.deployment.max_replicas)
         note_key_scale(self.key_history, name, fn.desired, applied, key)
-        fn.desired = applied
+        if applied != fn.desired:
+            fn.desired = applied
+            self._save(fn)
         self.changed()
         return applied
+
+    def _save(self, fn: FunctionState) -> None:
+        if self.store is not None:
+            self.store.save(fn.name, fn.deployment.to_request(), fn.desired, fn.created_at)
+
+    def restore(self) -> list[str]:
+        """The functions a previous gateway on this state folder had, deployed again at their desired
+        replicas (`quartctl up` after `down`, a crash or a restart); returns their names."""
+        if self.store is None:
+            return []
+        restored = []
+        for stored in self.store.load():
+            name = str(stored.request.get("service"))
+            try:
+                deployment = FunctionDeployment.from_json(stored.request, self.secrets.namespace)
+                runnable = resolve(deployment, self.images)
+            except QuartError as exc:
+                self.store.set_aside(name, str(exc))
+                continue
+            desired = min(max(stored.desired, 0), deployment.max_replicas)
+            self.functions[deployment.service] = FunctionState(deployment, runnable, desired, stored.created_at,
+                                                               secrets_source=str(self.secrets.folder))
+            restored.append(deployment.service)
+        if restored:
+            self.changed()
+        return restored
 
     async def update_limits(self, name: str, cpus: float | None = None, memory_bytes: int | None = None) -> None:
         """Change a function's CPU / memory limits (the CPU compensator's actuator): rolling update."""

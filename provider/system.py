@@ -29,6 +29,7 @@ from quart_provider.hosts import Host, ProcessHost
 from quart_provider.network import HostNetwork, cluster_id
 from quart_provider.routes import create_app, start_site
 from quart_provider.stack import Stack
+from quart_provider.store import write_private
 from quart_provider.supervisor import Backoff, supervise
 
 from keysmanager.client import AsyncKeysManagerClient
@@ -93,6 +94,7 @@ class EmbeddedSystem:
     async def start(self) -> None:
         cfg = self.config
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(cfg.state_dir, 0o700)  # credentials, sockets, logs, stored functions: the gateway's user only
         (cfg.state_dir / "logs").mkdir(exist_ok=True)
         self.credentials = load_or_create(cfg.credentials_dir)
         use_km = keysmanager_available() if self.use_keysmanager is None else self.use_keysmanager
@@ -200,9 +202,7 @@ class EmbeddedSystem:
                        "socket": str(a.socket) if a.socket else None, "restarts": a.restarts} for a in self.agents],
             "network": self.network.to_json() if self.network else None,
         }
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        os.replace(tmp, self.state_file)
+        write_private(self.state_file, json.dumps(state, indent=2).encode())
 
     async def deploy_stack(self, stack: Stack) -> list[str]:
         """Deploy (or update) every function of a stack in-process; returns one line per function."""
