@@ -50,6 +50,7 @@ class GatewayConfig:
     async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)
     async_queue_cap: int = 10_000  # /async-function calls accepted and waiting; more → 429
     async_timeout_s: float = 600.0  # one async call (its callback has 30 s more)
+    replica_uids: str = ""  # "<first>-<last>": each function's replicas run as its own uid from this range; "" = as the gateway
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -58,6 +59,8 @@ class GatewayConfig:
             raise ConfigError(f"nic_gbps must be > 0, got {self.nic_gbps}")
         if not 0 < self.max_function_inflight_bytes <= self.max_inflight_bytes:
             raise ConfigError("max_function_inflight_bytes must be > 0 and at most max_inflight_bytes")
+        if self.replica_uids:
+            self.uid_range()  # raises ConfigError when malformed
         if self.host_timeout_s <= 0 or self.host_down_after_s <= 0:
             raise ConfigError("host_timeout_s and host_down_after_s must be > 0")
 
@@ -66,6 +69,19 @@ class GatewayConfig:
         """Defaults, then ``QUART_GATEWAY_*`` variables (``quart_stage.settings`` rules), then explicit
         overrides (None = keep)."""
         return settings_from_env(cls, "QUART_GATEWAY_", env, **overrides)
+
+    def uid_range(self) -> range | None:
+        """The uids functions' replicas run as (``replica_uids``), or None: as the gateway's user."""
+        if not self.replica_uids:
+            return None
+        first, _, last = self.replica_uids.partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise ConfigError(f"replica_uids must be <first>-<last>, got {self.replica_uids!r}") from None
+        if not 0 < low <= high < 2**31:
+            raise ConfigError(f"replica_uids must be a range of uids above 0 (never root), got {self.replica_uids!r}")
+        return range(low, high + 1)
 
     @property
     def credentials_dir(self) -> Path:

@@ -52,7 +52,7 @@ class EmbeddedGateway:
         self.scheduler_metrics = SchedulerMetrics()  # cache hits, replica-ready time by source, host use
         self.secrets = SecretStore(config.function_secrets_dir, config.namespace)
         self.registry = Registry(self.images, self.hosts, config.max_body_bytes, self.kick, self._retire,
-                                 self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR))
+                                 self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR), config.uid_range())
         self.functions: dict[str, FunctionState] = self.registry.functions
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,

@@ -32,8 +32,9 @@ class Registry:
 
     def __init__(self, images: ImageIndex, hosts: Mapping[str, Host], max_body_bytes: int,
                  changed: Callable[[], None], retire: Callable[[FunctionState, Endpoint], None],
-                 secrets: SecretStore, store: DeploymentStore | None = None) -> None:
+                 secrets: SecretStore, store: DeploymentStore | None = None, uids: range | None = None) -> None:
         self.store = store  # durable copy of every function (None: in memory only)
+        self.uids = uids  # one uid per function for its replicas (None: they run as the gateway's user)
         self.images = images
         self.secrets = secrets
         self.hosts = hosts
@@ -57,7 +58,7 @@ class Registry:
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
         fn = FunctionState(deployment, runnable, deployment.min_replicas, datetime.now(UTC),
-                           secrets_source=str(self.secrets.folder))
+                           secrets_source=str(self.secrets.folder), run_as=self._free_uid())
         self.functions[deployment.service] = fn
         self._save(fn)
         self.changed()
@@ -110,7 +111,20 @@ class Registry:
 
     def _save(self, fn: FunctionState) -> None:
         if self.store is not None:
-            self.store.save(fn.name, fn.deployment.to_request(), fn.desired, fn.created_at)
+            self.store.save(fn.name, fn.deployment.to_request(), fn.desired, fn.created_at, fn.run_as)
+
+    def _free_uid(self, wanted: int | None = None) -> int | None:
+        """``wanted`` when it is in the range and no other function has it, else the lowest free uid."""
+        if self.uids is None:
+            return None
+        taken = {fn.run_as for fn in self.functions.values()}
+        if wanted in self.uids and wanted not in taken:
+            return wanted
+        for uid in self.uids:
+            if uid not in taken:
+                return uid
+        raise QuartError(507, f"every uid of replica_uids ({self.uids.start}-{self.uids.stop - 1}) has a function",
+                         "service")
 
     def restore(self) -> list[str]:
         """The functions a previous gateway on this state folder had, deployed again at their desired
@@ -128,7 +142,8 @@ class Registry:
                 continue
             desired = min(max(stored.desired, 0), deployment.max_replicas)
             self.functions[deployment.service] = FunctionState(deployment, runnable, desired, stored.created_at,
-                                                               secrets_source=str(self.secrets.folder))
+                                                               secrets_source=str(self.secrets.folder),
+                                                               run_as=self._free_uid(stored.run_as))
             restored.append(deployment.service)
         if restored:
             self.changed()

@@ -55,6 +55,7 @@ class StoredFunction:
     request: dict[str, Any]
     desired: int
     created_at: datetime
+    run_as: int | None = None
 
 
 class DeploymentStore:
@@ -66,10 +67,11 @@ class DeploymentStore:
     def _path(self, name: str) -> Path:
         return self.folder / f"{name}.json"  # names are DNS-1123 labels (validated at deploy)
 
-    def save(self, name: str, request: dict[str, Any], desired: int, created_at: datetime) -> None:
+    def save(self, name: str, request: dict[str, Any], desired: int, created_at: datetime,
+             run_as: int | None = None) -> None:
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.folder, 0o700)
-        doc = {"request": request, "desired": desired, "createdAt": created_at.isoformat()}
+        doc = {"request": request, "desired": desired, "createdAt": created_at.isoformat(), "runAs": run_as}
         write_private(self._path(name), json.dumps(doc, indent=1, sort_keys=True).encode())
 
     def delete(self, name: str) -> None:
@@ -83,8 +85,10 @@ class DeploymentStore:
         for path in sorted(self.folder.glob("*.json")):
             try:
                 doc = json.loads(path.read_text())
+                run_as = doc.get("runAs")
                 out.append(StoredFunction(dict(doc["request"]), int(doc["desired"]),
-                                          datetime.fromisoformat(doc["createdAt"])))
+                                          datetime.fromisoformat(doc["createdAt"]),
+                                          int(run_as) if run_as is not None else None))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 self.set_aside(path.stem, f"{type(exc).__name__}: {exc}")
         return out

@@ -43,7 +43,7 @@ DENIED_NAMES: frozenset[str] = frozenset({
     "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "NO_PROXY",
     # set by the platform for each replica: a deploy must not point them elsewhere
     "QUART_LISTEN_FD", "QUART_KEYSMANAGER_SOCKET", "QUART_SECRETS_DIR", "QUART_STAGE_MOUNTS",
-    "QUART_REPLICA_HOST", "QUART_BIND", "QUART_PRELOAD",
+    "QUART_REPLICA_HOST", "QUART_BIND", "QUART_PRELOAD", "QUART_RUN_AS",
 })
 PRIVATE_PREFIXES: tuple[str, ...] = ("AWS_", "QUART_GATEWAY_", "QUART_REGISTRY_", "KEYSMANAGER_", "SSH_",
                                      "GOOGLE_APPLICATION", "AZURE_", "KUBECONFIG", "DOCKER_", "OPENFAAS_")
