@@ -49,9 +49,10 @@ class Backoff:
 
 
 async def supervise(agents: Sequence[Any], restart: Callable[[Any], None], interval_s: float = 0.1,
-                    clock: Callable[[], float] = time.monotonic) -> None:
+                    clock: Callable[[], float] = time.monotonic, exited: Callable[[Any], None] | None = None) -> None:
     """Until cancelled: each ``agent`` (``.name``, ``.process`` a ``Popen``, ``.backoff`` a :class:`Backoff`)
-    whose process exited is restarted by ``restart(agent)`` when its back-off delay has passed."""
+    whose process exited is told to ``exited(agent)`` at once (its host's replicas are dead) and restarted
+    by ``restart(agent)`` when its back-off delay has passed."""
     while True:
         now = clock()
         for agent in agents:
@@ -61,6 +62,11 @@ async def supervise(agents: Sequence[Any], restart: Callable[[Any], None], inter
                 delay = agent.backoff.exited(now)
                 log.warning("KeysManager %s exited with %s; restarting in %.1f s", agent.name,
                             agent.process.returncode, delay)
+                if exited is not None:
+                    try:
+                        exited(agent)
+                    except Exception as exc:  # noqa: BLE001 - telling the gateway must not stop supervision
+                        log.error("reporting the exit of KeysManager %s failed: %s", agent.name, exc)
             elif agent.backoff.due(now):
                 try:
                     restart(agent)

@@ -163,8 +163,15 @@ class EmbeddedSystem:
         now = time.monotonic()
         for agent in self.agents:
             agent.backoff.started(now)
-        self._supervisor = asyncio.create_task(supervise(self.agents, self._restart_agent), name="supervise")
+        self._supervisor = asyncio.create_task(supervise(self.agents, self._restart_agent, exited=self._agent_exited),
+                                               name="supervise")
         return hosts
+
+    def _agent_exited(self, agent: _Agent) -> None:
+        """Its host's replicas are dead to routing now, not after ``host_down_after_s`` of silence."""
+        if self.gateway is not None:
+            self.gateway.reconciler.host_lost(agent.name, RuntimeError(
+                f"KeysManager exited with {agent.process.returncode}"))
 
     def _restart_agent(self, agent: _Agent) -> None:
         """Start a successor of an exited KeysManager on the same socket and state folder (it cleans up after
