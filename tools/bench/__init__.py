@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "k8s-start": ("quart_tools.bench.k8s_start:main", "stage pod start: attach to the node's KeysManager cache vs cold"),
     "blitz": ("quart_tools.bench.blitz:main", "a stage to k netns hosts: chain multicast vs the source sending k times"),
     "cuda": ("quart_tools.bench.cuda:main", "fork then parameters onto the GPU: pageable vs staged vs registered; cold"),
+    "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 
