@@ -137,6 +137,12 @@ class Reservation:
         self.gate.reserve(self.key, size)
         self.size += size
 
+    def hold(self, size: int) -> None:
+        """Count ``size`` more bytes without refusing them (an answer already computed): later bodies see them."""
+        self.gate.total += size
+        self.gate.held[self.key] = self.gate.held.get(self.key, 0) + size
+        self.size += size
+
     def close(self) -> None:
         self.gate.release(self.key, self.size)
         self.size = 0

@@ -26,6 +26,8 @@ from quart_provider.tracing import trace_of, with_trace
 from quart_provider.types import FunctionState
 from quart_stage.errors import QuartError
 
+from keysmanager.aio import within
+
 
 class InvokeHandlers:
     """The invocation handlers over one gateway, with the HTTP client they call replicas through."""
@@ -99,14 +101,16 @@ class InvokeHandlers:
         try:
             if fn is None:
                 return await self._hooks(request, name, tail, reservation)
+            deadline_s = self._deadline_s(request)
+            deadline_at = time.monotonic() + deadline_s if "X-Quart-Timeout-Ms" in request.headers else None
             try:
-                admission = admit_by_time([self._load(fn)], self._deadline_s(request), f"a call of {name!r}")
+                admission = admit_by_time([self._load(fn)], deadline_s, f"a call of {name!r}")
                 if not admission.admit:
                     raise admission.error()
                 body = await read_body(request, self.config.max_body_bytes, reservation)
             except QuartError as exc:
                 return error_of(exc, self.config.retry_after_s)
-            return await self._proxy(request, fn, tail, body)
+            return await self._proxy(request, fn, tail, body, reservation, deadline_at)
         finally:
             reservation.close()
 
@@ -143,8 +147,13 @@ class InvokeHandlers:
         servers = len(fn.ready) * per_replica if per_replica else 0
         return StageLoad(fn.waiting, servers, fn.service_s)
 
-    async def _proxy(self, request: web.Request, fn: FunctionState, tail: str, body: bytes) -> web.StreamResponse:
-        """Hand the call to a replica the balancer picks (one retry elsewhere when it refused the connection)."""
+    async def _proxy(self, request: web.Request, fn: FunctionState, tail: str, body: bytes,
+                     reservation: Reservation, deadline_at: float | None) -> web.StreamResponse:
+        """Hand the call to a replica the balancer picks (one retry elsewhere when it refused the connection).
+
+        With a client deadline (``X-Quart-Timeout-Ms``), waiting for a replica and the replica's answer are
+        bounded by it (504 past it). The answer's bytes are counted in ``reservation`` too (never refused:
+        the work is done), so that what the gateway holds bounds what it admits next."""
         gateway, name = self.gateway, fn.name
         metrics, metric_name = gateway.metrics, fn.metric_name
         metrics.invocation_started(metric_name)
@@ -155,13 +164,24 @@ class InvokeHandlers:
         payload = None
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
             try:
-                endpoint = await gateway.acquire(fn)
+                if deadline_at is None:
+                    endpoint = await gateway.acquire(fn)
+                else:
+                    endpoint = await within(deadline_at - time.monotonic(), gateway.acquire(fn))
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return error_of(exc, self.config.retry_after_s)
+            except TimeoutError:
+                metrics.invocation_done(metric_name, 504, time.perf_counter() - start)
+                return error_response(504, f"the call of {name!r} passed its deadline (X-Quart-Timeout-Ms) waiting "
+                                           "for a replica", "X-Quart-Timeout-Ms")
+            timeout = None if deadline_at is None else aiohttp.ClientTimeout(
+                total=min(self.config.upstream_timeout_s, max(0.001, deadline_at - time.monotonic())))
             try:
                 async with self.session.request(request.method, endpoint.url + path, data=body,
-                                                headers=headers) as upstream:
+                                                headers=headers, timeout=timeout) as upstream:
+                    if upstream.content_length:
+                        reservation.hold(upstream.content_length)
                     payload = await upstream.read()
                     status = upstream.status
                     out_headers = forwardable(upstream.headers.items())
@@ -172,7 +192,8 @@ class InvokeHandlers:
                 if attempt == 1:
                     break  # else: the next acquire waits (bounded) for another ready replica
             except (aiohttp.ClientError, TimeoutError) as exc:
-                status, message = 502, f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
+                status = 504 if isinstance(exc, TimeoutError) else 502  # a timeout: the deadline or upstream_timeout_s
+                message = f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
                 break
             finally:
                 gateway.release(fn, endpoint)
@@ -182,5 +203,5 @@ class InvokeHandlers:
             fn.service_s = elapsed if fn.service_s <= 0 else 0.8 * fn.service_s + 0.2 * elapsed
         metrics.invocation_done(metric_name, status, elapsed)
         if payload is None:
-            return error_response(502, message)
+            return error_response(status, message)
         return web.Response(status=status, body=payload, headers=out_headers)

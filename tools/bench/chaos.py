@@ -113,7 +113,7 @@ async def _replica_pids(session: aiohttp.ClientSession, gw: Gateway) -> list[int
 async def open_loop(gw: Gateway, path: str, body: bytes, rate: float, seconds: float, timeout_s: float,
                     headers: dict[str, str] | None = None) -> dict:
     """``rate`` req/s for ``seconds`` whatever the answers; every request's outcome and latency."""
-    out = {"sent": 0, "ok": 0, "explicit_error": 0, "lost": 0, "ok_ms": []}
+    out = {"sent": 0, "ok": 0, "explicit_error": 0, "lost": 0, "by_status": {}, "ok_ms": []}
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
         async def one() -> None:
@@ -122,6 +122,7 @@ async def open_loop(gw: Gateway, path: str, body: bytes, rate: float, seconds: f
                 async with session.post(gw.url + path, data=body, headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                     await r.read()
+                    out["by_status"][str(r.status)] = out["by_status"].get(str(r.status), 0) + 1
                     if 200 <= r.status < 300:
                         out["ok"] += 1
                         out["ok_ms"].append(1000 * (time.perf_counter() - start))
@@ -129,8 +130,9 @@ async def open_loop(gw: Gateway, path: str, body: bytes, rate: float, seconds: f
                         out["explicit_error"] += 1
             except TimeoutError:
                 out["lost"] += 1
-            except aiohttp.ClientError:
+            except aiohttp.ClientError as exc:
                 out["explicit_error"] += 1  # refused or reset: the client knows at once
+                out["by_status"][type(exc).__name__] = out["by_status"].get(type(exc).__name__, 0) + 1
 
         tasks, t0 = [], time.monotonic()
         for i in range(int(rate * seconds)):
