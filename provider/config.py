@@ -29,7 +29,7 @@ class GatewayConfig:
     max_body_bytes: int = 64 * 1024 * 1024  # largest request body; larger → 413
     max_deploy_bytes: int = 1024 * 1024  # largest JSON body on /system/*
     max_inflight_bytes: int = 256 * 1024 * 1024  # request-body bytes held at once by the gateway; more → 429
-    max_function_inflight_bytes: int = 128 * 1024 * 1024  # … by one function or pipeline; one body over → 413
+    max_function_inflight_bytes: int = 64 * 1024 * 1024  # … by one function or pipeline (≥ one max body); one body over → 413
     placer: str = "first-fit"  # replica placer: first-fit | cache-aware (quart_provider.scheduling)
     hosts: int = 1  # simulated hosts (one KeysManager each)
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
