@@ -28,6 +28,15 @@ async def read_body(request: web.Request, limit: int, reservation: Reservation |
         raise too_large(limit, declared)
     if reservation is not None and declared:
         reservation.add(declared)
+    if declared:  # filled in place: one copy of the body, not pieces plus their join
+        buf, pos = bytearray(declared), 0
+        while pos < declared and (piece := await request.content.read(min(_PIECE, declared - pos))):
+            buf[pos:pos + len(piece)] = piece
+            pos += len(piece)
+        if pos < declared:
+            raise QuartError(400, f"request body is truncated: Content-Length {declared}, {pos} bytes arrived",
+                             "body")
+        return bytes(buf) if declared <= _PIECE else buf
     pieces: list[bytes] = []
     size = 0
     while piece := await request.content.read(_PIECE):

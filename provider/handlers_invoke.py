@@ -28,6 +28,30 @@ from quart_stage.errors import QuartError
 
 from keysmanager.aio import within
 
+_SLICE = 1 << 20
+
+
+async def read_answer(upstream: aiohttp.ClientResponse) -> bytes | bytearray:
+    """A replica's whole answer; with a Content-Length, filled in place (one copy, not chunks plus a join)."""
+    size = upstream.content_length
+    if not size or size <= _SLICE:
+        return await upstream.read()
+    buf, pos = bytearray(size), 0
+    async for chunk in upstream.content.iter_chunked(_SLICE):
+        buf[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+    if pos != size:
+        raise aiohttp.ClientPayloadError(f"answer truncated: {pos} of {size} bytes")
+    return buf
+
+
+def refused(exc: QuartError, retry_after_s: int) -> web.Response:
+    """A call refused before its body was read (413, 429, 400): answered, and the connection closed after the
+    answer, so the gateway never reads (nor holds) the rest of a body it refused."""
+    response = error_of(exc, retry_after_s)
+    response.force_close()
+    return response
+
 
 class InvokeHandlers:
     """The invocation handlers over one gateway, with the HTTP client they call replicas through."""
@@ -109,7 +133,7 @@ class InvokeHandlers:
                     raise admission.error()
                 body = await read_body(request, self.config.max_body_bytes, reservation)
             except QuartError as exc:
-                return error_of(exc, self.config.retry_after_s)
+                return refused(exc, self.config.retry_after_s)
             return await self._proxy(request, fn, tail, body, reservation, deadline_at)
         finally:
             reservation.close()
@@ -124,7 +148,7 @@ class InvokeHandlers:
             try:
                 body = await read_body(request, self.config.max_body_bytes, reservation)
             except QuartError as exc:
-                return error_of(exc, self.config.retry_after_s)
+                return refused(exc, self.config.retry_after_s)
             hooked._read_bytes = body  # noqa: SLF001 - what hooked.read() answers the hook (aiohttp's cache)
         for hook in gateway.invoke_hooks:
             response = await hook(hooked, name, tail)
@@ -182,7 +206,7 @@ class InvokeHandlers:
                                                 headers=headers, timeout=timeout) as upstream:
                     if upstream.content_length:
                         reservation.hold(upstream.content_length)
-                    payload = await upstream.read()
+                    payload = await read_answer(upstream)
                     status = upstream.status
                     out_headers = forwardable(upstream.headers.items())
                 break
@@ -204,4 +228,13 @@ class InvokeHandlers:
         metrics.invocation_done(metric_name, status, elapsed)
         if payload is None:
             return error_response(status, message)
-        return web.Response(status=status, body=payload, headers=out_headers)
+        if len(payload) <= _SLICE:
+            return web.Response(status=status, body=payload, headers=out_headers)
+        response = web.StreamResponse(status=status, headers=out_headers)  # a large answer: in slices, each
+        response.content_length = len(payload)  # waiting for the client to drain (no second copy buffered)
+        await response.prepare(request)
+        view = memoryview(payload)
+        for offset in range(0, len(view), _SLICE):
+            await response.write(view[offset:offset + _SLICE])
+        await response.write_eof()
+        return response

@@ -33,7 +33,7 @@ from quart_provider.store import write_private
 from quart_provider.supervisor import Backoff, supervise
 
 from keysmanager.client import AsyncKeysManagerClient
-from keysmanager.sysutil import set_parent_death_signal
+from keysmanager.sysutil import return_large_buffers, set_parent_death_signal
 
 log = logging.getLogger("quart.up")
 STATE_FILE = "up.json"
@@ -93,6 +93,7 @@ class EmbeddedSystem:
 
     async def start(self) -> None:
         cfg = self.config
+        return_large_buffers()  # freed request bodies leave the RSS (admission bounds bytes, not the heap's habits)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(cfg.state_dir, 0o700)  # credentials, sockets, logs, stored functions: the gateway's user only
         (cfg.state_dir / "logs").mkdir(exist_ok=True)

@@ -193,3 +193,13 @@ def test_a_client_deadline_bounds_the_wait_for_a_replica(tmp_path):
         assert running.system.gateway.body_gate.total == 0  # request and answer bytes released
     finally:
         running.close()
+
+
+def test_large_bodies_and_answers_pass_whole_in_slices(gw):
+    assert gw.deploy(faas_cli_deploy_body("echo")).status_code == 202
+    gw.wait_available("echo", 1)
+    body = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MB: read in place, answered in 1 MiB slices
+    res = requests.post(f"{gw.url}/function/echo", data=body, timeout=30)
+    assert res.status_code == 200 and res.content == body
+    chunked = requests.post(f"{gw.url}/function/echo", data=iter([body[:1000], body[1000:]]), timeout=30)
+    assert chunked.status_code == 200 and chunked.content == body

@@ -242,7 +242,8 @@ async def overload(tmp: Path, factor: float, seconds: float, body_mb: int, deadl
 async def run(args: argparse.Namespace) -> dict:
     doc: dict = {"scenarios": [], "machine": machine_info(load_before=os.getloadavg())}
     with tempfile.TemporaryDirectory(prefix="quart-chaos-") as name:
-        tmp = Path(name)
+        tmp = Path(args.keep_dir) if args.keep_dir else Path(name)
+        tmp.mkdir(parents=True, exist_ok=True)
         if args.scenarios:
             stack = _stack(tmp / "model", args.mean_ms)
             state = tmp / "state"
@@ -263,7 +264,7 @@ async def run(args: argparse.Namespace) -> dict:
         if args.factor:
             doc["overload"] = await overload(tmp, args.factor, args.overload_seconds, args.body_mb, args.deadline_ms)
     doc["machine"]["load_after"] = os.getloadavg()
-    doc["config"] = {k: v for k, v in vars(args).items() if k != "out"}
+    doc["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
     return doc
 
 
@@ -281,6 +282,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--body-mb", type=int, default=32)
     p.add_argument("--deadline-ms", type=int, default=2000)
     p.add_argument("--seed", type=int, default=14)
+    p.add_argument("--keep-dir", type=Path, default=None, help="work (state, logs) here and keep it")
     args = p.parse_args(argv)
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
