@@ -29,6 +29,13 @@ def should_retry(status: int, error: BaseException | None) -> bool:
     return status in RETRIABLE_STATUSES
 
 
+def replica_gone(error: BaseException | None) -> bool:
+    """Whether the replica is known dead: nothing listens on its port any more (connection refused). The
+    router then tells its replica source, so no request of any kind is sent there again (``pick`` only
+    de-prioritizes replicas a request already tried: with the others busy it would pick the dead one)."""
+    return isinstance(error, aiohttp.ClientConnectorError | ConnectionRefusedError)
+
+
 def passed_on(status: int, error: BaseException | None) -> bool:
     """Whether the replica's own answer goes to the client as it is (a non-2xx that no retry can fix)."""
     return error is None and not 200 <= status < 300 and not should_retry(status, None)

@@ -32,7 +32,7 @@ from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.entry import entry_admission
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
-from gateway_plugin.retry import passed_on, should_retry
+from gateway_plugin.retry import passed_on, replica_gone, should_retry
 from quart_provider.balancer import pick
 from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.tracing import CALL_ID
@@ -378,6 +378,8 @@ class Router:
             return
         why = failure or f"HTTP {status}"
         job.tried.add(replica.id)
+        if replica_gone(error) and hasattr(self.source, "mark_unreachable"):  # dead: never picked again
+            self.source.mark_unreachable(fn, replica)
         if should_retry(status, error) and job.attempts < self.config.max_attempts and end < job.deadline:
             log.info("stage %s replica %s failed (%s); retrying request %s", fn, replica.id, why, job.id)
             self._enqueue(job, front=True)

@@ -186,3 +186,13 @@ def test_echo_replica_answers_malformed_content_length_with_400_and_closes(lengt
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_replica_that_refuses_connections_is_known_dead():
+    import aiohttp
+    from aiohttp.client_reqrep import ConnectionKey
+    from gateway_plugin.retry import replica_gone
+
+    key = ConnectionKey("127.0.0.1", 9, False, True, None, None, None)
+    assert replica_gone(aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused")))
+    assert not replica_gone(aiohttp.ServerDisconnectedError()) and not replica_gone(None)
