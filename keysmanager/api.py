@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from quart_stage import jsonparse
 from quart_stage.errors import QuartError, invalid
 
 from keysmanager.auth import require_token
@@ -268,10 +268,7 @@ async def _json(request: web.Request, allow_empty: bool = False) -> Any:
         if allow_empty:
             return {}
         raise invalid("body", "the request body is empty; expected a JSON object")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid("body", f"the request body is not valid JSON: {exc}") from None
+    return jsonparse.loads(raw)
 
 
 @web.middleware

@@ -149,12 +149,12 @@ class Localizer:
         return self.files.get(function)
 
     def _note_folder(self, function: str, folder: Path, stage_index: int) -> None:
-        from quart_stage.manifest import Manifest
+        from quart_stage.manifest import Manifest, stage_path
 
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError, IndexError, TypeError):
             entry = Manifest.load(folder).stage(stage_index)
             if entry.file is not None:
-                path = folder / entry.file
+                path = Path(stage_path(folder, entry.file))  # never outside the folder
                 self.files[function] = StageFile(function, path, entry.sha256 or "", path.stat().st_size)
 
     def status(self, function: str) -> dict:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+from quart_stage.envpolicy import replica_base_env
 
 from keysmanager import sysutil
 from keysmanager.aio import within
@@ -126,7 +127,7 @@ class Replicas:
         path = self.unix_path(rid) if unix else None
         listen = listen_socket(self.config.host_address, path)
         port = 0 if path else listen.getsockname()[1]
-        env = {**os.environ, **spec.env, **self._env(spec, slot), "PYTHONUNBUFFERED": "1"}
+        env = {**replica_base_env(os.environ), **spec.env, **self._env(spec, slot), "PYTHONUNBUFFERED": "1"}
         args = ["--cold", "--listen-fd", str(listen.fileno()), "--threads", str(threads_of(spec)),
                 "--cores", ",".join(map(str, cores))] + (["--survive"] if survive else [])
         try:

@@ -31,6 +31,8 @@ class GatewayConfig:
     auth: bool = True  # basic auth on /system/* (OpenFaaS's basic_auth=true)
     max_body_bytes: int = 64 * 1024 * 1024  # largest request body; larger → 413
     max_deploy_bytes: int = 1024 * 1024  # largest JSON body on /system/*
+    max_inflight_bytes: int = 256 * 1024 * 1024  # request-body bytes held at once by the gateway; more → 429
+    max_function_inflight_bytes: int = 64 * 1024 * 1024  # … by one function or pipeline (≥ one max body); one body over → 413
     placer: str = "first-fit"  # replica placer: first-fit | cache-aware (quart_provider.scheduling)
     hosts: int = 1  # simulated hosts (one KeysManager each)
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
@@ -63,12 +65,17 @@ class GatewayConfig:
     callback_allowed_networks: str = ""  # CIDRs callbacks may reach though loopback/private/link-local
     callback_timeout_s: float = 10.0  # one callback POST
     callback_per_destination: int = 4  # callbacks in flight to one host:port at once
+    replica_uids: str = ""  # "<first>-<last>": each function's replicas run as its own uid from this range; "" = as the gateway
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
             raise ConfigError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
         if self.nic_gbps <= 0:
             raise ConfigError(f"nic_gbps must be > 0, got {self.nic_gbps}")
+        if not 0 < self.max_function_inflight_bytes <= self.max_inflight_bytes:
+            raise ConfigError("max_function_inflight_bytes must be > 0 and at most max_inflight_bytes")
+        if self.replica_uids:
+            self.uid_range()  # raises ConfigError when malformed
         if self.host_timeout_s <= 0 or self.host_down_after_s <= 0:
             raise ConfigError("host_timeout_s and host_down_after_s must be > 0")
         if self.async_backend not in ASYNC_BACKENDS:
@@ -86,6 +93,19 @@ class GatewayConfig:
         """Defaults, then ``QUART_GATEWAY_*`` variables (``quart_stage.settings`` rules), then explicit
         overrides (None = keep)."""
         return settings_from_env(cls, "QUART_GATEWAY_", env, **overrides)
+
+    def uid_range(self) -> range | None:
+        """The uids functions' replicas run as (``replica_uids``), or None: as the gateway's user."""
+        if not self.replica_uids:
+            return None
+        first, _, last = self.replica_uids.partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise ConfigError(f"replica_uids must be <first>-<last>, got {self.replica_uids!r}") from None
+        if not 0 < low <= high < 2**31:
+            raise ConfigError(f"replica_uids must be a range of uids above 0 (never root), got {self.replica_uids!r}")
+        return range(low, high + 1)
 
     @property
     def credentials_dir(self) -> Path:

@@ -183,6 +183,13 @@ class Reconciler:
                     self.health.silent_for(name, time.monotonic()), why or type(why).__name__, len(lost))
         self.kick()
 
+    def host_lost(self, name: str, why: BaseException) -> None:
+        """The host's agent is known gone (its process exited): down now, without waiting ``host_down_after_s``
+        of silence; it is back when it answers a poll again (the supervisor restarts it)."""
+        if name in self.hosts and self.health.is_up(name):
+            self.health.down.add(name)
+            self._host_down(name, why)
+
     def _host_back(self, name: str, running: list[ReplicaStatus]) -> None:
         """``name`` answers again: what still runs there was replaced while it was down, so stop it."""
         tracked = {rid for fn in self.functions.values() for rid in fn.replicas}

@@ -16,6 +16,7 @@ from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import ReplicaSpec
 from quart_provider.images import Runnable
 from quart_provider.replicaset import StartTimeEstimate
+from quart_stage.privdrop import RUN_AS_ENV
 
 InvokeHook = Callable[[Any, str, str], Awaitable[Any]]  # (aiohttp request, name, sub-path) → response | None
 
@@ -76,6 +77,8 @@ class FunctionState:
     last_error: str = ""
     start_time: StartTimeEstimate = field(default_factory=StartTimeEstimate)  # ask → ready of recent replicas
     secrets_source: str = ""  # the secret store folder of the function's namespace
+    service_s: float = 0.0  # measured seconds per proxied request (moving average; 0 = not yet measured)
+    run_as: int | None = None  # the uid (= gid) its replicas run as (GatewayConfig.replica_uids); None: the gateway's
 
     @property
     def name(self) -> str:
@@ -103,6 +106,8 @@ class FunctionState:
         dep = self.deployment
         env = {**dep.env_vars, **self.runnable.env}
         env.setdefault("QUART_MAX_BODY_BYTES", str(max_body_bytes))
+        if self.run_as is not None:  # quart_stage.privdrop: the replica drops to it before serving
+            env.update({RUN_AS_ENV: f"{self.run_as}:{self.run_as}", "HOME": f"/tmp/quart-home-{self.run_as}"})
         return ReplicaSpec(function=self.name, kind=self.runnable.kind, env=env, cpus=dep.cpus,
                            memory_bytes=dep.memory_bytes, concurrency=dep.concurrency, argv=self.runnable.argv,
                            health_path=self.runnable.health_path, param_cache=dep.param_cache,

@@ -35,6 +35,9 @@ from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_proce
 from quart_stage.errors import QuartError
 from quart_stage.settings import ConfigError
 
+from keysmanager.config import KeysManagerConfig
+from keysmanager.recovery import clean_leftovers
+
 DEFAULT_STATE_DIR = Path(".quart")
 
 
@@ -224,6 +227,11 @@ def down(argv: list[str]) -> int:
         host_pid = int(host["pid"])
         if _alive(host_pid) and not stop_process(host_pid):
             survivors.append(f"KeysManager pid {host_pid}")
+        elif host.get("socket"):  # one killed -9 leaves zygotes, replicas, /dev/shm segments and its socket
+            found = clean_leftovers(KeysManagerConfig(name=host["name"], socket=host["socket"]))
+            if found.killed or found.removed_shm:
+                print(f"Cleaned after KeysManager {host['name']}: {len(found.killed)} process(es) killed, "
+                      f"{len(found.removed_shm)} shared-memory segment(s) removed")
     nats = state.get("nats") or {}
     if nats.get("pid") and _alive(int(nats["pid"])) and not stop_process(int(nats["pid"])):  # a killed gateway's
         survivors.append(f"nats-server pid {nats['pid']}")

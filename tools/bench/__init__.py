@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "scale-up without a local cache: registry, peer, multicast, live layers, all-cache; with a burst"),
     "cuda": ("quart_tools.bench.cuda:main", "fork then parameters onto the GPU: pageable vs staged vs registered; cold"),
     "realmodel": ("quart_tools.bench.realmodel:main", "packaged pretrained models: stage pipeline vs whole model, max|diff|, ms"),
+    "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 
