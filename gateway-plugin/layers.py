@@ -16,24 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-LAYERS, HELD = "X-Quart-Layers", "X-Quart-Layers-Held"
+from quart_stage.spans import H_LAYERS as LAYERS
+from quart_stage.spans import H_LAYERS_HELD as HELD
+from quart_stage.spans import Span as Range
+from quart_stage.spans import fmt as format_range
+from quart_stage.spans import parse_span as parse_range
 
-Range = tuple[int, int]
-
-
-def parse_range(text: str | None) -> Range | None:
-    """``"A-B"`` → ``(A, B)`` with ``0 ≤ A < B``; None for a missing or malformed value."""
-    if not text:
-        return None
-    start, sep, end = text.strip().partition("-")
-    if not sep or not start.isdigit() or not end.isdigit():
-        return None
-    a, b = int(start), int(end)
-    return (a, b) if a < b else None
-
-
-def format_range(r: Range) -> str:
-    return f"{r[0]}-{r[1]}"
+__all__ = ["HELD", "LAYERS", "Range", "eligible", "format_range", "held_range", "is_whole", "next_position",
+           "parse_range", "part_for", "stage_range"]
 
 
 def stage_range(replica: Any) -> Range | None:

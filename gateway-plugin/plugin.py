@@ -53,6 +53,12 @@ class GatewayView:
     def take(self, function: str, replica: Any) -> None:
         replica.in_flight += 1
 
+    def mark_unreachable(self, function: str, replica: Any) -> None:
+        """The router found nothing listening on ``replica``: out of the ready list until its host says."""
+        fn = self.gateway.functions.get(function)
+        if fn is not None:
+            self.gateway.mark_unreachable(fn, replica)
+
     def give_back(self, function: str, replica: Any) -> None:
         fn = self.gateway.functions.get(function)
         if fn is not None:

@@ -31,7 +31,9 @@ import aiohttp
 from aiohttp import web
 from gateway_plugin import layers
 from gateway_plugin.config import PluginConfig
+from gateway_plugin.entry import entry_admission
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
+from gateway_plugin.retry import passed_on, replica_gone, should_retry
 from quart_provider.balancer import pick
 from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.tracing import CALL_ID
@@ -246,14 +248,11 @@ class Router:
         if not stages:
             return json_reply(404, f"no pipeline named {model!r} is deployed", "model")
         await self.start()
-        for fn in stages:
-            waiting = len(self.queue(fn).jobs)
-            if waiting >= self.config.queue_cap:
-                return json_reply(429, f"stage {fn!r} already has {waiting} requests waiting (cap "
-                                       f"{self.config.queue_cap}); retry later", None,
-                                  **{"Retry-After": str(self.config.retry_after_s)})
-        now = self.clock()
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
+        verdict = entry_admission(self, model, stages, timeout)  # queue cap, expected wait vs deadline
+        if not verdict.admit:
+            return json_reply(429, verdict.reason, None, **{"Retry-After": str(verdict.retry_after_s)})
+        now = self.clock()
         job = Job(
             id=request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}",
             model=model, stages=list(stages), body=body, content_type=content_type,
@@ -329,6 +328,7 @@ class Router:
         wait_s = start - job.enqueued_at
         status, data, headers, failure = 0, b"", {}, ""
         part: layers.Range | None = None
+        error: BaseException | None = None
         try:
             timeout = min(self.config.attempt_timeout_s, job.deadline - start)
             if self.session is None:
@@ -354,6 +354,7 @@ class Router:
             failure = "cancelled"
             raise
         except Exception as exc:  # timeout, connection, protocol, closed client: all count as a failed attempt
+            error = exc
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             status = 504 if isinstance(exc, TimeoutError) else 502  # what the gateway's proxy would count
         finally:
@@ -400,12 +401,14 @@ class Router:
                 job.stage += 1
                 self._enqueue(job, front=False)
             return
-        if failure == "" and 400 <= status < 500 and status not in (408, 429):
+        if passed_on(status, error):  # a 4xx, a stage's 500: the same on every replica (gateway_plugin.retry)
             self._finish(job, Reply(status, data, {"Content-Type": headers.get("Content-Type", "application/json")}))
             return
         why = failure or f"HTTP {status}"
         job.tried.add(replica.id)
-        if job.attempts < self.config.max_attempts and end < job.deadline:
+        if replica_gone(error) and hasattr(self.source, "mark_unreachable"):  # dead: never picked again
+            self.source.mark_unreachable(fn, replica)
+        if should_retry(status, error) and job.attempts < self.config.max_attempts and end < job.deadline:
             log.info("stage %s replica %s failed (%s); retrying request %s", fn, replica.id, why, job.id)
             self._enqueue(job, front=True)
             return

@@ -8,12 +8,13 @@ Every error is answered as ``quart_stage.errors.QuartError`` renders it; the cor
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import os
 import re
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from quart_stage import jsonparse
 from quart_stage.errors import QuartError, invalid
 
 from keysmanager.auth import require_token
@@ -27,7 +28,7 @@ from keysmanager.errors import (
     StartFailed,
 )
 from keysmanager.peers import serve_file
-from keysmanager.types import FORK_MODES, START_SOURCES, StageSpec
+from keysmanager.types import FORK_MODES, LISTEN_KINDS, START_SOURCES, StageSpec
 
 if TYPE_CHECKING:
     from keysmanager.manager import KeysManager
@@ -79,6 +80,7 @@ class _Api:
         app.router.add_post("/v1/replicas", self.h_start)
         app.router.add_get("/v1/replicas", self.h_replicas)
         app.router.add_post("/v1/replicas/{rid}/stop", self.h_stop)
+        app.router.add_post("/v1/replicas/{rid}/lease", self.h_lease)
         app.router.add_get("/v1/zygotes", self.h_zygotes)
         app.router.add_post("/v1/invalidate", self.h_invalidate)
         app.router.add_get("/v1/report", self.h_report)
@@ -124,8 +126,17 @@ class _Api:
         source = body.get("source", "auto")
         if source not in START_SOURCES:
             raise invalid("source", f"source must be one of {', '.join(START_SOURCES)}, got {source!r}")
+        listen = body.get("listen", "tcp")
+        if listen not in LISTEN_KINDS:
+            raise invalid("listen", f"listen must be one of {', '.join(LISTEN_KINDS)}, got {listen!r}")
+        lease_within = body.get("lease_within_s")
+        if lease_within is not None and (isinstance(lease_within, bool) or not isinstance(lease_within, int | float)
+                                         or not 0 < lease_within <= 600):
+            raise invalid("lease_within_s", "lease_within_s must be a number of seconds in (0, 600]")
         started = await self.km.start_replicas(spec, count, mode, **flags, cold=source == "cold", peers=_peers(body),
-                                               layers=_layers(body))
+                                               unix=listen == "unix", layers=_layers(body))
+        for rep in started if lease_within is not None else ():  # no lease by then: its holder is gone, stop it
+            self.km.spawn_task(self._stop_unleased(rep.id, float(lease_within)))
         # no memory readings here: they are slow to take from a process that is still starting
         return web.json_response({"replicas": [self.km.replica_info(r, memory=False).to_dict() for r in started]})
 
@@ -141,6 +152,33 @@ class _Api:
             raise invalid("drain", "drain must be true or false")
         rep = await self.km.stop(request.match_info["rid"], drain)
         return web.json_response(self.km.replica_info(rep).to_dict())
+
+    async def _stop_unleased(self, rid: str, within_s: float) -> None:
+        await asyncio.sleep(within_s)
+        rep = self.km.replicas.by_id.get(rid)
+        if rep is not None and not rep.leased and rep.state != "dead":
+            await self.km.stop(rid, True)
+
+    async def h_lease(self, request: web.Request) -> web.Response:
+        """Tie a replica's life to this request: a chunked body its holder (a stage pod's forwarder,
+        ``quart_stage.forward``) never ends while it lives. When the body ends or the connection drops (the
+        holder exited, even by SIGKILL: the kernel closes its socket), the replica is stopped (drained). When
+        the replica ends first, the answer (its info, state dead) tells the holder."""
+        rid = request.match_info["rid"]
+        rep = self.km.replicas.by_id.get(rid)
+        if rep is None or rep.state == "dead":
+            raise NotFound(f"no live replica with id {rid!r}", "replica_id")
+        rep.leased = True
+        holder = asyncio.ensure_future(_until_body_ends(request))
+        died = asyncio.ensure_future(rep.died.wait())
+        try:
+            await asyncio.wait({holder, died}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not died.done():  # the holder is gone (or this handler was cancelled): stop the replica
+                self.km.spawn_task(self.km.stop(rid, True))
+            holder.cancel()
+            died.cancel()
+        return web.json_response(self.km.replica_info(rep, memory=False).to_dict())
 
     async def h_zygotes(self, request: web.Request) -> web.Response:
         return web.json_response({"zygotes": [i.to_dict() for i in self.km.zygote_infos()]})
@@ -209,6 +247,13 @@ class _Api:
         return web.json_response({"stopping": True})
 
 
+async def _until_body_ends(request: web.Request) -> None:
+    """Read a request body to its end; a dropped connection ends it too."""
+    with contextlib.suppress(Exception):
+        while await request.content.readany():
+            pass
+
+
 def _peers(body: dict) -> list[str]:
     """``peers``: KeysManagers (``http://HOST:PORT``) that hold the stage, tried in order before the registry."""
     peers = body.get("peers", [])
@@ -234,10 +279,7 @@ async def _json(request: web.Request, allow_empty: bool = False) -> Any:
         if allow_empty:
             return {}
         raise invalid("body", "the request body is empty; expected a JSON object")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid("body", f"the request body is not valid JSON: {exc}") from None
+    return jsonparse.loads(raw)
 
 
 @web.middleware

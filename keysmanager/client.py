@@ -40,11 +40,13 @@ def _spec_body(spec: StageSpec, peers: Sequence[str] = ()) -> dict[str, Any]:
 
 
 def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wait: bool, cache: bool | None,
-                source: str = "auto", peers: Sequence[str] = (), live: bool = False,
+                source: str = "auto", peers: Sequence[str] = (), live: bool = False, listen: str = "tcp",
                 layers: Sequence[int] | None = None):
     body: dict[str, Any] = {**_spec_body(spec, peers), "count": count, "survive": survive, "wait": wait}
     if live:
         body["live"] = True
+    if listen != "tcp":
+        body["listen"] = listen
     if layers is not None:
         body["layers"] = list(layers)
     if source != "auto":
@@ -133,15 +135,17 @@ class KeysManagerClient:
         source: str = "auto",
         peers: Sequence[str] = (),
         live: bool = False,
+        listen: str = "tcp",
         layers: Sequence[int] | None = None,
     ) -> list[ReplicaInfo]:
         """Start ``count`` replicas: fork when cached, cold otherwise (``source="cold"``: always cold).
         ``wait``: return once they are healthy. ``peers``: KeysManagers holding the stage (for a registry stage).
         ``live``: a registry stage still arriving serves its verified layers at once (``keysmanager.live``).
+        ``listen="unix"``: each serves on a Unix socket beside the API socket (``ReplicaInfo.socket``).
         ``layers``: ``(a, b)``, a part of a registry stage to fetch and serve first, then the rest
         (``keysmanager.parts``, ParaServe)."""
         data = self._call("POST", "/v1/replicas",
-                          _start_body(spec, count, mode, survive, wait, cache, source, peers, live, layers))
+                          _start_body(spec, count, mode, survive, wait, cache, source, peers, live, listen, layers))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
     def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
@@ -226,10 +230,11 @@ class AsyncKeysManagerClient:
 
     async def start(self, spec: StageSpec, count: int = 1, mode: str | None = None, survive: bool = False,
                     wait: bool = True, cache: bool | None = None, source: str = "auto",
-                    peers: Sequence[str] = (), live: bool = False,
+                    peers: Sequence[str] = (), live: bool = False, listen: str = "tcp",
                     layers: Sequence[int] | None = None) -> list[ReplicaInfo]:
         data = await self._call("POST", "/v1/replicas",
-                                _start_body(spec, count, mode, survive, wait, cache, source, peers, live, layers))
+                                _start_body(spec, count, mode, survive, wait, cache, source, peers, live, listen,
+                                            layers))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from quart_stage.envpolicy import replica_base_env
+
 from keysmanager.config import KeysManagerConfig
 
 
@@ -34,7 +36,8 @@ class Launcher:
     @staticmethod
     def child_env() -> dict[str, str]:
         # OpenBLAS (numpy) starts a thread pool when loaded unless told not to: a zygote must have none
-        return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # and never the daemon's credentials (registry keys, tokens): quart_stage.envpolicy
+        return {**replica_base_env(os.environ), "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
     def popen(self, args: list[str], env: dict[str, str], log_path: Path, fds: tuple[int, ...]) -> subprocess.Popen:
         """``keysmanager.zygote`` with ``args``, its output appended to ``log_path``, ``fds`` inherited."""

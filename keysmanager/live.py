@@ -32,16 +32,17 @@ from keysmanager.types import StageSpec
 
 if TYPE_CHECKING:
     from keysmanager.localize import LiveTarget
-    from keysmanager.manager import KeysManager
     from keysmanager.records import Replica
+    from keysmanager.replicas import Replicas
+    from keysmanager.zygotes import Zygotes
 
 LIVE_FILE_ENV, LIVE_PROGRESS_ENV, LIVE_MANIFEST_ENV = "KM_LIVE_FILE", "KM_LIVE_PROGRESS", "KM_LIVE_MANIFEST"
 LIVE_WAIT_ENV = "KM_LIVE_WAIT_S"  # how long the live zygote waits for the first verified layer
 
 
 # ------------------------------------------------------------------------------------ KeysManager side
-async def start_live(km: KeysManager, spec: StageSpec, target: LiveTarget, transfer: asyncio.Task, count: int,
-                     survive: bool, requested_at: float) -> list[Replica]:
+async def start_live(zygotes: Zygotes, replicas: Replicas, spec: StageSpec, target: LiveTarget,
+                     transfer: asyncio.Task, count: int, survive: bool, requested_at: float) -> list[Replica]:
     """Fork ``count`` live replicas of ``spec`` over ``target`` (see the module docstring). StartFailed when the
     transfer ends without a verified first layer or the live zygote fails."""
     if spec.env.get("QUART_COMPUTE") == "cuda":
@@ -49,10 +50,10 @@ async def start_live(km: KeysManager, spec: StageSpec, target: LiveTarget, trans
                           "parameters to the device once, so it cannot start live", "live")
     env = {**spec.env, "QUART_MODEL_DIR": str(target.folder), LIVE_FILE_ENV: str(target.partial),
            LIVE_PROGRESS_ENV: str(target.progress), LIVE_MANIFEST_ENV: str(target.manifest),
-           LIVE_WAIT_ENV: str(km.config.zygote_timeout_s)}
+           LIVE_WAIT_ENV: str(zygotes.config.zygote_timeout_s)}
     live_spec = StageSpec(spec.function, env, spec.cpus, spec.memory_bytes, spec.concurrency)
     stage = StageRef(spec.function, env, None, "", 0, "live")
-    spawn = asyncio.ensure_future(km.zygotes.spawn(live_spec, stage, register=False))
+    spawn = asyncio.ensure_future(zygotes.spawn(live_spec, stage, register=False))
     await asyncio.wait([spawn, transfer], return_when=asyncio.FIRST_COMPLETED)
     if not spawn.done() and transfer.done() and not _any_held(target):
         spawn.cancel()  # the transfer ended (failed) before any layer: nothing to serve live
@@ -62,10 +63,9 @@ async def start_live(km: KeysManager, spec: StageSpec, target: LiveTarget, trans
                           f"{_error_of(transfer)}", "live")
     z = await spawn
     try:
-        started = [await km.replicas.fork(km.zygotes, z, live_spec, "cow", survive, requested_at)
-                   for _ in range(count)]
+        started = [await replicas.fork(zygotes, z, live_spec, "cow", survive, requested_at) for _ in range(count)]
     finally:
-        await km.zygotes.drop(z, "live start done")
+        await zygotes.drop(z, "live start done")
     layers = _stage_layers(target)
     for rep in started:
         rep.layers, rep.progress = layers, str(target.progress)

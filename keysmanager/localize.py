@@ -84,8 +84,9 @@ class Localizer:
         task.add_done_callback(self._tasks.discard)
 
     async def _quietly(self, spec: StageSpec, peers: Sequence[str]) -> None:
+        # checked layer by layer (when the manifest can): a live start on this host attaches to this transfer
         with contextlib.suppress(RegistryUnavailable, InvalidSpec):
-            await self.localize(spec, peers)
+            await self.localize(spec, peers, live=True)
 
     async def start_live(self, spec: StageSpec, peers: Sequence[str] = ()) -> tuple[LiveTarget, asyncio.Task] | None:
         """Start making a registry stage local with per-layer checks, and answer as soon as its writer is open:
@@ -195,12 +196,12 @@ class Localizer:
         return self.files.get(function)
 
     def _note_folder(self, function: str, folder: Path, stage_index: int) -> None:
-        from quart_stage.manifest import Manifest
+        from quart_stage.manifest import Manifest, stage_path
 
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError, IndexError, TypeError):
             entry = Manifest.load(folder).stage(stage_index)
             if entry.file is not None:
-                path = folder / entry.file
+                path = Path(stage_path(folder, entry.file))  # never outside the folder
                 self.files[function] = StageFile(function, path, entry.sha256 or "", path.stat().st_size)
 
     def status(self, function: str) -> dict:

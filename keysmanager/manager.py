@@ -62,7 +62,7 @@ class KeysManager:
         self._launcher = Launcher(config)
         self._segments = Segments()
         self.replicas = Replicas(config, self._launcher, self._segments, self._state.touch)
-        self.zygotes = Zygotes(config, self._launcher, self._segments, self._spawn_task, self._reap,
+        self.zygotes = Zygotes(config, self._launcher, self._segments, self.spawn_task, self._reap,
                                self.replicas.exited, self._state.touch)
         self._cache_locks: dict[str, asyncio.Lock] = {}
         self.localizer = Localizer(self.state_dir, read_token(config.token_file) if config.token_file else None)
@@ -216,25 +216,28 @@ class KeysManager:
 
     async def start_replicas(self, spec: StageSpec, count: int, mode: str, survive: bool, wait: bool,
                              cache: bool, cold: bool = False, peers: Sequence[str] = (),
-                             live: bool = False, layers: tuple[int, int] | None = None) -> list[Replica]:
+                             live: bool = False, unix: bool = False, layers: tuple[int, int] | None = None
+                             ) -> list[Replica]:
         """Fork ``count`` replicas from the stage's zygote, or cold-start them when it has none (and cache the stage
         when ``cache``). ``cold``: always cold-start, never touching the cache (a function deployed without the
         KeysManager, ``com.quart.keysmanager: off``). ``live``: a registry stage not yet local starts serving
-        the layers that arrived while its file is still arriving (``keysmanager.live``). ``layers`` (a part of
-        the stage, absolute): such a stage fetches that part first and serves it at once, then the rest
-        (``keysmanager.parts``, ParaServe); a stage already local starts whole."""
+        the layers that arrived while its file is still arriving (``keysmanager.live``). ``unix``: each serves
+        on a Unix socket beside the API socket (``ReplicaInfo.socket``), not on a TCP port: a stage pod forwards
+        to it (``quart_stage.forward``). ``layers`` (a part of the stage, absolute): such a stage fetches that
+        part first and serves it at once, then the rest (``keysmanager.parts``, ParaServe); a stage already
+        local starts whole."""
         requested_at = time.monotonic()
         if layers is not None and not cold:
             self.replicas.check_free_slots(count)
             found = await self.localizer.start_part(spec, layers, peers)
             if found is not None:
-                started = await start_live(self, spec, *found, count, survive, requested_at)
+                started = await start_live(self.zygotes, self.replicas, spec, *found, count, survive, requested_at)
                 return await self._started(started, wait)
         elif live and not cold:
             self.replicas.check_free_slots(count)
             found = await self.localizer.start_live(spec, peers)
             if found is not None:
-                started = await start_live(self, spec, *found, count, survive, requested_at)
+                started = await start_live(self.zygotes, self.replicas, spec, *found, count, survive, requested_at)
                 return await self._started(started, wait)
         spec = await self.localize(spec, peers)
         stage = self._resolve(spec)
@@ -250,12 +253,12 @@ class KeysManager:
         if z is not None and z.loaded:
             z.last_used = time.monotonic()
             for _ in range(count):
-                started.append(await self.replicas.fork(self.zygotes, z, spec, mode, survive, requested_at))
+                started.append(await self.replicas.fork(self.zygotes, z, spec, mode, survive, requested_at, unix))
         else:
             for _ in range(count):
-                started.append(self.replicas.spawn_cold(spec, stage, mode, survive, requested_at))
+                started.append(self.replicas.spawn_cold(spec, stage, mode, survive, requested_at, unix))
             if cache and not cold:
-                self._spawn_task(self._cache_quietly(spec))
+                self.spawn_task(self._cache_quietly(spec))
         for rep in started:
             rep.layers = stage.layers
         return await self._started(started, wait)
@@ -263,7 +266,7 @@ class KeysManager:
     async def _started(self, started: list[Replica], wait: bool) -> list[Replica]:
         self._state.touch()
         self._write_state()  # before answering: a restart must know these processes even if we die now
-        waits = [self._spawn_task(self.replicas.await_ready(r)) for r in started]
+        waits = [self.spawn_task(self.replicas.await_ready(r)) for r in started]
         if wait and waits:
             await asyncio.gather(*waits)
         return started
@@ -318,7 +321,8 @@ class KeysManager:
             except Exception as exc:  # the monitor must survive anything; say what happened
                 print(f"keysmanager {self.name}: monitor error: {exc!r}", file=sys.stderr, flush=True)
 
-    def _spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+    def spawn_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``coro`` as a task this agent keeps (and cancels at close)."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -334,7 +338,7 @@ class KeysManager:
                            survive=rep.survive, gpu_slot=rep.gpu_slot, exit_status=rep.exit_status,
                            layers=list(rep.layers) if rep.layers else None,
                            layers_held=list(held) if held else None,
-                           live=rep.progress is not None and held != rep.layers)
+                           live=rep.progress is not None and held != rep.layers, socket=rep.socket)
 
     def replica_infos(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
         """Every replica kept (live and recently dead), of ``function`` when given."""

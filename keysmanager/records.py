@@ -116,6 +116,8 @@ class Replica:
     dead_at: float | None = None
     adopted: bool = False
     param_bytes: int = 0
+    socket: str | None = None  # the Unix socket it serves on (started with listen=unix), else None
+    leased: bool = False  # a holder tied its life to a lease (POST /v1/replicas/{id}/lease)
     died: asyncio.Event = field(default_factory=asyncio.Event)
     layers: tuple[int, int] | None = None  # the stage's layer range [S, E) (None: no manifest, no layer list)
     progress: str | None = None  # a live replica's progress file (keysmanager.live): the layers verified so far

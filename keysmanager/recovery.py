@@ -94,6 +94,19 @@ class Recovered:
         return {"killed": self.killed, "adopted": self.adopted, "removed_shm": self.removed_shm}
 
 
+def clean_leftovers(config: KeysManagerConfig) -> Recovered:
+    """What a KeysManager that is gone left in its state folder, removed without starting a successor
+    (`quartctl down` after a kill -9): every zygote and replica killed (survivors too), its shared-memory
+    segments, socket, pidfile and state file removed."""
+    state = StateFile(config.state_path).read()
+    for r in state.get("replicas", []):
+        r["survive"] = False
+    found = recover(state, config)
+    for path in (config.socket_path, config.state_path / "km.pid", config.state_path / "state.json"):
+        path.unlink(missing_ok=True)
+    return found
+
+
 def recover(state: dict[str, Any], config: KeysManagerConfig) -> Recovered:
     """Clean up what a previous KeysManager with this state left: kill its zygotes and replicas (adopt the
     replicas told to survive), remove its shared-memory segments."""

@@ -11,12 +11,13 @@ import contextlib
 import math
 import os
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
+from quart_stage.envpolicy import replica_base_env
 
 from keysmanager import sysutil
 from keysmanager.aio import within
@@ -26,6 +27,7 @@ from keysmanager.launcher import Launcher
 from keysmanager.records import Replica, Segments, Zygote
 from keysmanager.stage import StageRef
 from keysmanager.types import StageSpec
+from keysmanager.zygote import listen_socket
 from keysmanager.zygotes import Zygotes
 
 DEAD_KEPT = 256  # dead replicas kept in listings (so a crash is reported, not just gone)
@@ -92,33 +94,40 @@ class Replicas:
         return env
 
     # ---------------------------------------------------------------- starting
+    def unix_path(self, rid: str) -> str:
+        """Where replica ``rid`` started with listen=unix serves (``replica_socket_path``), its folder made."""
+        path = replica_socket_path(self.config.socket_path, rid)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        return str(path)
+
     async def fork(self, zygotes: Zygotes, z: Zygote, spec: StageSpec, mode: str, survive: bool,
-                   requested_at: float) -> Replica:
+                   requested_at: float, unix: bool = False) -> Replica:
         slot = self._take_slot()
         cores = self._take_cores(spec.cpus)
         rid = f"{spec.function}-{uuid.uuid4().hex[:8]}"
-        answer = await zygotes.fork(z, {"replica_id": rid, "mode": mode, "survive": survive,
+        path = self.unix_path(rid) if unix else None
+        answer = await zygotes.fork(z, {"replica_id": rid, "mode": mode, "survive": survive, "unix": path,
                                         "host": self.config.host_address,
                                         "env": self._env(spec, slot), "cores": cores, "threads": threads_of(spec)})
         if answer.get("op") != "forked":
             self.slots_used.discard(slot)
             raise StartFailed(f"fork of {spec.function!r} failed: {answer.get('error')}", "spec")
         rep = Replica(rid, spec.function, int(answer["pid"]), int(answer["port"]), "fork", mode, survive,
-                      requested_at, slot, cores, segment=z.segment, param_bytes=z.segment.nbytes)
+                      requested_at, slot, cores, segment=z.segment, param_bytes=z.segment.nbytes, socket=path)
         rep.create_time = sysutil.create_time(rep.pid)
         z.segment.users.add(rid)
         self.by_id[rid] = rep
         return rep
 
-    def spawn_cold(self, spec: StageSpec, stage: StageRef, mode: str, survive: bool, requested_at: float) -> Replica:
+    def spawn_cold(self, spec: StageSpec, stage: StageRef, mode: str, survive: bool, requested_at: float,
+                   unix: bool = False) -> Replica:
         slot = self._take_slot()
         cores = self._take_cores(spec.cpus)
         rid = f"{spec.function}-{uuid.uuid4().hex[:8]}"
-        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listen.bind((self.config.host_address, 0))
-        listen.listen(1024)
-        port = listen.getsockname()[1]
-        env = {**os.environ, **spec.env, **self._env(spec, slot), "PYTHONUNBUFFERED": "1"}
+        path = self.unix_path(rid) if unix else None
+        listen = listen_socket(self.config.host_address, path)
+        port = 0 if path else listen.getsockname()[1]
+        env = {**replica_base_env(os.environ), **spec.env, **self._env(spec, slot), "PYTHONUNBUFFERED": "1"}
         args = ["--cold", "--listen-fd", str(listen.fileno()), "--threads", str(threads_of(spec)),
                 "--cores", ",".join(map(str, cores))] + (["--survive"] if survive else [])
         try:
@@ -126,7 +135,7 @@ class Replicas:
         finally:
             listen.close()  # the child holds the socket now: no port stays open behind it
         rep = Replica(rid, spec.function, proc.pid, port, "cold", mode, survive, requested_at, slot, cores,
-                      proc=proc, param_bytes=stage.param_bytes)
+                      proc=proc, param_bytes=stage.param_bytes, socket=path)
         rep.create_time = sysutil.create_time(proc.pid)
         self.by_id[rid] = rep
         return rep
@@ -136,13 +145,24 @@ class Replicas:
         assert self._http is not None
         deadline = rep.requested_at + self.config.ready_timeout_s
         url = f"http://{self.config.host_address}:{rep.port}/_/health"
+        session = self._http
+        if rep.socket:  # served on a Unix socket: one session over it for the polls
+            url = "http://localhost/_/health"
+            session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=rep.socket, force_close=True))
+        try:
+            await self._poll_ready(rep, session, url, deadline)
+        finally:
+            if session is not self._http:
+                await session.close()
+
+    async def _poll_ready(self, rep: Replica, session: aiohttp.ClientSession, url: str, deadline: float) -> None:
         while rep.state == "starting":
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.signal(rep, signal.SIGKILL)
                 return
             try:
-                async with self._http.get(url, timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
                     if resp.status == 200 and rep.state == "starting":
                         rep.ready_ms = (time.monotonic() - rep.requested_at) * 1e3
                         rep.state = "ready"
@@ -198,6 +218,9 @@ class Replicas:
             self.slots_used.discard(rep.gpu_slot)
         if rep.segment is not None:
             self.segments.release(rep.segment, rep.id)
+        if rep.socket:
+            with contextlib.suppress(OSError):
+                os.unlink(rep.socket)
         rep.died.set()
         self._changed()
         dead = [r for r in self.by_id.values() if r.state == "dead"]
@@ -213,6 +236,12 @@ class Replicas:
                 continue
             if not sysutil.is_running(rep.pid, rep.create_time or None):
                 self.mark_dead(rep, rep.exit_status)
+
+
+def replica_socket_path(api_socket: Path, rid: str) -> Path:
+    """``<API socket folder>/r/<id hex>.sock``: short (Unix socket paths are limited to 107 bytes), and inside
+    the folder a stage pod mounts for the API socket (deploy/kubernetes), at the same path."""
+    return api_socket.parent / "r" / f"{rid.rsplit('-', 1)[-1]}.sock"
 
 
 def threads_of(spec: StageSpec) -> int:

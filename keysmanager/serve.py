@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import socketserver
 import threading
 import time
@@ -79,7 +80,10 @@ def _watch_lifeline(fd: int) -> None:
 
 def serve_forever(app, listen_fd: int, lifeline_fd: int | None, drain_timeout_s: float) -> None:
     """Serve ``app`` on the inherited listening socket ``listen_fd`` until SIGTERM (drain) or lifeline EOF."""
-    server = ThreadedWSGIServer("127.0.0.1", 0, app, handler=_QuietHandler, fd=listen_fd)
+    with socket.socket(fileno=os.dup(listen_fd)) as probe:  # the family of the inherited socket (TCP or Unix)
+        unix = probe.family == socket.AF_UNIX
+        host = f"unix://{probe.getsockname()}" if unix else "127.0.0.1"
+    server = ThreadedWSGIServer(host, 0, app, handler=_QuietHandler, fd=listen_fd)
     server.in_flight = _InFlight()
     os.close(listen_fd)  # the server holds its own duplicate
     server.daemon_threads = True

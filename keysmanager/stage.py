@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quart_stage.config import ConfigError, StageConfig
-from quart_stage.manifest import Manifest
+from quart_stage.manifest import Manifest, stage_path
 
 
 class UnknownStage(LookupError):
@@ -64,7 +64,10 @@ def resolve_stage(function: str, env: Mapping[str, str]) -> StageRef:
         entry = manifest.stage(cfg.stage_index)
         sha, layers = entry.sha256 or "", (entry.start, entry.end)
         if entry.file is not None:
-            checkpoint = Path(cfg.model_dir) / entry.file
+            try:
+                checkpoint = Path(stage_path(cfg.model_dir, entry.file))  # never outside the model folder
+            except ValueError as exc:
+                raise UnknownStage(str(exc)) from None
             try:
                 st = checkpoint.stat()
             except OSError:

@@ -19,6 +19,21 @@ def _prctl(option: int, arg: int) -> None:
         raise OSError(err, f"prctl({option}, {arg}) failed: {os.strerror(err)}")
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def return_large_buffers(threshold: int = 1 << 20) -> bool:
+    """glibc: allocations of ``threshold`` bytes or more are mmapped and go back to the kernel when freed.
+
+    By default glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), after
+    which request bodies of that size come from the heap and stay in the RSS once freed; a fixed threshold
+    keeps what a process holds close to what it uses. False where ``mallopt`` is missing (not glibc)."""
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * threshold))
+
+
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to send ``sig`` when our parent exits (Linux). Safe as a ``preexec_fn``: libc was
     loaded when this module was imported, so the child between fork and exec takes no loader or import lock

@@ -85,6 +85,8 @@ class VerifiedWriter:
     def __enter__(self) -> VerifiedWriter:
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         if self.layers is None:
+            # a new file, never a truncated one: a live replica of an earlier attempt may still map the old one
+            self.partial.unlink(missing_ok=True)
             self._file = open(self.partial, "wb")  # noqa: SIM115 - closed in commit/abort
             return self
         fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)  # never truncated: a live replica maps it

@@ -15,6 +15,9 @@ FORK_MODES: tuple[str, ...] = ("cow", "isolated")
 # how a replica starts: "auto" forks from the zygote when one is cached and cold-starts otherwise; "cold" always
 # cold-starts (the function runs without the KeysManager's parameter cache)
 START_SOURCES: tuple[str, ...] = ("auto", "cold")
+# where a replica listens: "tcp" on the host address (port 0), or "unix" on a socket beside the API socket (a
+# stage pod on Kubernetes reaches it through the mounted socket folder: quart_stage.forward)
+LISTEN_KINDS: tuple[str, ...] = ("tcp", "unix")
 
 
 def _from_dict(cls, data: dict[str, Any]):
@@ -68,6 +71,7 @@ class ReplicaInfo:
     layers: list[int] | None = None  # the stage's layer range [S, E] (half-open, absolute); None without a manifest
     layers_held: list[int] | None = None  # [A, B]: the layers it can run now (a full replica: == layers)
     live: bool = False  # started live and not yet holding its whole stage (keysmanager.live)
+    socket: str | None = None  # its Unix socket (started with listen="unix": a stage pod forwards to it), else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
+import importlib
 import json
 import os
 import select
@@ -29,8 +31,28 @@ import time
 import traceback
 from pathlib import Path
 
+from quart_stage.privdrop import drop_from_env
+
 from keysmanager.protocol import LineReader, encode
 from keysmanager.sysutil import die_with_parent, reap_children, set_cpu_budget, thread_count
+
+
+def listen_socket(host: str, unix: str | None = None) -> socket.socket:
+    """A listening socket: on ``host`` port 0, or on the Unix socket ``unix`` (mode 0600: only our uid connects)."""
+    if unix:
+        listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(unix)
+        old = os.umask(0o177)
+        try:
+            listen.bind(unix)
+        finally:
+            os.umask(old)
+    else:
+        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listen.bind((host, 0))
+    listen.listen(1024)
+    return listen
 
 
 def _replica_setup(env: dict[str, str], cores: list[int], threads: int) -> None:
@@ -56,6 +78,7 @@ def _run_child(runtime, app, listen: socket.socket, mm, order: dict, lifeline_fd
             privatize(mm)
         runtime.prepare_device()
         set_cpu_budget(None, int(order.get("threads", 1)))  # prepare_device may have set its own default
+        drop_from_env(os.environ)  # QUART_RUN_AS: requests are served as the function's own user
         serve_forever(app, listen.detach(), lifeline, drain_s)
     except BaseException:
         traceback.print_exc()
@@ -112,10 +135,8 @@ def run_zygote(args: argparse.Namespace) -> int:
                     ctrl.sendall(encode({"op": "error", "id": order.get("id"), "error": "unknown op"}))
                     continue
                 try:
-                    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    listen.bind((order.get("host", "127.0.0.1"), 0))
-                    listen.listen(1024)
-                    port = listen.getsockname()[1]
+                    listen = listen_socket(order.get("host", "127.0.0.1"), order.get("unix"))
+                    port = 0 if order.get("unix") else listen.getsockname()[1]
                     pid = os.fork()
                 except OSError as exc:
                     ctrl.sendall(encode({"op": "error", "id": order.get("id"), "error": str(exc)}))
@@ -134,8 +155,9 @@ def run_zygote(args: argparse.Namespace) -> int:
 def preload() -> None:
     """Import what every zygote needs (torch, flask, transformers' top level, the stage runtime). No threads.
 
-    A model class's module (e.g. modeling_llama) is imported by the first zygote that needs it, not here:
-    preloading every family would make the preloader slower to be ready than a fresh interpreter.
+    A model class's module (e.g. modeling_llama) is not imported here: preloading every family would make the
+    preloader slower to be ready than a fresh interpreter. The preloader imports them afterwards, one at a time
+    while it is idle (:func:`warm_up_modules`), so later zygotes (a live start's above all) fork with them.
     """
     import flask  # noqa: F401
     import numpy  # noqa: F401
@@ -147,6 +169,13 @@ def preload() -> None:
     import keysmanager.serve  # noqa: F401
     import keysmanager.shm_store  # noqa: F401
     import keysmanager.stage  # noqa: F401
+
+
+def warm_up_modules() -> collections.deque[str]:
+    """The model-class modules of every supported family (``transformers.models.<type>.modeling_<type>``)."""
+    from quart_stage.families import PLANS
+
+    return collections.deque(f"transformers.models.{t}.modeling_{t}" for t in PLANS)
 
 
 def run_preloader(args: argparse.Namespace) -> int:
@@ -169,9 +198,16 @@ def run_preloader(args: argparse.Namespace) -> int:
     fds: collections.deque[int] = collections.deque()
     buffer = b""
     children: set[int] = set()
+    warm = warm_up_modules()
     while True:
         readable, _, _ = select.select([ctrl], [], [], 0.02)
-        if readable:
+        if not readable and warm:  # idle: import one family's model code (an order waits at most this long)
+            with contextlib.suppress(Exception):
+                importlib.import_module(warm.popleft())
+            if not warm:
+                gc.collect()
+                gc.freeze()
+        elif readable:
             data, new_fds, _, _ = socket.recv_fds(ctrl, 1 << 16, 16)
             if not data:
                 return 0
@@ -230,6 +266,7 @@ def run_cold(args: argparse.Namespace) -> int:
     runtime, app = build_runtime(os.environ, None)
     runtime.prepare_device()
     set_cpu_budget(None, threads)
+    drop_from_env(os.environ)  # QUART_RUN_AS
     serve_forever(app, args.listen_fd, None if args.survive else args.lifeline_fd, args.drain_timeout)
     return 0
 

@@ -1,4 +1,7 @@
-"""Asynchronous invocation (``POST /async-function/{name}``): OpenFaaS's queue, in process.
+"""Asynchronous invocation in memory (``async_backend=memory``): not durable, for when NATS is not wanted.
+
+The default backend is durable (:mod:`.async_queue`, :mod:`.queue_worker`); this one keeps the calls in
+the gateway's memory and answers what is still queued at a stop with a 503 callback.
 
 OpenFaaS answers an async call ``202 Accepted`` with an ``X-Call-Id``, queues the request (NATS) and a
 queue-worker invokes the function later, POSTing the result to the caller's ``X-Callback-Url`` if one was
@@ -19,18 +22,17 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+from quart_provider.callbacks import CallbackSender
 from quart_provider.headers import forwardable
 
 from keysmanager.aio import within
 
 log = logging.getLogger("quart.gateway.async")
 
-CALLBACK_HEADER = "X-Callback-Url"
 JSON = {"Content-Type": "application/json"}
 STOPPED_BEFORE_RUN = b'{"error": "the gateway stopped before the call ran"}'
 STOPPED_DURING_RUN = b'{"error": "the gateway stopped while the call ran"}'
@@ -49,29 +51,13 @@ class AsyncCall:
     accepted_at: float = field(default_factory=time.monotonic)
 
 
-def parse_callback(raw: str | None) -> str | None:
-    """The ``X-Callback-Url`` header, checked to be an absolute http(s) URL; ValueError names what is wrong."""
-    if raw is None or not raw.strip():
-        return None
-    url = raw.strip()
-    try:
-        parts = urlsplit(url)
-        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError:
-        valid = False
-    if not valid:
-        raise ValueError(f"{CALLBACK_HEADER} must be an absolute http(s) URL, got {raw!r}")
-    return url
-
-
 class AsyncInvoker:
     """A bounded queue of async calls and the workers that run them."""
 
-    def __init__(self, workers: int, capacity: int, timeout_s: float, callback_timeout_s: float = 30.0) -> None:
+    def __init__(self, workers: int, capacity: int, timeout_s: float, sender: CallbackSender) -> None:
         self.capacity = capacity
         self.timeout_s = timeout_s
-        self.callback_timeout_s = callback_timeout_s
+        self.sender = sender
         self._queue: asyncio.Queue[AsyncCall] = asyncio.Queue(maxsize=capacity)
         self._workers_wanted = max(1, workers)
         self._workers: list[asyncio.Task] = []
@@ -141,19 +127,12 @@ class AsyncInvoker:
 
     async def _callback(self, call: AsyncCall, status: int, headers: dict[str, str], body: bytes,
                         seconds: float) -> None:
-        if call.callback is None or self._session is None or self._session.closed:
+        if call.callback is None:
             return
         out = {**headers, "X-Call-Id": call.call_id, "X-Function-Name": call.function,
                "X-Function-Status": str(status), "X-Duration-Seconds": f"{seconds:.6f}"}
-        try:
-            async with self._session.post(call.callback, data=body, headers=out,
-                                          timeout=aiohttp.ClientTimeout(total=self.callback_timeout_s)) as res:
-                await res.read()
-                if res.status >= 400:
-                    raise aiohttp.ClientResponseError(res.request_info, (), status=res.status)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        if await self.sender.post(call.callback, out, body) is None:
             self.callbacks_failed += 1
-            log.warning("callback of async call %s to %s failed: %s", call.call_id, call.callback, exc)
 
     def collect(self) -> Iterator[Metric]:
         """prometheus_client custom collector: queue length and call outcomes (``registry.register(invoker)``)."""

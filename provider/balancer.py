@@ -52,11 +52,12 @@ class ServiceUnavailable(QuartError):
 class Balancer:
     """Hands out the ready replicas of the functions in ``functions`` (the registry's live mapping)."""
 
-    def __init__(self, config: GatewayConfig, functions: Mapping[str, FunctionState], kick: Callable[[], None]
-                 ) -> None:
+    def __init__(self, config: GatewayConfig, functions: Mapping[str, FunctionState], kick: Callable[[], None],
+                 why: Callable[[FunctionState], str] = lambda fn: "") -> None:
         self.config = config
         self.functions = functions
         self.kick = kick  # ask the reconciler to act now (scale from zero, a replica gone)
+        self.why = why  # why a function has no ready replica (quart_provider.capacity), for the 503
 
     def acquire_nowait(self, fn: FunctionState) -> Endpoint | None:
         """The :func:`pick` of ``fn``'s ready replicas, its in-flight count taken; None if none."""
@@ -91,17 +92,20 @@ class Balancer:
                 fut = loop.create_future()
                 fn.wakeups.append(fut)
                 with contextlib.suppress(TimeoutError):
-                    await within(remaining, fut)
+                    await within(min(remaining, 0.25), fut)  # also looks again at what the reconciler found
                 endpoint = self.acquire_nowait(fn)
                 if endpoint is not None:
                     return endpoint
+                if fn.unplaced and not fn.replicas and not fn.pending_starts:  # no slot: do not wait it out
+                    raise ServiceUnavailable(503, f"no replica of {fn.name!r} can start: {self.why(fn)}", None)
         finally:
             fn.waiting -= 1
         if fn.ready:
             raise ServiceUnavailable(429, f"all replicas of {fn.name!r} stayed at their concurrency limit for "
                                           f"{self.config.ready_wait_s:g} s", None)
+        reason = self.why(fn)
         raise ServiceUnavailable(503, f"no replica of {fn.name!r} became ready within "
-                                      f"{self.config.ready_wait_s:g} s", None)
+                                      f"{self.config.ready_wait_s:g} s" + (f": {reason}" if reason else ""), None)
 
     def release(self, fn: FunctionState, endpoint: Endpoint) -> None:
         """A request to ``endpoint`` is over: free its slot and wake a waiter."""

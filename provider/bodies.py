@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from aiohttp import web
+from quart_provider.admission import Reservation
 from quart_stage.errors import QuartError
 
 _PIECE = 64 * 1024
@@ -17,15 +18,32 @@ def too_large(limit: int, size: int | None = None) -> QuartError:
     return QuartError(413, f"{what} is over the {limit}-byte limit", "body")
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body of ``request``; a 413 :class:`QuartError` as soon as it passes ``limit`` bytes."""
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large(limit, request.content_length)
+async def read_body(request: web.Request, limit: int, reservation: Reservation | None = None) -> bytes:
+    """The whole body of ``request``; a 413 :class:`QuartError` as soon as it passes ``limit`` bytes.
+
+    With a ``reservation`` (:mod:`.admission`), the body's bytes are counted before they are held:
+    ``Content-Length`` up front, a chunked body piece by piece (429 or 413 from the gate)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise too_large(limit, declared)
+    if reservation is not None and declared:
+        reservation.add(declared)
+    if declared:  # filled in place: one copy of the body, not pieces plus their join
+        buf, pos = bytearray(declared), 0
+        while pos < declared and (piece := await request.content.read(min(_PIECE, declared - pos))):
+            buf[pos:pos + len(piece)] = piece
+            pos += len(piece)
+        if pos < declared:
+            raise QuartError(400, f"request body is truncated: Content-Length {declared}, {pos} bytes arrived",
+                             "body")
+        return bytes(buf) if declared <= _PIECE else buf
     pieces: list[bytes] = []
     size = 0
     while piece := await request.content.read(_PIECE):
         size += len(piece)
         if size > limit:
             raise too_large(limit)
+        if reservation is not None and declared is None:
+            reservation.add(len(piece))
         pieces.append(piece)
     return b"".join(pieces)

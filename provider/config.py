@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from quart_provider.callbacks import parse_networks
 from quart_provider.network import DEFAULT_NIC_GBPS
+from quart_provider.queue_worker import parse_codes
 from quart_stage.settings import ConfigError, settings_from_env
 
 DEFAULT_NAMESPACE = "openfaas-fn"
 NETWORKS = ("loopback", "netns")
+ASYNC_BACKENDS = ("nats", "memory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,8 @@ class GatewayConfig:
     auth: bool = True  # basic auth on /system/* (OpenFaaS's basic_auth=true)
     max_body_bytes: int = 64 * 1024 * 1024  # largest request body; larger → 413
     max_deploy_bytes: int = 1024 * 1024  # largest JSON body on /system/*
+    max_inflight_bytes: int = 256 * 1024 * 1024  # request-body bytes held at once by the gateway; more → 429
+    max_function_inflight_bytes: int = 64 * 1024 * 1024  # … by one function or pipeline (≥ one max body); one body over → 413
     placer: str = "first-fit"  # replica placer: first-fit | cache-aware (quart_provider.scheduling)
     hosts: int = 1  # simulated hosts (one KeysManager each)
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
@@ -55,23 +60,60 @@ class GatewayConfig:
     start_timeout_s: float = 120.0  # a replica not ready after this is stopped and replaced
     async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)
     async_queue_cap: int = 10_000  # /async-function calls accepted and waiting; more → 429
-    async_timeout_s: float = 600.0  # one async call (its callback has 30 s more)
+    async_timeout_s: float = 600.0  # one async call's invocation
+    async_backend: str = "nats"  # nats: durable, JetStream (docs/gateway.md) | memory: in-process, lost on stop
+    nats_port: int = 0  # the nats-server `up` starts, on 127.0.0.1; 0 = a free port
+    async_max_attempts: int = 10  # invocations of one call before its last answer is called back
+    async_initial_retry_s: float = 10.0  # first wait before a retry; doubles per attempt
+    async_max_retry_wait_s: float = 120.0  # longest wait between retries
+    async_retry_codes: str = "408,429,500,502,503,504"  # answers retried (a failed invocation counts as 503)
+    async_ack_wait_s: float = 30.0  # a call whose worker says nothing for this long is redelivered
+    callback_allowed_networks: str = ""  # CIDRs callbacks may reach though loopback/private/link-local
+    callback_timeout_s: float = 10.0  # one callback POST
+    callback_per_destination: int = 4  # callbacks in flight to one host:port at once
+    replica_uids: str = ""  # "<first>-<last>": each function's replicas run as its own uid from this range; "" = as the gateway
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
             raise ConfigError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
         if self.nic_gbps <= 0:
             raise ConfigError(f"nic_gbps must be > 0, got {self.nic_gbps}")
+        if not 0 < self.max_function_inflight_bytes <= self.max_inflight_bytes:
+            raise ConfigError("max_function_inflight_bytes must be > 0 and at most max_inflight_bytes")
+        if self.replica_uids:
+            self.uid_range()  # raises ConfigError when malformed
         if self.paraserve_parts < 0 or self.paraserve_max_parts < 1 or self.registry_gbps < 0:
             raise ConfigError("paraserve_parts must be >= 0, paraserve_max_parts >= 1, registry_gbps >= 0")
         if self.host_timeout_s <= 0 or self.host_down_after_s <= 0:
             raise ConfigError("host_timeout_s and host_down_after_s must be > 0")
+        if self.async_backend not in ASYNC_BACKENDS:
+            raise ConfigError(f"async_backend must be one of {', '.join(ASYNC_BACKENDS)}, got {self.async_backend!r}")
+        try:
+            parse_networks(self.callback_allowed_networks)
+            parse_codes(self.async_retry_codes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.callback_timeout_s <= 0 or self.callback_per_destination < 1 or self.async_max_attempts < 1:
+            raise ConfigError("callback_timeout_s must be > 0, callback_per_destination and async_max_attempts >= 1")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> GatewayConfig:
         """Defaults, then ``QUART_GATEWAY_*`` variables (``quart_stage.settings`` rules), then explicit
         overrides (None = keep)."""
         return settings_from_env(cls, "QUART_GATEWAY_", env, **overrides)
+
+    def uid_range(self) -> range | None:
+        """The uids functions' replicas run as (``replica_uids``), or None: as the gateway's user."""
+        if not self.replica_uids:
+            return None
+        first, _, last = self.replica_uids.partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise ConfigError(f"replica_uids must be <first>-<last>, got {self.replica_uids!r}") from None
+        if not 0 < low <= high < 2**31:
+            raise ConfigError(f"replica_uids must be a range of uids above 0 (never root), got {self.replica_uids!r}")
+        return range(low, high + 1)
 
     @property
     def credentials_dir(self) -> Path:

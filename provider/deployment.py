@@ -6,12 +6,12 @@ gateway's ``api-docs/spec.openapi.yml``. Every rejection names the offending fie
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from quart_provider.quantities import parse_cpu, parse_memory
+from quart_stage import envpolicy, jsonparse
 from quart_stage import labels as vocab
 from quart_stage.errors import invalid
 
@@ -19,16 +19,9 @@ NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # DNS-1123 label, as f
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A JSON object from a request body, or a 400 naming the body."""
-    if not raw.strip():
-        raise invalid("body", "request body is empty; a JSON object is required")
-    try:
-        value = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid("body", f"request body is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise invalid("body", "request body must be a JSON object")
-    return value
+    """A JSON object from a request body, or a 400 naming the body (NaN, deep nesting included:
+    :func:`quart_stage.jsonparse.loads_object`)."""
+    return jsonparse.loads_object(raw)
 
 
 def _str_map(value: Any, name: str) -> dict[str, str]:
@@ -126,7 +119,7 @@ class FunctionDeployment:
             image=image.strip(),
             namespace=namespace,
             env_process=env_process,
-            env_vars=_str_map(body.get("envVars"), "envVars"),
+            env_vars=envpolicy.check_deploy_env(_str_map(body.get("envVars"), "envVars")),  # no code via env
             constraints=_str_list(body.get("constraints"), "constraints"),
             secrets=_str_list(body.get("secrets"), "secrets"),
             labels=_str_map(body.get("labels"), "labels"),
@@ -135,6 +128,7 @@ class FunctionDeployment:
             requests=Resources.parse(body.get("requests"), "requests"),
             read_only_root_filesystem=read_only,
         )
+        vocab.StageLabels.parse(deployment.labels)  # every com.quart.* / scale label: 400 naming it
         if deployment.min_replicas > deployment.max_replicas:
             raise invalid(
                 f"labels.{vocab.SCALE_MIN}",
@@ -174,6 +168,12 @@ class FunctionDeployment:
     @property
     def memory_bytes(self) -> int | None:
         return self.limits.memory_bytes if self.limits and self.limits.memory_bytes else None
+
+    def to_request(self) -> dict[str, Any]:
+        """The deploy request that gives this deployment again (``from_json(to_request())`` is equal)."""
+        out = self.to_json()
+        out["service"] = out.pop("name")
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """The deployment fields of a ``FunctionStatus`` (without runtime counters)."""

@@ -70,16 +70,22 @@ class EchoProtocol(asyncio.Protocol):
             if len(parts) != 3:
                 self._reply(400, b"bad request line", close=True)
                 return
-            length, close, chunked = 0, parts[2] == "HTTP/1.0", False
+            length, close, chunked, lengths = 0, parts[2] == "HTTP/1.0", False, set()
             for line in lines[1:]:
                 name, _, value = line.partition(":")
                 key = name.strip().lower()
                 if key == "content-length":
-                    length = int(value.strip() or 0)
+                    lengths.add(value.strip())
                 elif key == "transfer-encoding":
                     chunked = value.strip().lower().endswith("chunked")
                 elif key == "connection":
                     close = value.strip().lower() == "close"
+            if lengths:  # digits only, one value, never beside chunked (RFC 9112 6.3): else 400 and close
+                raw = lengths.pop()
+                if lengths or chunked or not raw.isdigit() or not raw.isascii() or len(raw) > 12:
+                    self._reply(400, b"bad Content-Length", close=True)
+                    return
+                length = int(raw)
             if chunked:
                 try:
                     framed = dechunk(self.buffer, end + 4)

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from quart_provider.admission import ByteGate
+from quart_provider.async_queue import AsyncQueue
 from quart_provider.balancer import Balancer
+from quart_provider.capacity import not_ready_reason
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import Host
@@ -28,7 +32,10 @@ from quart_provider.registry import Registry
 from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 from quart_provider.scheduling.types import Placer
 from quart_provider.secrets import SecretStore
+from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
 from quart_provider.types import Endpoint, FunctionState, InvokeHook
+
+log = logging.getLogger("quart.gateway")
 
 
 def default_placer(name: str) -> Placer:
@@ -47,16 +54,22 @@ class EmbeddedGateway:
         self.scheduler_metrics = SchedulerMetrics()  # cache hits, replica-ready time by source, host use
         self.secrets = SecretStore(config.function_secrets_dir, config.namespace)
         self.registry = Registry(self.images, self.hosts, config.max_body_bytes, self.kick, self._retire,
-                                 self.secrets)
+                                 self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR), config.uid_range())
         self.functions: dict[str, FunctionState] = self.registry.functions
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
                                      self.key_history, self.scheduler_metrics)
-        self.balancer = Balancer(config, self.functions, self.kick)
+        self.balancer = Balancer(config, self.functions, self.kick,
+                                 lambda fn: not_ready_reason(fn, self.functions.values(), self.hosts))
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
+        # request bodies in flight, per gateway and per function / pipeline (quart_provider.admission)
+        self.body_gate = ByteGate(config.max_inflight_bytes, config.max_function_inflight_bytes,
+                                  fallback_retry_s=config.retry_after_s)
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []
+        self.async_queue: AsyncQueue | None = None  # durable async calls (EmbeddedSystem connects it)
+        self.async_unavailable = "no durable async queue was started"  # why, while async_queue is None
 
     @property
     def placer(self) -> Placer:
@@ -69,6 +82,11 @@ class EmbeddedGateway:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        """Restore the functions stored in the state folder (:mod:`.store`), then reconcile."""
+        restored = self.registry.restore()
+        if restored:
+            log.info("restored %d function(s) from %s: %s", len(restored), self.config.state_dir / FUNCTIONS_DIR,
+                     ", ".join(restored))
         self.reconciler.start()
 
     async def close(self) -> None:

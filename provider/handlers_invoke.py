@@ -2,8 +2,10 @@
 
 The proxy hands a request to a replica the balancer picks, retrying once elsewhere when a replica
 refuses the connection (it never saw the request); names that are not deployed functions go to the
-invoke hooks (the plugin's pipeline router). An async call is answered 202 + ``X-Call-Id`` at once
-and run later through this gateway's own ``/function`` path (see :mod:`.async_calls`). Tracing
+invoke hooks (the plugin's pipeline router). An async call is answered 202 + ``X-Call-Id`` once it is
+stored in the durable queue (:mod:`.async_queue`; 503 while none is connected, or kept in memory with
+``async_backend=memory``, :mod:`.async_calls`) and run later through this gateway's own ``/function``
+path. Tracing
 headers (:mod:`.tracing`) go upstream here; :mod:`.routes` stamps them on every answer.
 """
 
@@ -14,15 +16,45 @@ import time
 import aiohttp
 from aiohttp import web
 from quart_provider import namespaces
-from quart_provider.async_calls import CALLBACK_HEADER, AsyncCall, AsyncInvoker, parse_callback
+from quart_provider.admission import Reservation, StageLoad, admit_by_time
+from quart_provider.async_calls import AsyncCall, AsyncInvoker
+from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.bodies import read_body
+from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSender
 from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 from quart_provider.responses import error_of, error_response
 from quart_provider.tracing import trace_of, with_trace
+from quart_provider.types import FunctionState
 from quart_stage.errors import QuartError
+
+from keysmanager.aio import within
+
+_SLICE = 1 << 20
+
+
+async def read_answer(upstream: aiohttp.ClientResponse) -> bytes | bytearray:
+    """A replica's whole answer; with a Content-Length, filled in place (one copy, not chunks plus a join)."""
+    size = upstream.content_length
+    if not size or size <= _SLICE:
+        return await upstream.read()
+    buf, pos = bytearray(size), 0
+    async for chunk in upstream.content.iter_chunked(_SLICE):
+        buf[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+    if pos != size:
+        raise aiohttp.ClientPayloadError(f"answer truncated: {pos} of {size} bytes")
+    return buf
+
+
+def refused(exc: QuartError, retry_after_s: int) -> web.Response:
+    """A call refused before its body was read (413, 429, 400): answered, and the connection closed after the
+    answer, so the gateway never reads (nor holds) the rest of a body it refused."""
+    response = error_of(exc, retry_after_s)
+    response.force_close()
+    return response
 
 
 class InvokeHandlers:
@@ -32,9 +64,12 @@ class InvokeHandlers:
         self.gateway = gateway
         self.config = gateway.config
         self.session: aiohttp.ClientSession | None = None
+        self.callback_policy = CallbackPolicy.from_text(self.config.callback_allowed_networks)
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
-                                        self.config.async_timeout_s)
-        if not provider:  # one registration per gateway (the provider app shares the gateway's registry)
+                                        self.config.async_timeout_s, CallbackSender(
+                                            self.callback_policy, self.config.callback_timeout_s,
+                                            self.config.callback_per_destination))
+        if not provider and self.config.async_backend == "memory":  # one registration per gateway
             gateway.metrics.registry.register(self.async_calls)
 
     async def startup(self) -> None:
@@ -46,8 +81,9 @@ class InvokeHandlers:
         )
 
     async def stop_async_calls(self) -> None:
-        """Let queued async calls run a little (they need the replicas), then answer the rest 503."""
+        """In memory: let queued async calls run a little (they need the replicas), then answer the rest 503."""
         await self.async_calls.close(drain_s=min(5.0, self.config.drain_timeout_s))
+        await self.async_calls.sender.close()
 
     async def close(self) -> None:
         if self.session is not None:
@@ -66,16 +102,24 @@ class InvokeHandlers:
         if name not in self.gateway.functions and name not in self.gateway.pipelines():
             return error_response(404, f"function {name!r} not found", "functionName")
         try:
-            callback = parse_callback(request.headers.get(CALLBACK_HEADER))
+            callback = await self.callback_policy.check_url(request.headers.get(CALLBACK_HEADER))
         except ValueError as exc:
             return error_response(400, str(exc), CALLBACK_HEADER)
         body = await self._invocation_body(request)
-        host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
-        host = f"[{host}]" if ":" in host else host
-        url = f"http://{host}:{port}/function/{request.raw_path.split('/async-function/', 1)[1]}"  # path, query as sent
+        tail = request.raw_path.split("/async-function/", 1)[1]  # path and query as sent
         trace = trace_of(request)
         headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
         trace.mark(headers)
+        queue = self.gateway.async_queue
+        if self.config.async_backend == "nats":
+            if queue is None:
+                return error_response(503, f"asynchronous calls are unavailable: {self.gateway.async_unavailable}",
+                                      None, headers={"Retry-After": str(self.config.retry_after_s)})
+            await queue.publish(QueuedCall(trace.call_id, name, tail, headers, body, callback, time.time()))
+            return web.Response(status=202)
+        host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{port}/function/{tail}"
         if not self.async_calls.submit(AsyncCall(trace.call_id, name, url, headers, body, callback)):
             if self.async_calls.closed:
                 return error_response(503, "the gateway is stopping", None,
@@ -93,16 +137,64 @@ class InvokeHandlers:
             return error_of(exc, self.config.retry_after_s)
         fn = gateway.functions.get(name)
         tail = request.match_info.get("tail", "")
-        if fn is None:
-            for hook in gateway.invoke_hooks:
-                response = await hook(with_trace(request), name, tail)
-                if response is not None:
-                    return response
-            return error_response(404, f"function {name!r} not found", "functionName")
+        reservation = Reservation(gateway.body_gate, name)  # this body's bytes, held until the answer
         try:
-            body = await self._invocation_body(request)
-        except QuartError as exc:
-            return error_of(exc, self.config.retry_after_s)
+            if fn is None:
+                return await self._hooks(request, name, tail, reservation)
+            deadline_s = self._deadline_s(request)
+            deadline_at = time.monotonic() + deadline_s if "X-Quart-Timeout-Ms" in request.headers else None
+            try:
+                admission = admit_by_time([self._load(fn)], deadline_s, f"a call of {name!r}")
+                if not admission.admit:
+                    raise admission.error()
+                body = await read_body(request, self.config.max_body_bytes, reservation)
+            except QuartError as exc:
+                return refused(exc, self.config.retry_after_s)
+            return await self._proxy(request, fn, tail, body, reservation, deadline_at)
+        finally:
+            reservation.close()
+
+    async def _hooks(self, request: web.Request, name: str, tail: str, reservation: Reservation
+                     ) -> web.StreamResponse:
+        """A name that is not a function: a pipeline (its body read here, so it is counted like any
+        other) or another invoke hook's."""
+        gateway = self.gateway
+        hooked = with_trace(request)
+        if name in gateway.pipelines() and request.method == "POST":
+            try:
+                body = await read_body(request, self.config.max_body_bytes, reservation)
+            except QuartError as exc:
+                return refused(exc, self.config.retry_after_s)
+            hooked._read_bytes = body  # noqa: SLF001 - what hooked.read() answers the hook (aiohttp's cache)
+        for hook in gateway.invoke_hooks:
+            response = await hook(hooked, name, tail)
+            if response is not None:
+                return response
+        return error_response(404, f"function {name!r} not found", "functionName")
+
+    def _deadline_s(self, request: web.Request) -> float:
+        """``X-Quart-Timeout-Ms`` when sent and valid, else the upstream timeout."""
+        try:
+            deadline = float(request.headers.get("X-Quart-Timeout-Ms", "")) / 1000.0
+        except ValueError:
+            return self.config.upstream_timeout_s
+        return min(deadline, self.config.upstream_timeout_s) if deadline > 0 else self.config.upstream_timeout_s
+
+    @staticmethod
+    def _load(fn: FunctionState) -> StageLoad:
+        """The function's queue as admission sees it (unlimited concurrency: nobody ever queues)."""
+        per_replica = fn.deployment.concurrency
+        servers = len(fn.ready) * per_replica if per_replica else 0
+        return StageLoad(fn.waiting, servers, fn.service_s)
+
+    async def _proxy(self, request: web.Request, fn: FunctionState, tail: str, body: bytes,
+                     reservation: Reservation, deadline_at: float | None) -> web.StreamResponse:
+        """Hand the call to a replica the balancer picks (one retry elsewhere when it refused the connection).
+
+        With a client deadline (``X-Quart-Timeout-Ms``), waiting for a replica and the replica's answer are
+        bounded by it (504 past it). The answer's bytes are counted in ``reservation`` too (never refused:
+        the work is done), so that what the gateway holds bounds what it admits next."""
+        gateway, name = self.gateway, fn.name
         metrics, metric_name = gateway.metrics, fn.metric_name
         metrics.invocation_started(metric_name)
         start = time.perf_counter()
@@ -112,14 +204,25 @@ class InvokeHandlers:
         payload = None
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
             try:
-                endpoint = await gateway.acquire(fn)
+                if deadline_at is None:
+                    endpoint = await gateway.acquire(fn)
+                else:
+                    endpoint = await within(deadline_at - time.monotonic(), gateway.acquire(fn))
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return error_of(exc, self.config.retry_after_s)
+            except TimeoutError:
+                metrics.invocation_done(metric_name, 504, time.perf_counter() - start)
+                return error_response(504, f"the call of {name!r} passed its deadline (X-Quart-Timeout-Ms) waiting "
+                                           "for a replica", "X-Quart-Timeout-Ms")
+            timeout = None if deadline_at is None else aiohttp.ClientTimeout(
+                total=min(self.config.upstream_timeout_s, max(0.001, deadline_at - time.monotonic())))
             try:
                 async with self.session.request(request.method, endpoint.url + path, data=body,
-                                                headers=headers) as upstream:
-                    payload = await upstream.read()
+                                                headers=headers, timeout=timeout) as upstream:
+                    if upstream.content_length:
+                        reservation.hold(upstream.content_length)
+                    payload = await read_answer(upstream)
                     status = upstream.status
                     out_headers = forwardable(upstream.headers.items())
                 break
@@ -129,13 +232,25 @@ class InvokeHandlers:
                 if attempt == 1:
                     break  # else: the next acquire waits (bounded) for another ready replica
             except (aiohttp.ClientError, TimeoutError) as exc:
-                status, message = 502, f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
+                status = 504 if isinstance(exc, TimeoutError) else 502  # a timeout: the deadline or upstream_timeout_s
+                message = f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
                 break
             finally:
                 gateway.release(fn, endpoint)
         fn.invocations += 1
         elapsed = time.perf_counter() - start
+        if payload is not None and 200 <= status < 300:  # the service time admission by time uses
+            fn.service_s = elapsed if fn.service_s <= 0 else 0.8 * fn.service_s + 0.2 * elapsed
         metrics.invocation_done(metric_name, status, elapsed)
         if payload is None:
-            return error_response(502, message)
-        return web.Response(status=status, body=payload, headers=out_headers)
+            return error_response(status, message)
+        if len(payload) <= _SLICE:
+            return web.Response(status=status, body=payload, headers=out_headers)
+        response = web.StreamResponse(status=status, headers=out_headers)  # a large answer: in slices, each
+        response.content_length = len(payload)  # waiting for the client to drain (no second copy buffered)
+        await response.prepare(request)
+        view = memoryview(payload)
+        for offset in range(0, len(view), _SLICE):
+            await response.write(view[offset:offset + _SLICE])
+        await response.write_eof()
+        return response

@@ -20,8 +20,11 @@ from typing import Any
 from aiohttp import web
 from quart_provider import namespaces
 from quart_provider.bodies import read_body
+from quart_provider.capacity import status_fields
 from quart_provider.deployment import FunctionDeployment, parse_json_object
 from quart_provider.gateway import EmbeddedGateway
+from quart_provider.models import model_status, scale_model
+from quart_provider.types import FunctionState
 from quart_stage.errors import invalid
 
 VERSION = "0.1.0"
@@ -64,11 +67,18 @@ class SystemHandlers:
 
     async def list_functions(self, request: web.Request) -> web.Response:
         self._check_namespace(request.query.get("namespace"))
-        return web.json_response([fn.status_json() for fn in self.gateway.functions.values()])
+        return web.json_response([self._status(fn) for fn in self.gateway.functions.values()])
 
     async def describe(self, request: web.Request) -> web.Response:
         self._check_namespace(request.query.get("namespace"))
-        return web.json_response(self.gateway.get(request.match_info["name"]).status_json())
+        name = request.match_info["name"]
+        if name not in self.gateway.functions and (model := model_status(self.gateway, name)) is not None:
+            return web.json_response(model)  # a pipeline, as one function (an OpenFaaS gateway in front asks)
+        return web.json_response(self._status(self.gateway.get(name)))
+
+    def _status(self, fn: FunctionState) -> dict[str, Any]:
+        """A ``FunctionStatus`` plus ``status`` and, when not ready, the ``reason`` (:mod:`.capacity`)."""
+        return {**fn.status_json(), **status_fields(fn, self.gateway.functions.values(), self.gateway.hosts)}
 
     async def deploy(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
@@ -107,7 +117,10 @@ class SystemHandlers:
         key = body.get("key", False)
         if not isinstance(key, bool):
             raise invalid("key", f"key must be a boolean, got {json.dumps(key)}")
-        applied = await self.gateway.scale(name, int(replicas), key=key)
+        if name not in self.gateway.functions and name in self.gateway.pipelines():
+            applied = await scale_model(self.gateway, name, int(replicas))
+        else:
+            applied = await self.gateway.scale(name, int(replicas), key=key)
         return web.json_response({"serviceName": name, "replicas": applied}, status=202)
 
     async def namespaces(self, request: web.Request) -> web.Response:

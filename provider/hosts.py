@@ -30,6 +30,8 @@ from typing import Literal, Protocol
 import aiohttp
 from quart_provider.scheduling.types import HostView
 from quart_provider.secrets import SECRETS_DIR_ENV, mount, unmount
+from quart_stage.envpolicy import replica_base_env
+from quart_stage.privdrop import RUN_AS_ENV, drop_privileges, parse_run_as
 
 from keysmanager.aio import within
 from keysmanager.sysutil import set_parent_death_signal
@@ -127,6 +129,8 @@ class ProcessHost:
     ``<log_dir>/<function>/<replica>.log`` (``/system/logs`` reads them); else they are the gateway's.
     """
 
+    kinds = frozenset({"process"})  # runnables it can start (quart_provider.capacity)
+
     def __init__(self, name: str, gpu_slots: int, memory_limit: int, health_interval_s: float = 0.02,
                  log_dir: Path | None = None) -> None:
         self.name = name
@@ -163,8 +167,9 @@ class ProcessHost:
         sock.bind(("127.0.0.1", 0))
         sock.listen(1024)
         port = sock.getsockname()[1]
-        env = {**os.environ, **spec.env, **thread_env(spec.cpus), LISTEN_FD_ENV: str(sock.fileno())}
-        secrets = mount(Path(spec.secrets_source), spec.secrets, replica_id) if spec.secrets else None
+        env = {**replica_base_env(os.environ), **spec.env, **thread_env(spec.cpus), LISTEN_FD_ENV: str(sock.fileno())}
+        run_as = parse_run_as(env[RUN_AS_ENV]) if env.get(RUN_AS_ENV) else None
+        secrets = mount(Path(spec.secrets_source), spec.secrets, replica_id, run_as) if spec.secrets else None
         if secrets is not None:
             env[SECRETS_DIR_ENV] = str(secrets)
         cores = cpu_set(spec.cpus, number)
@@ -176,6 +181,8 @@ class ProcessHost:
                 os.sched_setaffinity(0, cores)
             if memory:
                 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+            if run_as is not None:  # last: the function's own uid, for good (quart_stage.privdrop)
+                drop_privileges(*run_as)
 
         log = None
         if self.log_dir is not None:

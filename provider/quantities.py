@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
+
+MAX_CPUS = 4096  # more than any host: a limit above is a typo (and nan/inf never start a replica)
 
 _MEMORY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]i?|k|)\s*[Bb]?\s*$")
 _UNITS = {
@@ -17,8 +20,8 @@ def parse_memory(text: str) -> int:
     if not match:
         raise ValueError(f"{text!r} is not a memory quantity (examples: 128Mi, 1G, 536870912)")
     value = float(match.group(1)) * _UNITS[match.group(2)]
-    if value <= 0:
-        raise ValueError(f"memory {text!r} must be positive")
+    if not math.isfinite(value) or value <= 0 or value > 2**63:
+        raise ValueError(f"memory {text!r} must be positive and at most 8 EiB")
     return int(value)
 
 
@@ -29,6 +32,6 @@ def parse_cpu(text: str) -> float:
         value = float(raw[:-1]) / 1000 if raw.endswith("m") else float(raw)
     except ValueError:
         raise ValueError(f"{text!r} is not a cpu quantity (examples: 500m, 0.5, 2)") from None
-    if value <= 0:
-        raise ValueError(f"cpu {text!r} must be positive")
+    if not math.isfinite(value) or value <= 0 or value > MAX_CPUS:
+        raise ValueError(f"cpu {text!r} must be a positive, finite number of at most {MAX_CPUS} CPUs")
     return value

@@ -30,6 +30,7 @@ from quart_provider.scheduling.metrics import SchedulerMetrics
 from quart_provider.scheduling.starts import StartPlan, chains_of, peers_of, plan_starts
 from quart_provider.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 from quart_provider.types import Endpoint, FunctionState
+from quart_stage.spans import H_LAYERS_HELD, parse_span
 
 from keysmanager.aio import wait_event, within
 
@@ -145,6 +146,8 @@ class Reconciler:
                     was_whole = endpoint.whole
                     endpoint.layers, endpoint.held = status.layers, status.held
                     changed = changed or endpoint.whole != was_whole
+                    if endpoint.whole and not was_whole and endpoint.state == "ready":
+                        self._replica_ready(fn, endpoint)
                 if endpoint.state in ("starting", "ready") and status.state != endpoint.state:
                     if endpoint.probed and endpoint.state == "ready" and status.state == "starting":
                         continue  # our probe got the health answer first; the host's report lags behind
@@ -181,6 +184,13 @@ class Reconciler:
         log.warning("host %s has not answered for %.1f s (%s): down; %d replica(s) marked dead", name,
                     self.health.silent_for(name, time.monotonic()), why or type(why).__name__, len(lost))
         self.kick()
+
+    def host_lost(self, name: str, why: BaseException) -> None:
+        """The host's agent is known gone (its process exited): down now, without waiting ``host_down_after_s``
+        of silence; it is back when it answers a poll again (the supervisor restarts it)."""
+        if name in self.hosts and self.health.is_up(name):
+            self.health.down.add(name)
+            self._host_down(name, why)
 
     def _host_back(self, name: str, running: list[ReplicaStatus]) -> None:
         """``name`` answers again: what still runs there was replaced while it was down, so stop it."""
@@ -280,7 +290,7 @@ class Reconciler:
     async def _start_part(self, fn: FunctionState, host: str, generation: int, group: Group) -> None:
         """Start a ParaServe group's helper (no placement of its own: it leaves once the group is whole)."""
         before = set(fn.replicas)
-        await self._start_replica(fn, host, generation, layers=group.part_on(host))
+        await self._start_replica(fn, host, generation, None, True, True, group.part_on(host))
         group.started([r for r, e in fn.replicas.items() if r not in before and e.host == host])
 
     def _start_plans(self, result: ScheduleResult, views: list[HostView], layouts: dict | None = None
@@ -351,33 +361,41 @@ class Reconciler:
         """Start one placed replica as ``plan`` says and remember when it was asked for (its ready time is
         measured from then). ``group``: a ParaServe sub-pipeline; this replica starts with its part."""
         before = set(fn.replicas)
-        await self._start_replica(fn, placement.host, generation, peers, plan.mode == "live",
+        # Any start that fetches the stage asks for a live start: the replica's process starts while the bytes
+        # arrive (the KeysManager takes the ordinary path where it cannot). Only a "live" plan routes to it
+        # before it holds the whole stage; a ParaServe part (``group``) starts with its layers and is routed at once.
+        fetching = plan.mode in ("peer", "multicast", "live", "cold")
+        await self._start_replica(fn, placement.host, generation, peers, fetching, plan.mode == "live" or bool(group),
                                   group.part_on(placement.host) if group is not None else None)
         if group is not None:
             group.started([r for r, e in fn.replicas.items() if r not in before and e.host == placement.host])
         for rid, endpoint in list(fn.replicas.items()):
             if rid not in before and endpoint.host == placement.host and rid not in self._placed:
                 self._placed[rid] = (asked_at, placement.source, placement.key)
-                if endpoint.state == "ready":
+                if endpoint.state == "ready" and endpoint.whole:
                     self._replica_ready(fn, endpoint)
 
     def _replica_ready(self, fn: FunctionState, endpoint: Endpoint) -> None:
-        """The replica-ready hook: count the scale-up (source, ready ms) in the scheduler metrics, once.
+        """The replica-ready hook: count the scale-up (source, ready ms) in the scheduler metrics, once, when the
+        replica serves its whole stage.
 
         A stage replica counts as a cache hit only if its host held the stage when it was placed *and* it was
         forked from a zygote that was already there (a KeysManagerHost reports a start that had to load the
         zygote as cold)."""
+        if not endpoint.whole:
+            return  # a live replica is ready when it holds every layer (the poll or the router's answers say)
         placed = self._placed.pop(endpoint.id, None)
         if placed is None:
             return
         asked_at, planned, key = placed
         source = "cold" if "cold" in (planned, endpoint.source) else endpoint.source
-        self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, 1000 * (time.monotonic() - asked_at),
-                                              key=key)
+        endpoint.ready_ms = 1000 * (time.monotonic() - asked_at)
+        self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, endpoint.ready_ms, key=key)
         fn.start_time.note(time.monotonic() - asked_at)
 
     async def _start_replica(self, fn: FunctionState, host: str, generation: int, peers: list[str] | None = None,
-                             live: bool = False, layers: tuple[int, int] | None = None) -> None:
+                             live: bool = False, partial_ok: bool = True, layers: tuple[int, int] | None = None
+                             ) -> None:
         try:
             extra: dict[str, Any] = {"peers": peers} if peers else {}
             if live:
@@ -399,7 +417,7 @@ class Reconciler:
         for status in statuses:
             endpoint = Endpoint(status.id, fn.name, host, status.url, status.state if status.state != "dead"
                                 else "starting", status.source, generation, now, layers=status.layers,
-                                held=status.held)
+                                held=status.held, partial_ok=partial_ok)
             if self.functions.get(fn.name) is not fn:  # removed meanwhile
                 self._spawn(self._stop_now(endpoint), f"stop:{endpoint.id}")
                 continue
@@ -422,26 +440,33 @@ class Reconciler:
         Without this, a replica becomes routable only at the next reconcile poll of its host
         (``reconcile_interval_s``), which was most of a fork's ask→ready time. The interval starts at
         ``ready_probe_s`` and grows ×1.5 up to 0.1 s; a connection waits in the listen backlog until the
-        replica serves, so one probe often spans the whole start.
+        replica serves, so one probe often spans the whole start. A replica started while its stage arrives
+        answers with the layers it holds (``X-Quart-Layers-Held``); one that is not routed before it holds them
+        all is probed on until it does.
         """
         url = endpoint.url + fn.runnable.health_path
         delay = self.config.ready_probe_s
         deadline = endpoint.started_at + self.config.start_timeout_s
-        while endpoint.state == "starting" and fn.replicas.get(endpoint.id) is endpoint:
+        while fn.replicas.get(endpoint.id) is endpoint and (
+                endpoint.state == "starting" or (endpoint.state == "ready" and not endpoint.whole)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return  # the reconcile loop replaces it
             try:
                 async with self._prober().get(url, timeout=aiohttp.ClientTimeout(total=min(2.0, remaining))) as res:
                     if res.status == 200:
-                        if endpoint.state == "starting" and fn.replicas.get(endpoint.id) is endpoint:
+                        held = parse_span(res.headers.get(H_LAYERS_HELD))
+                        if held is not None and endpoint.layers is not None:
+                            endpoint.held = held
+                        if fn.replicas.get(endpoint.id) is endpoint and endpoint.state in ("starting", "ready"):
                             endpoint.state, endpoint.probed = "ready", True
-                            self._replica_ready(fn, endpoint)
-                            log.debug("%s ready %.1f ms after start", endpoint.id,
-                                      1000 * (time.monotonic() - endpoint.started_at))
+                            self._replica_ready(fn, endpoint)  # once, when it holds its whole stage
+                            log.debug("%s ready %.1f ms after start (layers held %s)", endpoint.id,
+                                      1000 * (time.monotonic() - endpoint.started_at), endpoint.held)
                             fn.refresh_ready()
                             self.kick()  # a rolling update may now retire old replicas
-                        return
+                        if endpoint.whole or endpoint.partial_ok:
+                            return
             except (aiohttp.ClientError, TimeoutError, OSError):
                 pass
             await asyncio.sleep(delay)

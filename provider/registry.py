@@ -12,11 +12,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from quart_provider.capacity import deploy_refusal
 from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
 from quart_provider.replicaset import note_key_scale
 from quart_provider.secrets import SecretStore
+from quart_provider.store import DeploymentStore
 from quart_provider.types import Endpoint, FunctionState
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError, invalid
@@ -31,7 +33,9 @@ class Registry:
 
     def __init__(self, images: ImageIndex, hosts: Mapping[str, Host], max_body_bytes: int,
                  changed: Callable[[], None], retire: Callable[[FunctionState, Endpoint], None],
-                 secrets: SecretStore) -> None:
+                 secrets: SecretStore, store: DeploymentStore | None = None, uids: range | None = None) -> None:
+        self.store = store  # durable copy of every function (None: in memory only)
+        self.uids = uids  # one uid per function for its replicas (None: they run as the gateway's user)
         self.images = images
         self.secrets = secrets
         self.hosts = hosts
@@ -54,9 +58,11 @@ class Registry:
                                     "PUT /system/functions", "service")
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
+        self._check_capacity(deployment, runnable.kind)
         fn = FunctionState(deployment, runnable, deployment.min_replicas, datetime.now(UTC),
-                           secrets_source=str(self.secrets.folder))
+                           secrets_source=str(self.secrets.folder), run_as=self._free_uid())
         self.functions[deployment.service] = fn
+        self._save(fn)
         self.changed()
         return fn
 
@@ -70,12 +76,14 @@ class Registry:
         fn = self.get(deployment.service)
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
+        self._check_capacity(deployment, runnable.kind)
         before = fn.replica_spec(self.max_body_bytes)
         fn.deployment, fn.runnable = deployment, runnable
         fn.desired = min(max(fn.desired, deployment.min_replicas), deployment.max_replicas)
         if fn.replica_spec(self.max_body_bytes) != before:
             fn.generation += 1
             await self._invalidate(fn.name)
+        self._save(fn)
         self.changed()
         return fn
 
@@ -83,6 +91,8 @@ class Registry:
         """Delete a function (DELETE /system/functions): drain and stop all its replicas."""
         fn = self.get(name)
         del self.functions[name]
+        if self.store is not None:
+            self.store.delete(name)
         fn.desired = 0
         for endpoint in list(fn.replicas.values()):
             self.retire(fn, endpoint)
@@ -96,9 +106,51 @@ class Registry:
         fn = self.get(name)
         applied = min(replicas, fn.deployment.max_replicas)
         note_key_scale(self.key_history, name, fn.desired, applied, key)
-        fn.desired = applied
+        if applied != fn.desired:
+            fn.desired = applied
+            self._save(fn)
         self.changed()
         return applied
+
+    def _save(self, fn: FunctionState) -> None:
+        if self.store is not None:
+            self.store.save(fn.name, fn.deployment.to_request(), fn.desired, fn.created_at, fn.run_as)
+
+    def _free_uid(self, wanted: int | None = None) -> int | None:
+        """``wanted`` when it is in the range and no other function has it, else the lowest free uid."""
+        if self.uids is None:
+            return None
+        taken = {fn.run_as for fn in self.functions.values()}
+        if wanted in self.uids and wanted not in taken:
+            return wanted
+        for uid in self.uids:
+            if uid not in taken:
+                return uid
+        raise QuartError(507, f"every uid of replica_uids ({self.uids.start}-{self.uids.stop - 1}) has a function",
+                         "service")
+
+    def restore(self) -> list[str]:
+        """The functions a previous gateway on this state folder had, deployed again at their desired
+        replicas (`quartctl up` after `down`, a crash or a restart); returns their names."""
+        if self.store is None:
+            return []
+        restored = []
+        for stored in self.store.load():
+            name = str(stored.request.get("service"))
+            try:
+                deployment = FunctionDeployment.from_json(stored.request, self.secrets.namespace)
+                runnable = resolve(deployment, self.images)
+            except QuartError as exc:
+                self.store.set_aside(name, str(exc))
+                continue
+            desired = min(max(stored.desired, 0), deployment.max_replicas)
+            self.functions[deployment.service] = FunctionState(deployment, runnable, desired, stored.created_at,
+                                                               secrets_source=str(self.secrets.folder),
+                                                               run_as=self._free_uid(stored.run_as))
+            restored.append(deployment.service)
+        if restored:
+            self.changed()
+        return restored
 
     async def update_limits(self, name: str, cpus: float | None = None, memory_bytes: int | None = None) -> None:
         """Change a function's CPU / memory limits (the CPU compensator's actuator): rolling update."""
@@ -116,6 +168,12 @@ class Registry:
         """model → its stage functions in stage order (:func:`quart_stage.labels.pipelines`: a model whose
         stages are not numbered 0…n−1, or a function with malformed labels, is no pipeline)."""
         return vocab.pipelines((fn.name, fn.deployment.labels) for fn in self.functions.values())
+
+    def _check_capacity(self, deployment: FunctionDeployment, kind: str) -> None:
+        """A function that can never run here is refused (:func:`.capacity.deploy_refusal`)."""
+        refusal = deploy_refusal(kind, deployment.min_replicas, self.hosts)
+        if refusal is not None:
+            raise invalid(*refusal)
 
     def _check_secrets(self, deployment: FunctionDeployment) -> None:
         """A deploy naming a secret that does not exist is refused (OpenFaaS: the pod could not start)."""

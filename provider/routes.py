@@ -1,7 +1,7 @@
 """Every route of the provider's HTTP API, wired in one place (faas-provider's ``serve.go``).
 
 The OpenFaaS gateway REST API (``api-docs/spec.openapi.yml``) over an :class:`.gateway.EmbeddedGateway`:
-``/system/*`` (:mod:`.handlers_system`, :mod:`.handlers_secrets`, :mod:`.handlers_logs`,
+``/system/*`` (:mod:`.handlers_system`, :mod:`.handlers_secrets`, :mod:`.handlers_logs`, :mod:`.handlers_alert`,
 basic auth) and ``/function``, ``/async-function``
 (:mod:`.handlers_invoke`, their answers stamped with :mod:`.tracing` headers). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
 ``{"error": ..., "field": ...}`` with its status here.
@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from quart_provider.auth import Credentials
 from quart_provider.gateway import EmbeddedGateway
+from quart_provider.handlers_alert import AlertHandler
 from quart_provider.handlers_invoke import InvokeHandlers
 from quart_provider.handlers_logs import LogHandlers
 from quart_provider.handlers_secrets import SecretHandlers
@@ -71,6 +72,7 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     r.add_put("/system/secrets", guarded(secrets.update))
     r.add_delete("/system/secrets", guarded(secrets.delete))
     r.add_get("/system/logs", guarded(LogHandlers(gateway).logs))
+    r.add_post("/system/alert", guarded(AlertHandler(gateway).alert))
     async_invoke, sync_invoke = traced(guarded(invoke.async_invoke, auth=False)), traced(invoke.invoke)
     r.add_route("*", "/async-function/{name}", async_invoke)
     r.add_route("*", "/async-function/{name}/{tail:.*}", async_invoke)

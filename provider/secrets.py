@@ -95,13 +95,21 @@ class SecretStore:
         return QuartError(404, f"secret {name!r} not found in namespace {self.namespace!r}", "name")
 
 
-def mount(source: Path, names: Iterable[str], replica_id: str) -> Path:
-    """Copy the secrets ``names`` of the namespace folder ``source`` into a new folder for one replica."""
-    target = _private_dir(source.parent / MOUNTS) / replica_id
+def mount(source: Path, names: Iterable[str], replica_id: str, owner: tuple[int, int] | None = None) -> Path:
+    """Copy the secrets ``names`` of the namespace folder ``source`` into a new folder for one replica;
+    with ``owner`` (uid, gid: the function's own user), that user alone may read it."""
+    mounts = _private_dir(source.parent / MOUNTS)
+    if owner is not None:
+        os.chmod(mounts, 0o711)  # others may pass through to their own folder, never list it
+    target = mounts / replica_id
     shutil.rmtree(target, ignore_errors=True)
     _private_dir(target)
     for name in names:
         _write_private(target / check_name(name), (source / name).read_bytes())
+        if owner is not None:
+            os.chown(target / name, *owner)
+    if owner is not None:
+        os.chown(target, *owner)
     return target
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quart_provider.async_service import DurableAsync
 from quart_provider.auth import Credentials, keysmanager_token_file, load_or_create
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
@@ -29,9 +30,11 @@ from quart_provider.hosts import Host, ProcessHost
 from quart_provider.network import HostNetwork, cluster_id
 from quart_provider.routes import create_app, start_site
 from quart_provider.stack import Stack
+from quart_provider.store import write_private
+from quart_provider.supervisor import Backoff, supervise
 
 from keysmanager.client import AsyncKeysManagerClient
-from keysmanager.sysutil import set_parent_death_signal
+from keysmanager.sysutil import return_large_buffers, set_parent_death_signal
 
 log = logging.getLogger("quart.up")
 STATE_FILE = "up.json"
@@ -51,6 +54,17 @@ class _Agent:
     name: str
     endpoint: str  # Unix socket path (loopback) or http://<host address>:<port> (netns)
     process: subprocess.Popen
+    argv: list[str] = field(default_factory=list)  # how to start it again (the supervisor)
+    log_path: Path | None = None
+    socket: Path | None = None
+    backoff: Backoff = field(default_factory=Backoff)
+    restarts: int = 0
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as logfile:
+        return subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=set_parent_death_signal)
 
 
 @dataclass(slots=True)
@@ -66,8 +80,11 @@ class EmbeddedSystem:
     provider_port: int | None = None
     agents: list[_Agent] = field(default_factory=list)
     network: HostNetwork | None = None  # netns mode: the host namespaces and bridge
+    hold_queue: bool = False  # True: async calls wait for start_queue_worker() (after a stack is deployed)
+    durable: DurableAsync | None = None  # nats-server, stream and queue worker (async_backend=nats)
     _runner: Any = None
     _provider_runner: Any = None
+    _supervisor: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
@@ -79,13 +96,18 @@ class EmbeddedSystem:
 
     async def start(self) -> None:
         cfg = self.config
+        return_large_buffers()  # freed request bodies leave the RSS (admission bounds bytes, not the heap's habits)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(cfg.state_dir, 0o700)  # credentials, sockets, logs, stored functions: the gateway's user only
         (cfg.state_dir / "logs").mkdir(exist_ok=True)
         self.credentials = load_or_create(cfg.credentials_dir)
         use_km = keysmanager_available() if self.use_keysmanager is None else self.use_keysmanager
         try:
             hosts = await self._start_hosts(use_km)
             self.gateway = EmbeddedGateway(cfg, hosts)
+            if cfg.async_backend == "nats":
+                self.durable = DurableAsync(cfg)
+                await self.durable.connect(self.gateway)
             app = create_app(self.gateway, self.credentials if cfg.auth else None)
             self._runner, self.port = await start_site(app, cfg.bind, cfg.port)
             if cfg.provider_port >= 0:
@@ -96,10 +118,19 @@ class EmbeddedSystem:
                 result = self.plugin(self.gateway, app)
                 if inspect.isawaitable(result):
                     await result
+            if not self.hold_queue:
+                await self.start_queue_worker()
         except BaseException:
             await self.stop()
             raise
         self._write_state()
+
+    async def start_queue_worker(self) -> None:
+        """Start running accepted async calls (those stored before a restart included)."""
+        if self.durable is not None and self.gateway is not None:
+            host = "127.0.0.1" if self.config.bind in ("0.0.0.0", "::", "") else self.config.bind
+            host = f"[{host}]" if ":" in host else host
+            await self.durable.start_worker(self.gateway, f"http://{host}:{self.port}")
 
     async def _start_hosts(self, use_km: bool) -> list[Host]:
         cfg = self.config
@@ -134,11 +165,8 @@ class EmbeddedSystem:
                 endpoint = f"http://{address}:{cfg.keysmanager_port}"
                 argv = self.network.exec_argv(name, [*argv, "--listen", f"{address}:{cfg.keysmanager_port}",
                                                      "--token-file", str(token_file), "--host-address", address])
-            logfile = open(cfg.state_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-            process = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, preexec_fn=set_parent_death_signal)
-            logfile.close()
-            self.agents.append(_Agent(name, endpoint, process))
+            log_path = cfg.state_dir / "logs" / f"{name}.log"
+            self.agents.append(_Agent(name, endpoint, _spawn(argv, log_path), argv, log_path, sock))
         hosts = [KeysManagerHost(a.name, AsyncKeysManagerClient(a.endpoint, token=token), cfg.gpus_per_host,
                                  cfg.host_memory_bytes, log_dir=cfg.replica_logs_dir,
                                  km_logs=sockets_dir / f"{a.name}.sock.d" / "logs")  # KeysManagerConfig.state_path
@@ -148,7 +176,28 @@ class EmbeddedSystem:
         except BaseException:
             await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
             raise
+        now = time.monotonic()
+        for agent in self.agents:
+            agent.backoff.started(now)
+        self._supervisor = asyncio.create_task(supervise(self.agents, self._restart_agent, exited=self._agent_exited),
+                                               name="supervise")
         return hosts
+
+    def _agent_exited(self, agent: _Agent) -> None:
+        """Its host's replicas are dead to routing now, not after ``host_down_after_s`` of silence."""
+        if self.gateway is not None:
+            self.gateway.reconciler.host_lost(agent.name, RuntimeError(
+                f"KeysManager exited with {agent.process.returncode}"))
+
+    def _restart_agent(self, agent: _Agent) -> None:
+        """Start a successor of an exited KeysManager on the same socket and state folder (it cleans up after
+        its predecessor); the state file names its pid for `quartctl down`."""
+        if agent.socket is not None:
+            with contextlib.suppress(FileNotFoundError):
+                agent.socket.unlink()
+        agent.process = _spawn(agent.argv, agent.log_path)
+        agent.restarts += 1
+        self._write_state()
 
     async def _wait_agents(self, hosts: list[Any]) -> None:
         cfg = self.config
@@ -172,12 +221,12 @@ class EmbeddedSystem:
             "provider_url": f"http://{self.config.bind}:{self.provider_port}" if self.provider_port else None,
             "password_file": str(self.credentials.password_file) if self.credentials else None,
             "user": self.credentials.user if self.credentials else None,
-            "hosts": [{"name": a.name, "endpoint": a.endpoint, "pid": a.process.pid} for a in self.agents],
+            "hosts": [{"name": a.name, "endpoint": a.endpoint, "pid": a.process.pid,
+                       "socket": str(a.socket) if a.socket else None, "restarts": a.restarts} for a in self.agents],
             "network": self.network.to_json() if self.network else None,
+            "nats": {"pid": self.durable.pid} if self.durable is not None and self.durable.pid else None,
         }
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        os.replace(tmp, self.state_file)
+        write_private(self.state_file, json.dumps(state, indent=2).encode())
 
     async def deploy_stack(self, stack: Stack) -> list[str]:
         """Deploy (or update) every function of a stack in-process; returns one line per function."""
@@ -207,7 +256,15 @@ class EmbeddedSystem:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
-        """Stop the site (which stops every replica), then the KeysManagers; remove the state file."""
+        """Stop the KeysManagers' supervisor, the async worker (calls not finished stay queued), the site (which
+        stops every replica), the KeysManagers, the nats-server; remove the state file."""
+        if self._supervisor is not None:  # nothing is restarted from here on
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+            self._supervisor = None
+        if self.durable is not None:
+            await self.durable.stop_worker(min(10.0, self.config.drain_timeout_s))
         if self._provider_runner is not None:
             await self._provider_runner.cleanup()
             self._provider_runner = None
@@ -219,6 +276,9 @@ class EmbeddedSystem:
         for agent in self.agents:
             stop_process(agent.process.pid, agent.process)
         self.agents.clear()
+        if self.durable is not None:
+            await self.durable.stop(0)
+            self.durable = None
         if self.network is not None:
             await asyncio.to_thread(self.network.destroy)
             self.network = None

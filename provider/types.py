@@ -16,6 +16,7 @@ from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import ReplicaSpec
 from quart_provider.images import Runnable
 from quart_provider.replicaset import StartTimeEstimate
+from quart_stage.privdrop import RUN_AS_ENV
 
 InvokeHook = Callable[[Any, str, str], Awaitable[Any]]  # (aiohttp request, name, sub-path) → response | None
 
@@ -37,6 +38,8 @@ class Endpoint:
     probed: bool = False  # the gateway's own health probe saw it ready (ahead of the host's report)
     layers: tuple[int, int] | None = None  # its stage's layers [S, E) when its host reports them
     held: tuple[int, int] | None = None  # the layers it can run now; short of ``layers`` while it loads (live)
+    ready_ms: float | None = None  # placement asked -> ready (the reconciler's replica-ready hook), once ready
+    partial_ok: bool = True  # routed while it holds part of its stage (a live start); else only once whole
 
     @property
     def whole(self) -> bool:
@@ -46,7 +49,7 @@ class Endpoint:
     def to_json(self) -> dict[str, Any]:
         out = {"id": self.id, "function": self.function, "host": self.host, "url": self.url, "state": self.state,
                "source": self.source, "generation": self.generation, "inFlight": self.in_flight,
-               "served": self.served}
+               "served": self.served, "readyMs": round(self.ready_ms, 1) if self.ready_ms is not None else None}
         if self.layers is not None:
             out.update(layers=list(self.layers), layersHeld=list(self.held or self.layers))
         return out
@@ -74,6 +77,8 @@ class FunctionState:
     last_error: str = ""
     start_time: StartTimeEstimate = field(default_factory=StartTimeEstimate)  # ask → ready of recent replicas
     secrets_source: str = ""  # the secret store folder of the function's namespace
+    service_s: float = 0.0  # measured seconds per proxied request (moving average; 0 = not yet measured)
+    run_as: int | None = None  # the uid (= gid) its replicas run as (GatewayConfig.replica_uids); None: the gateway's
 
     @property
     def name(self) -> str:
@@ -86,7 +91,7 @@ class FunctionState:
     def refresh_ready(self) -> None:
         serving = [e for e in self.replicas.values() if e.state == "ready"]
         self.ready = [e for e in serving if e.whole]
-        self.partial = [e for e in serving if not e.whole]
+        self.partial = [e for e in serving if not e.whole and e.partial_ok]
         self.wake()
 
     def wake(self) -> None:
@@ -101,6 +106,8 @@ class FunctionState:
         dep = self.deployment
         env = {**dep.env_vars, **self.runnable.env}
         env.setdefault("QUART_MAX_BODY_BYTES", str(max_body_bytes))
+        if self.run_as is not None:  # quart_stage.privdrop: the replica drops to it before serving
+            env.update({RUN_AS_ENV: f"{self.run_as}:{self.run_as}", "HOME": f"/tmp/quart-home-{self.run_as}"})
         return ReplicaSpec(function=self.name, kind=self.runnable.kind, env=env, cpus=dep.cpus,
                            memory_bytes=dep.memory_bytes, concurrency=dep.concurrency, argv=self.runnable.argv,
                            health_path=self.runnable.health_path, param_cache=dep.param_cache,

@@ -52,3 +52,29 @@ def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path, polic
     listing = out.split("GET /system/functions:")[1]
     assert any(line.split()[:3] == ["tiny-stage-1", "2", "2"] for line in listing.splitlines())
     assert leftovers == []
+
+
+def test_demo_default_model_gives_a_real_answer_and_forks_the_scaled_stage(tmp_path):
+    """`make demo`'s model: the pretrained MiniLM's cosine similarities come back through the gateway, and
+    the scaled stage's second replica forks where the stage is cached (source and time printed)."""
+    state = tmp_path / "demo-state"
+    argv = [sys.executable, "-m", "quart_tools.cli", "demo", "--stages", "2", "--hosts", "1", "--requests", "1",
+            "--state-dir", str(state)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUART_")}
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    finally:
+        leftovers = _leftovers(str(state))
+        for proc in leftovers:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    out = result.stdout
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "+0.667  'A man is playing a guitar.' vs 'Someone plays an instrument.'" in out
+    assert "-0.054  'A man is playing a guitar.' vs 'The stock market fell sharply today.'" in out
+    assert "second replica ready in" in out and "(placer cache-aware)" in out
+    forked = [line for line in out.splitlines() if line.strip().startswith("minilm-stage-1-") and "started by fork" in line]
+    assert forked and " ms served" in forked[0]
+    assert leftovers == []

@@ -26,6 +26,7 @@ FUNCTION_STATUS = {
         "secrets": list, "labels": dict, "annotations": dict, "limits": dict, "requests": dict,
         "readOnlyRootFilesystem": bool, "invocationCount": (int, float), "replicas": (int, float),
         "availableReplicas": (int, float), "createdAt": str, "usage": dict,
+        "status": str, "reason": str,  # extensions (docs/openapi.yml): Ready / Not Ready and why
     },
 }
 GATEWAY_INFO = {"required": {"provider", "version", "arch"}}

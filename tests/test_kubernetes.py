@@ -21,6 +21,7 @@ from quart_stage.settings import ConfigError
 from quart_tools.stackfile import stack_document
 
 from keysmanager.config import KeysManagerConfig
+from keysmanager.replicas import replica_socket_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KUBE = os.path.join(ROOT, "deploy", "kubernetes")
@@ -126,7 +127,11 @@ def test_keysmanager_and_stage_pods_mount_the_same_host_folders_at_the_same_path
     policy = one(objects, "MutatingAdmissionPolicy", NODE_CACHE_POLICY)
     [expr] = [m["jsonPatch"]["expression"] for m in policy["spec"]["mutations"]]
     stage_env = dict(re.findall(r'env\{\s*name: "(\w+)", value: "([^"]+)"', expr))
-    assert stage_env == {"QUART_KEYSMANAGER_SOCKET": str(config.socket_path)}  # the stage asks this socket
+    # the stage asks this socket; of-watchdog starts the fork path (quart_stage.forward), which falls back to gunicorn
+    assert stage_env == {"QUART_KEYSMANAGER_SOCKET": str(config.socket_path), "fprocess": "python -m quart_stage.forward"}
+    assert os.path.exists(os.path.join(ROOT, "template", "pipeline-stage", "quart_stage", "forward.py"))
+    # forked replicas' Unix sockets lie inside the folder the stage pod mounts, at the same path
+    assert replica_socket_path(config.socket_path, "f-1a2b3c4d").parent.parent.as_posix() == stage_mounts[SOCKET_VOLUME]
     assert config.state_path.as_posix() in {m["mountPath"] for m in km["volumeMounts"]}
     assert config.gpus == 0 and not config.pin_cpus  # GPUs and cores belong to the kubelet on a cluster
     [init] = spec["initContainers"]  # hostPath folders are made root-owned: handed to the agent's uid first

@@ -187,17 +187,22 @@ async def test_killed_only_replica_gives_explicit_error(cluster: Cluster) -> Non
 
 
 @with_cluster
-async def test_replica_5xx_is_retried_and_4xx_is_passed_back(cluster: Cluster) -> None:
-    await cluster.add("m-stage-0", status=500)
+async def test_replica_503_is_retried_and_4xx_and_500_are_passed_back(cluster: Cluster) -> None:
+    """Issue 14 item 5: only what another replica can fix is retried (503: a draining or overloaded
+    replica); a 4xx or a stage's 500 is the answer to this input, passed back once, never retried."""
+    await cluster.add("m-stage-0", status=503)
     await cluster.add("m-stage-0")
     router = make_router(cluster, stages=1)
     try:
         ok = await router.invoke("m", b"x")
         assert ok.status == 200
         cluster.source.replicas["m-stage-0"] = cluster.source.replicas["m-stage-0"][:1]
-        cluster.fakes["r1"].status = 400
-        bad = await router.invoke("m", b"x")
-        assert bad.status == 400 and json.loads(bad.body)["error"] == "boom"
+        for status in (400, 500):
+            cluster.fakes["r1"].status = status
+            calls = cluster.fakes["r1"].calls
+            bad = await router.invoke("m", b"x")
+            assert bad.status == status and json.loads(bad.body)["error"] == "boom"
+            assert cluster.fakes["r1"].calls == calls + 1  # tried once
     finally:
         await router.close()
 

@@ -114,7 +114,7 @@ async def test_request_waits_when_no_replica_holds_the_next_layer() -> None:
 
 def test_ranges_parse_and_eligibility() -> None:
     assert layers.parse_range("2-7") == (2, 7)
-    for bad in (None, "", "7-2", "3-3", "a-b", "-3", "3", "1-2-3", " 1 - 2"):
+    for bad in (None, "", "7-2", "3-3", "a-b", "-3", "3", "1-2-3", "1-1234567"):
         assert layers.parse_range(bad) is None, bad
     whole = StaticReplica("w", "u")
     assert layers.eligible(whole, None) and not layers.eligible(whole, 3)

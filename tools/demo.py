@@ -1,14 +1,19 @@
 """`quartctl demo`: the README's main job, end to end on one machine.
 
-1. partitions a model preset (``small`` by default) into pipeline stages (``quartctl partition``);
+1. partitions a model into pipeline stages (``quartctl partition``): by default the pretrained sentence-
+   embedding model all-MiniLM-L6-v2 shipped by a PyPI package (``minilm``; ``smollm2`` for SmolLM2-135M, or
+   a random-weight preset such as ``tiny``);
 2. starts the embedded gateway with one KeysManager per simulated host (``quartctl up``, in-process,
    on an ephemeral port);
 3. deploys every stage function over the gateway REST API, exactly as faas-cli does;
 4. sends a prompt through every stage via the gateway (``POST /function/<model>`` when the router
-   plugin is attached, otherwise the demo chains ``/function/<model>-stage-<i>`` itself) and prints
-   the next-token ids and top tokens;
-5. scales one stage over REST (``/system/scale-function``), shows the replica listing (the new
-   replica forks from the KeysManager's cached zygote) and spreads requests over both replicas;
+   plugin is attached, otherwise the demo chains ``/function/<model>-stage-<i>`` itself) and prints a
+   real answer (`quart_tools.answers`): the cosine similarity of sentences (minilm), a greedy completion
+   (smollm2), or, for random-weight presets, the next-token ids;
+5. scales one stage over REST (``/system/scale-function``) with the cache-aware placer (``--placer``):
+   the new replica lands where the stage is cached and forks from the KeysManager's zygote; the demo
+   prints which source each replica started from (fork/peer/cold) and its asked-to-ready time, and
+   spreads requests over both replicas;
 6. shuts everything down.
 """
 
@@ -29,11 +34,14 @@ from quart_provider.config import GatewayConfig
 from quart_provider.routes import start_site
 from quart_provider.stack import load_stack
 from quart_provider.system import EmbeddedSystem
+from quart_tools.answers import show_answer
 from tqdm import tqdm
 
 from keysmanager.aio import within
 
 OCTETS = "application/octet-stream"
+DEFAULT_PROMPTS = {"minilm": "A man is playing a guitar.", "smollm2": "What is the capital of France?",
+                   "preset": "Serverless pipelines scale one stage at a time"}
 
 
 def say(step: str, text: str) -> None:
@@ -244,7 +252,8 @@ class Demo:
         async with self.session.get(f"{self.url}/system/replicas/{name}", auth=self.auth) as res:
             doc = await res.json()
         for r in doc["replicas"]:
-            print(f"  {r['id']:<34} host {r['host']:<7} {r['state']:<9} started by {r['source']:<5} "
+            took = f"in {r['readyMs']:8.1f} ms" if r.get("readyMs") is not None else " " * 11
+            print(f"  {r['id']:<34} host {r['host']:<7} {r['state']:<9} started by {r['source']:<5} {took} "
                   f"served {r['served']}")
 
 
@@ -262,7 +271,7 @@ def _output(payload: bytes, content_type: str) -> dict:
 
         name, tensor = next(iter(wire.decode(payload).tensors.items()))
         doc = {"output": name, "shape": list(tensor.shape), "argmax": tensor.argmax(-1).tolist()}
-    if tensor is not None:
+    if tensor is not None and tensor.dim() == 3:  # logits; an embedding model answers batch x hidden
         doc["top5"] = tensor[0, -1].float().topk(5).indices.tolist()
     return doc
 
@@ -286,7 +295,7 @@ async def run(args: argparse.Namespace) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)  # clean up on SIGTERM too
     state_dir = args.state_dir.resolve()
     model_dir = state_dir / "models" / f"{args.model}-{args.stages}"
-    say("1/6", f"Partitioning the {args.model!r} preset into {args.stages} stages (DeepSpeed partitioner)")
+    say("1/6", f"Partitioning the {args.model!r} model into {args.stages} stages (DeepSpeed partitioner)")
     stack_path = partition_model(args.model, args.stages, model_dir)
 
     # The plugin's controller runs as in `quartctl up` (QUART_POLICY, default quart; QUART_ACTUATOR,
@@ -297,7 +306,7 @@ async def run(args: argparse.Namespace) -> int:
     plugin_config = PluginConfig.from_env()
     say("2/6", f"Starting the embedded gateway and {args.hosts} KeysManager(s) ({args.gpus_per_host} slots each)")
     config = GatewayConfig.from_env(port=0, state_dir=state_dir, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
-                                    placer=args.placer)
+                                    placer=args.placer, callback_allowed_networks="127.0.0.1/32")  # our listener
     system = EmbeddedSystem(config, plugin=attach)
     await system.start()
     try:
@@ -316,11 +325,12 @@ async def run(args: argparse.Namespace) -> int:
             model = json.loads((model_dir / "manifest.json").read_text())["model"]
             say("4/6", f"Sending {args.prompt!r} through every stage via the gateway")
             out = await demo.invoke_pipeline(model, stages, args.prompt)
-            next_ids = [row[-1] for row in out["argmax"]]
-            print(f"  output {out['output']} {out['shape']}; next-token id(s) {next_ids}")
-            if out.get("top5"):
-                print(f"  top-5 next tokens: {top_tokens(model_dir, out['top5']) or out['top5']}")
-            print("  (random weights: the tokens are arbitrary; the point is the path through every stage)")
+            if not await show_answer(session, system.url, model, stages, model_dir, args.prompt):
+                next_ids = [row[-1] for row in out["argmax"]]
+                print(f"  output {out['output']} {out['shape']}; next-token id(s) {next_ids}")
+                if out.get("top5"):
+                    print(f"  top-5 next tokens: {top_tokens(model_dir, out['top5']) or out['top5']}")
+                print("  (random weights: the tokens are arbitrary; the point is the path through every stage)")
             await demo.invoke_async(model, [args.prompt, args.prompt.split()[0]])
 
             index = min(1, len(stages) - 1)
@@ -331,7 +341,8 @@ async def run(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             status = await demo.wait_scaled(target, 2, args.scale_timeout)
             if status["availableReplicas"] >= 2:
-                print(f"  second replica ready in {time.perf_counter() - started:.2f} s")
+                print(f"  second replica ready in {time.perf_counter() - started:.2f} s (placer {args.placer})")
+                await demo.show_replicas(target)
             else:
                 print(f"  the autoscaler lowered {target} to {status['replicas']} before the second replica "
                       f"was ready ({time.perf_counter() - started:.2f} s)")
@@ -380,12 +391,17 @@ async def coexist(demo: Demo, target: str, index: int, since: float | None, conf
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="quartctl demo", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small", help="model preset to partition (default small; tiny is faster)")
+    p.add_argument("--model", default="minilm",
+                   help="minilm (default: sentence embeddings), smollm2 (text generation), or a random-weight "
+                        "preset (small, tiny, ...)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
     p.add_argument("--hosts", type=int, default=2, help="simulated hosts (default 2)")
-    p.add_argument("--gpus-per-host", type=int, default=4, help="replica slots per host (default 4)")
+    p.add_argument("--gpus-per-host", type=int, default=8,
+                   help="replica slots per host (default 8: room beside the stages, so a scaled stage forks where "
+                        "it is cached)")
     p.add_argument("--placer", default="cache-aware", help="replica placer (default cache-aware)")
-    p.add_argument("--prompt", default="Serverless pipelines scale one stage at a time")
+    p.add_argument("--prompt", default=None,
+                   help="the text sent (default: a sentence for minilm, a question for smollm2, a prompt for presets)")
     p.add_argument("--requests", type=int, default=3, help="extra request pairs after scaling (default 3)")
     p.add_argument("--watch", type=float, default=4.0,
                    help="seconds to follow the autoscaler's decisions after the manual scale (default 4)")
@@ -394,6 +410,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--state-dir", type=Path, default=Path(".quart/demo"), help="models, sockets, logs")
     p.add_argument("--verbose", "-v", action="store_true", help="log the gateway's and plugin's messages")
     args = p.parse_args(argv)
+    args.prompt = args.prompt or DEFAULT_PROMPTS.get(args.model, DEFAULT_PROMPTS["preset"])
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="  %(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -15,6 +15,7 @@ for presets, a byte-level ``tokenizer.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import hashlib
 import json
@@ -23,6 +24,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import torch
 from quart_stage import families, wire
 from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.presets import PAPER_PROFILES, PRESET_DTYPES, preset_config, resolve_preset
+from quart_tools.realmodels import REAL_MODELS, source_folder
 from quart_tools.stackfile import GPU_CONSTRAINT, GPU_PROFILE, stack_document, write_stack
 
 from keysmanager.registry import ModelRegistry, RegistryError
@@ -280,6 +283,16 @@ def partition(model: str | Mapping, stages: int, out: str, method: str = "parame
     stack: options of `quart_tools.stackfile.stack_document` (compute, scale_min, scale_max, concurrency, model_dir_value, ...).
     stack_out: where to write stack.yml (default ``out/stack.yml``); handler paths are relative to it.
     """
+    if isinstance(model, str) and (model in REAL_MODELS or os.path.exists(model)):
+        with tempfile.TemporaryDirectory(prefix="quart-source-") as work:
+            real = source_folder(model, work)  # a packaged pretrained model (quart_tools.realmodels)
+            if real is not None:
+                made = partition(real[1], stages, out, method, weights=weights, dtype=dtype, seed=seed,
+                                 name=name or real[0], std=std, stack=stack, stack_out=stack_out,
+                                 progress=progress, command=command)
+                made = dataclasses.replace(made, source=real[2])  # the package's files, not the work folder
+                made.save(out)
+                return made
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if weights not in WEIGHTS:
@@ -400,7 +413,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="quartctl partition", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
                    help="preset (tiny, small, tiny-encoder, small-encoder, bert-21b, llama-7b, opt-66b, "
-                        "whisper-9b, wideresnet, sized), HF safetensors folder, or config .json")
+                        "whisper-9b, wideresnet, sized), a packaged pretrained model (minilm, smollm2, or a path "
+                        "to its files: a sentence-transformers folder or a .gguf), HF safetensors folder, "
+                        "or config .json")
     p.add_argument("--stages", type=int, required=True, help="number of pipeline stages N")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--method", choices=METHODS, default="parameters", help="DeepSpeed method (default parameters)")

@@ -35,6 +35,9 @@ from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_proce
 from quart_stage.errors import QuartError
 from quart_stage.settings import ConfigError
 
+from keysmanager.config import KeysManagerConfig
+from keysmanager.recovery import clean_leftovers
+
 DEFAULT_STATE_DIR = Path(".quart")
 
 
@@ -129,7 +132,8 @@ def _plugin():
 
 
 async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None) -> int:
-    system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, plugin=_plugin() if attach_plugin else None)
+    system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, plugin=_plugin() if attach_plugin else None,
+                            hold_queue=True)  # queued async calls run once the stack's functions exist again
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -161,6 +165,13 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
                 print(f"quartctl up: deploying {stack.path} failed: {exc.message}"
                       + (f" (field {exc.field})" if exc.field else ""), file=sys.stderr)
                 return 1
+        await system.start_queue_worker()
+        if system.durable is not None and system.durable.server is not None:
+            print(f"Async queue:  NATS JetStream {system.durable.server.url} (store {config.state_dir / 'nats'})",
+                  flush=True)
+        elif config.async_backend == "nats":
+            print(f"Async queue:  unavailable, /async-function answers 503 ({system.gateway.async_unavailable})",
+                  flush=True)
         print("Ready. Stop with Ctrl-C or `quartctl down`.", flush=True)
         await stop.wait()
         return 0
@@ -216,6 +227,14 @@ def down(argv: list[str]) -> int:
         host_pid = int(host["pid"])
         if _alive(host_pid) and not stop_process(host_pid):
             survivors.append(f"KeysManager pid {host_pid}")
+        elif host.get("socket"):  # one killed -9 leaves zygotes, replicas, /dev/shm segments and its socket
+            found = clean_leftovers(KeysManagerConfig(name=host["name"], socket=host["socket"]))
+            if found.killed or found.removed_shm:
+                print(f"Cleaned after KeysManager {host['name']}: {len(found.killed)} process(es) killed, "
+                      f"{len(found.removed_shm)} shared-memory segment(s) removed")
+    nats = state.get("nats") or {}
+    if nats.get("pid") and _alive(int(nats["pid"])) and not stop_process(int(nats["pid"])):  # a killed gateway's
+        survivors.append(f"nats-server pid {nats['pid']}")
     if state.get("network"):  # the namespaces of a gateway that could not remove them itself
         removed = cleanup_by_prefix(state["network"]["cluster_id"])
         if removed:

@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "paraserve": ("quart_tools.bench.paraserve:main",
                   "a cold stage fetched in P parts on P netns hosts, served as a sub-pipeline, consolidated"),
     "cuda": ("quart_tools.bench.cuda:main", "fork then parameters onto the GPU: pageable vs staged vs registered; cold"),
+    "realmodel": ("quart_tools.bench.realmodel:main", "packaged pretrained models: stage pipeline vs whole model, max|diff|, ms"),
+    "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 
@@ -80,3 +82,28 @@ def main(argv: list[str]) -> int:
         print(f"quartctl bench: unknown benchmark {name!r}; one of {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
     return int(resolve(BENCHMARKS[name][0])(argv[1:]) or 0)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a server about to bind it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_tcp(address: str, port: int, timeout_s: float = 60.0) -> None:
+    """Return once something accepts connections on ``address:port``; RuntimeError after ``timeout_s``."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on {address}:{port} after {timeout_s:.0f} s") from None
+            time.sleep(0.2)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from quart_provider.network import HostNetwork, cleanup_by_prefix, cluster_id
 from quart_provider.scheduling.multicast import plan_chain
-from quart_tools.bench import machine_info, write_random_file, write_report
+from quart_tools.bench import free_port, machine_info, wait_tcp, write_random_file, write_report
 
 from keysmanager.client import KeysManagerClient, KeysManagerError
 from keysmanager.registry import ModelRegistry
@@ -157,8 +157,11 @@ class PeerCluster:
 
 
 @contextlib.contextmanager
-def peer_cluster(hosts: list[str], nic_gbps: float, key: str) -> Iterator[PeerCluster]:
-    """A :class:`PeerCluster`; everything it made (processes, namespaces, files) is removed at exit."""
+def peer_cluster(hosts: list[str], nic_gbps: float, key: str, registry_gbps: float | None = None
+                 ) -> Iterator[PeerCluster]:
+    """A :class:`PeerCluster`; everything it made (processes, namespaces, files) is removed at exit. The registry
+    listens on the bridge in the root namespace, or with ``registry_gbps`` in a namespace of its own behind a
+    link of that rate (a store slower than the hosts' fabric, as BlitzScale's SSDs and remote storage are)."""
     from moto.server import ThreadedMotoServer
 
     cid = cluster_id(key)
@@ -167,12 +170,22 @@ def peer_cluster(hosts: list[str], nic_gbps: float, key: str) -> Iterator[PeerCl
     cluster = None
     saved = os.environ.get("AWS_SHARED_CREDENTIALS_FILE")
     try:
-        net = HostNetwork.create(hosts, cid, nic_gbps)
+        net = HostNetwork.create([*hosts, "registry"] if registry_gbps else hosts, cid, nic_gbps)
         cluster = PeerCluster(net, work)
-        server = ThreadedMotoServer(ip_address=net.bridge_address, port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        cluster.endpoint = f"http://{host}:{port}"
+        if registry_gbps:
+            net.set_rate("registry", registry_gbps)
+            reg = net.host("registry")
+            port = free_port()
+            cluster.procs["registry"] = subprocess.Popen(
+                net.exec_argv(reg, [sys.executable, "-m", "moto.server", "-H", reg.address, "-p", str(port)]),
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+            cluster.endpoint = f"http://{reg.address}:{port}"
+            wait_tcp(reg.address, port)
+        else:
+            server = ThreadedMotoServer(ip_address=net.bridge_address, port=0, verbose=False)
+            server.start()
+            host, port = server.get_host_and_port()
+            cluster.endpoint = f"http://{host}:{port}"
         os.environ["AWS_SHARED_CREDENTIALS_FILE"] = cluster.env()["AWS_SHARED_CREDENTIALS_FILE"]
         yield cluster
     finally:

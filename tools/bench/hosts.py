@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,30 +30,12 @@ from pathlib import Path
 import requests
 from quart_provider.network import HostNetwork, cluster_id, unavailable_reason
 from quart_tools.arrivals import poisson_arrivals
-from quart_tools.bench import machine_info, write_random_file, write_report
+from quart_tools.bench import free_port, machine_info, wait_tcp, write_random_file, write_report
 from quart_tools.bench.policies import Gateway
 from quart_tools.loadgen import run_load
 
 MODEL = "bert-21b"  # emulated: its profile, no weights
 STAGES = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_tcp(address: str, port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((address, port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens on {address}:{port} after {timeout_s:.0f} s") from None
-            time.sleep(0.2)
 
 
 def registry_fetch(nic_gbps: float, registry_gbps: float, stage_bytes: int, work: Path) -> dict:
@@ -66,11 +47,11 @@ def registry_fetch(nic_gbps: float, registry_gbps: float, stage_bytes: int, work
     try:
         net.set_rate("registry", registry_gbps)
         reg = net.host("registry")
-        port = _free_port()
+        port = free_port()
         server = subprocess.Popen(net.exec_argv(reg, [sys.executable, "-m", "moto.server", "-H", reg.address,
                                                       "-p", str(port)]),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        _wait_tcp(reg.address, port)
+        wait_tcp(reg.address, port)
         endpoint = f"http://{reg.address}:{port}"
         creds = work / "registry-credentials"
         creds.write_text("[default]\naws_access_key_id = bench\naws_secret_access_key = bench-secret\n")

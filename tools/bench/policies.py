@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--model", default=MODEL, help=f"{MODEL} (default: emulated, parameter-free) or a real pretrained "
+                   "model with cpu compute: minilm, smollm2 (--activation-bytes is then the model's own)")
     p.add_argument("--start-replicas", type=int, default=1, help="replicas per stage at the start of each run")
     p.add_argument("--max-replicas", type=int, default=6, help="com.openfaas.scale.max per stage")
     p.add_argument("--hosts", type=int, default=2)
@@ -93,6 +95,7 @@ class Gateway:
                                      env={**os.environ, **env}, start_new_session=True)
         self.url = ""
         self.param_cache: bool | None = None  # com.quart.keysmanager last set on the stages (None: as deployed)
+        self.model = MODEL  # the model whose stages are served
         deadline = time.monotonic() + 300
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -164,7 +167,7 @@ class Gateway:
         deadline = time.monotonic() + timeout_s
         while True:
             fns = self.functions()
-            snap = self.snapshot().get(MODEL, {}).get("stages", [])
+            snap = self.snapshot().get(self.model, {}).get("stages", [])
             queues = sum(s.get("queue_len", 0) + s.get("busy", 0) for s in snap)
             if all(fns[s]["availableReplicas"] == replicas and fns[s]["replicas"] == replicas for s in stages) \
                     and queues == 0:
@@ -184,13 +187,13 @@ def profile(gw: Gateway, count: int) -> tuple[float, list[float]]:
     lat = []
     for i in range(count + 3):
         t = time.perf_counter()
-        res = requests.post(f"{gw.url}/function/{MODEL}", data=body, headers={"Content-Type": ctype}, timeout=60)
+        res = requests.post(f"{gw.url}/function/{gw.model}", data=body, headers={"Content-Type": ctype}, timeout=60)
         if res.status_code != 200:
             raise RuntimeError(f"profiling request failed: {res.status_code} {res.text[:300]}")
         if i >= 3:
             lat.append(1000 * (time.perf_counter() - t))
     time.sleep(1.5)
-    stages = gw.snapshot().get(MODEL, {}).get("stages", [])
+    stages = gw.snapshot().get(gw.model, {}).get("stages", [])
     service = [round(1000 / s["service_rate"], 1) if s.get("service_rate") else 0.0 for s in stages]
     return float(sorted(lat)[len(lat) // 2]), service
 
@@ -241,10 +244,13 @@ def samples_from_timeline(rows: list[dict], t0: float) -> list[dict]:
     return out
 
 
-def partition(out_dir: Path, stages: int, max_replicas: int, activation_bytes: int = 0) -> Path:
-    argv = [sys.executable, "-m", "quart_tools.cli", "partition", "--model", MODEL, "--stages", str(stages),
-            "--out", str(out_dir), "--weights", "none", "--compute", "emulated", "--scale-min", "1",
-            "--scale-max", str(max_replicas), "--concurrency", "1"]
+def partition(out_dir: Path, stages: int, max_replicas: int, activation_bytes: int = 0, model: str = MODEL) -> Path:
+    """The paper's BERT-21B, parameter-free and emulated; or a real pretrained model (minilm, smollm2) on cpu."""
+    real = model != MODEL
+    argv = [sys.executable, "-m", "quart_tools.cli", "partition", "--model", model, "--stages", str(stages),
+            "--out", str(out_dir), *(("--compute", "cpu") if real else ("--weights", "none", "--compute", "emulated")),
+            "--scale-min", "1", "--scale-max", str(max_replicas), "--concurrency", "1"]
+    activation_bytes = 0 if real else activation_bytes
     res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     if res.returncode != 0:
         raise RuntimeError(f"partition failed: {res.stderr.strip()[-500:]}")
@@ -268,12 +274,14 @@ def run(args: argparse.Namespace) -> dict:
     out_path = Path(args.out)
     plot_dir = out_path.with_suffix("")
     tmp = Path(args.state_dir or tempfile.mkdtemp(prefix="quart-bench-policies-"))
-    stack = partition(tmp / "model", args.stages, args.max_replicas, args.activation_bytes)
+    stack = partition(tmp / "model", args.stages, args.max_replicas, args.activation_bytes, args.model)
     env = {"QUART_POLICY": "static", "QUART_CONTROL_PERIOD_S": str(args.control_period), "QUART_WINDOW_S": "5",
            "QUART_REQUEST_TIMEOUT_S": str(args.timeout), "QUART_QUEUE_CAP": "4096"}
     gw = Gateway(stack, tmp / "state", args.hosts, args.gpus_per_host, env)
+    gw.model = args.model
     report: dict = {
-        "benchmark": "policies", "compute": "emulated", "model": MODEL, "profiled_ms": PROFILED_MS,
+        "benchmark": "policies", "compute": "emulated" if args.model == MODEL else "cpu", "model": args.model,
+        "profiled_ms": PROFILED_MS,
         "stages": args.stages, "rate_rps": args.rate, "activation_bytes": args.activation_bytes, "duration_s": args.duration, "seed": args.seed,
         "start_replicas": args.start_replicas, "max_replicas": args.max_replicas, "repeats": args.repeats,
         "static_replicas": args.static_replicas, "baselines_keysmanager": args.baselines_keysmanager,
@@ -284,7 +292,7 @@ def run(args: argparse.Namespace) -> dict:
     latencies: dict[str, dict] = {}
     series: dict[str, dict] = {}
     try:
-        stages = gw.stages(MODEL)
+        stages = gw.stages(gw.model)
         gw.switch("static", {"replicas": args.start_replicas})
         gw.wait_reset(stages, args.start_replicas, timeout_s=600)
         profiled_ms, service_ms = profile(gw, args.profile_requests)
@@ -332,7 +340,7 @@ def one_run(gw: Gateway, stages: list[str], workload: str, policy: str, arrivals
     gw.wait_reset(stages, start)
     time.sleep(args.settle)
     t0 = gw.switch(policy, policy_config(policy, args))
-    result = generate_load(f"{gw.url}/function/{MODEL}", arrivals, timeout_s=args.timeout,
+    result = generate_load(f"{gw.url}/function/{gw.model}", arrivals, timeout_s=args.timeout,
                            body=body_maker("input-ids", max_tokens=SEQ_TOKENS), progress=False)
     rows = gw.timeline(t0)
     samples = samples_from_timeline(rows, t0)

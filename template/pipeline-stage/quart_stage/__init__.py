@@ -5,7 +5,9 @@ Modules: config (StageConfig from QUART_* env), presets (model presets, paper pr
 (gamma service times), runtime (StageRuntime), app (flask app), handler (OpenFaaS handler contract),
 serve (gunicorn on an ephemeral port), verify (the unpartitioned reference), attach (start from the node's
 KeysManager cache), segment (the layout and mapping of a shared-memory parameter segment), unixhttp (HTTP
-over a Unix socket); settings, errors, labels:
+over a Unix socket), nodecache (the stage's spec and JSON calls to the node's KeysManager, no torch), forward
+and proxy (a stage pod's fork path: a replica forked by the node's KeysManager, this pod forwarding to it, no
+torch); settings, errors, labels:
 the vocabulary every component shares (this package is the lowest layer: every stage image ships it).
 
 Fork safety: numpy's OpenBLAS starts a thread pool when numpy is imported (torch imports numpy), and a

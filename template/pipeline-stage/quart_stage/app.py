@@ -21,6 +21,7 @@ from flask import Flask, Response, request
 from quart_stage.attach import load_stage
 from quart_stage.config import StageConfig
 from quart_stage.errors import QuartError, invalid
+from quart_stage.layers import H_LAYERS_HELD
 from quart_stage.runtime import StageResponse, StageRuntime
 
 MOUNTS_ENV = "QUART_STAGE_MOUNTS"
@@ -71,15 +72,23 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
     inflight = _Inflight(runtime.cfg.max_inflight)
     max_body = runtime.cfg.max_body_bytes
 
+    def _held() -> dict[str, str]:
+        held = runtime.held()
+        return {H_LAYERS_HELD: f"{held[0]}-{held[1]}"} if held else {}
+
     @app.get("/_/health")
     def health():
         return {"status": "ok", "model": runtime.model, "stage": runtime.stage_index,
-                "stages": runtime.num_stages, "compute": runtime.compute, "parameters": runtime.parameter_source}
+                "stages": runtime.num_stages, "compute": runtime.compute,
+                "parameters": runtime.parameter_source}, 200, _held()
 
     @app.get("/")
     def info():
+        held = runtime.held()
         return {"model": runtime.model, "stage": runtime.stage_index, "stages": runtime.num_stages,
-                "compute": runtime.compute, "parameter_bytes": runtime.parameter_bytes}
+                "compute": runtime.compute, "parameter_bytes": runtime.parameter_bytes,
+                "layers": list(runtime.stage_range) if runtime.stage_range else None,
+                "layers_held": list(held) if held else None}, 200, _held()
 
     @app.post("/", defaults={"path": ""})
     @app.post("/<path:path>")

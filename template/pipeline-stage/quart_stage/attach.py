@@ -16,22 +16,16 @@ settings: every replica of one function sends the same name and environment, so 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import re
 import time
 
 from quart_stage.config import StageConfig
 from quart_stage.manifest import Manifest
+from quart_stage.nodecache import NodeCacheError, km_call, stage_spec
 from quart_stage.runtime import StageRuntime
 from quart_stage.segment import SegmentIndex, map_segment
-from quart_stage.unixhttp import UnixHTTPConnection
 
 ATTACH_ROUTE = "/v1/attach"
-_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
-_NOT_SENT = ("QUART_KEYSMANAGER_SOCKET",)  # where the KeysManager is, not what the stage is
 
 log = logging.getLogger("quart_stage.attach")
 
@@ -40,35 +34,12 @@ class AttachError(RuntimeError):
     """The node's cache could not give this stage its parameters (the message says why)."""
 
 
-def stage_spec(cfg: StageConfig) -> dict:
-    """The KeysManager's ``StageSpec`` of this stage: its function name and ``QUART_*`` environment."""
-    env = {k: v for k, v in sorted(cfg.to_env().items()) if k not in _NOT_SENT}
-    source = (cfg.model_dir or cfg.model_url or "stage").rstrip("/")
-    base = _NAME_CHARS.sub("-", os.path.basename(source)).strip("-.")[:80] or "stage"
-    digest = hashlib.sha256(json.dumps(env).encode()).hexdigest()[:8]
-    return {"function": f"{base}-stage-{cfg.stage_index}-{digest}", "env": env, "cpus": float(cfg.threads)}
-
-
 def ask_keysmanager(socket_path: str, spec: dict, timeout_s: float) -> dict:
     """``POST /v1/attach`` on the KeysManager's socket; its answer, or AttachError naming the cause."""
-    conn = UnixHTTPConnection(socket_path, timeout_s)
     try:
-        conn.request("POST", ATTACH_ROUTE, body=json.dumps({"spec": spec}).encode(),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-    except OSError as exc:
-        raise AttachError(f"cannot reach the KeysManager at {socket_path}: {exc}") from None
-    finally:
-        conn.close()
-    try:
-        answer = json.loads(raw)
-    except ValueError:
-        raise AttachError(f"the KeysManager answered {resp.status} with a body that is not JSON") from None
-    if resp.status != 200 or not isinstance(answer, dict):
-        error = answer.get("error") if isinstance(answer, dict) else answer
-        raise AttachError(f"the KeysManager answered {resp.status}: {error}")
-    return answer
+        return km_call(socket_path, "POST", ATTACH_ROUTE, {"spec": spec}, timeout_s)
+    except NodeCacheError as exc:
+        raise AttachError(str(exc)) from None
 
 
 def attach(cfg: StageConfig) -> StageRuntime:

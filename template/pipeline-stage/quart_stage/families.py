@@ -60,11 +60,19 @@ PLANS: dict[str, LayerPlan] = {
         "bert", "encoder", "BertForMaskedLM",
         embed_prefixes=("bert.embeddings",), blocks_prefix="bert.encoder.layer", head_prefixes=("cls",),
     ),
+    # sentence embeddings (MiniLM): BERT blocks, head = parameter-free mean pooling + L2 norm (quart_stage.pooling)
+    "bert-sentence": LayerPlan(
+        "bert", "encoder", "quart_stage.pooling:SentenceBert",
+        embed_prefixes=("bert.embeddings",), blocks_prefix="bert.encoder.layer", head_prefixes=("pooling",),
+    ),
 }
+PLAN_KEY = "quart_plan"
+"""Config key naming a PLANS entry other than the one of its model_type (e.g. ``bert-sentence``)."""
 
 
 def plan_for(config: Mapping | object) -> LayerPlan:
     model_type = config["model_type"] if isinstance(config, Mapping) else config.model_type
+    model_type = (config.get(PLAN_KEY) if isinstance(config, Mapping) else getattr(config, PLAN_KEY, None)) or model_type
     try:
         return PLANS[model_type]
     except KeyError:
@@ -100,11 +108,22 @@ def layer_names(cfg) -> list[str]:
     return ["embeddings", *[f"block_{i}" for i in range(num_blocks(cfg))], "head"]
 
 
-def build_skeleton(cfg) -> nn.Module:
-    """The whole model on the meta device: shapes and names only, no memory, no compute."""
+def model_class(cfg) -> type:
+    """The whole-model class of a plan: a transformers class name, or ``module:Class``."""
+    import importlib
+
     import transformers
 
-    cls = getattr(transformers, plan_for(cfg).model_class)
+    name = plan_for(cfg).model_class
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return getattr(transformers, name)
+
+
+def build_skeleton(cfg) -> nn.Module:
+    """The whole model on the meta device: shapes and names only, no memory, no compute."""
+    cls = model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg)
     return model.eval()
@@ -231,7 +250,7 @@ class StageModule(nn.Module):
         if first < last:
             hidden = self._blocks(hidden, mask, first - 1 - self.block_offset, last - 1 - self.block_offset)
         if hi == self.total_layers:
-            hidden = self._head(hidden)
+            hidden = self._head(hidden, mask)
         return hidden
 
     def _embed(self, inputs: Mapping[str, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
@@ -289,9 +308,9 @@ class StageModule(nn.Module):
         return [sliding if types[offset + i] == "sliding_attention" else full
                 for i in range(count)]
 
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        for module in self.head.values():
-            hidden = module(hidden)
+    def _head(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for module in self.head.values():  # a pooling head (takes_mask) needs the padding mask
+            hidden = module(hidden, mask) if getattr(module, "takes_mask", False) else module(hidden)
         return hidden
 
 

@@ -70,7 +70,7 @@ def int_matrix(value, name: str) -> torch.Tensor:
         raise invalid(name, "values must be integers")
     try:
         return torch.tensor(value, dtype=torch.int64)
-    except (OverflowError, RuntimeError):
+    except (OverflowError, RuntimeError, ValueError):  # torch: "Overflow when unpacking long long" (2**70)
         raise invalid(name, "values must fit in int64") from None
 
 

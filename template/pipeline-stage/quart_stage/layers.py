@@ -14,17 +14,15 @@ sha256 matched (``keysmanager.transfer``, ``keysmanager.parts``). Every response
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
 from quart_stage.errors import QuartError, invalid
 from quart_stage.progress import read_range
+from quart_stage.spans import H_LAYERS, H_LAYERS_HELD, SPAN, fmt  # noqa: F401 - re-exported
 
-H_LAYERS, H_LAYERS_HELD = "X-Quart-Layers", "X-Quart-Layers-Held"
 FIELD = "layers"
-_RANGE = re.compile(r"^\s*(\d{1,6})\s*-\s*(\d{1,6})\s*$")
 
 
 @dataclass(frozen=True)
@@ -55,16 +53,12 @@ def manifest_shape(model: str, config: dict, dtype: torch.dtype, start: int, end
     )
 
 
-def fmt(span: tuple[int, int]) -> str:
-    return f"{span[0]}-{span[1]}"
-
-
 def parse_layers(value: str | None, stage: tuple[int, int]) -> tuple[int, int]:
     """The range a request asks for: ``stage`` when the header is absent; 400 naming ``layers`` when it is
     malformed or not inside ``stage``."""
     if value is None:
         return stage
-    m = _RANGE.match(value)
+    m = SPAN.match(value)
     if m is None:
         raise invalid(FIELD, f"{H_LAYERS} must be A-B (absolute layer indices, half-open), got {value!r}")
     a, b = int(m.group(1)), int(m.group(2))

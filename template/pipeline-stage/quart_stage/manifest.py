@@ -10,6 +10,26 @@ MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 
 
+def check_file_name(name: object) -> None:
+    """A stage ``file`` is a plain relative path inside the model folder: no ``..``, not absolute, no NUL
+    (a crafted manifest must not make a replica open /etc/passwd). Raises ValueError."""
+    if name is None:
+        return
+    if (not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name)
+            or ".." in name.replace("\\", "/").split("/")):
+        raise ValueError(f"stage file {name!r} must be a relative path inside the model folder")
+
+
+def stage_path(directory: str | os.PathLike, name: str) -> str:
+    """``directory/name``, resolved, and still inside ``directory`` (symbolic links followed). Raises ValueError."""
+    check_file_name(name)
+    root = os.path.realpath(directory)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([root, path]) != root:
+        raise ValueError(f"stage file {name!r} resolves outside the model folder {root}")
+    return path
+
+
 @dataclass(frozen=True)
 class StageEntry:
     """One stage: its layer range ``[start, end)`` in the manifest's layer list and its parameter file.
@@ -91,6 +111,8 @@ class Manifest:
         if version != MANIFEST_VERSION:
             raise ValueError(f"manifest version {version} is not supported (expected {MANIFEST_VERSION})")
         data["stages"] = [StageEntry(**s) for s in data["stages"]]
+        for entry in data["stages"]:
+            check_file_name(entry.file)
         return cls(**data)
 
     @classmethod

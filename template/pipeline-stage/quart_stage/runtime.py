@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from quart_stage import wire
+from quart_stage import jsonparse, wire
 from quart_stage.config import ConfigError, StageConfig
 from quart_stage.device_copy import move_module
 from quart_stage.emulated import ServiceTime, service_time_for
@@ -50,7 +50,7 @@ from quart_stage.layers import (
     parse_layers,
     range_share,
 )
-from quart_stage.manifest import Manifest, StageEntry
+from quart_stage.manifest import Manifest, StageEntry, stage_path
 from quart_stage.presets import paper_profile
 
 JSON_TYPE = "application/json"
@@ -308,10 +308,7 @@ class StageRuntime:
         return decoded.tensors, {k: v for k, v in decoded.metadata.items() if k in ("model", "stage")}
 
     def _parse_json(self, body) -> dict[str, torch.Tensor]:
-        try:
-            doc = json.loads(bytes(body))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise invalid("body", "body is not valid JSON") from None
+        doc = jsonparse.loads(body)  # NaN, deep nesting, huge integers: 400 naming the body
         if not isinstance(doc, dict):
             raise invalid("body", 'JSON input must be an object like {"input_ids": [[1, 2, 3]]}')
         unknown = set(doc) - {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK, "text"}
@@ -394,7 +391,7 @@ def read_stage_file(model_dir: str, entry: StageEntry, verify: bool = False) -> 
 
     The size is always checked against the manifest; with `verify`, the sha256 too.
     """
-    path = os.path.join(model_dir, entry.file)
+    path = stage_path(model_dir, entry.file)  # confined to the model folder
     size = os.path.getsize(path)
     if entry.file_bytes is not None and size != entry.file_bytes:
         raise ConfigError(f"{path} has {size} bytes, the manifest says {entry.file_bytes}: re-partition the model")

@@ -15,8 +15,6 @@ from quart_stage.runtime import read_stage_file
 
 def reference_model(model_dir: str) -> torch.nn.Module:
     """The whole model (transformers class of the manifest's family) with every stage's tensors loaded."""
-    import transformers
-
     manifest = Manifest.load(model_dir)
     if not manifest.has_weights:
         raise ValueError(f"{model_dir} was partitioned without weights; there is nothing to compare against")
@@ -24,7 +22,7 @@ def reference_model(model_dir: str) -> torch.nn.Module:
     tensors: dict[str, torch.Tensor] = {}
     for entry in manifest.stages:
         tensors.update(read_stage_file(model_dir, entry))
-    model = getattr(transformers, families.plan_for(cfg).model_class)(cfg)
+    model = families.model_class(cfg)(cfg)
     model.load_state_dict(tensors, strict=True)
     return model.eval()
 

@@ -11,7 +11,6 @@ Never pickle.
 
 from __future__ import annotations
 
-import json
 import struct
 import warnings
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from json.encoder import encode_basestring as _quote  # C-accelerated JSON strin
 import numpy as np
 import torch
 
+from quart_stage import jsonparse
 from quart_stage.errors import invalid
 
 CONTENT_TYPE = "application/octet-stream"
@@ -141,10 +141,7 @@ def decode(buf: bytes | bytearray | memoryview, field: str = "body") -> Decoded:
         raise invalid(field, f"safetensors header claims {header_len} bytes (limit {MAX_HEADER_BYTES})")
     if 8 + header_len > total:
         raise invalid(field, f"body is truncated: header claims {header_len} bytes but only {total - 8} follow")
-    try:
-        header = json.loads(bytes(view[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(field, f"safetensors header is not valid JSON ({exc.__class__.__name__})") from None
+    header = jsonparse.loads(view[8 : 8 + header_len], field, "safetensors header")  # a nested one: 400
     if not isinstance(header, dict):
         raise invalid(field, "safetensors header must be a JSON object")
     metadata = header.pop("__metadata__", None) or {}

@@ -1,0 +1,39 @@
+"""Who the pipeline router lets in (issue 14, item 3): the queue cap and admission by time, at entry.
+
+:func:`stage_loads` reads the router's queues, replicas and measured service times;
+:func:`entry_admission` decides with the pure rules of :mod:`quart_provider.admission`: a stage whose
+queue is at ``queue_cap`` refuses (Retry-After: the time that queue needs to drain one place at its
+measured rate), and so does a request whose expected wait over all its stages exceeds its deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from quart_provider.admission import Admission, StageLoad, admit_by_time, retry_after_s
+
+
+def stage_loads(router: Any, stages: Sequence[str]) -> list[StageLoad]:
+    """Each stage's queue, serving slots (ready replicas × concurrency; unlimited: one per replica) and
+    measured mean service time."""
+    now = router.clock()
+    loads = []
+    for fn in stages:
+        q = router.queues.get(fn)
+        per_replica = router.source.concurrency(fn) or 1
+        loads.append(StageLoad(len(q.jobs) if q else 0, len(router.source.ready(fn)) * per_replica,
+                               router.collector.stage(fn).mean_service_s(now)))
+    return loads
+
+
+def entry_admission(router: Any, model: str, stages: Sequence[str], deadline_s: float) -> Admission:
+    """Admit a request for ``model`` now, or a 429 decision with its reason and Retry-After."""
+    loads = stage_loads(router, stages)
+    cap, fallback = router.config.queue_cap, router.config.retry_after_s
+    for fn, load in zip(stages, loads, strict=True):
+        if load.queued >= cap:
+            drain_s = (load.queued - cap + 1) * load.service_s / load.servers if load.servers else float("nan")
+            return Admission(False, 0.0, retry_after_s(drain_s, fallback),
+                             f"stage {fn!r} already has {load.queued} requests waiting (cap {cap}); retry later")
+    return admit_by_time(loads, deadline_s, f"a request to {model!r}")

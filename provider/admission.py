@@ -1,0 +1,148 @@
+"""Admission by bytes and by time (issue 14, item 3): who gets in, and when to come back.
+
+- **Bytes**: :class:`ByteGate` bounds the request-body bytes held at once, per gateway and per function.
+  A body is counted as it arrives (``Content-Length`` up front, a chunked body piece by piece), so a
+  chunked body is bounded like any other. One body over the per-function bound can never pass: 413.
+  A body that would take the total over a bound now: 429 with ``Retry-After`` from the measured drain
+  rate (bytes released per second), never a constant.
+- **Time**: :func:`admit_by_time` refuses a request at entry when the wait it can expect (the queue ahead
+  of it × the measured service time ÷ the replicas serving) already exceeds its deadline: it would be
+  answered 504 after holding memory and a queue slot; ``Retry-After`` is how long the queue needs to drain
+  to where the request would fit. Pure: the gateway's proxy and the pipeline router both call it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from quart_stage.errors import QuartError
+
+MAX_RETRY_AFTER_S = 60
+
+
+def retry_after_s(seconds: float, fallback: int = 1) -> int:
+    """Whole seconds to wait (1 … 60); ``fallback`` when the estimate is not a finite number."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        return max(1, fallback)
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
+
+
+@dataclass(frozen=True, slots=True)
+class StageLoad:
+    """One queue as admission sees it: requests waiting, replicas serving, measured seconds per request."""
+
+    queued: int
+    servers: int  # requests served at once (replicas × their concurrency); 0 = none ready yet
+    service_s: float  # measured mean service time of one request; 0 = not measured yet
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The decision: ``admit``, else the status (429) and ``retry_after_s`` to answer, and why."""
+
+    admit: bool
+    expected_wait_s: float = 0.0
+    retry_after_s: int = 0
+    reason: str = ""
+
+    def error(self) -> QuartError:
+        return QuartError(429, self.reason, None, {"Retry-After": str(self.retry_after_s)})
+
+
+def expected_wait_s(load: StageLoad) -> float:
+    """Queue × service time ÷ servers; 0 when it cannot be estimated (nothing measured, nobody serving:
+    a cold start is bounded by the start timeout instead)."""
+    if load.service_s <= 0 or load.servers <= 0:
+        return 0.0
+    return load.queued * load.service_s / load.servers
+
+
+def admit_by_time(stages: Sequence[StageLoad], deadline_s: float, what: str = "the request") -> Admission:
+    """Admit unless the summed expected wait and service over ``stages`` exceeds ``deadline_s``."""
+    waits = [expected_wait_s(s) for s in stages]
+    total = sum(waits) + sum(s.service_s for s in stages if s.service_s > 0)
+    if deadline_s <= 0 or total <= deadline_s:
+        return Admission(True, total)
+    excess = total - deadline_s  # the queue drains at servers / service_s requests per second
+    return Admission(False, total, retry_after_s(excess),
+                     f"{what} would wait about {total:.1f} s, over its deadline of {deadline_s:.1f} s; retry later")
+
+
+class ByteGate:
+    """Request-body bytes held at once, per gateway (``total_limit``) and per key (a function or model)."""
+
+    def __init__(self, total_limit: int, key_limit: int, clock: Callable[[], float] = time.monotonic,
+                 fallback_retry_s: int = 1, window_s: float = 10.0) -> None:
+        self.total_limit = total_limit
+        self.key_limit = key_limit
+        self.clock = clock
+        self.fallback_retry_s = fallback_retry_s
+        self.window_s = window_s
+        self.total = 0
+        self.held: dict[str, int] = {}
+        self._released: list[tuple[float, int]] = []  # (when, bytes) within the window: the drain rate
+
+    def drain_rate(self) -> float:
+        """Bytes released per second over the last ``window_s`` (0 when nothing was)."""
+        now = self.clock()
+        self._released = [(t, n) for t, n in self._released if now - t <= self.window_s]
+        if not self._released:
+            return 0.0
+        span = max(now - self._released[0][0], 0.5)
+        return sum(n for _, n in self._released) / span
+
+    def reserve(self, key: str, size: int) -> None:
+        """Count ``size`` more bytes for ``key``; raises 413 (never fits) or 429 + Retry-After (not now)."""
+        held = self.held.get(key, 0)
+        if size > self.key_limit:
+            raise QuartError(413, f"request body of {size} bytes is over the {self.key_limit}-byte in-flight limit "
+                                  f"of {key!r}", "body")
+        over = max(self.total + size - self.total_limit, held + size - self.key_limit)
+        if over > 0:
+            rate = self.drain_rate()
+            wait = retry_after_s(over / rate if rate > 0 else math.nan, self.fallback_retry_s)
+            scope = "the gateway" if self.total + size > self.total_limit else repr(key)
+            raise QuartError(429, f"{scope} already holds its limit of request bodies in flight; retry later",
+                             None, {"Retry-After": str(wait)})
+        self.total += size
+        self.held[key] = held + size
+
+    def release(self, key: str, size: int) -> None:
+        if size <= 0:
+            return
+        self.total -= size
+        left = self.held.get(key, 0) - size
+        if left > 0:
+            self.held[key] = left
+        else:
+            self.held.pop(key, None)
+        self._released.append((self.clock(), size))
+        if len(self._released) > 4096:
+            self.drain_rate()  # trims the window
+
+
+class Reservation:
+    """Bytes of one request body held in a :class:`ByteGate` until :meth:`close` (idempotent)."""
+
+    def __init__(self, gate: ByteGate, key: str) -> None:
+        self.gate, self.key, self.size = gate, key, 0
+
+    def add(self, size: int) -> None:
+        if self.size + size > self.gate.key_limit:  # the whole body, however it arrives
+            raise QuartError(413, f"request body of more than {self.gate.key_limit} bytes is over the in-flight "
+                                  f"limit of {self.key!r}", "body")
+        self.gate.reserve(self.key, size)
+        self.size += size
+
+    def hold(self, size: int) -> None:
+        """Count ``size`` more bytes without refusing them (an answer already computed): later bodies see them."""
+        self.gate.total += size
+        self.gate.held[self.key] = self.gate.held.get(self.key, 0) + size
+        self.size += size
+
+    def close(self) -> None:
+        self.gate.release(self.key, self.size)
+        self.size = 0

@@ -1,0 +1,291 @@
+"""`quartctl bench chaos`: faults, overload and fuzzing against a real `quartctl up` (issue 14's acceptance).
+
+- **Scenarios** (2 hosts with KeysManagers, an emulated 3-stage model at 2 replicas per stage, an open loop of
+  ``--rate`` req/s on ``POST /function/<model>`` for ``--seconds`` each): ``replica-kill`` (kill -9 a random
+  replica every 3 s), ``keysmanager-kill`` (kill -9 one KeysManager), ``replica-stop`` (SIGSTOP a replica
+  for 5 s), ``gateway-restart`` (SIGTERM the gateway, `quartctl up` again on the same state folder: the
+  functions come back from the store). Per scenario: ``sent``, ``ok`` (2xx), ``explicit_error`` (an HTTP
+  error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
+  ``recovered_s`` (from the last fault to every function at its desired replicas again).
+- **Overload** (`--process-hosts`, ``quart/echo`` at concurrency 1 on one replica, 32 MB bodies): the
+  capacity measured closed-loop, then an open loop at ``--factor`` × capacity with a deadline
+  (``X-Quart-Timeout-Ms``): the gateway's RSS growth and the p99 of accepted requests.
+- **Fuzz** (``--fuzz-cases``, seeded): mutated requests to the deploy, scale, function and async APIs;
+  ``status_5xx``, ``hangs`` (no answer in 10 s) and ``crashes`` (the gateway process gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+import yaml
+from quart_provider.system import stop_process
+from quart_tools.bench import machine_info, write_report
+from quart_tools.bench.chaos_fuzz import fuzz
+
+SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart")
+MODEL = "bert-21b"
+BODY = json.dumps({"input_ids": [[1, 2, 3, 4]]}).encode()
+RECOVERY_POLL_DELAY_S = 0.5  # recovered_s is at least this: a poll right after a kill still counts the victim
+
+
+class Gateway:
+    """One `quartctl up` process on a state folder; ``start`` again after ``stop`` restores its functions."""
+
+    def __init__(self, state_dir: Path, args: list[str]) -> None:
+        self.state_dir, self.args = state_dir, args
+        self.process: subprocess.Popen | None = None
+        self.url, self.auth = "", aiohttp.BasicAuth("admin", "")
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        log = open(self.state_dir.parent / "gateway.log", "ab")  # noqa: SIM115 - the child's
+        state_file = self.state_dir / "up.json"
+        state_file.unlink(missing_ok=True)
+        self.process = subprocess.Popen([sys.executable, "-m", "quart_tools.cli", "up", "--port", "0", "--state-dir",
+                                         str(self.state_dir), *self.args], stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not state_file.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"quartctl up did not start; see {self.state_dir.parent / 'gateway.log'}")
+            time.sleep(0.05)
+        state = json.loads(state_file.read_text())
+        self.url = state["url"]
+        self.auth = aiohttp.BasicAuth(state["user"], Path(state["password_file"]).read_text().strip())
+
+    def state(self) -> dict:
+        return json.loads((self.state_dir / "up.json").read_text())
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process(self.process.pid, self.process, grace_s=30.0)
+            self.process = None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+async def _functions(session: aiohttp.ClientSession, gw: Gateway) -> list[dict]:
+    async with session.get(f"{gw.url}/system/functions", auth=gw.auth, timeout=aiohttp.ClientTimeout(total=2)) as r:
+        return await r.json() if r.status == 200 else []
+
+
+async def wait_serving(session: aiohttp.ClientSession, gw: Gateway, timeout_s: float, want: int = 0) -> float:
+    """When (monotonic) every function (at least ``want`` of them) has its desired replicas available; inf
+    when not within ``timeout_s``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            fns = await _functions(session, gw)
+            if len(fns) >= max(1, want) and all(f["availableReplicas"] >= f["replicas"] for f in fns):
+                return time.monotonic()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass
+        await asyncio.sleep(0.1)
+    return float("inf")
+
+
+async def _replica_pids(session: aiohttp.ClientSession, gw: Gateway) -> list[int]:
+    """Pids of ready replicas (from the ports their URLs name)."""
+    ports = set()
+    for fn in await _functions(session, gw):
+        async with session.get(f"{gw.url}/system/replicas/{fn['name']}", auth=gw.auth) as r:
+            for rep in (await r.json())["replicas"]:
+                if rep["state"] == "ready":
+                    ports.add(int(rep["url"].rsplit(":", 1)[1]))
+    return sorted({c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid
+                   and c.laddr.port in ports})
+
+
+async def open_loop(gw: Gateway, path: str, body: bytes, rate: float, seconds: float, timeout_s: float,
+                    headers: dict[str, str] | None = None) -> dict:
+    """``rate`` req/s for ``seconds`` whatever the answers; every request's outcome and latency."""
+    out = {"sent": 0, "ok": 0, "explicit_error": 0, "lost": 0, "by_status": {}, "ok_ms": []}
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def one() -> None:
+            start = time.perf_counter()
+            try:
+                async with session.post(gw.url + path, data=body, headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    await r.read()
+                    out["by_status"][str(r.status)] = out["by_status"].get(str(r.status), 0) + 1
+                    if 200 <= r.status < 300:
+                        out["ok"] += 1
+                        out["ok_ms"].append(1000 * (time.perf_counter() - start))
+                    else:
+                        out["explicit_error"] += 1
+            except TimeoutError:
+                out["lost"] += 1
+            except aiohttp.ClientError as exc:
+                out["explicit_error"] += 1  # refused or reset: the client knows at once
+                out["by_status"][type(exc).__name__] = out["by_status"].get(type(exc).__name__, 0) + 1
+
+        tasks, t0 = [], time.monotonic()
+        for i in range(int(rate * seconds)):
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+            out["sent"] += 1
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return out
+
+
+async def inject(name: str, gw: Gateway, seconds: float, rng: random.Random) -> float:
+    """The fault of scenario ``name``; returns when its last fault ended (monotonic)."""
+    async with aiohttp.ClientSession() as session:
+        await asyncio.sleep(min(5.0, seconds / 4))
+        if name == "replica-kill":
+            kills = max(1, int(seconds * 0.6 / 3))
+            for k in range(kills):
+                pids = await _replica_pids(session, gw)
+                if pids:
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                if k < kills - 1:
+                    await asyncio.sleep(3.0)
+            return time.monotonic()
+        if name == "keysmanager-kill":
+            os.kill(rng.choice([h["pid"] for h in gw.state()["hosts"]]), signal.SIGKILL)
+            return time.monotonic()
+        if name == "replica-stop":
+            pid = rng.choice(await _replica_pids(session, gw))
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(5.0)
+            os.kill(pid, signal.SIGCONT)
+            return time.monotonic()
+        if name == "gateway-restart":
+            await asyncio.to_thread(gw.stop)
+            await asyncio.to_thread(gw.start)  # no stack file: what comes back comes from the store
+            return time.monotonic()
+    raise ValueError(name)
+
+
+async def scenario(name: str, gw: Gateway, rate: float, seconds: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    load = asyncio.create_task(open_loop(gw, f"/function/{MODEL}", BODY, rate, seconds, timeout_s=15.0,
+                                         headers={"Content-Type": "application/json", "X-Quart-Timeout-Ms": "10000"}))
+    fault_end = await inject(name, gw, seconds, rng)
+    await asyncio.sleep(RECOVERY_POLL_DELAY_S)  # let the gateway see the fault before asking if all is well
+    async with aiohttp.ClientSession() as session:
+        serving_at = await wait_serving(session, gw, 120.0, want=3)
+    result = await load
+    ok_ms = sorted(result.pop("ok_ms"))
+    return {"name": name, **result, "recovered_s": round(serving_at - fault_end, 2),
+            "ok_p99_ms": round(ok_ms[int(0.99 * (len(ok_ms) - 1))], 1) if ok_ms else None}
+
+
+def _stack(folder: Path, mean_ms: float) -> Path:
+    from quart_tools.partition import partition
+
+    partition(MODEL, 3, str(folder), weights="none", progress=False,
+              stack={"compute": "emulated", "scale_min": 2, "scale_max": 2})
+    path = folder / "stack.yml"
+    doc = yaml.safe_load(path.read_text())
+    for fn in doc["functions"].values():
+        fn.setdefault("environment", {})["QUART_EMULATED_MEAN_MS"] = str(mean_ms)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+async def overload(tmp: Path, factor: float, seconds: float, body_mb: int, deadline_ms: int) -> dict:
+    gw = Gateway(tmp / "overload-state", ["--process-hosts", "--no-plugin", "--hosts", "1"])
+    (tmp / "overload-state").mkdir()
+    await asyncio.to_thread(gw.start)
+    try:
+        async with aiohttp.ClientSession() as session:
+            labels = {"com.openfaas.scale.min": "1", "com.openfaas.scale.max": "1", "com.quart.concurrency": "1"}
+            async with session.post(f"{gw.url}/system/functions", auth=gw.auth,
+                                    json={"service": "echo", "image": "quart/echo", "labels": labels}) as r:
+                assert r.status == 202, await r.text()
+            await wait_serving(session, gw, 60)
+            body = os.urandom(body_mb << 20)
+            count, start = 0, time.monotonic()
+            while time.monotonic() - start < 3.0:  # capacity, closed loop
+                async with session.post(f"{gw.url}/function/echo", data=body) as r:
+                    await r.read()
+                count += 1
+            capacity = count / (time.monotonic() - start)
+        proc = psutil.Process(gw.process.pid)
+        base = proc.memory_info().rss
+        peak = [base]
+
+        async def sample() -> None:
+            while True:
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                await asyncio.sleep(0.05)
+
+        sampler = asyncio.create_task(sample())
+        result = await open_loop(gw, "/function/echo", body, capacity * factor, seconds, timeout_s=deadline_ms / 1000 + 30,
+                                 headers={"X-Quart-Timeout-Ms": str(deadline_ms)})
+        sampler.cancel()
+        ok_ms = sorted(result.pop("ok_ms"))
+        return {"factor": factor, "capacity_rps": round(capacity, 2), "body_mb": body_mb,
+                "rss_growth_mb": round((peak[0] - base) / 2**20, 1),
+                "accepted_p99_ms": round(ok_ms[int(0.99 * (len(ok_ms) - 1))], 1) if ok_ms else None,
+                "deadline_ms": deadline_ms, **result}
+    finally:
+        gw.stop()
+
+
+async def run(args: argparse.Namespace) -> dict:
+    doc: dict = {"scenarios": [], "machine": machine_info(load_before=os.getloadavg())}
+    with tempfile.TemporaryDirectory(prefix="quart-chaos-") as name:
+        tmp = Path(args.keep_dir) if args.keep_dir else Path(name)
+        tmp.mkdir(parents=True, exist_ok=True)
+        if args.scenarios:
+            stack = _stack(tmp / "model", args.mean_ms)
+            state = tmp / "state"
+            state.mkdir()
+            gw = Gateway(state, ["--hosts", "2", "--gpus-per-host", "4", "-f", str(stack)])
+            await asyncio.to_thread(gw.start, 300.0)
+            try:
+                async with aiohttp.ClientSession() as session:
+                    if await wait_serving(session, gw, 300, want=3) == float("inf"):
+                        raise RuntimeError("the model never served at its desired replicas")
+                if args.fuzz_cases:
+                    doc["fuzz"] = await fuzz(gw, args.fuzz_cases, args.seed)
+                for i, scenario_name in enumerate(args.scenarios):
+                    doc["scenarios"].append(await scenario(scenario_name, gw, args.rate, args.seconds, args.seed + i))
+                    print(json.dumps(doc["scenarios"][-1]), file=sys.stderr)
+            finally:
+                gw.stop()
+        if args.factor:
+            doc["overload"] = await overload(tmp, args.factor, args.overload_seconds, args.body_mb, args.deadline_ms)
+    doc["machine"]["load_after"] = os.getloadavg()
+    doc["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
+    return doc
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="quartctl bench chaos", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(SCENARIOS),
+                   help=f"comma-separated, from {','.join(SCENARIOS)} ('' = none)")
+    p.add_argument("--rate", type=float, default=30.0, help="open-loop requests/s per scenario")
+    p.add_argument("--seconds", type=float, default=60.0, help="length of each scenario")
+    p.add_argument("--mean-ms", type=float, default=5.0, help="emulated service time of each stage")
+    p.add_argument("--fuzz-cases", type=int, default=2000)
+    p.add_argument("--factor", type=float, default=8.0, help="overload factor × measured capacity (0 = skip)")
+    p.add_argument("--overload-seconds", type=float, default=10.0)
+    p.add_argument("--body-mb", type=int, default=32)
+    p.add_argument("--deadline-ms", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=14)
+    p.add_argument("--keep-dir", type=Path, default=None, help="work (state, logs) here and keep it")
+    args = p.parse_args(argv)
+    bad = [s for s in args.scenarios if s not in SCENARIOS]
+    if bad:
+        p.error(f"unknown scenario(s) {bad}; from {SCENARIOS}")
+    write_report(asyncio.run(run(args)), args.out, always_print=True)
+    return 0
