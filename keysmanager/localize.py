@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from keysmanager.errors import InvalidSpec, RegistryUnavailable
-from keysmanager.parts import PartError, PartJob, fetch_part
+from keysmanager.parts import HeaderFailed, PartError, PartJob, fetch_part
 from keysmanager.peers import StageFile, read_peer_range, stream_from_peer
 from keysmanager.registry import LIVE_MANIFEST, MANIFEST, MODEL_URL_ENV, ModelRegistry, RegistryError
 from keysmanager.transfer import FetchResult, TransferError, VerifiedWriter
@@ -150,7 +150,7 @@ class Localizer:
                 result = await asyncio.to_thread(fetch_part, registry, stage_index, folder, layers, readers, job)
             except PartError as exc:
                 raise InvalidSpec(str(exc), exc.field) from None
-            except (TransferError, OSError) as exc:  # the registry's errors too
+            except (TransferError, OSError, HeaderFailed) as exc:  # the registry's errors too
                 raise RegistryUnavailable(f"stage {function!r} (part {layers[0]}-{layers[1]}): {exc}",
                                           "spec.env." + MODEL_URL_ENV) from None
             self.fetched[function] = result

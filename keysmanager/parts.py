@@ -1,16 +1,17 @@
 """Part start (ParaServe §5-§6): fetch one part of a stage first, serve it at once, then consolidate.
 
 A start that names a part of its stage (``"layers": [a, b]``, absolute, inside the stage's ``[S, E)``) makes
-the stage local out of file order: the safetensors header (verified by the manifest's ``header_sha256``; a
-manifest without it verifies the header with layer ``S``, fetched first), then the layers ``[a, b)``, each by
-one ranged read for the whole part (a peer KeysManager with ``Range``, else the registry's GetObject
-``Range``), each layer hashed against the manifest's ``layer_sha256`` as its bytes stream in and only then
-announced in the progress file. The live replica
-(``keysmanager.live``) serves what of ``[a, b)`` is announced; the worker then fetches ``[b, E)`` and then
-``[S, a)`` (one ranged read each: an object store may pay per read — moto reads the whole object for each), so
-the verified range ``[lo, hi)`` stays contiguous while it grows (the progress file's range format, ``quart_stage.progress``). Once every layer is verified (the layers
-tile the file) the file is renamed into place and the manifest written: the folder is complete, the replica
-is whole, and later starts take the normal zygote path.
+the stage local out of file order: the layers ``[a, b)`` by one ranged read (a peer KeysManager with
+``Range``, else the registry's GetObject ``Range``), each layer hashed against the manifest's
+``layer_sha256`` as its bytes stream in and only then announced in the progress file; alongside, the
+safetensors header by its own ranged read, verified by the manifest's ``header_sha256`` before any layer is
+announced (a manifest without it fetches layer ``S`` first, whose hash covers the header; the first part's
+layer ``S`` carries it anyway). The live replica (``keysmanager.live``) serves what of ``[a, b)`` is
+announced; the worker then fetches ``[b, E)`` and then ``[S, a)`` (one ranged read each: an object store may
+pay per read — moto reads the whole object for each), so the verified range ``[lo, hi)`` stays contiguous
+while it grows (the progress file's range format, ``quart_stage.progress``). Once every layer is verified
+(the layers tile the file) the file is renamed into place and the manifest written: the folder is complete,
+the replica is whole, and later starts take the normal zygote path.
 
 A layer whose bytes fail their sha256 or whose source breaks off is fetched from the next source; when every
 source fails the fetch ends (TransferError): what was verified stays served, nothing else ever is, and the
@@ -44,6 +45,10 @@ class PartError(ValueError):
     def __init__(self, message: str, field: str = "layers") -> None:
         super().__init__(message)
         self.field = field
+
+
+class HeaderFailed(RuntimeError):
+    """No source gave the header's bytes: nothing of the part can be served."""
 
 
 @dataclass
@@ -129,25 +134,41 @@ def fetch_part(registry: ModelRegistry, stage_index: int, dest_dir: Path, layers
     try:
         os.ftruncate(fd, int(entry["file_bytes"]))  # pre-sized: mappable whole; bytes not arrived read as zeros
         job.partial, job.progress, job.layers = partial, progress, len(spans)
-        header_ok = False
-        if entry.get("header_bytes") and entry.get("header_sha256"):
-            _fetch_range(fd, sources, 0, int(entry["header_bytes"]), entry["header_sha256"], "the header", job)
-            header_ok = True
+        # the header alone (its own hash), read while the part streams in (no layer is announced before it is
+        # verified); the first part's first layer carries the header itself
+        header_ok = part[0] > 0 and bool(entry.get("header_bytes") and entry.get("header_sha256"))
+        header_done, header_error = threading.Event(), []
+        if header_ok:
+            def get_header() -> None:
+                try:
+                    _fetch_range(fd, sources, 0, int(entry["header_bytes"]), entry["header_sha256"], "the header",
+                                 job)
+                except BaseException as exc:  # noqa: BLE001 - handed to the fetching thread
+                    header_error.append(exc)
+                finally:
+                    header_done.set()
+
+            threading.Thread(target=get_header, name="part-header", daemon=True).start()
         job.opened.set()
         verified: set[int] = set()
 
         def announce(k: int) -> None:  # after the layer's bytes are written and match: announced only then
+            if header_ok:
+                header_done.wait()
+                if header_error:
+                    raise HeaderFailed(f"the stage file's header: {header_error[0]}")
             verified.add(k)
             held = grow(verified, part)
             if held != job.held and held[1] > held[0]:
                 write_range(str(progress), *held)
                 job.held = held
 
-        for run in fetch_order(len(spans), part, not header_ok):
+        for run in fetch_order(len(spans), part, part[0] > 0 and not header_ok):
             _fetch_layers(fd, sources, spans, hashes, run, announce, s, job)
         done = True
     finally:
         job.opened.set()
+        header_done.wait() if header_ok else None  # its thread writes through fd: close it only after
         os.close(fd)
         if not done:  # a later fetch starts afresh; a replica mapping this one keeps it (the inode stays)
             partial.unlink(missing_ok=True)

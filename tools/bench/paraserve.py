@@ -1,9 +1,11 @@
 """`quartctl bench paraserve [--out FILE]`: a cold stage fetched in P parts on P hosts at once (ParaServe, issue 17).
 
 Hosts are network namespaces with tbf-limited NICs (``--nic-gbps``), a KeysManager on each (TCP, the cluster's
-token, one replica slot); the model registry (moto's S3 server) listens on the bridge in the root namespace,
-behind no link of its own: every host's NIC, not the registry's, is the limit (ParaServe's setting; what the
-registry can really serve is moto's CPU-bound rate on this machine). The stage is the one stage of a model built
+token, one replica slot); the model registry (moto's S3 server, its own process, objects kept in memory) is in
+a namespace of its own behind a link of ``--registry-gbps`` (default: the largest P × one NIC), so each
+host's NIC, not the registry's link, is the limit (ParaServe's setting). moto answers a ranged GET by reading
+the whole object first: a cost per read that a real object store does not have, so a part start makes few
+reads (``keysmanager.parts``). The stage is the one stage of a model built
 from a config (``--stage-mb`` of real safetensors, ``--blocks`` blocks, random weights) with *emulated* compute
 (``--service-ms`` for the whole stage, scaled by the share of parameters run), as ``bench blitzscale``.
 
@@ -161,7 +163,9 @@ def calibrate_fixed_s(rows: list[dict], stage_bytes: int, nic_bytes_s: float) ->
 
 def measure(args: argparse.Namespace) -> dict:
     hosts = [f"h{i}" for i in range(args.hosts)]
-    with peer_cluster(hosts, args.nic_gbps, f"bench-para-{os.getpid()}") as cluster:
+    args.registry_gbps = args.registry_gbps or args.nic_gbps * max(args.parts)
+    os.environ["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(8 << 30)  # the registry process keeps objects in memory
+    with peer_cluster(hosts, args.nic_gbps, f"bench-para-{os.getpid()}", args.registry_gbps) as cluster:
         cluster.preload, cluster.km_args = True, ("--gpus", "1")  # one replica slot a host
         model = build_stage(cluster.work, args.stage_mb, args.blocks, args.service_ms)
         ModelRegistry(MODEL_URL, endpoint_url=cluster.endpoint).upload(model)
@@ -183,7 +187,7 @@ def measure(args: argparse.Namespace) -> dict:
             runs.append(asyncio.run(cold_start(cluster, hosts, 0, args, slo_ms, fixed)))
             print(runs[-1], flush=True)
     met = sum(1 for r in runs if r["first_served_ms"] is not None and r["first_served_ms"] <= slo_ms)
-    return {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps or None, "stage_bytes": stage_bytes,
+    return {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "stage_bytes": stage_bytes,
             "single_host_cold_ms": single, "rows": rows,
             "slo_run": {"slo_ms": slo_ms, "chosen_P": sorted({r["P"] for r in runs}), "cold_starts": len(runs),
                         "attainment": round(met / len(runs), 3) if runs else None, "fixed_s": round(fixed, 3),
@@ -200,7 +204,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--blocks", type=int, default=16, help="transformer blocks in the stage (default 16)")
     p.add_argument("--nic-gbps", type=float, default=1.0, help="each host's NIC limit (default 1)")
     p.add_argument("--registry-gbps", type=float, default=0.0,
-                   help="the registry's bandwidth the planner assumes (default 0: not a limit)")
+                   help="the registry's own link, also what the planner assumes (default: largest P x --nic-gbps)")
     p.add_argument("--hosts", type=int, default=4, help="hosts (default 4: the largest P)")
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 4], help="P of the rows (default 1 2 4)")
     p.add_argument("--service-ms", type=float, default=100.0, help="emulated service time of the whole stage")
