@@ -32,6 +32,7 @@ from quart_provider.types import Endpoint, FunctionState
 from quart_stage.spans import H_LAYERS_HELD, parse_span
 
 from keysmanager.aio import wait_event, within
+from keysmanager.registry import MODEL_URL_ENV
 
 log = logging.getLogger("quart.gateway")
 
@@ -343,7 +344,8 @@ class Reconciler:
         # Any start that fetches the stage asks for a live start: the replica's process starts while the bytes
         # arrive (the KeysManager takes the ordinary path where it cannot). Only a "live" plan routes to it
         # before it holds the whole stage.
-        fetching = plan.mode in ("peer", "multicast", "live", "cold")
+        fetching = (plan.mode in ("peer", "multicast", "live", "cold") and fn.runnable.kind == "stage"
+                    and MODEL_URL_ENV in fn.deployment.env_vars)  # a registry stage: bytes to fetch
         await self._start_replica(fn, placement.host, generation, peers, fetching, plan.mode == "live")
         for rid, endpoint in list(fn.replicas.items()):
             if rid not in before and endpoint.host == placement.host and rid not in self._placed:
