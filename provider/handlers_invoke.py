@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-import aiohttp
 from aiohttp import web
 from quart_provider import namespaces
 from quart_provider.async_calls import AsyncCall, AsyncInvoker
@@ -21,11 +20,11 @@ from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.bodies import read_body
 from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSender
-from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 from quart_provider.responses import error_of, error_response
 from quart_provider.tracing import trace_of, with_trace
+from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamRefused
 from quart_stage.errors import QuartError
 
 
@@ -35,7 +34,7 @@ class InvokeHandlers:
     def __init__(self, gateway: EmbeddedGateway, provider: bool = False) -> None:
         self.gateway = gateway
         self.config = gateway.config
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self.callback_policy = CallbackPolicy.from_text(self.config.callback_allowed_networks)
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
                                         self.config.async_timeout_s, CallbackSender(
@@ -45,12 +44,8 @@ class InvokeHandlers:
             gateway.metrics.registry.register(self.async_calls)
 
     async def startup(self) -> None:
-        # a replica on a host that went silent: 502 in ~2 s, not at upstream_timeout_s
-        connector = dead_peer_connector(limit=0, keepalive_timeout=60, ttl_dns_cache=None)
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-            timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s), skip_auto_headers=("User-Agent",),
-        )
+        # keep-alive to the replicas; a replica on a host that went silent: 502 in ~2 s, not at upstream_timeout_s
+        self.upstream = UpstreamPool(self.config.upstream_timeout_s, keepalive_s=60)
 
     async def stop_async_calls(self) -> None:
         """In memory: let queued async calls run a little (they need the replicas), then answer the rest 503."""
@@ -58,8 +53,8 @@ class InvokeHandlers:
         await self.async_calls.sender.close()
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
 
     async def _invocation_body(self, request: web.Request) -> bytes:
         """The body of a /function or /async-function call; 413 over ``max_body_bytes``."""
@@ -124,7 +119,7 @@ class InvokeHandlers:
         start = time.perf_counter()
         headers = trace_of(request).mark(forwardable(request.headers.items()))
         headers["X-Forwarded-Host"] = request.host
-        path = f"/{tail}?{request.query_string}" if request.query_string else f"/{tail}"
+        path = _upstream_path(request.raw_path)
         payload = None
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
             try:
@@ -133,18 +128,15 @@ class InvokeHandlers:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return error_of(exc, self.config.retry_after_s)
             try:
-                async with self.session.request(request.method, endpoint.url + path, data=body,
-                                                headers=headers) as upstream:
-                    payload = await upstream.read()
-                    status = upstream.status
-                    out_headers = forwardable(upstream.headers.items())
+                upstream = await self.upstream.request(request.method, endpoint.url, path, headers, body)
+                payload, status, out_headers = upstream.body, upstream.status, upstream.headers
                 break
-            except aiohttp.ClientConnectorError as exc:
+            except UpstreamRefused as exc:
                 gateway.mark_unreachable(fn, endpoint)
                 status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
                 if attempt == 1:
                     break  # else: the next acquire waits (bounded) for another ready replica
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except UpstreamError as exc:
                 status, message = 502, f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
                 break
             finally:
@@ -155,3 +147,11 @@ class InvokeHandlers:
         if payload is None:
             return error_response(502, message)
         return web.Response(status=status, body=payload, headers=out_headers)
+
+
+def _upstream_path(raw_path: str) -> str:
+    """The path and query a replica gets for ``/function/{name}[/{tail}][?query]``, as the client sent them."""
+    rest = raw_path.split("/function/", 1)[1]
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    tail = rest[cut:]
+    return tail if tail.startswith("/") else "/" + tail
