@@ -122,8 +122,8 @@ class InvokeHandlers:
         path = _upstream_path(request.raw_path)
         payload = None
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
-            try:
-                endpoint = await gateway.acquire(fn)
+            try:  # a free ready replica without a wait (the common case), else wait for one
+                endpoint = gateway.acquire_nowait(fn) or await gateway.acquire(fn)
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return error_of(exc, self.config.retry_after_s)

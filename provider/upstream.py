@@ -32,6 +32,7 @@ from quart_provider.headers import HOP_BY_HOP
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
 _NO_BODY_STATUS = frozenset({204, 304})
+_JOIN_MAX = 16 * 1024  # bodies up to this size go out in one buffer with the head
 
 
 class UpstreamError(Exception):
@@ -117,7 +118,10 @@ class _Connection(asyncio.Protocol):
     def send(self, raw: list[bytes], head_only: bool) -> asyncio.Future[UpstreamResponse]:
         self.waiter = asyncio.get_running_loop().create_future()
         self.head_only = head_only
-        self.transport.writelines(raw)  # type: ignore[union-attr]
+        if len(raw) > 1 and len(raw[1]) > _JOIN_MAX:
+            self.transport.writelines(raw)  # type: ignore[union-attr]  # a large body: no copy
+        else:
+            self.transport.write(b"".join(raw))  # type: ignore[union-attr]  # one buffer, one send
         return self.waiter
 
     def data_received(self, data: bytes) -> None:
