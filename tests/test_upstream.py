@@ -61,7 +61,7 @@ def test_content_length_chunked_and_close_delimited_answers_and_keep_alive():
             r1 = await pool.request("POST", url, "/a/b?x=1", {"X-Call-Id": "c1"}, b"body!")
             assert (r1.status, r1.body, r1.headers["X-A"]) == (200, b"hello", "1")
             assert r1.headers.getall("Set-Cookie") == ["a=1", "b=2"] and "Content-Length" not in r1.headers
-            r2 = await pool.request("POST", url, "/", {}, b"x" * 3000)
+            r2 = await pool.request("POST", url, "/", {}, b"x" * 40000)
             assert (r2.status, r2.body) == (201, b"abcde") and "Transfer-Encoding" not in r2.headers
             r3 = await pool.request("GET", url, "/g", {}, b"")
             assert r3.body == b"GET"
@@ -69,7 +69,7 @@ def test_content_length_chunked_and_close_delimited_answers_and_keep_alive():
             assert (r4.status, r4.body) == (204, b"")
             assert sum(len(v) for v in pool.idle.values()) == 1  # one connection, kept alive across all four
             assert seen[0].startswith(b"POST /a/b?x=1 HTTP/1.1\r\nHost: 127.0.0.1:") and b"X-Call-Id: c1\r\n" in seen[0]
-            assert seen[0].endswith(b"Content-Length: 5\r\n\r\nbody!") and seen[1].endswith(b"x" * 3000)
+            assert seen[0].endswith(b"Content-Length: 5\r\n\r\nbody!") and seen[1].endswith(b"x" * 40000)
             assert b"Content-Length" not in seen[2] and b"Content-Length: 0\r\n" in seen[3]
         finally:
             await pool.close()
