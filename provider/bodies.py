@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 from quart_stage.errors import QuartError
 
@@ -23,12 +21,6 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     """The whole body of ``request``; a 413 :class:`QuartError` as soon as it passes ``limit`` bytes."""
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit, request.content_length)
-    if request.content_length is not None and not request.headers.get("Transfer-Encoding"):
-        try:
-            return await request.content.readexactly(request.content_length)  # one await, one piece
-        except asyncio.IncompleteReadError as exc:
-            raise QuartError(400, f"request body ended after {len(exc.partial)} of {request.content_length} "
-                                  "bytes", "body") from exc
     pieces: list[bytes] = []
     size = 0
     while piece := await request.content.read(_PIECE):

@@ -43,13 +43,18 @@ class UpstreamRefused(UpstreamError):
     """No connection to the replica could be made: it never saw the request."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """No whole answer within the request's timeout."""
+
+
 @dataclass(slots=True)
 class UpstreamResponse:
-    """A replica's answer: status, its end-to-end headers (hop-by-hop ones dropped) and the whole body."""
+    """A replica's answer: status, its end-to-end headers (hop-by-hop ones dropped) and the whole body
+    (the receive buffer itself when the answer filled it exactly: no copy of a large body)."""
 
     status: int
     headers: CIMultiDict[str]
-    body: bytes
+    body: bytes | bytearray
 
 
 def _chunked_body(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
@@ -148,8 +153,11 @@ class _Connection(asyncio.Protocol):
         if self.framing == "length":
             if len(buffer) < self.length:
                 return
-            body = bytes(buffer[:self.length])
-            del buffer[:self.length]
+            if len(buffer) == self.length and self.length > _JOIN_MAX:
+                body, self.buffer = buffer, bytearray()  # hand the buffer over
+            else:
+                body = bytes(buffer[:self.length])
+                del buffer[:self.length]
         elif self.framing == "chunked":
             framed = _chunked_body(buffer, 0)
             if framed is None:
@@ -196,7 +204,7 @@ class _Connection(asyncio.Protocol):
         else:
             self.framing, self.reusable = "close", False
 
-    def _finish(self, body: bytes) -> None:
+    def _finish(self, body: bytes | bytearray) -> None:
         waiter, self.waiter = self.waiter, None
         response = UpstreamResponse(self.status, self.headers or CIMultiDict(), body)
         self.headers, self.framing = None, ""
@@ -205,11 +213,11 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(response)
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, error: type[UpstreamError] = UpstreamError) -> None:
         waiter, self.waiter = self.waiter, None
         self.reusable = False
         if waiter is not None and not waiter.done():
-            waiter.set_exception(UpstreamError(message))
+            waiter.set_exception(error(message))
         if self.transport is not None:
             self.transport.close()
 
@@ -260,9 +268,11 @@ class UpstreamPool:
         except OSError as exc:
             raise UpstreamRefused(f"cannot connect to {host}:{port}: {exc}") from exc
 
-    async def request(self, method: str, base_url: str, path: str, headers: dict[str, str],
-                      body: bytes) -> UpstreamResponse:
-        """``method base_url+path`` with ``headers`` (end-to-end ones; Host and Content-Length are set here)."""
+    async def request(self, method: str, base_url: str, path: str, headers: dict[str, str], body: bytes,
+                      timeout_s: float | None = None) -> UpstreamResponse:
+        """``method base_url+path`` with ``headers`` (end-to-end ones; Host and Content-Length are set here).
+
+        ``timeout_s`` (default: the pool's) bounds the whole answer: :class:`UpstreamTimeout` past it."""
         host, port, host_header = self._target(base_url)
         key = (host, port)
         conn = self._idle_connection(key)
@@ -277,7 +287,8 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         self.busy.add(conn)
         waiter = conn.send([head, body] if body else [head], method == "HEAD")
-        timer = loop.call_later(self.timeout_s, self._time_out, conn)
+        timer = loop.call_later(self.timeout_s if timeout_s is None else timeout_s, self._time_out, conn,
+                                self.timeout_s if timeout_s is None else timeout_s)
         try:
             response = await waiter
         except asyncio.CancelledError:
@@ -303,8 +314,9 @@ class UpstreamPool:
             conn.transport.close()
         return None
 
-    def _time_out(self, conn: _Connection) -> None:
-        conn._fail(f"no answer within {self.timeout_s:g} s")  # noqa: SLF001 - same module
+    @staticmethod
+    def _time_out(conn: _Connection, timeout_s: float) -> None:
+        conn._fail(f"no answer within {timeout_s:g} s", UpstreamTimeout)  # noqa: SLF001 - same module
 
     async def close(self) -> None:
         """Close every connection, idle or in flight."""

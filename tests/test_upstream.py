@@ -6,7 +6,7 @@ import asyncio
 import socket
 
 import pytest
-from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamRefused
+from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
 
 
 async def serve(answers: list[bytes], seen: list[bytes], close_after: bool = False):
@@ -55,6 +55,8 @@ def test_content_length_chunked_and_close_delimited_answers_and_keep_alive():
             b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nGET",
             b"HTTP/1.1 204 No Content\r\n\r\n",
         ]
+        big = b"B" * 100_000
+        answers.append(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + big)
         server, url = await serve(answers, seen)
         pool = UpstreamPool(timeout_s=5)
         try:
@@ -67,7 +69,9 @@ def test_content_length_chunked_and_close_delimited_answers_and_keep_alive():
             assert r3.body == b"GET"
             r4 = await pool.request("DELETE", url, "/d", {}, b"")
             assert (r4.status, r4.body) == (204, b"")
-            assert sum(len(v) for v in pool.idle.values()) == 1  # one connection, kept alive across all four
+            r5 = await pool.request("POST", url, "/big", {}, b"")
+            assert r5.body == big
+            assert sum(len(v) for v in pool.idle.values()) == 1  # one connection, kept alive across all five
             assert seen[0].startswith(b"POST /a/b?x=1 HTTP/1.1\r\nHost: 127.0.0.1:") and b"X-Call-Id: c1\r\n" in seen[0]
             assert seen[0].endswith(b"Content-Length: 5\r\n\r\nbody!") and seen[1].endswith(b"x" * 40000)
             assert b"Content-Length" not in seen[2] and b"Content-Length: 0\r\n" in seen[3]
@@ -124,8 +128,8 @@ def test_refused_reset_timeout_and_malformed():
             server.close()
         server, url = await serve([b"SILENT"], [])
         try:
-            with pytest.raises(UpstreamError, match="no answer within 0.5 s"):
-                await pool.request("POST", url, "/", {}, b"x")
+            with pytest.raises(UpstreamTimeout, match="no answer within 0.2 s"):
+                await pool.request("POST", url, "/", {}, b"x", timeout_s=0.2)  # this request's own timeout
         finally:
             server.close()
         server, url = await serve([b"NOT HTTP\r\n\r\n"], [])
