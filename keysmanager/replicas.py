@@ -26,8 +26,8 @@ from keysmanager.errors import NoFreeSlot, NotFound, StartFailed
 from keysmanager.launcher import Launcher
 from keysmanager.records import Replica, Segments, Zygote
 from keysmanager.stage import StageRef
+from keysmanager.sysutil import listen_socket
 from keysmanager.types import StageSpec
-from keysmanager.zygote import listen_socket
 from keysmanager.zygotes import Zygotes
 
 DEAD_KEPT = 256  # dead replicas kept in listings (so a crash is reported, not just gone)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import socket
 
 import psutil
 
@@ -110,3 +112,21 @@ def set_cpu_budget(cores: list[int] | None, threads: int) -> None:
         torch.set_num_threads(threads)
     except ImportError:  # a daemon-side caller without torch
         pass
+
+
+def listen_socket(host: str, unix: str | None = None) -> socket.socket:
+    """A listening socket: on ``host`` port 0, or on the Unix socket ``unix`` (mode 0600: only our uid connects)."""
+    if unix:
+        listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(unix)
+        old = os.umask(0o177)
+        try:
+            listen.bind(unix)
+        finally:
+            os.umask(old)
+    else:
+        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listen.bind((host, 0))
+    listen.listen(1024)
+    return listen

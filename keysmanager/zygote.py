@@ -34,25 +34,7 @@ from pathlib import Path
 from quart_stage.privdrop import drop_from_env
 
 from keysmanager.protocol import LineReader, encode
-from keysmanager.sysutil import die_with_parent, reap_children, set_cpu_budget, thread_count
-
-
-def listen_socket(host: str, unix: str | None = None) -> socket.socket:
-    """A listening socket: on ``host`` port 0, or on the Unix socket ``unix`` (mode 0600: only our uid connects)."""
-    if unix:
-        listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(unix)
-        old = os.umask(0o177)
-        try:
-            listen.bind(unix)
-        finally:
-            os.umask(old)
-    else:
-        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listen.bind((host, 0))
-    listen.listen(1024)
-    return listen
+from keysmanager.sysutil import die_with_parent, listen_socket, reap_children, set_cpu_budget, thread_count
 
 
 def _replica_setup(env: dict[str, str], cores: list[int], threads: int) -> None:

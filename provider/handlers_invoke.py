@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-import aiohttp
 from aiohttp import web
 from quart_provider import namespaces
 from quart_provider.admission import Reservation, StageLoad, admit_by_time
@@ -22,31 +21,17 @@ from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.bodies import read_body
 from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSender
-from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 from quart_provider.responses import error_of, error_response
 from quart_provider.tracing import trace_of, with_trace
 from quart_provider.types import FunctionState
+from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
 from quart_stage.errors import QuartError
 
 from keysmanager.aio import within
 
 _SLICE = 1 << 20
-
-
-async def read_answer(upstream: aiohttp.ClientResponse) -> bytes | bytearray:
-    """A replica's whole answer; with a Content-Length, filled in place (one copy, not chunks plus a join)."""
-    size = upstream.content_length
-    if not size or size <= _SLICE:
-        return await upstream.read()
-    buf, pos = bytearray(size), 0
-    async for chunk in upstream.content.iter_chunked(_SLICE):
-        buf[pos:pos + len(chunk)] = chunk
-        pos += len(chunk)
-    if pos != size:
-        raise aiohttp.ClientPayloadError(f"answer truncated: {pos} of {size} bytes")
-    return buf
 
 
 def refused(exc: QuartError, retry_after_s: int) -> web.Response:
@@ -63,7 +48,7 @@ class InvokeHandlers:
     def __init__(self, gateway: EmbeddedGateway, provider: bool = False) -> None:
         self.gateway = gateway
         self.config = gateway.config
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self.callback_policy = CallbackPolicy.from_text(self.config.callback_allowed_networks)
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
                                         self.config.async_timeout_s, CallbackSender(
@@ -73,12 +58,8 @@ class InvokeHandlers:
             gateway.metrics.registry.register(self.async_calls)
 
     async def startup(self) -> None:
-        # a replica on a host that went silent: 502 in ~2 s, not at upstream_timeout_s
-        connector = dead_peer_connector(limit=0, keepalive_timeout=60, ttl_dns_cache=None)
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-            timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s), skip_auto_headers=("User-Agent",),
-        )
+        # keep-alive to the replicas; a replica on a host that went silent: 502 in ~2 s, not at upstream_timeout_s
+        self.upstream = UpstreamPool(self.config.upstream_timeout_s, keepalive_s=60)
 
     async def stop_async_calls(self) -> None:
         """In memory: let queued async calls run a little (they need the replicas), then answer the rest 503."""
@@ -86,8 +67,8 @@ class InvokeHandlers:
         await self.async_calls.sender.close()
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
 
     async def _invocation_body(self, request: web.Request) -> bytes:
         """The body of a /function or /async-function call; 413 over ``max_body_bytes``."""
@@ -200,14 +181,16 @@ class InvokeHandlers:
         start = time.perf_counter()
         headers = trace_of(request).mark(forwardable(request.headers.items()))
         headers["X-Forwarded-Host"] = request.host
-        path = f"/{tail}?{request.query_string}" if request.query_string else f"/{tail}"
+        path = _upstream_path(request.raw_path)
         payload = None
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
-            try:
-                if deadline_at is None:
-                    endpoint = await gateway.acquire(fn)
-                else:
-                    endpoint = await within(deadline_at - time.monotonic(), gateway.acquire(fn))
+            try:  # a free ready replica without a wait (the common case), else wait (bounded) for one
+                endpoint = gateway.acquire_nowait(fn)
+                if endpoint is None:
+                    if deadline_at is None:
+                        endpoint = await gateway.acquire(fn)
+                    else:
+                        endpoint = await within(deadline_at - time.monotonic(), gateway.acquire(fn))
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return error_of(exc, self.config.retry_after_s)
@@ -215,24 +198,21 @@ class InvokeHandlers:
                 metrics.invocation_done(metric_name, 504, time.perf_counter() - start)
                 return error_response(504, f"the call of {name!r} passed its deadline (X-Quart-Timeout-Ms) waiting "
                                            "for a replica", "X-Quart-Timeout-Ms")
-            timeout = None if deadline_at is None else aiohttp.ClientTimeout(
-                total=min(self.config.upstream_timeout_s, max(0.001, deadline_at - time.monotonic())))
             try:
-                async with self.session.request(request.method, endpoint.url + path, data=body,
-                                                headers=headers, timeout=timeout) as upstream:
-                    if upstream.content_length:
-                        reservation.hold(upstream.content_length)
-                    payload = await read_answer(upstream)
-                    status = upstream.status
-                    out_headers = forwardable(upstream.headers.items())
+                timeout_s = self.config.upstream_timeout_s if deadline_at is None else min(
+                    self.config.upstream_timeout_s, max(0.001, deadline_at - time.monotonic()))
+                upstream = await self.upstream.request(request.method, endpoint.url, path, headers, body,
+                                                       timeout_s=timeout_s)
+                payload, status, out_headers = upstream.body, upstream.status, upstream.headers
+                reservation.hold(len(payload))  # the answer counts in the byte bound too (never refused)
                 break
-            except aiohttp.ClientConnectorError as exc:
+            except UpstreamRefused as exc:
                 gateway.mark_unreachable(fn, endpoint)
                 status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
                 if attempt == 1:
                     break  # else: the next acquire waits (bounded) for another ready replica
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                status = 504 if isinstance(exc, TimeoutError) else 502  # a timeout: the deadline or upstream_timeout_s
+            except UpstreamError as exc:
+                status = 504 if isinstance(exc, UpstreamTimeout) else 502  # the deadline or upstream_timeout_s
                 message = f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
                 break
             finally:
@@ -254,3 +234,11 @@ class InvokeHandlers:
             await response.write(view[offset:offset + _SLICE])
         await response.write_eof()
         return response
+
+
+def _upstream_path(raw_path: str) -> str:
+    """The path and query a replica gets for ``/function/{name}[/{tail}][?query]``, as the client sent them."""
+    rest = raw_path.split("/function/", 1)[1]
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    tail = rest[cut:]
+    return tail if tail.startswith("/") else "/" + tail

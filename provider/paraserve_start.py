@@ -128,6 +128,13 @@ class ParaServeStarts:
                     out[function] = layout
         return out
 
+    def plan_inputs(self, placements: Sequence[Placement], views: Sequence[HostView],
+                    cold: Mapping[str, StageLayout]) -> tuple[dict[str, int], list[str]]:
+        """(P per cold function, spare hosts) for `plan_starts`; nothing without cold stages."""
+        if not cold:
+            return {}, []
+        return self.parts_for(placements, views, cold), self.spare_hosts(views, placements)
+
     def spare_hosts(self, views: Sequence[HostView], placements: Sequence[Placement]) -> list[str]:
         """Hosts with a free slot and nothing placed in this batch, quiet ones first (helper candidates)."""
         placed = {p.host for p in placements}

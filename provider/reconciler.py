@@ -33,6 +33,7 @@ from quart_provider.types import Endpoint, FunctionState
 from quart_stage.spans import H_LAYERS_HELD, parse_span
 
 from keysmanager.aio import wait_event, within
+from keysmanager.registry import MODEL_URL_ENV
 
 log = logging.getLogger("quart.gateway")
 
@@ -310,10 +311,8 @@ class Reconciler:
         ready = {name: len(fn.ready) for name, fn in self.functions.items()}
         if layouts:  # ParaServe: P per cold stage, helpers on spare hosts
             enabled.add("paraserve")
-            return plan_starts(result.placements, holders, enabled, ready,
-                               self.paraserve.parts_for(result.placements, views, layouts), busy,
-                               self.paraserve.spare_hosts(views, result.placements))
-        return plan_starts(result.placements, holders, enabled, ready, busy_links=busy)
+        parts, spare = self.paraserve.plan_inputs(result.placements, views, layouts or {})
+        return plan_starts(result.placements, holders, enabled, ready, parts, busy, spare)
 
     def _peer_addresses(self, names: tuple[str, ...]) -> list[str]:
         """The KeysManager addresses other hosts fetch from (hosts without one, e.g. on Unix sockets, left out)."""
@@ -364,7 +363,8 @@ class Reconciler:
         # Any start that fetches the stage asks for a live start: the replica's process starts while the bytes
         # arrive (the KeysManager takes the ordinary path where it cannot). Only a "live" plan routes to it
         # before it holds the whole stage; a ParaServe part (``group``) starts with its layers and is routed at once.
-        fetching = plan.mode in ("peer", "multicast", "live", "cold")
+        fetching = (plan.mode in ("peer", "multicast", "live", "cold") and fn.runnable.kind == "stage"
+                    and MODEL_URL_ENV in fn.deployment.env_vars)  # a registry stage: bytes to fetch
         await self._start_replica(fn, placement.host, generation, peers, fetching, plan.mode == "live" or bool(group),
                                   group.part_on(placement.host) if group is not None else None)
         if group is not None:

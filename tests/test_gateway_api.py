@@ -316,7 +316,7 @@ def test_a_killed_replica_is_replaced_and_gets_no_traffic(gw):
     time.sleep(0.01)
     # the request meets a refused connection, is held, and goes to the replacement replica
     res = requests.post(f"{gw.url}/function/phoenix", data=b"at once", timeout=30)
-    assert res.status_code == 200 and res.content == b"at once"
+    assert res.status_code == 200 and res.content == b"at once", res.text
     deadline = time.monotonic() + 30
     while True:
         reps = [r for r in gw.replicas("phoenix")["replicas"] if r["state"] == "ready"]

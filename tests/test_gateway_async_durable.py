@@ -48,8 +48,7 @@ def test_queued_calls_survive_a_restart_and_each_result_is_called_back_once(tmp_
     # 2. a new gateway on the same state dir runs them; one more is running its callback as it stops
     second = ThreadedSystem(tmp_path, hold_queue=True)
     try:
-        _deploy(second, "echo")
-        _wait_available(second, "echo")
+        _wait_available(second, "echo")  # restored from the state dir (durable functions), not deployed again
         second.start_queue_worker()
         got = _received(callbacks, 5)
         assert {h["X-Call-Id"]: body for h, body in got} == ids
@@ -71,7 +70,6 @@ def test_queued_calls_survive_a_restart_and_each_result_is_called_back_once(tmp_
     # 3. nothing is called back again after another restart
     third = ThreadedSystem(tmp_path, hold_queue=True)
     try:
-        _deploy(third, "echo")
         _wait_available(third, "echo")
         third.start_queue_worker()
         time.sleep(1.5)

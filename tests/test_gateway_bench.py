@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -18,10 +19,12 @@ def run_bench(tmp_path, *args: str) -> dict:
 
 
 def test_bench_gateway_writes_the_figures(tmp_path):
-    result = run_bench(tmp_path, "--requests", "200", "--warmup", "20", "--seconds", "0.5", "--concurrency", "4")
-    for key in ("p50_added_ms", "p99_added_ms", "rps", "direct_rps", "p50_gateway_ms", "p50_direct_ms"):
+    result = run_bench(tmp_path, "--requests", "200", "--warmup", "20", "--seconds", "0.5", "--connections", "4",
+                       "--client", "python")
+    for key in ("p50_added_ms", "p99_added_ms", "rps_gateway", "rps_direct", "p50_gateway_ms", "p50_direct_ms"):
         assert isinstance(result[key], float | int), key
-    assert result["rps"] > 0 and result["direct_rps"] > 0
+    assert result["connections"] == 4 and result["client"].startswith("quart asyncio client")
+    assert result["rps_gateway"] > 0 and result["rps_direct"] > 0
     assert result["p50_gateway_ms"] > result["p50_direct_ms"] > 0  # a hop costs something, never nothing
     assert result["body_bytes"] == 1024
 
@@ -30,4 +33,14 @@ def test_bench_gateway_writes_the_figures(tmp_path):
 def test_bench_gateway_meets_its_targets(tmp_path):
     result = run_bench(tmp_path)
     assert result["p50_added_ms"] <= 1.0, result
-    assert result["rps"] >= 1500, result
+    assert result["rps_gateway"] >= 1500, result
+    assert result["rps_gateway"] >= 0.10 * result["rps_direct"], result
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (apt-get install wrk)")
+def test_bench_gateway_with_wrk(tmp_path):
+    result = run_bench(tmp_path, "--requests", "100", "--warmup", "10", "--seconds", "1", "--connections", "4",
+                       "--client", "wrk")
+    assert result["client"].startswith("wrk") and result["connections"] == 4
+    assert result["rps_gateway"] > 0 and result["rps_direct"] > result["rps_gateway"]
+    assert result["loaded"]["p50_gateway_ms"] > 0

@@ -3,11 +3,15 @@ readable by that user alone; the platform's socket and state out of reach once d
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import requests
@@ -113,7 +117,7 @@ def _interpreter_usable_by(uid: int) -> bool:
 
 
 @needs_root
-def test_process_replicas_serve_as_their_functions_user(tmp_path, monkeypatch):
+def test_process_replicas_serve_as_their_functions_user(tmp_path, monkeypatch, request):
     if not _interpreter_usable_by(NOBODY):
         # the echo replica needs only the standard library: a system interpreter will do
         system_python = "/usr/bin/python3"
@@ -122,6 +126,18 @@ def test_process_replicas_serve_as_their_functions_user(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "executable", system_python)
         if not _interpreter_usable_by(NOBODY):
             pytest.skip("no interpreter here is usable by an unprivileged user")
+        # ... with the project's packages on its path (an editable install is seen by the venv's interpreter only)
+        packages = Path(tempfile.mkdtemp(prefix="quart-packages-", dir="/tmp"))  # pytest's tmp_path is 0700
+        request.addfinalizer(lambda: shutil.rmtree(packages, ignore_errors=True))
+        packages.chmod(0o755)
+        for name, module in (("quart_provider", "quart_provider"), ("quart_stage", "quart_stage"),
+                             ("keysmanager", "keysmanager")):
+            (packages / name).symlink_to(Path(importlib.import_module(module).__file__).parent)
+        monkeypatch.setenv("PYTHONPATH", str(packages))
+        probe = subprocess.run([system_python, "-c", "import quart_provider.echo"], capture_output=True, timeout=60,
+                               preexec_fn=lambda: drop_privileges(NOBODY, NOBODY), env={"PYTHONPATH": str(packages)})
+        if probe.returncode != 0:
+            pytest.skip(f"the project's files are not readable by an unprivileged user here: {probe.stderr[-200:]!r}")
     running = Running(tmp_path, replica_uids=f"{NOBODY}-{NOBODY}")
     try:
         assert running.deploy(faas_cli_deploy_body("echo")).status_code == 202

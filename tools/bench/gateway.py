@@ -1,13 +1,15 @@
 """`quartctl bench gateway`: latency added by one gateway hop, and requests/s through the gateway.
 
 Starts `quartctl up --process-hosts` (a real gateway process), deploys the built-in ``quart/echo``
-function (a raw-asyncio HTTP/1.1 echo replica, see :mod:`.echo`), and drives it with one lean
-keep-alive client: the same client, body and connection handling for both paths.
+function (a raw-asyncio HTTP/1.1 echo replica, see :mod:`quart_provider.echo`), and drives both paths
+(the replica directly, and ``/function/echo`` through the gateway) with the same client and body:
 
-- Latency: requests alternate between the replica directly and the same replica through the
-  gateway (order flipped every pair), one at a time; added = gateway − direct percentiles.
-- Throughput: ``--concurrency`` keep-alive connections through the gateway for ``--seconds``;
-  the same against the replica directly for the ratio.
+- Latency (single requests): a lean keep-alive client alternates requests between the two paths
+  (order flipped every pair), one at a time; added = gateway − direct percentiles.
+- Throughput (closed loop): ``--connections`` keep-alive connections for ``--seconds`` per path, from
+  ``wrk`` (:mod:`.wrk`; found on PATH, or installed with apt-get when root) — a C client that is not
+  the bottleneck — or, when it is missing or ``--client python``, our asyncio client; the JSON says
+  which (``client``). wrk's latency percentiles under that load are reported too (``loaded``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import requests
 from quart_provider.system import stop_process
 from quart_tools.bench import machine_info, write_report
+from quart_tools.bench.wrk import find_wrk, run_wrk, version, write_script
 from tqdm import tqdm
 
 
@@ -145,7 +148,35 @@ def _start_gateway(state_dir: Path) -> tuple[subprocess.Popen, str, tuple[str, s
     raise RuntimeError("gateway did not start in 60 s")
 
 
-def run(body_bytes: int, count: int, warmup: int, concurrency: int, seconds: float) -> dict:
+def _throughput_pair(client: str, tmp: Path, url: str, replica_url: str, body: bytes, connections: int,
+                     seconds: float) -> dict:
+    """Closed-loop req/s through the gateway and directly (and, from wrk, latency under that load)."""
+    if client == "python":
+        rps_gateway = asyncio.run(_throughput(url, "/function/echo", body, connections, seconds))
+        rps_direct = asyncio.run(_throughput(replica_url, "/", body, connections, seconds))
+        return {"rps_gateway": round(rps_gateway, 1), "rps_direct": round(rps_direct, 1)}
+    script = write_script(tmp, len(body))
+    run_wrk(client, f"{url}/function/echo", script, connections, 1)  # warm the gateway's upstream pool
+    gateway = run_wrk(client, f"{url}/function/echo", script, connections, seconds)
+    direct = run_wrk(client, f"{replica_url}/", script, connections, seconds)
+    return {
+        "rps_gateway": round(gateway.rps, 1), "rps_direct": round(direct.rps, 1),
+        "loaded": {"p50_gateway_ms": gateway.p50_ms, "p99_gateway_ms": gateway.p99_ms,
+                   "p50_direct_ms": direct.p50_ms, "p99_direct_ms": direct.p99_ms,
+                   "p50_added_ms": round(gateway.p50_ms - direct.p50_ms, 3),
+                   "p99_added_ms": round(gateway.p99_ms - direct.p99_ms, 3)},
+    }
+
+
+def run(body_bytes: int, count: int, warmup: int, connections: int, seconds: float, client: str = "auto") -> dict:
+    """The whole bench; ``client``: ``auto`` (wrk if found or installable, else python), ``wrk`` or ``python``."""
+    if client != "python":
+        wrk = find_wrk(install=True)
+        if wrk is None and client == "wrk":
+            raise RuntimeError("wrk is not installed (apt-get install wrk) and could not be installed")
+        client = wrk or "python"
+    client_name = version(client) if client != "python" else "quart asyncio client (tools/bench/gateway.py)"
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="quart-bench-gw-") as tmp:
         process, url, auth = _start_gateway(Path(tmp))
         try:
@@ -170,18 +201,19 @@ def run(body_bytes: int, count: int, warmup: int, concurrency: int, seconds: flo
             except ImportError:  # pragma: no cover
                 pass
             latency = asyncio.run(_latency(url, replica_url, body, count, warmup))
-            rps = asyncio.run(_throughput(url, "/function/echo", body, concurrency, seconds))
-            direct_rps = asyncio.run(_throughput(replica_url, "/", body, concurrency, seconds))
+            loaded = _throughput_pair(client, Path(tmp), url, replica_url, body, connections, seconds)
         finally:
             stop_process(process.pid, process)
+    rps_gateway, rps_direct = loaded["rps_gateway"], loaded["rps_direct"]
     return {
+        "connections": connections, "client": client_name, "rps_direct": rps_direct, "rps_gateway": rps_gateway,
+        "ratio_gateway_vs_direct": round(rps_gateway / rps_direct, 3) if rps_direct else None,
         **{k: round(v, 4) for k, v in latency.items()},
-        "rps": round(rps, 1),
-        "direct_rps": round(direct_rps, 1),
-        "rps_ratio_gateway_vs_direct": round(rps / direct_rps, 3) if direct_rps else None,
-        "body_bytes": body_bytes, "latency_requests": count, "concurrency": concurrency, "seconds": seconds,
+        **({"loaded": loaded["loaded"]} if "loaded" in loaded else {}),
+        "body_bytes": body_bytes, "latency_requests": count, "seconds": seconds,
         "replica": "built-in quart/echo (raw asyncio HTTP/1.1 echo, uvloop)",
-        "machine": machine_info(),
+        "machine": {**machine_info(), "loadavg_start": [round(x, 2) for x in load_start],
+                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
     }
 
 
@@ -191,9 +223,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--body-bytes", type=int, default=1024)
     p.add_argument("--requests", type=int, default=3000, help="latency pairs measured (after warm-up)")
     p.add_argument("--warmup", type=int, default=300)
-    p.add_argument("--concurrency", type=int, default=16, help="keep-alive connections in the throughput run")
-    p.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
+    p.add_argument("--connections", "--concurrency", type=int, default=16, dest="connections",
+                   help="keep-alive connections in the closed-loop throughput runs")
+    p.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run (wrk: whole seconds)")
+    p.add_argument("--client", choices=("auto", "wrk", "python"), default="auto",
+                   help="throughput client: wrk (found, or apt-get installed when root), our asyncio client, or "
+                        "auto (wrk when it can be had)")
     args = p.parse_args(argv)
-    result = run(args.body_bytes, args.requests, args.warmup, args.concurrency, args.seconds)
+    result = run(args.body_bytes, args.requests, args.warmup, args.connections, args.seconds, args.client)
     write_report(result, args.out, always_print=True)
     return 0

@@ -117,6 +117,7 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
 
         burst = asyncio.gather(*(one(i) for i in range(n)))
         fn = gw.functions[FUNCTION]
+        paraserve = gw.reconciler.paraserve
         marks: dict[str, float] = {}
 
         async def watch() -> None:  # when the first start answered, and the first replica served (part or whole)
@@ -125,6 +126,9 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
                     marks.setdefault("started_ms", round(1000 * (time.monotonic() - t0), 1))
                 if fn.ready or fn.partial:
                     marks.setdefault("serving_ms", round(1000 * (time.monotonic() - t0), 1))
+                groups = paraserve.history
+                if groups and len(fn.ready) + len(fn.partial) >= len(groups[0].hosts):  # every worker routable
+                    marks.setdefault("all_serving_ms", round(1000 * (time.monotonic() - t0), 1))
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.ensure_future(watch())

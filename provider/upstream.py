@@ -1,0 +1,328 @@
+"""The proxy's lean HTTP/1.1 client to replicas: pooled keep-alive connections, one write per request.
+
+``/function/{name}`` spends most of its time in the HTTP client (profile in docs/benchmarks.md): a
+general client builds request, timer, response and stream objects and awaits several times per call.
+This one does what a proxy hop needs and no more: the request (head + whole body) goes out in one
+write on an idle keep-alive connection to the replica, and an :class:`asyncio.Protocol` parses the
+answer (``Content-Length``, chunked, or up to close; interim 1xx answers skipped; no body for HEAD,
+204, 304) into an :class:`UpstreamResponse`, resolving one future.
+
+Connections are :func:`~quart_provider.dead_peer.dead_peer_socket` sockets (a silent host: an error
+in about 2 s) with ``TCP_NODELAY``. :class:`UpstreamRefused`: no connection could be made (the replica
+never saw the request; the proxy retries elsewhere) — also a *fresh* connection reset or closed before
+one byte of the answer: a replica killed a moment ago still had its listening socket, the kernel took
+the connection into the backlog and reset it when the process went (what a refused connection is a
+moment later); :class:`UpstreamError`: anything else (a kept-alive connection reset, timeout, malformed
+answer; the proxy answers 502).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDict
+from quart_provider.dead_peer import dead_peer_socket
+from quart_provider.headers import HOP_BY_HOP
+
+_HEAD_END = b"\r\n\r\n"
+_MAX_HEAD = 64 * 1024
+_NO_BODY_STATUS = frozenset({204, 304})
+_JOIN_MAX = 16 * 1024  # bodies up to this size go out in one buffer with the head
+
+
+class UpstreamError(Exception):
+    """The replica's answer failed after the connection was made (reset, timeout, malformed)."""
+
+
+class UpstreamRefused(UpstreamError):
+    """No connection to the replica could be made: it never saw the request."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No whole answer within the request's timeout."""
+
+
+@dataclass(slots=True)
+class UpstreamResponse:
+    """A replica's answer: status, its end-to-end headers (hop-by-hop ones dropped) and the whole body
+    (the receive buffer itself when the answer filled it exactly: no copy of a large body)."""
+
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes | bytearray
+
+
+def _chunked_body(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
+    """The body of a chunked message at ``buffer[start]`` and the offset past it (trailers dropped);
+    None while incomplete; ValueError when malformed."""
+    pieces, pos = [], start
+    while True:
+        eol = buffer.find(b"\r\n", pos)
+        if eol < 0:
+            return None
+        size = int(bytes(buffer[pos:eol]).split(b";", 1)[0].strip() or b"x", 16)
+        if size < 0:
+            raise ValueError("negative chunk size")
+        pos = eol + 2
+        if size == 0:
+            while True:
+                eol = buffer.find(b"\r\n", pos)
+                if eol < 0:
+                    return None
+                if eol == pos:
+                    return b"".join(pieces), eol + 2
+                pos = eol + 2
+        if len(buffer) < pos + size + 2:
+            return None
+        if buffer[pos + size:pos + size + 2] != b"\r\n":
+            raise ValueError("chunk not followed by CRLF")
+        pieces.append(bytes(buffer[pos:pos + size]))
+        pos += size + 2
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; at most one request in flight (``waiter``)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[UpstreamResponse] | None = None
+        self.head_only = False  # the request in flight is a HEAD
+        self.reusable = True
+        self.closed = False
+        self.idle_since = 0.0
+        self.fresh = True  # no answer received on this connection yet
+        # the answer being parsed: (status, headers, framing, length) once its head is in
+        self.status = 0
+        self.headers: CIMultiDict[str] | None = None
+        self.framing = ""  # "length" | "chunked" | "close" | "none"
+        self.length = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            if self.headers is not None and self.framing == "close":
+                self._finish(bytes(self.buffer))  # the body ran up to the close
+            else:
+                error = UpstreamRefused if self.fresh and not self.buffer and self.headers is None else UpstreamError
+                waiter.set_exception(error(f"the replica closed the connection: {exc or 'end of stream'}"))
+        self.waiter = None
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost finishes a close-delimited body
+
+    def send(self, raw: list[bytes], head_only: bool) -> asyncio.Future[UpstreamResponse]:
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.head_only = head_only
+        if len(raw) > 1 and len(raw[1]) > _JOIN_MAX:
+            self.transport.writelines(raw)  # type: ignore[union-attr]  # a large body: no copy
+        else:
+            self.transport.write(b"".join(raw))  # type: ignore[union-attr]  # one buffer, one send
+        return self.waiter
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self.fresh = False
+        if self.waiter is None:
+            self._fail("the replica sent bytes nobody asked for")
+            return
+        try:
+            self._parse()
+        except ValueError as exc:
+            self._fail(f"malformed answer from the replica: {exc}")
+
+    def _parse(self) -> None:
+        buffer = self.buffer
+        while self.headers is None:
+            end = buffer.find(_HEAD_END)
+            if end < 0:
+                if len(buffer) > _MAX_HEAD:
+                    raise ValueError("response head over 64 KiB")
+                return
+            self._read_head(bytes(buffer[:end]).decode("latin-1"))
+            del buffer[:end + 4]
+        if self.framing == "length":
+            if len(buffer) < self.length:
+                return
+            if len(buffer) == self.length and self.length > _JOIN_MAX:
+                body, self.buffer = buffer, bytearray()  # hand the buffer over
+            else:
+                body = bytes(buffer[:self.length])
+                del buffer[:self.length]
+        elif self.framing == "chunked":
+            framed = _chunked_body(buffer, 0)
+            if framed is None:
+                return
+            body, total = framed
+            del buffer[:total]
+        elif self.framing == "none":
+            body = b""
+        else:  # "close": up to the end of the stream
+            return
+        self._finish(body)
+
+    def _read_head(self, head: str) -> None:
+        lines = head.split("\r\n")
+        status_line = lines[0].split(" ", 2)
+        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1."):
+            raise ValueError(f"bad status line {lines[0][:80]!r}")
+        status = int(status_line[1])
+        headers: CIMultiDict[str] = CIMultiDict()
+        length, chunked, close = None, False, status_line[0] == "HTTP/1.0"
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise ValueError(f"bad header line {line[:80]!r}")
+            key, value = name.strip().lower(), value.strip()
+            if key == "content-length":
+                length = int(value)
+            elif key == "transfer-encoding":
+                chunked = value.lower().endswith("chunked")
+            elif key == "connection":
+                close = "close" in value.lower() or (close and "keep-alive" not in value.lower())
+            if key not in HOP_BY_HOP:
+                headers.add(name.strip(), value)
+        if 100 <= status < 200 and status != 101:
+            return  # interim answer (100 Continue, 103 Early Hints): the real one follows
+        self.status, self.headers = status, headers
+        self.reusable = not close
+        if self.head_only or status in _NO_BODY_STATUS:
+            self.framing = "none"
+        elif chunked:
+            self.framing = "chunked"
+        elif length is not None:
+            self.framing, self.length = "length", length
+        else:
+            self.framing, self.reusable = "close", False
+
+    def _finish(self, body: bytes | bytearray) -> None:
+        waiter, self.waiter = self.waiter, None
+        response = UpstreamResponse(self.status, self.headers or CIMultiDict(), body)
+        self.headers, self.framing = None, ""
+        if self.buffer and self.reusable:
+            self.reusable = False  # bytes past the answer: not a connection to reuse
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+
+    def _fail(self, message: str, error: type[UpstreamError] = UpstreamError) -> None:
+        waiter, self.waiter = self.waiter, None
+        self.reusable = False
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error(message))
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections per replica address; :meth:`request` sends one request and returns its answer."""
+
+    def __init__(self, timeout_s: float, keepalive_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
+        self.idle: dict[tuple[str, int], list[_Connection]] = {}
+        self.busy: set[_Connection] = set()
+        self._targets: dict[str, tuple[str, int, str]] = {}  # base url -> (host, port, Host header)
+
+    def _target(self, base_url: str) -> tuple[str, int, str]:
+        target = self._targets.get(base_url)
+        if target is None:
+            parts = urlsplit(base_url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise UpstreamRefused(f"unsupported replica url {base_url!r} (http://host:port only)")
+            port = parts.port or 80
+            target = self._targets[base_url] = (parts.hostname, port, parts.netloc)
+        return target
+
+    async def _connect(self, host: str, port: int) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            try:
+                ip = ipaddress.ip_address(host)
+                infos = [(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM, 0, "",
+                          (host, port))]
+            except ValueError:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            last: OSError | None = None
+            for info in infos:
+                sock = dead_peer_socket(info)
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    await loop.sock_connect(sock, info[4])
+                except OSError as exc:
+                    sock.close()
+                    last = exc
+                    continue
+                _, protocol = await loop.create_connection(_Connection, sock=sock)
+                return protocol
+            raise last or OSError(f"no address for {host}")
+        except OSError as exc:
+            raise UpstreamRefused(f"cannot connect to {host}:{port}: {exc}") from exc
+
+    async def request(self, method: str, base_url: str, path: str, headers: dict[str, str], body: bytes,
+                      timeout_s: float | None = None) -> UpstreamResponse:
+        """``method base_url+path`` with ``headers`` (end-to-end ones; Host and Content-Length are set here).
+
+        ``timeout_s`` (default: the pool's) bounds the whole answer: :class:`UpstreamTimeout` past it."""
+        host, port, host_header = self._target(base_url)
+        key = (host, port)
+        conn = self._idle_connection(key)
+        if conn is None:
+            conn = await self._connect(host, port)
+        lines = [f"{method} {path} HTTP/1.1\r\nHost: {host_header}\r\n"]
+        lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
+        if body or method not in ("GET", "HEAD"):
+            lines.append(f"Content-Length: {len(body)}\r\n")
+        lines.append("\r\n")
+        head = "".join(lines).encode("utf-8", "surrogateescape")
+        loop = asyncio.get_running_loop()
+        self.busy.add(conn)
+        waiter = conn.send([head, body] if body else [head], method == "HEAD")
+        timer = loop.call_later(self.timeout_s if timeout_s is None else timeout_s, self._time_out, conn,
+                                self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            response = await waiter
+        except asyncio.CancelledError:
+            conn.reusable = False  # the client left mid-request: the answer would land on the next request
+            raise
+        finally:
+            timer.cancel()
+            self.busy.discard(conn)
+            if conn.reusable and not conn.closed and conn.waiter is None:
+                conn.idle_since = time.monotonic()
+                self.idle.setdefault(key, []).append(conn)
+            elif conn.transport is not None:
+                conn.transport.close()
+        return response
+
+    def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
+        pool = self.idle.get(key)
+        now = time.monotonic()
+        while pool:
+            conn = pool.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s and not conn.transport.is_closing():
+                return conn
+            conn.transport.close()
+        return None
+
+    @staticmethod
+    def _time_out(conn: _Connection, timeout_s: float) -> None:
+        conn._fail(f"no answer within {timeout_s:g} s", UpstreamTimeout)  # noqa: SLF001 - same module
+
+    async def close(self) -> None:
+        """Close every connection, idle or in flight."""
+        for pool in self.idle.values():
+            for conn in pool:
+                conn.transport.close()
+        self.idle.clear()
+        for conn in list(self.busy):
+            conn._fail("the gateway is stopping")  # noqa: SLF001 - same module
