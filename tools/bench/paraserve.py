@@ -18,7 +18,8 @@ the stage (no host holds it; fresh KeysManagers) by the gateway, with requests a
   then each worker fetches the rest and becomes whole; the helpers drain (``desired`` is 1).
 
 Row: ``first_served_ms`` (cold start → the first request answered), ``consolidated_ms`` (→ every worker whole;
-P = 1: the replica ready), ``lost`` (requests not answered 200). ``single_host_cold_ms`` is P = 1's first
+P = 1: the replica ready), ``lost`` (requests not answered 200); ``started_ms`` / ``serving_ms`` /
+``all_serving_ms``: → the first start answered / the first replica routable / every worker routable. ``single_host_cold_ms`` is P = 1's first
 answer. The SLO run: ``--slo-runs`` more cold starts with P chosen by the gateway
 (``plan_parallelism``, ``paraserve_slo_ms = --slo-ms``, its fixed cost calibrated from the rows), and the share
 whose first answer met the SLO. Every namespace, process and file is removed at the end.
