@@ -64,8 +64,24 @@ class CPUConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ProvisionConfig:
+    """QUART's provisioning corrector (``mode="provision"``, gateway_plugin.policies.provision)."""
+
+    rate_window_s: float = 5.0  # λ is averaged over this long (the oracle's best schedule step)
+    peak_window_s: float = 30.0  # ... and the largest such mean over this long sizes the stage
+    feed_forward: bool = True  # every stage sized for at least the entry stage's peak rate
+    backlog_starts: float = 2.0  # a queue that needs > this × a replica's start time to drain adds replicas
+    hold_min_s: float = 10.0  # scale down only after the demand stayed lower this long ...
+    hold_starts: float = 10.0  # ... or this many replica start times, whichever is longer
+
+
+@dataclass(frozen=True, slots=True)
 class QuartConfig:
+    # "provision": size for the windowed peak rate and hold (issue 15; gateway_plugin.policies.provision);
+    # "pid": the paper's Correct (PID on the M/M/c delay error, gateway_plugin.policies.correct).
+    mode: str = "provision"
     correct: CorrectConfig = field(default_factory=CorrectConfig)
+    provision: ProvisionConfig = field(default_factory=ProvisionConfig)
     smooth: SmoothConfig = field(default_factory=SmoothConfig)
     cpu: CPUConfig = field(default_factory=CPUConfig)
     # Backlog propagation (ours, beyond the paper): requests queued upstream are the next arrivals of the stages

@@ -162,6 +162,10 @@ class Corrector:
         st.last_error, st.last_time = error, now
         return Correction(desired, delay, target, error, scaled_up, reason)
 
+    def observe_start(self, stage: StageSnapshot, now: float) -> None:
+        """Learn the start time from a snapshot without correcting (the provisioning mode's use)."""
+        self._learn_start_time(self._state.setdefault(stage.index, _PIDState()), stage, now)
+
     def _learn_start_time(self, st: _PIDState, stage: StageSnapshot, now: float) -> None:
         """Observe how long asked-for replicas take to become ready (the loop's dead time)."""
         if stage.pending_replicas > 0 and st.pending_since is None:

@@ -1,0 +1,133 @@
+"""QUART's provisioning corrector (issue 15): size every stage for the pipeline's recent peak load and hold it.
+
+Why (docs/benchmarks.md, "Equal cost"): at QUART's replica-seconds the clairvoyant oracle is within
+0.83–1.00× of the best *constant* allocation, and its best schedules change every 5–15 s, never per
+burst. The PID corrector spent the same replica-seconds reactively: it added replicas after a gamma
+burst had queued (gone before a 0.9 s fork is ready), kept them through its cooldown, then shrank a
+stage to the M/M/c minimum (ρ ≈ 0.8) where the next burst queued again, and it gave the entry stage
+more than the rest (stage 0 averaged 6.6 replicas, stages 2–7 4.7–5.0 on BERT-21B CV 8). This
+corrector spends the same budget the way the oracle does:
+
+1. **Peak-rate sizing over a window**: λ̂_i = the largest mean arrival rate over ``rate_window_s``
+   seen in the last ``peak_window_s``. Burstiness shows up as a higher peak, so the headroom grows
+   with the CV without a queueing formula for it.
+2. **Feed-forward** (backlog propagation in the steady state): every request visits every stage, so
+   each stage is sized for max(its own λ̂, the entry stage's λ̂). A burst the entry stage sees is the
+   next stages' load; stages of a balanced pipeline get equal counts.
+3. **Servers**: the fewest c with the M/M/c delay at λ̂ within the stage's target, and ρ ≤ rho_max.
+4. **Backlog** (dead-time gated): a queue that needs longer than ``backlog_starts`` × a replica's start
+   time to drain at the current count gets the servers that drain it within that time.
+5. **Hysteresis sized to the start cost**: up at once; down only once the demand has stayed below the
+   current count for ``hold_s`` = max(``hold_min_s``, ``hold_starts`` × the start time), at most
+   ``max_step_down`` per step, never below the replicas busy now.
+
+Pure: state is the policy's own (rate windows, timers); time comes from the snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from gateway_plugin.config import CorrectConfig, ProvisionConfig
+from gateway_plugin.policies.correct import Correction, servers_of, stage_target_s
+from gateway_plugin.policies.history import SampleWindow
+from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
+from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
+
+
+def servers_for_target(rate: float, service_rate: float, target_s: float, rho_max: float, limit: int) -> int:
+    """Fewest servers (≤ limit) with ρ ≤ rho_max and the M/M/c delay at ``rate`` within ``target_s``."""
+    if rate <= 0 or service_rate <= 0:
+        return 0
+    c = servers_for_utilisation(rate, service_rate, rho_max)
+    while c < limit and mmc_delay(rate, service_rate, c) > target_s:
+        c += 1
+    return min(c, limit)
+
+
+@dataclass(slots=True)
+class _StageState:
+    rates: SampleWindow  # (time, λ over the last second)
+    means: SampleWindow  # (time, mean λ over rate_window_s)
+    below_since: float | None = None  # when the demand first fell below the current count
+    last_scale_up: float = -math.inf
+
+
+@dataclass(slots=True)
+class Provisioner:
+    """Per-stage demand from the windowed peak rate, with start-cost hysteresis (see the module doc)."""
+
+    config: ProvisionConfig = field(default_factory=ProvisionConfig)
+    correct: CorrectConfig = field(default_factory=CorrectConfig)
+    _state: dict[int, _StageState] = field(default_factory=dict)
+
+    def _observe(self, stage: StageSnapshot, now: float) -> _StageState:
+        cfg = self.config
+        st = self._state.get(stage.index)
+        if st is None:
+            st = self._state[stage.index] = _StageState(SampleWindow(cfg.rate_window_s), SampleWindow(cfg.peak_window_s))
+        if not st.rates.samples or now > st.rates.samples[-1][0]:
+            st.rates.add(now, max(0.0, stage.recent_rate))
+            st.means.add(now, st.rates.mean(cfg.rate_window_s))
+        return st
+
+    def peak_rate(self, index: int) -> float:
+        """λ̂ of a stage: the largest ``rate_window_s`` mean in the last ``peak_window_s`` (0 before any sample)."""
+        st = self._state.get(index)
+        return st.means.max(self.config.peak_window_s) if st is not None else 0.0
+
+    def last_scale_up(self, index: int) -> float:
+        st = self._state.get(index)
+        return st.last_scale_up if st is not None else -math.inf
+
+    def correct_all(self, snapshot: PipelineSnapshot, start_s: list[float]) -> list[Correction]:
+        """One Correction per stage; ``start_s[i]``: how long a replica asked for now takes to serve."""
+        now = snapshot.time
+        for s in snapshot.stages:
+            self._observe(s, now)
+        entry = self.peak_rate(snapshot.stages[0].index) if snapshot.stages else 0.0
+        if not self.config.feed_forward:
+            entry = 0.0
+        return [self._correct(snapshot, s, entry, start_s[k]) for k, s in enumerate(snapshot.stages)]
+
+    def _correct(self, snapshot: PipelineSnapshot, stage: StageSnapshot, entry_rate: float, start_s: float) -> Correction:
+        cfg, now = self.config, snapshot.time
+        st = self._state[stage.index]
+        current = stage.replicas + stage.pending_replicas
+        target = stage_target_s(snapshot, stage, self.correct.default_target_factor)
+        rate = max(self.peak_rate(stage.index), entry_rate, stage.arrival_rate)
+        reason = f"peak={rate:.1f}/s"
+        if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
+            return Correction(current, 0.0, target, 0.0, False, reason + " (no service time yet)")
+        per = max(1, stage.concurrency)
+        servers = servers_for_target(rate, stage.service_rate, target, self.correct.rho_max, stage.max_replicas * per)
+        drain_within = cfg.backlog_starts * max(start_s, 1e-3)
+        if stage.queue_len > 0 and stage.queue_len / (max(1, servers_of(stage, current)) * stage.service_rate) > drain_within:
+            backlog = math.ceil((rate + stage.queue_len / drain_within) / stage.service_rate - 1e-9)
+            if backlog > servers:
+                servers, reason = backlog, reason + f" backlog {stage.queue_len}"
+        demand = min(stage.max_replicas, max(stage.min_replicas, math.ceil(servers / per)))
+        delay = mmc_delay(rate, stage.service_rate, servers_of(stage, max(current, 0)))
+        error = cfg_error(delay, target, self.correct.error_cap)
+        if demand > current:
+            st.below_since, st.last_scale_up = None, now
+            return Correction(demand, delay, target, error, True, reason + f" {current}->{demand}")
+        if demand == current:
+            st.below_since = None
+            return Correction(current, delay, target, error, False, reason)
+        if st.below_since is None:
+            st.below_since = now
+        hold = max(cfg.hold_min_s, cfg.hold_starts * start_s)
+        if now - st.below_since < hold:
+            return Correction(current, delay, target, error, False, reason + f" (hold {hold:.1f}s)")
+        busy = math.ceil(stage.busy / per)
+        down = max(demand, busy, current - self.correct.max_step_down)
+        return Correction(down, delay, target, error, False, reason + f" {current}->{down}")
+
+
+def cfg_error(delay: float, target: float, cap: float) -> float:
+    """Relative delay error (T − target)/target, capped (reported in the reason and the Correction)."""
+    if math.isinf(delay):
+        return cap
+    return max(-1.0, min(cap, (delay - target) / target))
