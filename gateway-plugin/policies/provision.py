@@ -27,7 +27,7 @@ Pure: state is the policy's own (rate windows, timers); time comes from the snap
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway_plugin.config import CorrectConfig, ProvisionConfig
 from gateway_plugin.policies.correct import Correction, servers_of, stage_target_s
@@ -51,6 +51,7 @@ class _StageState:
     rates: SampleWindow  # (time, λ over the last second)
     means: SampleWindow  # (time, mean λ over rate_window_s)
     below_since: float | None = None  # when the demand first fell below the current count
+    since: float | None = None  # first snapshot with traffic
     last_scale_up: float = -math.inf
 
 
@@ -67,13 +68,18 @@ class Provisioner:
         st = self._state.get(stage.index)
         if st is None:
             st = self._state[stage.index] = _StageState(SampleWindow(cfg.rate_window_s), SampleWindow(cfg.peak_window_s))
+        if st.since is None and stage.recent_rate <= 0 and stage.arrival_rate <= 0:
+            return st  # no traffic yet: an idle start is no sample of the load
+        if st.since is None:
+            st.since = now
         if not st.rates.samples or now > st.rates.samples[-1][0]:
             st.rates.add(now, max(0.0, stage.recent_rate))
             st.means.add(now, st.rates.mean(cfg.rate_window_s))
         return st
 
     def peak_rate(self, index: int) -> float:
-        """λ̂ of a stage: the largest ``rate_window_s`` mean in the last ``peak_window_s`` (0 before any sample)."""
+        """λ̂ of a stage: the largest ``rate_window_s`` mean in the last ``peak_window_s`` (0 before any sample;
+        samples start with the stage's first traffic, so an idle start does not dilute the first means)."""
         st = self._state.get(index)
         return st.means.max(self.config.peak_window_s) if st is not None else 0.0
 
@@ -81,17 +87,33 @@ class Provisioner:
         st = self._state.get(index)
         return st.last_scale_up if st is not None else -math.inf
 
-    def correct_all(self, snapshot: PipelineSnapshot, start_s: list[float]) -> list[Correction]:
-        """One Correction per stage; ``start_s[i]``: how long a replica asked for now takes to serve."""
+    def correct_all(self, snapshot: PipelineSnapshot, start_s: list[float], starved: bool = False) -> list[Correction]:
+        """One Correction per stage; ``start_s[i]``: how long a replica asked for now takes to serve;
+        ``starved``: some stage has waited far longer than a start for replicas the cluster cannot place."""
         now = snapshot.time
         for s in snapshot.stages:
             self._observe(s, now)
-        entry = self.peak_rate(snapshot.stages[0].index) if snapshot.stages else 0.0
+        first = snapshot.stages[0] if snapshot.stages else None
+        entry = self.peak_rate(first.index) if first is not None else 0.0
         if not self.config.feed_forward:
             entry = 0.0
-        return [self._correct(snapshot, s, entry, start_s[k]) for k, s in enumerate(snapshot.stages)]
+        out, released = [], 0.0
+        for k, s in enumerate(snapshot.stages):
+            corr, release = self._correct(snapshot, s, entry, released if self.config.propagate_backlog else 0.0,
+                                          start_s[k])
+            out.append(corr)
+            released = max(released, release)
+        if starved and self.config.fair_share:
+            shares = fair_shares(snapshot.stages)
+            out = [c if c.replicas <= cap else replace(c, replicas=cap, scaled_up=False,
+                                                       reason=c.reason + f" (fair share {cap})")
+                   for c, cap in zip(out, shares, strict=True)]
+        return out
 
-    def _correct(self, snapshot: PipelineSnapshot, stage: StageSnapshot, entry_rate: float, start_s: float) -> Correction:
+    def _correct(self, snapshot: PipelineSnapshot, stage: StageSnapshot, entry_rate: float, released: float,
+                 start_s: float) -> tuple[Correction, float]:
+        """The stage's correction and the rate its backlog will leave it at (0 without one worth a start);
+        ``released``: the rate an upstream backlog arrives at (sized for at ρ ≤ rho_max while it lasts)."""
         cfg, now = self.config, snapshot.time
         st = self._state[stage.index]
         current = stage.replicas + stage.pending_replicas
@@ -99,31 +121,53 @@ class Provisioner:
         rate = max(self.peak_rate(stage.index), entry_rate, stage.arrival_rate)
         reason = f"peak={rate:.1f}/s"
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
-            return Correction(current, 0.0, target, 0.0, False, reason + " (no service time yet)")
+            return Correction(current, 0.0, target, 0.0, False, reason + " (no service time yet)"), 0.0
         per = max(1, stage.concurrency)
         servers = servers_for_target(rate, stage.service_rate, target, self.correct.rho_max, stage.max_replicas * per)
+        if released > 0:
+            upstream = servers_for_utilisation(released, stage.service_rate, self.correct.rho_max)
+            if upstream > servers:
+                servers, reason = upstream, reason + f" upstream backlog at {released:.0f}/s"
+        release = 0.0
         drain_within = cfg.backlog_starts * max(start_s, 1e-3)
         if stage.queue_len > 0 and stage.queue_len / (max(1, servers_of(stage, current)) * stage.service_rate) > drain_within:
             backlog = math.ceil((rate + stage.queue_len / drain_within) / stage.service_rate - 1e-9)
             if backlog > servers:
                 servers, reason = backlog, reason + f" backlog {stage.queue_len}"
+                # it leaves at what is ready to serve now (the new replicas' share follows once they are ready)
+                release = min(servers, servers_of(stage, stage.replicas)) * stage.service_rate
         demand = min(stage.max_replicas, max(stage.min_replicas, math.ceil(servers / per)))
         delay = mmc_delay(rate, stage.service_rate, servers_of(stage, max(current, 0)))
         error = cfg_error(delay, target, self.correct.error_cap)
         if demand > current:
             st.below_since, st.last_scale_up = None, now
-            return Correction(demand, delay, target, error, True, reason + f" {current}->{demand}")
+            return Correction(demand, delay, target, error, True, reason + f" {current}->{demand}"), release
         if demand == current:
             st.below_since = None
-            return Correction(current, delay, target, error, False, reason)
+            return Correction(current, delay, target, error, False, reason), release
         if st.below_since is None:
             st.below_since = now
         hold = max(cfg.hold_min_s, cfg.hold_starts * start_s)
         if now - st.below_since < hold:
-            return Correction(current, delay, target, error, False, reason + f" (hold {hold:.1f}s)")
+            return Correction(current, delay, target, error, False, reason + f" (hold {hold:.1f}s)"), release
         busy = math.ceil(stage.busy / per)
         down = max(demand, busy, current - self.correct.max_step_down)
-        return Correction(down, delay, target, error, False, reason + f" {current}->{down}")
+        return Correction(down, delay, target, error, False, reason + f" {current}->{down}"), release
+
+
+def fair_shares(stages: tuple[StageSnapshot, ...]) -> list[int]:
+    """Per stage, its share of the replicas the cluster holds now (Σ ready) in proportion to its service time.
+
+    A pipeline serves at its slowest stage's capacity: when the cluster cannot place every ask, replicas a stage
+    holds beyond its share only keep them from the stage that limits the pipeline. Never below r_min nor the
+    replicas busy now."""
+    held = sum(s.replicas for s in stages)
+    weights = [s.mean_service_s / max(1, s.concurrency) for s in stages]
+    total = sum(weights)
+    if total <= 0:
+        return [s.max_replicas for s in stages]
+    return [max(s.min_replicas, math.ceil(s.busy / max(1, s.concurrency)), math.floor(held * w / total + 1e-9))
+            for s, w in zip(stages, weights, strict=True)]
 
 
 def cfg_error(delay: float, target: float, cap: float) -> float:

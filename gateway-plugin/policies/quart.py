@@ -52,7 +52,7 @@ class QuartPolicy:
             for s in snapshot.stages:
                 self.corrector.observe_start(s, snapshot.time)
             starts = [self.corrector.dead_time_s(s) for s in snapshot.stages]
-            corrections = self.provisioner.correct_all(snapshot, starts)
+            corrections = self.provisioner.correct_all(snapshot, starts, release)
             for s, c in zip(snapshot.stages, corrections, strict=True):
                 if c.scaled_up:
                     self.corrector.note_scale_up(s.index, snapshot.time)
