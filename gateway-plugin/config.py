@@ -72,7 +72,7 @@ class ProvisionConfig:
     feed_forward: bool = True  # every stage sized for at least the entry stage's peak rate
     backlog_starts: float = 2.0  # a queue that needs > this × a replica's start time to drain adds replicas
     propagate_backlog: bool = True  # ... and the stages after it are sized (ρ ≤ rho_max) for the rate it leaves at
-    hold_min_s: float = 10.0  # scale down only after the demand stayed lower this long ...
+    hold_min_s: float = 30.0  # scale down only after the demand stayed lower this long ...
     hold_starts: float = 10.0  # ... or this many replica start times, whichever is longer
     # While a stage waits for replicas the cluster cannot place, no stage asks for more than its share of the
     # replicas held (Σ ready, split by service time): the pipeline runs at its slowest stage's capacity.

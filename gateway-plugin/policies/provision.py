@@ -62,6 +62,7 @@ class Provisioner:
     config: ProvisionConfig = field(default_factory=ProvisionConfig)
     correct: CorrectConfig = field(default_factory=CorrectConfig)
     _state: dict[int, _StageState] = field(default_factory=dict)
+    capacity: int | None = None  # replicas the cluster held for this pipeline while a stage starved (learned)
 
     def _observe(self, stage: StageSnapshot, now: float) -> _StageState:
         cfg = self.config
@@ -103,11 +104,16 @@ class Provisioner:
                                           start_s[k])
             out.append(corr)
             released = max(released, release)
-        if starved and self.config.fair_share:
-            shares = fair_shares(snapshot.stages)
-            out = [c if c.replicas <= cap else replace(c, replicas=cap, scaled_up=False,
-                                                       reason=c.reason + f" (fair share {cap})")
-                   for c, cap in zip(out, shares, strict=True)]
+        if self.config.fair_share:
+            held = sum(s.replicas for s in snapshot.stages)
+            if starved:  # the cluster holds no more than this now (max over time: starting ones become ready)
+                self.capacity = max(self.capacity or 0, held)
+            if self.capacity is not None:
+                capacity = held if starved else self.capacity
+                shares = fair_shares(snapshot.stages, [c.replicas for c in out], capacity)
+                out = [c if c.replicas <= cap else replace(c, replicas=cap, scaled_up=cap > s.replicas + s.pending_replicas,
+                                                           reason=c.reason + f" (fair share {cap} of {capacity})")
+                       for c, cap, s in zip(out, shares, snapshot.stages, strict=True)]
         return out
 
     def _correct(self, snapshot: PipelineSnapshot, stage: StageSnapshot, entry_rate: float, released: float,
@@ -155,19 +161,29 @@ class Provisioner:
         return Correction(down, delay, target, error, False, reason + f" {current}->{down}"), release
 
 
-def fair_shares(stages: tuple[StageSnapshot, ...]) -> list[int]:
-    """Per stage, its share of the replicas the cluster holds now (Σ ready) in proportion to its service time.
-
-    A pipeline serves at its slowest stage's capacity: when the cluster cannot place every ask, replicas a stage
-    holds beyond its share only keep them from the stage that limits the pipeline. Never below r_min nor the
-    replicas busy now."""
-    held = sum(s.replicas for s in stages)
-    weights = [s.mean_service_s / max(1, s.concurrency) for s in stages]
-    total = sum(weights)
-    if total <= 0:
-        return [s.max_replicas for s in stages]
-    return [max(s.min_replicas, math.ceil(s.busy / max(1, s.concurrency)), math.floor(held * w / total + 1e-9))
-            for s, w in zip(stages, weights, strict=True)]
+def fair_shares(stages: tuple[StageSnapshot, ...], demands: list[int], capacity: int) -> list[int]:
+    """Replicas per stage when the stages together may hold ``capacity``: water-filling in proportion to
+    service time (a pipeline serves at its slowest stage's capacity, so replicas one stage holds beyond its
+    share only keep them from the stage that limits it); a stage that wants less than its share keeps its
+    demand and the rest is shared again. Never below r_min nor the replicas busy now."""
+    floors = [max(s.min_replicas, math.ceil(s.busy / max(1, s.concurrency))) for s in stages]
+    if sum(demands) <= capacity:
+        return list(demands)
+    weights = {k: max(s.mean_service_s / max(1, s.concurrency), 1e-9) for k, s in enumerate(stages)}
+    out = list(demands)
+    left, open_ = float(capacity), set(weights)
+    while open_:
+        total = sum(weights[k] for k in open_)
+        share = {k: left * weights[k] / total for k in open_}
+        small = [k for k in open_ if demands[k] <= share[k]]
+        if not small:
+            for k in open_:
+                out[k] = math.floor(share[k] + 1e-9)
+            break
+        for k in small:
+            left -= demands[k]
+            open_.discard(k)
+    return [max(f, min(d, o)) for f, d, o in zip(floors, demands, out, strict=True)]
 
 
 def cfg_error(delay: float, target: float, cap: float) -> float:

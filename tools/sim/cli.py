@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals per run")
     p.add_argument("--quick", action="store_true", help="frontier: 30 simulated seconds per run (tests, smoke runs)")
     p.add_argument("--no-trace", action="store_true", help="frontier: gamma workloads only")
+    p.add_argument("--reuse", default=None,
+                   help="frontier: earlier output of the same configuration; its baseline and static-k entries are "
+                        "kept, only QUART and the oracle run again")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV for fig6 / --arrivals trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quart-config", default="",
@@ -153,15 +156,21 @@ def _frontier(args, cal: Calibration) -> dict:
     cvs = [float(c) for c in args.cvs.split(",")]
     duration = QUICK_DURATION_S if args.quick else args.duration
     trace = None if args.no_trace else args.trace
-    doc = run_frontier(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, _overrides(args))
+    config = {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
+              "seed": args.seed, "max_replicas": args.max_replicas}
+    reuse = None
+    if args.reuse:
+        with open(args.reuse, encoding="utf-8") as f:
+            earlier = json.load(f)
+        if earlier.get("config") != config:
+            raise SystemExit(f"--reuse {args.reuse}: its config {earlier.get('config')} is not this run's {config}")
+        reuse = earlier["entries"]
+    doc = run_frontier(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, _overrides(args), reuse)
     if args.plots:
         from quart_tools.sim.frontier_plots import plot_frontier
 
         plot_frontier(doc["entries"], args.plots)
-    return {"experiment": "frontier",
-            "config": {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
-                       "seed": args.seed, "max_replicas": args.max_replicas},
-            **doc}
+    return {"experiment": "frontier", "config": config, **doc}
 
 
 def _blitzscale(args, cal: Calibration) -> dict:
