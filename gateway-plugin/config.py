@@ -194,6 +194,7 @@ class PluginConfig:
     actuator: str = "gateway"  # [QUART_ACTUATOR] gateway (in-process) | rest | faas-cli | none
     control_log_path: str = ""  # [QUART_CONTROL_LOG] JSONL of snapshots + decisions ("" = none)
     cv_model_path: str = ""  # [QUART_CV_MODEL] trained CV-propagation model (safetensors)
+    cv_online: bool = True  # [QUART_CV_ONLINE] without QUART_CV_MODEL: train the CV model online, in the background
     cpu_profile_path: str = ""  # [QUART_CPU_PROFILE] JSONL profiling records for the CPU regression
     gateway_url: str = ""  # [QUART_GATEWAY_URL] OpenFaaS gateway (rest / faas-cli actuators, standalone)
     gateway_user: str = "admin"  # [QUART_GATEWAY_USER]
@@ -218,6 +219,7 @@ class PluginConfig:
             "actuator": "QUART_ACTUATOR",
             "control_log_path": "QUART_CONTROL_LOG",
             "cv_model_path": "QUART_CV_MODEL",
+            "cv_online": "QUART_CV_ONLINE",
             "cpu_profile_path": "QUART_CPU_PROFILE",
             "gateway_url": "QUART_GATEWAY_URL",
             "gateway_user": "QUART_GATEWAY_USER",
