@@ -97,3 +97,29 @@ def test_never_below_busy_replicas_nor_above_the_maximum() -> None:
     d = policy.decide(snap(1.0, stage(0, 0.5, 12, busy=11))).stages[0].replicas
     assert d == 11  # demand is 1, two per step at most would give 10, but 11 are busy
     assert policy.decide(snap(2.0, stage(0, 0.5, 11, busy=0))).stages[0].replicas == 9
+
+
+def test_a_full_cluster_is_learned_only_once_a_start_time_was_measured() -> None:
+    # asks pending for 5 s with no start measured yet (a cold start of tens of seconds): not a full cluster
+    cold = dict(replica_start_s=-1.0)
+    policy = quiet()
+    kw = dict(queue_len=0)
+    for t in range(6):
+        policy.decide(snap(float(t), stage(0, 40.0, 1, pending_replicas=5, **cold, **kw),
+                           stage(1, 40.0, 1, pending_replicas=5, **cold, **kw)))
+    assert policy.provisioner.capacity is None
+    # the same wait with a measured 0.5 s start: the cluster holds what is ready (2), shared fairly
+    policy = quiet()
+    decision = None
+    for t in range(6):
+        decision = policy.decide(snap(float(t), stage(0, 40.0, 3, pending_replicas=3), stage(1, 40.0, 1, pending_replicas=5)))
+    assert policy.provisioner.capacity == 4
+    assert [d.replicas for d in decision.stages] == [2, 2]
+
+
+def test_fair_shares_water_fill_by_service_time() -> None:
+    from gateway_plugin.policies.provision import fair_shares
+
+    stages = (stage(0, 1.0, 1, service_rate=10.0), stage(1, 1.0, 1, service_rate=5.0), stage(2, 1.0, 1))
+    assert fair_shares(stages, [2, 3, 2], 12) == [2, 3, 2]  # fits: unchanged
+    assert fair_shares(stages, [1, 12, 12], 9) == [1, 5, 2]  # stage 0 keeps 1; 8 left split 2:1 by service time

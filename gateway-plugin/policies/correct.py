@@ -192,6 +192,11 @@ class Corrector:
             return False
         return now - st.pending_since > max(self.config.starved_after_s, 3 * self.dead_time_s(stage))
 
+    def start_known(self, stage: StageSnapshot) -> bool:
+        """A start time was measured (by the platform or from this corrector's snapshots), not just configured."""
+        st = self._state.get(stage.index)
+        return stage.replica_start_s >= 0 or (st is not None and st.start_time is not None)
+
     def replica_start_s(self, index: int) -> float:
         """Learned time from asking for a replica to its being ready (config default until observed)."""
         st = self._state.get(index)

@@ -52,7 +52,11 @@ class QuartPolicy:
             for s in snapshot.stages:
                 self.corrector.observe_start(s, snapshot.time)
             starts = [self.corrector.dead_time_s(s) for s in snapshot.stages]
-            corrections = self.provisioner.correct_all(snapshot, starts, release)
+            # a cluster is full only if asks wait far longer than a *measured* start: before the first start
+            # completes (a cold start of tens of seconds) waiting is no sign of a full cluster
+            full = any(self.corrector.starved(s, snapshot.time) and self.corrector.start_known(s)
+                       for s in snapshot.stages)
+            corrections = self.provisioner.correct_all(snapshot, starts, full)
             for s, c in zip(snapshot.stages, corrections, strict=True):
                 if c.scaled_up:
                     self.corrector.note_scale_up(s.index, snapshot.time)
