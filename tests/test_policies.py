@@ -255,18 +255,18 @@ def test_backlog_lookahead_sizes_downstream_stages_for_the_released_burst() -> N
     # a 40-request burst queued at stage 0 (one 50/s replica, a fork takes 50 ms); stages 1–2 idle at 1 replica
     kw = dict(arrival_rate=20.0, service_rate=50.0, replicas=1, target_s=0.05, max_replicas=6, replica_start_s=0.05)
     burst = snap(0.0, stage(0, queue_len=40, busy=1, mean_wait_s=0.4, **kw), stage(1, **kw), stage(2, **kw))
-    decision = make_policy("quart", backlog_lookahead=True).decide(burst)
+    decision = make_policy("quart", mode="pid", backlog_lookahead=True).decide(burst)
     first = decision.stages[0].replicas
     assert first > 1
     # stage 0 will release the backlog at first × 50/s: the next stages keep up with it (ρ ≤ 0.95), in this step
     for d in decision.stages[1:]:
         assert d.replicas >= min(6, -(-first * 50 // (0.95 * 50))) and "backlog" in d.reason
     assert set(decision.key_stages) == {0, 1, 2}
-    plain = make_policy("quart").decide(burst)  # off by default
+    plain = make_policy("quart", mode="pid").decide(burst)  # off by default
     assert [d.replicas for d in plain.stages[1:]] == [1, 1]
     # a backlog gone before a replica could start (2 s measured start) raises nothing downstream
     slow = snap(0.0, *(replace(s, replica_start_s=2.0) for s in burst.stages))
-    assert [d.replicas for d in make_policy("quart", backlog_lookahead=True).decide(slow).stages[1:]] == [1, 1]
+    assert [d.replicas for d in make_policy("quart", mode="pid", backlog_lookahead=True).decide(slow).stages[1:]] == [1, 1]
 
 
 def test_peak_rate_option_sizes_for_the_last_second() -> None:
