@@ -122,4 +122,4 @@ def test_fair_shares_water_fill_by_service_time() -> None:
 
     stages = (stage(0, 1.0, 1, service_rate=10.0), stage(1, 1.0, 1, service_rate=5.0), stage(2, 1.0, 1))
     assert fair_shares(stages, [2, 3, 2], 12) == [2, 3, 2]  # fits: unchanged
-    assert fair_shares(stages, [1, 12, 12], 9) == [1, 5, 2]  # stage 0 keeps 1; 8 left split 2:1 by service time
+    assert fair_shares(stages, [1, 12, 12], 9) == [1, 5, 3]  # stage 0 keeps 1; 8 left split 2:1, remainder to the largest

@@ -176,9 +176,14 @@ def fair_shares(stages: tuple[StageSnapshot, ...], demands: list[int], capacity:
         total = sum(weights[k] for k in open_)
         share = {k: left * weights[k] / total for k in open_}
         small = [k for k in open_ if demands[k] <= share[k]]
-        if not small:
+        if not small:  # largest remainder, so the shares add up to what is left; near-equal remainders go to the
+            # stages that hold more now (stages of a balanced pipeline must not swap a replica every step)
             for k in open_:
                 out[k] = math.floor(share[k] + 1e-9)
+            spare = int(round(left)) - sum(out[k] for k in open_)
+            order = sorted(open_, key=lambda k: (-round(share[k] - out[k], 1), -stages[k].replicas, k))
+            for k in order[:max(0, spare)]:
+                out[k] += 1
             break
         for k in small:
             left -= demands[k]
