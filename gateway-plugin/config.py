@@ -64,8 +64,28 @@ class CPUConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ProvisionConfig:
+    """QUART's provisioning corrector (``mode="provision"``, gateway_plugin.policies.provision)."""
+
+    rate_window_s: float = 5.0  # λ is averaged over this long (the oracle's best schedule step)
+    peak_window_s: float = 30.0  # ... and the largest such mean over this long sizes the stage
+    feed_forward: bool = True  # every stage sized for at least the entry stage's peak rate
+    backlog_starts: float = 2.0  # a queue that needs > this × a replica's start time to drain adds replicas
+    propagate_backlog: bool = True  # ... and the stages after it are sized (ρ ≤ rho_max) for the rate it leaves at
+    hold_min_s: float = 30.0  # scale down only after the demand stayed lower this long ...
+    hold_starts: float = 10.0  # ... or this many replica start times, whichever is longer
+    # While a stage waits for replicas the cluster cannot place, no stage asks for more than its share of the
+    # replicas held (Σ ready, split by service time): the pipeline runs at its slowest stage's capacity.
+    fair_share: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class QuartConfig:
+    # "provision": size for the windowed peak rate and hold (issue 15; gateway_plugin.policies.provision);
+    # "pid": the paper's Correct (PID on the M/M/c delay error, gateway_plugin.policies.correct).
+    mode: str = "provision"
     correct: CorrectConfig = field(default_factory=CorrectConfig)
+    provision: ProvisionConfig = field(default_factory=ProvisionConfig)
     smooth: SmoothConfig = field(default_factory=SmoothConfig)
     cpu: CPUConfig = field(default_factory=CPUConfig)
     # Backlog propagation (ours, beyond the paper): requests queued upstream are the next arrivals of the stages
@@ -174,6 +194,7 @@ class PluginConfig:
     actuator: str = "gateway"  # [QUART_ACTUATOR] gateway (in-process) | rest | faas-cli | none
     control_log_path: str = ""  # [QUART_CONTROL_LOG] JSONL of snapshots + decisions ("" = none)
     cv_model_path: str = ""  # [QUART_CV_MODEL] trained CV-propagation model (safetensors)
+    cv_online: bool = True  # [QUART_CV_ONLINE] without QUART_CV_MODEL: train the CV model online, in the background
     cpu_profile_path: str = ""  # [QUART_CPU_PROFILE] JSONL profiling records for the CPU regression
     gateway_url: str = ""  # [QUART_GATEWAY_URL] OpenFaaS gateway (rest / faas-cli actuators, standalone)
     gateway_user: str = "admin"  # [QUART_GATEWAY_USER]
@@ -198,6 +219,7 @@ class PluginConfig:
             "actuator": "QUART_ACTUATOR",
             "control_log_path": "QUART_CONTROL_LOG",
             "cv_model_path": "QUART_CV_MODEL",
+            "cv_online": "QUART_CV_ONLINE",
             "cpu_profile_path": "QUART_CPU_PROFILE",
             "gateway_url": "QUART_GATEWAY_URL",
             "gateway_user": "QUART_GATEWAY_USER",

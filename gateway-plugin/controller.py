@@ -59,6 +59,7 @@ class Controller:
     timeline: deque = field(default_factory=lambda: deque(maxlen=100_000))  # dict rows, oldest dropped
     last_snapshots: dict[str, PipelineSnapshot] = field(default_factory=dict)
     errors: int = 0
+    cv_trainer: Any = None  # OnlineCVTrainer: sees every snapshot, trains off the loop, installs its models
 
     def __post_init__(self) -> None:
         self.collector.registry.register(SnapshotGauges(self.last_snapshots.values))  # read at scrape time
@@ -78,7 +79,12 @@ class Controller:
         for model, functions in self.inventory.pipelines().items():
             snap = self.snapshot(model, functions)
             self.last_snapshots[model] = snap
-            decision = bounded(snap, self.policy(model).decide(snap))
+            policy = self.policy(model)
+            if self.cv_trainer is not None:
+                self.cv_trainer.install(model, policy)
+            decision = bounded(snap, policy.decide(snap))
+            if self.cv_trainer is not None and hasattr(policy, "cv_model"):  # only QUART reads a CV model
+                self.cv_trainer.observe(snap)
             decisions[model] = decision
             await self._apply(snap, decision)
             self._log(snap, decision)

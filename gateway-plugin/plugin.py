@@ -86,6 +86,15 @@ class GatewayView:
         return (state.cpus, state.param_bytes) if state else (1.0, 0)
 
 
+def online_cv_trainer(config: PluginConfig):
+    """The background CV-model trainer QUART uses by default (none with a trained model given or QUART_CV_ONLINE=0)."""
+    if not config.cv_online or config.cv_model_path:
+        return None
+    from gateway_plugin.policies.cv_online import OnlineCVTrainer
+
+    return OnlineCVTrainer()
+
+
 def policy_factory(config: PluginConfig, **overrides: Any):
     """A zero-argument factory of the configured policy, with the trained models it needs loaded once."""
     extra: dict[str, Any] = dict(overrides)
@@ -168,6 +177,7 @@ class Plugin:
         self.controller = Controller(
             self.view, self.router, self.collector, actuator or make_actuator(self.config, gateway),
             factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),
+            cv_trainer=online_cv_trainer(self.config),
         )
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None

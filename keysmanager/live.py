@@ -127,10 +127,7 @@ def build_live(env: Mapping[str, str]):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path}: no verified layer within {env.get(LIVE_WAIT_ENV)} s")
         time.sleep(0.002)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:  # complete already: renamed into place (the stage file without ".partial")
-        fd = os.open(path.removesuffix(".partial"), os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_arriving(path)
     try:
         data_start, header = read_safetensors_header(f"/proc/self/fd/{fd}")
         mm = mmap.mmap(fd, entry.file_bytes, access=mmap.ACCESS_READ)  # shared: sees the writer's pages
@@ -141,6 +138,18 @@ def build_live(env: Mapping[str, str]):
     runtime.progress = LiveProgress(progress_path, entry.start, entry.end)
     runtime.parameter_source = "live"
     return mm, runtime, create_app(runtime), entry.file_bytes
+
+
+def _open_arriving(partial: str) -> int:
+    """A descriptor of the stage file still arriving, or of the file it was renamed to meanwhile (the transfer
+    finished between the progress check and here: the same inode, complete)."""
+    final = partial.removesuffix(".partial")
+    for candidate in dict.fromkeys((partial, final)):
+        try:
+            return os.open(candidate, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(f"{partial}: neither it nor {final} exists (the transfer failed and was removed)")
 
 
 def _views(mm: mmap.mmap, data_start: int, header: dict, itemsize: Mapping[str, int]) -> dict:

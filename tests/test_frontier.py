@@ -113,3 +113,27 @@ def test_cli_writes_the_documented_json(tmp_path) -> None:
         assert {"frontier_mean_ms", "quart_over_frontier", "cheaper_baselines", "quart_over_oracle",
                 "targets_met"} <= set(r)
     assert (plots / "frontier-wideresnet.png").stat().st_size > 0
+    # --reuse: baselines and static-k come from the earlier document unchanged; QUART and the oracle run again
+    again = tmp_path / "again.json"
+    rc = cli.main(["--experiment", "frontier", "--quick", "--models", "wideresnet", "--cvs", "4",
+                   "--trace", _trace(tmp_path / "trace.csv"), "--max-replicas", "3", "--workers", "2",
+                   "--reuse", str(out), "--out", str(again)])
+    assert rc == 0
+    redo = json.loads(again.read_text())["entries"]
+    assert [(e["workload"], e["policy"], e["table"]) for e in redo] == [
+        (e["workload"], e["policy"], e["table"]) for e in entries]
+    assert [e for e in redo if e["policy"] != "oracle"] == [e for e in entries if e["policy"] != "oracle"]
+    other = cli.main(["--experiment", "frontier", "--quick", "--models", "wideresnet", "--cvs", "1", "--no-trace",
+                      "--reuse", str(out), "--out", str(tmp_path / "x.json")])
+    assert other == 2 and not (tmp_path / "x.json").exists()  # a different configuration is refused
+
+
+def test_quart_ablation_runs_every_variant(tmp_path) -> None:
+    out = tmp_path / "ablation.json"
+    rc = cli.main(["--experiment", "quart-ablation", "--quick", "--models", "wideresnet", "--cvs", "4", "--no-trace",
+                   "--max-replicas", "3", "--workers", "2", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["quart", "-smooth", "-cpu", "-key-placement", "-keysmanager", "pid"]
+    by = {r["policy"]: r for r in rows}
+    assert by["-keysmanager"]["mean_ms"] > by["quart"]["mean_ms"]  # cold starts instead of forks

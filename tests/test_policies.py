@@ -96,7 +96,7 @@ def test_max_replicas_respected_and_no_windup() -> None:
 
 
 def test_idle_stage_loses_replicas_only_after_cooldown() -> None:
-    policy = make_policy("quart", correct={"scale_down_cooldown_s": 30.0})
+    policy = make_policy("quart", mode="pid", correct={"scale_down_cooldown_s": 30.0})
     busy = stage(0, arrival_rate=20.0, service_rate=2.0, replicas=4, target_s=1.0)
     up = policy.decide(snap(0.0, busy))
     assert up.stages[0].replicas > 4
@@ -228,17 +228,17 @@ def test_cv_model_trains_from_controller_log(tmp_path) -> None:
 def test_dead_time_gate_ignores_a_burst_that_drains_before_a_replica_starts() -> None:
     # 10 queued at 20 req/s: drains in 0.5 s < the 1 s a new replica needs; steady load is light
     short = stage(0, arrival_rate=2.0, service_rate=20.0, replicas=1, queue_len=10, mean_wait_s=0.3, target_s=0.1)
-    assert make_policy("quart").decide(snap(0.0, short)).stages[0].replicas == 1
-    ungated = make_policy("quart", correct={"dead_time_gate": False})
+    assert make_policy("quart", mode="pid").decide(snap(0.0, short)).stages[0].replicas == 1
+    ungated = make_policy("quart", mode="pid", correct={"dead_time_gate": False})
     assert ungated.decide(snap(0.0, short)).stages[0].replicas > 1
     long = stage(0, arrival_rate=2.0, service_rate=20.0, replicas=1, queue_len=60, mean_wait_s=1.5, target_s=0.1)
-    assert make_policy("quart").decide(snap(0.0, long)).stages[0].replicas > 1
+    assert make_policy("quart", mode="pid").decide(snap(0.0, long)).stages[0].replicas > 1
     # the platform measured 50 ms from ask to ready (a fork): the same 0.5 s backlog is now worth replicas,
     # whatever the configured default says
     forked = replace(short, replica_start_s=0.05)
-    assert make_policy("quart").decide(snap(0.0, forked)).stages[0].replicas > 1
+    assert make_policy("quart", mode="pid").decide(snap(0.0, forked)).stages[0].replicas > 1
     slow = replace(short, replica_start_s=2.0)  # a measured 2 s start: still gated
-    assert make_policy("quart", correct={"replica_start_s": 0.01}).decide(snap(0.0, slow)).stages[0].replicas == 1
+    assert make_policy("quart", mode="pid", correct={"replica_start_s": 0.01}).decide(snap(0.0, slow)).stages[0].replicas == 1
 
 
 def test_replica_start_time_is_learned_from_snapshots() -> None:
@@ -255,25 +255,25 @@ def test_backlog_lookahead_sizes_downstream_stages_for_the_released_burst() -> N
     # a 40-request burst queued at stage 0 (one 50/s replica, a fork takes 50 ms); stages 1–2 idle at 1 replica
     kw = dict(arrival_rate=20.0, service_rate=50.0, replicas=1, target_s=0.05, max_replicas=6, replica_start_s=0.05)
     burst = snap(0.0, stage(0, queue_len=40, busy=1, mean_wait_s=0.4, **kw), stage(1, **kw), stage(2, **kw))
-    decision = make_policy("quart", backlog_lookahead=True).decide(burst)
+    decision = make_policy("quart", mode="pid", backlog_lookahead=True).decide(burst)
     first = decision.stages[0].replicas
     assert first > 1
     # stage 0 will release the backlog at first × 50/s: the next stages keep up with it (ρ ≤ 0.95), in this step
     for d in decision.stages[1:]:
         assert d.replicas >= min(6, -(-first * 50 // (0.95 * 50))) and "backlog" in d.reason
     assert set(decision.key_stages) == {0, 1, 2}
-    plain = make_policy("quart").decide(burst)  # off by default
+    plain = make_policy("quart", mode="pid").decide(burst)  # off by default
     assert [d.replicas for d in plain.stages[1:]] == [1, 1]
     # a backlog gone before a replica could start (2 s measured start) raises nothing downstream
     slow = snap(0.0, *(replace(s, replica_start_s=2.0) for s in burst.stages))
-    assert [d.replicas for d in make_policy("quart", backlog_lookahead=True).decide(slow).stages[1:]] == [1, 1]
+    assert [d.replicas for d in make_policy("quart", mode="pid", backlog_lookahead=True).decide(slow).stages[1:]] == [1, 1]
 
 
 def test_peak_rate_option_sizes_for_the_last_second() -> None:
     # 5 req/s over the window but 40 req/s in the last second, 20/s replicas: M/M/c at the peak needs more
     s = stage(0, arrival_rate=5.0, arrival_rate_recent=40.0, service_rate=20.0, replicas=2, target_s=0.2)
-    window = make_policy("quart").decide(snap(0.0, s)).stages[0].replicas
-    peak = make_policy("quart", correct={"peak_rate": True}).decide(snap(0.0, s)).stages[0].replicas
+    window = make_policy("quart", mode="pid").decide(snap(0.0, s)).stages[0].replicas
+    peak = make_policy("quart", mode="pid", correct={"peak_rate": True}).decide(snap(0.0, s)).stages[0].replicas
     assert peak > window >= 2
 
 
@@ -281,7 +281,7 @@ def test_idle_stages_give_back_replicas_in_cooldown_when_another_stage_is_starve
     kw = dict(arrival_rate=10.0, service_rate=50.0, target_s=0.05, max_replicas=12, replica_start_s=0.1)
 
     def run(stage1_pending: int) -> int:
-        policy = make_policy("quart", smooth={"enabled": False})
+        policy = make_policy("quart", mode="pid", smooth={"enabled": False})
         policy.decide(snap(0.0, stage(0, replicas=1, queue_len=200, mean_wait_s=2.0, **kw), stage(1, replicas=1, **kw)))
         desired = 0
         for t in (1.0, 2.0, 3.0, 3.5):  # stage 0 got its 12 and is idle now; stage 1 waits for its asks

@@ -162,6 +162,10 @@ class Corrector:
         st.last_error, st.last_time = error, now
         return Correction(desired, delay, target, error, scaled_up, reason)
 
+    def observe_start(self, stage: StageSnapshot, now: float) -> None:
+        """Learn the start time from a snapshot without correcting (the provisioning mode's use)."""
+        self._learn_start_time(self._state.setdefault(stage.index, _PIDState()), stage, now)
+
     def _learn_start_time(self, st: _PIDState, stage: StageSnapshot, now: float) -> None:
         """Observe how long asked-for replicas take to become ready (the loop's dead time)."""
         if stage.pending_replicas > 0 and st.pending_since is None:
@@ -187,6 +191,11 @@ class Corrector:
         if st is None or st.pending_since is None or stage.pending_replicas <= 0:
             return False
         return now - st.pending_since > max(self.config.starved_after_s, 3 * self.dead_time_s(stage))
+
+    def start_known(self, stage: StageSnapshot) -> bool:
+        """A start time was measured (by the platform or from this corrector's snapshots), not just configured."""
+        st = self._state.get(stage.index)
+        return stage.replica_start_s >= 0 or (st is not None and st.start_time is not None)
 
     def replica_start_s(self, index: int) -> float:
         """Learned time from asking for a replica to its being ready (config default until observed)."""

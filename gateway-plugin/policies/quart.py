@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from gateway_plugin.config import QuartConfig
 from gateway_plugin.policies.correct import Correction, Corrector, estimated_delay_s, servers_of
 from gateway_plugin.policies.cpu_model import CPULatencyModel
+from gateway_plugin.policies.provision import Provisioner
 from gateway_plugin.policies.queueing import servers_for_utilisation
 from gateway_plugin.policies.smooth import beta, reclaim_target
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
@@ -30,9 +31,13 @@ class QuartPolicy:
     cpu_model: CPULatencyModel | None = None
     name: str = "quart"
     corrector: Corrector = field(init=False)
+    provisioner: Provisioner | None = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.config.mode not in ("provision", "pid"):
+            raise ValueError(f"QuartConfig.mode must be 'provision' or 'pid', got {self.config.mode!r}")
         self.corrector = Corrector(self.config.correct)
+        self.provisioner = Provisioner(self.config.provision, self.config.correct) if self.config.mode == "provision" else None
 
     def predicted_cv(self, snapshot: PipelineSnapshot) -> list[float]:
         if self.cv_model is not None:
@@ -43,7 +48,21 @@ class QuartPolicy:
         cfg = self.config
         release = cfg.correct.release_when_starved and any(self.corrector.starved(s, snapshot.time)
                                                              for s in snapshot.stages)
-        corrections = [self.corrector.correct(snapshot, s, release) for s in snapshot.stages]
+        if self.provisioner is not None:
+            for s in snapshot.stages:
+                self.corrector.observe_start(s, snapshot.time)
+            starts = [self.corrector.dead_time_s(s) for s in snapshot.stages]
+            # a cluster is full only if asks wait far longer than a *measured* start: before the first start
+            # completes (a cold start of tens of seconds) waiting is no sign of a full cluster
+            full = any(self.corrector.starved(s, snapshot.time) and self.corrector.start_known(s)
+                       for s in snapshot.stages)
+            corrections = self.provisioner.correct_all(snapshot, starts, full)
+            for s, c in zip(snapshot.stages, corrections, strict=True):
+                if c.scaled_up:
+                    self.corrector.note_scale_up(s.index, snapshot.time)
+            release = False
+        else:
+            corrections = [self.corrector.correct(snapshot, s, release) for s in snapshot.stages]
         if cfg.backlog_lookahead:
             corrections = self._lookahead(snapshot, corrections)
         demand = [c.replicas for c in corrections]

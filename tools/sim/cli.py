@@ -4,6 +4,7 @@
     quartctl simulate --experiment fig7 --out fig7.json                             # CV sweep
     quartctl simulate --experiment fig6|fig2|ablations|all --out FILE [--plots DIR]
     quartctl simulate --experiment frontier --out FILE [--plots DIR] [--quick]    # equal cost (issue 15)
+    quartctl simulate --experiment quart-ablation --out FILE [--reuse FRONTIER]   # QUART's parts one at a time
     quartctl simulate --experiment blitzscale --out FILE [--plots DIR]            # start modes (issues 16, 17)
 """
 
@@ -21,7 +22,7 @@ from quart_tools.sim import experiments as ex
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
 DEFAULT_LOAD = 0.4  # mean rate as a fraction of what the whole cluster sustains for the model
-EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "blitzscale", "all")
+EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "quart-ablation", "blitzscale", "all")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals per run")
     p.add_argument("--quick", action="store_true", help="frontier: 30 simulated seconds per run (tests, smoke runs)")
     p.add_argument("--no-trace", action="store_true", help="frontier: gamma workloads only")
+    p.add_argument("--reuse", default=None,
+                   help="frontier: earlier output of the same configuration; its baseline and static-k entries are "
+                        "kept, only QUART and the oracle run again")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV for fig6 / --arrivals trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quart-config", default="",
@@ -153,14 +157,39 @@ def _frontier(args, cal: Calibration) -> dict:
     cvs = [float(c) for c in args.cvs.split(",")]
     duration = QUICK_DURATION_S if args.quick else args.duration
     trace = None if args.no_trace else args.trace
-    doc = run_frontier(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, _overrides(args))
+    config = {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
+              "seed": args.seed, "max_replicas": args.max_replicas}
+    reuse = None
+    if args.reuse:
+        with open(args.reuse, encoding="utf-8") as f:
+            earlier = json.load(f)
+        if earlier.get("config") != config:
+            raise ValueError(f"--reuse {args.reuse}: its config {earlier.get('config')} is not this run's {config}")
+        reuse = earlier["entries"]
+    doc = run_frontier(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, _overrides(args), reuse)
     if args.plots:
         from quart_tools.sim.frontier_plots import plot_frontier
 
         plot_frontier(doc["entries"], args.plots)
-    return {"experiment": "frontier",
-            "config": {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
-                       "seed": args.seed, "max_replicas": args.max_replicas},
+    return {"experiment": "frontier", "config": config, **doc}
+
+
+def _quart_ablation(args, cal: Calibration) -> dict:
+    from quart_tools.sim.frontier import QUICK_DURATION_S
+    from quart_tools.sim.quart_ablation import run_ablation
+
+    models = [m.strip() for m in args.models.split(",")]
+    cvs = [float(c) for c in args.cvs.split(",")]
+    duration = QUICK_DURATION_S if args.quick else args.duration
+    trace = None if args.no_trace else args.trace
+    frontier = None
+    if args.reuse:  # a frontier document: the rows read the static frontier at each variant's cost
+        with open(args.reuse, encoding="utf-8") as f:
+            frontier = json.load(f)["entries"]
+    doc = run_ablation(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, frontier,
+                       _overrides(args))
+    return {"experiment": "quart-ablation", "config": {"models": models, "cvs": cvs, "trace": trace,
+                                                       "duration_s": duration, "load": args.load, "seed": args.seed},
             **doc}
 
 
@@ -201,6 +230,8 @@ def main(argv: list[str]) -> int:
             doc = _ablations(args, cal)
         elif args.experiment == "frontier":
             doc = _frontier(args, cal)
+        elif args.experiment == "quart-ablation":
+            doc = _quart_ablation(args, cal)
         elif args.experiment == "blitzscale":
             doc = _blitzscale(args, cal)
         else:
