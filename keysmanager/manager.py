@@ -369,4 +369,5 @@ class KeysManager:
         return HostReport(name=self.name, cached=cached, memory_used=self.memory_used(),
                           memory_limit=self.memory_limit(), gpu_slots=self.config.gpus,
                           gpu_used=len(self.replicas.slots_used), replicas=len(self.replicas.live()),
-                          host_memory_percent=psutil.virtual_memory().percent)
+                          host_memory_percent=psutil.virtual_memory().percent,
+                          held=sorted(f for f, stage in self.localizer.files.items() if stage.complete))

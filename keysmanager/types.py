@@ -117,6 +117,7 @@ class HostReport:
     gpu_used: int
     replicas: int = 0  # live replicas
     host_memory_percent: float = 0.0  # psutil reading of the whole machine
+    held: list[str] = field(default_factory=list)  # registry stages whose verified files are here (peers fetch them)
 
     @property
     def gpu_free(self) -> int:

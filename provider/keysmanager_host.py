@@ -60,7 +60,7 @@ class KeysManagerHost:
         for function, count in extra.running.items():
             running[function] = running.get(function, 0) + count
         return HostView(name=view.name, gpu_slots=view.gpu_slots, gpu_used=view.gpu_used + extra.gpu_used,
-                        memory_limit=view.memory_limit, memory_used=view.memory_used, cached=view.cached,
+                        memory_limit=view.memory_limit, memory_used=view.memory_used, cached=view.cached, held=view.held,
                         running=running)
 
     @property

@@ -301,7 +301,7 @@ class Reconciler:
         its NIC, so chains avoid sending from it."""
         holders: dict[str, list[str]] = {}
         for view in views:
-            for function in view.cached:
+            for function in view.cached | view.held:  # a zygote or the verified file: a peer can fetch it
                 holders.setdefault(function, []).append(view.name)
         serving = [v.name for v in views if any(v.running.values())]
         busy = {(a, b) for a in serving for b in (v.name for v in views) if a != b}

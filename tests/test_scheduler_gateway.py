@@ -189,7 +189,7 @@ class FakePeerHost(FakeStageHost):
         return await super().start(spec, count)
 
 
-def test_scale_up_onto_hosts_without_the_stage_multicasts_from_the_holder_and_starts_live(tmp_path, tiny_model):
+def test_scale_up_onto_hosts_without_the_stage_multicasts_from_the_holder_and_starts_live(tmp_path):
     """Three hosts need a stage only h0 holds: the reconciler orders the chain (h0 → h1 → h2 → h3) before the
     starts, each start names its predecessor then the source as peers, and with live_scaling each starts live."""
     function = "m-stage-0"
@@ -202,8 +202,8 @@ def test_scale_up_onto_hosts_without_the_stage_multicasts_from_the_holder_and_st
         await gw.start()
         try:
             await gw.deploy(FunctionDeployment.from_json(
-                {"service": function, "image": "m-stage", "envVars": {
-                    "QUART_MODEL_DIR": str(tiny_model), "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "emulated"},
+                {"service": function, "image": "m-stage", "envVars": {  # a registry stage: its bytes are fetched
+                    "QUART_MODEL_URL": "s3://models/m", "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "emulated"},
                  "labels": {"com.openfaas.scale.min": "1", "com.openfaas.scale.max": "4"}}, gw.config.namespace))
             deadline = time.monotonic() + 10
             while len(gw.functions[function].ready) < 1:

@@ -42,5 +42,6 @@ def host_view_from_report(report: Any, replicas: Iterable[Any] | None = None) ->
         memory_limit=int(_get(report, "memory_limit", 0)),
         memory_used=int(_get(report, "memory_used", 0)),
         cached=cached,
+        held=frozenset(str(f) for f in (_get(report, "held", ()) or ())),
         running=running,
     )

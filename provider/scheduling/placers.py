@@ -17,7 +17,7 @@ def _states(hosts: list[HostView]) -> list[HostState]:
     names = [h.name for h in hosts]
     if len(set(names)) != len(names):
         raise ValueError(f"host names must be unique, got {names}")
-    held = frozenset().union(*(h.cached for h in hosts))
+    held = frozenset().union(*(h.cached | h.held for h in hosts))  # a zygote, or the stage's file, to fetch from
     return [HostState.of(h, i, held) for i, h in enumerate(hosts)]
 
 

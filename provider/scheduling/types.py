@@ -22,6 +22,7 @@ class HostView:
     cached: frozenset[str] = field(default_factory=frozenset)  # stage functions with a zygote here
     # live replicas per stage function on this host (spread of key stages); not part of the hash
     running: Mapping[str, int] = field(default_factory=dict, hash=False)
+    held: frozenset[str] = field(default_factory=frozenset)  # stage files here that peers can fetch (not forked)
 
     @property
     def gpu_free(self) -> int:
