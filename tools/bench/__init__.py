@@ -107,3 +107,17 @@ def wait_tcp(address: str, port: int, timeout_s: float = 60.0) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nothing listens on {address}:{port} after {timeout_s:.0f} s") from None
             time.sleep(0.2)
+
+
+async def wait_until(predicate, timeout_s: float, what: str) -> float:
+    """Poll ``predicate`` every 5 ms on the running loop; the monotonic time it held, RuntimeError after
+    ``timeout_s`` naming ``what``."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        await asyncio.sleep(0.005)
+    return time.monotonic()

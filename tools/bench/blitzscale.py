@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -38,10 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-from quart_tools.bench import machine_info, write_report
-from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, peer_cluster
+from quart_tools.bench import machine_info, wait_until, write_report
+from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
 
-from keysmanager.client import KeysManagerError
 from keysmanager.registry import ModelRegistry
 
 MODES = ("registry-cold", "peer-fetch", "multicast-4", "live", "allcache")
@@ -69,18 +67,6 @@ def _deployment(namespace: str, service_ms: float, replicas: int):
         "labels": {"com.quart.model": "blitzscale", "com.quart.stage": "0", "com.quart.stages": "1",
                    "com.quart.concurrency": "1", "com.openfaas.scale.min": str(replicas),
                    "com.openfaas.scale.max": "8"}}, namespace)
-
-
-def _restart(cluster: PeerCluster, hosts: list[str]) -> None:
-    """Fresh KeysManagers (nothing held) with the preloader on, each warmed by one manifest read."""
-    from keysmanager.types import StageSpec
-
-    warm = StageSpec("warm-up", env={"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "9"})
-    for h in hosts:
-        cluster.kill(h, signal.SIGTERM)
-        cluster.start_km(h)
-        with contextlib.suppress(KeysManagerError):
-            cluster.client(h).ensure_cached(warm)
 
 
 async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argparse.Namespace) -> dict:
@@ -118,7 +104,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
     try:
         await gw.deploy(_deployment(config.namespace, args.service_ms, 1))
         fn = gw.functions[FUNCTION]
-        await _until(lambda: len(fn.ready) == 1, 300, "the first replica")
+        await wait_until(lambda: len(fn.ready) == 1, 300, "the first replica")
         [first] = [e.id for e in fn.ready]  # on h0, which now holds the stage: the peers' source
         if mode == "allcache":  # the receiver holds it too: its start is a fork
             stage = StageSpec(FUNCTION, env=dict(gw.reconciler._spec(fn).env))
@@ -138,7 +124,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
             return reply.status, 1000 * (time.monotonic() - start)
 
         burst = asyncio.gather(*(one(i) for i in range(n)))
-        whole_at = await _until(lambda: sum(e.id != first for e in fn.ready) >= new, 600, "the new replicas")
+        whole_at = await wait_until(lambda: sum(e.id != first for e in fn.ready) >= new, 600, "the new replicas")
         results = await burst
         served = [at for rid, at in taken.items() if rid != first]
         latencies = sorted(ms for status, ms in results if status == 200)
@@ -154,15 +140,6 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
         await gw.close()
 
 
-async def _until(predicate, timeout_s: float, what: str) -> float:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        await asyncio.sleep(0.005)
-    return time.monotonic()
-
-
 def measure(args: argparse.Namespace) -> dict:
     hosts = [f"h{i}" for i in range(args.hosts)]
     with peer_cluster(hosts, args.nic_gbps, f"bench-bscale-{os.getpid()}", args.registry_gbps) as cluster:
@@ -172,9 +149,9 @@ def measure(args: argparse.Namespace) -> dict:
         stage_bytes = (model / "stage-0.safetensors").stat().st_size
         shutil.rmtree(model)  # the registry holds it now; keep host memory for the hosts' copies
         rows = []
-        _restart(cluster, hosts)
+        fresh_keysmanagers(cluster, hosts)
         for mode in [m for m in MODES if m in args.modes]:
-            _restart(cluster, hosts[1:])  # h0 keeps the stage it cached in the first mode: every mode's source
+            fresh_keysmanagers(cluster, hosts[1:])  # h0 keeps the stage it cached in the first mode: every mode's source
             rows.append(asyncio.run(run_mode(cluster, hosts, mode, args)))
             print(rows[-1], flush=True)
     return {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "stage_bytes": stage_bytes, "service_ms": args.service_ms,

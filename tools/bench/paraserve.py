@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -37,11 +36,10 @@ import signal
 import sys
 import time
 
-from quart_tools.bench import machine_info, write_report
-from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, peer_cluster
+from quart_tools.bench import machine_info, wait_until, write_report
+from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
 from quart_tools.bench.blitzscale import build_stage
 
-from keysmanager.client import KeysManagerError
 from keysmanager.registry import ModelRegistry
 
 FUNCTION = "paraserve-stage-0"
@@ -58,27 +56,6 @@ def _deployment(namespace: str, service_ms: float):
         "labels": {"com.quart.model": MODEL, "com.quart.stage": "0", "com.quart.stages": "1",
                    "com.quart.concurrency": "1", "com.openfaas.scale.min": "1", "com.openfaas.scale.max": "1"}},
         namespace)
-
-
-WARM_ZYGOTE = {"QUART_PROFILE": "bert-21b", "QUART_NUM_STAGES": "8", "QUART_STAGE_INDEX": "0",
-               "QUART_COMPUTE": "emulated", "QUART_EMULATED_MEAN_MS": "1", "QUART_EMULATED_CV": "0"}
-
-
-def _restart(cluster: PeerCluster, hosts: list[str]) -> None:
-    """Fresh KeysManagers (nothing held), each warmed: one manifest read (boto3 imported, its client made) and
-    its preloader up (torch imported once: a host that serves stages has it running before any cold start)."""
-    from keysmanager.types import StageSpec
-
-    warm = StageSpec("warm-up", env={"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "9"})
-    for h in hosts:
-        cluster.kill(h, signal.SIGTERM)
-        cluster.start_km(h)
-    for h in hosts:
-        client = cluster.client(h, timeout=300)
-        with contextlib.suppress(KeysManagerError):
-            client.ensure_cached(warm)
-        client.ensure_cached(StageSpec("warm-zygote", env=WARM_ZYGOTE))  # parameter-free: waits for the preloader
-        client.invalidate("warm-zygote")
 
 
 async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: argparse.Namespace,
@@ -134,10 +111,10 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
 
         watcher = asyncio.ensure_future(watch())
         paraserve = gw.reconciler.paraserve
-        consolidated = await _until(lambda: not fn.pending_starts and not paraserve.groups.get(FUNCTION)
+        consolidated = await wait_until(lambda: not fn.pending_starts and not paraserve.groups.get(FUNCTION)
                                     and len(fn.ready) >= 1 and not fn.partial, 900, "consolidation")
         results = await burst
-        await _until(lambda: len(fn.replicas) == 1, 120, "the helpers to drain")
+        await wait_until(lambda: len(fn.replicas) == 1, 120, "the helpers to drain")
         watcher.cancel()
         done = sorted(at for status, at in results if status == 200)
         chosen = [p for f, p in paraserve.chosen if f == FUNCTION] or [1]
@@ -147,15 +124,6 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
     finally:
         await router.close()
         await gw.close()
-
-
-async def _until(predicate, timeout_s: float, what: str) -> float:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        await asyncio.sleep(0.005)
-    return time.monotonic()
 
 
 def calibrate_fixed_s(rows: list[dict], stage_bytes: int, nic_bytes_s: float) -> float:
@@ -179,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict:
         os.environ["QUART_REGISTRY_ENDPOINT"] = cluster.endpoint  # the gateway reads the manifest (the layout)
         rows = []
         for parts in args.parts:
-            _restart(cluster, hosts)
+            fresh_keysmanagers(cluster, hosts, preloader=True)
             rows.append(asyncio.run(cold_start(cluster, hosts, parts, args)))
             print(rows[-1], flush=True)
         single = next((r["first_served_ms"] for r in rows if r["P"] == 1), None)
@@ -188,7 +156,7 @@ def measure(args: argparse.Namespace) -> dict:
         slo_ms = args.slo_ms or round(0.5 * (single or rows[0]["first_served_ms"]), 0)
         runs = []
         for _ in range(args.slo_runs):
-            _restart(cluster, hosts)
+            fresh_keysmanagers(cluster, hosts, preloader=True)
             runs.append(asyncio.run(cold_start(cluster, hosts, 0, args, slo_ms, fixed)))
             print(runs[-1], flush=True)
     met = sum(1 for r in runs if r["first_served_ms"] is not None and r["first_served_ms"] <= slo_ms)
