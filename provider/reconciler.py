@@ -156,7 +156,8 @@ class Reconciler:
                     changed = True
                     if endpoint.state == "ready":
                         self._replica_ready(fn, endpoint)
-                if endpoint.state == "starting" and now - endpoint.started_at > self.config.start_timeout_s:
+                if (endpoint.state == "starting" or not endpoint.whole) and now - endpoint.started_at > \
+                        self.config.start_timeout_s:  # a live replica whose transfer stalls is replaced too
                     log.warning("replica %s of %s not ready after %.0f s: replacing it", endpoint.id, fn.name,
                                 self.config.start_timeout_s)
                     self.retire(fn, endpoint)

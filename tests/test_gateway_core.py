@@ -324,3 +324,32 @@ def test_label_only_update_keeps_replicas_and_raises_the_floor(tmp_path):
         await gw.close()
 
     asyncio.run(scenario())
+
+
+class StalledLiveHost(FakeHost):
+    """Starts replicas that serve, but whose stage never finishes arriving (held 0-1 of 0-4)."""
+
+    async def start(self, spec: ReplicaSpec, count: int, peers=(), live: bool = False) -> list[ReplicaStatus]:
+        out = []
+        for status in await super().start(spec, count):
+            status = ReplicaStatus(status.id, status.function, status.host, status.url, "ready", "fork", 0,
+                                   (0, 4), (0, 1))
+            self.replicas_[status.id] = status
+            out.append(status)
+        return out
+
+
+def test_a_live_replica_whose_transfer_stalls_is_replaced_after_the_start_timeout(tmp_path):
+    async def scenario():
+        host = StalledLiveHost("h0")
+        gw = make(tmp_path, [host], start_timeout_s=0.3)
+        fn = await gw.deploy(dep(**{"com.openfaas.scale.min": "1"}))
+        await settle(gw)
+        [first] = fn.replicas.values()
+        assert not first.whole and fn.ready == []  # serving part of its stage: not in the proxy's ready list
+        await asyncio.sleep(0.4)
+        await settle(gw, rounds=6)
+        assert first.id in host.stopped  # replaced, not kept forever holding a slot
+        await gw.close()
+
+    asyncio.run(scenario())
