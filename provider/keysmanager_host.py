@@ -85,14 +85,14 @@ class KeysManagerHost:
             raise ValueError(f"{spec.function}: secrets are given to process replicas only, not yet to KeysManager "
                              "stage replicas")
         stage = _stage(spec)
-        if layers is not None and spec.param_cache and spec.function not in {
+        if (live or layers is not None) and spec.param_cache and spec.function not in {
                 z.function for z in await self.client.zygotes()}:
+            # BlitzScale / ParaServe: the replica serves the layers (of its part) that have arrived while the rest
+            # load (keysmanager.live, keysmanager.parts); the KeysManager takes the ordinary path when there is
+            # nothing to load live
+            part = {"layers": layers} if layers is not None else {}
             return [_status(r) for r in await self.client.start(stage, count, wait=False, peers=peers, live=True,
-                                                                layers=layers)]
-        if live and spec.param_cache and spec.function not in {z.function for z in await self.client.zygotes()}:
-            # BlitzScale: the replica serves the layers that have arrived while the rest load (keysmanager.live);
-            # the KeysManager takes the ordinary path when there is nothing to load live
-            return [_status(r) for r in await self.client.start(stage, count, wait=False, peers=peers, live=True)]
+                                                                **part)]
         if not spec.param_cache:  # com.quart.keysmanager: off — a plain function: every replica loads from disk
             return [_status(r) for r in await self.client.start(stage, count, wait=False, source="cold")]
         # QUART §6.1: the stage scheduled here gets a zygote first (one parameter load), and every
