@@ -62,10 +62,12 @@ async def start_live(zygotes: Zygotes, replicas: Replicas, spec: StageSpec, targ
         raise StartFailed(f"the live transfer of {spec.function!r} ended before its first layer verified: "
                           f"{_error_of(transfer)}", "live")
     z = await spawn
+    target.marks.setdefault("zygote_built", time.time())
     try:
         started = [await replicas.fork(zygotes, z, live_spec, "cow", survive, requested_at) for _ in range(count)]
     finally:
         await zygotes.drop(z, "live start done")
+    target.marks.setdefault("forked", time.time())
     layers = _stage_layers(target)
     for rep in started:
         rep.layers, rep.progress = layers, str(target.progress)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class LiveTarget:
     progress: Path
     manifest: Path
     layers: int
+    marks: dict[str, float] = field(default_factory=dict)  # a part start's timeline (``PartJob.marks``)
 
 
 class Localizer:
@@ -46,6 +48,7 @@ class Localizer:
         self.token = token  # the cluster's bearer token, to fetch from peers
         self.files: dict[str, StageFile] = {}  # function → its stage file here (complete or arriving)
         self.fetched: dict[str, FetchResult] = {}  # function → how its last transfer went
+        self.timelines: dict[str, dict[str, float]] = {}  # function → its last part start's marks (wall clock)
         self.active: set[str] = set()  # functions being made local now (a peer asking for one waits for its bytes)
         self._locks: dict[Path, asyncio.Lock] = {}
         self._registries: dict[str, ModelRegistry] = {}  # one client per model URL (boto3 clients are thread-safe)
@@ -97,6 +100,7 @@ class Localizer:
             return None
         function, folder = spec.function, self.folder(spec)
         self.active.add(function)
+        marks = self.timelines[function] = {"requested": time.time()}
         task = asyncio.create_task(self.localize(spec, peers, live=True))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -106,8 +110,9 @@ class Localizer:
             writer = stage.writer if stage is not None else None
             if writer is not None and writer.layers is not None and writer.state == "writing":
                 index = int(spec.env.get("QUART_STAGE_INDEX", "0"))
+                marks.setdefault("writer_open", time.time())
                 return LiveTarget(folder, index, writer.partial, writer.layers.progress, folder / LIVE_MANIFEST,
-                                  len(writer.layers.spans)), task
+                                  len(writer.layers.spans), marks), task
             await asyncio.sleep(0.002)
         return None
 
@@ -120,6 +125,8 @@ class Localizer:
         if not _from_registry(spec) or (self.folder(spec) / MANIFEST).exists():
             return None
         job = PartJob()
+        job.mark("requested")
+        self.timelines[spec.function] = job.marks
         task = asyncio.create_task(self._fetch_part(spec, layers, list(peers), job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -128,7 +135,7 @@ class Localizer:
             if job.opened.is_set() and job.partial is not None:
                 index = int(spec.env.get("QUART_STAGE_INDEX", "0"))
                 return LiveTarget(self.folder(spec), index, job.partial, job.progress,
-                                  self.folder(spec) / LIVE_MANIFEST, job.layers), task
+                                  self.folder(spec) / LIVE_MANIFEST, job.layers, job.marks), task
             await asyncio.sleep(0.002)
         task.result()  # raises what ended it
         return None
@@ -214,6 +221,8 @@ class Localizer:
                         bytes=stage.size if stage.complete else stage.writer.written)
         if last is not None:
             info.update(source=last.source, seconds=round(last.seconds, 4), finished_at=last.finished_at)
+        if function in self.timelines:
+            info["timeline"] = dict(self.timelines[function])
         return info
 
 

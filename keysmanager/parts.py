@@ -61,6 +61,11 @@ class PartJob:
     opened: threading.Event = field(default_factory=threading.Event)  # partial, progress, live manifest ready
     held: tuple[int, int] = (0, 0)  # the verified range, relative to the stage's first layer
     failures: list[str] = field(default_factory=list)
+    marks: dict[str, float] = field(default_factory=dict)  # the start's timeline: name → wall clock, first only
+
+    def mark(self, name: str) -> None:
+        """Note when ``name`` first happened (wall clock: the hosts' namespaces share it; benchmarks read it)."""
+        self.marks.setdefault(name, time.time())
 
 
 def fetch_order(layers: int, part: tuple[int, int], header_first: bool) -> list[list[int]]:
@@ -104,6 +109,7 @@ def fetch_part(registry: ModelRegistry, stage_index: int, dest_dir: Path, layers
     """Make stage ``stage_index`` local in ``dest_dir`` part first (see the module docstring). ``layers``:
     absolute; ``peers``: (label, ranged reader) tried before the registry for every range. Runs in a thread."""
     started = time.perf_counter()
+    job.mark("fetch_begin")
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     manifest = registry.manifest()
@@ -162,6 +168,9 @@ def fetch_part(registry: ModelRegistry, stage_index: int, dest_dir: Path, layers
             if held != job.held and held[1] > held[0]:
                 write_range(str(progress), *held)
                 job.held = held
+                job.mark("first_layer")
+                if held[0] <= part[0] and part[1] <= held[1]:
+                    job.mark("part_held")
 
         for run in fetch_order(len(spans), part, part[0] > 0 and not header_ok):
             _fetch_layers(fd, sources, spans, hashes, run, announce, s, job)
@@ -176,6 +185,7 @@ def fetch_part(registry: ModelRegistry, stage_index: int, dest_dir: Path, layers
     tmp = dest_dir / (MANIFEST + ".partial")
     tmp.write_text(json.dumps(manifest))
     os.replace(tmp, dest_dir / MANIFEST)  # the folder is complete
+    job.mark("whole")
     return FetchResult(target, int(entry["file_bytes"]), time.perf_counter() - started, "registry")
 
 

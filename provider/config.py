@@ -56,6 +56,8 @@ class GatewayConfig:
     paraserve_parts: int = 0  # force P (benchmarks); 0: the smallest P meeting paraserve_slo_ms (plan_parallelism)
     paraserve_max_parts: int = 4  # the largest P considered
     paraserve_fixed_s: float = 1.0  # a part worker's start besides its fetch (fork, runtime), overlapped with it
+    paraserve_tail_s: float = 0.0  # after a part's last byte until the first answer (measured: bench paraserve)
+    paraserve_fetch_gbps: float = 0.0  # one part worker's measured fetch rate (CPU, registry); 0: nic_gbps
     registry_gbps: float = 0.0  # the registry's total bandwidth shared by a cold start's fetchers; 0: unlimited
     start_timeout_s: float = 120.0  # a replica not ready after this is stopped and replaced
     async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)
@@ -82,8 +84,10 @@ class GatewayConfig:
             raise ConfigError("max_function_inflight_bytes must be > 0 and at most max_inflight_bytes")
         if self.replica_uids:
             self.uid_range()  # raises ConfigError when malformed
-        if self.paraserve_parts < 0 or self.paraserve_max_parts < 1 or self.registry_gbps < 0:
-            raise ConfigError("paraserve_parts must be >= 0, paraserve_max_parts >= 1, registry_gbps >= 0")
+        if (self.paraserve_parts < 0 or self.paraserve_max_parts < 1 or self.registry_gbps < 0
+                or self.paraserve_tail_s < 0 or self.paraserve_fetch_gbps < 0):
+            raise ConfigError("paraserve_parts must be >= 0, paraserve_max_parts >= 1, registry_gbps, "
+                              "paraserve_tail_s and paraserve_fetch_gbps >= 0")
         if self.host_timeout_s <= 0 or self.host_down_after_s <= 0:
             raise ConfigError("host_timeout_s and host_down_after_s must be > 0")
         if self.async_backend not in ASYNC_BACKENDS:

@@ -144,9 +144,10 @@ class ParaServeStarts:
     def parts_for(self, placements: Sequence[Placement], views: Sequence[HostView],
                   cold: Mapping[str, StageLayout]) -> dict[str, int]:
         """P per cold function of this batch (``cold``: function → layout of stages nobody holds)."""
-        nic = self.config.nic_gbps * 1e9 / 8
+        nic = (self.config.paraserve_fetch_gbps or self.config.nic_gbps) * 1e9 / 8
         costs = ParaServeCosts(registry_bytes_s=self.config.registry_gbps * 1e9 / 8 or math.inf,
-                               fixed_s=self.config.paraserve_fixed_s, overlap=True)
+                               fixed_s=self.config.paraserve_fixed_s, overlap=True,
+                               tail_s=self.config.paraserve_tail_s)
         usable = [v.name for v in views if v.gpu_free > 0]
         out: dict[str, int] = {}
         for function, layout in cold.items():

@@ -125,3 +125,69 @@ def test_ranges_parse_and_eligibility() -> None:
     middle = StaticReplica("m", "u", layers=(2, 9), held=(5, 9))
     assert not layers.eligible(middle, None) and layers.eligible(middle, 5)
     assert layers.next_position((2, 5), (2, 9)) == 5 and layers.next_position((5, 9), (2, 9)) is None
+
+
+class GrowingReplica(LayeredReplica):
+    """A part worker consolidating while it serves: its held range grows both ways by one layer every
+    ``step_s`` (the progress file's contract), answers after a random delay, now and then 503 (a range it no
+    longer reports in time) or a dropped connection (its host lost mid-answer)."""
+
+    def __init__(self, tag: str, stage: tuple[int, int], held: tuple[int, int], step_s: float, seed: int) -> None:
+        super().__init__(tag, stage, held)
+        import random
+
+        self.step_s, self.rng = step_s, random.Random(seed)
+
+    async def grow(self) -> None:
+        while self.held != self.stage:
+            await asyncio.sleep(self.step_s)
+            lo, hi = self.held
+            self.held = (max(self.stage[0], lo - 1), min(self.stage[1], hi + 1))
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(self.rng.uniform(0, 0.004))
+        if self.rng.random() < 0.05:
+            request.transport.close()  # the connection drops: the router retries elsewhere
+            return web.Response(status=500)
+        return await super().handle(request)
+
+
+@asynctest
+async def test_growing_parts_under_concurrent_requests_never_skip_or_repeat_a_layer() -> None:
+    """Four part workers over layers [1, 13) growing while 120 requests run through them (held ranges moving
+    while requests are routed, answers widening the router's view, retries after dropped connections): every
+    answer ran each layer of the stage exactly once, in order (``Job.layer_at`` bookkeeping)."""
+    stage = (1, 13)
+    parts = [(1, 4), (4, 7), (7, 10), (10, 13)]
+    fakes = [await GrowingReplica(f"w{i}", stage, (a, a + 1), 0.02 * (i + 1), i).start()
+             for i, (a, _) in enumerate(parts)]
+    source = StaticReplicas({"m-s1": [f.replica() for f in fakes]}, slots=2)
+    router = Router(source, lambda: {"m": ["m-s1"]}, PluginConfig(request_timeout_s=20.0, max_attempts=50),
+                    dispatch_poll_s=0.002)
+
+    async def refresh() -> None:  # the hosts' reports: each replica's held range, a little late
+        while True:
+            await asyncio.sleep(0.01)
+            for r, f in zip(source.replicas["m-s1"], fakes, strict=True):
+                r.held = f.held
+
+    growers = [asyncio.ensure_future(f.grow()) for f in fakes]
+    reporter = asyncio.ensure_future(refresh())
+    try:
+        async def one(i: int):
+            await asyncio.sleep(0.002 * i)
+            return await router.invoke("m", b"in", timeout_s=20.0)
+
+        replies = await asyncio.gather(*(one(i) for i in range(120)))
+    finally:
+        reporter.cancel()
+        for g in growers:
+            g.cancel()
+        await router.close()
+        for fake in fakes:
+            await fake.runner.cleanup()
+    for reply in replies:
+        assert reply.status == 200, reply.body
+        ran = [layers.parse_range(step.split(b":")[1].decode()) for step in reply.body.split(b"|")[1:]]
+        covered = [layer for a, b in ran for layer in range(a, b)]
+        assert covered == list(range(*stage)), reply.body

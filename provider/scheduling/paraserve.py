@@ -36,6 +36,7 @@ class ParaServeCosts:
     service_s: float = 0.0  # the stage's whole compute time for one request
     busy_share: float = 0.5  # fraction of a busy NIC's rate left for the fetch
     overlap: bool = False  # the fetch runs while the worker starts (ParaServe §5): max(fixed, fetch), not the sum
+    tail_s: float = 0.0  # after the slowest part's last byte until the first answer (ask lag, notice, retries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,7 @@ def predict(stage_bytes: int, rates: Sequence[float], costs: ParaServeCosts) -> 
         return math.inf, math.inf, math.inf
     fixed_and_fetch = max(costs.fixed_s, part / slowest) if costs.overlap else costs.fixed_s + part / slowest
     fetch = fixed_and_fetch + part / costs.h2d_bytes_s
-    first = fetch + costs.service_s + (parts - 1) * costs.hop_s
+    first = fetch + costs.service_s + (parts - 1) * costs.hop_s + costs.tail_s
     rest = stage_bytes - part
     consolidated = fetch + rest / slowest + rest / costs.h2d_bytes_s
     return first, fetch, consolidated

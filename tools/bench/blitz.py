@@ -64,6 +64,11 @@ class PeerCluster:
     km_args: tuple[str, ...] = ()  # more KeysManager flags (e.g. --gpus for the gateway's placer)
 
     @property
+    def registry_root(self) -> Path:
+        """The folder a files registry (``quart_tools.bench.s3files``) serves: one folder per bucket."""
+        return self.work / "s3"
+
+    @property
     def spec(self) -> StageSpec:
         return StageSpec(FUNCTION, env={"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "0"})
 
@@ -157,11 +162,13 @@ class PeerCluster:
 
 
 @contextlib.contextmanager
-def peer_cluster(hosts: list[str], nic_gbps: float, key: str, registry_gbps: float | None = None
-                 ) -> Iterator[PeerCluster]:
+def peer_cluster(hosts: list[str], nic_gbps: float, key: str, registry_gbps: float | None = None,
+                 files_registry: bool = False) -> Iterator[PeerCluster]:
     """A :class:`PeerCluster`; everything it made (processes, namespaces, files) is removed at exit. The registry
     listens on the bridge in the root namespace, or with ``registry_gbps`` in a namespace of its own behind a
-    link of that rate (a store slower than the hosts' fabric, as BlitzScale's SSDs and remote storage are)."""
+    link of that rate (a store slower than the hosts' fabric, as BlitzScale's SSDs and remote storage are).
+    ``files_registry`` (with ``registry_gbps``): that registry is ``quart_tools.bench.s3files`` over
+    ``cluster.registry_root`` (ranged reads at line rate; the caller places the model there), not moto."""
     from moto.server import ThreadedMotoServer
 
     cid = cluster_id(key)
@@ -176,8 +183,13 @@ def peer_cluster(hosts: list[str], nic_gbps: float, key: str, registry_gbps: flo
             net.set_rate("registry", registry_gbps)
             reg = net.host("registry")
             port = free_port()
+            server_argv = ["-m", "moto.server", "-H", reg.address, "-p", str(port)]
+            if files_registry:
+                cluster.registry_root.mkdir()
+                server_argv = ["-m", "quart_tools.bench.s3files", "--root", str(cluster.registry_root),
+                               "--host", reg.address, "--port", str(port)]
             cluster.procs["registry"] = subprocess.Popen(
-                net.exec_argv(reg, [sys.executable, "-m", "moto.server", "-H", reg.address, "-p", str(port)]),
+                net.exec_argv(reg, [sys.executable, *server_argv]),
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
             cluster.endpoint = f"http://{reg.address}:{port}"
             wait_tcp(reg.address, port)

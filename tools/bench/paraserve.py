@@ -35,15 +35,18 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
+from quart_provider.scheduling.paraserve import ParaServeCosts, predict
 from quart_tools.bench import machine_info, wait_until, write_report
 from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
 from quart_tools.bench.blitzscale import build_stage
 
-from keysmanager.registry import ModelRegistry
+from keysmanager.registry import ModelRegistry, parse_model_url
 
 FUNCTION = "paraserve-stage-0"
 MODEL = "blitzscale"  # the model name build_stage gives
+INPUT = b'{"input_ids": [[1, 2, 3, 4]]}'
 
 
 def _deployment(namespace: str, service_ms: float):
@@ -59,7 +62,7 @@ def _deployment(namespace: str, service_ms: float):
 
 
 async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: argparse.Namespace,
-                     slo_ms: float = 0.0, fixed_s: float = 1.0) -> dict:
+                     slo_ms: float = 0.0, cal: Calibration | None = None) -> dict:
     """One cold start of the stage with its burst; the gateway and its replicas are stopped at the end.
     ``parts`` 0: the gateway chooses P for ``slo_ms``."""
     from gateway_plugin.config import PluginConfig
@@ -76,7 +79,9 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
                            reconcile_interval_s=0.05, host_timeout_s=3.0, host_down_after_s=30.0, peer_fetch=False,
                            ready_probe_s=0.002, nic_gbps=args.nic_gbps, registry_gbps=args.registry_gbps,
                            paraserve=parts != 1, paraserve_parts=max(0, parts), paraserve_slo_ms=slo_ms,
-                           paraserve_fixed_s=fixed_s, paraserve_max_parts=len(hosts))
+                           paraserve_max_parts=len(hosts), **({} if cal is None else {
+                               "paraserve_fixed_s": cal.fixed_s, "paraserve_tail_s": cal.tail_s,
+                               "paraserve_fetch_gbps": 8 * cal.fetch_bytes_s / 1e9}))
     km_hosts = [KeysManagerHost(h, AsyncKeysManagerClient(cluster.url(h), token=TOKEN, timeout=300), 1, 64 << 30)
                 for h in hosts]
     gw = EmbeddedGateway(config, km_hosts, make_placer("first-fit"))
@@ -85,28 +90,37 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
                                                                 queue_cap=100_000))
     try:
         n = max(1, round(args.rate * args.burst_s))
-        t0 = time.monotonic()
+        t0, t0_wall = time.monotonic(), time.time()
         await gw.deploy(_deployment(config.namespace, args.service_ms))
 
-        async def one(i: int) -> tuple[int, float]:
+        async def one(i: int) -> tuple[int, float, bytes]:
             await asyncio.sleep(max(0.0, t0 + i / args.rate - time.monotonic()))
-            reply = await router.invoke(MODEL, b'{"input_ids": [[1, 2, 3, 4]]}', "application/json")
-            return reply.status, time.monotonic() - t0
+            reply = await router.invoke(MODEL, INPUT, "application/json")
+            return reply.status, time.monotonic() - t0, reply.body
 
         burst = asyncio.gather(*(one(i) for i in range(n)))
         fn = gw.functions[FUNCTION]
         paraserve = gw.reconciler.paraserve
         marks: dict[str, float] = {}
+        seen: dict[str, dict[str, float]] = {}  # host → when its replica was answered / routable / whole (gateway)
 
         async def watch() -> None:  # when the first start answered, and the first replica served (part or whole)
             while True:
+                ms = round(1000 * (time.monotonic() - t0), 1)
                 if fn.replicas:
-                    marks.setdefault("started_ms", round(1000 * (time.monotonic() - t0), 1))
+                    marks.setdefault("started_ms", ms)
                 if fn.ready or fn.partial:
-                    marks.setdefault("serving_ms", round(1000 * (time.monotonic() - t0), 1))
+                    marks.setdefault("serving_ms", ms)
+                for e in fn.replicas.values():
+                    host = seen.setdefault(e.host, {})
+                    host.setdefault("answered", ms)
+                    if e.state == "ready":
+                        host.setdefault("routable", ms)
+                        if e.whole:
+                            host.setdefault("whole_routable", ms)
                 groups = paraserve.history
                 if groups and len(fn.ready) + len(fn.partial) >= len(groups[0].hosts):  # every worker routable
-                    marks.setdefault("all_serving_ms", round(1000 * (time.monotonic() - t0), 1))
+                    marks.setdefault("all_serving_ms", ms)
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.ensure_future(watch())
@@ -116,34 +130,128 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
         results = await burst
         await wait_until(lambda: len(fn.replicas) == 1, 120, "the helpers to drain")
         watcher.cancel()
-        done = sorted(at for status, at in results if status == 200)
+        reference = await router.invoke(MODEL, INPUT, "application/json")  # the whole stage's answer, one replica
+        done = sorted(at for status, at, _ in results if status == 200)
         chosen = [p for f, p in paraserve.chosen if f == FUNCTION] or [1]
+        workers = await worker_timelines(cluster, hosts, t0_wall, seen, part_bytes(paraserve))
         return {"P": chosen[0], "first_served_ms": round(1000 * done[0], 1) if done else None,
                 "consolidated_ms": round(1000 * (consolidated - t0), 1), "lost": n - len(done), "sent": n,
-                "statuses": sorted({s for s, _ in results}), **marks}
+                "wrong": count_wrong([body for status, _, body in results if status == 200], reference),
+                "statuses": sorted({s for s, _, _ in results}), **marks, "workers": workers}
     finally:
         await router.close()
         await gw.close()
 
 
-def calibrate_fixed_s(rows: list[dict], stage_bytes: int, nic_bytes_s: float) -> float:
-    """The worker's fixed cost the planner adds to a part's fetch (``paraserve_fixed_s``, overlapped with the
-    fetch): the largest (first answer − part fetch at the NIC rate) over the rows, so predictions are not
-    optimistic."""
-    return max(row["first_served_ms"] / 1000 - stage_bytes / row["P"] / nic_bytes_s for row in rows
-               if row["first_served_ms"] is not None)
+def part_bytes(paraserve) -> dict[str, int]:
+    """Host → the bytes of the part it started with, in the first ParaServe group (none for P = 1)."""
+    if not paraserve.history:
+        return {}
+    group = paraserve.history[0]
+    layout = paraserve.layouts[group.function][1]
+    return {h: sum(layout.layer_bytes[a - layout.start:b - layout.start]) for h, (a, b) in zip(
+        group.hosts, group.parts, strict=True)}
+
+
+async def worker_timelines(cluster: PeerCluster, hosts: list[str], t0_wall: float, seen: dict[str, dict[str, float]],
+                           parts: dict[str, int]) -> dict[str, dict]:
+    """Per host that started a replica: its KeysManager's part-start marks (``PartJob.marks``: requested,
+    fetch_begin, first_layer, part_held, zygote_built, forked, whole; a whole-stage start: fetch_begin, whole)
+    and the gateway's (answered, routable, whole_routable), ms from the cold start; ``part_bytes``."""
+    out: dict[str, dict] = {}
+    for h in hosts:
+        status = await asyncio.to_thread(cluster.client(h).stage, FUNCTION)
+        marks = dict(status.get("timeline") or {})
+        if "finished_at" in status:  # the fetch's end and length (a part start's own marks come first)
+            marks.setdefault("fetch_begin", status["finished_at"] - status["seconds"])
+            marks.setdefault("whole", status["finished_at"])
+        marks = {k: round(1000 * (v - t0_wall), 1) for k, v in marks.items()}
+        if marks or h in seen:
+            out[h] = dict(sorted({**marks, **seen.get(h, {})}.items(), key=lambda kv: kv[1]))
+            if h in parts:
+                out[h]["part_bytes"] = parts[h]
+    return out
+
+
+def count_wrong(bodies: list[bytes], reference) -> int:
+    """Answers that differ from the whole stage's answer to the same input (its tensors: names, shapes, dtypes,
+    values; with emulated compute the values are zeros, so a wrong layer range shows as a wrong shape)."""
+    import torch
+    from quart_stage.wire import decode
+
+    if reference.status != 200:
+        raise RuntimeError(f"the reference request failed: {reference.status} {reference.body[:200]!r}")
+    want = decode(reference.body).tensors
+
+    def same(body: bytes) -> bool:
+        try:
+            got = decode(body).tensors
+        except Exception:  # noqa: BLE001 - not a tensor message: wrong
+            return False
+        return got.keys() == want.keys() and all(
+            got[k].dtype == want[k].dtype and got[k].shape == want[k].shape and torch.equal(got[k], want[k])
+            for k in want)
+
+    return sum(1 for body in bodies if not same(body))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the planner is told for the SLO run, measured in this run's rows (seconds, bytes/s)."""
+
+    fetch_bytes_s: float  # the slowest worker's part fetch rate (its NIC, its share of the registry and CPU)
+    fixed_s: float  # the slowest worker's start besides its fetch (asked → routable), overlapped with it
+    tail_s: float  # the largest (first answer − predicted fetch) over the rows: no row is predicted optimistic
+
+    def costs(self, registry_bytes_s: float) -> ParaServeCosts:
+        return ParaServeCosts(registry_bytes_s=registry_bytes_s, fixed_s=self.fixed_s, overlap=True,
+                              tail_s=self.tail_s)
+
+
+def calibrate(rows: list[dict], stage_bytes: int) -> Calibration:
+    """Per-phase figures from the rows' worker timelines (``workers``: ms marks and ``part_bytes``): the fetch
+    rate is the slowest worker's (part bytes / (part_held − fetch_begin); a whole-stage start: stage bytes /
+    (whole − fetch_begin)), the fixed cost the slowest worker's requested → routable, and the tail what each
+    row's first answer took beyond the model's ``max(fixed, part / rate)``, its largest over the rows."""
+    rates, fixed = [], 0.0
+    for row in rows:
+        for w in row["workers"].values():
+            end = w.get("part_held", w.get("whole"))
+            if end is not None and "fetch_begin" in w and end > w["fetch_begin"]:
+                rates.append(w.get("part_bytes", stage_bytes) / ((end - w["fetch_begin"]) / 1000))
+            if row["P"] > 1 and "routable" in w and "requested" in w:
+                fixed = max(fixed, (w["routable"] - w["requested"]) / 1000)
+    if not rates:
+        raise RuntimeError("no worker timeline to calibrate the planner from")
+    rate = min(rates)
+    tail = max(0.0, *(row["first_served_ms"] / 1000 - max(fixed, stage_bytes / row["P"] / rate) for row in rows
+                      if row["first_served_ms"] is not None))
+    return Calibration(rate, fixed, tail)
+
+
+def predictions(cal: Calibration, stage_bytes: int, registry_bytes_s: float, max_parts: int) -> dict[int, float]:
+    """The planner's predicted first answer (ms) for each P with this calibration (``predict``)."""
+    rate = cal.costs(registry_bytes_s)
+    return {p: round(1000 * predict(stage_bytes, [min(cal.fetch_bytes_s, registry_bytes_s / p)] * p, rate)[0], 1)
+            for p in range(1, max_parts + 1)}
 
 
 def measure(args: argparse.Namespace) -> dict:
     hosts = [f"h{i}" for i in range(args.hosts)]
     args.registry_gbps = args.registry_gbps or args.nic_gbps * max(args.parts)
     os.environ["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(8 << 30)  # the registry process keeps objects in memory
-    with peer_cluster(hosts, args.nic_gbps, f"bench-para-{os.getpid()}", args.registry_gbps) as cluster:
+    with peer_cluster(hosts, args.nic_gbps, f"bench-para-{os.getpid()}", args.registry_gbps,
+                      files_registry=args.registry == "files") as cluster:
         cluster.preload, cluster.km_args = True, ("--gpus", "1")  # one replica slot a host
         model = build_stage(cluster.work, args.stage_mb, args.blocks, args.service_ms)
-        ModelRegistry(MODEL_URL, endpoint_url=cluster.endpoint).upload(model)
         stage_bytes = (model / "stage-0.safetensors").stat().st_size
-        shutil.rmtree(model)
+        if args.registry == "files":
+            bucket, prefix = parse_model_url(MODEL_URL)
+            (cluster.registry_root / bucket).mkdir()
+            shutil.move(model, cluster.registry_root / bucket / prefix)
+        else:
+            ModelRegistry(MODEL_URL, endpoint_url=cluster.endpoint).upload(model)
+            shutil.rmtree(model)
         os.environ["QUART_REGISTRY_ENDPOINT"] = cluster.endpoint  # the gateway reads the manifest (the layout)
         rows = []
         for parts in args.parts:
@@ -151,20 +259,26 @@ def measure(args: argparse.Namespace) -> dict:
             rows.append(asyncio.run(cold_start(cluster, hosts, parts, args)))
             print(rows[-1], flush=True)
         single = next((r["first_served_ms"] for r in rows if r["P"] == 1), None)
-        nic = args.nic_gbps * 1e9 / 8
-        fixed = calibrate_fixed_s(rows, stage_bytes, nic)
+        cal = calibrate(rows, stage_bytes)
+        registry = args.registry_gbps * 1e9 / 8
+        predicted = predictions(cal, stage_bytes, registry, args.hosts)
         slo_ms = args.slo_ms or round(0.5 * (single or rows[0]["first_served_ms"]), 0)
         runs = []
         for _ in range(args.slo_runs):
             fresh_keysmanagers(cluster, hosts, preloader=True)
-            runs.append(asyncio.run(cold_start(cluster, hosts, 0, args, slo_ms, fixed)))
+            runs.append(asyncio.run(cold_start(cluster, hosts, 0, args, slo_ms, cal)))
             print(runs[-1], flush=True)
     met = sum(1 for r in runs if r["first_served_ms"] is not None and r["first_served_ms"] <= slo_ms)
-    return {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "stage_bytes": stage_bytes,
+    return {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "registry": args.registry,
+            "stage_bytes": stage_bytes,
             "single_host_cold_ms": single, "rows": rows,
             "slo_run": {"slo_ms": slo_ms, "chosen_P": sorted({r["P"] for r in runs}), "cold_starts": len(runs),
-                        "attainment": round(met / len(runs), 3) if runs else None, "fixed_s": round(fixed, 3),
-                        "first_served_ms": [r["first_served_ms"] for r in runs],
+                        "attainment": round(met / len(runs), 3) if runs else None,
+                        "calibration": {"fetch_gbps": round(8 * cal.fetch_bytes_s / 1e9, 3),
+                                        "fixed_s": round(cal.fixed_s, 3), "tail_s": round(cal.tail_s, 3)},
+                        "predicted_first_ms": predicted,
+                        "first_served_ms": [r["first_served_ms"] for r in runs], "runs": runs,
+                        "wrong": sum(r["wrong"] for r in runs),
                         "lost": sum(r["lost"] for r in runs)},
             "service_ms": args.service_ms, "rate": args.rate, "burst_s": args.burst_s, "hosts": args.hosts,
             "blocks": args.blocks}
@@ -178,6 +292,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nic-gbps", type=float, default=1.0, help="each host's NIC limit (default 1)")
     p.add_argument("--registry-gbps", type=float, default=0.0,
                    help="the registry's own link, also what the planner assumes (default: largest P x --nic-gbps)")
+    p.add_argument("--registry", choices=("files", "moto"), default="files",
+                   help="the registry's server: files (quart_tools.bench.s3files: ranged reads by sendfile, the "
+                        "default) or moto (reads the whole object for every ranged read)")
     p.add_argument("--hosts", type=int, default=4, help="hosts (default 4: the largest P)")
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 4], help="P of the rows (default 1 2 4)")
     p.add_argument("--service-ms", type=float, default=100.0, help="emulated service time of the whole stage")
