@@ -1,13 +1,14 @@
 """`quartctl bench paraserve [--out FILE]`: a cold stage fetched in P parts on P hosts at once (ParaServe, issue 17).
 
 Hosts are network namespaces with tbf-limited NICs (``--nic-gbps``), a KeysManager on each (TCP, the cluster's
-token, one replica slot); the model registry (moto's S3 server, its own process, objects kept in memory) is in
-a namespace of its own behind a link of ``--registry-gbps`` (default: the largest P × one NIC), so each
-host's NIC, not the registry's link, is the limit (ParaServe's setting). moto answers a ranged GET by reading
-the whole object first: a cost per read that a real object store does not have, so a part start makes few
-reads (``keysmanager.parts``). The stage is the one stage of a model built
-from a config (``--stage-mb`` of real safetensors, ``--blocks`` blocks, random weights) with *emulated* compute
-(``--service-ms`` for the whole stage, scaled by the share of parameters run), as ``bench blitzscale``.
+token, one replica slot); the model registry is in a namespace of its own behind a link of ``--registry-gbps``
+(default: the largest P × one NIC), so each host's NIC, not the registry, is the limit (ParaServe's setting).
+The registry (``--registry``) is ``files`` (``quart_tools.bench.s3files``: S3's GetObject with ``Range`` over
+a folder, bytes by sendfile — an object store that serves a ranged read without reading the whole object) or
+``moto`` (its S3 server reads the whole object for every GET: ~2 s per read of a 1 GB object, serialized in
+one Python process, which made the last of four part workers 8 s late). The stage is the one stage of a model
+built from a config (``--stage-mb`` of real safetensors, ``--blocks`` blocks, random weights) with *emulated*
+compute (``--service-ms`` for the whole stage, scaled by the share of parameters run), as ``bench blitzscale``.
 
 The embedded gateway (reconciler, placer, pipeline router) runs in this process. Each row is one cold start of
 the stage (no host holds it; fresh KeysManagers) by the gateway, with requests arriving from that moment
@@ -18,11 +19,16 @@ the stage (no host holds it; fresh KeysManagers) by the gateway, with requests a
   then each worker fetches the rest and becomes whole; the helpers drain (``desired`` is 1).
 
 Row: ``first_served_ms`` (cold start → the first request answered), ``consolidated_ms`` (→ every worker whole;
-P = 1: the replica ready), ``lost`` (requests not answered 200); ``started_ms`` / ``serving_ms`` /
-``all_serving_ms``: → the first start answered / the first replica routable / every worker routable. ``single_host_cold_ms`` is P = 1's first
-answer. The SLO run: ``--slo-runs`` more cold starts with P chosen by the gateway
-(``plan_parallelism``, ``paraserve_slo_ms = --slo-ms``, its fixed cost calibrated from the rows), and the share
-whose first answer met the SLO. Every namespace, process and file is removed at the end.
+P = 1: the replica ready), ``lost`` (requests not answered 200), ``wrong`` (answers whose tensors differ from
+the whole stage's answer to the same input, asked of the one replica left at the end); ``started_ms`` /
+``serving_ms`` / ``all_serving_ms``: → the first start answered / the first replica routable / every worker
+routable; ``workers``: per host, ms from the cold start of its KeysManager's marks (requested, fetch_begin,
+first_layer, part_held, zygote_built, forked, whole) and the gateway's (answered, routable, whole_routable),
+and its ``part_bytes``. ``single_host_cold_ms`` is P = 1's first answer. The SLO run: ``--slo-runs`` more cold
+starts with P chosen by the gateway (``plan_parallelism`` for ``paraserve_slo_ms = --slo-ms``), its planner
+calibrated from this run's rows (``calibrate``: the slowest worker's part-fetch rate, the slowest worker's start
+besides its fetch, and the largest tail to the first answer, so no row is predicted faster than it ran), and
+the share whose first answer met the SLO. Every namespace, process and file is removed at the end.
 """
 
 from __future__ import annotations
