@@ -157,7 +157,7 @@ class ParaServeStarts:
             else:
                 slo = self.config.paraserve_slo_ms / 1000 if self.config.paraserve_slo_ms > 0 else 0.0
                 plan = plan_parallelism(layout.stage_bytes, slo, hosts_from_rates(dict.fromkeys(usable, nic)),
-                                        costs, max_parts=limit)
+                                        costs, max_parts=limit, layer_bytes=layout.layer_bytes)
                 parts = plan.parts
             out[function] = parts
             log.info("%s: cold; ParaServe P = %d (stage %d bytes)", function, parts, layout.stage_bytes)

@@ -35,10 +35,11 @@ def test_calibration_is_never_optimistic_about_a_measured_row() -> None:
     cal = calibrate(rows, GB)
     assert cal.fetch_bytes_s == pytest.approx((GB // 4) / 3.44)  # the slowest worker: h3 of P = 4
     assert cal.fixed_s == pytest.approx(1.78)  # h3 of P = 4: requested → routable
-    predicted = predictions(cal, GB, 4 * GB / 8, 4)
+    predicted = predictions(cal, [GB // 8] * 8, 4 * GB / 8, 4)  # 8 equal layers: P = 3 gets 3 of them
     for row in rows:
         assert predicted[row["P"]] >= row["first_served_ms"] - 1e-6, (row["P"], predicted)
     assert predicted[1] > predicted[2] > predicted[3] > predicted[4]
+    assert predicted[3] == pytest.approx(1000 * (3 * GB / 8 / cal.fetch_bytes_s + cal.tail_s), abs=5)  # 3 of 8 (+ hops)
     with pytest.raises(RuntimeError):
         calibrate([{"P": 1, "first_served_ms": 1.0, "workers": {}}], GB)
 

@@ -34,6 +34,21 @@ def test_predicted_first_response_falls_with_parts_and_pays_a_hop_per_part() -> 
     assert consolidated == pytest.approx(fetch + 3 * GB / NIC + 3 * GB / 16e9)
 
 
+def test_uneven_layers_are_predicted_from_the_largest_part_and_tail_counts() -> None:
+    """Four equal layers do not split evenly in three: the slowest worker fetches two of them (half the stage),
+    so P = 3 is predicted as P = 2 is and an SLO that an even split would meet needs P = 4; ``tail_s`` adds."""
+    layers = [GB // 4] * 4
+    costs = _costs(h2d_bytes_s=math.inf, fixed_s=0.0, hop_s=0.0, service_s=0.0)
+    even = plan_parallelism(GB, 0.3, _hosts(4), costs)
+    assert even.parts == 3 and even.first_response_s == pytest.approx(GB / 3 / NIC)
+    plan = plan_parallelism(GB, 0.3, _hosts(4), costs, layer_bytes=layers)
+    assert plan.parts == 4 and plan.first_response_s == pytest.approx(GB / 4 / NIC)
+    assert plan_parallelism(GB, 10.0, _hosts(4), costs, layer_bytes=layers).first_response_s == pytest.approx(GB / NIC)
+    tailed = plan_parallelism(GB, 0.3, _hosts(4), _costs(h2d_bytes_s=math.inf, fixed_s=0.0, hop_s=0.0,
+                                                         service_s=0.0, tail_s=0.2), layer_bytes=layers)
+    assert not tailed.meets_slo and tailed.first_response_s == pytest.approx(GB / 4 / NIC + 0.2)
+
+
 def test_smallest_p_that_meets_the_slo() -> None:
     costs = _costs()
     # 4 GB at 10 Gbit/s: P=1 → 3.95 s, P=2 → 2.23 s, P=3 → 1.66 s, P=4 → 1.36 s

@@ -59,12 +59,14 @@ def host_rate(host: FetchHost, busy: bool, costs: ParaServeCosts, parts: int) ->
     return min(nic, costs.registry_bytes_s / max(1, parts))
 
 
-def predict(stage_bytes: int, rates: Sequence[float], costs: ParaServeCosts) -> tuple[float, float, float]:
-    """(first response, fetch, consolidated) seconds from the cold start for parts fetched at ``rates``."""
+def predict(stage_bytes: int, rates: Sequence[float], costs: ParaServeCosts,
+            part_bytes: float | None = None) -> tuple[float, float, float]:
+    """(first response, fetch, consolidated) seconds from the cold start for parts fetched at ``rates``.
+    ``part_bytes``: the largest part's bytes (layers seldom split evenly); default an even split."""
     parts = len(rates)
     if parts < 1:
         raise ValueError("rates: at least one host")
-    part = stage_bytes / parts
+    part = stage_bytes / parts if part_bytes is None else part_bytes
     slowest = min(rates)
     if slowest <= 0:
         return math.inf, math.inf, math.inf
@@ -88,11 +90,14 @@ def rank_hosts(hosts: Sequence[FetchHost], busy_links: Collection[Link] = frozen
 
 
 def plan_parallelism(stage_bytes: int, slo_s: float, hosts: Sequence[FetchHost], costs: ParaServeCosts,
-                     busy_links: Collection[Link] = frozenset(), max_parts: int = 8) -> ParaServePlan:
+                     busy_links: Collection[Link] = frozenset(), max_parts: int = 8,
+                     layer_bytes: Sequence[int] | None = None) -> ParaServePlan:
     """The smallest P (1 ≤ P ≤ min(max_parts, distinct hosts)) whose predicted first response ≤ ``slo_s``.
 
-    Workers go to the best-ranked hosts (`rank_hosts`), one per host. When no P meets the SLO the plan with
-    the earliest first response is returned with ``meets_slo=False`` (the caller may still use it).
+    Workers go to the best-ranked hosts (`rank_hosts`), one per host. ``layer_bytes``: the stage's layers, so
+    each P is predicted from its largest part (`largest_part`) rather than an even split. When no P meets the
+    SLO the plan with the earliest first response is returned with ``meets_slo=False`` (the caller may still
+    use it).
     """
     if stage_bytes < 0:
         raise ValueError(f"stage_bytes: must be ≥ 0, got {stage_bytes}")
@@ -109,7 +114,8 @@ def plan_parallelism(stage_bytes: int, slo_s: float, hosts: Sequence[FetchHost],
     for parts in range(1, min(max_parts, len(ranked)) + 1):
         chosen = ranked[:parts]
         rates = [host_rate(h, h.name in busy, costs, parts) for h in chosen]
-        first, fetch, consolidated = predict(stage_bytes, rates, costs)
+        biggest = largest_part(layer_bytes, parts) if layer_bytes else None
+        first, fetch, consolidated = predict(stage_bytes, rates, costs, biggest)
         plan = ParaServePlan(parts, tuple(h.name for h in chosen), first, fetch, consolidated, first <= slo_s)
         if plan.meets_slo:
             return plan
@@ -123,6 +129,11 @@ def hosts_from_rates(nic_bytes_s: Mapping[str, float], fetching: Mapping[str, in
     """`FetchHost`s from measured NIC rates per host (and running cold fetches per host)."""
     fetching = fetching or {}
     return [FetchHost(name, rate, fetching.get(name, 0)) for name, rate in sorted(nic_bytes_s.items())]
+
+
+def largest_part(layer_bytes: Sequence[int], parts: int) -> int:
+    """The bytes of the largest of `split_parts`'s ``parts`` parts (what the slowest worker fetches)."""
+    return max(sum(layer_bytes[a:b]) for a, b in split_parts(layer_bytes, parts))
 
 
 def split_parts(layer_bytes: Sequence[int], parts: int) -> list[tuple[int, int]]:

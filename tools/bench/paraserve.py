@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -43,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from quart_provider.scheduling.paraserve import ParaServeCosts, predict
+from quart_provider.scheduling.paraserve import ParaServeCosts, largest_part, predict
 from quart_tools.bench import machine_info, wait_until, write_report
 from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
 from quart_tools.bench.blitzscale import build_stage
@@ -230,16 +231,22 @@ def calibrate(rows: list[dict], stage_bytes: int) -> Calibration:
     if not rates:
         raise RuntimeError("no worker timeline to calibrate the planner from")
     rate = min(rates)
-    tail = max(0.0, *(row["first_served_ms"] / 1000 - max(fixed, stage_bytes / row["P"] / rate) for row in rows
+
+    def largest(row: dict) -> float:  # the row's largest part as fetched (layers seldom split evenly)
+        return max((w.get("part_bytes", stage_bytes) for w in row["workers"].values()), default=stage_bytes)
+
+    tail = max(0.0, *(row["first_served_ms"] / 1000 - max(fixed, largest(row) / rate) for row in rows
                       if row["first_served_ms"] is not None))
     return Calibration(rate, fixed, tail)
 
 
-def predictions(cal: Calibration, stage_bytes: int, registry_bytes_s: float, max_parts: int) -> dict[int, float]:
-    """The planner's predicted first answer (ms) for each P with this calibration (``predict``)."""
-    rate = cal.costs(registry_bytes_s)
-    return {p: round(1000 * predict(stage_bytes, [min(cal.fetch_bytes_s, registry_bytes_s / p)] * p, rate)[0], 1)
-            for p in range(1, max_parts + 1)}
+def predictions(cal: Calibration, layer_bytes: list[int], registry_bytes_s: float, max_parts: int
+                ) -> dict[int, float]:
+    """The planner's predicted first answer (ms) for each P with this calibration (``predict`` of the largest
+    part, as `plan_parallelism` does)."""
+    costs, stage_bytes = cal.costs(registry_bytes_s), sum(layer_bytes)
+    return {p: round(1000 * predict(stage_bytes, [min(cal.fetch_bytes_s, registry_bytes_s / p)] * p, costs,
+                                    largest_part(layer_bytes, p))[0], 1) for p in range(1, max_parts + 1)}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -251,6 +258,7 @@ def measure(args: argparse.Namespace) -> dict:
         cluster.preload, cluster.km_args = True, ("--gpus", "1")  # one replica slot a host
         model = build_stage(cluster.work, args.stage_mb, args.blocks, args.service_ms)
         stage_bytes = (model / "stage-0.safetensors").stat().st_size
+        layer_bytes = [b - a for a, b in json.loads((model / "manifest.json").read_text())["stages"][0]["layer_bytes"]]
         if args.registry == "files":
             bucket, prefix = parse_model_url(MODEL_URL)
             (cluster.registry_root / bucket).mkdir()
@@ -267,7 +275,7 @@ def measure(args: argparse.Namespace) -> dict:
         single = next((r["first_served_ms"] for r in rows if r["P"] == 1), None)
         cal = calibrate(rows, stage_bytes)
         registry = args.registry_gbps * 1e9 / 8
-        predicted = predictions(cal, stage_bytes, registry, args.hosts)
+        predicted = predictions(cal, layer_bytes, registry, args.hosts)
         slo_ms = args.slo_ms or round(0.5 * (single or rows[0]["first_served_ms"]), 0)
         runs = []
         for _ in range(args.slo_runs):
