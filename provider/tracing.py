@@ -47,11 +47,16 @@ class Trace:
         headers[START_TIME] = str(self.start_ns)
         return headers
 
+    def finish(self, headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
+        """Put the answer's tracing headers on ``headers``: call id, start time and the duration so far."""
+        self.mark(headers)
+        headers[DURATION] = f"{time.perf_counter() - self.started:.6f}"
+        return headers
+
     def stamp(self, response: web.StreamResponse) -> web.StreamResponse:
         """The answer's tracing headers (before it is sent)."""
         if not response.prepared:
-            self.mark(response.headers)
-            response.headers[DURATION] = f"{time.perf_counter() - self.started:.6f}"
+            self.finish(response.headers)
         return response
 
 
