@@ -163,6 +163,8 @@ class InvokeHandlers:
                 answer = await self._proxy(fn, method, raw_path, headers, host, trace, body, reservation,
                                            deadline_at)
             trace.finish(answer.headers)
+            if len(answer.body) <= _SLICE:  # written in one piece: released first (a large one is held while sent)
+                reservation.close()
             return await respond(answer)
         finally:
             reservation.close()
