@@ -53,6 +53,7 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _NO_BODY = frozenset({204, 304})
+_NAMES: set[str] = set()  # header names already seen to be tokens (bounded): no regex per header per request
 
 
 @dataclass(slots=True)
@@ -230,8 +231,11 @@ class FrontConnection(asyncio.Protocol):
         length, chunked, close = -1, False, False
         for line in lines[1:]:
             key, sep, value = line.partition(":")
-            if not sep or not _TOKEN.fullmatch(key):
-                return None  # obs-fold, a space before the colon, no colon
+            if key not in _NAMES:
+                if not sep or not _TOKEN.fullmatch(key):
+                    return None  # obs-fold, a space before the colon, no colon
+                if len(_NAMES) < 1024:
+                    _NAMES.add(key)
             value = value.strip(" \t")
             lower = key.lower()
             if lower == "content-length":

@@ -284,6 +284,7 @@ async def _web_answer(request: web.Request, answer: Answer) -> web.StreamRespons
 def _upstream_path(raw_path: str) -> str:
     """The path and query a replica gets for ``/function/{name}[/{tail}][?query]``, as the client sent them."""
     rest = raw_path.split("/function/", 1)[1]
-    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    tail = rest[cut:]
-    return tail if tail.startswith("/") else "/" + tail
+    slash, query = rest.find("/"), rest.find("?")
+    if slash >= 0 and (query < 0 or slash < query):
+        return rest[slash:]
+    return "/" + rest[query:] if query >= 0 else "/"
