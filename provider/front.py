@@ -11,7 +11,7 @@ time and bytes, 413/429 + Retry-After, tracing headers, retries, metrics), two H
 It takes ``METHOD /function/<name>[/<tail>][?query] HTTP/1.1`` for a *deployed function* (not HEAD), with
 at most one ``Content-Length`` (digits) or ``Transfer-Encoding: chunked`` alone, no ``Expect`` nor
 ``Upgrade``, and no bare CR/LF or NUL in its head. Anything else — ``/system/*``, ``/async-function``,
-pipelines (the plugin's invoke hooks), a name with ``%``, HTTP/1.0, a head over 64 KiB, a malformed
+pipelines (the plugin's invoke hooks), a name with ``%``, HTTP/1.0, a head over 8 KiB, a malformed
 request — is handed over whole (nothing of it consumed) to aiohttp's request handler, which keeps the
 connection from then on and answers as it always did (400 for what it finds malformed). Requests on a
 connection are answered in order, one at a time (pipelining-safe); reading pauses while more than
@@ -44,7 +44,8 @@ from quart_stage.errors import QuartError
 log = logging.getLogger("quart.front")
 
 _HEAD_END = b"\r\n\r\n"
-_MAX_HEAD = 64 * 1024
+_MAX_HEAD = 8190  # a longer head goes to aiohttp (its line and field limits decide)
+_MAX_TRAILERS = 64 * 1024
 _HIGH_WATER = 64 * 1024  # bytes buffered beyond the body being read before reading pauses
 _JOIN_MAX = 64 * 1024  # answers up to this size go out in one write with their head
 _SLICE = 1 << 20  # a larger answer: slices, each waiting for the client to drain
@@ -191,13 +192,13 @@ class FrontConnection(asyncio.Protocol):
         while buffer.startswith(b"\r\n"):  # empty lines before a request line are ignored (RFC 9112 2.2)
             del buffer[:2]
         end = buffer.find(_HEAD_END)
-        if end < 0:
+        if end < 0 or end > _MAX_HEAD:
             if len(buffer) > _MAX_HEAD:
                 self._hand_over()
             elif self.eof and self.transport is not None:
                 self.transport.close()
             return
-        request = self._parse(buffer[:end].decode("latin-1"))
+        request = self._parse(buffer[:end].decode("utf-8", "surrogateescape"))  # as aiohttp reads heads
         if request is None:
             self._hand_over()
             return
@@ -385,7 +386,7 @@ class FrontConnection(asyncio.Protocol):
         trailers = 0
         while (eol := await self._line()) > 0:  # trailer fields, dropped, up to the empty line
             trailers += eol + 2
-            if trailers > _MAX_HEAD:
+            if trailers > _MAX_TRAILERS:
                 raise QuartError(400, "malformed chunked body: trailers over 64 KiB", "body")
             del self.buffer[:eol + 2]
         del self.buffer[:2]
@@ -417,7 +418,7 @@ class FrontConnection(asyncio.Protocol):
             await self._respond(error_answer(502, "the replica's answer has a header with a line break in it",
                                              close=close))
             return
-        head = text.encode("latin-1", "replace")
+        head = text.encode("utf-8", "surrogateescape")  # as aiohttp writes heads
         if len(body) <= _JOIN_MAX:
             transport.write(head + body if body else head)
         else:
