@@ -85,11 +85,14 @@ class Front:
         self.closing = False
         self._date: tuple[int, str] = (0, "")
         self._sweeper: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def __call__(self) -> FrontConnection:
+        if self.loop is None:  # asyncio.get_running_loop() costs a getpid() system call: once per listener
+            self.loop = asyncio.get_running_loop()
         if self._sweeper is None and not self.closing:
-            self._sweeper = asyncio.get_running_loop().call_later(self.keepalive_s / 4, self._sweep)
-        return FrontConnection(self)
+            self._sweeper = self.loop.call_later(self.keepalive_s / 4, self._sweep)
+        return FrontConnection(self, self.loop)
 
     def date(self) -> str:
         """The ``Date`` header's value (computed once a second)."""
@@ -127,8 +130,8 @@ class Front:
 class FrontConnection(asyncio.Protocol):
     """One client connection while the front holds it."""
 
-    def __init__(self, front: Front) -> None:
-        self.front = front
+    def __init__(self, front: Front, loop: asyncio.AbstractEventLoop) -> None:
+        self.front, self.loop = front, loop
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.busy = False  # a request is being served
@@ -204,7 +207,7 @@ class FrontConnection(asyncio.Protocol):
             return
         del buffer[:end + 4]
         self.busy, self.request = True, request
-        asyncio.get_running_loop().create_task(self._serve(request))
+        self.loop.create_task(self._serve(request))
 
     def _parse(self, head: str) -> _Request | None:
         """The request if this front takes it, else None (aiohttp does)."""
@@ -324,7 +327,7 @@ class FrontConnection(asyncio.Protocol):
             if self.paused:
                 self.paused = False
                 self.transport.resume_reading()
-            self.waiter = asyncio.get_running_loop().create_future()
+            self.waiter = self.loop.create_future()
             try:
                 await self.waiter
             finally:
@@ -434,7 +437,7 @@ class FrontConnection(asyncio.Protocol):
 
     async def _drain(self) -> None:
         if self.write_paused and self.transport is not None:
-            self.drained = asyncio.get_running_loop().create_future()
+            self.drained = self.loop.create_future()
             try:
                 await self.drained
             finally:
