@@ -143,6 +143,7 @@ class FrontConnection(asyncio.Protocol):
         self.drained: asyncio.Future[None] | None = None
         self.write_paused = False
         self.idle_since = time.monotonic()
+        self.task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -207,7 +208,7 @@ class FrontConnection(asyncio.Protocol):
             return
         del buffer[:end + 4]
         self.busy, self.request = True, request
-        self.loop.create_task(self._serve(request))
+        self.task = self.loop.create_task(self._serve(request))  # referenced while it runs
 
     def _parse(self, head: str) -> _Request | None:
         """The request if this front takes it, else None (aiohttp does)."""
@@ -300,7 +301,7 @@ class FrontConnection(asyncio.Protocol):
                 await self._respond(error_answer(500, "internal error of the gateway", close=True))
             return
         finally:
-            self.busy, self.request, self.want = False, None, 0
+            self.busy, self.request, self.want, self.task = False, None, 0, None
             self.idle_since = time.monotonic()
         transport = self.transport
         if transport is None or transport.is_closing():
