@@ -4,8 +4,9 @@
   ``--rate`` req/s on ``POST /function/<model>`` for ``--seconds`` each): ``replica-kill`` (kill -9 a random
   replica every 3 s), ``keysmanager-kill`` (kill -9 one KeysManager), ``replica-stop`` (SIGSTOP a replica
   for 5 s), ``gateway-restart`` (SIGTERM the gateway, `quartctl up` again on the same state folder: the
-  functions come back from the store). Per scenario: ``sent``, ``ok`` (2xx), ``explicit_error`` (an HTTP
-  error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
+  functions come back from the store, the replicas the kept hosts still run are adopted; ``recovered_s``
+  counts from the new process's start, its imports included). Per scenario: ``sent``, ``ok`` (2xx),
+  ``explicit_error`` (an HTTP error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
   ``recovered_s`` (from the last fault to every function at its desired replicas again).
 - **Overload** (`--process-hosts`, ``quart/echo`` at concurrency 1 on one replica, 32 MB bodies): the
   capacity measured closed-loop, then an open loop at ``--factor`` × capacity with a deadline
@@ -48,6 +49,7 @@ class Gateway:
         self.state_dir, self.args = state_dir, args
         self.process: subprocess.Popen | None = None
         self.url, self.auth = "", aiohttp.BasicAuth("admin", "")
+        self.phases: dict[str, float] = {}  # of the last restart
 
     def start(self, timeout_s: float = 120.0) -> None:
         log = open(self.state_dir.parent / "gateway.log", "ab")  # noqa: SIM115 - the child's
@@ -73,6 +75,12 @@ class Gateway:
         if self.process is not None:
             stop_process(self.process.pid, self.process, grace_s=30.0)
             self.process = None
+
+    def down(self) -> None:
+        """Stop it and whatever it kept (``--keep-hosts``: KeysManagers and replicas), as a user would."""
+        self.stop()
+        subprocess.run([sys.executable, "-m", "quart_tools.cli", "down", "--state-dir", str(self.state_dir)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -165,10 +173,14 @@ async def inject(name: str, gw: Gateway, seconds: float, rng: random.Random) -> 
             await asyncio.sleep(5.0)
             os.kill(pid, signal.SIGCONT)
             return time.monotonic()
-        if name == "gateway-restart":
+        if name == "gateway-restart":  # measured from the new process's start: its imports and start count
+            stopping = time.monotonic()
             await asyncio.to_thread(gw.stop)
-            await asyncio.to_thread(gw.start)  # no stack file: what comes back comes from the store
-            return time.monotonic()
+            spawned = time.monotonic()
+            await asyncio.to_thread(gw.start)  # functions from the store, replicas adopted (--keep-hosts)
+            gw.phases = {"stop_s": round(spawned - stopping, 2),
+                         "stopped_to_listening_s": round(time.monotonic() - spawned, 2)}
+            return spawned
     raise ValueError(name)
 
 
@@ -182,8 +194,11 @@ async def scenario(name: str, gw: Gateway, rate: float, seconds: float, seed: in
         serving_at = await wait_serving(session, gw, 120.0, want=3)
     result = await load
     ok_ms = sorted(result.pop("ok_ms"))
+    extra = {"phases": {**gw.phases, "listening_to_serving_s": round(serving_at - fault_end
+                                                                    - gw.phases["stopped_to_listening_s"], 2)}} \
+        if name == "gateway-restart" and gw.phases else {}
     return {"name": name, **result, "recovered_s": round(serving_at - fault_end, 2),
-            "ok_p99_ms": round(ok_ms[int(0.99 * (len(ok_ms) - 1))], 1) if ok_ms else None}
+            "ok_p99_ms": round(ok_ms[int(0.99 * (len(ok_ms) - 1))], 1) if ok_ms else None, **extra}
 
 
 def _stack(folder: Path, mean_ms: float) -> Path:
@@ -248,7 +263,7 @@ async def run(args: argparse.Namespace) -> dict:
             stack = _stack(tmp / "model", args.mean_ms)
             state = tmp / "state"
             state.mkdir()
-            gw = Gateway(state, ["--hosts", "2", "--gpus-per-host", "4", "-f", str(stack)])
+            gw = Gateway(state, ["--hosts", "2", "--gpus-per-host", "4", "--keep-hosts", "-f", str(stack)])
             await asyncio.to_thread(gw.start, 300.0)
             try:
                 async with aiohttp.ClientSession() as session:
@@ -260,7 +275,7 @@ async def run(args: argparse.Namespace) -> dict:
                     doc["scenarios"].append(await scenario(scenario_name, gw, args.rate, args.seconds, args.seed + i))
                     print(json.dumps(doc["scenarios"][-1]), file=sys.stderr)
             finally:
-                gw.stop()
+                await asyncio.to_thread(gw.down)
         if args.factor:
             doc["overload"] = await overload(tmp, args.factor, args.overload_seconds, args.body_mb, args.deadline_ms)
     doc["machine"]["load_after"] = os.getloadavg()
