@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 from quart_provider import namespaces
-from quart_provider.admission import Reservation, StageLoad, admit_by_time
+from quart_provider.admission import Admission, RateMeter, Reservation, StageLoad, admit_by_time
 from quart_provider.async_calls import AsyncCall, AsyncInvoker
 from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
@@ -49,6 +50,7 @@ class InvokeHandlers:
         self.gateway = gateway
         self.config = gateway.config
         self.upstream: UpstreamPool | None = None
+        self.ingest = RateMeter()  # request bodies' bytes per second as read here (admission by time)
         self.callback_policy = CallbackPolicy.from_text(self.config.callback_allowed_networks)
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
                                         self.config.async_timeout_s, CallbackSender(
@@ -119,21 +121,55 @@ class InvokeHandlers:
         fn = gateway.functions.get(name)
         tail = request.match_info.get("tail", "")
         reservation = Reservation(gateway.body_gate, name)  # this body's bytes, held until the answer
+        admitted: FunctionState | None = None
         try:
             if fn is None:
                 return await self._hooks(request, name, tail, reservation)
             deadline_s = self._deadline_s(request)
             deadline_at = time.monotonic() + deadline_s if "X-Quart-Timeout-Ms" in request.headers else None
             try:
-                admission = admit_by_time([self._load(fn)], deadline_s, f"a call of {name!r}")
+                admission = self._admission(request, fn, deadline_s)
                 if not admission.admit:
                     raise admission.error()
+                fn.admitted += 1
+                admitted = fn
+                started = time.monotonic()
                 body = await read_body(request, self.config.max_body_bytes, reservation)
+                self.ingest.record(len(body), time.monotonic() - started)
             except QuartError as exc:
                 return refused(exc, self.config.retry_after_s)
             return await self._proxy(request, fn, tail, body, reservation, deadline_at)
         finally:
+            if admitted is not None:
+                admitted.admitted -= 1
             reservation.close()
+
+    def _admission(self, request: web.Request, fn: FunctionState, deadline_s: float) -> Admission:
+        """Admission by time of a call of ``fn`` (:func:`.admission.admit_by_time`): its body's transfer at the
+        measured ingest rate, the queue, the p90 service time, × ``admission_safety``; only when the client
+        sent a deadline (without one, the upstream timeout bounds the call and the queue cap its wait)."""
+        if "X-Quart-Timeout-Ms" not in request.headers:
+            return Admission(True)
+        return admit_by_time([self._load(fn)], deadline_s, f"a call of {fn.name!r}",
+                             transfer_s=self.ingest.seconds(request.content_length),
+                             safety=self.config.admission_safety, floor_s=self.config.min_deadline_ms / 1000.0)
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` (curl sends it for bodies over 1 MB): refuse before the client sends the body
+        when the call would be refused after it (time, bytes), else let it send (100 Continue)."""
+        try:
+            name = namespaces.function_name(request.match_info["name"], self.config.namespace)
+        except QuartError as exc:
+            return refused(exc, self.config.retry_after_s)
+        fn = self.gateway.functions.get(name)
+        if fn is not None:
+            admission = self._admission(request, fn, self._deadline_s(request))
+            refusal = None if admission.admit else admission.error()
+            if refusal is None and request.content_length:
+                refusal = self.gateway.body_gate.refusal(name, request.content_length)
+            if refusal is not None:
+                return refused(refusal, self.config.retry_after_s)
+        return await _default_expect_handler(request)
 
     async def _hooks(self, request: web.Request, name: str, tail: str, reservation: Reservation
                      ) -> web.StreamResponse:
@@ -163,10 +199,13 @@ class InvokeHandlers:
 
     @staticmethod
     def _load(fn: FunctionState) -> StageLoad:
-        """The function's queue as admission sees it (unlimited concurrency: nobody ever queues)."""
+        """The function's queue as admission sees it: calls admitted and not being served (reading their body,
+        waiting for a replica) ahead of this one (unlimited concurrency: nobody ever queues)."""
         per_replica = fn.deployment.concurrency
         servers = len(fn.ready) * per_replica if per_replica else 0
-        return StageLoad(fn.waiting, servers, fn.service_s)
+        serving = sum(e.in_flight for e in fn.ready)
+        return StageLoad(max(0, fn.admitted - serving), servers, fn.service.p90(), fn.service.fastest(),
+                         busy=servers > 0 and serving >= servers)
 
     async def _proxy(self, request: web.Request, fn: FunctionState, tail: str, body: bytes,
                      reservation: Reservation, deadline_at: float | None) -> web.StreamResponse:
@@ -201,8 +240,10 @@ class InvokeHandlers:
             try:
                 timeout_s = self.config.upstream_timeout_s if deadline_at is None else min(
                     self.config.upstream_timeout_s, max(0.001, deadline_at - time.monotonic()))
+                served_from = time.perf_counter()
                 upstream = await self.upstream.request(request.method, endpoint.url, path, headers, body,
                                                        timeout_s=timeout_s)
+                served_s = time.perf_counter() - served_from
                 payload, status, out_headers = upstream.body, upstream.status, upstream.headers
                 reservation.hold(len(payload))  # the answer counts in the byte bound too (never refused)
                 break
@@ -220,7 +261,7 @@ class InvokeHandlers:
         fn.invocations += 1
         elapsed = time.perf_counter() - start
         if payload is not None and 200 <= status < 300:  # the service time admission by time uses
-            fn.service_s = elapsed if fn.service_s <= 0 else 0.8 * fn.service_s + 0.2 * elapsed
+            fn.service.record(served_s)
         metrics.invocation_done(metric_name, status, elapsed)
         if payload is None:
             return error_response(status, message)
