@@ -12,6 +12,7 @@ headers (:mod:`.tracing`) go upstream here; :mod:`.routes` stamps them on every 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
@@ -136,6 +137,8 @@ class InvokeHandlers:
                 started = time.monotonic()
                 body = await read_body(request, self.config.max_body_bytes, reservation)
                 self.ingest.record(len(body), time.monotonic() - started)
+                if deadline_at is not None:
+                    self._still_fits(fn, deadline_at, deadline_s)
             except QuartError as exc:
                 return refused(exc, self.config.retry_after_s)
             return await self._proxy(request, fn, tail, body, reservation, deadline_at)
@@ -153,6 +156,19 @@ class InvokeHandlers:
         return admit_by_time([self._load(fn)], deadline_s, f"a call of {fn.name!r}",
                              transfer_s=self.ingest.seconds(request.content_length),
                              safety=self.config.admission_safety, floor_s=self.config.min_deadline_ms / 1000.0)
+
+    def _still_fits(self, fn: FunctionState, deadline_at: float, deadline_s: float) -> None:
+        """Once its body is in (an upload slower than measured), a call that can no longer finish in time is
+        refused now (429), not answered 504 at its deadline."""
+        load = self._load(fn)
+        load = replace(load, queued=max(0, load.queued - 1))  # this call is admitted: not ahead of itself
+        remaining = deadline_at - time.monotonic()
+        late = admit_by_time([load], remaining, safety=self.config.admission_safety) if remaining > 0 \
+            else Admission(False, 0.0, 1)
+        if not late.admit:
+            raise QuartError(429, f"the body of a call of {fn.name!r} took most of its {deadline_s:.2f} s deadline "
+                                  f"to arrive; the rest (about {late.expected_wait_s:.2f} s) cannot fit; retry later",
+                             None, {"Retry-After": str(max(1, late.retry_after_s))})
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue`` (curl sends it for bodies over 1 MB): refuse before the client sends the body
