@@ -6,7 +6,8 @@ dropped as dead and replaced elsewhere, and whatever still runs there is stopped
 drops dead replicas, replaces ones that never became ready, and converges each function by the pure
 rules of :mod:`.replicaset`: asks the placer for the shortfall, drains and stops the surplus, and
 retires the previous generation once a rolling update's replicas are ready. New replicas are started
-where the placer says, probed until their health path answers, and counted in the scheduler metrics.
+where the placer says (:mod:`.placing`), probed until their health path answers, and counted in the scheduler
+metrics (:mod:`.starting`).
 """
 
 from __future__ import annotations
@@ -16,29 +17,26 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
 from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
 from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
-from quart_provider.keysmanager_host import multicast
-from quart_provider.paraserve_start import Group, ParaServeStarts
+from quart_provider.paraserve_start import ParaServeStarts
+from quart_provider.placing import Placing
 from quart_provider.replicaset import choose_surplus, rollover_done, shortfall
 from quart_provider.scheduling.metrics import SchedulerMetrics
-from quart_provider.scheduling.starts import StartPlan, chains_of, peers_of, plan_starts
-from quart_provider.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
+from quart_provider.scheduling.types import Placer, ReplicaRequest
+from quart_provider.starting import Starting
 from quart_provider.types import Endpoint, FunctionState
-from quart_stage.spans import H_LAYERS_HELD, parse_span
 
 from keysmanager.aio import wait_event, within
-from keysmanager.registry import MODEL_URL_ENV
 
 log = logging.getLogger("quart.gateway")
 
 
-class Reconciler:
+class Reconciler(Placing, Starting):
     """Drives ``hosts`` towards ``functions`` (the registry's live mapping). All methods run on one loop."""
 
     def __init__(self, config: GatewayConfig, hosts: Mapping[str, Host], placer: Placer,
@@ -245,233 +243,6 @@ class Reconciler:
 
     def _spec(self, fn: FunctionState) -> ReplicaSpec:
         return fn.replica_spec(self.config.max_body_bytes)
-
-    # ---------------------------------------------------------------- placing and starting
-
-    async def _place(self, requests: list[ReplicaRequest]) -> None:
-        names = [n for n in self.hosts if self.health.is_up(n)]
-        reports = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].report()) for n in names),
-                                       return_exceptions=True)
-        views: list[HostView] = []
-        for name, report in zip(names, reports, strict=True):
-            if isinstance(report, BaseException):
-                log.warning("host %s gave no report: %s", name, report)
-                continue
-            pending = sum(1 for t in self._tasks if t.get_name().startswith(f"start:{name}:"))
-            views.append(replace(report, gpu_used=min(report.gpu_slots, report.gpu_used + pending)))
-        self.scheduler_metrics.record_hosts(views)
-        result = self.placer.place(views, requests, dict(self.key_history))
-        self.scheduler_metrics.record_schedule(result)
-        await self._pin_kept(result, views)
-        asked_at = time.monotonic()
-        for fn in self.functions.values():
-            fn.unplaced = 0
-        for req in result.unplaced:
-            if req.function in self.functions:
-                self.functions[req.function].unplaced += req.count
-        layouts = await self.paraserve.cold_layouts(result.placements, views, self.functions, self._spec) \
-            if self.config.paraserve else {}
-        plans = self._start_plans(result, views, layouts)
-        groups = self.paraserve.plan_groups(plans, layouts)
-        chains = chains_of(plans)
-        for function, chain in chains:
-            if function in self.functions:
-                await self._multicast(self.functions[function], chain)
-        for i, (placement, plan) in enumerate(zip(result.placements, plans, strict=True)):
-            fn = self.functions.get(placement.function)
-            if fn is None or placement.host not in self.hosts:
-                continue
-            fn.pending_starts += 1
-            self._spawn(self._start_placed(fn, placement, fn.generation, asked_at, plan,
-                                           self._peer_addresses(peers_of(plan, chains)), groups.get(i)),
-                        f"start:{placement.host}:{fn.name}")
-            for helper in plan.helpers if i in groups else ():  # ParaServe: the group's borrowed hosts
-                fn.pending_starts += 1
-                self._spawn(self._start_part(fn, helper, fn.generation, groups[i]), f"start:{helper}:{fn.name}")
-
-    async def _start_part(self, fn: FunctionState, host: str, generation: int, group: Group) -> None:
-        """Start a ParaServe group's helper (no placement of its own: it leaves once the group is whole)."""
-        before = set(fn.replicas)
-        await self._start_replica(fn, host, generation, None, True, True, group.part_on(host))
-        group.started([r for r, e in fn.replicas.items() if r not in before and e.host == host])
-
-    def _start_plans(self, result: ScheduleResult, views: list[HostView], layouts: dict | None = None
-                     ) -> list[StartPlan]:
-        """How each placement starts (:func:`quart_provider.scheduling.starts.plan_starts`, the simulator's rule):
-        the holders of each stage are the hosts that cache it; a host serving replicas sends their answers on
-        its NIC, so chains avoid sending from it."""
-        holders: dict[str, list[str]] = {}
-        for view in views:
-            for function in view.cached | view.held:  # a zygote or the verified file: a peer can fetch it
-                holders.setdefault(function, []).append(view.name)
-        serving = [v.name for v in views if any(v.running.values())]
-        busy = {(a, b) for a in serving for b in (v.name for v in views) if a != b}
-        enabled = {"peer", "multicast"} if self.config.peer_fetch else set()
-        if self.config.live_scaling:
-            enabled.add("live")
-        ready = {name: len(fn.ready) for name, fn in self.functions.items()}
-        if layouts:  # ParaServe: P per cold stage, helpers on spare hosts
-            enabled.add("paraserve")
-        parts, spare = self.paraserve.plan_inputs(result.placements, views, layouts or {})
-        return plan_starts(result.placements, holders, enabled, ready, parts, busy, spare)
-
-    def _peer_addresses(self, names: tuple[str, ...]) -> list[str]:
-        """The KeysManager addresses other hosts fetch from (hosts without one, e.g. on Unix sockets, left out)."""
-        found = (getattr(self.hosts.get(n), "peer_address", None) for n in names)
-        return [a for a in found if a]
-
-    async def _multicast(self, fn: FunctionState, names: tuple[str, ...]) -> None:
-        """Several hosts need ``fn``'s parameters at once: order the chain (BlitzScale §5.1) before the starts,
-        which then find the transfer under way. A failure is logged: each start still fetches on its own."""
-        chain = [self.hosts.get(n) for n in names]
-        if any(h is not None and not hasattr(h, "prefetch") for h in chain):
-            return  # hosts without a KeysManager cache nothing
-        try:
-            await within(5.0, multicast(self._spec(fn), chain))
-            log.info("%s: chain multicast %s", fn.name, " → ".join(names))
-        except Exception as exc:
-            log.warning("%s: chain multicast over %s failed: %s", fn.name, names, exc)
-
-    async def _pin_kept(self, result: ScheduleResult, views: list[HostView]) -> None:
-        """Make ``keep_cached`` binding (QUART §6): each host's KeysManager evicts those key-stage zygotes last
-        and never to cache another stage; and tell each host which stages it alone holds (its eviction drops
-        duplicates first: one copy per cluster is enough, the others fetch from it). Sent only when a host's
-        sets change; a failure is logged, not fatal."""
-        calls, names = [], []
-        copies: dict[str, int] = {}
-        for view in views:
-            for function in view.cached:
-                copies[function] = copies.get(function, 0) + 1
-        for view in views:
-            name = view.name
-            kept = tuple(sorted(f for f, h in result.keep_cached if h == name))
-            sole = tuple(sorted(f for f in view.cached if copies[f] == 1))
-            pin = getattr(self.hosts[name], "pin", None)  # KeysManager hosts pin; process hosts have nothing to pin
-            if pin is not None and self.pins.get(name, ((), ())) != (kept, sole):
-                calls.append(within(5.0, pin(list(kept), list(sole))))  # a stuck host must not stall placing
-                names.append((name, (kept, sole)))
-        for (name, sent), outcome in zip(names, await asyncio.gather(*calls, return_exceptions=True), strict=True):
-            if isinstance(outcome, BaseException):
-                log.warning("pinning %s on host %s failed: %s", ", ".join(sent[0]) or "nothing", name, outcome)
-            else:
-                self.pins[name] = sent
-
-    async def _start_placed(self, fn: FunctionState, placement: Placement, generation: int, asked_at: float,
-                            plan: StartPlan, peers: list[str], group: Group | None = None) -> None:
-        """Start one placed replica as ``plan`` says and remember when it was asked for (its ready time is
-        measured from then). ``group``: a ParaServe sub-pipeline; this replica starts with its part."""
-        before = set(fn.replicas)
-        # Any start that fetches the stage asks for a live start: the replica's process starts while the bytes
-        # arrive (the KeysManager takes the ordinary path where it cannot). Only a "live" plan routes to it
-        # before it holds the whole stage; a ParaServe part (``group``) starts with its layers and is routed at once.
-        fetching = (plan.mode in ("peer", "multicast", "live", "cold") and fn.runnable.kind == "stage"
-                    and MODEL_URL_ENV in fn.deployment.env_vars)  # a registry stage: bytes to fetch
-        await self._start_replica(fn, placement.host, generation, peers, fetching, plan.mode == "live" or bool(group),
-                                  group.part_on(placement.host) if group is not None else None)
-        if group is not None:
-            group.started([r for r, e in fn.replicas.items() if r not in before and e.host == placement.host])
-        for rid, endpoint in list(fn.replicas.items()):
-            if rid not in before and endpoint.host == placement.host and rid not in self._placed:
-                self._placed[rid] = (asked_at, placement.source, placement.key)
-                if endpoint.state == "ready" and endpoint.whole:
-                    self._replica_ready(fn, endpoint)
-
-    def _replica_ready(self, fn: FunctionState, endpoint: Endpoint) -> None:
-        """The replica-ready hook: count the scale-up (source, ready ms) in the scheduler metrics, once, when the
-        replica serves its whole stage.
-
-        A stage replica counts as a cache hit only if its host held the stage when it was placed *and* it was
-        forked from a zygote that was already there (a KeysManagerHost reports a start that had to load the
-        zygote as cold)."""
-        if not endpoint.whole:
-            return  # a live replica is ready when it holds every layer (the poll or the router's answers say)
-        placed = self._placed.pop(endpoint.id, None)
-        if placed is None:
-            return
-        asked_at, planned, key = placed
-        source = "cold" if "cold" in (planned, endpoint.source) else endpoint.source
-        endpoint.ready_ms = 1000 * (time.monotonic() - asked_at)
-        self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, endpoint.ready_ms, key=key)
-        fn.start_time.note(time.monotonic() - asked_at)
-
-    async def _start_replica(self, fn: FunctionState, host: str, generation: int, peers: list[str] | None = None,
-                             live: bool = False, partial_ok: bool = True, layers: tuple[int, int] | None = None
-                             ) -> None:
-        try:
-            extra: dict[str, Any] = {"peers": peers} if peers else {}
-            if live:
-                extra["live"] = True
-            if layers is not None:  # a ParaServe part start (keysmanager.parts)
-                extra["layers"] = layers
-            statuses = await self.hosts[host].start(self._spec(fn), 1, **extra)
-        except Exception as exc:
-            fn.start_failures += 1
-            backoff = min(30.0, 0.5 * 2 ** (fn.start_failures - 1))
-            fn.retry_at = time.monotonic() + backoff
-            fn.last_error = f"starting a replica on {host} failed: {exc}"
-            log.warning("%s: %s (retry in %.1f s)", fn.name, fn.last_error, backoff)
-            return
-        finally:
-            fn.pending_starts -= 1
-        fn.start_failures, fn.last_error = 0, ""
-        now = time.monotonic()
-        for status in statuses:
-            endpoint = Endpoint(status.id, fn.name, host, status.url, status.state if status.state != "dead"
-                                else "starting", status.source, generation, now, layers=status.layers,
-                                held=status.held, partial_ok=partial_ok)
-            if self.functions.get(fn.name) is not fn:  # removed meanwhile
-                self._spawn(self._stop_now(endpoint), f"stop:{endpoint.id}")
-                continue
-            fn.replicas[endpoint.id] = endpoint
-            if endpoint.state == "starting":
-                self._spawn(self._probe_until_ready(fn, endpoint), f"probe:{endpoint.id}")
-        fn.refresh_ready()
-        self.kick()
-
-    # ---------------------------------------------------------------- probing
-
-    def _prober(self) -> aiohttp.ClientSession:
-        if self._probe_session is None or self._probe_session.closed:
-            self._probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-        return self._probe_session
-
-    async def _probe_until_ready(self, fn: FunctionState, endpoint: Endpoint) -> None:
-        """GET the starting replica's health path (as its host does) and route to it as soon as it answers 200.
-
-        Without this, a replica becomes routable only at the next reconcile poll of its host
-        (``reconcile_interval_s``), which was most of a fork's ask→ready time. The interval starts at
-        ``ready_probe_s`` and grows ×1.5 up to 0.1 s; a connection waits in the listen backlog until the
-        replica serves, so one probe often spans the whole start. A replica started while its stage arrives
-        answers with the layers it holds (``X-Quart-Layers-Held``); one that is not routed before it holds them
-        all is probed on until it does.
-        """
-        url = endpoint.url + fn.runnable.health_path
-        delay = self.config.ready_probe_s
-        deadline = endpoint.started_at + self.config.start_timeout_s
-        while fn.replicas.get(endpoint.id) is endpoint and (
-                endpoint.state == "starting" or (endpoint.state == "ready" and not endpoint.whole)):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return  # the reconcile loop replaces it
-            try:
-                async with self._prober().get(url, timeout=aiohttp.ClientTimeout(total=min(2.0, remaining))) as res:
-                    if res.status == 200:
-                        held = parse_span(res.headers.get(H_LAYERS_HELD))
-                        if held is not None and endpoint.layers is not None:
-                            endpoint.held = held
-                        if fn.replicas.get(endpoint.id) is endpoint and endpoint.state in ("starting", "ready"):
-                            endpoint.state, endpoint.probed = "ready", True
-                            self._replica_ready(fn, endpoint)  # once, when it holds its whole stage
-                            log.debug("%s ready %.1f ms after start (layers held %s)", endpoint.id,
-                                      1000 * (time.monotonic() - endpoint.started_at), endpoint.held)
-                            fn.refresh_ready()
-                            self.kick()  # a rolling update may now retire old replicas
-                        if endpoint.whole or endpoint.partial_ok:
-                            return
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                pass
-            await asyncio.sleep(delay)
-            delay = min(0.1, delay * 1.5)
 
     # ---------------------------------------------------------------- draining
 
