@@ -92,8 +92,7 @@ class EmbeddedGateway:
         if restored:
             log.info("restored %d function(s) from %s: %s", len(restored), self.config.state_dir / FUNCTIONS_DIR,
                      ", ".join(restored))
-        if self.keep_replicas:
-            await self._adopt()
+        await self._adopt()  # kept hosts (--keep-hosts), or replicas a KeysManager adopted from its predecessor
         self.reconciler.start()
 
     async def _adopt(self) -> None:

@@ -36,6 +36,8 @@ from quart_provider.store import write_private
 from quart_provider.supervisor import Backoff, supervise
 
 from keysmanager.client import AsyncKeysManagerClient
+from keysmanager.config import KeysManagerConfig
+from keysmanager.recovery import clean_leftovers
 from keysmanager.sysutil import return_large_buffers, set_parent_death_signal
 
 log = logging.getLogger("quart.up")
@@ -298,6 +300,8 @@ class EmbeddedSystem:
         for agent in self.agents:
             if not self.keep_hosts:
                 stop_process(agent.process.pid, agent.process)
+                if agent.socket is not None:  # replicas told to survive their KeysManager: stopped with it here
+                    await asyncio.to_thread(clean_leftovers, KeysManagerConfig(name=agent.name, socket=str(agent.socket)))
         self.agents.clear()
         if self.durable is not None:
             await self.durable.stop(0)

@@ -247,7 +247,8 @@ def down(argv: list[str]) -> int:
         host_pid = int(host["pid"])
         if _alive(host_pid) and not stop_process(host_pid):
             survivors.append(f"KeysManager pid {host_pid}")
-        elif host.get("socket"):  # one killed -9 leaves zygotes, replicas, /dev/shm segments and its socket
+        elif host.get("socket"):  # one killed -9 leaves zygotes, replicas, /dev/shm segments and its socket; one
+            # stopped leaves the replicas told to survive it (KeysManagerHost starts them so)
             found = clean_leftovers(KeysManagerConfig(name=host["name"], socket=host["socket"]))
             if found.killed or found.removed_shm:
                 print(f"Cleaned after KeysManager {host['name']}: {len(found.killed)} process(es) killed, "
