@@ -64,17 +64,21 @@ def live_keysmanager(socket: Path) -> int | None:
 
 def adopt_replicas(functions: Mapping[str, FunctionState], host: str, running: Iterable[ReplicaStatus],
                    now: float) -> list[str]:
-    """Track the replicas ``host`` runs (starting or ready) for ``functions`` it knows nothing of yet, at
-    each function's current generation; returns the adopted ids. Replicas of functions not restored are
-    not adopted (the gateway stops them: they hold slots nobody routes to)."""
+    """Track replicas ``host`` runs (ready ones first, then starting) that the gateway does not, at their
+    function's current generation, up to what each function lacks of ready replicas; returns the adopted
+    ids. The rest (of no function, or beyond what is lacking: replaced meanwhile) the caller stops."""
     adopted = []
-    for status in running:
+    lacking = {name: fn.desired - sum(1 for e in fn.replicas.values() if e.state == "ready"
+                                      and e.generation == fn.generation) for name, fn in functions.items()}
+    for status in sorted(running, key=lambda r: r.state != "ready"):
         fn = functions.get(status.function)
-        if fn is None or status.state not in ("starting", "ready") or status.id in fn.replicas:
+        if fn is None or status.state not in ("starting", "ready") or status.id in fn.replicas \
+                or lacking[fn.name] <= 0:
             continue
         fn.replicas[status.id] = Endpoint(status.id, status.function, host, status.url, status.state,
                                           status.source, fn.generation, now, layers=status.layers,
                                           held=status.held)
+        lacking[fn.name] -= 1
         adopted.append(status.id)
     for fn in functions.values():
         fn.refresh_ready()

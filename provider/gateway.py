@@ -104,12 +104,13 @@ class EmbeddedGateway:
             if isinstance(running, BaseException):
                 continue  # the reconciler's host health decides about a host that does not answer
             adopted = adopt_replicas(self.functions, name, running, time.monotonic())
-            strays = [r.id for r in running if r.function not in self.functions and r.state in ("starting", "ready")]
+            tracked = {rid for fn in self.functions.values() for rid in fn.replicas}
+            strays = [r.id for r in running if r.id not in tracked and r.state in ("starting", "ready")]
             for rid in strays:
                 with contextlib.suppress(Exception):
                     await self.hosts[name].stop(rid)
             if adopted or strays:
-                log.info("host %s: adopted %d replica(s), stopped %d of no function", name, len(adopted), len(strays))
+                log.info("host %s: adopted %d replica(s), stopped %d not needed", name, len(adopted), len(strays))
 
     async def close(self) -> None:
         """Stop the plugin hooks, every replica this gateway started, and the hosts."""

@@ -194,9 +194,9 @@ class Reconciler(Placing, Starting):
             self._host_down(name, why)
 
     def _host_back(self, name: str, running: list[ReplicaStatus]) -> None:
-        """``name`` answers again: what still runs there for a function is adopted back (a KeysManager's
-        successor adopts the replicas that survived it; replacements started meanwhile are surplus now and
-        drain); what runs for no function is stopped."""
+        """``name`` answers again: what still runs there is adopted back as far as its function lacks ready
+        replicas (a KeysManager's successor adopts the replicas that survived it; replacements still starting
+        are surplus then); the rest was replaced while it was down, or runs for no function: stopped."""
         adopted = set(adopt_replicas(self.functions, name, running, time.monotonic()))
         tracked = {rid for fn in self.functions.values() for rid in fn.replicas}
         stale = [r for r in running if r.id not in tracked and r.state != "dead"]

@@ -44,6 +44,16 @@ def test_adopt_replicas_tracks_live_replicas_of_known_functions_at_their_generat
     assert functions["b"].replicas == {}
 
 
+def test_adopt_replicas_fills_only_what_a_function_lacks_of_ready_replicas_ready_ones_first():
+    fn = _fn("a")  # desired 2
+    adopt_replicas({"a": fn}, "h1", [ReplicaStatus("a-new", "a", "h1", "http://127.0.0.1:5", "ready")], now=1.0)
+    running = [ReplicaStatus("a-s", "a", "h0", "http://127.0.0.1:1", "starting"),
+               ReplicaStatus("a-r1", "a", "h0", "http://127.0.0.1:2", "ready"),
+               ReplicaStatus("a-r2", "a", "h0", "http://127.0.0.1:3", "ready")]
+    assert adopt_replicas({"a": fn}, "h0", running, now=2.0) == ["a-r1"]  # one lacking; the others are stopped
+    assert sorted(e.id for e in fn.ready) == ["a-new", "a-r1"]
+
+
 def test_live_keysmanager_needs_a_live_keysmanager_pid_and_its_socket(tmp_path):
     sock = tmp_path / "host-0.sock"
     assert live_keysmanager(sock) is None
