@@ -140,3 +140,37 @@ def test_a_restarted_gateway_adopts_kept_hosts_and_their_replicas(emulated_stack
     assert out["after"] == out["before"], "replicas were restarted instead of adopted"
     assert out["status"] == 200
     assert out["ready_s"] < 5.0, out
+
+
+def test_up_keep_hosts_leaves_its_keysmanagers_to_the_next_up_and_down_stops_them(tmp_path):
+    from quart_tools.bench.chaos import Gateway
+
+    state = tmp_path / "state"
+    state.mkdir()
+    gw = Gateway(state, ["--hosts", "1", "--keep-hosts", "--no-plugin"])
+    km_pid = 0
+    try:
+        gw.start(120)
+        km_pid = gw.state()["hosts"][0]["pid"]
+        gw.stop()  # SIGTERM: the gateway goes, its host stays, up.json names it for `quartctl down`
+        assert _alive(km_pid) and json.loads((state / "up.json").read_text())["hosts"][0]["pid"] == km_pid
+        gw.start(120)
+        assert gw.state()["hosts"][0]["pid"] == km_pid  # supervised again, not started again
+        gw.down()
+        deadline = time.monotonic() + 10
+        while _alive(km_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(km_pid) and not (state / "up.json").exists()
+    finally:
+        gw.stop()
+        if km_pid and _alive(km_pid):
+            stop_process(km_pid)
+
+
+def test_phases_name_where_a_start_went():
+    from quart_provider.phases import Phases
+
+    phases = Phases()
+    phases.mark("hosts")
+    assert list(phases.durations) == ["process", "hosts"] and phases.durations["process"] >= 0
+    assert str(phases).startswith(f"{phases.total_s:.2f} s (process ")
