@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from quart_stage.errors import QuartError
 
 MAX_RETRY_AFTER_S = 60
+_BUCKET_S = 0.1  # drain-rate resolution
 
 
 def retry_after_s(seconds: float, fallback: int = 1) -> int:
@@ -143,16 +144,24 @@ class ByteGate:
         self.window_s = window_s
         self.total = 0
         self.held: dict[str, int] = {}
-        self._released: list[tuple[float, int]] = []  # (when, bytes) within the window: the drain rate
+        # bytes released within the window, in buckets of ``_BUCKET_S`` ([first release time, bytes]): the drain
+        # rate; O(1) per release at any request rate (a list of every release was O(n) per request past 4,096)
+        self._released: deque[list[float]] = deque()
+        self._released_bytes = 0
 
     def drain_rate(self) -> float:
         """Bytes released per second over the last ``window_s`` (0 when nothing was)."""
         now = self.clock()
-        self._released = [(t, n) for t, n in self._released if now - t <= self.window_s]
+        self._trim(now)
         if not self._released:
             return 0.0
         span = max(now - self._released[0][0], 0.5)
-        return sum(n for _, n in self._released) / span
+        return self._released_bytes / span
+
+    def _trim(self, now: float) -> None:
+        released = self._released
+        while released and now - released[0][0] > self.window_s:
+            self._released_bytes -= int(released.popleft()[1])
 
     def refusal(self, key: str, size: int) -> QuartError | None:
         """Why ``size`` more bytes for ``key`` cannot be held now: 413 (never fits) or 429 + Retry-After."""
@@ -187,9 +196,14 @@ class ByteGate:
             self.held[key] = left
         else:
             self.held.pop(key, None)
-        self._released.append((self.clock(), size))
-        if len(self._released) > 4096:
-            self.drain_rate()  # trims the window
+        now = self.clock()
+        released = self._released
+        if released and now - released[-1][0] < _BUCKET_S:
+            released[-1][1] += size
+        else:
+            released.append([now, size])
+            self._trim(now)
+        self._released_bytes += size
 
 
 class Reservation:

@@ -62,6 +62,22 @@ def test_byte_gate_bounds_per_key_and_total_with_retry_after_from_the_drain_rate
     assert err.value.headers["Retry-After"] == "2"
 
 
+def test_byte_gate_release_stays_constant_time_at_high_request_rates():
+    """Reproducer: every release past 4,096 in the window rescanned the whole window (72 % of the gateway's
+    CPU at 2,000 req/s under wrk). Releases are kept in 0.1 s buckets: bounded memory, the same rate."""
+    clock = Clock()
+    gate = ByteGate(total_limit=10**9, key_limit=10**9, clock=clock, window_s=10.0)
+    for _ in range(200_000):  # 20,000 req/s for 10 s, 1 KiB each
+        r = Reservation(gate, "f")
+        r.add(1024)
+        r.close()
+        clock.now += 1 / 20_000
+    assert len(gate._released) <= 101  # noqa: SLF001 - the bound is the point
+    assert gate.drain_rate() == pytest.approx(20_000 * 1024, rel=0.02)
+    clock.now += 30.0
+    assert gate.drain_rate() == 0.0 and gate._released_bytes == 0  # noqa: SLF001
+
+
 def test_admission_by_time_refuses_what_would_miss_its_deadline():
     assert expected_wait_s(StageLoad(queued=10, servers=2, service_s=0.5)) == 2.5
     assert expected_wait_s(StageLoad(queued=10, servers=0, service_s=0.5)) == 0  # cold: not estimated
