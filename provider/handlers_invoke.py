@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import TypeVar
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 from quart_provider import namespaces
-from quart_provider.admission import Reservation, StageLoad, admit_by_time
+from quart_provider.admission import Admission, RateMeter, Reservation, StageLoad, admit_by_time
 from quart_provider.async_calls import AsyncCall, AsyncInvoker
 from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
@@ -55,6 +57,7 @@ class InvokeHandlers:
         self.gateway = gateway
         self.config = gateway.config
         self.upstream: UpstreamPool | None = None
+        self.ingest = RateMeter()  # request bodies' bytes per second as read here (admission by time)
         self.callback_policy = CallbackPolicy.from_text(self.config.callback_allowed_networks)
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
                                         self.config.async_timeout_s, CallbackSender(
@@ -149,14 +152,21 @@ class InvokeHandlers:
         :class:`QuartError` from either: refused, the connection closed after the answer), the proxy, and
         ``respond(answer)`` with the tracing headers stamped, while the body's and answer's bytes are held."""
         reservation = Reservation(self.gateway.body_gate, fn.name)  # this body's bytes, held until the answer
+        admitted: FunctionState | None = None
         try:
             deadline_s = self._deadline_s(headers)
             deadline_at = time.monotonic() + deadline_s if "X-Quart-Timeout-Ms" in headers else None
             try:
-                admission = admit_by_time([self._load(fn)], deadline_s, f"a call of {fn.name!r}")
+                admission = self._admission(fn, headers, deadline_s)
                 if not admission.admit:
                     raise admission.error()
+                fn.admitted += 1
+                admitted = fn
+                started = time.monotonic()
                 body = await read(reservation)
+                self.ingest.record(len(body), time.monotonic() - started)
+                if deadline_at is not None:
+                    self._still_fits(fn, deadline_at, deadline_s)
             except QuartError as exc:
                 answer = answer_of(exc, self.config.retry_after_s, close=True)
             else:
@@ -167,7 +177,52 @@ class InvokeHandlers:
                 reservation.close()
             return await respond(answer)
         finally:
+            if admitted is not None:
+                admitted.admitted -= 1
             reservation.close()
+
+    def _admission(self, fn: FunctionState, headers: Mapping[str, str], deadline_s: float) -> Admission:
+        """Admission by time of a call of ``fn`` (:func:`.admission.admit_by_time`): its body's transfer at the
+        measured ingest rate, the queue, the p90 service time, × ``admission_safety``; only when the client
+        sent a deadline (without one, the upstream timeout bounds the call and the queue cap its wait)."""
+        if "X-Quart-Timeout-Ms" not in headers:
+            return Admission(True)
+        try:
+            length = int(headers.get("Content-Length", "") or 0)
+        except ValueError:
+            length = 0
+        return admit_by_time([self._load(fn)], deadline_s, f"a call of {fn.name!r}",
+                             transfer_s=self.ingest.seconds(length),
+                             safety=self.config.admission_safety, floor_s=self.config.min_deadline_ms / 1000.0)
+
+    def _still_fits(self, fn: FunctionState, deadline_at: float, deadline_s: float) -> None:
+        """Once its body is in (an upload slower than measured), a call that can no longer finish in time is
+        refused now (429), not answered 504 at its deadline."""
+        load = self._load(fn)
+        load = replace(load, queued=max(0, load.queued - 1))  # this call is admitted: not ahead of itself
+        remaining = deadline_at - time.monotonic()
+        late = admit_by_time([load], remaining, safety=self.config.admission_safety) if remaining > 0 \
+            else Admission(False, 0.0, 1)
+        if not late.admit:
+            raise QuartError(429, f"the body of a call of {fn.name!r} took most of its {deadline_s:.2f} s deadline "
+                                  f"to arrive; the rest (about {late.expected_wait_s:.2f} s) cannot fit; retry later",
+                             None, {"Retry-After": str(max(1, late.retry_after_s))})
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` (curl sends it for bodies over 1 MB): refuse before the client sends the body
+        when the call would be refused after it (time, bytes), else let it send (100 Continue)."""
+        try:
+            fn = self.function(request.match_info["name"])
+        except QuartError as exc:
+            return refused(exc, self.config.retry_after_s)
+        if fn is not None:
+            admission = self._admission(fn, request.headers, self._deadline_s(request.headers))
+            refusal = None if admission.admit else admission.error()
+            if refusal is None and request.content_length:
+                refusal = self.gateway.body_gate.refusal(fn.name, request.content_length)
+            if refusal is not None:
+                return refused(refusal, self.config.retry_after_s)
+        return await _default_expect_handler(request)
 
     async def _hooks(self, request: web.Request, name: str, tail: str, reservation: Reservation
                      ) -> web.StreamResponse:
@@ -197,10 +252,13 @@ class InvokeHandlers:
 
     @staticmethod
     def _load(fn: FunctionState) -> StageLoad:
-        """The function's queue as admission sees it (unlimited concurrency: nobody ever queues)."""
+        """The function's queue as admission sees it: calls admitted and not being served (reading their body,
+        waiting for a replica) ahead of this one (unlimited concurrency: nobody ever queues)."""
         per_replica = fn.deployment.concurrency
         servers = len(fn.ready) * per_replica if per_replica else 0
-        return StageLoad(fn.waiting, servers, fn.service_s)
+        serving = sum(e.in_flight for e in fn.ready)
+        return StageLoad(max(0, fn.admitted - serving), servers, fn.service.p90(), fn.service.fastest(),
+                         busy=servers > 0 and serving >= servers)
 
     async def _proxy(self, fn: FunctionState, method: str, raw_path: str, in_headers: Mapping[str, str], host: str,
                      trace: Trace, body: bytes, reservation: Reservation, deadline_at: float | None) -> Answer:
@@ -235,8 +293,10 @@ class InvokeHandlers:
             try:
                 timeout_s = self.config.upstream_timeout_s if deadline_at is None else min(
                     self.config.upstream_timeout_s, max(0.001, deadline_at - time.monotonic()))
+                served_from = time.perf_counter()
                 upstream = await self.upstream.request(method, endpoint.url, path, headers, body,
                                                        timeout_s=timeout_s)
+                served_s = time.perf_counter() - served_from
                 payload, status, out_headers = upstream.body, upstream.status, upstream.headers
                 reservation.hold(len(payload))  # the answer counts in the byte bound too (never refused)
                 break
@@ -254,7 +314,7 @@ class InvokeHandlers:
         fn.invocations += 1
         elapsed = time.perf_counter() - start
         if payload is not None and 200 <= status < 300:  # the service time admission by time uses
-            fn.service_s = elapsed if fn.service_s <= 0 else 0.8 * fn.service_s + 0.2 * elapsed
+            fn.service.record(served_s)
         metrics.invocation_done(metric_name, status, elapsed)
         if payload is None:
             return error_answer(status, message)

@@ -78,8 +78,8 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     async_invoke, sync_invoke = traced(guarded(invoke.async_invoke, auth=False)), traced(invoke.invoke)
     r.add_route("*", "/async-function/{name}", async_invoke)
     r.add_route("*", "/async-function/{name}/{tail:.*}", async_invoke)
-    r.add_route("*", "/function/{name}", sync_invoke)
-    r.add_route("*", "/function/{name}/{tail:.*}", sync_invoke)
+    r.add_route("*", "/function/{name}", sync_invoke, expect_handler=invoke.expect)  # 100-continue: admit first
+    r.add_route("*", "/function/{name}/{tail:.*}", sync_invoke, expect_handler=invoke.expect)
 
     async def startup(app: web.Application) -> None:
         await invoke.startup()

@@ -140,13 +140,15 @@ def test_a_request_whose_expected_wait_exceeds_its_deadline_is_refused_at_entry(
         running.wait_available("slow", 1)
         fn = running.system.gateway.functions["slow"]
 
-        async def load(waiting: int, service_s: float) -> None:
-            fn.waiting, fn.service_s = waiting, service_s
+        async def load(admitted: int, service_s: float) -> None:
+            fn.admitted = admitted
+            fn.service.samples.clear()
+            fn.service.samples.extend([service_s] * 10)
 
-        running.call(load(20, 0.5))  # 20 ahead × 0.5 s on 1 replica: about 10 s of waiting
+        running.call(load(20, 0.5))  # 20 ahead × 0.5 s on 1 replica + its own 0.5 s, × 1.5 (safety): 15.75 s
         res = requests.post(f"{running.url}/function/slow", data=b"x", headers={"X-Quart-Timeout-Ms": "2000"},
                             timeout=10)
-        assert res.status_code == 429 and 8 <= int(res.headers["Retry-After"]) <= 10, res.text
+        assert res.status_code == 429 and 13 <= int(res.headers["Retry-After"]) <= 15, res.text
         assert "deadline" in res.json()["error"]
         running.call(load(0, 0.5))
         res = requests.post(f"{running.url}/function/slow", data=b"x", headers={"X-Quart-Timeout-Ms": "2000"},
