@@ -3,7 +3,8 @@
 :func:`stage_loads` reads the router's queues, replicas and measured service times;
 :func:`entry_admission` decides with the pure rules of :mod:`quart_provider.admission`: a stage whose
 queue is at ``queue_cap`` refuses (Retry-After: the time that queue needs to drain one place at its
-measured rate), and so does a request whose expected wait over all its stages exceeds its deadline.
+measured rate), and so does a request whose expected wait over all its stages exceeds its deadline; a
+deadline shorter than the stages have ever taken together (or ``min_deadline_ms``) is refused 400.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def stage_loads(router: Any, stages: Sequence[str]) -> list[StageLoad]:
     for fn in stages:
         q = router.queues.get(fn)
         per_replica = router.source.concurrency(fn) or 1
+        stats = router.collector.stage(fn)
         loads.append(StageLoad(len(q.jobs) if q else 0, len(router.source.ready(fn)) * per_replica,
-                               router.collector.stage(fn).mean_service_s(now)))
+                               stats.mean_service_s(now), stats.fastest_service_s))
     return loads
 
 
@@ -36,4 +38,5 @@ def entry_admission(router: Any, model: str, stages: Sequence[str], deadline_s: 
             drain_s = (load.queued - cap + 1) * load.service_s / load.servers if load.servers else float("nan")
             return Admission(False, 0.0, retry_after_s(drain_s, fallback),
                              f"stage {fn!r} already has {load.queued} requests waiting (cap {cap}); retry later")
-    return admit_by_time(loads, deadline_s, f"a request to {model!r}")
+    return admit_by_time(loads, deadline_s, f"a request to {model!r}",
+                         floor_s=getattr(router.config, "min_deadline_ms", 0.0) / 1000.0)

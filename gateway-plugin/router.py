@@ -250,6 +250,8 @@ class Router:
         await self.start()
         timeout = min(timeout_s or self.config.request_timeout_s, self.config.request_timeout_s)
         verdict = entry_admission(self, model, stages, timeout)  # queue cap, expected wait vs deadline
+        if not verdict.admit and verdict.status != 429:  # a deadline no load could meet
+            return json_reply(verdict.status, verdict.reason, "X-Quart-Timeout-Ms")
         if not verdict.admit:
             return json_reply(429, verdict.reason, None, **{"Retry-After": str(verdict.retry_after_s)})
         now = self.clock()

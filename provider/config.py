@@ -47,6 +47,8 @@ class GatewayConfig:
     ready_wait_s: float = 60.0  # how long an invocation waits for a first ready replica (scale from zero)
     max_waiting: int = 1024  # invocations allowed to wait for a replica per function; more → 429
     retry_after_s: int = 1  # Retry-After on 429/503
+    admission_safety: float = 1.5  # a deadline admits a call whose expected time × this fits (admission.py)
+    min_deadline_ms: float = 5.0  # X-Quart-Timeout-Ms below this (or below the fastest call measured): 400
     upstream_timeout_s: float = 300.0  # one proxied request to a replica
     drain_timeout_s: float = 30.0  # a replica being stopped finishes its in-flight requests within this
     peer_fetch: bool = True  # a host without a stage fetches it from hosts that hold it before the registry

@@ -47,68 +47,110 @@ def dechunk(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
         pos += size + 2
 
 
-class EchoProtocol(asyncio.Protocol):
-    """Parses requests from a byte stream; answers each with its own body."""
+_OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: "
+_REASONS = {200: "OK", 400: "Bad Request", 431: "Headers Too Large"}
 
-    __slots__ = ("transport", "buffer")
+
+def _frame(head: bytes) -> tuple[bytes, int, bool, bool] | str:
+    """(target, Content-Length, chunked, close) of a request head, or what is wrong with it.
+
+    The common head (no Transfer-Encoding, no Connection, at most one Content-Length) is read with a few
+    byte searches; any other goes through every header line."""
+    first = head.find(b"\r\n")
+    parts = (head if first < 0 else head[:first]).split(b" ")
+    if len(parts) != 3:
+        return "bad request line"
+    close = parts[2] == b"HTTP/1.0"
+    lower = head.lower()
+    if b"\r\ntransfer-encoding:" not in lower and b"\r\nconnection:" not in lower:
+        at = lower.find(b"\r\ncontent-length:")
+        if at < 0:
+            return parts[1], 0, False, close
+        if lower.find(b"\r\ncontent-length:", at + 17) < 0:
+            eol = head.find(b"\r\n", at + 17)
+            raw = head[at + 17:eol if eol >= 0 else len(head)].strip(b" \t")
+            if not raw.isdigit() or len(raw) > 12:
+                return "bad Content-Length"
+            return parts[1], int(raw), False, close
+    lengths, chunked = set(), False
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        key = name.strip().lower()
+        if key == "content-length":
+            lengths.add(value.strip())
+        elif key == "transfer-encoding":
+            chunked = value.strip().lower().endswith("chunked")
+        elif key == "connection":
+            close = value.strip().lower() == "close"
+    length = 0
+    if lengths:  # digits only, one value, never beside chunked (RFC 9112 6.3): else 400 and close
+        raw_text = lengths.pop()
+        if lengths or chunked or not raw_text.isdigit() or not raw_text.isascii() or len(raw_text) > 12:
+            return "bad Content-Length"
+        length = int(raw_text)
+    return parts[1], length, chunked, close
+
+
+class EchoProtocol(asyncio.Protocol):
+    """Parses requests from a byte stream; answers each with its own body.
+
+    A segment that starts with a request is parsed in place (no copy into a buffer); a request spanning
+    segments waits in ``buffer`` (``need``: the bytes it needs when its head said so)."""
+
+    __slots__ = ("transport", "buffer", "need")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.buffer = bytearray()
+        self.need = 0
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while True:
-            end = self.buffer.find(_HEAD_END)
+        if self.buffer:
+            self.buffer += data
+            if len(self.buffer) < self.need:
+                return  # a body still arriving
+            data, self.buffer, self.need = bytes(self.buffer), bytearray(), 0
+        pos, size = 0, len(data)
+        while pos < size:
+            end = data.find(_HEAD_END, pos)
             if end < 0:
-                if len(self.buffer) > _MAX_HEAD:
+                if size - pos > _MAX_HEAD:
                     self._reply(431, b"", close=True)
-                return
-            head = bytes(self.buffer[:end]).decode("latin-1")
-            lines = head.split("\r\n")
-            parts = lines[0].split(" ")
-            if len(parts) != 3:
-                self._reply(400, b"bad request line", close=True)
-                return
-            length, close, chunked, lengths = 0, parts[2] == "HTTP/1.0", False, set()
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                key = name.strip().lower()
-                if key == "content-length":
-                    lengths.add(value.strip())
-                elif key == "transfer-encoding":
-                    chunked = value.strip().lower().endswith("chunked")
-                elif key == "connection":
-                    close = value.strip().lower() == "close"
-            if lengths:  # digits only, one value, never beside chunked (RFC 9112 6.3): else 400 and close
-                raw = lengths.pop()
-                if lengths or chunked or not raw.isdigit() or not raw.isascii() or len(raw) > 12:
-                    self._reply(400, b"bad Content-Length", close=True)
                     return
-                length = int(raw)
+                break
+            framed = _frame(data[pos:end])
+            if isinstance(framed, str):
+                self._reply(400, framed.encode(), close=True)
+                return
+            target, length, chunked, close = framed
             if chunked:
                 try:
-                    framed = dechunk(self.buffer, end + 4)
+                    dechunked = dechunk(data, end + 4)
                 except ValueError:
                     self._reply(400, b"bad chunked body", close=True)
                     return
-                if framed is None:
-                    return
-                body, total = framed
+                if dechunked is None:
+                    break
+                body, total = dechunked
             else:
                 total = end + 4 + length
-                if len(self.buffer) < total:
-                    return
-                body = bytes(self.buffer[end + 4:total])
-            del self.buffer[:total]
-            self._reply(200, b"" if parts[1] == "/_/health" else body, close)
+                if total > size:
+                    self.need = total - pos
+                    break
+                body = data[end + 4:total]
+            pos = total
+            self._reply(200, b"" if target == b"/_/health" else body, close)
             if close:
                 return
+        if pos < size:
+            self.buffer += memoryview(data)[pos:]
 
     def _reply(self, status: int, body: bytes, close: bool) -> None:
-        reason = {200: "OK", 400: "Bad Request", 431: "Headers Too Large"}[status]
+        if status == 200 and not close:
+            self.transport.write(b"".join((_OK_HEAD, str(len(body)).encode(), b"\r\n\r\n", body)))
+            return
         head = (
-            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/octet-stream\r\n"
+            f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/octet-stream\r\n"
             f"Content-Length: {len(body)}\r\n{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n"
         )
         self.transport.write(head.encode("latin-1") + body)

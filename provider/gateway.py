@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from quart_provider.admission import ByteGate
+from quart_provider.adopt import adopt_replicas
 from quart_provider.async_queue import AsyncQueue
 from quart_provider.balancer import Balancer
 from quart_provider.capacity import not_ready_reason
@@ -34,6 +36,8 @@ from quart_provider.scheduling.types import Placer
 from quart_provider.secrets import SecretStore
 from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
 from quart_provider.types import Endpoint, FunctionState, InvokeHook
+
+from keysmanager.aio import within
 
 log = logging.getLogger("quart.gateway")
 
@@ -70,6 +74,7 @@ class EmbeddedGateway:
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []
         self.async_queue: AsyncQueue | None = None  # durable async calls (EmbeddedSystem connects it)
         self.async_unavailable = "no durable async queue was started"  # why, while async_queue is None
+        self.keep_replicas = False  # True (`quartctl up --keep-hosts`): close() leaves replicas running (adopt.py)
 
     @property
     def placer(self) -> Placer:
@@ -87,13 +92,34 @@ class EmbeddedGateway:
         if restored:
             log.info("restored %d function(s) from %s: %s", len(restored), self.config.state_dir / FUNCTIONS_DIR,
                      ", ".join(restored))
+        await self._adopt()  # kept hosts (--keep-hosts), or replicas a KeysManager adopted from its predecessor
         self.reconciler.start()
+
+    async def _adopt(self) -> None:
+        """Track what kept hosts still run for the restored functions (:mod:`.adopt`); stop the rest."""
+        names = list(self.hosts)
+        found = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].replicas()) for n in names),
+                                     return_exceptions=True)
+        for name, running in zip(names, found, strict=True):
+            if isinstance(running, BaseException):
+                continue  # the reconciler's host health decides about a host that does not answer
+            adopted = adopt_replicas(self.functions, name, running, time.monotonic())
+            tracked = {rid for fn in self.functions.values() for rid in fn.replicas}
+            strays = [r.id for r in running if r.id not in tracked and r.state in ("starting", "ready")]
+            for rid in strays:
+                with contextlib.suppress(Exception):
+                    await self.hosts[name].stop(rid)
+            if adopted or strays:
+                log.info("host %s: adopted %d replica(s), stopped %d not needed", name, len(adopted), len(strays))
 
     async def close(self) -> None:
         """Stop the plugin hooks, every replica this gateway started, and the hosts."""
         for callback in reversed(self.shutdown_callbacks):
             with contextlib.suppress(Exception):
                 await callback()
+        if self.keep_replicas:  # they outlive this gateway: the next one adopts them
+            for fn in self.functions.values():
+                fn.replicas.clear()
         await self.reconciler.close()
 
     def kick(self) -> None:

@@ -12,10 +12,14 @@ headers (:mod:`.tracing`) go upstream here; :mod:`.routes` stamps them on every 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
+from typing import TypeVar
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 from quart_provider import namespaces
-from quart_provider.admission import Reservation, StageLoad, admit_by_time
+from quart_provider.admission import Admission, RateMeter, Reservation, StageLoad, admit_by_time
 from quart_provider.async_calls import AsyncCall, AsyncInvoker
 from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
@@ -23,8 +27,8 @@ from quart_provider.bodies import read_body
 from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSender
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
-from quart_provider.responses import error_of, error_response
-from quart_provider.tracing import trace_of, with_trace
+from quart_provider.responses import Answer, answer_of, error_answer, error_of, error_response
+from quart_provider.tracing import Trace, trace_of, with_trace
 from quart_provider.types import FunctionState
 from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
 from quart_stage.errors import QuartError
@@ -32,6 +36,10 @@ from quart_stage.errors import QuartError
 from keysmanager.aio import within
 
 _SLICE = 1 << 20
+
+
+BodyReader = Callable[[Reservation], Awaitable[bytes]]  # the whole body, counted in the reservation as it arrives
+R = TypeVar("R")
 
 
 def refused(exc: QuartError, retry_after_s: int) -> web.Response:
@@ -49,6 +57,7 @@ class InvokeHandlers:
         self.gateway = gateway
         self.config = gateway.config
         self.upstream: UpstreamPool | None = None
+        self.ingest = RateMeter()  # request bodies' bytes per second as read here (admission by time)
         self.callback_policy = CallbackPolicy.from_text(self.config.callback_allowed_networks)
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
                                         self.config.async_timeout_s, CallbackSender(
@@ -109,31 +118,111 @@ class InvokeHandlers:
                                        "later", None, headers={"Retry-After": str(self.config.retry_after_s)})
         return web.Response(status=202)
 
+    def function(self, raw_name: str) -> FunctionState | None:
+        """The deployed function ``raw_name`` names (faas-cli's namespace suffix understood), None when it is
+        not one (a pipeline, another hook's); a :class:`QuartError` for a foreign namespace."""
+        return self.gateway.functions.get(namespaces.function_name(raw_name, self.config.namespace))
+
     async def invoke(self, request: web.Request) -> web.StreamResponse:
         """``/function/{name}[/{tail}]``: proxy to a replica of a deployed function, else ask the invoke hooks."""
-        gateway = self.gateway
         try:
-            name = namespaces.function_name(request.match_info["name"], self.config.namespace)
+            fn = self.function(request.match_info["name"])
         except QuartError as exc:
             return error_of(exc, self.config.retry_after_s)
-        fn = gateway.functions.get(name)
-        tail = request.match_info.get("tail", "")
-        reservation = Reservation(gateway.body_gate, name)  # this body's bytes, held until the answer
-        try:
-            if fn is None:
-                return await self._hooks(request, name, tail, reservation)
-            deadline_s = self._deadline_s(request)
-            deadline_at = time.monotonic() + deadline_s if "X-Quart-Timeout-Ms" in request.headers else None
+        if fn is None:
+            name = namespaces.function_name(request.match_info["name"], self.config.namespace)
+            reservation = Reservation(self.gateway.body_gate, name)  # this body's bytes, held until the answer
             try:
-                admission = admit_by_time([self._load(fn)], deadline_s, f"a call of {name!r}")
+                return await self._hooks(request, name, request.match_info.get("tail", ""), reservation)
+            finally:
+                reservation.close()
+        limit = self.config.max_body_bytes
+
+        async def respond(answer: Answer) -> web.StreamResponse:
+            return await _web_answer(request, answer)
+
+        return await self.call(fn, request.method, request.raw_path, request.headers, request.host,
+                               trace_of(request), lambda reservation: read_body(request, limit, reservation), respond)
+
+    async def call(self, fn: FunctionState, method: str, raw_path: str, headers: Mapping[str, str], host: str,
+                   trace: Trace, read: BodyReader, respond: Callable[[Answer], Awaitable[R]]) -> R:
+        """One call of a deployed function, whatever HTTP server took it (aiohttp here, :mod:`.front`).
+
+        Admission by time, then the body read whole under the byte gate (``read(reservation)``; a
+        :class:`QuartError` from either: refused, the connection closed after the answer), the proxy, and
+        ``respond(answer)`` with the tracing headers stamped, while the body's and answer's bytes are held."""
+        reservation = Reservation(self.gateway.body_gate, fn.name)  # this body's bytes, held until the answer
+        admitted: FunctionState | None = None
+        try:
+            deadline_s = self._deadline_s(headers)
+            deadline_at = time.monotonic() + deadline_s if "X-Quart-Timeout-Ms" in headers else None
+            try:
+                admission = self._admission(fn, headers, deadline_s)
                 if not admission.admit:
                     raise admission.error()
-                body = await read_body(request, self.config.max_body_bytes, reservation)
+                fn.admitted += 1
+                admitted = fn
+                started = time.monotonic()
+                body = await read(reservation)
+                self.ingest.record(len(body), time.monotonic() - started)
+                if deadline_at is not None:
+                    self._still_fits(fn, deadline_at, deadline_s)
             except QuartError as exc:
-                return refused(exc, self.config.retry_after_s)
-            return await self._proxy(request, fn, tail, body, reservation, deadline_at)
+                answer = answer_of(exc, self.config.retry_after_s, close=True)
+            else:
+                answer = await self._proxy(fn, method, raw_path, headers, host, trace, body, reservation,
+                                           deadline_at)
+            trace.finish(answer.headers)
+            if len(answer.body) <= _SLICE:  # written in one piece: released first (a large one is held while sent)
+                reservation.close()
+            return await respond(answer)
         finally:
+            if admitted is not None:
+                admitted.admitted -= 1
             reservation.close()
+
+    def _admission(self, fn: FunctionState, headers: Mapping[str, str], deadline_s: float) -> Admission:
+        """Admission by time of a call of ``fn`` (:func:`.admission.admit_by_time`): its body's transfer at the
+        measured ingest rate, the queue, the p90 service time, × ``admission_safety``; only when the client
+        sent a deadline (without one, the upstream timeout bounds the call and the queue cap its wait)."""
+        if "X-Quart-Timeout-Ms" not in headers:
+            return Admission(True)
+        try:
+            length = int(headers.get("Content-Length", "") or 0)
+        except ValueError:
+            length = 0
+        return admit_by_time([self._load(fn)], deadline_s, f"a call of {fn.name!r}",
+                             transfer_s=self.ingest.seconds(length),
+                             safety=self.config.admission_safety, floor_s=self.config.min_deadline_ms / 1000.0)
+
+    def _still_fits(self, fn: FunctionState, deadline_at: float, deadline_s: float) -> None:
+        """Once its body is in (an upload slower than measured), a call that can no longer finish in time is
+        refused now (429), not answered 504 at its deadline."""
+        load = self._load(fn)
+        load = replace(load, queued=max(0, load.queued - 1))  # this call is admitted: not ahead of itself
+        remaining = deadline_at - time.monotonic()
+        late = admit_by_time([load], remaining, safety=self.config.admission_safety) if remaining > 0 \
+            else Admission(False, 0.0, 1)
+        if not late.admit:
+            raise QuartError(429, f"the body of a call of {fn.name!r} took most of its {deadline_s:.2f} s deadline "
+                                  f"to arrive; the rest (about {late.expected_wait_s:.2f} s) cannot fit; retry later",
+                             None, {"Retry-After": str(max(1, late.retry_after_s))})
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` (curl sends it for bodies over 1 MB): refuse before the client sends the body
+        when the call would be refused after it (time, bytes), else let it send (100 Continue)."""
+        try:
+            fn = self.function(request.match_info["name"])
+        except QuartError as exc:
+            return refused(exc, self.config.retry_after_s)
+        if fn is not None:
+            admission = self._admission(fn, request.headers, self._deadline_s(request.headers))
+            refusal = None if admission.admit else admission.error()
+            if refusal is None and request.content_length:
+                refusal = self.gateway.body_gate.refusal(fn.name, request.content_length)
+            if refusal is not None:
+                return refused(refusal, self.config.retry_after_s)
+        return await _default_expect_handler(request)
 
     async def _hooks(self, request: web.Request, name: str, tail: str, reservation: Reservation
                      ) -> web.StreamResponse:
@@ -153,23 +242,26 @@ class InvokeHandlers:
                 return response
         return error_response(404, f"function {name!r} not found", "functionName")
 
-    def _deadline_s(self, request: web.Request) -> float:
+    def _deadline_s(self, headers: Mapping[str, str]) -> float:
         """``X-Quart-Timeout-Ms`` when sent and valid, else the upstream timeout."""
         try:
-            deadline = float(request.headers.get("X-Quart-Timeout-Ms", "")) / 1000.0
+            deadline = float(headers.get("X-Quart-Timeout-Ms", "")) / 1000.0
         except ValueError:
             return self.config.upstream_timeout_s
         return min(deadline, self.config.upstream_timeout_s) if deadline > 0 else self.config.upstream_timeout_s
 
     @staticmethod
     def _load(fn: FunctionState) -> StageLoad:
-        """The function's queue as admission sees it (unlimited concurrency: nobody ever queues)."""
+        """The function's queue as admission sees it: calls admitted and not being served (reading their body,
+        waiting for a replica) ahead of this one (unlimited concurrency: nobody ever queues)."""
         per_replica = fn.deployment.concurrency
         servers = len(fn.ready) * per_replica if per_replica else 0
-        return StageLoad(fn.waiting, servers, fn.service_s)
+        serving = sum(e.in_flight for e in fn.ready)
+        return StageLoad(max(0, fn.admitted - serving), servers, fn.service.p90(), fn.service.fastest(),
+                         busy=servers > 0 and serving >= servers)
 
-    async def _proxy(self, request: web.Request, fn: FunctionState, tail: str, body: bytes,
-                     reservation: Reservation, deadline_at: float | None) -> web.StreamResponse:
+    async def _proxy(self, fn: FunctionState, method: str, raw_path: str, in_headers: Mapping[str, str], host: str,
+                     trace: Trace, body: bytes, reservation: Reservation, deadline_at: float | None) -> Answer:
         """Hand the call to a replica the balancer picks (one retry elsewhere when it refused the connection).
 
         With a client deadline (``X-Quart-Timeout-Ms``), waiting for a replica and the replica's answer are
@@ -179,9 +271,9 @@ class InvokeHandlers:
         metrics, metric_name = gateway.metrics, fn.metric_name
         metrics.invocation_started(metric_name)
         start = time.perf_counter()
-        headers = trace_of(request).mark(forwardable(request.headers.items()))
-        headers["X-Forwarded-Host"] = request.host
-        path = _upstream_path(request.raw_path)
+        headers = trace.mark(forwardable(in_headers.items()))
+        headers["X-Forwarded-Host"] = host
+        path = _upstream_path(raw_path)
         payload = None
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
             try:  # a free ready replica without a wait (the common case), else wait (bounded) for one
@@ -193,16 +285,18 @@ class InvokeHandlers:
                         endpoint = await within(deadline_at - time.monotonic(), gateway.acquire(fn))
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
-                return error_of(exc, self.config.retry_after_s)
+                return answer_of(exc, self.config.retry_after_s)
             except TimeoutError:
                 metrics.invocation_done(metric_name, 504, time.perf_counter() - start)
-                return error_response(504, f"the call of {name!r} passed its deadline (X-Quart-Timeout-Ms) waiting "
-                                           "for a replica", "X-Quart-Timeout-Ms")
+                return error_answer(504, f"the call of {name!r} passed its deadline (X-Quart-Timeout-Ms) waiting "
+                                         "for a replica", "X-Quart-Timeout-Ms")
             try:
                 timeout_s = self.config.upstream_timeout_s if deadline_at is None else min(
                     self.config.upstream_timeout_s, max(0.001, deadline_at - time.monotonic()))
-                upstream = await self.upstream.request(request.method, endpoint.url, path, headers, body,
+                served_from = time.perf_counter()
+                upstream = await self.upstream.request(method, endpoint.url, path, headers, body,
                                                        timeout_s=timeout_s)
+                served_s = time.perf_counter() - served_from
                 payload, status, out_headers = upstream.body, upstream.status, upstream.headers
                 reservation.hold(len(payload))  # the answer counts in the byte bound too (never refused)
                 break
@@ -220,25 +314,37 @@ class InvokeHandlers:
         fn.invocations += 1
         elapsed = time.perf_counter() - start
         if payload is not None and 200 <= status < 300:  # the service time admission by time uses
-            fn.service_s = elapsed if fn.service_s <= 0 else 0.8 * fn.service_s + 0.2 * elapsed
+            fn.service.record(served_s)
         metrics.invocation_done(metric_name, status, elapsed)
         if payload is None:
-            return error_response(status, message)
-        if len(payload) <= _SLICE:
-            return web.Response(status=status, body=payload, headers=out_headers)
-        response = web.StreamResponse(status=status, headers=out_headers)  # a large answer: in slices, each
-        response.content_length = len(payload)  # waiting for the client to drain (no second copy buffered)
-        await response.prepare(request)
-        view = memoryview(payload)
-        for offset in range(0, len(view), _SLICE):
-            await response.write(view[offset:offset + _SLICE])
-        await response.write_eof()
+            return error_answer(status, message)
+        if "Content-Type" not in out_headers:  # what aiohttp's Response says of bytes with no type
+            out_headers["Content-Type"] = "application/octet-stream"
+        return Answer(status, out_headers, payload)
+
+
+async def _web_answer(request: web.Request, answer: Answer) -> web.StreamResponse:
+    """An :class:`Answer` as aiohttp's response; a large one in slices, each waiting for the client to drain
+    (no second copy buffered)."""
+    if len(answer.body) <= _SLICE:
+        response = web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+        if answer.close:
+            response.force_close()
         return response
+    response = web.StreamResponse(status=answer.status, headers=answer.headers)
+    response.content_length = len(answer.body)
+    await response.prepare(request)
+    view = memoryview(answer.body)
+    for offset in range(0, len(view), _SLICE):
+        await response.write(view[offset:offset + _SLICE])
+    await response.write_eof()
+    return response
 
 
 def _upstream_path(raw_path: str) -> str:
     """The path and query a replica gets for ``/function/{name}[/{tail}][?query]``, as the client sent them."""
     rest = raw_path.split("/function/", 1)[1]
-    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    tail = rest[cut:]
-    return tail if tail.startswith("/") else "/" + tail
+    slash, query = rest.find("/"), rest.find("?")
+    if slash >= 0 and (query < 0 or slash < query):
+        return rest[slash:]
+    return "/" + rest[query:] if query >= 0 else "/"

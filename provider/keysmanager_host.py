@@ -94,12 +94,13 @@ class KeysManagerHost:
             return [_status(r) for r in await self.client.start(stage, count, wait=False, peers=peers, live=True,
                                                                 **part)]
         if not spec.param_cache:  # com.quart.keysmanager: off — a plain function: every replica loads from disk
-            return [_status(r) for r in await self.client.start(stage, count, wait=False, source="cold")]
+            return [_status(r) for r in await self.client.start(stage, count, wait=False, source="cold", survive=True)]
         # QUART §6.1: the stage scheduled here gets a zygote first (one parameter load), and every
-        # replica, the first one included, forks from it, instead of a cold replica plus a zygote.
+        # replica, the first one included, forks from it, instead of a cold replica plus a zygote. Replicas
+        # survive a KeysManager crash: its successor adopts them, and so does the gateway when the host is back.
         before = {z.function: z.pid for z in await self.client.zygotes()}
         zygote = await self.client.ensure_cached(stage, peers)
-        statuses = [_status(r) for r in await self.client.start(stage, count, wait=False)]
+        statuses = [_status(r) for r in await self.client.start(stage, count, wait=False, survive=True)]
         if before.get(spec.function) != zygote["pid"]:  # this start paid for the parameter load: a cache miss
             statuses = [replace(s, source="cold") for s in statuses]
         return statuses

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import aiohttp
+from quart_provider.adopt import adopt_replicas
 from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
 from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
@@ -193,13 +194,16 @@ class Reconciler(Placing, Starting):
             self._host_down(name, why)
 
     def _host_back(self, name: str, running: list[ReplicaStatus]) -> None:
-        """``name`` answers again: what still runs there was replaced while it was down, so stop it."""
+        """``name`` answers again: what still runs there is adopted back as far as its function lacks ready
+        replicas (a KeysManager's successor adopts the replicas that survived it; replacements still starting
+        are surplus then); the rest was replaced while it was down, or runs for no function: stopped."""
+        adopted = set(adopt_replicas(self.functions, name, running, time.monotonic()))
         tracked = {rid for fn in self.functions.values() for rid in fn.replicas}
         stale = [r for r in running if r.id not in tracked and r.state != "dead"]
         for status in stale:
             self._spawn(self._stop_now(Endpoint(status.id, status.function, name, status.url, status.state,
                                                 status.source, 0, 0.0)), f"stop:{status.id}")
-        log.warning("host %s answers again; stopping %d replica(s) replaced while it was down", name, len(stale))
+        log.warning("host %s answers again; %d replica(s) adopted back, %d stopped", name, len(adopted), len(stale))
         self.kick()
 
     async def _converge(self, now: float) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from quart_provider.auth import Credentials
+from quart_provider.front import FrontSite
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.handlers_alert import AlertHandler
 from quart_provider.handlers_invoke import InvokeHandlers
@@ -24,6 +25,7 @@ from quart_provider.tracing import traced
 from quart_stage.errors import QuartError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+INVOKE = web.AppKey("quart.invoke", InvokeHandlers)  # the app's invoke handlers, which the fast front calls too
 
 
 def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provider: bool = False
@@ -36,7 +38,7 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     """
     app = web.Application(client_max_size=gateway.config.max_body_bytes)
     system = SystemHandlers(gateway, provider)
-    invoke = InvokeHandlers(gateway, provider)
+    invoke = app[INVOKE] = InvokeHandlers(gateway, provider)
     secrets = SecretHandlers(gateway)
     retry_after_s = gateway.config.retry_after_s
 
@@ -76,8 +78,8 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     async_invoke, sync_invoke = traced(guarded(invoke.async_invoke, auth=False)), traced(invoke.invoke)
     r.add_route("*", "/async-function/{name}", async_invoke)
     r.add_route("*", "/async-function/{name}/{tail:.*}", async_invoke)
-    r.add_route("*", "/function/{name}", sync_invoke)
-    r.add_route("*", "/function/{name}/{tail:.*}", sync_invoke)
+    r.add_route("*", "/function/{name}", sync_invoke, expect_handler=invoke.expect)  # 100-continue: admit first
+    r.add_route("*", "/function/{name}/{tail:.*}", sync_invoke, expect_handler=invoke.expect)
 
     async def startup(app: web.Application) -> None:
         await invoke.startup()
@@ -96,10 +98,17 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
 
 
 async def start_site(app: web.Application, bind: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving ``app``; returns the runner (``await runner.cleanup()`` to stop) and the bound port."""
+    """Start serving ``app``; returns the runner (``await runner.cleanup()`` to stop) and the bound port.
+
+    An app of :func:`create_app` is served through the fast ``/function`` front (:mod:`.front`), which hands
+    every other request to the app."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, bind, port, backlog=1024, reuse_address=True)
+    invoke = app.get(INVOKE)
+    site: web.TCPSite
+    if invoke is not None:
+        site = FrontSite(runner, invoke, bind, port, backlog=1024, reuse_address=True)
+    else:
+        site = web.TCPSite(runner, bind, port, backlog=1024, reuse_address=True)
     await site.start()
-    sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no public getter
-    return runner, sockets[0].getsockname()[1] if sockets else port
+    return runner, site.port

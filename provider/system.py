@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quart_provider.adopt import AdoptedProcess, live_keysmanager
 from quart_provider.async_service import DurableAsync
 from quart_provider.auth import Credentials, keysmanager_token_file, load_or_create
 from quart_provider.config import GatewayConfig
@@ -28,12 +29,15 @@ from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import Host, ProcessHost
 from quart_provider.network import HostNetwork, cluster_id
+from quart_provider.phases import Phases
 from quart_provider.routes import create_app, start_site
 from quart_provider.stack import Stack
 from quart_provider.store import write_private
 from quart_provider.supervisor import Backoff, supervise
 
 from keysmanager.client import AsyncKeysManagerClient
+from keysmanager.config import KeysManagerConfig
+from keysmanager.recovery import clean_leftovers
 from keysmanager.sysutil import return_large_buffers, set_parent_death_signal
 
 log = logging.getLogger("quart.up")
@@ -53,7 +57,7 @@ def keysmanager_available() -> bool:
 class _Agent:
     name: str
     endpoint: str  # Unix socket path (loopback) or http://<host address>:<port> (netns)
-    process: subprocess.Popen
+    process: subprocess.Popen | AdoptedProcess  # AdoptedProcess: a kept KeysManager of an earlier gateway
     argv: list[str] = field(default_factory=list)  # how to start it again (the supervisor)
     log_path: Path | None = None
     socket: Path | None = None
@@ -61,10 +65,11 @@ class _Agent:
     restarts: int = 0
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+def _spawn(argv: list[str], log_path: Path, outlive: bool = False) -> subprocess.Popen:
+    """Start a KeysManager; it dies with this process unless ``outlive`` (kept hosts, :mod:`.adopt`)."""
     with open(log_path, "ab") as logfile:
         return subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=set_parent_death_signal)
+                                start_new_session=True, preexec_fn=None if outlive else set_parent_death_signal)
 
 
 @dataclass(slots=True)
@@ -81,6 +86,7 @@ class EmbeddedSystem:
     agents: list[_Agent] = field(default_factory=list)
     network: HostNetwork | None = None  # netns mode: the host namespaces and bridge
     hold_queue: bool = False  # True: async calls wait for start_queue_worker() (after a stack is deployed)
+    keep_hosts: bool = False  # True: KeysManagers and replicas outlive stop(); the next start adopts them (adopt.py)
     durable: DurableAsync | None = None  # nats-server, stream and queue worker (async_backend=nats)
     _runner: Any = None
     _provider_runner: Any = None
@@ -102,14 +108,19 @@ class EmbeddedSystem:
         (cfg.state_dir / "logs").mkdir(exist_ok=True)
         self.credentials = load_or_create(cfg.credentials_dir)
         use_km = keysmanager_available() if self.use_keysmanager is None else self.use_keysmanager
+        phases = Phases()
         try:
             hosts = await self._start_hosts(use_km)
+            phases.mark("hosts")
             self.gateway = EmbeddedGateway(cfg, hosts)
+            self.gateway.keep_replicas = self.keep_hosts
             if cfg.async_backend == "nats":
                 self.durable = DurableAsync(cfg)
                 await self.durable.connect(self.gateway)
+                phases.mark("nats")
             app = create_app(self.gateway, self.credentials if cfg.auth else None)
             self._runner, self.port = await start_site(app, cfg.bind, cfg.port)
+            phases.mark("site+restore")
             if cfg.provider_port >= 0:
                 provider_app = create_app(self.gateway, self.credentials if cfg.auth else None, provider=True)
                 self._provider_runner, self.provider_port = await start_site(provider_app, cfg.bind,
@@ -118,12 +129,14 @@ class EmbeddedSystem:
                 result = self.plugin(self.gateway, app)
                 if inspect.isawaitable(result):
                     await result
+                phases.mark("plugin")
             if not self.hold_queue:
                 await self.start_queue_worker()
         except BaseException:
             await self.stop()
             raise
         self._write_state()
+        log.info("started in %s", phases)
 
     async def start_queue_worker(self) -> None:
         """Start running accepted async calls (those stored before a restart included)."""
@@ -155,10 +168,16 @@ class EmbeddedSystem:
         os.chmod(sockets_dir, 0o700)
         for name in names:
             sock = sockets_dir / f"{name}.sock"
+            kept = live_keysmanager(sock) if self.network is None else None
+            if kept is not None and self.keep_hosts:  # a kept host of the gateway before this one: talk to it again
+                self.agents.append(_Agent(name, str(sock), AdoptedProcess(kept), self._km_argv(name, sock),
+                                          cfg.state_dir / "logs" / f"{name}.log", sock))
+                continue
+            if kept is not None:  # kept by an earlier gateway, not by this one: stopped (its replicas with it)
+                await asyncio.to_thread(stop_process, kept)
             with contextlib.suppress(FileNotFoundError):
                 sock.unlink()
-            argv = [sys.executable, "-m", "keysmanager.daemon", "--socket", str(sock), "--name", name,
-                    "--memory-limit", str(cfg.host_memory_bytes), "--gpus", str(cfg.gpus_per_host)]
+            argv = self._km_argv(name, sock)
             endpoint = str(sock)
             if self.network is not None:  # inside the host's namespace, on its address, with the cluster token
                 address = self.network.host(name).address
@@ -166,7 +185,7 @@ class EmbeddedSystem:
                 argv = self.network.exec_argv(name, [*argv, "--listen", f"{address}:{cfg.keysmanager_port}",
                                                      "--token-file", str(token_file), "--host-address", address])
             log_path = cfg.state_dir / "logs" / f"{name}.log"
-            self.agents.append(_Agent(name, endpoint, _spawn(argv, log_path), argv, log_path, sock))
+            self.agents.append(_Agent(name, endpoint, _spawn(argv, log_path, self.keep_hosts), argv, log_path, sock))
         hosts = [KeysManagerHost(a.name, AsyncKeysManagerClient(a.endpoint, token=token), cfg.gpus_per_host,
                                  cfg.host_memory_bytes, log_dir=cfg.replica_logs_dir,
                                  km_logs=sockets_dir / f"{a.name}.sock.d" / "logs")  # KeysManagerConfig.state_path
@@ -183,6 +202,11 @@ class EmbeddedSystem:
                                                name="supervise")
         return hosts
 
+    def _km_argv(self, name: str, sock: Path) -> list[str]:
+        cfg = self.config
+        return [sys.executable, "-m", "keysmanager.daemon", "--socket", str(sock), "--name", name,
+                "--memory-limit", str(cfg.host_memory_bytes), "--gpus", str(cfg.gpus_per_host)]
+
     def _agent_exited(self, agent: _Agent) -> None:
         """Its host's replicas are dead to routing now, not after ``host_down_after_s`` of silence."""
         if self.gateway is not None:
@@ -195,7 +219,7 @@ class EmbeddedSystem:
         if agent.socket is not None:
             with contextlib.suppress(FileNotFoundError):
                 agent.socket.unlink()
-        agent.process = _spawn(agent.argv, agent.log_path)
+        agent.process = _spawn(agent.argv, agent.log_path, self.keep_hosts)
         agent.restarts += 1
         self._write_state()
 
@@ -274,7 +298,10 @@ class EmbeddedSystem:
         elif self.gateway is not None:
             await self.gateway.close()
         for agent in self.agents:
-            stop_process(agent.process.pid, agent.process)
+            if not self.keep_hosts:
+                stop_process(agent.process.pid, agent.process)
+                if agent.socket is not None:  # replicas told to survive their KeysManager: stopped with it here
+                    await asyncio.to_thread(clean_leftovers, KeysManagerConfig(name=agent.name, socket=str(agent.socket)))
         self.agents.clear()
         if self.durable is not None:
             await self.durable.stop(0)
@@ -282,8 +309,9 @@ class EmbeddedSystem:
         if self.network is not None:
             await asyncio.to_thread(self.network.destroy)
             self.network = None
-        with contextlib.suppress(FileNotFoundError):
-            if self.state_file.exists() and json.loads(self.state_file.read_text()).get("pid") == os.getpid():
+        with contextlib.suppress(FileNotFoundError):  # kept hosts: left for `quartctl down` (their pids)
+            if not self.keep_hosts and self.state_file.exists() and \
+                    json.loads(self.state_file.read_text()).get("pid") == os.getpid():
                 self.state_file.unlink()
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from quart_provider.admission import ServiceTimes
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import ReplicaSpec
 from quart_provider.images import Runnable
@@ -77,7 +78,8 @@ class FunctionState:
     last_error: str = ""
     start_time: StartTimeEstimate = field(default_factory=StartTimeEstimate)  # ask → ready of recent replicas
     secrets_source: str = ""  # the secret store folder of the function's namespace
-    service_s: float = 0.0  # measured seconds per proxied request (moving average; 0 = not yet measured)
+    service: ServiceTimes = field(default_factory=ServiceTimes)  # recent replica answer times (admission)
+    admitted: int = 0  # proxied calls admitted and not yet answered (reading their body, waiting, served)
     run_as: int | None = None  # the uid (= gid) its replicas run as (GatewayConfig.replica_uids); None: the gateway's
 
     @property

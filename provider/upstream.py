@@ -105,6 +105,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()  # once: each call costs a getpid() system call
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -121,7 +122,7 @@ class _Connection(asyncio.Protocol):
         return False  # close our side too; connection_lost finishes a close-delimited body
 
     def send(self, raw: list[bytes], head_only: bool) -> asyncio.Future[UpstreamResponse]:
-        self.waiter = asyncio.get_running_loop().create_future()
+        self.waiter = self.loop.create_future()
         self.head_only = head_only
         if len(raw) > 1 and len(raw[1]) > _JOIN_MAX:
             self.transport.writelines(raw)  # type: ignore[union-attr]  # a large body: no copy
@@ -284,10 +285,9 @@ class UpstreamPool:
             lines.append(f"Content-Length: {len(body)}\r\n")
         lines.append("\r\n")
         head = "".join(lines).encode("utf-8", "surrogateescape")
-        loop = asyncio.get_running_loop()
         self.busy.add(conn)
         waiter = conn.send([head, body] if body else [head], method == "HEAD")
-        timer = loop.call_later(self.timeout_s if timeout_s is None else timeout_s, self._time_out, conn,
+        timer = conn.loop.call_later(self.timeout_s if timeout_s is None else timeout_s, self._time_out, conn,
                                 self.timeout_s if timeout_s is None else timeout_s)
         try:
             response = await waiter

@@ -62,6 +62,22 @@ def test_byte_gate_bounds_per_key_and_total_with_retry_after_from_the_drain_rate
     assert err.value.headers["Retry-After"] == "2"
 
 
+def test_byte_gate_release_stays_constant_time_at_high_request_rates():
+    """Reproducer: every release past 4,096 in the window rescanned the whole window (72 % of the gateway's
+    CPU at 2,000 req/s under wrk). Releases are kept in 0.1 s buckets: bounded memory, the same rate."""
+    clock = Clock()
+    gate = ByteGate(total_limit=10**9, key_limit=10**9, clock=clock, window_s=10.0)
+    for _ in range(200_000):  # 20,000 req/s for 10 s, 1 KiB each
+        r = Reservation(gate, "f")
+        r.add(1024)
+        r.close()
+        clock.now += 1 / 20_000
+    assert len(gate._released) <= 101  # noqa: SLF001 - the bound is the point
+    assert gate.drain_rate() == pytest.approx(20_000 * 1024, rel=0.02)
+    clock.now += 30.0
+    assert gate.drain_rate() == 0.0 and gate._released_bytes == 0  # noqa: SLF001
+
+
 def test_admission_by_time_refuses_what_would_miss_its_deadline():
     assert expected_wait_s(StageLoad(queued=10, servers=2, service_s=0.5)) == 2.5
     assert expected_wait_s(StageLoad(queued=10, servers=0, service_s=0.5)) == 0  # cold: not estimated
@@ -124,13 +140,15 @@ def test_a_request_whose_expected_wait_exceeds_its_deadline_is_refused_at_entry(
         running.wait_available("slow", 1)
         fn = running.system.gateway.functions["slow"]
 
-        async def load(waiting: int, service_s: float) -> None:
-            fn.waiting, fn.service_s = waiting, service_s
+        async def load(admitted: int, service_s: float) -> None:
+            fn.admitted = admitted
+            fn.service.samples.clear()
+            fn.service.samples.extend([service_s] * 10)
 
-        running.call(load(20, 0.5))  # 20 ahead × 0.5 s on 1 replica: about 10 s of waiting
+        running.call(load(20, 0.5))  # 20 ahead × 0.5 s on 1 replica + its own 0.5 s, × 1.5 (safety): 15.75 s
         res = requests.post(f"{running.url}/function/slow", data=b"x", headers={"X-Quart-Timeout-Ms": "2000"},
                             timeout=10)
-        assert res.status_code == 429 and 8 <= int(res.headers["Retry-After"]) <= 10, res.text
+        assert res.status_code == 429 and 13 <= int(res.headers["Retry-After"]) <= 15, res.text
         assert "deadline" in res.json()["error"]
         running.call(load(0, 0.5))
         res = requests.post(f"{running.url}/function/slow", data=b"x", headers={"X-Quart-Timeout-Ms": "2000"},

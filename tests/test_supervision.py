@@ -88,8 +88,14 @@ async def _kill_a_keysmanager(stack_path, state_dir) -> dict:
             except Exception:
                 assert time.monotonic() < deadline, "the restarted KeysManager never answered"
                 await asyncio.sleep(0.1)
+        victims = {e.id for e in on_victim}
+        while True:  # they survived their KeysManager: its successor and the gateway adopt them back
+            back = {e.id for f in gw.functions.values() for e in f.ready if e.host == victim.name}
+            if victims <= back or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
         up = json.loads(system.state_file.read_text())
-        return {"dead_s": dead_s, "recovered_s": recovered_s, "status": status, "old_pid": old_pid,
+        return {"adopted_back": victims <= back, "dead_s": dead_s, "recovered_s": recovered_s, "status": status, "old_pid": old_pid,
                 "new_pid": victim.process.pid, "state_pid": next(h["pid"] for h in up["hosts"] if h["name"] == victim.name)}
     finally:
         await system.stop()
@@ -101,6 +107,7 @@ def test_a_killed_keysmanager_is_restarted_and_its_replicas_replaced(emulated_st
     assert out["status"] == 200
     assert out["new_pid"] != out["old_pid"] and out["state_pid"] == out["new_pid"]  # `quartctl down` finds it
     assert out["recovered_s"] < 30
+    assert out["adopted_back"], "the replicas that survived their KeysManager were not adopted back"
 
 
 def test_leftovers_of_a_killed_keysmanager_are_cleaned_without_a_successor(tmp_path):

@@ -76,6 +76,9 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plugin", action="store_true", help="do not attach gateway_plugin.plugin")
     p.add_argument("--process-hosts", action="store_true",
                    help="hosts without KeysManagers: only process runnables (quart/echo) can run")
+    p.add_argument("--keep-hosts", action="store_true",
+                   help="KeysManagers and their replicas outlive this gateway; the next `quartctl up` on the same "
+                        "--state-dir adopts them instead of starting every replica again (`quartctl down` stops them)")
     p.add_argument("--detach", "-d", action="store_true", help="run in the background; stop with `quartctl down`")
     return p
 
@@ -121,7 +124,7 @@ def up(argv: list[str]) -> int:
     except ImportError:  # pragma: no cover
         pass
     use_km = False if args.process_hosts else None
-    return asyncio.run(_run_foreground(config, stack, not args.no_plugin, use_km))
+    return asyncio.run(_run_foreground(config, stack, not args.no_plugin, use_km, args.keep_hosts))
 
 
 def _plugin():
@@ -131,9 +134,11 @@ def _plugin():
     return attach
 
 
-async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None) -> int:
+async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None,
+                          keep_hosts: bool = False) -> int:
     system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, plugin=_plugin() if attach_plugin else None,
-                            hold_queue=True)  # queued async calls run once the stack's functions exist again
+                            hold_queue=True,  # queued async calls run once the stack's functions exist again
+                            keep_hosts=keep_hosts and config.network != "netns")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -166,6 +171,7 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
                       + (f" (field {exc.field})" if exc.field else ""), file=sys.stderr)
                 return 1
         await system.start_queue_worker()
+        serving = asyncio.create_task(_log_serving(system))
         if system.durable is not None and system.durable.server is not None:
             print(f"Async queue:  NATS JetStream {system.durable.server.url} (store {config.state_dir / 'nats'})",
                   flush=True)
@@ -174,9 +180,23 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
                   flush=True)
         print("Ready. Stop with Ctrl-C or `quartctl down`.", flush=True)
         await stop.wait()
+        serving.cancel()
         return 0
     finally:
         await system.stop()
+
+
+async def _log_serving(system: EmbeddedSystem) -> None:
+    """Log when every function (those restored from the store included) first has its desired replicas."""
+    from quart_provider.phases import process_age_s
+
+    names = list(system.gateway.functions)
+    try:
+        await system.wait_ready(names, timeout_s=600)
+    except (TimeoutError, KeyError):  # a function removed meanwhile, or never ready: nothing to say
+        return
+    logging.getLogger("quart.up").info("%d function(s) at their desired replicas %.2f s after the process started",
+                                       len(names), process_age_s())
 
 
 def _detach(argv: list[str], state_dir: Path) -> int:
@@ -227,7 +247,8 @@ def down(argv: list[str]) -> int:
         host_pid = int(host["pid"])
         if _alive(host_pid) and not stop_process(host_pid):
             survivors.append(f"KeysManager pid {host_pid}")
-        elif host.get("socket"):  # one killed -9 leaves zygotes, replicas, /dev/shm segments and its socket
+        elif host.get("socket"):  # one killed -9 leaves zygotes, replicas, /dev/shm segments and its socket; one
+            # stopped leaves the replicas told to survive it (KeysManagerHost starts them so)
             found = clean_leftovers(KeysManagerConfig(name=host["name"], socket=host["socket"]))
             if found.killed or found.removed_shm:
                 print(f"Cleaned after KeysManager {host['name']}: {len(found.killed)} process(es) killed, "

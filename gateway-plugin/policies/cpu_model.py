@@ -14,10 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gateway_plugin.policies.queueing import mmc_delay
-from sklearn.linear_model import LinearRegression
+
+if TYPE_CHECKING:  # scikit-learn takes ~1 s to import (3 s on a loaded box): only `fit` needs it, so the
+    from sklearn.linear_model import LinearRegression  # gateway's start does not wait for it (issue 14)
 
 RECORD_KEYS = ("cpus", "queue_len", "param_bytes", "activation_bytes", "service_ms")
 
@@ -64,6 +67,8 @@ class CPULatencyModel:
             raise ValueError(f"need at least 3 profiling records to fit the CPU model, got {len(rows)}")
         x = np.array([_features(r["cpus"], r["queue_len"], r["param_bytes"], r["activation_bytes"]) for r in rows])
         y = np.array([r["service_ms"] / 1000.0 for r in rows])
+        from sklearn.linear_model import LinearRegression
+
         reg = LinearRegression().fit(x, y)
         return cls(reg, len(rows), float(reg.score(x, y)) if len(rows) > 1 else 0.0)
 

@@ -4,8 +4,9 @@
   ``--rate`` req/s on ``POST /function/<model>`` for ``--seconds`` each): ``replica-kill`` (kill -9 a random
   replica every 3 s), ``keysmanager-kill`` (kill -9 one KeysManager), ``replica-stop`` (SIGSTOP a replica
   for 5 s), ``gateway-restart`` (SIGTERM the gateway, `quartctl up` again on the same state folder: the
-  functions come back from the store). Per scenario: ``sent``, ``ok`` (2xx), ``explicit_error`` (an HTTP
-  error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
+  functions come back from the store, the replicas the kept hosts still run are adopted; ``recovered_s``
+  counts from the new process's start, its imports included). Per scenario: ``sent``, ``ok`` (2xx),
+  ``explicit_error`` (an HTTP error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
   ``recovered_s`` (from the last fault to every function at its desired replicas again).
 - **Overload** (`--process-hosts`, ``quart/echo`` at concurrency 1 on one replica, 32 MB bodies): the
   capacity measured closed-loop, then an open loop at ``--factor`` × capacity with a deadline
@@ -48,6 +49,7 @@ class Gateway:
         self.state_dir, self.args = state_dir, args
         self.process: subprocess.Popen | None = None
         self.url, self.auth = "", aiohttp.BasicAuth("admin", "")
+        self.phases: dict[str, float] = {}  # of the last restart
 
     def start(self, timeout_s: float = 120.0) -> None:
         log = open(self.state_dir.parent / "gateway.log", "ab")  # noqa: SIM115 - the child's
@@ -73,6 +75,12 @@ class Gateway:
         if self.process is not None:
             stop_process(self.process.pid, self.process, grace_s=30.0)
             self.process = None
+
+    def down(self) -> None:
+        """Stop it and whatever it kept (``--keep-hosts``: KeysManagers and replicas), as a user would."""
+        self.stop()
+        subprocess.run([sys.executable, "-m", "quart_tools.cli", "down", "--state-dir", str(self.state_dir)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -110,22 +118,35 @@ async def _replica_pids(session: aiohttp.ClientSession, gw: Gateway) -> list[int
                    and c.laddr.port in ports})
 
 
+async def _headers_sent(session, ctx, params) -> None:
+    ctx.trace_request_ctx["sent"] = time.perf_counter()
+
+
 async def open_loop(gw: Gateway, path: str, body: bytes, rate: float, seconds: float, timeout_s: float,
-                    headers: dict[str, str] | None = None) -> dict:
-    """``rate`` req/s for ``seconds`` whatever the answers; every request's outcome and latency."""
-    out = {"sent": 0, "ok": 0, "explicit_error": 0, "lost": 0, "by_status": {}, "ok_ms": []}
+                    headers: dict[str, str] | None = None, expect100: bool = False) -> dict:
+    """``rate`` req/s for ``seconds`` whatever the answers; every request's outcome and latency: ``ok_ms``
+    from the request's headers sent to the answer's headers received (the span ``X-Quart-Timeout-Ms``
+    bounds: the body's upload, the queue, the service), ``ok_full_ms`` from the call to the answer's last
+    byte (the download of a large answer included). ``expect100``: ``Expect: 100-continue`` (as curl sends
+    for bodies over 1 MB): a refused request's body is never sent."""
+    out = {"sent": 0, "ok": 0, "explicit_error": 0, "lost": 0, "by_status": {}, "ok_ms": [], "ok_full_ms": []}
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(_headers_sent)
+    async with aiohttp.ClientSession(connector=connector, trace_configs=[trace]) as session:
         async def one() -> None:
             start = time.perf_counter()
+            ctx: dict[str, float] = {}
             try:
-                async with session.post(gw.url + path, data=body, headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                async with session.post(gw.url + path, data=body, headers=headers, expect100=expect100,
+                                        trace_request_ctx=ctx, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    answered = time.perf_counter()
                     await r.read()
                     out["by_status"][str(r.status)] = out["by_status"].get(str(r.status), 0) + 1
                     if 200 <= r.status < 300:
                         out["ok"] += 1
-                        out["ok_ms"].append(1000 * (time.perf_counter() - start))
+                        out["ok_ms"].append(1000 * (answered - ctx.get("sent", start)))
+                        out["ok_full_ms"].append(1000 * (time.perf_counter() - start))
                     else:
                         out["explicit_error"] += 1
             except TimeoutError:
@@ -165,10 +186,14 @@ async def inject(name: str, gw: Gateway, seconds: float, rng: random.Random) -> 
             await asyncio.sleep(5.0)
             os.kill(pid, signal.SIGCONT)
             return time.monotonic()
-        if name == "gateway-restart":
+        if name == "gateway-restart":  # measured from the new process's start: its imports and start count
+            stopping = time.monotonic()
             await asyncio.to_thread(gw.stop)
-            await asyncio.to_thread(gw.start)  # no stack file: what comes back comes from the store
-            return time.monotonic()
+            spawned = time.monotonic()
+            await asyncio.to_thread(gw.start)  # functions from the store, replicas adopted (--keep-hosts)
+            gw.phases = {"stop_s": round(spawned - stopping, 2),
+                         "stopped_to_listening_s": round(time.monotonic() - spawned, 2)}
+            return spawned
     raise ValueError(name)
 
 
@@ -177,13 +202,18 @@ async def scenario(name: str, gw: Gateway, rate: float, seconds: float, seed: in
     load = asyncio.create_task(open_loop(gw, f"/function/{MODEL}", BODY, rate, seconds, timeout_s=15.0,
                                          headers={"Content-Type": "application/json", "X-Quart-Timeout-Ms": "10000"}))
     fault_end = await inject(name, gw, seconds, rng)
-    await asyncio.sleep(RECOVERY_POLL_DELAY_S)  # let the gateway see the fault before asking if all is well
+    if name != "gateway-restart":  # a new gateway has no stale view of the fault to see first
+        await asyncio.sleep(RECOVERY_POLL_DELAY_S)  # let the gateway see the fault before asking if all is well
     async with aiohttp.ClientSession() as session:
         serving_at = await wait_serving(session, gw, 120.0, want=3)
     result = await load
+    result.pop("ok_full_ms")
     ok_ms = sorted(result.pop("ok_ms"))
+    extra = {"phases": {**gw.phases, "listening_to_serving_s": round(serving_at - fault_end
+                                                                    - gw.phases["stopped_to_listening_s"], 2)}} \
+        if name == "gateway-restart" and gw.phases else {}
     return {"name": name, **result, "recovered_s": round(serving_at - fault_end, 2),
-            "ok_p99_ms": round(ok_ms[int(0.99 * (len(ok_ms) - 1))], 1) if ok_ms else None}
+            "ok_p99_ms": round(ok_ms[int(0.99 * (len(ok_ms) - 1))], 1) if ok_ms else None, **extra}
 
 
 def _stack(folder: Path, mean_ms: float) -> Path:
@@ -199,7 +229,16 @@ def _stack(folder: Path, mean_ms: float) -> Path:
     return path
 
 
-async def overload(tmp: Path, factor: float, seconds: float, body_mb: int, deadline_ms: int) -> dict:
+def _p(ordered: list[float], q: float) -> float | None:
+    return round(ordered[int(q * (len(ordered) - 1))], 1) if ordered else None
+
+
+def _p99(ordered: list[float]) -> float | None:
+    return _p(ordered, 0.99)
+
+
+async def overload(tmp: Path, factor: float, seconds: float, body_mb: int, deadline_ms: int,
+                   expect100: bool = True) -> dict:
     gw = Gateway(tmp / "overload-state", ["--process-hosts", "--no-plugin", "--hosts", "1"])
     (tmp / "overload-state").mkdir()
     await asyncio.to_thread(gw.start)
@@ -228,13 +267,13 @@ async def overload(tmp: Path, factor: float, seconds: float, body_mb: int, deadl
 
         sampler = asyncio.create_task(sample())
         result = await open_loop(gw, "/function/echo", body, capacity * factor, seconds, timeout_s=deadline_ms / 1000 + 30,
-                                 headers={"X-Quart-Timeout-Ms": str(deadline_ms)})
+                                 headers={"X-Quart-Timeout-Ms": str(deadline_ms)}, expect100=expect100)
         sampler.cancel()
-        ok_ms = sorted(result.pop("ok_ms"))
+        ok_ms, full_ms = sorted(result.pop("ok_ms")), sorted(result.pop("ok_full_ms"))
         return {"factor": factor, "capacity_rps": round(capacity, 2), "body_mb": body_mb,
-                "rss_growth_mb": round((peak[0] - base) / 2**20, 1),
-                "accepted_p99_ms": round(ok_ms[int(0.99 * (len(ok_ms) - 1))], 1) if ok_ms else None,
-                "deadline_ms": deadline_ms, **result}
+                "rss_growth_mb": round((peak[0] - base) / 2**20, 1), "accepted_p99_ms": _p99(ok_ms),
+                "accepted_p50_ms": _p(ok_ms, 0.5), "accepted_full_p99_ms": _p99(full_ms), "expect100": expect100,
+                "goodput_rps": round(result["ok"] / seconds, 2), "deadline_ms": deadline_ms, **result}
     finally:
         gw.stop()
 
@@ -248,7 +287,7 @@ async def run(args: argparse.Namespace) -> dict:
             stack = _stack(tmp / "model", args.mean_ms)
             state = tmp / "state"
             state.mkdir()
-            gw = Gateway(state, ["--hosts", "2", "--gpus-per-host", "4", "-f", str(stack)])
+            gw = Gateway(state, ["--hosts", "2", "--gpus-per-host", "4", "--keep-hosts", "-f", str(stack)])
             await asyncio.to_thread(gw.start, 300.0)
             try:
                 async with aiohttp.ClientSession() as session:
@@ -260,9 +299,10 @@ async def run(args: argparse.Namespace) -> dict:
                     doc["scenarios"].append(await scenario(scenario_name, gw, args.rate, args.seconds, args.seed + i))
                     print(json.dumps(doc["scenarios"][-1]), file=sys.stderr)
             finally:
-                gw.stop()
+                await asyncio.to_thread(gw.down)
         if args.factor:
-            doc["overload"] = await overload(tmp, args.factor, args.overload_seconds, args.body_mb, args.deadline_ms)
+            doc["overload"] = await overload(tmp, args.factor, args.overload_seconds, args.body_mb, args.deadline_ms,
+                                             not args.no_expect)
     doc["machine"]["load_after"] = os.getloadavg()
     doc["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
     return doc
@@ -281,6 +321,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--overload-seconds", type=float, default=10.0)
     p.add_argument("--body-mb", type=int, default=32)
     p.add_argument("--deadline-ms", type=int, default=2000)
+    p.add_argument("--no-expect", action="store_true",
+                   help="overload without Expect: 100-continue (refused bodies are uploaded, then dropped)")
     p.add_argument("--seed", type=int, default=14)
     p.add_argument("--keep-dir", type=Path, default=None, help="work (state, logs) here and keep it")
     args = p.parse_args(argv)
