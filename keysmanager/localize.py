@@ -37,7 +37,7 @@ class LiveTarget:
     progress: Path
     manifest: Path
     layers: int
-    marks: dict[str, float] = field(default_factory=dict)  # a part start's timeline (``PartJob.marks``)
+    marks: dict[str, float] = field(default_factory=dict)  # the start's timeline (``PartJob.marks`` for a part)
 
 
 class Localizer:
@@ -48,7 +48,7 @@ class Localizer:
         self.token = token  # the cluster's bearer token, to fetch from peers
         self.files: dict[str, StageFile] = {}  # function → its stage file here (complete or arriving)
         self.fetched: dict[str, FetchResult] = {}  # function → how its last transfer went
-        self.timelines: dict[str, dict[str, float]] = {}  # function → its last part start's marks (wall clock)
+        self.timelines: dict[str, dict[str, float]] = {}  # function → its last live or part start's marks (wall clock)
         self.active: set[str] = set()  # functions being made local now (a peer asking for one waits for its bytes)
         self._locks: dict[Path, asyncio.Lock] = {}
         self._registries: dict[str, ModelRegistry] = {}  # one client per model URL (boto3 clients are thread-safe)
