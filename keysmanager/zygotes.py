@@ -123,6 +123,7 @@ class Zygotes:
         z.load_ms = float(hello.get("load_ms", 0.0))
         z.threads = int(hello.get("threads", 0))
         z.index = hello.get("index")
+        z.phases = {k: float(v) for k, v in (hello.get("phases") or {}).items()}
         segment.nbytes = int(hello.get("param_bytes", stage.param_bytes))
         return z
 
