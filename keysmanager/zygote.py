@@ -191,6 +191,7 @@ def run_preloader(args: argparse.Namespace) -> int:
             if not warm:
                 gc.collect()
                 gc.freeze()
+                ctrl.sendall(encode({"op": "warm"}))  # every family's model code imported: zygotes build at once
         elif readable:
             data, new_fds, _, _ = socket.recv_fds(ctrl, 1 << 16, 16)
             if not data:

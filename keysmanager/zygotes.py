@@ -43,6 +43,7 @@ class _Preloader:
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     alive: bool = True
     started_at: float = 0.0
+    warm: bool = False  # it imported every family's model code (``keysmanager.zygote.warm_up_modules``)
 
 
 class Zygotes:
@@ -138,6 +139,16 @@ class Zygotes:
         self._preloader = pre
         self._spawn_task(self._preloader_reader(pre, reader))
 
+    def preloader_state(self) -> str:
+        """``off`` (none, or it exited), ``starting`` (importing torch & co), ``ready`` (forks zygotes; still
+        importing model code while idle) or ``warm`` (every family's model code imported)."""
+        pre = self._preloader
+        if pre is None or not pre.alive:
+            return "off"
+        if not pre.ready.done():
+            return "starting"
+        return "warm" if pre.warm else "ready"
+
     def stop_preloader(self) -> None:
         if self._preloader is not None and self._preloader.alive:
             with contextlib.suppress(OSError):
@@ -152,6 +163,8 @@ class Zygotes:
                     pre.ready.set_result(msg)
                 elif op == "failed" and not pre.ready.done():
                     pre.ready.set_exception(RuntimeError(msg.get("error", "failed")))
+                elif op == "warm":
+                    pre.warm = True
                 elif op in ("spawned", "error"):
                     _answer(pre.pending, msg)
                 elif op == "exited":
