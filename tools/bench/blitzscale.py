@@ -84,9 +84,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
     from keysmanager.types import StageSpec
 
     new = 4 if mode == "multicast-4" else 1
-    # the gateway's own reconcile interval (0.2 s): starts are kicked at once and ready replicas probed on their own;
-    # polling five KeysManagers every 50 ms cost ~0.2 of this 2-core machine's cores while the transfers ran
-    config = GatewayConfig(port=0, state_dir=cluster.work / f"gw-{mode}", reconcile_interval_s=0.2,
+    config = GatewayConfig(port=0, state_dir=cluster.work / f"gw-{mode}", reconcile_interval_s=0.05,
                            host_timeout_s=3.0, host_down_after_s=30.0, peer_fetch=mode != "registry-cold",
                            live_scaling=mode == "live", ready_probe_s=0.002)
     km_hosts = [KeysManagerHost(h, AsyncKeysManagerClient(cluster.url(h), token=TOKEN, timeout=120), 1, 64 << 30)
