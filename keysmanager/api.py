@@ -92,7 +92,8 @@ class _Api:
         app.router.add_get("/v1/stages/{function}/file", self.h_stage_file)
 
     async def h_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"name": self.km.name, "pid": os.getpid(), "recovered": self.km.recovered})
+        return web.json_response({"name": self.km.name, "pid": os.getpid(), "recovered": self.km.recovered,
+                                  "preloader": self.km.zygotes.preloader_state()})
 
     async def h_cache(self, request: web.Request) -> web.Response:
         body = await _json(request)

@@ -51,6 +51,7 @@ async def start_live(zygotes: Zygotes, replicas: Replicas, spec: StageSpec, targ
     env = {**spec.env, "QUART_MODEL_DIR": str(target.folder), LIVE_FILE_ENV: str(target.partial),
            LIVE_PROGRESS_ENV: str(target.progress), LIVE_MANIFEST_ENV: str(target.manifest),
            LIVE_WAIT_ENV: str(zygotes.config.zygote_timeout_s)}
+    target_at = time.monotonic()
     live_spec = StageSpec(spec.function, env, spec.cpus, spec.memory_bytes, spec.concurrency)
     stage = StageRef(spec.function, env, None, "", 0, "live")
     spawn = asyncio.ensure_future(zygotes.spawn(live_spec, stage, register=False))
@@ -63,6 +64,7 @@ async def start_live(zygotes: Zygotes, replicas: Replicas, spec: StageSpec, targ
                           f"{_error_of(transfer)}", "live")
     z = await spawn
     target.marks.setdefault("zygote_built", time.time())
+    zygote_at = time.monotonic()
     try:
         started = [await replicas.fork(zygotes, z, live_spec, "cow", survive, requested_at) for _ in range(count)]
     finally:
@@ -71,6 +73,8 @@ async def start_live(zygotes: Zygotes, replicas: Replicas, spec: StageSpec, targ
     layers = _stage_layers(target)
     for rep in started:
         rep.layers, rep.progress = layers, str(target.progress)
+        rep.phases.update(target=target_at, **z.phases, zygote=zygote_at, forked=time.monotonic())
+    transfer.add_done_callback(lambda _: [rep.phases.setdefault("file", time.monotonic()) for rep in started])
     return started
 
 
@@ -108,9 +112,10 @@ def held_of(rep: Replica) -> tuple[int, int] | None:
 
 
 # ------------------------------------------------------------------------------------ live zygote side
-def build_live(env: Mapping[str, str]):
+def build_live(env: Mapping[str, str], phases: dict[str, float] | None = None):
     """(mapping, runtime, app, parameter bytes) of a live zygote: the partial file mapped as it fills, once its
-    header and first layer are verified. Touches no parameter byte, starts no thread, no GPU."""
+    header and first layer are verified. Touches no parameter byte, starts no thread, no GPU. ``phases`` gets
+    the monotonic times the first layer was seen (``layer``) and the module built (``built``)."""
     import json
 
     from quart_stage.app import create_app
@@ -129,6 +134,8 @@ def build_live(env: Mapping[str, str]):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path}: no verified layer within {env.get(LIVE_WAIT_ENV)} s")
         time.sleep(0.002)
+    if phases is not None:
+        phases["layer"] = time.monotonic()
     fd = _open_arriving(path)
     try:
         data_start, header = read_safetensors_header(f"/proc/self/fd/{fd}")
@@ -139,6 +146,8 @@ def build_live(env: Mapping[str, str]):
     runtime = StageRuntime.from_tensors(cfg, manifest, tensors)
     runtime.progress = LiveProgress(progress_path, entry.start, entry.end)
     runtime.parameter_source = "live"
+    if phases is not None:
+        phases["built"] = time.monotonic()
     return mm, runtime, create_app(runtime), entry.file_bytes
 
 

@@ -338,7 +338,9 @@ class KeysManager:
                            survive=rep.survive, gpu_slot=rep.gpu_slot, exit_status=rep.exit_status,
                            layers=list(rep.layers) if rep.layers else None,
                            layers_held=list(held) if held else None,
-                           live=rep.progress is not None and held != rep.layers, socket=rep.socket)
+                           live=rep.progress is not None and held != rep.layers, socket=rep.socket,
+                           phases_ms={k: round(1e3 * (t - rep.requested_at), 1) for k, t in rep.phases.items()}
+                           or None)
 
     def replica_infos(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
         """Every replica kept (live and recently dead), of ``function`` when given."""

@@ -84,6 +84,7 @@ class Zygote:
     last_used: float = 0.0
     alive: bool = True
     index: dict | None = None  # the segment's tensor index as the zygote reported it (quart_stage.segment)
+    phases: dict[str, float] = field(default_factory=dict)  # the zygote's own start phases (monotonic times)
 
     @property
     def pid(self) -> int:
@@ -121,3 +122,4 @@ class Replica:
     died: asyncio.Event = field(default_factory=asyncio.Event)
     layers: tuple[int, int] | None = None  # the stage's layer range [S, E) (None: no manifest, no layer list)
     progress: str | None = None  # a live replica's progress file (keysmanager.live): the layers verified so far
+    phases: dict[str, float] = field(default_factory=dict)  # start phase → monotonic time it ended (diagnostics)

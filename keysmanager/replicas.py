@@ -165,6 +165,7 @@ class Replicas:
                 async with session.get(url, timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
                     if resp.status == 200 and rep.state == "starting":
                         rep.ready_ms = (time.monotonic() - rep.requested_at) * 1e3
+                        rep.phases["ready"] = time.monotonic()
                         rep.state = "ready"
                         self._changed()
                         return

@@ -72,6 +72,7 @@ class ReplicaInfo:
     layers_held: list[int] | None = None  # [A, B]: the layers it can run now (a full replica: == layers)
     live: bool = False  # started live and not yet holding its whole stage (keysmanager.live)
     socket: str | None = None  # its Unix socket (started with listen="unix": a stage pod forwards to it), else None
+    phases_ms: dict[str, float] | None = None  # start phase → ms after the start request it ended (live starts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

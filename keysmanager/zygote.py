@@ -72,6 +72,7 @@ def run_zygote(args: argparse.Namespace) -> int:
     die_with_parent(args.parent_pid)
     ctrl = socket.socket(fileno=args.control_fd)
     started = time.perf_counter()
+    phases = {"spawned": time.monotonic()}  # monotonic times (one clock with the KeysManager's): diagnostics
     try:
         from quart_stage.segment import map_segment
 
@@ -81,7 +82,7 @@ def run_zygote(args: argparse.Namespace) -> int:
 
         checkpoint = None if os.environ.get(LIVE_FILE_ENV) else stage_checkpoint(os.environ)
         if os.environ.get(LIVE_FILE_ENV):  # a live start: the stage file is still arriving (keysmanager.live)
-            mm, runtime, app, param_bytes = build_live(os.environ)
+            mm, runtime, app, param_bytes = build_live(os.environ, phases)
             tensors, index = None, None
         elif checkpoint is None:  # a parameter-free (emulated) stage: nothing to share
             mm, tensors, param_bytes, index = None, None, 0, None
@@ -92,6 +93,7 @@ def run_zygote(args: argparse.Namespace) -> int:
         if not os.environ.get(LIVE_FILE_ENV):
             runtime, app = build_runtime(os.environ, tensors)
         warm_up(app)
+        phases["warm"] = time.monotonic()
     except BaseException as exc:
         traceback.print_exc()
         ctrl.sendall(encode({"op": "failed", "error": f"{type(exc).__name__}: {exc}"}))
@@ -100,7 +102,7 @@ def run_zygote(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()  # objects inherited by replicas are not rewritten by their garbage collector (less CoW)
     ctrl.sendall(encode({"op": "ready", "load_ms": (time.perf_counter() - started) * 1e3,
-                         "param_bytes": param_bytes, "threads": thread_count(),
+                         "param_bytes": param_bytes, "threads": thread_count(), "phases": phases,
                          "index": index.to_dict() if index is not None else None}))
     reader = LineReader(ctrl)
     children: set[int] = set()
@@ -189,6 +191,7 @@ def run_preloader(args: argparse.Namespace) -> int:
             if not warm:
                 gc.collect()
                 gc.freeze()
+                ctrl.sendall(encode({"op": "warm"}))  # every family's model code imported: zygotes build at once
         elif readable:
             data, new_fds, _, _ = socket.recv_fds(ctrl, 1 << 16, 16)
             if not data:

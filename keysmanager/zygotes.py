@@ -43,6 +43,7 @@ class _Preloader:
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
     alive: bool = True
     started_at: float = 0.0
+    warm: bool = False  # it imported every family's model code (``keysmanager.zygote.warm_up_modules``)
 
 
 class Zygotes:
@@ -123,6 +124,7 @@ class Zygotes:
         z.load_ms = float(hello.get("load_ms", 0.0))
         z.threads = int(hello.get("threads", 0))
         z.index = hello.get("index")
+        z.phases = {k: float(v) for k, v in (hello.get("phases") or {}).items()}
         segment.nbytes = int(hello.get("param_bytes", stage.param_bytes))
         return z
 
@@ -136,6 +138,16 @@ class Zygotes:
         reader, pre.writer = await asyncio.open_unix_connection(sock=ours)
         self._preloader = pre
         self._spawn_task(self._preloader_reader(pre, reader))
+
+    def preloader_state(self) -> str:
+        """``off`` (none, or it exited), ``starting`` (importing torch & co), ``ready`` (forks zygotes; still
+        importing model code while idle) or ``warm`` (every family's model code imported)."""
+        pre = self._preloader
+        if pre is None or not pre.alive:
+            return "off"
+        if not pre.ready.done():
+            return "starting"
+        return "warm" if pre.warm else "ready"
 
     def stop_preloader(self) -> None:
         if self._preloader is not None and self._preloader.alive:
@@ -151,6 +163,8 @@ class Zygotes:
                     pre.ready.set_result(msg)
                 elif op == "failed" and not pre.ready.done():
                     pre.ready.set_exception(RuntimeError(msg.get("error", "failed")))
+                elif op == "warm":
+                    pre.warm = True
                 elif op in ("spawned", "error"):
                     _answer(pre.pending, msg)
                 elif op == "exited":

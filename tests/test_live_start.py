@@ -235,3 +235,12 @@ def test_a_bad_layer_is_never_served_and_the_transfer_recovers_elsewhere(registr
     finally:
         bad.close()
         good.close()
+
+
+def test_the_preloader_says_when_it_has_imported_every_familys_model_code(km) -> None:
+    """``GET /v1/health``: ``preloader`` goes ``ready`` (it forks zygotes) → ``warm`` (model code imported while idle:
+    a live zygote then builds its module without importing it)."""
+    deadline = time.monotonic() + 240
+    while (state := km.client.health()["preloader"]) != "warm":
+        assert state in ("starting", "ready") and time.monotonic() < deadline, state
+        time.sleep(0.2)

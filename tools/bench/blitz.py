@@ -218,11 +218,12 @@ WARM_ZYGOTE = {"QUART_PROFILE": "bert-21b", "QUART_NUM_STAGES": "8", "QUART_STAG
                "QUART_COMPUTE": "emulated", "QUART_EMULATED_MEAN_MS": "1", "QUART_EMULATED_CV": "0"}
 
 
-def fresh_keysmanagers(cluster: PeerCluster, hosts: list[str], preloader: bool = False) -> None:
+def fresh_keysmanagers(cluster: PeerCluster, hosts: list[str], preloader: bool = False, warm: bool = False) -> None:
     """Restarted KeysManagers (nothing held), warmed: each has read the manifest once (boto3 imported, its
     registry client made) through a start of a stage index the model lacks, answered 502; with ``preloader``,
     each has its preloader up too (a parameter-free zygote cached: torch imported once, as on a host that
-    serves stages, before any cold start)."""
+    serves stages, before any cold start); with ``warm``, each preloader has imported every family's model code
+    as well (``GET /v1/health``: ``preloader`` is ``warm``), as on a host that has been up a while."""
     warm = StageSpec("warm-up", env={"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "9"})
     for h in hosts:
         cluster.kill(h, signal.SIGTERM)
@@ -233,6 +234,11 @@ def fresh_keysmanagers(cluster: PeerCluster, hosts: list[str], preloader: bool =
             client.ensure_cached(warm)
         if preloader:
             client.ensure_cached(StageSpec("warm-zygote", env=WARM_ZYGOTE))
+    deadline = time.monotonic() + 300
+    while warm and any(cluster.client(h).health().get("preloader") != "warm" for h in hosts):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the preloaders of {hosts} did not import the model code within 300 s")
+        time.sleep(0.5)
 
 
 def measure(stage_mb: int, nic_gbps: float, receivers: int, reps: int = 3) -> dict:

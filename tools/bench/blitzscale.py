@@ -39,6 +39,7 @@ from pathlib import Path
 
 from quart_tools.bench import machine_info, wait_until, write_report
 from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
+from quart_tools.bench.start_phases import StartPhases
 
 from keysmanager.registry import ModelRegistry
 
@@ -101,6 +102,8 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
         inner_take(function, replica)
 
     view.take = take
+    phases = StartPhases()
+    phases.wrap(gw.reconciler, km_hosts)
     try:
         await gw.deploy(_deployment(config.namespace, args.service_ms, 1))
         fn = gw.functions[FUNCTION]
@@ -114,7 +117,8 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
             assert reply.status == 200, reply.body[:300]
         taken.clear()
         n = max(1, round(args.rate * args.burst_s))
-        t0 = time.monotonic()
+        phases.start()
+        t0 = phases.t0
         await gw.scale(FUNCTION, 1 + new)
 
         async def one(i: int) -> tuple[int, float]:
@@ -134,7 +138,8 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
                 "burst_p99_ms": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1)
                 if latencies else None,
                 "sent": n, "ok": len(latencies),
-                "sources": sorted({e.source for e in fn.replicas.values() if e.id != first})}
+                "sources": sorted({e.source for e in fn.replicas.values() if e.id != first}),
+                "phases": {**phases.summary(), "hosts": await phases.rows(km_hosts, FUNCTION, {first})}}
     finally:
         await router.close()
         await gw.close()
@@ -149,9 +154,11 @@ def measure(args: argparse.Namespace) -> dict:
         stage_bytes = (model / "stage-0.safetensors").stat().st_size
         shutil.rmtree(model)  # the registry holds it now; keep host memory for the hosts' copies
         rows = []
-        fresh_keysmanagers(cluster, hosts)
+        fresh_keysmanagers(cluster, hosts, warm=True)
         for mode in [m for m in MODES if m in args.modes]:
-            fresh_keysmanagers(cluster, hosts[1:])  # h0 keeps the stage it cached in the first mode: every mode's source
+            # h0 keeps the stage it cached in the first mode: every mode's source. Nothing held on the others, but
+            # their preloaders warm (torch and the model code imported), as on hosts that have been up a while
+            fresh_keysmanagers(cluster, hosts[1:], warm=True)
             rows.append(asyncio.run(run_mode(cluster, hosts, mode, args)))
             print(rows[-1], flush=True)
     return {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "stage_bytes": stage_bytes, "service_ms": args.service_ms,
