@@ -12,7 +12,7 @@ import socket
 import pytest
 import requests
 from quart_provider.admission import RateMeter, ServiceTimes, StageLoad, admit_by_time, expected_wait_s
-from test_gateway_api import Running, faas_cli_deploy_body
+from test_gateway_api import running_echo
 
 
 def test_service_times_give_the_p90_and_the_fastest():
@@ -59,13 +59,7 @@ def test_the_body_transfer_the_busy_servers_and_the_safety_factor_count():
 
 @pytest.fixture(scope="module")
 def echo(tmp_path_factory):
-    running = Running(tmp_path_factory.mktemp("deadline"))
-    try:
-        assert running.deploy(faas_cli_deploy_body("echo")).status_code == 202
-        running.wait_available("echo", 1)
-        yield running
-    finally:
-        running.close()
+    yield from running_echo(tmp_path_factory.mktemp("deadline"))
 
 
 def test_a_too_short_deadline_gets_a_400_not_a_504(echo):

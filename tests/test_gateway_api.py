@@ -90,6 +90,18 @@ class Running(ThreadedSystem):
             time.sleep(0.05)
 
 
+def running_echo(folder, **config):
+    """A Running system with ``quart/echo`` deployed as ``echo`` and one replica available (a generator for a
+    pytest fixture: ``yield from running_echo(tmp, max_body_bytes=...)``); closed afterwards."""
+    running = Running(folder, **config)
+    try:
+        assert running.deploy(faas_cli_deploy_body("echo")).status_code == 202
+        running.wait_available("echo", 1)
+        yield running
+    finally:
+        running.close()
+
+
 @pytest.fixture
 def gw(tmp_path):
     running = Running(tmp_path, max_body_bytes=256 * 1024, max_deploy_bytes=64 * 1024)

@@ -16,20 +16,14 @@ import uuid
 
 import pytest
 import requests
-from test_gateway_api import Running, faas_cli_deploy_body
+from test_gateway_api import Running, faas_cli_deploy_body, running_echo
 
 LIMIT = 256 * 1024
 
 
 @pytest.fixture(scope="module")
 def echo(tmp_path_factory):
-    running = Running(tmp_path_factory.mktemp("front"), max_body_bytes=LIMIT)
-    try:
-        assert running.deploy(faas_cli_deploy_body("echo")).status_code == 202
-        running.wait_available("echo", 1)
-        yield running
-    finally:
-        running.close()
+    yield from running_echo(tmp_path_factory.mktemp("front"), max_body_bytes=LIMIT)
 
 
 class Client:
