@@ -15,37 +15,10 @@ import os
 import socket
 import sys
 
+from quart_provider.http1 import dechunk
+
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
-
-
-def dechunk(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
-    """The body of a chunked message starting at ``buffer[start]`` and the offset just past it (trailers
-    included); None while incomplete; ValueError when malformed."""
-    pieces, pos = [], start
-    while True:
-        eol = buffer.find(b"\r\n", pos)
-        if eol < 0:
-            return None
-        size = int(bytes(buffer[pos:eol]).split(b";", 1)[0].strip() or b"x", 16)  # ValueError if not hex
-        if size < 0:
-            raise ValueError("negative chunk size")
-        pos = eol + 2
-        if size == 0:
-            while True:  # trailer fields, up to an empty line
-                eol = buffer.find(b"\r\n", pos)
-                if eol < 0:
-                    return None
-                if eol == pos:
-                    return b"".join(pieces), eol + 2
-                pos = eol + 2
-        if len(buffer) < pos + size + 2:
-            return None
-        if buffer[pos + size:pos + size + 2] != b"\r\n":
-            raise ValueError("chunk not followed by CRLF")
-        pieces.append(bytes(buffer[pos:pos + size]))
-        pos += size + 2
-
 
 _OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: "
 _REASONS = {200: "OK", 400: "Bad Request", 431: "Headers Too Large"}

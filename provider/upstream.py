@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 from quart_provider.dead_peer import dead_peer_socket
 from quart_provider.headers import HOP_BY_HOP
+from quart_provider.http1 import dechunk
 
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
@@ -56,33 +57,6 @@ class UpstreamResponse:
     headers: CIMultiDict[str]
     body: bytes | bytearray
 
-
-def _chunked_body(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
-    """The body of a chunked message at ``buffer[start]`` and the offset past it (trailers dropped);
-    None while incomplete; ValueError when malformed."""
-    pieces, pos = [], start
-    while True:
-        eol = buffer.find(b"\r\n", pos)
-        if eol < 0:
-            return None
-        size = int(bytes(buffer[pos:eol]).split(b";", 1)[0].strip() or b"x", 16)
-        if size < 0:
-            raise ValueError("negative chunk size")
-        pos = eol + 2
-        if size == 0:
-            while True:
-                eol = buffer.find(b"\r\n", pos)
-                if eol < 0:
-                    return None
-                if eol == pos:
-                    return b"".join(pieces), eol + 2
-                pos = eol + 2
-        if len(buffer) < pos + size + 2:
-            return None
-        if buffer[pos + size:pos + size + 2] != b"\r\n":
-            raise ValueError("chunk not followed by CRLF")
-        pieces.append(bytes(buffer[pos:pos + size]))
-        pos += size + 2
 
 
 class _Connection(asyncio.Protocol):
@@ -160,7 +134,7 @@ class _Connection(asyncio.Protocol):
                 body = bytes(buffer[:self.length])
                 del buffer[:self.length]
         elif self.framing == "chunked":
-            framed = _chunked_body(buffer, 0)
+            framed = dechunk(buffer, 0)
             if framed is None:
                 return
             body, total = framed
