@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+from quart_tools.arrivals import DEFAULT_TRACE
 from quart_tools.bench.policies import compare, ready_lags, samples_from_timeline
 
 
@@ -38,6 +40,7 @@ def test_compare_against_the_best_baseline() -> None:
     assert bound["best_possible_mean_ratio"] == 0.8 and bound["best_possible_slo15_ratio"] == 1.25
 
 
+@pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason="shared trace not present")
 def test_trace_window_has_the_target_rate_and_the_traces_burstiness() -> None:
     import numpy as np
     from quart_tools.bench.policies import trace_window
