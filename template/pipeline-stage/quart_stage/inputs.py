@@ -60,6 +60,32 @@ def validate(inputs: dict[str, torch.Tensor], s: Shape, cfg: StageConfig, stage_
         inputs[ATTENTION_MASK] = padding_mask(inputs[ATTENTION_MASK], (batch, seq), name)
 
 
+CHARS_PER_POSITION = 16  # a text this many times longer than the model's positions can never fit
+DEFAULT_MAX_TEXT_CHARS = 65_536  # a model that does not say how many positions it has
+
+
+def text_limit(cfg: StageConfig, max_seq: int | None) -> int:
+    """Most characters of ``text`` (a batch's texts together) a stage reads before tokenizing them."""
+    if cfg.max_text_chars > 0:
+        return cfg.max_text_chars
+    return CHARS_PER_POSITION * max_seq if max_seq else DEFAULT_MAX_TEXT_CHARS
+
+
+def check_text(text, cfg: StageConfig, max_seq: int | None) -> list[str]:
+    """``text`` (one string or a list) as a list, bounded before anything expands it: the batch size, then the
+    characters (413 naming the limit, ``QUART_MAX_TEXT_CHARS``); tokenizing a 4 MB text took gigabytes."""
+    texts = [text] if isinstance(text, str) else text
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise invalid("text", "text must be a non-empty string or a list of them")
+    if len(texts) > cfg.max_batch:
+        raise invalid("text", f"batch size must be 1..{cfg.max_batch}, got {len(texts)} texts")
+    limit, chars = text_limit(cfg, max_seq), sum(len(t) for t in texts)
+    if chars > limit:
+        raise invalid("text", f"text of {chars} characters is over the limit of {limit} (QUART_MAX_TEXT_CHARS)",
+                      status=413)
+    return texts
+
+
 def int_matrix(value, name: str) -> torch.Tensor:
     if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
         raise invalid(name, "must be a non-empty list of lists of integers (batch, sequence)")

@@ -35,6 +35,7 @@ from quart_stage.inputs import (
     INPUT_IDS,
     LOGITS,
     TOKEN_TYPE_IDS,
+    check_text,
     dt,
     int_matrix,
     validate,
@@ -330,9 +331,7 @@ class StageRuntime:
     def _tokenize(self, text) -> dict[str, torch.Tensor]:
         """Token ids of one text or a batch; texts of different lengths are padded on the right and get an
         ``attention_mask`` (right padding keeps each text's positions, so its outputs equal an unpadded run)."""
-        texts = [text] if isinstance(text, str) else text
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-            raise invalid("text", "text must be a non-empty string or a list of them")
+        texts = check_text(text, self.cfg, self.shape.max_seq)  # bounded before the tokenizer expands it
         tok_file = self.manifest.tokenizer if self.manifest else None
         if not tok_file:
             raise invalid("text", f"model {self.model!r} has no tokenizer file; send input_ids")
