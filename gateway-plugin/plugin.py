@@ -270,6 +270,8 @@ async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = No
     """Called by the embedded gateway once it is up: hooks the router in and starts the controller."""
     plugin = Plugin(gateway, config)
     gateway.add_invoke_hook(plugin.hook)
+    if hasattr(gateway, "reserve_name"):
+        gateway.reserve_name(PLUGIN_PATH, f"the QUART plugin (/function/{PLUGIN_PATH}/snapshot, timeline, policy)")
     gateway.shutdown_callbacks.append(plugin.close)
     with contextlib.suppress(Exception):
         gateway.metrics.registry.register(_RegistryBridge(plugin.collector.registry))

@@ -75,6 +75,9 @@ class GatewayConfig:
     callback_allowed_networks: str = ""  # CIDRs callbacks may reach though loopback/private/link-local
     callback_timeout_s: float = 10.0  # one callback POST
     callback_per_destination: int = 4  # callbacks in flight to one host:port at once
+    max_functions: int = 1000  # functions per namespace; a deploy past it → 409 (deploy_limits.py)
+    max_labels: int = 64  # labels (and annotations) per function; more → 400
+    max_label_bytes: int = 4096  # one label's key + value; larger → 400
     replica_uids: str = ""  # "<first>-<last>": each function's replicas run as its own uid from this range; "" = as the gateway
 
     def __post_init__(self) -> None:
@@ -84,6 +87,8 @@ class GatewayConfig:
             raise ConfigError(f"nic_gbps must be > 0, got {self.nic_gbps}")
         if not 0 < self.max_function_inflight_bytes <= self.max_inflight_bytes:
             raise ConfigError("max_function_inflight_bytes must be > 0 and at most max_inflight_bytes")
+        if min(self.max_functions, self.max_labels, self.max_label_bytes) < 1:
+            raise ConfigError("max_functions, max_labels and max_label_bytes must be >= 1")
         if self.replica_uids:
             self.uid_range()  # raises ConfigError when malformed
         if (self.paraserve_parts < 0 or self.paraserve_max_parts < 1 or self.registry_gbps < 0

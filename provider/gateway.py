@@ -25,6 +25,7 @@ from quart_provider.async_queue import AsyncQueue
 from quart_provider.balancer import Balancer
 from quart_provider.capacity import not_ready_reason
 from quart_provider.config import GatewayConfig
+from quart_provider.deploy_limits import DeployCaps
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import Host
 from quart_provider.images import INDEX_FILE, ImageIndex
@@ -58,7 +59,8 @@ class EmbeddedGateway:
         self.scheduler_metrics = SchedulerMetrics()  # cache hits, replica-ready time by source, host use
         self.secrets = SecretStore(config.function_secrets_dir, config.namespace)
         self.registry = Registry(self.images, self.hosts, config.max_body_bytes, self.kick, self._retire,
-                                 self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR), config.uid_range())
+                                 self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR), config.uid_range(),
+                                 DeployCaps(config.max_functions, config.max_labels, config.max_label_bytes))
         self.functions: dict[str, FunctionState] = self.registry.functions
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
@@ -179,6 +181,10 @@ class EmbeddedGateway:
     def add_invoke_hook(self, hook: InvokeHook) -> None:
         """Let ``hook(request, name, subpath)`` answer ``/function/<name>`` for names not deployed here."""
         self.invoke_hooks.append(hook)
+
+    def reserve_name(self, name: str, owner: str) -> None:
+        """``/function/<name>`` is ``owner``'s (a plugin route): a deploy of that name is refused 409."""
+        self.registry.reserved[name] = owner
 
     def ready_endpoints(self, name: str, partial: bool = False) -> list[Endpoint]:
         """The ready replicas of a function (live objects: ``in_flight`` is current); with ``partial``, also the
