@@ -12,6 +12,7 @@ from pathlib import Path
 from quart_provider.callbacks import parse_networks
 from quart_provider.network import DEFAULT_NIC_GBPS
 from quart_provider.queue_worker import parse_codes
+from quart_provider.replica_users import auto_uids
 from quart_stage.settings import ConfigError, settings_from_env
 
 DEFAULT_NAMESPACE = "openfaas-fn"
@@ -78,7 +79,8 @@ class GatewayConfig:
     max_functions: int = 1000  # functions per namespace; a deploy past it → 409 (deploy_limits.py)
     max_labels: int = 64  # labels (and annotations) per function; more → 400
     max_label_bytes: int = 4096  # one label's key + value; larger → 400
-    replica_uids: str = ""  # "<first>-<last>": each function's replicas run as its own uid from this range; "" = as the gateway
+    replica_uids: str = "auto"  # "<first>-<last>": each function's replicas run as its own uid from this range;
+    # auto: per-function uids when the gateway is root and an unprivileged user can run the venv (replica_users.py)
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -115,6 +117,8 @@ class GatewayConfig:
 
     def uid_range(self) -> range | None:
         """The uids functions' replicas run as (``replica_uids``), or None: as the gateway's user."""
+        if self.replica_uids == "auto":
+            return auto_uids()[0]  # quart_provider.replica_users
         if not self.replica_uids:
             return None
         first, _, last = self.replica_uids.partition("-")

@@ -31,6 +31,7 @@ from quart_provider.hosts import Host
 from quart_provider.images import INDEX_FILE, ImageIndex
 from quart_provider.metrics import GatewayMetrics
 from quart_provider.reconciler import Reconciler
+from quart_provider.replica_users import auto_uids
 from quart_provider.registry import Registry
 from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 from quart_provider.scheduling.types import Placer
@@ -62,6 +63,8 @@ class EmbeddedGateway:
                                  self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR), config.uid_range(),
                                  DeployCaps(config.max_functions, config.max_labels, config.max_label_bytes))
         self.functions: dict[str, FunctionState] = self.registry.functions
+        if config.replica_uids == "auto":
+            log.info("replica users: %s", auto_uids()[1])
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
                                      self.key_history, self.scheduler_metrics)

@@ -95,17 +95,19 @@ class InvokeHandlers:
             callback = await self.callback_policy.check_url(request.headers.get(CALLBACK_HEADER))
         except ValueError as exc:
             return error_response(400, str(exc), CALLBACK_HEADER)
-        body = await self._invocation_body(request)
+        queue = self.gateway.async_queue
+        bodies = queue.bodies if self.config.async_backend == "nats" and queue is not None else None
+        body, body_file = (await bodies.receive(request, self.config.max_body_bytes) if bodies is not None
+                           else (await self._invocation_body(request), None))  # large bodies: a file, not memory
         tail = request.raw_path.split("/async-function/", 1)[1]  # path and query as sent
         trace = trace_of(request)
         headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
         trace.mark(headers)
-        queue = self.gateway.async_queue
         if self.config.async_backend == "nats":
             if queue is None:
                 return error_response(503, f"asynchronous calls are unavailable: {self.gateway.async_unavailable}",
                                       None, headers={"Retry-After": str(self.config.retry_after_s)})
-            await queue.publish(QueuedCall(trace.call_id, name, tail, headers, body, callback, time.time()))
+            await queue.publish(QueuedCall(trace.call_id, name, tail, headers, body, callback, time.time(), body_file))
             return web.Response(status=202)
         host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
         host = f"[{host}]" if ":" in host else host

@@ -205,6 +205,8 @@ class StageRuntime:
                     self._device = torch.device(self.cfg.device or "cuda:0")
                     move_module(self.module, self._device, self.cfg.device_copy)
                 self.module.materialize_buffers(self._device)
+            if self.shape.takes_ids and self.manifest is not None and self.manifest.tokenizer:
+                self._load_tokenizer(self.manifest.tokenizer)  # read while the model folder is readable
             self.prepared = True
 
     # -- properties ------------------------------------------------------------------------------
@@ -335,11 +337,7 @@ class StageRuntime:
         tok_file = self.manifest.tokenizer if self.manifest else None
         if not tok_file:
             raise invalid("text", f"model {self.model!r} has no tokenizer file; send input_ids")
-        if self._tokenizer is None:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no thread pool in a forked replica
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(os.path.join(self.cfg.model_dir, tok_file))
+        self._load_tokenizer(tok_file)
         ids = [self._tokenizer.encode(t).ids for t in texts]
         longest = max(len(x) for x in ids)
         if all(len(x) == longest for x in ids):
@@ -347,6 +345,14 @@ class StageRuntime:
         pad = (self._tokenizer.padding or {}).get("pad_id", 0)
         return {INPUT_IDS: torch.tensor([x + [pad] * (longest - len(x)) for x in ids], dtype=torch.int64),
                 ATTENTION_MASK: torch.tensor([[1] * len(x) + [0] * (longest - len(x)) for x in ids], dtype=torch.int64)}
+
+    def _load_tokenizer(self, tok_file: str) -> None:
+        """Read the tokenizer once; :meth:`prepare_device` does it before a replica drops to its own uid."""
+        if self._tokenizer is None:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no thread pool in a forked replica
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(os.path.join(self.cfg.model_dir, tok_file))
 
     def _compute(self, inputs: dict[str, torch.Tensor], span: tuple[int, int] | None) -> torch.Tensor:
         if self.cfg.compute == "emulated":
