@@ -31,11 +31,12 @@ import aiohttp
 from aiohttp import web
 from gateway_plugin import layers
 from gateway_plugin.config import PluginConfig
-from gateway_plugin.entry import entry_admission
+from gateway_plugin.entry import entry_admission, queued_verdict
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 from gateway_plugin.retry import passed_on, replica_gone, should_retry
 from quart_provider.balancer import pick
 from quart_provider.dead_peer import dead_peer_connector
+from quart_provider.shedding import SHED_HEADER
 from quart_provider.tracing import CALL_ID
 
 from keysmanager.aio import wait_event, within
@@ -306,6 +307,11 @@ class Router:
             if self.clock() >= job.deadline:
                 q.jobs.popleft()
                 self._finish(job, self._deadline_reply(job, "waiting for a replica"))
+                continue
+            if not (keep := queued_verdict(self, job)).admit:  # its deadline can no longer be met: 429 now
+                q.jobs.popleft()
+                self._finish(job, json_reply(429, keep.reason, None, **{"Retry-After": str(keep.retry_after_s),
+                                                                        SHED_HEADER: "deadline"}))
                 continue
             try:
                 replica = self._pick(q.function, job.tried, job.layer_at)

@@ -109,11 +109,11 @@ class AsyncQueue:
         try:
             ack = await self.js.publish(SUBJECT, body, headers=headers, timeout=5)
         except nats.js.errors.APIError as exc:
-            if exc.err_code == 10077:  # "message too large": JetStream's file store takes about 32 MiB at most
+            if "too large" in (exc.description or ""):  # JetStream's file store takes about 32 MiB at most
                 raise QuartError(413, f"an async call's body of {len(body)} bytes is over what the queue stores "
                                  "in a message; send it with Content-Length (bodies over 1 MiB are kept beside "
                                  "the queue)", "body") from None
-            if "maximum messages" in (exc.description or "") or exc.err_code == 10047:
+            if "maximum messages" in (exc.description or "") or exc.err_code in (10077, 10047):
                 raise QuartError(429, f"the async queue is full ({self.capacity} calls wait); retry later"
                                  ) from None
             raise QuartError(503, f"the async queue refused the call: {exc.description}") from None
