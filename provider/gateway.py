@@ -31,8 +31,8 @@ from quart_provider.hosts import Host
 from quart_provider.images import INDEX_FILE, ImageIndex
 from quart_provider.metrics import GatewayMetrics
 from quart_provider.reconciler import Reconciler
-from quart_provider.replica_users import auto_uids
 from quart_provider.registry import Registry
+from quart_provider.replica_users import auto_uids
 from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 from quart_provider.scheduling.types import Placer
 from quart_provider.secrets import SecretStore

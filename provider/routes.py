@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from quart_provider.auth import Credentials
 from quart_provider.front import FrontSite
 from quart_provider.gateway import EmbeddedGateway

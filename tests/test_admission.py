@@ -180,7 +180,7 @@ def test_router_entry_refuses_at_the_queue_cap_and_past_the_deadline_with_a_meas
     queues = {"m-0": SimpleNamespace(jobs=deque(range(12))), "m-1": SimpleNamespace(jobs=deque())}
     source = SimpleNamespace(concurrency=lambda fn: 1, ready=lambda fn: ["r1", "r2"])
     router = SimpleNamespace(clock=lambda: 6.0, queues=queues, source=source, collector=collector,
-                             config=PluginConfig(queue_cap=10, retry_after_s=1))
+                             config=PluginConfig(queue_cap=10, retry_after_s=1, admission_safety=1.0))
     capped = entry_admission(router, "m", ["m-0", "m-1"], deadline_s=60.0)
     assert not capped.admit and "cap 10" in capped.reason and capped.retry_after_s == 1  # 3 × 0.5 s / 2
     queues["m-0"].jobs = deque(range(8))  # under the cap: 8 × 0.5 / 2 = 2 s + 1 s of service

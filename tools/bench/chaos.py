@@ -39,7 +39,7 @@ import yaml
 from quart_provider.system import stop_process
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.chaos_fuzz import fuzz
-from quart_tools.bench.chaos_limits import async_32mb, overload_deadline, oversized_text
+from quart_tools.bench.chaos_limits import async_32mb, capacity, deadline_summary, oversized_text, peak_rss
 
 SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart", "gateway-restart-default")
 MODEL = "bert-21b"
@@ -293,6 +293,35 @@ async def overload(tmp: Path, factor: float, seconds: float, body_mb: int, deadl
         gw.stop()
 
 
+async def overload_deadline(tmp: Path, factor: float, seconds: float, deadline_ms: int, mean_ms: float) -> dict:
+    """The model at ``mean_ms`` per stage on its own gateway: its capacity closed-loop, then ``factor`` × that
+    open-loop with ``X-Quart-Timeout-Ms`` (:func:`.chaos_limits.deadline_summary`) and the gateway's RSS."""
+    stack = _stack(tmp / "deadline-model", mean_ms, concurrency=1)
+    state = tmp / "deadline-state"
+    state.mkdir()
+    gw = Gateway(state, ["--hosts", "1", "--gpus-per-host", "8", "--no-keep-hosts", "-f", str(stack)])
+    await asyncio.to_thread(gw.start, 300.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            if await wait_serving(session, gw, 300, want=3) == float("inf"):
+                raise RuntimeError("the overload model never served")
+        headers = {"Content-Type": "application/json"}
+        rps = await capacity(gw, f"/function/{MODEL}", BODY, headers)
+        base = psutil.Process(gw.process.pid).memory_info().rss
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(peak_rss([gw.process.pid], stop))
+        answers: list[tuple[int, float, bool]] = []
+        result = await open_loop(gw, f"/function/{MODEL}", BODY, rps * factor, seconds, deadline_ms / 1000 + 30,
+                                 {**headers, "X-Quart-Timeout-Ms": str(deadline_ms)}, answers=answers)
+        stop.set()
+        peak = await sampler
+    finally:
+        await asyncio.to_thread(gw.down)
+    return {"factor": factor, "capacity_rps": round(rps, 1), "mean_ms": mean_ms, "deadline_ms": deadline_ms,
+            **deadline_summary(answers, result["sent"], result["lost"], deadline_ms),
+            "rss_growth_mb": round(max(0, peak - base) / 2**20, 1), "by_status": result["by_status"]}
+
+
 async def run(args: argparse.Namespace) -> dict:
     doc: dict = {"scenarios": [], "machine": machine_info(load_before=os.getloadavg())}
     with tempfile.TemporaryDirectory(prefix="quart-chaos-") as name:
@@ -314,7 +343,9 @@ async def run(args: argparse.Namespace) -> dict:
                     doc["scenarios"].append(await scenario(scenario_name, gw, args.rate, args.seconds, args.seed + i))
                     print(json.dumps(doc["scenarios"][-1]), file=sys.stderr)
                 if args.limits:
-                    doc["oversized_text"] = await oversized_text(gw, MODEL)
+                    async with aiohttp.ClientSession() as session:
+                        pids = await _replica_pids(session, gw, f"{MODEL}-stage-0")
+                    doc["oversized_text"] = await oversized_text(gw, MODEL, pids)
                     doc["async_32mb"] = await async_32mb(gw, MODEL)
             finally:
                 await asyncio.to_thread(gw.down)

@@ -18,7 +18,8 @@ import aiohttp
 
 ODD_VALUES: list[Any] = [None, True, -1, 0, 2**70, -(2**70), 1e308, "", "x" * 70_000, "NaN", [], {}, [1, [2]],
                          "../../etc/passwd", "\u0000", "é", 3.5]
-ODD_RAW = [b"NaN", b"Infinity", b"-Infinity", b"[" * 5000 + b"]" * 5000, b"1" + b"0" * 5000, b'"\\ud800"']
+ODD_RAW = [b"NaN", b"Infinity", b"-Infinity", b"[" * 5000 + b"]" * 5000, b"1" + b"0" * 5000, b'"\\ud800"', b"1e400",
+           b"-1e400"]
 LABELS = ["com.quart.stage", "com.quart.model", "com.quart.stages", "com.openfaas.scale.min",
           "com.openfaas.scale.max", "com.quart.concurrency", "com.quart.profile-ms", "com.quart.keysmanager"]
 ENV_NAMES = ["PYTHONWARNINGS", "BROWSER", "LD_PRELOAD", "PYTHONPATH", "A B", "", "QUART_MODEL_DIR", "OK_NAME"]
@@ -54,7 +55,15 @@ def _mutate(rng: random.Random, doc: dict[str, Any]) -> bytes:
 
 
 def _case(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], bool]:
-    """(method, path, body, headers, chunked) of one case."""
+    """(method, path, body, headers, chunked) of one case; one in ten claims a ``Content-Encoding`` its body
+    does not have (issue 31: a 500 on the pipeline, ``/async-function`` and ``/system``)."""
+    method, path, body, headers, chunked = _request(rng)
+    if rng.random() < 0.1:
+        headers = {**headers, "Content-Encoding": rng.choice(["gzip", "deflate", "br", "x-unknown"])}
+    return method, path, body, headers, chunked
+
+
+def _request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], bool]:
     api = rng.randrange(4)
     if api == 0:
         return rng.choice(["POST", "PUT"]), "/system/functions", _mutate(rng, _base(rng)), {}, rng.random() < 0.2
@@ -62,7 +71,8 @@ def _case(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], bool]:
         doc = {"serviceName": "bert-21b-stage-0", "replicas": 2}
         return "POST", "/system/scale-function/fz-none", _mutate(rng, doc), {}, False
     headers = {"Content-Type": rng.choice(["application/json", "application/octet-stream", "text/plain", "x/y"])}
-    body = _mutate(rng, {"input_ids": [[1, 2, 3]]}) if rng.random() < 0.7 else bytes(rng.randrange(256)
+    doc = {"input_ids": [[1, 2, 3]]} if rng.random() < 0.8 else {"text": rng.choice(["hi", "x" * 20_000, ["a", "b"]])}
+    body = _mutate(rng, doc) if rng.random() < 0.7 else bytes(rng.randrange(256)
                                                                                      for _ in range(rng.randrange(200)))
     if rng.random() < 0.2:
         headers["X-Quart-Timeout-Ms"] = "".join(c for c in str(rng.choice(ODD_VALUES))[:30] if c.isprintable() and c.isascii())
