@@ -35,11 +35,23 @@ def test_a_4mb_text_is_refused_413_before_the_tokenizer_sees_it(tiny1):
     assert rt.handle(json.dumps({"text": "hello"}).encode(), JSON).status == 200  # the tokenizer is loaded
     proc = psutil.Process()
     before = proc.memory_info().rss
-    res = rt.handle(json.dumps({"text": "a " * (2 << 20)}).encode(), JSON)
+    res = rt.handle(json.dumps({"text": "a " * (2 << 20)}).encode(), JSON)  # refused by its size, unparsed
+    doc = json.loads(res.body)
+    assert res.status == 413 and doc["field"] == "body" and "QUART_MAX_TEXT_CHARS" in doc["error"], doc
+    res = rt.handle(json.dumps({"text": "a " * 50_000}).encode(), JSON)  # parsed, then refused by its length
     growth_mb = (proc.memory_info().rss - before) / 2**20
     doc = json.loads(res.body)
     assert res.status == 413 and doc["field"] == "text" and "QUART_MAX_TEXT_CHARS" in doc["error"], doc
     assert growth_mb <= 64, growth_mb
+
+
+def test_ids_are_bounded_by_shape_before_a_tensor_is_allocated(tiny1):
+    rt = StageRuntime.load(StageConfig(model_dir=tiny1, stage_index=0, num_stages=1, max_batch=4))
+    res = rt.handle(json.dumps({"input_ids": [[1]] * 5}).encode(), JSON)
+    assert res.status == 400 and "batch size must be 1..4" in json.loads(res.body)["error"]
+    too_long = rt.shape.max_seq + 1
+    res = rt.handle(json.dumps({"input_ids": [[1] * too_long]}).encode(), JSON)
+    assert res.status == 400 and f"got {too_long}" in json.loads(res.body)["error"]
 
 
 def test_the_text_limit_counts_a_whole_batch_and_follows_the_model():

@@ -86,9 +86,34 @@ def check_text(text, cfg: StageConfig, max_seq: int | None) -> list[str]:
     return texts
 
 
-def int_matrix(value, name: str) -> torch.Tensor:
+JSON_BYTES_PER_ID = 24  # "123456, " with room: a JSON body larger than the ids it may carry is refused unread
+JSON_FIELDS = 3  # input_ids, token_type_ids, attention_mask
+
+
+def json_limit(cfg: StageConfig, max_seq: int | None) -> int:
+    """Most bytes of a JSON input a stage parses: its largest batch of ids (every field), or its text limit
+    written as six-character escapes, and never under 1 MiB."""
+    ids = JSON_FIELDS * cfg.max_batch * (max_seq or 4096) * JSON_BYTES_PER_ID
+    return max(1 << 20, ids, 6 * text_limit(cfg, max_seq) + 1024)
+
+
+def check_json_size(size: int, cfg: StageConfig, max_seq: int | None) -> None:
+    """413 before parsing a JSON body no valid input of this stage needs (parsing expands it ~10 ×)."""
+    limit = json_limit(cfg, max_seq)
+    if size > limit:
+        raise invalid("body", f"JSON body of {size} bytes is over this stage's limit of {limit} bytes (the largest "
+                              "batch of ids, QUART_MAX_BATCH × the model's positions, or QUART_MAX_TEXT_CHARS)",
+                      status=413)
+
+
+def int_matrix(value, name: str, max_batch: int | None = None, max_seq: int | None = None) -> torch.Tensor:
+    """A batch × sequence list of integers as int64, its shape checked before the tensor is allocated."""
     if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
         raise invalid(name, "must be a non-empty list of lists of integers (batch, sequence)")
+    if max_batch is not None and len(value) > max_batch:
+        raise invalid(name, f"batch size must be 1..{max_batch}, got {len(value)}")
+    if max_seq is not None and len(value[0]) > max_seq:
+        raise invalid(name, f"sequence length must be 1..{max_seq}, got {len(value[0])}")
     if len({len(r) for r in value}) != 1:
         raise invalid(name, "rows must all have the same length: pad the shorter ones and send an "
                                     "attention_mask (1 = token, 0 = padding)")

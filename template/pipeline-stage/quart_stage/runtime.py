@@ -35,6 +35,7 @@ from quart_stage.inputs import (
     INPUT_IDS,
     LOGITS,
     TOKEN_TYPE_IDS,
+    check_json_size,
     check_text,
     dt,
     int_matrix,
@@ -311,6 +312,7 @@ class StageRuntime:
         return decoded.tensors, {k: v for k, v in decoded.metadata.items() if k in ("model", "stage")}
 
     def _parse_json(self, body) -> dict[str, torch.Tensor]:
+        check_json_size(len(body), self.cfg, self.shape.max_seq)  # 413 before parsing expands it
         doc = jsonparse.loads(body)  # NaN, deep nesting, huge integers: 400 naming the body
         if not isinstance(doc, dict):
             raise invalid("body", 'JSON input must be an object like {"input_ids": [[1, 2, 3]]}')
@@ -324,10 +326,11 @@ class StageRuntime:
             return self._tokenize(doc["text"])
         if INPUT_IDS not in doc:
             raise invalid(INPUT_IDS, 'missing; send {"input_ids": [[...]]}')
-        out = {INPUT_IDS: int_matrix(doc[INPUT_IDS], INPUT_IDS)}
+        bound = (self.cfg.max_batch, self.shape.max_seq)  # checked before any tensor is allocated
+        out = {INPUT_IDS: int_matrix(doc[INPUT_IDS], INPUT_IDS, *bound)}
         for name in (TOKEN_TYPE_IDS, ATTENTION_MASK):
             if name in doc:
-                out[name] = int_matrix(doc[name], name)
+                out[name] = int_matrix(doc[name], name, *bound)
         return out
 
     def _tokenize(self, text) -> dict[str, torch.Tensor]:
