@@ -18,19 +18,12 @@ from quart_stage.errors import QuartError
 from quart_stage.inputs import CHARS_PER_POSITION, check_text, text_limit
 from quart_stage.memlimit import headroom_bytes
 from quart_stage.runtime import StageRuntime
-from quart_tools.partition import partition
+from test_robust_input import tiny1  # noqa: F401 - a pytest fixture
 
 JSON = {"Content-Type": "application/json"}
 
 
-@pytest.fixture(scope="module")
-def tiny1(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("bounds") / "tiny1")
-    partition("tiny", 1, d, progress=False, seed=3)
-    return d
-
-
-def test_a_4mb_text_is_refused_413_before_the_tokenizer_sees_it(tiny1):
+def test_a_4mb_text_is_refused_413_before_the_tokenizer_sees_it(tiny1):  # noqa: F811
     rt = StageRuntime.load(StageConfig(model_dir=tiny1, stage_index=0, num_stages=1))
     assert rt.handle(json.dumps({"text": "hello"}).encode(), JSON).status == 200  # the tokenizer is loaded
     proc = psutil.Process()
@@ -45,7 +38,7 @@ def test_a_4mb_text_is_refused_413_before_the_tokenizer_sees_it(tiny1):
     assert growth_mb <= 64, growth_mb
 
 
-def test_ids_are_bounded_by_shape_before_a_tensor_is_allocated(tiny1):
+def test_ids_are_bounded_by_shape_before_a_tensor_is_allocated(tiny1):  # noqa: F811
     rt = StageRuntime.load(StageConfig(model_dir=tiny1, stage_index=0, num_stages=1, max_batch=4))
     res = rt.handle(json.dumps({"input_ids": [[1]] * 5}).encode(), JSON)
     assert res.status == 400 and "batch size must be 1..4" in json.loads(res.body)["error"]
