@@ -36,6 +36,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 import yaml
+from quart_provider.shedding import SHED_HEADER
 from quart_provider.system import stop_process
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.chaos_fuzz import fuzz
@@ -44,7 +45,6 @@ from quart_tools.bench.chaos_limits import async_32mb, capacity, deadline_summar
 SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart", "gateway-restart-default")
 MODEL = "bert-21b"
 BODY = json.dumps({"input_ids": [[1, 2, 3, 4]]}).encode()
-SHED = "X-Quart-Shed"  # on a 429 for a call admitted, then shed from its queue (its deadline could not be met)
 RECOVERY_POLL_DELAY_S = 0.5  # recovered_s is at least this: a poll right after a kill still counts the victim
 
 
@@ -153,7 +153,7 @@ async def open_loop(gw: Gateway, path: str, body: bytes, rate: float, seconds: f
                     answered = time.perf_counter()
                     await r.read()
                     if answers is not None:
-                        answers.append((r.status, 1000 * (answered - ctx.get("sent", start)), SHED in r.headers))
+                        answers.append((r.status, 1000 * (answered - ctx.get("sent", start)), SHED_HEADER in r.headers))
                     out["by_status"][str(r.status)] = out["by_status"].get(str(r.status), 0) + 1
                     if 200 <= r.status < 300:
                         out["ok"] += 1

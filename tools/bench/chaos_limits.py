@@ -2,7 +2,8 @@
 
 - :func:`oversized_text`: a 4 MB ``text`` to the model's pipeline: its answer (413 naming
   ``QUART_MAX_TEXT_CHARS``) and the growth of the stage-0 replicas' RSS while it is handled.
-- :func:`async_32mb`: a 32 MiB ``/async-function`` body: 202 (or 413 over the configured limit), never 429.
+- :func:`async_32mb`: a 32 MiB ``/async-function`` body: 202 (or 413 over the configured limit), never 429; the
+  gateway's RSS growth until the 202 (the body's ingest; the queue worker's call that follows is not counted).
 - :func:`deadline_summary`, of ``chaos.overload_deadline`` (a gateway serving the model with a slower emulated
   service time, its :func:`capacity` measured closed-loop, then an open loop at ``factor`` × capacity with
   ``X-Quart-Timeout-Ms``): ``admitted``:
@@ -37,15 +38,16 @@ async def peak_rss(pids: list[int], stop: asyncio.Event) -> int:
     return peak
 
 
-async def _measured(pids: list[int], call) -> tuple[object, float]:
-    """``await call()`` while sampling the RSS of ``pids``: (its result, the peak growth in MB)."""
+async def _measured(pids: list[int], call, settle_s: float = 0.3) -> tuple[object, float]:
+    """``await call()`` while sampling the RSS of ``pids``, and ``settle_s`` after it (what a replica still
+    allocates after answering): (its result, the peak growth in MB)."""
     procs = [psutil.Process(p) for p in pids]
     before = sum(p.memory_info().rss for p in procs)
     stop = asyncio.Event()
     sampler = asyncio.create_task(peak_rss(pids, stop))
     try:
         result = await call()
-        await asyncio.sleep(0.3)  # what the replica still allocates after answering
+        await asyncio.sleep(settle_s)
     finally:
         stop.set()
     return result, round(max(0, await sampler - before) / 2**20, 1)
@@ -77,7 +79,7 @@ async def async_32mb(gw, model: str) -> dict:
                                     timeout=aiohttp.ClientTimeout(total=120)) as r:
                 return r.status, (await r.text())[:200]
 
-        (status, text), growth = await _measured([pid], post)
+        (status, text), growth = await _measured([pid], post, settle_s=0.0)  # the ingest, not the call it makes
     return {"status": status, "gateway_rss_growth_mb": growth, "answer": text}
 
 
