@@ -28,6 +28,7 @@ from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSe
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 from quart_provider.responses import Answer, answer_of, error_answer, error_of, error_response
+from quart_provider.shedding import SHED_HEADER, replica_wait_s
 from quart_provider.tracing import Trace, trace_of, with_trace
 from quart_provider.types import FunctionState
 from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
@@ -276,19 +277,26 @@ class InvokeHandlers:
         headers = trace.mark(forwardable(in_headers.items()))
         headers["X-Forwarded-Host"] = host
         path = _upstream_path(raw_path)
-        payload = None
+        payload, wait_s, left = None, 0.0, 0.0
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
             try:  # a free ready replica without a wait (the common case), else wait (bounded) for one
                 endpoint = gateway.acquire_nowait(fn)
                 if endpoint is None:
                     if deadline_at is None:
                         endpoint = await gateway.acquire(fn)
-                    else:
-                        endpoint = await within(deadline_at - time.monotonic(), gateway.acquire(fn))
+                    else:  # no later than it can still be served in time (provider/shedding.py)
+                        left = deadline_at - time.monotonic()
+                        wait_s = replica_wait_s(left, self._load(fn).service_s, self.config.admission_safety)
+                        endpoint = await within(wait_s, gateway.acquire(fn))
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return answer_of(exc, self.config.retry_after_s)
             except TimeoutError:
+                if wait_s < left:  # cut short: shed while its deadline has not passed, not a 504 at it
+                    metrics.invocation_done(metric_name, 429, time.perf_counter() - start)
+                    return error_answer(429, f"the call of {name!r} can no longer be served within its deadline "
+                                             "(X-Quart-Timeout-Ms): no replica was free in time; retry later", None,
+                                        {"Retry-After": str(self.config.retry_after_s), SHED_HEADER: "deadline"})
                 metrics.invocation_done(metric_name, 504, time.perf_counter() - start)
                 return error_answer(504, f"the call of {name!r} passed its deadline (X-Quart-Timeout-Ms) waiting "
                                          "for a replica", "X-Quart-Timeout-Ms")

@@ -13,7 +13,10 @@ later ones first, and nothing looked at a queued call again until its deadline h
   of its deadline no longer covers ``safety`` × the rest of its pipeline (the stages from here, their queues),
   429 + Retry-After now, not a 504 at its deadline after it held a replica.
 
-Pure (loads and times are passed in): the pipeline router's entry and its dispatchers call them.
+- :func:`replica_wait_s`: how long a proxied function call (``/function/<name>``) may wait for a free
+  replica and still be served within its deadline; past it the proxy sheds it (429) instead of a 504 later.
+
+Pure (loads and times are passed in): the pipeline router's entry and its dispatchers, and the proxy, call them.
 """
 
 from __future__ import annotations
@@ -58,3 +61,9 @@ def shed_queued(rest: Sequence[StageLoad], remaining_s: float, what: str, safety
     return Admission(False, need, retry_after_s(need - max(0.0, remaining_s)),
                      f"{what} can no longer meet its deadline ({max(0.0, remaining_s):.2f} s left, about "
                      f"{need:.2f} s needed): shed before a replica took it; retry later")
+
+
+def replica_wait_s(remaining_s: float, service_s: float, safety: float = 1.0) -> float:
+    """The longest a call with ``remaining_s`` of its deadline left may wait for a replica: what remains once
+    ``safety`` × its measured ``service_s`` is set aside (never below 0)."""
+    return max(0.0, remaining_s - safety * max(0.0, service_s))
