@@ -48,6 +48,17 @@ def check_name(name: str, pipelines: Mapping[str, list[str]], reserved: Mapping[
                               f"{name!r} (stages {', '.join(stages)})", "service")
 
 
+def check_model(model: str | None, functions: Iterable[str], reserved: Mapping[str, str]) -> None:
+    """409 when a stage's ``com.quart.model`` names a function or a reserved route: its pipeline could never
+    answer ``/function/<model>``."""
+    if not model:
+        return
+    owner = reserved.get(model) or (f"function {model!r}" if model in set(functions) else None)
+    if owner is not None:
+        raise QuartError(409, f"model name {model!r} is taken: /function/{model} belongs to {owner}",
+                         "labels.com.quart.model")
+
+
 def check_count(namespace: str, namespaces: Iterable[str], caps: DeployCaps) -> None:
     """409 when ``namespace`` already holds ``max_functions`` functions."""
     held = sum(1 for ns in namespaces if ns == namespace)

@@ -13,7 +13,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from quart_provider.capacity import deploy_refusal
-from quart_provider.deploy_limits import DeployCaps, check_count, check_labels, check_name
+from quart_provider.deploy_limits import DeployCaps, check_count, check_labels, check_model, check_name
 from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
@@ -185,6 +185,7 @@ class Registry:
     def _check_limits(self, deployment: FunctionDeployment) -> None:
         """Reserved names and the label caps (:mod:`.deploy_limits`)."""
         check_name(deployment.service, self.pipelines(), self.reserved)
+        check_model(deployment.labels.get(vocab.MODEL), self.functions, self.reserved)
         check_labels(deployment.labels, self.caps)
         check_labels(deployment.annotations, self.caps, "annotations")
 

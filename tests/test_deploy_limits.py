@@ -12,7 +12,7 @@ import base64
 
 import pytest
 import requests
-from quart_provider.deploy_limits import DeployCaps, check_labels, check_name
+from quart_provider.deploy_limits import DeployCaps, check_labels, check_model, check_name
 from quart_stage.errors import QuartError
 from test_gateway_api import Running, faas_cli_deploy_body
 
@@ -52,6 +52,10 @@ def test_a_model_or_plugin_name_is_refused_409_naming_its_owner():
         check_name("quart-plugin", pipelines, {"quart-plugin": "the QUART plugin"})
     assert err.value.status == 409 and "the QUART plugin" in err.value.message
     check_name("bert-stage-0", pipelines, {})  # a stage of the model is its own function
+    with pytest.raises(QuartError) as err:
+        check_model("echo", ["echo"], {})  # a stage of model "echo" while a function answers /function/echo
+    assert err.value.status == 409 and err.value.field == "labels.com.quart.model"
+    check_model("bert", ["echo"], {})
 
 
 def test_the_plugin_route_is_reserved_on_a_gateway_with_the_plugin(tmp_path):
