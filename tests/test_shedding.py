@@ -64,26 +64,20 @@ def test_a_proxied_call_is_shed_429_when_no_replica_frees_up_in_time(tmp_path):
     import time
 
     import requests
-    from test_gateway_api import Running, faas_cli_deploy_body
+    from test_admission import busy_function
+    from test_gateway_api import Running
 
     running = Running(tmp_path)
     try:
-        body = faas_cli_deploy_body("busy", labels={"com.quart.concurrency": "1", "com.openfaas.scale.max": "1"})
-        assert running.deploy(body).status_code == 202
-        running.wait_available("busy", 1)
+        occupy = busy_function(running)
         assert requests.post(f"{running.url}/function/busy", data=b"x", timeout=10).status_code == 200  # measured
-        fn = running.system.gateway.functions["busy"]
-
-        async def occupy(n: int) -> None:
-            fn.ready[0].in_flight += n
-
-        running.call(occupy(1))  # its only replica is at its concurrency limit
+        occupy(1)  # its only replica is at its concurrency limit
         start = time.monotonic()
         res = requests.post(f"{running.url}/function/busy", data=b"x", headers={"X-Quart-Timeout-Ms": "400"},
                             timeout=10)
         took = time.monotonic() - start
         assert res.status_code == 429 and res.headers[SHED_HEADER] == "deadline" and res.headers["Retry-After"]
         assert took < 1.0, took  # shed when only its service time was left, not a 504 at the deadline
-        running.call(occupy(-1))
+        occupy(-1)
     finally:
         running.close()
