@@ -154,7 +154,8 @@ class GenerationAPI:
         prompt = await asyncio.to_thread(info.prompt_ids, params)
         max_tokens = self._max_tokens(info, params, len(prompt), door)
         sample = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
-        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, info.eos_ids)
+        eos = frozenset() if params.ignore_eos else info.eos_ids
+        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos)
         outcome = Outcome(len(prompt), arrival)
         ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         try:

@@ -40,6 +40,7 @@ class GenerationParams:
     stop_ids: tuple[int, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
 
     @property
     def prompt_chars(self) -> int:
@@ -103,13 +104,16 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
         stream = False
     if not isinstance(stream, bool):
         raise invalid("stream", f"stream must be true or false, got {stream!r}")
+    ignore_eos = doc.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos", f"ignore_eos must be true or false, got {ignore_eos!r}")
     options = doc.get("stream_options") or {}
     if not isinstance(options, Mapping) or not isinstance(options.get("include_usage", False), bool):
         raise invalid("stream_options", "stream_options must be an object with a boolean include_usage")
     return GenerationParams(
         model=name, prompt=prompt, prompt_ids=prompt_ids, messages=messages, max_tokens=max_tokens,
         temperature=temperature, top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos,
     )
 
 
