@@ -41,6 +41,7 @@ from quart_stage.errors import QuartError, unavailable
 log = logging.getLogger("quart.generation")
 
 SESSION, SESSION_POS, SESSION_END = "X-Quart-Session", "X-Quart-Session-Pos", "X-Quart-Session-End"
+SESSION_RESERVE = "X-Quart-Session-Reserve"  # at Pos 0: the replica books prompt + max_tokens up front
 SAMPLE = "X-Quart-Sample"
 
 
@@ -139,6 +140,8 @@ class SessionEngine:
             raise
         if sample.get("seed") is None:
             sample = {**sample, "seed": random.getrandbits(63)}  # fixed for the session: a replay samples the same
+        else:
+            sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
         session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos)
         self.active[session.id] = session
         return session
@@ -205,6 +208,8 @@ class SessionEngine:
                        "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
             if k == final:
                 headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
+            if pos == 0:
+                headers[SESSION_RESERVE] = str(session.need)
             if last:
                 headers[SESSION_END] = "1"
             status, data, answer = await self._call(k, fn, replica, body, headers)
