@@ -17,6 +17,7 @@ import pytest
 import requests
 import torch
 from embedded_system import ThreadedSystem
+from gateway_plugin.generation.tokens import load_model
 from generation_app import CHATML
 from quart_provider.stack import load_stack
 from quart_stage.verify import reference_model
@@ -76,7 +77,7 @@ def test_openai_client_completions_and_chat_streamed_and_not(gateway, whole):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     answer = client.completions.create(model="tiny", prompt="Pipelines stream", max_tokens=10, temperature=0,
                                        extra_body={"ignore_eos": True})
-    ids = list("Pipelines stream".encode())  # the preset's tokenizer: one token per byte
+    ids = load_model("tiny", model_dir).tokenizer.encode("Pipelines stream", add_special_tokens=False)
     assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == 10
     direct = requests.post(f"{system.url}/function/tiny", json={"input_ids": ids, "max_tokens": 10,
                                                                 "ignore_eos": True}, timeout=60).json()
