@@ -236,7 +236,7 @@ class GenerationAPI:
                 await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
             async for token, delta in self._tokens(request, session, info, params, outcome):
                 if door == "native":
-                    await sse.send(response, {"token": token, "text": delta})
+                    await sse.send(response, {"text": delta} if token is None else {"token": token, "text": delta})
                 elif delta:
                     await sse.send(response, self._chunk(door, ident, params.model, created, delta, None))
             if outcome.error is not None:
