@@ -9,6 +9,7 @@ and ``DELETE /_/sessions/<id>``, and records what it was asked.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 
@@ -45,6 +46,7 @@ class FakeStage:
     ended: list[str] = field(default_factory=list)
     calls: int = 0
     fail_next: int = 0  # answer this many calls with 500
+    delay_s: float = 0.0  # each call takes this long (a slow stage)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -58,6 +60,8 @@ class FakeStage:
 
     async def invoke(self, request: web.Request) -> web.Response:
         self.calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if self.fail_next:
             self.fail_next -= 1
             return web.json_response({"error": "injected"}, status=500)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import socket
+import time
 
 import openai
 import pytest
@@ -177,3 +179,21 @@ def test_seeded_fuzz_of_the_generation_doors_gives_no_5xx(server):
                 res.json()
     assert statuses.get(200, 0) > 50 and sum(v for k, v in statuses.items() if 400 <= k < 500) > 300, statuses
     assert all(f.sessions == {} for f in server.fakes)  # every session's caches were freed
+
+
+def test_a_client_that_goes_away_mid_stream_frees_the_session_caches(server):
+    before, calls = [len(f.deleted) for f in server.fakes], server.fakes[1].calls
+    server.fakes[1].delay_s = 0.01  # 200 tokens would take 2 s: the client is gone long before
+    host, port = server.url.split("//")[1].split(":")
+    body = json.dumps({"model": "tiny", "prompt": "go", "max_tokens": 200, "temperature": 0, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    deadline = time.monotonic() + 10  # the socket is closed: the next event's write finds the client gone
+    while any(f.sessions for f in server.fakes) or server.engine.active:
+        assert time.monotonic() < deadline, [f.sessions for f in server.fakes]
+        time.sleep(0.02)
+    server.fakes[1].delay_s = 0.0
+    assert all(len(f.deleted) == n + 1 for f, n in zip(server.fakes, before, strict=True))  # DELETE on each stage
+    assert server.fakes[1].calls - calls < 150 and server.engine.book.reserved == {}
