@@ -285,7 +285,7 @@ class GenerationAPI:
             return
         end = self.clock()
         ttft, tpot = outcome_ms(outcome)
-        status = outcome.error.status if outcome.error is not None else 200
+        status = outcome.error.status if outcome.error is not None else 499 if outcome.finish_reason == "client_gone" else 200
         with contextlib.suppress(Exception):  # measuring never fails a request
             self.collector.record(RequestRecord(
                 id=ident, model=model, arrival=arrival, end=end, status=status, latency_ms=1000 * (end - arrival),
