@@ -63,6 +63,9 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, prom
     async with session.post(f"{url.rstrip('/')}/v1/chat/completions", json=body) as res:
         if res.status == 404 and res.content_type != "text/event-stream":
             return None
+        if res.status == 400:  # e.g. a partition made before the chat template was kept: the old path
+            print(f"  /v1/chat/completions: {(await res.json())['error']['message']}")
+            return None
         if res.status != 200:
             raise RuntimeError(f"/v1/chat/completions answered {res.status}: {await res.text()}")
         print(f"  POST /v1/chat/completions (stream) -> {prompt!r}\n    ", end="", flush=True)
