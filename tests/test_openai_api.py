@@ -197,3 +197,20 @@ def test_a_client_that_goes_away_mid_stream_frees_the_session_caches(server):
     server.fakes[1].delay_s = 0.0
     assert all(len(f.deleted) == n + 1 for f, n in zip(server.fakes, before, strict=True))  # DELETE on each stage
     assert server.fakes[1].calls - calls < 150 and server.engine.book.reserved == {}
+
+
+def test_a_session_with_no_kv_room_is_refused_429_with_retry_after(server, client):
+    full = server.engine.book.cap("tiny#1")
+    server.engine.book.reserve("tiny#1", full)  # other sessions hold the last stage's whole cache
+    try:
+        res = requests.post(f"{server.url}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=10)
+        err = _error(res, 429)
+        assert err["type"] == "rate_limit_error" and "room" in err["message"] and res.headers["Retry-After"] == "1"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=2)
+        native = requests.post(f"{server.url}/function/tiny", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert native.status_code == 429 and native.headers["Retry-After"] == "1"
+    finally:
+        server.engine.book.release("tiny#1", full)
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
