@@ -5,8 +5,10 @@ takes the request through every stage) or, without the plugin, stage by stage
 (``/function/<model>-stage-<i>``). In-process callers (tests, ``quartctl bench realmodel``) pass a
 ``step`` of their own.
 
-Generation is greedy and keeps **no KV cache**: each new token is one pass of the whole sequence so far
-through every stage. The stages stay stateless, so any replica of any stage serves any token (the
+With the plugin attached, a decoder answers through the gateway's ``/v1/chat/completions`` stream
+(:func:`stream_chat`: sessions whose KV caches stay in the stage replicas, docs/generation.md). Without
+it, generation falls back to this module's greedy loop, which keeps **no KV cache**: each new token is
+one pass of the whole sequence so far through every stage. The stages stay stateless, so any replica of any stage serves any token (the
 router may spread one generation over replicas and scale a stage mid-generation), at the price of
 recomputing the prefix: a token costs O(prompt + generated) positions of compute instead of one. For
 the few-token answers here (a 30-token prompt, ~10 tokens) that is a few tens of milliseconds per token
