@@ -151,7 +151,10 @@ class GenerationAPI:
             raise QuartError(404, f"no pipeline named {params.model!r} is deployed (GET /v1/models lists them)",
                              "model")
         info = await self.catalog.get(params.model, self.model_dir(params.model))
-        prompt = await asyncio.to_thread(info.prompt_ids, params)
+        if params.prompt_chars > 4096:  # a long text is tokenized off the event loop
+            prompt = await asyncio.to_thread(info.prompt_ids, params)
+        else:
+            prompt = info.prompt_ids(params)
         max_tokens = self._max_tokens(info, params, len(prompt), door)
         sample = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
         eos = frozenset() if params.ignore_eos else info.eos_ids
