@@ -5,7 +5,8 @@
 - ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and generation bodies on
   ``POST /function/<model>`` go to the generation API (``gateway_plugin.generation``).
 - The per-stage gauges join the gateway's ``/metrics``; ``GET /function/quart-plugin/snapshot``
-  answers the current per-stage snapshots as JSON, ``.../timeline`` the controller's history.
+  answers the current per-stage snapshots as JSON, ``.../timeline`` the controller's history,
+  ``.../sessions`` the generation sessions in flight and the KV positions booked per replica.
 - The controller scales stages through the configured actuator (default: in-process gateway calls,
   whose placer is the scheduler). Settings: ``PluginConfig.from_env`` (``QUART_*``).
 """
@@ -276,9 +277,14 @@ class Plugin:
                 return web.json_response({"error": f"since must be a number, got {since!r}", "field": "since"},
                                          status=400)
             return web.json_response([row for row in self.controller.timeline if row["time"] >= t0][-20000:])
+        if tail == "sessions":  # generation sessions in flight and the KV positions booked per replica
+            return web.json_response({"active": [{"id": x.id, "model": x.model, "tokens": x.fed, "replays": x.replays,
+                                                  "replicas": [getattr(r, "id", None) for r in x.replicas]}
+                                                 for x in self.engine.active.values()],
+                                      "kv": self.engine.book.occupancy()})
         if tail == "metrics":
             return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
-        return web.json_response({"error": f"unknown plugin path {tail!r}; use snapshot, timeline or metrics",
+        return web.json_response({"error": f"unknown plugin path {tail!r}; use snapshot, timeline, sessions or metrics",
                                   "field": "path"}, status=404)
 
 
