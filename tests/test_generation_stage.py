@@ -36,16 +36,16 @@ NEW = 14
 LOGIT_TOL = 1e-4
 
 
+def _partition(root, family: str, n: int) -> str:
+    d = str(root / f"{family}-{n}")
+    partition({**CONFIGS[family], "_name": family}, n, d, progress=False, seed=11, std=0.5)
+    return d
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
-    out = {}
-    for family, config in CONFIGS.items():
-        for n in STAGES:
-            d = str(root / f"{family}-{n}")
-            partition({**config, "_name": family}, n, d, progress=False, seed=11, std=0.5)
-            out[family, n] = d
-    return out
+    return {(family, n): _partition(root, family, n) for family in CONFIGS for n in STAGES}
 
 
 @pytest.fixture(scope="module")
