@@ -265,6 +265,32 @@ def test_sessions_routes_list_and_free(models):
     assert client.get("/_/sessions").get_json()["kv_tokens"] == 0
 
 
+def test_a_failed_step_frees_the_session(models, monkeypatch):
+    (rt,) = _runtimes(models["llama", 1])
+    assert _post(rt, PROMPT, 0).status == 200
+    monkeypatch.setattr(rt.module, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    failed = _post(rt, [1], len(PROMPT))
+    assert failed.status == 500 and json.loads(failed.body)["field"] == "compute"
+    assert failed.headers["X-Quart-Session-Pos"] == "0" and rt.generation.table.used == 0
+    monkeypatch.undo()
+    assert _post(rt, [1], len(PROMPT)).status == 409  # the gateway replays
+
+
+def test_function_handler_serves_the_session_routes(models):
+    from types import SimpleNamespace
+
+    from quart_stage.handler import StageHandler
+
+    (rt,) = _runtimes(models["llama", 1])
+    handle = StageHandler(rt)
+    assert _post(rt, PROMPT, 0, session="h").status == 200
+    listing = handle(SimpleNamespace(method="GET", path="/_/sessions", body=b"", headers={}), None)
+    assert listing["statusCode"] == 200 and listing["body"]["sessions"][0]["id"] == "h"
+    gone = handle(SimpleNamespace(method="DELETE", path="/_/sessions/h", body=b"", headers={}), None)
+    again = handle(SimpleNamespace(method="DELETE", path="/_/sessions/h", body=b"", headers={}), None)
+    assert gone["statusCode"] == 204 and again["statusCode"] == 404 and again["body"]["field"] == "session"
+
+
 def test_emulated_sessions_count_positions_and_give_deterministic_tokens():
     def pipeline():
         return [StageRuntime.load(StageConfig(compute="emulated", profile="llama-7b", num_stages=3, stage_index=i,
