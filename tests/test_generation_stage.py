@@ -36,16 +36,16 @@ NEW = 14
 LOGIT_TOL = 1e-4
 
 
+def _partition(root, family: str, n: int) -> str:
+    d = str(root / f"{family}-{n}")
+    partition({**CONFIGS[family], "_name": family}, n, d, progress=False, seed=11, std=0.5)
+    return d
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
-    out = {}
-    for family, config in CONFIGS.items():
-        for n in STAGES:
-            d = str(root / f"{family}-{n}")
-            partition({**config, "_name": family}, n, d, progress=False, seed=11, std=0.5)
-            out[family, n] = d
-    return out
+    return {(family, n): _partition(root, family, n) for family in CONFIGS for n in STAGES}
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +263,32 @@ def test_sessions_routes_list_and_free(models):
     assert client.delete("/_/sessions/x").status_code == 204
     assert client.delete("/_/sessions/x").status_code == 404
     assert client.get("/_/sessions").get_json()["kv_tokens"] == 0
+
+
+def test_a_failed_step_frees_the_session(models, monkeypatch):
+    (rt,) = _runtimes(models["llama", 1])
+    assert _post(rt, PROMPT, 0).status == 200
+    monkeypatch.setattr(rt.module, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    failed = _post(rt, [1], len(PROMPT))
+    assert failed.status == 500 and json.loads(failed.body)["field"] == "compute"
+    assert failed.headers["X-Quart-Session-Pos"] == "0" and rt.generation.table.used == 0
+    monkeypatch.undo()
+    assert _post(rt, [1], len(PROMPT)).status == 409  # the gateway replays
+
+
+def test_function_handler_serves_the_session_routes(models):
+    from types import SimpleNamespace
+
+    from quart_stage.handler import StageHandler
+
+    (rt,) = _runtimes(models["llama", 1])
+    handle = StageHandler(rt)
+    assert _post(rt, PROMPT, 0, session="h").status == 200
+    listing = handle(SimpleNamespace(method="GET", path="/_/sessions", body=b"", headers={}), None)
+    assert listing["statusCode"] == 200 and listing["body"]["sessions"][0]["id"] == "h"
+    gone = handle(SimpleNamespace(method="DELETE", path="/_/sessions/h", body=b"", headers={}), None)
+    again = handle(SimpleNamespace(method="DELETE", path="/_/sessions/h", body=b"", headers={}), None)
+    assert gone["statusCode"] == 204 and again["statusCode"] == 404 and again["body"]["field"] == "session"
 
 
 def test_emulated_sessions_count_positions_and_give_deterministic_tokens():

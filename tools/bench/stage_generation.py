@@ -6,11 +6,14 @@ then one-position decode steps; the safetensors wire between stages, JSON token 
 network), against the whole transformers model's `generate(do_sample=False, use_cache=True)` of the same
 weights, in the same run, same torch thread count (``--threads``). TTFT: prompt to first token. TPOT: mean
 time per token after the first (the reference's per-token times come from a StoppingCriteria that stamps
-each token). Each row is the median of ``--repeats`` runs, pipeline and reference interleaved. Prompts are
-random token ids (fixed seed) of ``--contexts`` lengths.
+each token). Each row is the median of ``--repeats`` runs, pipeline and reference interleaved (order
+alternating). On a loaded machine whole runs drift apart, so each row also has ``interleaved_*``: decode steps
+alternating token by token between the pipeline and the whole model's forward with its cache (the step
+`generate` runs), medians. Prompts are random token ids (fixed seed) of ``--contexts`` lengths.
 
 Row: ``{"context", "new_tokens", "pipeline_ttft_ms", "pipeline_tpot_ms", "reference_ttft_ms",
-"reference_tpot_ms", "tpot_ratio", "same_tokens"}``. Target (issue 27): pipeline TPOT <= 1.3x the
+"reference_tpot_ms", "tpot_ratio", "same_tokens", "interleaved_pipeline_step_ms", "interleaved_reference_step_ms",
+"interleaved_ratio"}``. Target (issue 27): pipeline TPOT <= 1.3x the
 reference's, TPOT(512) <= 1.5x TPOT(32), same_tokens everywhere.
 """
 
@@ -29,7 +32,7 @@ from quart_stage.runtime import StageRuntime
 from quart_stage.verify import reference_model
 from quart_tools.bench import machine_info, write_report
 from quart_tools.partition import partition
-from quart_tools.stagechain import generate
+from quart_tools.stagechain import generate, session_step
 
 
 class _Stamps:
@@ -58,22 +61,57 @@ def reference_run(model, prompt: list[int], new_tokens: int) -> tuple[list[int],
     return out[0, len(prompt):].tolist(), times[1] - t0, sum(gaps) / len(gaps)
 
 
+def interleaved_steps(runtimes, model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """Decode steps alternating token by token between the pipeline session and the whole model's forward with
+    its DynamicCache (what `generate` runs per token), so machine load hits both alike: the median step (s) of
+    each."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        token = int(model(torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    .logits[0, -1].argmax())
+    session_step(runtimes, prompt, 0, "bench-interleaved")
+    pipe, ref, pos = [], [], len(prompt)
+    for _ in range(new_tokens):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        t1 = time.perf_counter()
+        session_step(runtimes, [token], pos, "bench-interleaved")
+        t2 = time.perf_counter()
+        token, pos = int(logits[0, -1].argmax()), pos + 1
+        ref.append(t1 - t0)
+        pipe.append(t2 - t1)
+    for rt in runtimes:
+        rt.generation.table.drop("bench-interleaved")
+    return statistics.median(pipe), statistics.median(ref)
+
+
 def measure(runtimes, model, context: int, new_tokens: int, repeats: int, vocab: int) -> dict:
     prompt = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     rows = []
-    for k in range(repeats + 1):  # the first run of each side warms up
-        ref_tokens, ref_ttft, ref_tpot = reference_run(model, prompt, new_tokens)
-        got = generate(runtimes, prompt, new_tokens, session=f"bench-{context}-{k}")
+    for k in range(repeats + 1):  # the first run of each side warms up; the order alternates
+        if k % 2:
+            got = generate(runtimes, prompt, new_tokens, session=f"bench-{context}-{k}")
+            ref_tokens, ref_ttft, ref_tpot = reference_run(model, prompt, new_tokens)
+        else:
+            ref_tokens, ref_ttft, ref_tpot = reference_run(model, prompt, new_tokens)
+            got = generate(runtimes, prompt, new_tokens, session=f"bench-{context}-{k}")
         if k:
             rows.append((got.ttft_s, got.tpot_s, ref_ttft, ref_tpot, got.tokens == ref_tokens))
     med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
+    pipe_step, ref_step = interleaved_steps(runtimes, model, prompt, new_tokens)
     return {"context": context, "new_tokens": new_tokens,
             "pipeline_ttft_ms": round(med[0], 2), "pipeline_tpot_ms": round(med[1], 3),
             "reference_ttft_ms": round(med[2], 2), "reference_tpot_ms": round(med[3], 3),
-            "tpot_ratio": round(med[1] / med[3], 3), "same_tokens": all(r[4] for r in rows)}
+            "tpot_ratio": round(med[1] / med[3], 3), "same_tokens": all(r[4] for r in rows),
+            "interleaved_pipeline_step_ms": round(pipe_step * 1e3, 3),
+            "interleaved_reference_step_ms": round(ref_step * 1e3, 3),
+            "interleaved_ratio": round(pipe_step / ref_step, 3)}
 
 
-def run(stages: int = 3, contexts: tuple[int, ...] = (32, 512), new_tokens: int = 64, repeats: int = 3,
+def run(stages: int = 3, contexts: tuple[int, ...] = (32, 512), new_tokens: int = 64, repeats: int = 4,
         threads: int = 1) -> dict:
     with tempfile.TemporaryDirectory(prefix="quart-bench-stagegen-") as work:
         model_dir = str(Path(work) / "smollm2")
@@ -91,7 +129,9 @@ def run(stages: int = 3, contexts: tuple[int, ...] = (32, 512), new_tokens: int 
             rows.append(row)
             print(f"  context {context:5}: TPOT pipeline {row['pipeline_tpot_ms']:8.2f} ms  reference "
                   f"{row['reference_tpot_ms']:8.2f} ms  ({row['tpot_ratio']:.2f}x)  TTFT {row['pipeline_ttft_ms']:8.1f}"
-                  f" / {row['reference_ttft_ms']:8.1f} ms  same tokens: {row['same_tokens']}", file=sys.stderr)
+                  f" / {row['reference_ttft_ms']:8.1f} ms  same tokens: {row['same_tokens']}  interleaved steps "
+                  f"{row['interleaved_pipeline_step_ms']:.2f} / {row['interleaved_reference_step_ms']:.2f} ms "
+                  f"({row['interleaved_ratio']:.2f}x)", file=sys.stderr)
     return {"benchmark": "stage-generation", "model": "smollm2", "stages": stages, "threads": threads,
             "machine": machine_info(torch=torch.__version__, torch_threads=threads),
             "method": "median of repeats, interleaved; pipeline = StageRuntime.handle of every stage in one process "
@@ -106,7 +146,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stages", type=int, default=3, help="stage count (default 3)")
     p.add_argument("--contexts", default="32,512", help="prompt lengths, comma separated (default 32,512)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (default 64)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per row after a warm-up; median (default 3)")
+    p.add_argument("--repeats", type=int, default=4, help="timed runs per row after a warm-up; median (default 4)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both sides (default 1)")
     args = p.parse_args(argv)
     contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())

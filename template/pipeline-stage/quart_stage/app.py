@@ -98,9 +98,8 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
 
     @app.delete("/_/sessions/<session_id>")
     def end_session(session_id: str):
-        if runtime.generation.table.drop(session_id):
-            return "", 204
-        return {"error": f"this replica holds no session {session_id!r}", "field": "session"}, 404
+        status, doc = runtime.generation.free(session_id)
+        return (doc or ""), status
 
     @app.post("/", defaults={"path": ""})
     @app.post("/<path:path>")

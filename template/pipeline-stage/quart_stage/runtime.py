@@ -256,7 +256,8 @@ class StageRuntime:
         t3 = time.perf_counter()
         if span is not None:
             base[H_LAYERS] = fmt(span)
-        base.update({"Content-Type": ctype, H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1, t2), H_SER: elapsed_ms(t2, t3)})
+        base.update({"Content-Type": ctype, H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1, t2),
+                     H_SER: elapsed_ms(t2, t3)})
         return StageResponse(200, chunks, base)
 
     def next_hop_meta(self, request_id: str, more: bool) -> dict[str, str]:

@@ -89,7 +89,7 @@ def choose(logits: torch.Tensor, params: SampleParams, position: int) -> int:
     """The token for absolute ``position`` from that position's logits (1-D, vocab)."""
     if params.greedy:
         return int(torch.argmax(logits))  # the first maximum: ties go to the lowest id
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)  # the same draw on any device
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)
     if params.top_k:
         sorted_probs = sorted_probs[: params.top_k]

@@ -129,6 +129,12 @@ class Generation:
             auto = KV_AUTO_UNKNOWN
         self.table = SessionTable(cfg.kv_max_tokens or auto, cfg.kv_idle_s)
 
+    def free(self, session_id: str) -> tuple[int, dict | None]:
+        """``DELETE /_/sessions/<id>``: 204, or 404 naming the session this replica does not hold."""
+        if self.table.drop(session_id):
+            return 204, None
+        return 404, {"error": f"this replica holds no session {session_id[:140]!r}", "field": FIELD}
+
     def headers(self, session_id: str) -> dict[str, str]:
         return {H_SESSION_POS: str(self.table.held(session_id)), H_KV_TOKENS: self.table.occupancy()}
 
