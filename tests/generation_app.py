@@ -5,6 +5,7 @@ stage replicas that speak the session protocol (tests/fake_session_stage.py), fo
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import threading
 from pathlib import Path
@@ -43,7 +44,8 @@ class GenerationServer:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.fakes: list[FakeStage] = []
-        self.collector = MetricsCollector(10.0)
+        self.records = io.StringIO()  # the request records (QUART_RECORDS), one JSON line each
+        self.collector = MetricsCollector(10.0, self.records)
         self.url = self.call(self._start(GenerationConfig(replica_wait_s=0.5, **config)))
 
     def call(self, coro, timeout: float = 30):

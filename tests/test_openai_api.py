@@ -141,6 +141,9 @@ def test_ttft_and_tpot_are_in_the_metrics_and_the_records(server, client):
     text = requests.get(f"{server.url}/metrics").text
     assert 'quart_generation_ttft_seconds_count{model="tiny"}' in text
     assert 'quart_generation_tpot_seconds_count{model="tiny"}' in text
+    record = json.loads(server.records.getvalue().splitlines()[-1])
+    assert record["model"] == "tiny" and record["status"] == 200 and record["tokens"] == 4
+    assert 0 < record["ttft_ms"] <= record["latency_ms"] and record["tpot_ms"] > 0
 
 
 def _fuzz_body(rng: random.Random):
