@@ -217,3 +217,21 @@ def test_a_session_with_no_kv_room_is_refused_429_with_retry_after(server, clien
     finally:
         server.engine.book.release("tiny#1", full)
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_stream_that_cannot_go_on_ends_with_an_error_event_and_done(server):
+    server.fakes[1].fail_next = 100  # the last stage answers 500 every time, and it has no other replica
+    try:
+        res = requests.post(f"{server.url}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
+            timeout=30)
+        events = [line[6:] for line in res.text.splitlines() if line.startswith("data: ")]
+        assert res.status_code == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "503" and "HTTP 500" in error["message"] and error["param"] == "stage"
+        plain = requests.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                              timeout=30)
+        assert plain.status_code == 503 and plain.json()["error"]["param"] == "stage"
+    finally:
+        server.fakes[1].fail_next = 0
+    assert server.engine.active == {} and server.engine.book.reserved == {}

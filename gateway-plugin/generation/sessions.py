@@ -191,9 +191,10 @@ class SessionEngine:
         excluded = set() if failed.keep else {failed.replica.id}
         try:
             replacement = await self._choose(fn, session.need, excluded, wait=True)
-        except QuartError:
+        except QuartError as exc:
             session.replicas[failed.stage] = None
-            raise
+            raise QuartError(exc.status, f"a replica of stage {fn!r} failed ({failed.why}) and no other could take "
+                                         f"the session over: {exc.message}", "stage", exc.headers) from None
         self.book.reserve(replacement.id, session.need)
         session.replicas[failed.stage] = replacement
         self.active.pop(session.id, None)
