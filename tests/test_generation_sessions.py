@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 from aiohttp import web
@@ -180,5 +181,23 @@ def test_replays_are_bounded_and_the_failure_is_explicit() -> None:
                     pass
             assert failed.value.status in (502, 503)
             assert engine.book.reserved == {} and engine.active == {}
+            await engine.close()
+    asyncio.run(main())
+
+
+def test_steps_of_different_sessions_overlap_across_the_stages() -> None:
+    """Three sessions on one replica per stage (each serving one step at a time, 30 ms a step): while one
+    session's step is at stage 2, another's runs at stage 0, so the three take far less than one after
+    another (serial: 3 sessions x 10 steps x 3 stages x 30 ms = 2.7 s)."""
+    async def main():
+        async with Pipeline((1, 1, 1)) as pipe:
+            for fake in pipe.fakes.values():
+                fake.delay_s = 0.03
+            engine = engine_for(pipe)
+            started = time.monotonic()
+            results = await asyncio.gather(*(_generate(engine, pipe, [i + 1, 7], 10) for i in range(3)))
+            took = time.monotonic() - started
+            assert [r[0] for r in results] == [reference([i + 1, 7], 10) for i in range(3)]
+            assert took < 0.75 * 2.7, took  # pipelined: ~(3 x 10 + 2) steps of 30 ms = ~1 s
             await engine.close()
     asyncio.run(main())
