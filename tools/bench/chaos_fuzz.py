@@ -1,4 +1,4 @@
-"""Seeded fuzzing of the gateway's deploy, scale, function and async APIs (`quartctl bench chaos`).
+"""Seeded fuzzing of the gateway's deploy, scale, function, async and OpenAI APIs (`quartctl bench chaos`).
 
 Each case mutates a valid request (a field's type or value swapped for NaN, a huge or negative number,
 5,000-deep nesting, a long or odd string, a bad label or environment variable, random bytes, a lying
@@ -63,8 +63,24 @@ def _case(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], bool]:
     return method, path, body, headers, chunked
 
 
+def _openai(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], bool]:
+    """A mutated OpenAI-shaped request (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``)."""
+    if rng.random() < 0.1:
+        return rng.choice(["GET", "POST"]), "/v1/models", b"", {}, False
+    doc: dict[str, Any] = {"model": rng.choice(["bert-21b", "fz-none", ""]), "max_tokens": 4, "stream": rng.random() < 0.3}
+    if rng.random() < 0.5:
+        doc["prompt"] = rng.choice(["hi", "x" * 300_000, ["a", "b"], [1, 2, 3]])
+        path = "/v1/completions"
+    else:
+        doc["messages"] = rng.choice([[{"role": "user", "content": "hi"}], [{"role": "x"}], "hi", []])
+        path = "/v1/chat/completions"
+    return "POST", path, _mutate(rng, doc), {"Content-Type": "application/json"}, rng.random() < 0.2
+
+
 def _request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str], bool]:
-    api = rng.randrange(4)
+    api = rng.randrange(5)
+    if api == 4:
+        return _openai(rng)
     if api == 0:
         return rng.choice(["POST", "PUT"]), "/system/functions", _mutate(rng, _base(rng)), {}, rng.random() < 0.2
     if api == 1:
