@@ -128,12 +128,15 @@ async def _throughput(url: str, path: str, body: bytes, concurrency: int, second
     return done / elapsed
 
 
-def _start_gateway(state_dir: Path) -> tuple[subprocess.Popen, str, tuple[str, str]]:
+def _start_gateway(state_dir: Path, plugin: bool = False, env: dict[str, str] | None = None
+                   ) -> tuple[subprocess.Popen, str, tuple[str, str]]:
+    """`quartctl up --process-hosts` in ``state_dir`` (with the QUART plugin when ``plugin``); its URL and auth."""
     log = open(state_dir / "gateway.log", "wb")  # noqa: SIM115 - closed by the caller via the process
     process = subprocess.Popen(
-        [sys.executable, "-m", "quart_tools.cli", "up", "--port", "0", "--process-hosts", "--no-plugin",
-         "--state-dir", str(state_dir)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True)
+        [sys.executable, "-m", "quart_tools.cli", "up", "--port", "0", "--process-hosts",
+         *([] if plugin else ["--no-plugin"]), "--state-dir", str(state_dir)], stdout=log,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 60
     state_file = state_dir / "up.json"
     while time.monotonic() < deadline:
@@ -146,6 +149,22 @@ def _start_gateway(state_dir: Path) -> tuple[subprocess.Popen, str, tuple[str, s
         time.sleep(0.05)
     stop_process(process.pid, process)
     raise RuntimeError("gateway did not start in 60 s")
+
+
+def deploy_echo(url: str, auth: tuple[str, str], name: str, labels: dict[str, str] | None = None) -> str:
+    """Deploy ``quart/echo`` as ``name`` (with ``labels``) and wait for its replica; the replica's URL."""
+    res = requests.post(f"{url}/system/functions", auth=auth, timeout=30,
+                        json={"service": name, "image": "quart/echo:latest", "labels": labels or {}})
+    res.raise_for_status()
+    deadline = time.monotonic() + 60
+    while True:
+        listing = requests.get(f"{url}/system/replicas/{name}", auth=auth, timeout=10).json()
+        ready = [r for r in listing["replicas"] if r["state"] == "ready"]
+        if ready:
+            return ready[0]["url"]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} replica not ready in 60 s")
+        time.sleep(0.05)
 
 
 def _throughput_pair(client: str, tmp: Path, url: str, replica_url: str, body: bytes, connections: int,
@@ -180,19 +199,7 @@ def run(body_bytes: int, count: int, warmup: int, connections: int, seconds: flo
     with tempfile.TemporaryDirectory(prefix="quart-bench-gw-") as tmp:
         process, url, auth = _start_gateway(Path(tmp))
         try:
-            res = requests.post(f"{url}/system/functions", auth=auth, timeout=30,
-                                json={"service": "echo", "image": "quart/echo:latest"})
-            res.raise_for_status()
-            deadline = time.monotonic() + 60
-            while True:
-                listing = requests.get(f"{url}/system/replicas/echo", auth=auth, timeout=10).json()
-                ready = [r for r in listing["replicas"] if r["state"] == "ready"]
-                if ready:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("echo replica not ready in 60 s")
-                time.sleep(0.05)
-            replica_url = ready[0]["url"]
+            replica_url = deploy_echo(url, auth, "echo")
             body = os.urandom(body_bytes)
             try:
                 import uvloop
