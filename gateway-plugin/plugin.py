@@ -1,7 +1,8 @@
 """Attach the router, metrics and controller to the embedded gateway (``quartctl up`` calls ``attach``).
 
 - ``POST /function/<model>`` for a pipeline (functions labelled ``com.quart.model``) goes to the
-  router; deployed stage functions are still invocable one by one by the gateway itself.
+  router: the gateway's pipeline route (``gateway.route_pipelines(router.answer)``), which its fast
+  front calls with the body read; deployed stage functions are still invocable one by one.
 - The per-stage gauges join the gateway's ``/metrics``; ``GET /function/quart-plugin/snapshot``
   answers the current per-stage snapshots as JSON, ``.../timeline`` the controller's history.
 - The controller scales stages through the configured actuator (default: in-process gateway calls,
@@ -26,6 +27,7 @@ from gateway_plugin.policies import make_policy
 from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
+from quart_provider.admission import ServiceTimes
 from quart_stage import labels as vocab
 
 log = logging.getLogger("quart.plugin")
@@ -52,6 +54,24 @@ class GatewayView:
 
     def take(self, function: str, replica: Any) -> None:
         replica.in_flight += 1
+
+    def wait(self, function: str) -> asyncio.Future[None]:
+        """Resolved at the function's next release (the router's or the proxy's) or ready-list change: the
+        same wake-ups the proxy's waiting calls get (``FunctionState.wakeups``)."""
+        future = asyncio.get_running_loop().create_future()
+        fn = self.gateway.functions.get(function)
+        if fn is not None:
+            fn.add_waiter(future)
+        return future
+
+    def waiting(self, function: str) -> int:
+        """Calls of ``function`` through the proxy waiting for a slot (the controller sees them in the queue)."""
+        fn = self.gateway.functions.get(function)
+        return fn.waiting if fn is not None else 0
+
+    def service_times(self, function: str) -> ServiceTimes:
+        fn = self.gateway.functions.get(function)
+        return fn.service if fn is not None else ServiceTimes()
 
     def mark_unreachable(self, function: str, replica: Any) -> None:
         """The router found nothing listening on ``replica``: out of the ready list until its host says."""
@@ -209,15 +229,11 @@ class Plugin:
         self._files.clear()
 
     async def hook(self, request: web.Request, name: str, tail: str) -> web.StreamResponse | None:
+        """``/function/quart-plugin/...`` (pipelines go to the gateway's pipeline route, not here)."""
         if name == PLUGIN_PATH:
             if tail == "policy" and request.method == "POST":
                 return await self._switch_policy(request)
             return self._introspect(tail, request.query.get("since"))
-        if name in self.view.pipelines():
-            if tail:
-                return web.json_response({"error": f"pipeline {name!r} has no sub-path {tail!r}", "field": "path"},
-                                         status=404)
-            return await self.router.handle(request, name)
         return None
 
     def _authorised(self, request: web.Request) -> bool:
@@ -270,6 +286,7 @@ async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = No
     """Called by the embedded gateway once it is up: hooks the router in and starts the controller."""
     plugin = Plugin(gateway, config)
     gateway.add_invoke_hook(plugin.hook)
+    gateway.route_pipelines(plugin.router.answer)
     gateway.shutdown_callbacks.append(plugin.close)
     with contextlib.suppress(Exception):
         gateway.metrics.registry.register(_RegistryBridge(plugin.collector.registry))

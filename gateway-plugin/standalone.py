@@ -27,7 +27,7 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
-from gateway_plugin.router import Router, StaticReplica, json_reply
+from gateway_plugin.router import Router, StaticReplica, json_reply, web_response
 from gateway_plugin.snapshot_builder import StageState
 from quart_provider import namespaces
 from quart_provider.tracing import traced, with_trace
@@ -153,7 +153,7 @@ class StandalonePlugin:
         if namespace and known is not None and namespace != known:
             reply = json_reply(404, f"namespace {namespace!r} does not exist for pipeline {model!r} (it is in "
                                     f"{known!r})", "namespace")
-            return reply.response()
+            return web_response(reply)
         return await self.router.handle(with_trace(request), model)
 
     async def _refresh_forever(self) -> None:
