@@ -41,6 +41,7 @@ class GatewayView:
     def __init__(self, gateway: Any, default_concurrency: int = 1) -> None:
         self.gateway = gateway
         self.default_concurrency = default_concurrency
+        self._meta: dict[str, tuple[Any, tuple[float, int]]] = {}  # function -> (its deployment, stage_meta)
 
     def pipelines(self) -> dict[str, list[str]]:
         return self.gateway.pipelines()
@@ -102,8 +103,15 @@ class GatewayView:
         )
 
     def stage_meta(self, function: str) -> tuple[float, int]:
-        state = self.stage_state(function) if function in self.gateway.functions else None
-        return (state.cpus, state.param_bytes) if state else (1.0, 0)
+        """(cpus, parameter bytes) of a stage, read from its labels once per deployment (the router asks per call)."""
+        fn = self.gateway.functions.get(function)
+        if fn is None:
+            return (1.0, 0)
+        cached = self._meta.get(function)
+        if cached is None or cached[0] is not fn.deployment:
+            state = self.stage_state(function)
+            cached = self._meta[function] = (fn.deployment, (state.cpus, state.param_bytes))
+        return cached[1]
 
 
 def online_cv_trainer(config: PluginConfig):
