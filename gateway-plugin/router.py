@@ -54,8 +54,6 @@ from quart_provider.tracing import CALL_ID, new_call_id
 from quart_provider.upstream import UpstreamPool, UpstreamTimeout
 from quart_stage.errors import QuartError
 
-from keysmanager.aio import within
-
 log = logging.getLogger("quart.router")
 
 TIMING_HEADERS = ("X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms")
@@ -230,14 +228,14 @@ class Router:
         )
         self.accepted += 1
         self._enqueue(job, front=False)
+        timer = asyncio.get_running_loop().call_later(timeout + 0.5, self._abandon, job)  # answers it 504
         try:
-            return await within(timeout + 0.5, asyncio.shield(job.future))
-        except TimeoutError:
-            self._abandon(job)
-            return job.future.result()
+            return await job.future
         except asyncio.CancelledError:  # the client went away: stop the work, keep counters exact
             self._abandon(job, status=499)
             raise
+        finally:
+            timer.cancel()
 
     # ------------------------------------------------------------------ internals
 
