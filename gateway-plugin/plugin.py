@@ -28,7 +28,9 @@ from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
 from quart_provider.admission import ServiceTimes
+from quart_provider.responses import error_of
 from quart_stage import labels as vocab
+from quart_stage.errors import QuartError
 
 log = logging.getLogger("quart.plugin")
 
@@ -256,8 +258,8 @@ class Plugin:
         """``POST /function/quart-plugin/policy`` {"policy": name, "config": {...}} (basic auth): swap the
         policy of every pipeline; the new one starts with fresh state. Answers the controller's clock."""
         if not self._authorised(request):
-            return web.json_response({"error": "missing or wrong credentials: use the gateway's basic auth"},
-                                     status=401, headers={"WWW-Authenticate": 'Basic realm="Restricted"'})
+            return _error(401, "missing or wrong credentials: use the gateway's basic auth", None,
+                          {"WWW-Authenticate": 'Basic realm="Restricted"'})
         try:
             body = json.loads(await request.read() or b"{}")
             name = body["policy"]
@@ -266,7 +268,7 @@ class Plugin:
                 raise TypeError("config must be an object")
             factory = policy_factory(replace(self.config, policy=name), **overrides)
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-            return web.json_response({"error": f"cannot switch policy: {exc}", "field": "policy"}, status=400)
+            return _error(400, f"cannot switch policy: {exc}", "policy")
         self.config = replace(self.config, policy=name)
         self.controller.policy_factory = factory
         self.controller.policies.clear()
@@ -281,13 +283,16 @@ class Plugin:
             try:
                 t0 = float(since) if since else float("-inf")
             except ValueError:
-                return web.json_response({"error": f"since must be a number, got {since!r}", "field": "since"},
-                                         status=400)
+                return _error(400, f"since must be a number, got {since!r}", "since")
             return web.json_response([row for row in self.controller.timeline if row["time"] >= t0][-20000:])
         if tail == "metrics":
             return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
-        return web.json_response({"error": f"unknown plugin path {tail!r}; use snapshot, timeline or metrics",
-                                  "field": "path"}, status=404)
+        return _error(404, f"unknown plugin path {tail!r}; use snapshot, timeline or metrics", "path")
+
+
+def _error(status: int, message: str, field: str | None, headers: dict[str, str] | None = None) -> web.Response:
+    """The plugin's error answers: the one error body (:class:`QuartError`)."""
+    return error_of(QuartError(status, message, field, headers or {}), retry_after_s=1)
 
 
 async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = None) -> Plugin:
