@@ -189,12 +189,7 @@ def _throughput_pair(client: str, tmp: Path, url: str, replica_url: str, body: b
 
 def run(body_bytes: int, count: int, warmup: int, connections: int, seconds: float, client: str = "auto") -> dict:
     """The whole bench; ``client``: ``auto`` (wrk if found or installable, else python), ``wrk`` or ``python``."""
-    if client != "python":
-        wrk = find_wrk(install=True)
-        if wrk is None and client == "wrk":
-            raise RuntimeError("wrk is not installed (apt-get install wrk) and could not be installed")
-        client = wrk or "python"
-    client_name = version(client) if client != "python" else "quart asyncio client (tools/bench/gateway.py)"
+    client, client_name = choose_client(client)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="quart-bench-gw-") as tmp:
         process, url, auth = _start_gateway(Path(tmp))
@@ -213,29 +208,49 @@ def run(body_bytes: int, count: int, warmup: int, connections: int, seconds: flo
             stop_process(process.pid, process)
     rps_gateway, rps_direct = loaded["rps_gateway"], loaded["rps_direct"]
     return {
-        "connections": connections, "client": client_name, "rps_direct": rps_direct, "rps_gateway": rps_gateway,
+        "connections": connections, "rps_direct": rps_direct, "rps_gateway": rps_gateway,
         "ratio_gateway_vs_direct": round(rps_gateway / rps_direct, 3) if rps_direct else None,
         **{k: round(v, 4) for k, v in latency.items()},
         **({"loaded": loaded["loaded"]} if "loaded" in loaded else {}),
-        "body_bytes": body_bytes, "latency_requests": count, "seconds": seconds,
-        "replica": "built-in quart/echo (raw asyncio HTTP/1.1 echo, uvloop)",
-        "machine": {**machine_info(), "loadavg_start": [round(x, 2) for x in load_start],
-                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "latency_requests": count, **run_facts(client_name, body_bytes, seconds, load_start),
     }
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench gateway", description=__doc__.splitlines()[0])
+def choose_client(client: str) -> tuple[str, str]:
+    """The throughput client to run (wrk's path or ``python``) and its name, for ``auto``, ``wrk`` or ``python``."""
+    if client != "python":
+        wrk = find_wrk(install=True)
+        if wrk is None and client == "wrk":
+            raise RuntimeError("wrk is not installed (apt-get install wrk) and could not be installed")
+        client = wrk or "python"
+    return client, version(client) if client != "python" else "quart asyncio client (tools/bench/gateway.py)"
+
+
+def run_facts(client_name: str, body_bytes: int, seconds: float, load_start: tuple[float, ...]) -> dict:
+    """What a run's JSON says of its conditions: client, body, duration, replica, machine and load."""
+    return {"client": client_name, "body_bytes": body_bytes, "seconds": seconds,
+            "replica": "built-in quart/echo (raw asyncio HTTP/1.1 echo, uvloop)",
+            "machine": {**machine_info(), "loadavg_start": [round(x, 2) for x in load_start],
+                        "loadavg_end": [round(x, 2) for x in os.getloadavg()]}}
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """--out, --body-bytes, --connections, --seconds, --client: shared by the gateway and pipeline benches."""
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout)")
     p.add_argument("--body-bytes", type=int, default=1024)
-    p.add_argument("--requests", type=int, default=3000, help="latency pairs measured (after warm-up)")
-    p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--connections", "--concurrency", type=int, default=16, dest="connections",
                    help="keep-alive connections in the closed-loop throughput runs")
     p.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run (wrk: whole seconds)")
     p.add_argument("--client", choices=("auto", "wrk", "python"), default="auto",
                    help="throughput client: wrk (found, or apt-get installed when root), our asyncio client, or "
                         "auto (wrk when it can be had)")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="quartctl bench gateway", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=3000, help="latency pairs measured (after warm-up)")
+    p.add_argument("--warmup", type=int, default=300)
+    add_load_args(p)
     args = p.parse_args(argv)
     result = run(args.body_bytes, args.requests, args.warmup, args.connections, args.seconds, args.client)
     write_report(result, args.out, always_print=True)

@@ -24,10 +24,18 @@ import time
 from pathlib import Path
 
 from quart_provider.system import stop_process
-from quart_tools.bench import machine_info, write_report
-from quart_tools.bench.gateway import Connection, _pct, _start_gateway, deploy_echo
+from quart_tools.bench import write_report
+from quart_tools.bench.gateway import (
+    Connection,
+    _pct,
+    _start_gateway,
+    add_load_args,
+    choose_client,
+    deploy_echo,
+    run_facts,
+)
 from quart_tools.bench.gateway import _throughput as closed_loop
-from quart_tools.bench.wrk import find_wrk, run_wrk, version, write_script
+from quart_tools.bench.wrk import run_wrk, write_script
 from tqdm import tqdm
 
 MODEL = "echo-pipe"
@@ -79,12 +87,7 @@ def _throughput(client: str, tmp: Path, url: str, single: str, body: bytes, conn
 
 def run(stages: int, body_bytes: int, count: int, warmup: int, connections: int, seconds: float,
         client: str = "auto") -> dict:
-    if client != "python":
-        wrk = find_wrk(install=True)
-        if wrk is None and client == "wrk":
-            raise RuntimeError("wrk is not installed (apt-get install wrk) and could not be installed")
-        client = wrk or "python"
-    client_name = version(client) if client != "python" else "quart asyncio client (tools/bench/gateway.py)"
+    client, client_name = choose_client(client)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="quart-bench-pipe-") as tmp:
         process, url, auth = _start_gateway(Path(tmp), plugin=True, env={"QUART_ACTUATOR": "none"})
@@ -113,23 +116,17 @@ def run(stages: int, body_bytes: int, count: int, warmup: int, connections: int,
         "ratio_added_per_stage_vs_single": round(added_stage / added_single, 3) if added_single > 0 else None,
         **{k: round(v, 4) for k, v in latency.items()},
         **({"loaded": loaded["loaded"]} if "loaded" in loaded else {}),
-        "connections": connections, "client": client_name, "body_bytes": body_bytes, "latency_rounds": count,
-        "seconds": seconds, "replica": "built-in quart/echo (raw asyncio HTTP/1.1 echo, uvloop)",
-        "machine": {**machine_info(), "loadavg_start": [round(x, 2) for x in load_start],
-                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "connections": connections, "latency_rounds": count,
+        **run_facts(client_name, body_bytes, seconds, load_start),
     }
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="quartctl bench pipeline", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout)")
     p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--body-bytes", type=int, default=1024)
     p.add_argument("--requests", type=int, default=2000, help="latency rounds measured (after warm-up)")
     p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--connections", type=int, default=16, help="keep-alive connections in the throughput runs")
-    p.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run (wrk: whole seconds)")
-    p.add_argument("--client", choices=("auto", "wrk", "python"), default="auto")
+    add_load_args(p)
     args = p.parse_args(argv)
     if args.stages < 1:
         p.error("--stages must be at least 1")
