@@ -153,3 +153,12 @@ def test_scale_from_zero_goes_through_the_registry():
 
     asyncio.run(main())
     assert asked == [("f", 1)] and fn.desired == 0  # asked of the registry; never written here
+
+
+def test_calls_waiting_in_the_proxy_count_in_the_queue_the_controller_reads():
+    class Source(StaticReplicas):
+        def waiting(self, function: str) -> int:
+            return 3 if function == "s" else 0
+
+    router = Router(Source({"s": []}), lambda: {"m": ["s"]})
+    assert router.queue_len("s") == 3 and router.queue_len("other") == 0
