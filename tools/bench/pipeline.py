@@ -9,7 +9,7 @@ model (concurrency 64 per replica, so neither path queues on a slot), and in the
   gateway) and ``/function/<model>`` (the pipeline). ``p50_added_single_ms`` = single − direct,
   ``p50_added_per_stage_ms`` = (pipeline − stages × direct) / stages.
 - Throughput (closed loop, ``--connections`` keep-alive connections, ``wrk`` when it can be had, else
-  our asyncio client): ``rps_single`` and ``rps_pipeline``. The targets (issue 26):
+  our asyncio client): ``rps_single`` and ``rps_pipeline``, medians of ``--rounds`` alternated runs. The targets (issue 26):
   ``rps_pipeline × stages ≥ 0.8 × rps_single`` and ``p50_added_per_stage_ms ≤ 1.2 × p50_added_single_ms``.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -70,23 +71,33 @@ async def _latency(url: str, replica_url: str, single: str, body: bytes, count: 
 
 
 def _throughput(client: str, tmp: Path, url: str, single: str, body: bytes, connections: int,
-                seconds: float) -> dict:
+                seconds: float, rounds: int) -> dict:
+    """Closed-loop req/s of the single function and of the pipeline, alternated over ``rounds`` runs of each
+    (the order flipped every round); the medians, so a burst of load on the shared machine moves one run."""
     paths = {"single": f"/function/{single}", "pipeline": f"/function/{MODEL}"}
-    if client == "python":
-        return {f"rps_{name}": round(asyncio.run(closed_loop(url, path, body, connections, seconds)), 1)
-                for name, path in paths.items()}
-    script = write_script(tmp, len(body))
-    out: dict = {}
-    for name, path in paths.items():
-        run_wrk(client, f"{url}{path}", script, connections, 1)  # warm the pools
-        res = run_wrk(client, f"{url}{path}", script, connections, seconds)
-        out[f"rps_{name}"] = round(res.rps, 1)
-        out.setdefault("loaded", {})[f"p50_{name}_ms"] = res.p50_ms
+    runs: dict[str, list[float]] = {name: [] for name in paths}
+    p50s: dict[str, list[float]] = {name: [] for name in paths}
+    script = write_script(tmp, len(body)) if client != "python" else None
+    if script is not None:
+        for path in paths.values():
+            run_wrk(client, f"{url}{path}", script, connections, 1)  # warm the pools
+    for i in range(rounds):
+        for name, path in (list(paths.items()) if i % 2 == 0 else list(paths.items())[::-1]):
+            if script is None:
+                runs[name].append(asyncio.run(closed_loop(url, path, body, connections, seconds)))
+                continue
+            res = run_wrk(client, f"{url}{path}", script, connections, seconds)
+            runs[name].append(res.rps)
+            p50s[name].append(res.p50_ms)
+    out: dict = {f"rps_{name}": round(statistics.median(values), 1) for name, values in runs.items()}
+    out["runs"] = {name: [round(v, 1) for v in values] for name, values in runs.items()}
+    if script is not None:
+        out["loaded"] = {f"p50_{name}_ms": statistics.median(values) for name, values in p50s.items()}
     return out
 
 
 def run(stages: int, body_bytes: int, count: int, warmup: int, connections: int, seconds: float,
-        client: str = "auto") -> dict:
+        client: str = "auto", rounds: int = 3) -> dict:
     client, client_name = choose_client(client)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="quart-bench-pipe-") as tmp:
@@ -102,7 +113,7 @@ def run(stages: int, body_bytes: int, count: int, warmup: int, connections: int,
             except ImportError:  # pragma: no cover
                 pass
             latency = asyncio.run(_latency(url, replicas[0], names[0], body, count, warmup))
-            loaded = _throughput(client, Path(tmp), url, names[0], body, connections, seconds)
+            loaded = _throughput(client, Path(tmp), url, names[0], body, connections, seconds, rounds)
         finally:
             stop_process(process.pid, process)
     direct = latency["p50_direct_ms"]
@@ -116,7 +127,7 @@ def run(stages: int, body_bytes: int, count: int, warmup: int, connections: int,
         "ratio_added_per_stage_vs_single": round(added_stage / added_single, 3) if added_single > 0 else None,
         **{k: round(v, 4) for k, v in latency.items()},
         **({"loaded": loaded["loaded"]} if "loaded" in loaded else {}),
-        "connections": connections, "latency_rounds": count,
+        "throughput_runs": loaded["runs"], "connections": connections, "latency_rounds": count,
         **run_facts(client_name, body_bytes, seconds, load_start),
     }
 
@@ -126,11 +137,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--requests", type=int, default=2000, help="latency rounds measured (after warm-up)")
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3, help="throughput runs of each path, alternated (medians kept)")
     add_load_args(p)
+    p.set_defaults(seconds=3.0)
     args = p.parse_args(argv)
     if args.stages < 1:
         p.error("--stages must be at least 1")
     result = run(args.stages, args.body_bytes, args.requests, args.warmup, args.connections, args.seconds,
-                 args.client)
+                 args.client, max(1, args.rounds))
     write_report(result, args.out, always_print=True)
     return 0
