@@ -104,6 +104,7 @@ class StageQueue:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     busy: int = 0
     dispatcher: asyncio.Task | None = None
+    parked: bool = False  # the dispatcher waits for a job (the queue is empty)
 
 
 class Router:
@@ -249,10 +250,32 @@ class Router:
             job.tried = set()
             job.attempts = 0
             self.collector.stage(fn).on_arrival(now, len(job.body))
-            q.jobs.append(job)
-        else:
+        if q.parked and not q.jobs and now < job.deadline:  # nobody ahead: to a free replica now, if one is
+            replica = self._free_replica(q, job)
+            if replica is not None:
+                self._launch(q, job, replica)
+                return
+        if front:
             q.jobs.appendleft(job)
+        else:
+            q.jobs.append(job)
         q.wake.set()
+
+    def _free_replica(self, q: StageQueue, job: Job) -> Any | None:
+        try:
+            return self.pick(q.function, job.tried, job.layer_at)
+        except Exception as exc:  # the platform's replica view failed: keep serving, retry soon
+            log.warning("listing replicas of %s failed: %s", q.function, exc)
+            return None
+
+    def _launch(self, q: StageQueue, job: Job, replica: Any) -> None:
+        """The stage call of ``job`` on ``replica`` (its slot taken), as a task."""
+        self.source.take(q.function, replica)
+        q.busy += 1
+        job.attempts += 1
+        job.task = asyncio.get_running_loop().create_task(self._call(job, q, replica))
+        self._running.add(job)
+        job.task.add_done_callback(lambda _t, job=job: self._running.discard(job))
 
     def pick(self, function: str, tried: set, at: int | None = None) -> Any | None:
         """The pick rule over the replicas that can run the request's next layers (all of them, unless some
@@ -266,29 +289,24 @@ class Router:
                 q.jobs.popleft()
             if not q.jobs:
                 q.wake.clear()
-                await q.wake.wait()
+                q.parked = True
+                try:
+                    await q.wake.wait()
+                finally:
+                    q.parked = False
                 continue
             job = q.jobs[0]
             if self.clock() >= job.deadline:
                 q.jobs.popleft()
                 self._finish(job, self._deadline_reply(job, "waiting for a replica"))
                 continue
-            try:
-                replica = self.pick(q.function, job.tried, job.layer_at)
-            except Exception as exc:  # the platform's replica view failed: keep serving, retry soon
-                log.warning("listing replicas of %s failed: %s", q.function, exc)
-                replica = None
+            replica = self._free_replica(q, job)
             if replica is None:  # wait for a release or a new replica (this router's, the proxy's, the platform's)
                 q.wake.clear()
                 await self._wait_slot(q)
                 continue
             q.jobs.popleft()
-            self.source.take(q.function, replica)
-            q.busy += 1
-            job.attempts += 1
-            job.task = asyncio.get_running_loop().create_task(self._call(job, q, replica))
-            self._running.add(job)
-            job.task.add_done_callback(lambda _t, job=job: self._running.discard(job))
+            self._launch(q, job, replica)
 
     def service_times(self, function: str) -> ServiceTimes:
         """The function's one service-time estimator (the source's; this router's own for a source without one)."""
