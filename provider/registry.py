@@ -44,6 +44,8 @@ class Registry:
         self.retire = retire  # drain and stop one replica
         self.functions: dict[str, FunctionState] = {}
         self.key_history: dict[str, int] = {}  # function → scale-ups flagged as a key stage's
+        self._pipelines: dict[str, list[str]] = {}
+        self._pipelines_key: tuple = ()
 
     def get(self, name: str) -> FunctionState:
         fn = self.functions.get(name)
@@ -101,6 +103,10 @@ class Registry:
 
     async def scale(self, name: str, replicas: int, key: bool = False) -> int:
         """Set desired replicas (clamped to ``com.openfaas.scale.max``); returns the count applied."""
+        return self.set_desired(name, replicas, key)
+
+    def set_desired(self, name: str, replicas: int, key: bool = False) -> int:
+        """:meth:`scale` from code on the loop (the balancer's scale from zero): saved, counted, reconciled."""
         if replicas < 0:
             raise QuartError(400, f"replicas must not be negative, got {replicas}", "replicas")
         fn = self.get(name)
@@ -166,8 +172,16 @@ class Registry:
 
     def pipelines(self) -> dict[str, list[str]]:
         """model → its stage functions in stage order (:func:`quart_stage.labels.pipelines`: a model whose
-        stages are not numbered 0…n−1, or a function with malformed labels, is no pipeline)."""
-        return vocab.pipelines((fn.name, fn.deployment.labels) for fn in self.functions.values())
+        stages are not numbered 0…n−1, or a function with malformed labels, is no pipeline).
+
+        Computed once per change of the functions or their deployments (the key: each function's name and
+        deployment, which deploy / update / remove / restore replace; held, so compared by identity first),
+        not once per request; the answer is shared: callers must not change it."""
+        key = tuple((name, fn.deployment) for name, fn in self.functions.items())
+        if key != self._pipelines_key:
+            self._pipelines = vocab.pipelines((fn.name, fn.deployment.labels) for fn in self.functions.values())
+            self._pipelines_key = key
+        return self._pipelines
 
     def _check_capacity(self, deployment: FunctionDeployment, kind: str) -> None:
         """A function that can never run here is refused (:func:`.capacity.deploy_refusal`)."""
