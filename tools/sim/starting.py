@@ -53,7 +53,11 @@ class StartsMixin:
         return self.cfg.hop_s + stage.spec.activation_bytes / (self.cal.nic_gbytes_s * GB)
 
     def _launch(self, stage, host, mode: str, now: float, plan=None) -> None:
-        """Start one replica of ``stage`` on ``host`` by ``mode`` (its `StartPlan`'s); ready after its delay."""
+        """Start one replica of ``stage`` on ``host`` by ``mode`` (its `StartPlan`'s); ready after its delay.
+        The host decides what it can do, as a live host reports its start's source: without a KeysManager there
+        is no zygote to fork (the placer counts on one for a second replica in a batch), so that start is cold."""
+        if mode == "fork" and not host.keysmanager:
+            mode = "cold"
         rep = self._new_replica(stage, host, mode, now)
         mode = rep.source  # "gpu" when the parameters were still resident
         size = stage.spec.param_bytes
