@@ -24,11 +24,13 @@ from typing import Any
 from quart_provider.adopt import adopt_replicas
 from quart_provider.config import GatewayConfig
 from quart_provider.convergence import (
+    Action,
     Convergence,
     FunctionView,
     PlatformView,
     ReplicaView,
     converge,
+    leaving,
     requests,
 )
 from quart_provider.host_health import HostHealth
@@ -227,27 +229,34 @@ class Reconciler:
         return PlatformView(now, functions, hosts, dict(self.key_history), frozenset(mechanisms))
 
     async def _converge(self, now: float) -> None:
+        """One convergence of the view (:func:`quart_provider.convergence.converge`): what leaves is let go at
+        once (a slow host report must not hold up a drain); the hosts are asked only when something is
+        missing, and the starts go to the starter."""
         view = self.view(now)
-        wanted = requests(view)
+        self._let_go(leaving(view))
+        self.starter.forget_gone()
         layouts: dict = {}
         parts: dict[str, int] = {}
-        if wanted:  # the hosts are asked only when something is missing
+        wanted = requests(view)
+        if wanted:
             hosts = await self._host_views()
-            view = PlatformView(view.now, view.functions, tuple(hosts), view.key_history, view.mechanisms)
+            view = replace(view, hosts=tuple(hosts))
             if self.config.paraserve:
                 layouts = await self.paraserve.cold_layouts([r.function for r in wanted], hosts, self.functions,
                                                             self._spec)
                 parts = self.paraserve.parts_for(hosts, layouts)
         plan = converge(view, self.placer, lambda function, _hosts: parts.get(function, 1))
-        self.last_convergence = plan
-        for action in plan.actions:
-            fn = self.functions.get(action.function)
-            endpoint = fn.replicas.get(action.replica) if fn is not None and action.replica else None
-            if endpoint is not None:  # stop / drain / retire: drain, then stop
-                self.retire(fn, endpoint)
-        self.starter.forget_gone()
+        self.last_convergence = plan  # its stops, drains and retirements are the ones let go above
         if plan.schedule is not None:
             await self.starter.start_all(plan, view.hosts, layouts)
+
+    def _let_go(self, actions: list[Action]) -> None:
+        """Carry out stop / drain / retire: drain, then stop (a replica already draining is left as it is)."""
+        for action in actions:
+            fn = self.functions.get(action.function)
+            endpoint = fn.replicas.get(action.replica) if fn is not None else None
+            if endpoint is not None:
+                self.retire(fn, endpoint)
 
     async def _host_views(self) -> list[HostView]:
         """Each answering host's report, with the slots its starts under way will take."""
