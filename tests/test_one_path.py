@@ -248,12 +248,18 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
             gw.reconciler._spawn(asyncio.sleep(3600), f"start:{pending_host}:m-0")
             view = gw.reconciler.view(time.monotonic())
             await gw.reconciler._converge(time.monotonic())
-            await asyncio.sleep(0.05)
+            plan = gw.reconciler.last_convergence
+            leaving = sum(1 for a in plan.actions if a.kind != "start")
+            for _ in range(500):  # the start and stop tasks answer at once; bounded wait on a loaded machine
+                if sum(len(h.started) for h in hosts) >= len(plan.starts) and \
+                        sum(len(h.stopped) for h in hosts) >= leaving:
+                    break
+                await asyncio.sleep(0.01)
             new = {e.id: e for fn in gw.functions.values() for e in fn.replicas.values() if e.id.startswith("gpu-")}
             started = sorted((h.name, f, new[f"{h.name}-{f}-{i}"].partial_ok)  # partial_ok: routed while loading
                              for h in hosts for i, (f, _extra) in enumerate(h.started, start=1))
             stopped = sorted(r for h in hosts for r in h.stopped)  # drained (nothing in flight), then stopped
-            return view, gw.reconciler.last_convergence, started, stopped
+            return view, plan, started, stopped
         finally:
             await gw.close()
 
