@@ -20,6 +20,9 @@ NETWORKS = ("loopback", "netns")
 ASYNC_BACKENDS = ("nats", "memory")
 
 
+OTHER_NAMES = {"nats_server": "QUART_NATS_SERVER", "git_sha": "QUART_GIT_SHA"}  # settings not named QUART_GATEWAY_*
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """How the gateway listens, authenticates, places and proxies."""
@@ -81,6 +84,8 @@ class GatewayConfig:
     max_label_bytes: int = 4096  # one label's key + value; larger → 400
     replica_uids: str = "auto"  # "<first>-<last>": each function's replicas run as its own uid from this range;
     # auto: per-function uids when the gateway is root and an unprivileged user can run the venv (replica_users.py)
+    nats_server: str = ""  # [QUART_NATS_SERVER] the nats-server binary; "" = beside this interpreter, else on PATH
+    git_sha: str = "unknown"  # [QUART_GIT_SHA] the version /system/info shows
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -113,7 +118,7 @@ class GatewayConfig:
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> GatewayConfig:
         """Defaults, then ``QUART_GATEWAY_*`` variables (``quart_stage.settings`` rules), then explicit
         overrides (None = keep)."""
-        return settings_from_env(cls, "QUART_GATEWAY_", env, **overrides)
+        return settings_from_env(cls, "QUART_GATEWAY_", env, OTHER_NAMES, **overrides)
 
     def uid_range(self) -> range | None:
         """The uids functions' replicas run as (``replica_uids``), or None: as the gateway's user."""
