@@ -3,7 +3,8 @@
 The computation functions are pure (arrays in, numbers out) so the live policy benchmark and the
 simulator build their reports with exactly the same math. One report entry per policy carries the
 keys ``policy, mean_ms, p50_ms, p75_ms, p99_ms, slo_attainment {"1.0".."3.0"}, goodput_rps,
-replica_seconds, queue_mean_by_stage`` (plus ``cv_by_stage`` and counts when known).
+replica_seconds, queue_mean_by_stage`` (plus ``cv_by_stage`` and counts when known); generation records
+add ``generation`` (TTFT/TPOT p50/p90/p99 and SLO attainment, :func:`generation_stats`).
 
 Time series (replicas and queue per stage over time) are samples ``{t, stage, replicas, queue}``;
 a sample holds until the next one of the same stage (a step function).
@@ -177,9 +178,59 @@ def json_safe(value):
 
 def records_latencies(records) -> tuple[np.ndarray, np.ndarray, int]:
     """(latency_ms with NaN for failures and non-2xx, intended send times, count) from loadgen records."""
-    lat = np.array([r.latency_ms if 200 <= r.status < 300 else math.nan for r in records], dtype=np.float64)
+    lat = np.array([r.latency_ms if r.ok else math.nan for r in records], dtype=np.float64)
     sent = np.array([r.intended_s for r in records], dtype=np.float64)
     return lat, sent, len(records)
+
+
+GEN_PERCENTILES: tuple[int, ...] = (50, 90, 99)
+
+
+def generation_stats(
+    ttft_ms: Sequence[float] | np.ndarray,
+    tpot_ms: Sequence[float] | np.ndarray,
+    ok: Sequence[bool] | np.ndarray,
+    ttft_slo_ms: float | None = None,
+    tpot_slo_ms: float | None = None,
+) -> dict:
+    """TTFT/TPOT percentiles (p50/p90/p99 of the successful streams) and SLO attainment over ALL requests.
+
+    A failed request (``ok`` false, or no first token) misses both SLOs. A successful stream of one
+    token has no TPOT: it meets the TPOT SLO (no later token was late). ``slo_attainment`` counts the
+    requests that meet both SLOs given.
+    """
+    ttft = np.asarray(ttft_ms, dtype=np.float64)
+    tpot = np.asarray(tpot_ms, dtype=np.float64)
+    good = np.asarray(ok, dtype=bool) & ~np.isnan(ttft)
+    out: dict = {"requests": int(len(ttft)), "completed": int(good.sum())}
+    for name, values in (("ttft", ttft[good]), ("tpot", tpot[good & ~np.isnan(tpot)])):
+        for q, v in zip(GEN_PERCENTILES, np.percentile(values, GEN_PERCENTILES) if len(values) else
+                        [math.nan] * len(GEN_PERCENTILES), strict=True):
+            out[f"{name}_p{q}_ms"] = float(v)
+    total = len(ttft)
+    met = good.copy()
+    for name, values, slo in (("ttft", ttft, ttft_slo_ms), ("tpot", tpot, tpot_slo_ms)):
+        if slo is None:
+            continue
+        if slo <= 0:
+            raise ValueError(f"the {name.upper()} SLO must be positive, got {slo}")
+        within = good & ((values <= slo) if name == "ttft" else (np.isnan(values) | (values <= slo)))
+        out[f"{name}_slo_ms"] = float(slo)
+        out[f"{name}_slo_attainment"] = float(within.sum()) / total if total else math.nan
+        met &= within
+    if ttft_slo_ms is not None or tpot_slo_ms is not None:
+        out["slo_attainment"] = float(met.sum()) / total if total else math.nan
+    return out
+
+
+def records_generation(records) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(ttft_ms, tpot_ms, ok) of generation records (NaN where absent); None when no record is one."""
+    if not any(r.prompt_tokens is not None for r in records):
+        return None
+    nan = math.nan
+    ttft = np.array([nan if r.ttft_ms is None else r.ttft_ms for r in records], dtype=np.float64)
+    tpot = np.array([nan if r.tpot_ms is None else r.tpot_ms for r in records], dtype=np.float64)
+    return ttft, tpot, np.array([r.ok for r in records], dtype=bool)
 
 
 def load_samples(path: str | Path) -> list[StageSample]:
@@ -220,6 +271,33 @@ def plot_latency_cdf(latencies_by_policy: Mapping[str, np.ndarray], path: str | 
     ax.set_ylabel("fraction of completed requests")
     ax.set_title(title)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_generation_cdf(by_policy: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
+                        ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> None:
+    """Two panels: the CDF of TTFT and of TPOT per policy, SLOs as vertical lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for idx, (label, slo) in enumerate((("TTFT", ttft_slo_ms), ("TPOT", tpot_slo_ms))):
+        ax = axes[idx]
+        for name, pair in by_policy.items():
+            vals = np.sort(pair[idx][~np.isnan(pair[idx])])
+            if len(vals):
+                ax.plot(vals, np.arange(1, len(vals) + 1) / len(vals), label=name)
+        if slo:
+            ax.axvline(slo, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("fraction of streams")
+        ax.set_title(f"{label} CDF")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -290,6 +368,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--goodput-slo", type=float, default=GOODPUT_SLO_MULTIPLIER, help="SLO multiple for goodput")
     p.add_argument("--out", default=None, help="report JSON (default stdout)")
     p.add_argument("--plots", default=None, help="folder for PNG plots")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="generation records: TTFT SLO (ms)")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="generation records: TPOT SLO (ms)")
     args = p.parse_args(argv)
 
     from quart_tools.loadgen import read_records
@@ -300,7 +380,7 @@ def main(argv: list[str]) -> int:
         for item in args.timeseries:
             name, sep, path = item.rpartition("=")
             series[name if sep else ""] = load_samples(path)
-        entries, lat_by_policy = [], {}
+        entries, lat_by_policy, gen_by_policy = [], {}, {}
         for item in args.records:
             name, sep, path = item.rpartition("=")
             name = name if sep else Path(path).stem
@@ -313,6 +393,10 @@ def main(argv: list[str]) -> int:
             entries.append(build_report(name, lat, profiled, duration, n_total=total, samples=samples,
                                         goodput_multiplier=args.goodput_slo))
             lat_by_policy[name] = lat
+            gen = records_generation(records)
+            if gen is not None:
+                entries[-1]["generation"] = generation_stats(*gen, args.ttft_slo_ms, args.tpot_slo_ms)
+                gen_by_policy[name] = (np.where(gen[2], gen[0], math.nan), np.where(gen[2], gen[1], math.nan))
             if args.plots:
                 Path(args.plots).mkdir(parents=True, exist_ok=True)
                 plot_arrivals(sent, Path(args.plots) / f"arrivals-{name}.png", title=f"Arrivals ({name})")
@@ -320,6 +404,9 @@ def main(argv: list[str]) -> int:
                     plot_stage_series(samples, Path(args.plots) / f"stages-{name}.png", title=name)
         if args.plots:
             plot_latency_cdf(lat_by_policy, Path(args.plots) / "latency-cdf.png", profiled)
+            if gen_by_policy:
+                plot_generation_cdf(gen_by_policy, Path(args.plots) / "ttft-tpot-cdf.png", args.ttft_slo_ms,
+                                    args.tpot_slo_ms)
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
         print(f"quartctl report: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,201 @@
+"""Generation workloads for `quartctl load`: streamed requests whose prompt and output lengths come from the
+trace, and the client-side TTFT/TPOT of each stream.
+
+A request is a streamed ``POST /v1/completions`` (OpenAI's shape, ``prompt`` as a list of token ids) or a
+streamed generation body on ``/function/<model>`` (``{"input_ids", "max_tokens", "stream"}``), always
+with ``ignore_eos`` so the output has the length asked for. Lengths: the trace's ContextTokens and
+GeneratedTokens (or fixed lengths for Poisson/gamma arrivals), times ``scale``, then capped so the
+output fits ``max_new_tokens`` and prompt + output fit ``max_context`` (see :func:`token_lengths`).
+
+The client measures from the moment its request headers were written: TTFT = first token event, TPOT =
+mean time between the later ones, ``(last − first) / (tokens − 1)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import numpy as np
+from quart_tools.arrivals import Arrivals
+
+DOORS = ("completions", "function")
+PROMPT_ID_BASE, PROMPT_ID_SPAN = 32, 95  # printable ASCII ids: valid in every tokenizer the project serves
+
+
+def door_of(url: str) -> str:
+    """``completions`` for a ``…/v1/completions`` URL, ``function`` for ``…/function/<model>``."""
+    path = urlsplit(url).path.rstrip("/")
+    if path.endswith("/v1/completions"):
+        return "completions"
+    if "/function/" in path and path.rsplit("/function/", 1)[1]:
+        return "function"
+    raise ValueError(f"a generation load goes to …/v1/completions or …/function/<model>, not {url!r}")
+
+
+def token_lengths(
+    context: np.ndarray,
+    generated: np.ndarray,
+    *,
+    scale: float = 1.0,
+    max_context: int = 2048,
+    max_new_tokens: int = 256,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt tokens, new tokens) per request, scaled to what the model and machine can do.
+
+    new = clip(round(generated × scale), 1, max_new_tokens); prompt = clip(round(context × scale), 1,
+    max_context − new), so every request fits the model's context.
+    """
+    if scale <= 0:
+        raise ValueError(f"the token scale must be positive, got {scale}")
+    if max_new_tokens < 1 or max_context < 2:
+        raise ValueError(f"need max_new_tokens ≥ 1 and max_context ≥ 2, got {max_new_tokens} and {max_context}")
+    new = np.clip(np.rint(np.asarray(generated, dtype=np.float64) * scale), 1, min(max_new_tokens, max_context - 1))
+    prompt = np.clip(np.rint(np.asarray(context, dtype=np.float64) * scale), 1, max_context - new)
+    return prompt.astype(np.int64), new.astype(np.int64)
+
+
+def prompt_ids(n: int) -> list[int]:
+    return [PROMPT_ID_BASE + (7 * i) % PROMPT_ID_SPAN for i in range(n)]
+
+
+@dataclass
+class GenerationWorkload:
+    """What each request of a generation load asks for, and its body (built before the clock starts)."""
+
+    door: str  # "completions" | "function"
+    model: str
+    prompt_tokens: np.ndarray
+    max_tokens: np.ndarray
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.door not in DOORS:
+            raise ValueError(f"unknown generation door {self.door!r}; one of {', '.join(DOORS)}")
+        if self.door == "completions" and not self.model:
+            raise ValueError("a /v1/completions load needs the model's name (--model)")
+        self._bodies: dict[tuple[int, int], bytes] = {}
+        for p, m in zip(self.prompt_tokens.tolist(), self.max_tokens.tolist(), strict=True):
+            self.body(p, m)
+
+    def __len__(self) -> int:
+        return len(self.prompt_tokens)
+
+    def body(self, prompt: int, max_tokens: int) -> bytes:
+        key = (prompt, max_tokens)
+        hit = self._bodies.get(key)
+        if hit is None:
+            ids = prompt_ids(prompt)
+            if self.door == "completions":
+                doc = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "stream": True,
+                       "stream_options": {"include_usage": True}, "temperature": self.temperature,
+                       "ignore_eos": True}
+            else:
+                doc = {"input_ids": ids, "max_tokens": max_tokens, "stream": True,
+                       "temperature": self.temperature, "ignore_eos": True}
+            hit = self._bodies[key] = json.dumps(doc, separators=(",", ":")).encode()
+        return hit
+
+    def request(self, i: int) -> tuple[bytes, str]:
+        return self.body(int(self.prompt_tokens[i]), int(self.max_tokens[i])), "application/json"
+
+
+def make_workload(
+    url: str,
+    arrivals: Arrivals,
+    *,
+    model: str = "",
+    scale: float = 1.0,
+    max_context: int = 2048,
+    max_new_tokens: int = 256,
+    prompt_tokens: int = 128,
+    new_tokens: int = 32,
+    temperature: float = 0.0,
+) -> GenerationWorkload:
+    """The workload for ``arrivals`` sent to ``url``: trace lengths when the arrivals carry them, else the
+    fixed ``prompt_tokens`` / ``new_tokens``; both scaled and capped by :func:`token_lengths`."""
+    door = door_of(url)
+    n = len(arrivals)
+    if arrivals.tokens is not None and arrivals.generated is not None:
+        context, generated = arrivals.tokens, arrivals.generated
+    else:
+        context, generated = np.full(n, prompt_tokens), np.full(n, new_tokens)
+    prompt, new = token_lengths(context, generated, scale=scale, max_context=max_context,
+                                max_new_tokens=max_new_tokens)
+    if door == "function" and not model:
+        model = urlsplit(url).path.rstrip("/").rsplit("/function/", 1)[1]
+    return GenerationWorkload(door, model, prompt, new, temperature)
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    """What one stream gave: tokens, TTFT and TPOT from the send, and the error event if one came."""
+
+    tokens: int
+    ttft_ms: float | None
+    tpot_ms: float | None
+    error: str | None
+
+
+def _event_tokens(door: str, event: dict) -> tuple[int, int | None, str | None]:
+    """(token events in it, tokens the server counted (usage), error) of one SSE event."""
+    if "error" in event:
+        err = event["error"]
+        return 0, None, (err.get("message") if isinstance(err, dict) else None) or str(err)
+    if door == "function":
+        counted = (event.get("usage") or {}).get("completion_tokens")
+        return (1 if "token" in event else 0), counted, None
+    counted = (event.get("usage") or {}).get("completion_tokens")
+    text = "".join(c.get("text") or "" for c in event.get("choices") or [])
+    return (1 if text else 0), counted, None
+
+
+async def read_stream(content, door: str, sent: float) -> StreamTiming:
+    """Read an SSE body (an aiohttp ``StreamReader``) to its end; times from ``sent`` (perf_counter)."""
+    first = last = None
+    events = 0
+    counted: int | None = None
+    error: str | None = None
+    done = False
+    while True:
+        try:
+            line = await content.readline()
+        except ValueError as exc:  # aiohttp's line limit: a broken stream, not a token
+            error = f"stream: {exc}"
+            break
+        if not line:
+            break
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            done = True
+            break
+        try:
+            event = json.loads(data)
+        except ValueError:
+            error = f"stream: an event that is not JSON: {data[:80]!r}"
+            break
+        n, c, err = _event_tokens(door, event) if isinstance(event, dict) else (0, None, "stream: not an object")
+        if err is not None:
+            error = f"stream error event: {err}"
+        if c is not None:
+            counted = int(c)
+        if n:
+            now = time.perf_counter()
+            first = now if first is None else first
+            last = now
+            events += n
+    if error is None and not done:
+        error = "stream: ended without data: [DONE]"
+    tokens = counted if counted is not None else events
+    ttft = (first - sent) * 1000.0 if first is not None else None
+    tpot = (last - first) * 1000.0 / (tokens - 1) if first is not None and tokens > 1 and last > first else None
+    return StreamTiming(tokens, ttft, tpot, error)
+
+
+def nan_if_none(values) -> np.ndarray:
+    return np.array([math.nan if v is None else float(v) for v in values], dtype=np.float64)
