@@ -41,6 +41,8 @@ def test_token_lengths_scale_and_cap() -> None:
     assert (prompt + new <= 256).all()
     with pytest.raises(ValueError, match="scale"):
         token_lengths(np.array([1]), np.array([1]), scale=0)
+    prompt, new = token_lengths(np.array([1000]), np.array([10]), scale=0.01, output_scale=2.0, max_context=256)
+    assert (prompt.tolist(), new.tolist()) == ([10], [20])
     assert door_of("http://h:1/v1/completions") == "completions"
     assert door_of("http://h:1/function/tiny") == "function"
     with pytest.raises(ValueError, match="v1/completions"):
@@ -116,6 +118,11 @@ def test_read_stream_error_event_and_truncation() -> None:
     assert failed.tokens == 1 and "no replica" in failed.error
     cut = asyncio.run(read(b'data: {"choices": [{"text": "x"}]}\n\n', "completions"))
     assert "DONE" in cut.error
+    # a token whose text was held back arrives with the finishing chunk: that is its time
+    held = asyncio.run(read(b'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n\n'
+                            b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n',
+                            "completions"))
+    assert held.error is None and held.tokens == 1 and held.ttft_ms > 0 and held.tpot_ms is None
 
 
 def test_generation_stats_known_answers() -> None:

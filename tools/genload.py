@@ -4,7 +4,8 @@ trace, and the client-side TTFT/TPOT of each stream.
 A request is a streamed ``POST /v1/completions`` (OpenAI's shape, ``prompt`` as a list of token ids) or a
 streamed generation body on ``/function/<model>`` (``{"input_ids", "max_tokens", "stream"}``), always
 with ``ignore_eos`` so the output has the length asked for. Lengths: the trace's ContextTokens and
-GeneratedTokens (or fixed lengths for Poisson/gamma arrivals), times ``scale``, then capped so the
+GeneratedTokens (or fixed lengths for Poisson/gamma arrivals), times ``scale`` (``output_scale`` for the
+output), then capped so the
 output fits ``max_new_tokens`` and prompt + output fit ``max_context`` (see :func:`token_lengths`).
 
 The client measures from the moment its request headers were written: TTFT = first token event, TPOT =
@@ -41,19 +42,21 @@ def token_lengths(
     generated: np.ndarray,
     *,
     scale: float = 1.0,
+    output_scale: float | None = None,
     max_context: int = 2048,
     max_new_tokens: int = 256,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(prompt tokens, new tokens) per request, scaled to what the model and machine can do.
 
-    new = clip(round(generated × scale), 1, max_new_tokens); prompt = clip(round(context × scale), 1,
-    max_context − new), so every request fits the model's context.
+    new = clip(round(generated × output_scale), 1, max_new_tokens) (output_scale defaults to scale);
+    prompt = clip(round(context × scale), 1, max_context − new), so every request fits the context.
     """
-    if scale <= 0:
-        raise ValueError(f"the token scale must be positive, got {scale}")
+    output_scale = scale if output_scale is None else output_scale
+    if scale <= 0 or output_scale <= 0:
+        raise ValueError(f"the token scales must be positive, got {scale} and {output_scale}")
     if max_new_tokens < 1 or max_context < 2:
         raise ValueError(f"need max_new_tokens ≥ 1 and max_context ≥ 2, got {max_new_tokens} and {max_context}")
-    new = np.clip(np.rint(np.asarray(generated, dtype=np.float64) * scale), 1, min(max_new_tokens, max_context - 1))
+    new = np.clip(np.rint(np.asarray(generated, dtype=np.float64) * output_scale), 1, min(max_new_tokens, max_context - 1))
     prompt = np.clip(np.rint(np.asarray(context, dtype=np.float64) * scale), 1, max_context - new)
     return prompt.astype(np.int64), new.astype(np.int64)
 
@@ -109,6 +112,7 @@ def make_workload(
     *,
     model: str = "",
     scale: float = 1.0,
+    output_scale: float | None = None,
     max_context: int = 2048,
     max_new_tokens: int = 256,
     prompt_tokens: int = 128,
@@ -123,7 +127,7 @@ def make_workload(
         context, generated = arrivals.tokens, arrivals.generated
     else:
         context, generated = np.full(n, prompt_tokens), np.full(n, new_tokens)
-    prompt, new = token_lengths(context, generated, scale=scale, max_context=max_context,
+    prompt, new = token_lengths(context, generated, scale=scale, output_scale=output_scale, max_context=max_context,
                                 max_new_tokens=max_new_tokens)
     if door == "function" and not model:
         model = urlsplit(url).path.rstrip("/").rsplit("/function/", 1)[1]
@@ -140,22 +144,27 @@ class StreamTiming:
     error: str | None
 
 
-def _event_tokens(door: str, event: dict) -> tuple[int, int | None, str | None]:
-    """(token events in it, tokens the server counted (usage), error) of one SSE event."""
+def _event_tokens(door: str, event: dict) -> tuple[int, bool, int | None, str | None]:
+    """(token events in it, whether it ends the generation, tokens the server counted, error) of one
+    SSE event."""
     if "error" in event:
         err = event["error"]
-        return 0, None, (err.get("message") if isinstance(err, dict) else None) or str(err)
-    if door == "function":
-        counted = (event.get("usage") or {}).get("completion_tokens")
-        return (1 if "token" in event else 0), counted, None
+        return 0, False, None, (err.get("message") if isinstance(err, dict) else None) or str(err)
     counted = (event.get("usage") or {}).get("completion_tokens")
-    text = "".join(c.get("text") or "" for c in event.get("choices") or [])
-    return (1 if text else 0), counted, None
+    if door == "function":
+        return (1 if "token" in event else 0), "finish_reason" in event, counted, None
+    choices = event.get("choices") or []
+    text = "".join(c.get("text") or "" for c in choices)
+    return (1 if text else 0), any(c.get("finish_reason") for c in choices), counted, None
 
 
 async def read_stream(content, door: str, sent: float) -> StreamTiming:
-    """Read an SSE body (an aiohttp ``StreamReader``) to its end; times from ``sent`` (perf_counter)."""
-    first = last = None
+    """Read an SSE body (an aiohttp ``StreamReader``) to its end; times from ``sent`` (perf_counter).
+
+    A token whose text the server holds back (an incomplete UTF-8 sequence, a possible stop string) shows
+    up with a later one, or at the finishing event: then that event's time counts as the token's.
+    """
+    first = last = finished = None
     events = 0
     counted: int | None = None
     error: str | None = None
@@ -179,19 +188,27 @@ async def read_stream(content, door: str, sent: float) -> StreamTiming:
         except ValueError:
             error = f"stream: an event that is not JSON: {data[:80]!r}"
             break
-        n, c, err = _event_tokens(door, event) if isinstance(event, dict) else (0, None, "stream: not an object")
+        if not isinstance(event, dict):
+            error = f"stream: an event that is not an object: {data[:80]!r}"
+            break
+        n, ends, c, err = _event_tokens(door, event)
+        now = time.perf_counter()
         if err is not None:
             error = f"stream error event: {err}"
         if c is not None:
             counted = int(c)
+        if ends and finished is None:
+            finished = now
         if n:
-            now = time.perf_counter()
             first = now if first is None else first
             last = now
             events += n
     if error is None and not done:
         error = "stream: ended without data: [DONE]"
     tokens = counted if counted is not None else events
+    if tokens > events and finished is not None:  # held-back text came with the finishing event
+        first = finished if first is None else first
+        last = finished
     ttft = (first - sent) * 1000.0 if first is not None else None
     tpot = (last - first) * 1000.0 / (tokens - 1) if first is not None and tokens > 1 and last > first else None
     return StreamTiming(tokens, ttft, tpot, error)

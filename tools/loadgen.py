@@ -330,6 +330,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--generate", action="store_true", help="send streamed generation requests, record TTFT/TPOT")
     g.add_argument("--model", default="", help="model name for /v1/completions (default for /function: from the URL)")
     g.add_argument("--token-scale", type=float, default=1.0, help="multiply the trace's token counts by this")
+    g.add_argument("--output-scale", type=float, default=None, help="multiply its output counts by this instead")
     g.add_argument("--max-context", type=int, default=2048, help="cap on prompt + output tokens")
     g.add_argument("--max-new-tokens", type=int, default=256, help="cap on output tokens")
     g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for poisson/gamma arrivals")
@@ -352,7 +353,7 @@ def main(argv: list[str]) -> int:
                                  input_bytes=args.input_bytes, trace_path=args.trace, speedup=args.speedup,
                                  bytes_per_token=args.bytes_per_token)
         workload = None if not args.generate else make_workload(
-            args.url, arrivals, model=args.model, scale=args.token_scale, max_context=args.max_context,
+            args.url, arrivals, model=args.model, scale=args.token_scale, output_scale=args.output_scale, max_context=args.max_context,
             max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
             temperature=args.temperature)
     except (ValueError, FileNotFoundError) as exc:
