@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from generation_app import GenerationServer, tiny_models
 from quart_tools.arrivals import DEFAULT_TRACE, load_trace, make_arrivals, poisson_arrivals
-from quart_tools.genload import door_of, make_workload, read_stream, token_lengths
+from quart_tools.genload import door_of, generation_stats, make_workload, read_stream, token_lengths
 from quart_tools.loadgen import RequestRecord, generate_load, read_records, write_records
 from quart_tools.loadgen import main as load_main
-from quart_tools.report import generation_stats
 from quart_tools.report import main as report_main
 
 TRACE = DEFAULT_TRACE

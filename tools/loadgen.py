@@ -28,7 +28,13 @@ import aiohttp
 import numpy as np
 import uvloop
 from quart_tools.arrivals import DEFAULT_BYTES_PER_TOKEN, Arrivals, make_arrivals
-from quart_tools.genload import GenerationWorkload, make_workload, read_stream
+from quart_tools.genload import (
+    GenerationWorkload,
+    generation_stats,
+    make_workload,
+    read_stream,
+    records_generation,
+)
 from tqdm import tqdm
 
 STAGE_HEADER_PREFIX = "x-quart-"
@@ -370,9 +376,8 @@ def main(argv: list[str]) -> int:
     summary = {"requests": len(result.records), "ok": ok, "rps": round(result.achieved_rps(), 1),
                "send_error_p99_ms": round(p99, 3), "records": str(args.out)}
     if workload is not None:
-        from quart_tools.report import generation_stats, json_safe, records_generation
-
         stats = generation_stats(*records_generation(result.records))
-        summary.update({k: json_safe(round(stats[k], 3)) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")})
+        summary.update({k: None if math.isnan(stats[k]) else round(stats[k], 3)
+                        for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")})
     print(json.dumps(summary))
     return 0

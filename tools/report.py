@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from quart_tools.genload import generation_stats, records_generation
 
 SLO_MULTIPLIERS: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0)
 GOODPUT_SLO_MULTIPLIER = 1.5  # goodput counts requests within 1.5× the profiled time by default
@@ -181,56 +182,6 @@ def records_latencies(records) -> tuple[np.ndarray, np.ndarray, int]:
     lat = np.array([r.latency_ms if r.ok else math.nan for r in records], dtype=np.float64)
     sent = np.array([r.intended_s for r in records], dtype=np.float64)
     return lat, sent, len(records)
-
-
-GEN_PERCENTILES: tuple[int, ...] = (50, 90, 99)
-
-
-def generation_stats(
-    ttft_ms: Sequence[float] | np.ndarray,
-    tpot_ms: Sequence[float] | np.ndarray,
-    ok: Sequence[bool] | np.ndarray,
-    ttft_slo_ms: float | None = None,
-    tpot_slo_ms: float | None = None,
-) -> dict:
-    """TTFT/TPOT percentiles (p50/p90/p99 of the successful streams) and SLO attainment over ALL requests.
-
-    A failed request (``ok`` false, or no first token) misses both SLOs. A successful stream of one
-    token has no TPOT: it meets the TPOT SLO (no later token was late). ``slo_attainment`` counts the
-    requests that meet both SLOs given.
-    """
-    ttft = np.asarray(ttft_ms, dtype=np.float64)
-    tpot = np.asarray(tpot_ms, dtype=np.float64)
-    good = np.asarray(ok, dtype=bool) & ~np.isnan(ttft)
-    out: dict = {"requests": int(len(ttft)), "completed": int(good.sum())}
-    for name, values in (("ttft", ttft[good]), ("tpot", tpot[good & ~np.isnan(tpot)])):
-        for q, v in zip(GEN_PERCENTILES, np.percentile(values, GEN_PERCENTILES) if len(values) else
-                        [math.nan] * len(GEN_PERCENTILES), strict=True):
-            out[f"{name}_p{q}_ms"] = float(v)
-    total = len(ttft)
-    met = good.copy()
-    for name, values, slo in (("ttft", ttft, ttft_slo_ms), ("tpot", tpot, tpot_slo_ms)):
-        if slo is None:
-            continue
-        if slo <= 0:
-            raise ValueError(f"the {name.upper()} SLO must be positive, got {slo}")
-        within = good & ((values <= slo) if name == "ttft" else (np.isnan(values) | (values <= slo)))
-        out[f"{name}_slo_ms"] = float(slo)
-        out[f"{name}_slo_attainment"] = float(within.sum()) / total if total else math.nan
-        met &= within
-    if ttft_slo_ms is not None or tpot_slo_ms is not None:
-        out["slo_attainment"] = float(met.sum()) / total if total else math.nan
-    return out
-
-
-def records_generation(records) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(ttft_ms, tpot_ms, ok) of generation records (NaN where absent); None when no record is one."""
-    if not any(r.prompt_tokens is not None for r in records):
-        return None
-    nan = math.nan
-    ttft = np.array([nan if r.ttft_ms is None else r.ttft_ms for r in records], dtype=np.float64)
-    tpot = np.array([nan if r.tpot_ms is None else r.tpot_ms for r in records], dtype=np.float64)
-    return ttft, tpot, np.array([r.ok for r in records], dtype=bool)
 
 
 def load_samples(path: str | Path) -> list[StageSample]:
