@@ -231,6 +231,7 @@ def plot_generation_cdf(by_policy: Mapping[str, tuple[np.ndarray, np.ndarray]], 
                         ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> None:
     """Two panels: the CDF of TTFT and of TPOT per policy, SLOs as vertical lines."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -245,6 +246,7 @@ def plot_generation_cdf(by_policy: Mapping[str, tuple[np.ndarray, np.ndarray]], 
         if slo:
             ax.axvline(slo, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel(f"{label} (ms)")
         ax.set_ylabel("fraction of streams")
         ax.set_title(f"{label} CDF")
