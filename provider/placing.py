@@ -96,7 +96,8 @@ class Placing:
         serving = [v.name for v in views if any(v.running.values())]
         busy = {(a, b) for a in serving for b in (v.name for v in views) if a != b}
         enabled = {"peer", "multicast"} if self.config.peer_fetch else set()
-        if self.config.live_scaling:
+        live = self.config.live_scaling
+        if live or (live is None and self.config.network == "netns"):  # default: on where hosts have addresses
             enabled.add("live")
         ready = {name: len(fn.ready) for name, fn in self.functions.items()}
         if layouts:  # ParaServe: P per cold stage, helpers on spare hosts
