@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from quart_tools.arrivals import (
-    Trace,
-    pick_window,
-    trace_window,
     DEFAULT_TRACE,
+    Trace,
     gamma_arrivals,
     interarrival_cv,
     load_trace,
     make_arrivals,
+    pick_window,
     poisson_arrivals,
     replay_trace,
+    trace_window,
 )
 
 
