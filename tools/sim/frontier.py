@@ -5,7 +5,8 @@ Per workload (a paper model × gamma CV, or × the trace replay): QUART, every b
 baselines also as the paper ran them, without it (the second table); then the clairvoyant oracle
 (`quart_tools.sim.oracle`) at QUART's replica-seconds. The summary reads each workload at QUART's cost:
 the static frontier (the Pareto envelope of the static-k points, linear between them) interpolated at
-QUART's replica-seconds, QUART against every baseline that spends no more, and QUART against the oracle.
+QUART's replica-seconds, QUART against every baseline that spends no more, and QUART against the oracle; every
+workload runs once per seed, and ``over_seeds`` gives the mean and the worst per workload (issue 32).
 """
 
 from __future__ import annotations
