@@ -4,7 +4,8 @@
     quartctl simulate --experiment fig7 --out fig7.json                             # CV sweep
     quartctl simulate --experiment fig6|fig2|ablations|all --out FILE [--plots DIR]
     quartctl simulate --experiment frontier --out FILE [--plots DIR] [--quick]    # equal cost (issue 15)
-    quartctl simulate --experiment quart-ablation --out FILE [--reuse FRONTIER]   # QUART's parts one at a time
+    quartctl simulate --experiment frontier --seeds 0,1,2,3,4 [--only-trace] ...  # mean and worst over seeds
+    quartctl simulate --experiment ablation --out FILE [--reuse FRONTIER]         # QUART's parts one at a time
     quartctl simulate --experiment blitzscale --out FILE [--plots DIR]            # start modes (issues 16, 17)
 """
 
