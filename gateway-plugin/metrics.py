@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 
@@ -42,6 +42,9 @@ class StageVisit:
     param_bytes: int = 0
 
 
+TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """One pipeline request, as written to the JSONL records file."""
@@ -54,6 +57,9 @@ class RequestRecord:
     latency_ms: float
     stages: list[StageVisit] = field(default_factory=list)
     error: str = ""
+    ttft_ms: float | None = None  # a generation: arrival -> its first token
+    tpot_ms: float | None = None  # a generation: mean time per token after the first
+    tokens: int = 0  # a generation: tokens generated
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -73,7 +79,7 @@ class StageMetrics:
     """
 
     __slots__ = ("window_s", "recent_s", "trim_on_event", "arrivals", "recent", "waits", "services",
-                 "activations", "total_arrivals", "total_completions", "last_service_s", "fastest_service_s", "_wait_sum",
+                 "activations", "total_arrivals", "total_completions", "last_service_s", "_wait_sum",
                  "_busy_sum", "_act_sum", "_gap_sq_sum", "_removed")
 
     def __init__(self, window_s: float, recent_s: float = 1.0, trim_on_event: bool = True) -> None:
@@ -88,7 +94,6 @@ class StageMetrics:
         self.total_arrivals = 0
         self.total_completions = 0
         self.last_service_s = 0.0  # most recent mean service time, kept when the window empties
-        self.fastest_service_s = 0.0  # the fastest completion ever (0 = none): a shorter deadline cannot be met
         self._wait_sum = 0.0
         self._busy_sum = 0.0
         self._act_sum = 0.0
@@ -118,8 +123,6 @@ class StageMetrics:
     def on_complete(self, now: float, service_s: float) -> None:
         self.services.append((now, service_s))
         self._busy_sum += service_s
-        if service_s > 0 and (self.fastest_service_s <= 0 or service_s < self.fastest_service_s):
-            self.fastest_service_s = service_s
         self.total_completions += 1
         if self.trim_on_event:
             self._trim(now)
@@ -221,6 +224,10 @@ class MetricsCollector:
         self._records_lock = threading.Lock()
         self.registry = CollectorRegistry()
         self.c_requests = Counter("quart_pipeline_requests", "finished pipeline requests", ["model", "code"], registry=self.registry)
+        self.h_ttft = Histogram("quart_generation_ttft_seconds", "time to the first generated token", ["model"],
+                                buckets=TOKEN_BUCKETS_S, registry=self.registry)
+        self.h_tpot = Histogram("quart_generation_tpot_seconds", "mean time per generated token after the first",
+                                ["model"], buckets=TOKEN_BUCKETS_S, registry=self.registry)
 
     def stage(self, function: str) -> StageMetrics:
         if function not in self.stages:
@@ -229,6 +236,10 @@ class MetricsCollector:
 
     def record(self, rec: RequestRecord) -> None:
         self.c_requests.labels(rec.model, str(rec.status)).inc()
+        if rec.ttft_ms is not None:
+            self.h_ttft.labels(rec.model).observe(rec.ttft_ms / 1000)
+        if rec.tpot_ms is not None:
+            self.h_tpot.labels(rec.model).observe(rec.tpot_ms / 1000)
         if self.records is not None:
             with self._records_lock:
                 self.records.write(rec.to_json() + "\n")

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serialization": ("quart_tools.bench.serialization:main", "activation serde vs memcpy, 1-64 MB"),
     "keysmanager": ("quart_tools.bench.keysmanager:main", "replica-ready time, fork vs cold, 100 MB-4 GB; PSS"),
     "gateway": ("quart_tools.bench.gateway:main", "latency added by one gateway hop; req/s"),
+    "pipeline": ("quart_tools.bench.pipeline:main", "a 4-stage echo pipeline against one function: req/s, added p50"),
     "policies": ("quart_tools.bench.policies:main", "live policy comparison on quartctl up"),
     "scheduler": ("quart_tools.bench.scheduler:main", "cache-aware vs first-fit, 3 hosts x 4 GPUs"),
     "loadgen": ("quart_tools.bench.loadgen:main", "load generator rate and send-time error"),
@@ -34,6 +35,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                   "a cold stage fetched in P parts on P netns hosts, served as a sub-pipeline, consolidated"),
     "cuda": ("quart_tools.bench.cuda:main", "fork then parameters onto the GPU: pageable vs staged vs registered; cold"),
     "realmodel": ("quart_tools.bench.realmodel:main", "packaged pretrained models: stage pipeline vs whole model, max|diff|, ms"),
+    "generation": ("quart_tools.bench.generation:main",
+                   "SmolLM2 token streams through 3 stages (KV caches) vs transformers generate; failover by replay"),
+    "stage-generation": ("quart_tools.bench.stage_generation:main",
+                         "SmolLM2 generation through in-process stages (KV sessions) vs transformers generate"),
     "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
