@@ -25,7 +25,7 @@ from gateway_plugin.actuators import Actuator
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
-from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
+from gateway_plugin.snapshot_builder import GenerationView, Inventory, QueueView, build_snapshot
 from quart_provider.replicaset import within_bounds
 
 from keysmanager.aio import wait_event
@@ -73,6 +73,7 @@ class Controller:
     last_snapshots: dict[str, PipelineSnapshot] = field(default_factory=dict)
     errors: int = 0
     cv_trainer: Any = None  # OnlineCVTrainer: sees every snapshot, trains off the loop, installs its models
+    generation: GenerationView | None = None  # the session engine: sessions and KV occupancy per stage
 
     def __post_init__(self) -> None:
         self.collector.registry.register(SnapshotGauges(self.last_snapshots.values))  # read at scrape time
@@ -84,7 +85,7 @@ class Controller:
 
     def snapshot(self, model: str, functions: list[str]) -> PipelineSnapshot:
         return build_snapshot(self.clock(), model, functions, self.inventory, self.queues, self.collector,
-                              self.config.slo_factor, self.slo_s)
+                              self.config.slo_factor, self.slo_s, self.generation)
 
     def decide(self) -> tuple[dict[str, Decision], list[Change]]:
         """One control period's decisions for every pipeline, and the changes they ask of the platform (what

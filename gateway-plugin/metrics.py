@@ -256,6 +256,9 @@ SNAPSHOT_GAUGES = (  # (metric, help, StageSnapshot attribute)
     ("quart_stage_wait_seconds", "W_i, mean queueing delay over the window", "mean_wait_s"),
     ("quart_stage_arrival_cv", "CV_i of inter-arrival times", "cv_arrival"),
     ("quart_stage_utilisation", "busy time / (replicas × window)", "utilisation"),
+    ("quart_stage_sessions", "generation sessions placed on the stage", "sessions"),
+    ("quart_stage_kv_tokens", "KV-cache positions its sessions booked", "kv_tokens"),
+    ("quart_stage_kv_capacity", "KV-cache positions its ready replicas hold at most", "kv_capacity"),
 )
 
 

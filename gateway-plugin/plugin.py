@@ -224,8 +224,10 @@ class Plugin:
         self.controller = Controller(
             self.view, self.router, self.collector, actuator or make_actuator(self.config, gateway),
             factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),
-            cv_trainer=online_cv_trainer(self.config),
+            cv_trainer=online_cv_trainer(self.config), generation=self.engine,
         )
+        if hasattr(gateway, "watch_sessions"):  # its scale-down keeps replicas with sessions, drains them
+            gateway.watch_sessions(self.engine.book.booked)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -305,9 +307,10 @@ class Plugin:
             return web.json_response([row for row in self.controller.timeline if row["time"] >= t0][-20000:])
         if tail == "sessions":  # generation sessions in flight and the KV positions booked per replica
             return web.json_response({"active": [{"id": x.id, "model": x.model, "tokens": x.fed, "replays": x.replays,
+                                                  "moves": x.moves,
                                                   "replicas": [getattr(r, "id", None) for r in x.replicas]}
                                                  for x in self.engine.active.values()],
-                                      "kv": self.engine.book.occupancy()})
+                                      "kv": self.engine.book.occupancy(), "moves": self.engine.moves})
         if tail == "metrics":
             return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
         return _error(404, f"unknown plugin path {tail!r}; use snapshot, timeline, sessions or metrics", "path")

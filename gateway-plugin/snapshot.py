@@ -38,6 +38,9 @@ class StageSnapshot:
     concurrency: int = 1  # requests one replica serves at once
     arrival_rate_recent: float = -1.0  # λ over the last second (−1: unknown → use arrival_rate)
     replica_start_s: float = -1.0  # measured ask → ready time of a new replica (−1: unknown → the policy learns it)
+    sessions: int = 0  # generation sessions placed on this stage now (each holds a KV cache on one replica)
+    kv_tokens: int = 0  # KV-cache positions those sessions booked (prompt + max_tokens each)
+    kv_capacity: int = 0  # positions its ready replicas hold at most (0: not a generating stage)
 
     @property
     def mean_service_s(self) -> float:

@@ -34,6 +34,12 @@ class Inventory(Protocol):
     def stage_state(self, function: str) -> StageState: ...
 
 
+class GenerationView(Protocol):
+    """The generation engine's sessions per stage (``SessionEngine.stage_generation``)."""
+
+    def stage_generation(self, function: str) -> tuple[int, int, int]: ...  # sessions, kv booked, kv capacity
+
+
 class QueueView(Protocol):
     def queue_len(self, function: str) -> int: ...
 
@@ -49,8 +55,10 @@ def build_snapshot(
     collector: MetricsCollector,
     slo_factor: float,
     slo_s: Mapping[str, float] | None = None,
+    generation: GenerationView | None = None,
 ) -> PipelineSnapshot:
-    """One model's snapshot. The SLO is ``slo_s[model]`` when given, else slo_factor × Σ service times."""
+    """One model's snapshot. The SLO is ``slo_s[model]`` when given, else slo_factor × Σ service times;
+    ``generation`` adds each stage's sessions and KV-cache occupancy."""
     window = collector.window_s
     stages = []
     total_service = 0.0
@@ -61,6 +69,7 @@ def build_snapshot(
         total_service += state.profiled_service_s or service_s
         ready = max(0, state.ready)
         util = m.busy_s(now) / (max(1, ready) * max(1, state.concurrency) * window)
+        sessions, kv_tokens, kv_capacity = generation.stage_generation(fn) if generation is not None else (0, 0, 0)
         stages.append(StageSnapshot(
             name=fn, index=index,
             arrival_rate=m.arrival_rate(now),
@@ -80,6 +89,7 @@ def build_snapshot(
             concurrency=state.concurrency,
             arrival_rate_recent=m.arrival_rate(now, 1.0),
             replica_start_s=state.start_s,
+            sessions=sessions, kv_tokens=kv_tokens, kv_capacity=kv_capacity,
         ))
     slo = (slo_s or {}).get(model, 0.0) or slo_factor * total_service
     return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window)

@@ -142,7 +142,7 @@ class StandalonePlugin:
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
                                         self.collector)
         self.controller = Controller(self.view, self.router, self.collector, make_actuator(config, password=password),
-                                     policy_factory(config), config)
+                                     policy_factory(config), config, generation=self.engine)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None

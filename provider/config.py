@@ -54,7 +54,7 @@ class GatewayConfig:
     admission_safety: float = 1.5  # a deadline admits a call whose expected time × this fits (admission.py)
     min_deadline_ms: float = 5.0  # X-Quart-Timeout-Ms below this (or below the fastest call measured): 400
     upstream_timeout_s: float = 300.0  # one proxied request to a replica
-    drain_timeout_s: float = 30.0  # a replica being stopped finishes its in-flight requests within this
+    drain_timeout_s: float = 30.0  # a replica being stopped finishes its in-flight requests and sessions within this
     peer_fetch: bool = True  # a host without a stage fetches it from hosts that hold it before the registry
     # a start that fetches parameters serves the layers held while the rest arrive; None: on where hosts have
     # addresses (network "netns"), off on loopback; true/false forces it

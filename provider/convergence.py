@@ -13,8 +13,9 @@ The rules (:mod:`.replicaset`, :mod:`.scheduling`):
   mechanism that moves its parameters (`plan_starts`: fork, peer, chain multicast, live, ParaServe part,
   cold) — ParaServe's P comes from the caller's cost model (``parallelism``);
 - a function with too many replicas stops the surplus (`choose_surplus`); members of a ParaServe group not
-  consolidated yet are never surplus (the group leaves only whole): ``stop`` for a replica that serves
-  nothing, ``drain`` for one with requests in flight;
+  consolidated yet are never surplus (the group leaves only whole); a replica holding generation sessions
+  (``kv_tokens``) leaves after every one without, the fewest positions first: ``stop`` for a replica that
+  serves nothing, ``drain`` for one with requests in flight or sessions;
 - a rolling update ``retire`` s the previous generation once the new one has its desired ready replicas.
 
 ``stop``, ``drain`` and ``retire`` are all carried out as drain-then-stop (nothing is cut off); the kind
@@ -44,6 +45,7 @@ class ReplicaView:
     generation: int
     in_flight: int = 0
     started_at: float = 0.0
+    kv_tokens: int = 0  # KV-cache positions its generation sessions hold (the gateway's book; 0 without)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +125,7 @@ def leaving(view: PlatformView) -> list[Action]:
         current = _current(fn)
         kept = [r for r in current if r.id in fn.protected]
         for rep in choose_surplus([r for r in current if r.id not in fn.protected], fn.desired - len(kept)):
-            actions.append(Action("drain" if rep.in_flight else "stop", fn.name, rep.id))
+            actions.append(Action("drain" if rep.in_flight or rep.kv_tokens else "stop", fn.name, rep.id))
         ready = sum(1 for r in current if r.state == "ready")
         old = [r for r in fn.replicas if r.generation != fn.generation and r.state != "draining"]
         if old and rollover_done(ready, fn.desired):

@@ -218,6 +218,11 @@ class EmbeddedGateway:
             return []
         return [*fn.ready, *fn.partial] if partial else list(fn.ready)
 
+    def watch_sessions(self, kv_tokens: Callable[[str], int]) -> None:
+        """Let the reconciler read how many KV positions generation sessions hold on a replica (replica id → n):
+        scale-down keeps replicas with sessions over those without, and drains one until its sessions are gone."""
+        self.reconciler.kv_tokens = kv_tokens
+
     def note_held(self, name: str, endpoint: Endpoint, held: tuple[int, int]) -> None:
         """A replica's answer said which layers it holds now; a live replica holding all of them joins ``ready``."""
         was_whole = endpoint.whole

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -58,6 +58,7 @@ class Reconciler:
         self.placer = placer
         self.functions = functions
         self.key_history = key_history
+        self.kv_tokens: Callable[[str], int] = _no_sessions  # replica id -> KV positions its sessions hold
         self.scheduler_metrics = scheduler_metrics
         self._param_bytes: dict[str, tuple[int, int]] = {}  # function → (generation, stage parameter bytes)
         self._kick = asyncio.Event()
@@ -218,7 +219,8 @@ class Reconciler:
         """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed)."""
         functions = tuple(FunctionView(
             fn.name, fn.desired, fn.generation,
-            tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at) for e in fn.replicas.values()),
+            tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at, self.kv_tokens(e.id))
+                  for e in fn.replicas.values()),
             fn.pending_starts, fn.retry_at, frozenset(self.paraserve.protected(fn)), self._stage_param_bytes(fn),
             fn.name in self.key_history, len(fn.ready)) for fn in self.functions.values())
         mechanisms = {"peer", "multicast"} if self.config.peer_fetch else set()
@@ -296,7 +298,9 @@ class Reconciler:
     # ---------------------------------------------------------------- draining
 
     def retire(self, fn: FunctionState, endpoint: Endpoint) -> None:
-        """Route nothing more to ``endpoint``; stop it once its in-flight requests are done (or drain times out)."""
+        """Route nothing more to ``endpoint``; stop it once its in-flight requests are done and the generation
+        sessions it holds have ended or moved (the gateway's engine replays them elsewhere at their next step),
+        or once ``drain_timeout_s`` runs out."""
         if endpoint.state == "draining":
             return
         endpoint.state = "draining"
@@ -305,7 +309,7 @@ class Reconciler:
 
     async def _drain_then_stop(self, fn: FunctionState, endpoint: Endpoint) -> None:
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while endpoint.in_flight > 0 and time.monotonic() < deadline:
+        while (endpoint.in_flight > 0 or self.kv_tokens(endpoint.id) > 0) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         await self._stop_now(endpoint)
         fn.replicas.pop(endpoint.id, None)
@@ -318,3 +322,8 @@ class Reconciler:
             except Exception as exc:
                 log.warning("stopping replica %s failed: %s", endpoint.id, exc)
         endpoint.state = "dead"
+
+
+def _no_sessions(replica_id: str) -> int:
+    """No generation engine attached: no replica holds sessions."""
+    return 0

@@ -4,8 +4,10 @@ the simulator (``quart_tools.sim``), so a simulated figure rests on the same cho
 - ``within_bounds``: a replica count within ``com.openfaas.scale.min/max`` (the one bounds rule);
 - ``shortfall``: how many replicas to ask the placer for (desired − current − already asked for);
 - ``choose_surplus``: which replicas to stop when there are too many — a starting replica first (newest
-  first: it has served nothing), then ready ones with the fewest requests in flight (newest first); a
-  busy replica is drained (finishes its requests) by the caller, never cut off;
+  first: it has served nothing), then ready ones holding the fewest generation sessions' KV positions
+  (``kv_tokens``: a replica without sessions leaves before one with), then the fewest requests in flight
+  (newest first); a busy replica is drained (finishes its requests, its sessions move) by the caller,
+  never cut off;
 - ``StartTimeEstimate``: the ask → ready time of recent replicas (exponential moving average), the dead
   time the control loop sees as ``StageSnapshot.replica_start_s``.
 """
@@ -27,6 +29,9 @@ class ReplicaLike(Protocol):
 
     @property
     def in_flight(self) -> int: ...
+
+    @property
+    def kv_tokens(self) -> int: ...  # KV-cache positions its generation sessions hold (booked by the gateway)
 
     @property
     def started_at(self) -> float: ...
@@ -52,7 +57,7 @@ def choose_surplus(current: Sequence[R], desired: int) -> list[R]:
     extra = len(current) - max(0, desired)
     if extra <= 0:
         return []
-    order = sorted(current, key=lambda r: (r.state == "ready", r.in_flight, -r.started_at))
+    order = sorted(current, key=lambda r: (r.state == "ready", r.kv_tokens, r.in_flight, -r.started_at))
     return order[:extra]
 
 

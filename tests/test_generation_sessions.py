@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 
 import pytest
 from aiohttp import web
@@ -199,5 +200,50 @@ def test_steps_of_different_sessions_overlap_across_the_stages() -> None:
             took = time.monotonic() - started
             assert [r[0] for r in results] == [reference([i + 1, 7], 10) for i in range(3)]
             assert took < 0.75 * 2.7, took  # pipelined: ~(3 x 10 + 2) steps of 30 ms = ~1 s
+            await engine.close()
+    asyncio.run(main())
+
+
+@dataclass
+class _Leavable:
+    """A replica whose state the test sets (the gateway's Endpoint: ready → draining)."""
+
+    id: str
+    url: str
+    in_flight: int = 0
+    layers: tuple[int, int] | None = None
+    held: tuple[int, int] | None = None
+    state: str = "ready"
+
+
+def test_sessions_on_a_draining_replica_move_by_replay_and_the_tokens_are_identical() -> None:
+    async def main():
+        async with Pipeline((1, 2, 1)) as pipe:
+            for fn, replicas in pipe.source.replicas.items():
+                pipe.source.replicas[fn] = [_Leavable(r.id, r.url) for r in replicas]
+            engine = engine_for(pipe)
+            prompts = [[i + 2, 3 * i + 1, 7] for i in range(4)]
+            seen: dict[str, object] = {}
+            leaving: list[_Leavable] = []
+
+            async def drain_at_4(count, session):
+                if count == 4 and not leaving:  # the first session to get 4 tokens: its stage-1 replica leaves
+                    seen["before"] = engine.stage_generation("m-stage-1")
+                    replica = session.replicas[1]
+                    replica.state = "draining"  # as the reconciler's retire does: out of the ready list
+                    pipe.source.replicas["m-stage-1"].remove(replica)
+                    leaving.append(replica)
+                    seen["held"] = engine.book.booked(replica.id)
+            results = await asyncio.gather(*(_generate(engine, pipe, p, 16, drain_at_4) for p in prompts))
+            for p, (tokens, session) in zip(prompts, results, strict=True):
+                assert tokens == reference(p, 16) and session.replays == 0
+            [gone] = leaving
+            assert seen["before"] == (4, 4 * 19, 2 * 4096)  # 4 sessions of 3 + 16 positions; 2 replicas' reported caps
+            assert seen["held"] > 0  # it held sessions when it began to drain
+            assert engine.moves >= 1 and sum(s.moves for _, s in results) == engine.moves
+            assert engine.book.booked(gone.id) == 0
+            await asyncio.sleep(0.2)  # the old ids' DELETEs run in the background
+            assert pipe.fakes[gone.id].sessions == {}
+            assert engine.stage_generation("m-stage-1") == (0, 0, 4096)  # one ready replica left
             await engine.close()
     asyncio.run(main())

@@ -139,6 +139,7 @@ def test_simulated_and_live_steps_take_the_same_actions(tmp_path, mode) -> None:
 class _R:
     def __init__(self, name: str, state: str, in_flight: int, started_at: float) -> None:
         self.name, self.state, self.in_flight, self.started_at = name, state, in_flight, started_at
+        self.kv_tokens = 0
 
 
 @pytest.mark.parametrize("desired,expected", [(4, []), (3, ["new"]), (2, ["new", "idle"]),
@@ -312,3 +313,18 @@ def test_surplus_drains_busy_stops_idle_and_rollover_retires() -> None:
     assert acts(FunctionView("f", 3, 2, replicas[:2] + replicas[3:])) == []  # one of 3 ready: no rollover yet
     assert acts(FunctionView("f", 0, 2, replicas[1:3])) == [("stop", "idle"), ("drain", "busy")]
     assert acts(FunctionView("f", 0, 2, replicas[1:3], protected=frozenset({"busy"}))) == [("stop", "idle")]
+
+
+def test_surplus_prefers_replicas_without_sessions_and_drains_one_with() -> None:
+    placer = make_placer("first-fit", SchedulerConfig())
+    replicas = (ReplicaView("sessions", "ready", 1, 0, 0.0, kv_tokens=64),
+                ReplicaView("busy", "ready", 1, 3, 1.0),
+                ReplicaView("fewer", "ready", 1, 0, 2.0, kv_tokens=16))
+
+    def acts(desired: int) -> list[tuple[str, str]]:
+        fn = FunctionView("f", desired, 1, replicas)
+        return [(a.kind, a.replica) for a in converge(PlatformView(0.0, (fn,)), placer).actions]
+
+    assert acts(2) == [("drain", "busy")]  # requests in flight end; sessions would have to move
+    assert acts(1) == [("drain", "busy"), ("drain", "fewer")]  # then the fewest booked positions
+    assert acts(0)[-1] == ("drain", "sessions")  # a replica holding sessions is drained, never cut off

@@ -27,6 +27,10 @@ class KVBook:
     def cap(self, replica_id: str) -> int:
         return self.caps.get(replica_id, self.default_cap)
 
+    def booked(self, replica_id: str) -> int:
+        """Positions the sessions pinned to a replica hold (the reconciler's view: it drains until 0)."""
+        return self.reserved.get(replica_id, 0)
+
     def room(self, replica_id: str) -> int:
         return self.cap(replica_id) - self.reserved.get(replica_id, 0)
 

@@ -13,6 +13,10 @@
   keep their replicas and drop the old session's cache. Sampling is a pure function of (seed, position,
   logits), so the tokens are the same as without the failure. After ``max_replays`` the stream ends
   with an error.
+- **Moving off a leaving replica**: before each step, a session pinned to a replica that is draining
+  (scale-down, rolling update) moves by the same replay to another ready replica of that stage with room
+  (not counted against ``max_replays``); one that finds no room stays, and the replica's drain waits for
+  it (bounded by the gateway's drain timeout; if it stops first, the next step fails over as above).
 - **Freeing**: the step that yields the last allowed token carries ``X-Quart-Session-End``; a session
   that ends otherwise (EOS, a stop string, the client gone, an error) is deleted on every replica.
 """
@@ -69,6 +73,7 @@ class Session:
     generated: list[int] = field(default_factory=list)
     fed: int = 0  # positions every replica holds
     replays: int = 0
+    moves: int = 0  # replays that moved it off a draining replica
     freed: bool = False
     finish_reason: str = ""
 
@@ -88,6 +93,8 @@ class SessionEngine:
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._background: set[asyncio.Task] = set()
         self.active: dict[str, Session] = {}
+        self.moves = 0  # sessions moved off draining replicas since the start
+        self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -144,6 +151,7 @@ class SessionEngine:
             sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
         session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos)
         self.active[session.id] = session
+        self._generating.update(stages)
         return session
 
     # ------------------------------------------------------------------ running
@@ -167,6 +175,7 @@ class SessionEngine:
     async def _advance(self, session: Session) -> int:
         """One step (or, after a failure, the replay that rebuilds the caches) and its token."""
         while True:
+            self._move_off_leaving(session)
             sequence = session.prompt + session.generated
             last = len(session.generated) + 1 == session.max_tokens
             try:
@@ -188,15 +197,36 @@ class SessionEngine:
                                   f"{failed.why}", "stage")
         self._drop(session)  # the old session id on every replica
         self.book.release(failed.replica.id, session.need)
+        session.replicas[failed.stage] = None
         excluded = set() if failed.keep else {failed.replica.id}
         try:
             replacement = await self._choose(fn, session.need, excluded, wait=True)
         except QuartError as exc:
-            session.replicas[failed.stage] = None
             raise QuartError(exc.status, f"a replica of stage {fn!r} failed ({failed.why}) and no other could take "
                                          f"the session over: {exc.message}", "stage", exc.headers) from None
+        self._rehome(session, failed.stage, replacement)
+
+    def _move_off_leaving(self, session: Session) -> None:
+        """Move the session by replay off every replica of it that is draining, where another ready replica
+        of that stage has room (else it stays: the drain waits for it, bounded)."""
+        for k, replica in enumerate(session.replicas):
+            if getattr(replica, "state", "ready") != "draining":
+                continue
+            target = self.book.choose(self._ready(session.stages[k]), session.need, excluded={replica.id})
+            if target is None:
+                continue
+            log.info("session %s: stage %s replica %s is draining; moving to %s by replay", session.id,
+                     session.stages[k], replica.id, target.id)
+            self._drop(session)
+            self.book.release(replica.id, session.need)
+            self._rehome(session, k, target)
+            session.moves += 1
+            self.moves += 1
+
+    def _rehome(self, session: Session, stage: int, replacement: Any) -> None:
+        """Pin ``stage`` of the session to ``replacement`` (booked) under a new id; the next step replays from 0."""
         self.book.reserve(replacement.id, session.need)
-        session.replicas[failed.stage] = replacement
+        session.replicas[stage] = replacement
         self.active.pop(session.id, None)
         session.id, session.fed = uuid.uuid4().hex, 0
         self.active[session.id] = session
@@ -255,6 +285,18 @@ class SessionEngine:
                 if self.on_call is not None:
                     with contextlib.suppress(Exception):
                         self.on_call(fn, status, self.clock() - start)
+
+    # ------------------------------------------------------------------ what the controller sees
+
+    def stage_generation(self, function: str) -> tuple[int, int, int]:
+        """(sessions, KV positions booked, KV capacity of its ready replicas) of one stage function; capacity
+        is each ready replica's reported cap (``QUART_GEN_KV_TOKENS`` until it has), 0 for a stage that never
+        held a session (an encoder's)."""
+        mine = [s for s in self.active.values() if function in s.stages]
+        booked = sum(s.need for s in mine)
+        if function not in self._generating:
+            return len(mine), booked, 0
+        return len(mine), booked, sum(self.book.cap(r.id) for r in self._ready(function))
 
     # ------------------------------------------------------------------ freeing
 
