@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict
 
 import pytest
 import requests
@@ -85,6 +86,33 @@ def test_controller_step_scales_the_congested_stage_as_key() -> None:
     assert again == snap
     assert ctl.timeline[0]["key_stages"] == [1]
     assert b"quart_stage_queue_length" in collector.prometheus_text()
+
+
+class FakeGeneration:
+    """The session engine's per-stage view (``SessionEngine.stage_generation``)."""
+
+    def stage_generation(self, function: str) -> tuple[int, int, int]:
+        return {"m-0": (3, 96, 8192)}.get(function, (0, 0, 0))
+
+
+def test_the_snapshot_carries_each_stages_sessions_and_kv_occupancy() -> None:
+    import json
+
+    collector = MetricsCollector(window_s=10.0)
+    inventory = FakeInventory({"m-0": StageState(2, 2), "m-1": StageState(1, 1)})
+    ctl = Controller(inventory, FakeQueues({}), collector, RecordingActuator(), lambda: make_policy("static"),
+                     clock=lambda: 5.0, generation=FakeGeneration())
+    ctl.decide()
+    snap = ctl.last_snapshots["m"]
+    assert [(s.sessions, s.kv_tokens, s.kv_capacity) for s in snap.stages] == [(3, 96, 8192), (0, 0, 0)]
+    text = collector.prometheus_text().decode()
+    assert 'quart_stage_kv_tokens{function="m-0",model="m",stage="0"} 96.0' in text
+    assert 'quart_stage_sessions{function="m-0",model="m",stage="0"} 3.0' in text
+    assert snapshot_from_json(json.loads(json.dumps(asdict(snap)))) == snap
+    bare = Controller(inventory, FakeQueues({}), MetricsCollector(window_s=10.0), RecordingActuator(),
+                      lambda: make_policy("static"), clock=lambda: 5.0)  # no engine (the simulator): zeros
+    bare.decide()
+    assert all(s.sessions == s.kv_tokens == s.kv_capacity == 0 for s in bare.last_snapshots["m"].stages)
 
 
 # ---------------------------------------------------------------- integration with the embedded gateway

@@ -136,3 +136,74 @@ def test_a_stage_replica_killed_mid_stream_fails_over_and_the_tokens_are_identic
     assert events[-2]["finish_reason"] == "length" and events[-2]["replays"] >= 1
     sessions = requests.get(f"{system.url}/function/quart-plugin/sessions", timeout=10).json()
     assert sessions["active"] == [] and sessions["kv"] == {}  # nothing in flight, nothing booked
+
+
+def test_a_stage_scaled_2_to_1_mid_stream_drains_by_replay_and_the_tokens_are_identical(gateway, whole):
+    """Scale-down while streams run on the replica that leaves: it is drained (its sessions move by replay),
+    stopped once they are gone, and every stream ends with the tokens of an undisturbed run."""
+    system, _ = gateway
+    gw = system.system.gateway
+    engine = gw.invoke_hooks[0].__self__.engine
+    stage = gw.functions["tiny-stage-1"]
+    deadline = time.monotonic() + 120
+    while len(stage.ready) < 2:  # the replica the kill test took is back
+        assert time.monotonic() < deadline, "tiny-stage-1 never had 2 ready replicas again"
+        time.sleep(0.1)
+    before = {r.id for r in stage.ready}
+    prompts = [[7 + i, 8, 9 + 2 * i, 10] for i in range(4)]
+    streams: dict[int, list[dict]] = {}
+
+    def stream(i: int) -> None:
+        events: list[dict] = []
+        with requests.post(f"{system.url}/function/tiny", json={"input_ids": prompts[i], "max_tokens": 96,
+                           "stream": True, "ignore_eos": True}, stream=True, timeout=180) as res:
+            for line in res.iter_lines(decode_unicode=True):
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                elif line == "data: [DONE]":
+                    events.append({"done": True})
+        streams[i] = events
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    moves_before = engine.moves
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(engine.book.booked(rid) > 0 for rid in before):  # sessions on both replicas of the stage
+        assert time.monotonic() < deadline, engine.book.occupancy()
+        time.sleep(0.002)
+    held = {rid: engine.book.booked(rid) for rid in before}
+    scaled_at = time.monotonic()
+    switched = requests.post(f"{system.url}/function/quart-plugin/policy", auth=system.auth, timeout=10,
+                             json={"policy": "static", "config": {"replicas": 1}})  # the controller keeps it at 1
+    assert switched.status_code == 200, switched.text
+    res = requests.post(f"{system.url}/system/scale-function/tiny-stage-1", auth=system.auth, timeout=10,
+                        json={"serviceName": "tiny-stage-1", "replicas": 1})
+    assert res.status_code in (200, 202), res.text
+    deadline = time.monotonic() + 60
+    while len(stage.replicas) > 1:  # the one that left is stopped once its sessions have moved
+        assert time.monotonic() < deadline, {r.id: r.state for r in stage.replicas.values()}
+        time.sleep(0.01)
+    gone_s = time.monotonic() - scaled_at
+    running = sum(t.is_alive() for t in threads)
+    for t in threads:
+        t.join(180)
+    [left] = before - set(stage.replicas)
+    assert held[left] > 0  # it held sessions when the scale-down came
+    for i, prompt in enumerate(prompts):
+        events = streams[i]
+        assert events[-1] == {"done": True} and events[-2]["finish_reason"] == "length", events[-3:]
+        assert [e["token"] for e in events if "token" in e] == greedy(whole, prompt, 96)
+    assert engine.moves > moves_before  # by replay, not by waiting the drain out
+    assert running > 0 and gone_s < gw.config.drain_timeout_s  # stopped while streams ran, not at the drain bound
+    sessions = requests.get(f"{system.url}/function/quart-plugin/sessions", timeout=10).json()
+    assert sessions["active"] == [] and sessions["kv"] == {}
+    deadline = time.monotonic() + 30
+    while True:  # the controller's snapshot shows the stage's KV capacity (one ready replica's cap) and no session
+        snap = requests.get(f"{system.url}/function/quart-plugin/snapshot", timeout=10).json()["tiny"]["stages"][1]
+        if snap["replicas"] == 1 and snap["kv_capacity"] > 0:
+            break
+        assert time.monotonic() < deadline, snap
+        time.sleep(0.2)
+    assert snap["sessions"] == 0 and snap["kv_tokens"] == 0 and snap["kv_capacity"] == engine.book.cap(
+        next(iter(stage.replicas)))
