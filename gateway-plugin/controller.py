@@ -25,6 +25,7 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
+from gateway_plugin.zero import held_at_zero
 
 from keysmanager.aio import wait_event
 
@@ -82,7 +83,8 @@ class Controller:
             policy = self.policy(model)
             if self.cv_trainer is not None:
                 self.cv_trainer.install(model, policy)
-            decision = bounded(snap, policy.decide(snap))
+            desired_now = [self.inventory.stage_state(stage.name).desired for stage in snap.stages]
+            decision = held_at_zero(snap, bounded(snap, policy.decide(snap)), desired_now)
             if self.cv_trainer is not None and hasattr(policy, "cv_model"):  # only QUART reads a CV model
                 self.cv_trainer.observe(snap)
             decisions[model] = decision

@@ -69,6 +69,19 @@ class GatewayView:
     def note_held(self, function: str, replica: Any, held: tuple[int, int]) -> None:
         self.gateway.note_held(function, replica, held)
 
+    def scale_from_zero(self, functions: list[str]) -> None:
+        """A call came for a pipeline: its stages at zero replicas get ``max(1, com.openfaas.scale.min)``, as the
+        OpenFaaS gateway's scale from zero does for a function (the balancer does the same for a direct call)."""
+        woken = False
+        for name in functions:
+            fn = self.gateway.functions.get(name)
+            if fn is not None and fn.desired == 0:
+                fn.desired = max(1, fn.deployment.min_replicas)
+                woken = True
+        if woken:
+            log.info("scale from zero: %s", ", ".join(functions))
+            self.gateway.kick()
+
     def stage_state(self, function: str) -> StageState:
         fn = self.gateway.functions[function]
         dep = fn.deployment

@@ -62,7 +62,7 @@ def test_manifest_files_and_stack_yml(tmp_path):
     assert env["QUART_NUM_STAGES"] == "3" and env["QUART_COMPUTE"] == "cpu"
     assert StageConfig.from_env(env).stage_index == 1
     assert fn["labels"] == {"com.openfaas.scale.min": "1", "com.openfaas.scale.max": "5",
-                            "com.openfaas.scale.factor": "0", "com.openfaas.scale.zero": "false",
+                            "com.openfaas.scale.factor": "20", "com.openfaas.scale.zero": "false",
                             "com.quart.model": "tiny", "com.quart.stage": "1", "com.quart.stages": "3",
                             "com.quart.concurrency": "2"}
     assert "constraints" not in fn and "annotations" not in fn  # GPU placement only for cuda stages
