@@ -30,6 +30,7 @@ from gateway_plugin.plugin import make_actuator, policy_factory
 from gateway_plugin.router import Router, StaticReplica, json_reply
 from gateway_plugin.snapshot_builder import StageState
 from quart_provider import namespaces
+from quart_provider.metrics import render_registry
 from quart_provider.tracing import traced, with_trace
 from quart_stage import labels as vocab
 
@@ -132,11 +133,14 @@ class StandalonePlugin:
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body, content_type = render_registry(self.collector.registry, request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/function/{model}", traced(self._invoke))
-        app.router.add_get("/metrics", lambda r: web.Response(body=self.collector.prometheus_text(),
-                                                               content_type="text/plain"))
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/snapshot", lambda r: web.json_response(
             {m: asdict(s) for m, s in self.controller.last_snapshots.items()},
             dumps=lambda d: json.dumps(d, default=str)))

@@ -1,0 +1,44 @@
+"""``/metrics`` is valid OpenMetrics (prometheus_client's own OpenMetrics parser reads all of it) with the OpenFaaS
+gateway's metric names, and still the text format 0.0.4 for a scraper that asks for that only."""
+
+from __future__ import annotations
+
+import time
+
+import requests
+from embedded_system import ThreadedSystem
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+from prometheus_client.parser import text_string_to_metric_families as text_families
+
+
+def test_metrics_parse_as_openmetrics_with_openfaas_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", "0.2")
+    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
+    system = ThreadedSystem(tmp_path, attach_plugin=True)
+    try:
+        for i in range(2):
+            body = {"service": f"m-stage-{i}", "image": "quart/echo:latest",
+                    "labels": {"com.quart.model": "m", "com.quart.stage": str(i), "com.quart.stages": "2"}}
+            assert requests.post(f"{system.url}/system/functions", json=body, auth=system.auth,
+                                 timeout=30).status_code == 202
+        assert requests.post(f"{system.url}/function/m", data=b"x", timeout=30).status_code == 200
+        assert requests.post(f"{system.url}/function/m-stage-0", data=b"x", timeout=30).status_code == 200
+        time.sleep(0.5)  # a control period: the stage gauges have values
+        for accept in ("", "application/openmetrics-text; version=1.0.0; charset=utf-8,*/*;q=0.1"):
+            res = requests.get(f"{system.url}/metrics", headers={"Accept": accept} if accept else {}, timeout=10)
+            assert res.headers["Content-Type"].startswith("application/openmetrics-text"), res.headers
+            families = {f.name: f for f in text_string_to_metric_families(res.text)}  # raises on invalid input
+            samples = {s.name for f in families.values() for s in f.samples}
+            assert {"gateway_function_invocation_started", "gateway_function_invocation_total",
+                    "gateway_functions_seconds_bucket", "gateway_service_count"} <= samples, samples
+            assert "quart_stage_queue_length" in samples and "quart_pipeline_requests_total" in samples
+            started = [s for s in families["gateway_function_invocation_started"].samples
+                       if s.labels["function_name"] == "m-stage-0.openfaas-fn"]
+            assert started and started[0].value >= 1
+        # the text format the OpenFaaS gateway serves, for a scraper that asks for it
+        res = requests.get(f"{system.url}/metrics", headers={"Accept": "text/plain;version=0.0.4"}, timeout=10)
+        assert res.headers["Content-Type"].startswith("text/plain")
+        assert "# TYPE gateway_function_invocation_started untyped" in res.text
+        assert any(f.name == "gateway_function_invocation_started" for f in text_families(res.text))
+    finally:
+        system.close()
