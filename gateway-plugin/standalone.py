@@ -33,6 +33,7 @@ from quart_provider import namespaces
 from quart_provider.metrics import render_registry
 from quart_provider.tracing import traced, with_trace
 from quart_stage import labels as vocab
+from quart_stage.logs import configure as configure_logs
 
 from keysmanager.aio import wait_event
 
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"standalone plugin: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     web.run_app(plugin.app(), host=args.bind, port=args.port, print=lambda *a: None)
     return 0

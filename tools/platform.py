@@ -33,6 +33,7 @@ from quart_provider.quantities import parse_memory
 from quart_provider.stack import StackError, load_stack
 from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
 from quart_stage.errors import QuartError
+from quart_stage.logs import configure as configure_logs
 from quart_stage.settings import ConfigError
 
 from keysmanager.config import KeysManagerConfig
@@ -116,7 +117,7 @@ def up(argv: list[str]) -> int:
         return 2
     if args.detach:
         return _detach(argv, state_dir)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
     try:
         import uvloop
 
