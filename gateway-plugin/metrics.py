@@ -221,6 +221,7 @@ class MetricsCollector:
         self._records_lock = threading.Lock()
         self.registry = CollectorRegistry()
         self.c_requests = Counter("quart_pipeline_requests", "finished pipeline requests", ["model", "code"], registry=self.registry)
+        self.recent: deque[tuple[float, str, float, int]] = deque(maxlen=20_000)  # (end, model, latency ms, status)
 
     def stage(self, function: str) -> StageMetrics:
         if function not in self.stages:
@@ -229,6 +230,7 @@ class MetricsCollector:
 
     def record(self, rec: RequestRecord) -> None:
         self.c_requests.labels(rec.model, str(rec.status)).inc()
+        self.recent.append((rec.end, rec.model, rec.latency_ms, rec.status))  # the status page's latency chart
         if self.records is not None:
             with self._records_lock:
                 self.records.write(rec.to_json() + "\n")

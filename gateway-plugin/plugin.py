@@ -26,6 +26,7 @@ from gateway_plugin.policies import make_policy
 from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
+from gateway_plugin.webui import make_ui_hook
 from quart_stage import labels as vocab
 
 log = logging.getLogger("quart.plugin")
@@ -283,6 +284,7 @@ async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = No
     """Called by the embedded gateway once it is up: hooks the router in and starts the controller."""
     plugin = Plugin(gateway, config)
     gateway.add_invoke_hook(plugin.hook)
+    gateway.ui_hook = make_ui_hook(plugin)  # /ui/: the status page
     gateway.shutdown_callbacks.append(plugin.close)
     with contextlib.suppress(Exception):
         gateway.metrics.registry.register(_RegistryBridge(plugin.collector.registry))

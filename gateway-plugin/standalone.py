@@ -12,7 +12,6 @@ REST or faas-cli actuator.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -32,6 +31,7 @@ from gateway_plugin.snapshot_builder import StageState
 from quart_provider import namespaces
 from quart_provider.metrics import render_registry
 from quart_provider.tracing import traced, with_trace
+from quart_stage import cliargs
 from quart_stage import labels as vocab
 from quart_stage.logs import configure as configure_logs
 
@@ -189,7 +189,7 @@ class StandalonePlugin:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gateway_plugin.standalone", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl plugin", description=__doc__.split("\n\n")[0])
     p.add_argument("--gateway", default=None, help="OpenFaaS gateway URL (QUART_GATEWAY_URL)")
     p.add_argument("--user", default=None, help="basic-auth user (QUART_GATEWAY_USER, default admin)")
     p.add_argument("--password-file", default=None, help="file holding the gateway password (mode 0600)")

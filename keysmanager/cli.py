@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
+
+from quart_stage import cliargs
 
 from keysmanager.config import KeysManagerConfig
 from keysmanager.server import serve
@@ -12,7 +13,7 @@ from keysmanager.types import FORK_MODES
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="quartctl keysmanager", description="run one KeysManager host agent")
+    parser = cliargs.ArgumentParser(prog="quartctl keysmanager", description="run one KeysManager host agent")
     parser.add_argument("--name", help="host name (default host-0)")
     parser.add_argument("--socket", help="API Unix socket path (default <state-dir>/km.sock)")
     parser.add_argument("--state-dir", help="pidfile, state and logs (default $XDG_RUNTIME_DIR or /tmp)")

@@ -35,7 +35,7 @@ from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetri
 from quart_provider.scheduling.types import Placer
 from quart_provider.secrets import SecretStore
 from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
-from quart_provider.types import Endpoint, FunctionState, InvokeHook
+from quart_provider.types import Endpoint, FunctionState, InvokeHook, UiHook
 
 from keysmanager.aio import within
 
@@ -68,6 +68,7 @@ class EmbeddedGateway:
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
+        self.ui_hook: UiHook | None = None  # answers /ui/<path> (the plugin's status page), behind basic auth
         # request bodies in flight, per gateway and per function / pipeline (quart_provider.admission)
         self.body_gate = ByteGate(config.max_inflight_bytes, config.max_function_inflight_bytes,
                                   fallback_retry_s=config.retry_after_s)

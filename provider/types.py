@@ -20,6 +20,7 @@ from quart_provider.replicaset import StartTimeEstimate
 from quart_stage.privdrop import RUN_AS_ENV
 
 InvokeHook = Callable[[Any, str, str], Awaitable[Any]]  # (aiohttp request, name, sub-path) → response | None
+UiHook = Callable[[Any, str], Awaitable[Any]]  # (aiohttp request, path under /ui/) → response
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import uvloop
+from quart_stage import cliargs
 from quart_tools.arrivals import DEFAULT_BYTES_PER_TOKEN, Arrivals, make_arrivals
 from tqdm import tqdm
 
@@ -284,7 +285,7 @@ def read_records(path: str | Path) -> list[RequestRecord]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quartctl load", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl load", description=__doc__.split("\n\n")[0])
     p.add_argument("url", help="where to POST, e.g. http://127.0.0.1:8080/function/bert-21b")
     p.add_argument("--arrivals", choices=("poisson", "gamma", "trace"), default="poisson")
     p.add_argument("--rate", type=float, default=10.0, help="mean requests/s (trace: rescale to it; 0 = real time)")
@@ -330,4 +331,8 @@ def main(argv: list[str]) -> int:
     p99 = float(np.percentile(err, 99)) if len(err) else math.nan
     print(json.dumps({"requests": len(result.records), "ok": ok, "rps": round(result.achieved_rps(), 1),
                       "send_error_p99_ms": round(p99, 3), "records": str(args.out)}))
+    unanswered = [r for r in result.records if r.status == 0]
+    if result.records and len(unanswered) == len(result.records):  # nothing listens there: say so, fail
+        print(f"quartctl load: no request got an answer from {args.url}: {unanswered[0].error}", file=sys.stderr)
+        return 1
     return 0

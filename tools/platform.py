@@ -30,8 +30,10 @@ from quart_provider.network import (
     unavailable_reason,
 )
 from quart_provider.quantities import parse_memory
+from quart_provider.scheduling import PLACERS
 from quart_provider.stack import StackError, load_stack
 from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
+from quart_stage import cliargs
 from quart_stage.errors import QuartError
 from quart_stage.logs import configure as configure_logs
 from quart_stage.settings import ConfigError
@@ -57,17 +59,18 @@ def _memory(text: str) -> int:
 
 
 def _up_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quartctl up", description="Start the embedded OpenFaaS-compatible gateway, "
+    p = cliargs.ArgumentParser(prog="quartctl up", description="Start the embedded OpenFaaS-compatible gateway, "
                                 "one KeysManager per simulated host, and the gateway plugin.")
     p.add_argument("-f", "--file", "--yaml", dest="file", help="stack.yml to deploy once the gateway is up")
-    p.add_argument("--port", type=int, default=None, help="gateway port (default 8080; 0 = any free port)")
-    p.add_argument("--provider-port", type=int, default=None,
+    p.add_argument("--port", type=cliargs.port, default=None, help="gateway port (default 8080; 0 = any free port)")
+    p.add_argument("--provider-port", type=cliargs.port, default=None,
                    help="also serve the faas-provider API here, for a real OpenFaaS gateway in front (0 = any port)")
     p.add_argument("--bind", default=None, help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--hosts", type=int, default=None, help="simulated hosts, one KeysManager each (default 1)")
-    p.add_argument("--gpus-per-host", type=int, default=None, help="replica slots per host (default 4)")
+    p.add_argument("--hosts", type=cliargs.positive_int, default=None,
+                   help="simulated hosts, one KeysManager each (default 1)")
+    p.add_argument("--gpus-per-host", type=cliargs.positive_int, default=None, help="replica slots per host (default 4)")
     p.add_argument("--host-memory", type=_memory, default=None, help="parameter cache per host, e.g. 8Gi (default 8Gi)")
-    p.add_argument("--placer", default=None, help="replica placer: first-fit | cache-aware (default first-fit)")
+    p.add_argument("--placer", choices=PLACERS, default=None, help="replica placer (default first-fit)")
     p.add_argument("--network", choices=NETWORKS, default=None,
                    help="loopback (default): KeysManagers on Unix sockets, replicas on 127.0.0.1; netns: each "
                         "host a network namespace on a bridge, KeysManager on TCP with a token (needs root)")
@@ -232,7 +235,7 @@ def _detach(argv: list[str], state_dir: Path) -> int:
 
 
 def down(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl down", description="Stop everything `quartctl up` started.")
+    p = cliargs.ArgumentParser(prog="quartctl down", description="Stop everything `quartctl up` started.")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     args = p.parse_args(argv)
     state_dir = args.state_dir.resolve()
@@ -272,7 +275,7 @@ def down(argv: list[str]) -> int:
 
 def host(argv: list[str]) -> int:
     """Take a host's link down or up (netns clusters): its KeysManager and replicas stop answering."""
-    p = argparse.ArgumentParser(prog="quartctl host", description=host.__doc__)
+    p = cliargs.ArgumentParser(prog="quartctl host", description=host.__doc__)
     p.add_argument("action", choices=("down", "up"))
     p.add_argument("name", help="host name, e.g. host-1")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
@@ -314,7 +317,7 @@ def deploy(argv: list[str]) -> int:
     """Send the same REST calls `faas-cli deploy` sends: PUT /system/functions, POST when it answers 404."""
     import requests
 
-    p = argparse.ArgumentParser(prog="quartctl deploy", description=deploy.__doc__)
+    p = cliargs.ArgumentParser(prog="quartctl deploy", description=deploy.__doc__)
     p.add_argument("-f", "--file", "--yaml", dest="file", required=True, help="stack.yml")
     p.add_argument("-g", "--gateway", default=None, help="gateway URL (default: stack provider.gateway, "
                    "OPENFAAS_URL, or the running `quartctl up`)")

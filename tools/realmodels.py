@@ -144,18 +144,23 @@ def gguf_folder(gguf: Path, cache: Path | None = None) -> Path:
     if (dest / ".complete").exists():
         return dest
     started = time.perf_counter()
-    print(f"dequantising {gguf.name} to float32 (once; kept in {dest})", file=sys.stderr)
+    print(f"dequantising {gguf.name} to float32 (once, about a minute on one core; kept in {dest})",
+          file=sys.stderr)
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    step = _steps(started)
+    step("1/3 reading and dequantising the tensors")
     config, tensors = load_gguf(gguf)
     from safetensors.torch import save_file
 
+    step(f"2/3 writing {len(tensors)} float32 tensors")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt", "source": gguf.name})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     from transformers import AutoTokenizer
 
+    step("3/3 converting the tokenizer")
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
     for extra in set(glob.glob(str(tmp / "*"))) - {str(tmp / n) for n in ("model.safetensors", "config.json",
                                                                               "tokenizer.json")}:
@@ -165,6 +170,15 @@ def gguf_folder(gguf: Path, cache: Path | None = None) -> Path:
     os.replace(tmp, dest)
     print(f"dequantised in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return dest
+
+
+def _steps(started: float):
+    """A printer of ``  [12.3 s] what`` progress lines on stderr, timed from ``started``."""
+
+    def step(what: str) -> None:
+        print(f"  [{time.perf_counter() - started:5.1f} s] {what}", file=sys.stderr, flush=True)
+
+    return step
 
 
 def load_gguf(gguf: Path) -> tuple[dict, dict]:

@@ -14,7 +14,6 @@ function (a raw-asyncio HTTP/1.1 echo replica, see :mod:`quart_provider.echo`), 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import requests
 from quart_provider.system import stop_process
+from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.wrk import find_wrk, run_wrk, version, write_script
 from tqdm import tqdm
@@ -218,7 +218,7 @@ def run(body_bytes: int, count: int, warmup: int, connections: int, seconds: flo
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench gateway", description=__doc__.splitlines()[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench gateway", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout)")
     p.add_argument("--body-bytes", type=int, default=1024)
     p.add_argument("--requests", type=int, default=3000, help="latency pairs measured (after warm-up)")

@@ -1,0 +1,129 @@
+"""quartctl as an operator meets it: --version, consistent help, one-line errors with exit 2 for bad input
+(no traceback), and the commands that manage a running gateway (list, status, logs, invoke, scale, rm)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from embedded_system import ThreadedSystem
+from quart_tools.cli import main
+
+
+def quartctl(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quart_tools.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+
+
+def assert_one_line_usage_error(res: subprocess.CompletedProcess, *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_version_and_help_are_consistent():
+    res = quartctl("--version")
+    assert res.returncode == 0 and res.stdout.startswith("quartctl ") and res.stdout.split()[1][0].isdigit()
+    res = quartctl("--help")
+    assert res.returncode == 0
+    for command in ("status", "list", "logs", "invoke", "scale", "rm", "up", "down", "partition", "plugin"):
+        assert f"  {command} " in res.stdout, command
+    res = quartctl("plugin", "--help")
+    assert res.returncode == 0 and "usage: quartctl plugin" in res.stdout and "python -m" not in res.stdout
+    for command in ("up", "demo", "partition", "load", "simulate", "status", "logs"):
+        res = quartctl(command, "--help")
+        assert res.returncode == 0 and f"quartctl {command}" in res.stdout.lower(), (command, res.stdout[:200])
+
+
+@pytest.mark.parametrize("args,needles", [
+    (("demo", "--model", "nope"), ("quartctl demo", "nope", "minilm", "smollm2")),
+    (("up", "--placer", "bogus"), ("quartctl up", "bogus", "cache-aware")),
+    (("up", "--port", "99999"), ("quartctl up", "--port", "65535")),
+    (("up", "--hosts", "0"), ("quartctl up", "--hosts")),
+    (("nope",), ("No such command",)),
+    (("scale", "f", "--replicas", "-1"), ("quartctl scale", "--replicas")),
+    (("invoke",), ("quartctl invoke", "NAME")),
+    (("simulate", "--experiment", "fig2", "--plots", "x"), ("quartctl simulate", "--plots")),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needles, tmp_path):
+    assert_one_line_usage_error(quartctl(*args, "--state-dir", str(tmp_path)) if args[0] in ("demo", "up")
+                                else quartctl(*args), *needles)
+
+
+def test_partition_of_an_unknown_model_names_the_packaged_ones_and_deepspeed_is_quiet(tmp_path):
+    res = quartctl("partition", "--model", "nope", "--stages", "2", "--out", str(tmp_path / "x"))
+    assert_one_line_usage_error(res, "nope", "minilm", "smollm2", "tiny")
+    res = quartctl("partition", "--model", "tiny", "--stages", "2", "--out", str(tmp_path / "tiny"))
+    assert res.returncode == 0, res.stderr
+    assert "Setting accelerator" not in res.stderr + res.stdout and "WARNING" not in res.stderr, res.stderr
+
+
+def test_load_at_a_dead_url_fails(tmp_path):
+    res = quartctl("load", "http://127.0.0.1:9/function/x", "--rate", "5", "--duration", "0.5",
+                   "--out", str(tmp_path / "r.jsonl"))
+    assert res.returncode == 1 and "no request got an answer" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_simulate_fig7_writes_its_plots(tmp_path):
+    plots = tmp_path / "plots"
+    res = quartctl("simulate", "--experiment", "fig7", "--models", "bert-21b", "--cvs", "1,4", "--systems",
+                   "quart,openfaas-ce", "--duration", "20", "--workers", "1", "--plots", str(plots),
+                   "--out", str(tmp_path / "fig7.json"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [p.name for p in plots.iterdir()] == ["fig7-bert-21b.png"]
+    assert json.loads((tmp_path / "fig7.json").read_text())["plots"] == [str(plots / "fig7-bert-21b.png")]
+
+
+def test_the_management_commands_on_a_running_gateway(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", "0.2")
+    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
+    system = ThreadedSystem(tmp_path, attach_plugin=True)
+    try:
+        monkeypatch.setenv("OPENFAAS_PASSWORD", system.auth[1])
+        gw = ["--gateway", system.url]
+        for i in range(2):
+            body = {"service": f"m-stage-{i}", "image": "quart/echo:latest",
+                    "labels": {"com.quart.model": "m", "com.quart.stage": str(i), "com.quart.stages": "2"}}
+            assert requests.post(f"{system.url}/system/functions", json=body, auth=system.auth,
+                                 timeout=30).status_code == 202
+        capsys.readouterr()
+        assert main(["invoke", "m", *gw, "-d", "through the pipeline"]) == 0
+        assert capsys.readouterr().out == "through the pipeline"
+        time.sleep(0.5)
+        assert main(["list", *gw]) == 0
+        out = capsys.readouterr().out
+        assert "m-stage-0" in out and "m-stage-1" in out
+        assert main(["status", *gw]) == 0
+        out = capsys.readouterr().out
+        assert "m-stage-0" in out and "host-0:cold" in out and "last decisions" in out, out
+        assert main(["status", *gw, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert [s["name"] for s in doc["pipelines"][0]["stages"]] == ["m-stage-0", "m-stage-1"]
+        assert main(["status", *gw, "--model", "nope"]) == 2
+        assert "no pipeline 'nope'" in capsys.readouterr().err
+        deadline = time.monotonic() + 10
+        while True:
+            assert main(["logs", "m-stage-1", *gw]) == 0
+            out = capsys.readouterr().out
+            if "INFO access" in out or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert "INFO access" in out and "status=200" in out, out
+        assert main(["scale", "m-stage-1", *gw, "--replicas", "2"]) == 0
+        assert requests.get(f"{system.url}/system/function/m-stage-1", auth=system.auth,
+                            timeout=10).json()["replicas"] == 2
+        assert main(["invoke", "nofunction", *gw, "-d", "x"]) == 1
+        assert capsys.readouterr().err.startswith("quartctl invoke: 404")
+        assert main(["rm", "m", *gw]) == 0
+        assert "Removed pipeline m: m-stage-0, m-stage-1" in capsys.readouterr().out
+        assert requests.get(f"{system.url}/system/functions", auth=system.auth, timeout=10).json() == []
+    finally:
+        system.close()
+    assert main(["list", "--gateway", system.url]) == 1
+    assert "cannot reach the gateway" in capsys.readouterr().err
