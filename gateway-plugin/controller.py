@@ -89,15 +89,25 @@ class Controller:
                 self.cv_trainer.observe(snap)
             decisions[model] = decision
             await self._apply(snap, decision)
+            if hasattr(self.inventory, "check_placement"):  # log each placement the platform cannot make
+                for stage in snap.stages:
+                    self.inventory.check_placement(stage.name)
             self._log(snap, decision)
         return decisions
 
     async def _apply(self, snap: PipelineSnapshot, decision: Decision) -> None:
+        note = getattr(self.inventory, "note_decision", None)  # the platform keeps and shows the last one
         for stage, want in zip(snap.stages, decision.stages, strict=True):
             state = self.inventory.stage_state(stage.name)
             try:
                 if want.replicas != state.desired:
-                    await self.actuator.scale(stage.name, want.replicas, key=stage.index in decision.key_stages)
+                    key = stage.index in decision.key_stages
+                    log.info("scale %s %d -> %d%s: %s", stage.name, state.desired, want.replicas,
+                             " (key stage)" if key else "", want.reason or "policy")
+                    await self.actuator.scale(stage.name, want.replicas, key=key)
+                    if note is not None:
+                        note(stage.name, f"{state.desired} -> {want.replicas}{' (key stage)' if key else ''}: "
+                                         f"{want.reason or 'policy'}")
                 if abs(want.cpus - state.cpus) >= 0.01:
                     await self.actuator.set_cpus(stage.name, want.cpus)
             except Exception as exc:  # an actuator failure must not stop the loop

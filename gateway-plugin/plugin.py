@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, replace
 from typing import IO, Any
 
@@ -27,6 +28,7 @@ from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
 from gateway_plugin.webui import make_ui_hook
+from quart_provider.capacity import not_ready_reason
 from quart_stage import labels as vocab
 
 log = logging.getLogger("quart.plugin")
@@ -40,6 +42,7 @@ class GatewayView:
     def __init__(self, gateway: Any, default_concurrency: int = 1) -> None:
         self.gateway = gateway
         self.default_concurrency = default_concurrency
+        self._unplaced: dict[str, int] = {}  # replicas that could not be placed, as last logged
 
     def pipelines(self) -> dict[str, list[str]]:
         return self.gateway.pipelines()
@@ -69,6 +72,24 @@ class GatewayView:
 
     def note_held(self, function: str, replica: Any, held: tuple[int, int]) -> None:
         self.gateway.note_held(function, replica, held)
+
+    def note_decision(self, function: str, text: str) -> None:
+        """The controller changed ``function``'s replicas: kept for ``/system/functions`` (lastDecision)."""
+        fn = self.gateway.functions.get(function)
+        if fn is not None:
+            fn.last_decision = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {text}"
+
+    def check_placement(self, function: str) -> None:
+        """Log, once per change, the replicas of ``function`` that cannot be placed and why."""
+        fn = self.gateway.functions.get(function)
+        unplaced = fn.unplaced if fn is not None else 0
+        if unplaced != self._unplaced.get(function, 0) and fn is not None:
+            if unplaced:
+                log.warning("cannot place %d replica(s) of %s: %s", unplaced, function,
+                            not_ready_reason(fn, self.gateway.functions.values(), self.gateway.hosts))
+            else:
+                log.info("all replicas of %s are placed again", function)
+        self._unplaced[function] = unplaced
 
     def scale_from_zero(self, functions: list[str]) -> None:
         """A call came for a pipeline: its stages at zero replicas get ``max(1, com.openfaas.scale.min)``, as the

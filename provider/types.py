@@ -82,6 +82,7 @@ class FunctionState:
     service: ServiceTimes = field(default_factory=ServiceTimes)  # recent replica answer times (admission)
     admitted: int = 0  # proxied calls admitted and not yet answered (reading their body, waiting, served)
     run_as: int | None = None  # the uid (= gid) its replicas run as (GatewayConfig.replica_uids); None: the gateway's
+    last_decision: str = ""  # the autoscaler's last change of ``desired`` and why (com.quart.last-decision)
 
     @property
     def name(self) -> str:
