@@ -43,6 +43,9 @@ from keysmanager.config import KeysManagerConfig
 from keysmanager.recovery import clean_leftovers
 
 DEFAULT_STATE_DIR = Path(".quart")
+# replica slots of `quartctl up`'s host: the README's walkthrough (4 stages, then `quartctl load` at 20 req/s)
+# leaves the autoscaler room for several replicas per stage (GatewayConfig's own default, 4, is for tests)
+UP_SLOTS = 16
 
 
 def _state(state_dir: Path) -> dict | None:
@@ -69,7 +72,8 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--hosts", type=cliargs.positive_int, default=None,
                    help="simulated hosts, one KeysManager each (default 1)")
-    p.add_argument("--gpus-per-host", type=cliargs.positive_int, default=None, help="replica slots per host (default 4)")
+    p.add_argument("--gpus-per-host", type=cliargs.positive_int, default=None,
+                   help=f"replica slots per host (default {UP_SLOTS}: room for the autoscaler to scale the stages)")
     p.add_argument("--host-memory", type=_memory, default=None, help="parameter cache per host, e.g. 8Gi (default 8Gi)")
     p.add_argument("--placer", choices=PLACERS, default=None, help="replica placer (default first-fit)")
     p.add_argument("--network", choices=NETWORKS, default=None,
@@ -91,8 +95,11 @@ def _up_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> GatewayConfig:
+    slots = args.gpus_per_host
+    if slots is None and not os.environ.get("QUART_GATEWAY_GPUS_PER_HOST"):
+        slots = UP_SLOTS
     return GatewayConfig.from_env(
-        port=args.port, provider_port=args.provider_port, bind=args.bind, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+        port=args.port, provider_port=args.provider_port, bind=args.bind, hosts=args.hosts, gpus_per_host=slots,
         host_memory_bytes=args.host_memory, placer=args.placer, state_dir=args.state_dir.resolve(),
         network=args.network, nic_gbps=args.nic_gbps,
     )
