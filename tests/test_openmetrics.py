@@ -1,14 +1,21 @@
 """``/metrics`` is valid OpenMetrics (prometheus_client's own OpenMetrics parser reads all of it) with the OpenFaaS
-gateway's metric names, and still the text format 0.0.4 for a scraper that asks for that only."""
+gateway's metric names, and still the text format 0.0.4 for a scraper that asks for that only; the Grafana
+dashboard in deploy/monitoring queries only series it serves."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from pathlib import Path
 
 import requests
+import yaml
 from embedded_system import ThreadedSystem
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.parser import text_string_to_metric_families as text_families
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_metrics_parse_as_openmetrics_with_openfaas_names(tmp_path, monkeypatch):
@@ -35,6 +42,13 @@ def test_metrics_parse_as_openmetrics_with_openfaas_names(tmp_path, monkeypatch)
             started = [s for s in families["gateway_function_invocation_started"].samples
                        if s.labels["function_name"] == "m-stage-0.openfaas-fn"]
             assert started and started[0].value >= 1
+        # every series the Grafana dashboard queries is one this /metrics serves
+        dashboard = json.loads((ROOT / "deploy/monitoring/grafana-dashboard.json").read_text())
+        queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+                   for name in re.findall(r"\b((?:gateway|quart)_[a-z0-9_]+)", target["expr"])}
+        assert len(queried) >= 8 and queried <= samples, queried - samples
+        scrape = yaml.safe_load((ROOT / "deploy/monitoring/prometheus.yml").read_text())
+        assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
         # the text format the OpenFaaS gateway serves, for a scraper that asks for it
         res = requests.get(f"{system.url}/metrics", headers={"Accept": "text/plain;version=0.0.4"}, timeout=10)
         assert res.headers["Content-Type"].startswith("text/plain")
