@@ -5,6 +5,7 @@ functions are removed, and it says so), `up` alone says what it restored, `down 
 from __future__ import annotations
 
 import json
+
 import requests
 import yaml
 from test_gateway_cli import down_and_wait, quartctl

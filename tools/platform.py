@@ -43,7 +43,7 @@ from keysmanager.config import KeysManagerConfig
 from keysmanager.recovery import clean_leftovers
 
 DEFAULT_STATE_DIR = Path(".quart")
-# replica slots of `quartctl up`'s host: the README's walkthrough (4 stages, then `quartctl load` at 20 req/s)
+# replica slots of `quartctl up`'s host: the README's walkthrough (4 stages, then `quartctl load` at 10 req/s)
 # leaves the autoscaler room for several replicas per stage (GatewayConfig's own default, 4, is for tests)
 UP_SLOTS = 16
 
