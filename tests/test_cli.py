@@ -10,7 +10,7 @@ import time
 
 import pytest
 import requests
-from embedded_system import ThreadedSystem
+from embedded_system import deploy_echo_pipeline, plugin_system
 from quart_tools.cli import main
 
 
@@ -81,17 +81,11 @@ def test_simulate_fig7_writes_its_plots(tmp_path):
 
 
 def test_the_management_commands_on_a_running_gateway(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", "0.2")
-    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
-    system = ThreadedSystem(tmp_path, attach_plugin=True)
+    system = plugin_system(tmp_path, monkeypatch, "0.2")
     try:
         monkeypatch.setenv("OPENFAAS_PASSWORD", system.auth[1])
         gw = ["--gateway", system.url]
-        for i in range(2):
-            body = {"service": f"m-stage-{i}", "image": "quart/echo:latest",
-                    "labels": {"com.quart.model": "m", "com.quart.stage": str(i), "com.quart.stages": "2"}}
-            assert requests.post(f"{system.url}/system/functions", json=body, auth=system.auth,
-                                 timeout=30).status_code == 202
+        deploy_echo_pipeline(system, "m", 2)
         capsys.readouterr()
         assert main(["invoke", "m", *gw, "-d", "through the pipeline"]) == 0
         assert capsys.readouterr().out == "through the pipeline"

@@ -7,21 +7,15 @@ import logging
 import time
 
 import requests
-from embedded_system import ThreadedSystem
+from embedded_system import deploy_echo_pipeline, plugin_system
 
 
 def test_decisions_and_unplaceable_replicas_are_logged_and_shown(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("QUART_POLICY", "static")  # 2 replicas per stage: 6 asked, 4 slots
-    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", "0.1")
-    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
     caplog.set_level(logging.INFO, logger="quart")
-    system = ThreadedSystem(tmp_path, attach_plugin=True, gpus_per_host=4)
+    system = plugin_system(tmp_path, monkeypatch, "0.1", gpus_per_host=4)
     try:
-        for i in range(3):
-            body = {"service": f"m-stage-{i}", "image": "quart/echo:latest",
-                    "labels": {"com.quart.model": "m", "com.quart.stage": str(i), "com.quart.stages": "3"}}
-            assert requests.post(f"{system.url}/system/functions", json=body, auth=system.auth,
-                                 timeout=30).status_code == 202
+        deploy_echo_pipeline(system, "m", 3)
         deadline = time.monotonic() + 20
         while "cannot place" not in caplog.text:
             assert time.monotonic() < deadline, caplog.text[-3000:]

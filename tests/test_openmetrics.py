@@ -11,7 +11,7 @@ from pathlib import Path
 
 import requests
 import yaml
-from embedded_system import ThreadedSystem
+from embedded_system import deploy_echo_pipeline, plugin_system
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.parser import text_string_to_metric_families as text_families
 
@@ -19,15 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_metrics_parse_as_openmetrics_with_openfaas_names(tmp_path, monkeypatch):
-    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", "0.2")
-    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
-    system = ThreadedSystem(tmp_path, attach_plugin=True)
+    system = plugin_system(tmp_path, monkeypatch, "0.2")
     try:
-        for i in range(2):
-            body = {"service": f"m-stage-{i}", "image": "quart/echo:latest",
-                    "labels": {"com.quart.model": "m", "com.quart.stage": str(i), "com.quart.stages": "2"}}
-            assert requests.post(f"{system.url}/system/functions", json=body, auth=system.auth,
-                                 timeout=30).status_code == 202
+        deploy_echo_pipeline(system, "m", 2)
         assert requests.post(f"{system.url}/function/m", data=b"x", timeout=30).status_code == 200
         assert requests.post(f"{system.url}/function/m-stage-0", data=b"x", timeout=30).status_code == 200
         time.sleep(0.5)  # a control period: the stage gauges have values

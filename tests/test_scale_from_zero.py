@@ -7,16 +7,7 @@ from __future__ import annotations
 import time
 
 import requests
-from embedded_system import ThreadedSystem
-
-
-def deploy(system: ThreadedSystem, model: str, stages: int, scale_min: str) -> None:
-    for i in range(stages):
-        body = {"service": f"{model}-stage-{i}", "image": "quart/echo:latest",
-                "labels": {"com.quart.model": model, "com.quart.stage": str(i), "com.quart.stages": str(stages),
-                           "com.openfaas.scale.min": scale_min, "com.openfaas.scale.max": "4"}}
-        res = requests.post(f"{system.url}/system/functions", json=body, auth=system.auth, timeout=30)
-        assert res.status_code == 202, res.text
+from embedded_system import ThreadedSystem, deploy_echo_pipeline, plugin_system
 
 
 def replicas(system: ThreadedSystem, name: str) -> tuple[int, int]:
@@ -25,11 +16,9 @@ def replicas(system: ThreadedSystem, name: str) -> tuple[int, int]:
 
 
 def test_a_scale_min_0_model_answers_its_first_pipeline_call_and_stays_at_zero_until_called(tmp_path, monkeypatch):
-    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", "0.1")
-    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
-    system = ThreadedSystem(tmp_path, attach_plugin=True)
+    system = plugin_system(tmp_path, monkeypatch, "0.1")
     try:
-        deploy(system, "z", 2, "0")
+        deploy_echo_pipeline(system, "z", 2, **{"com.openfaas.scale.min": "0", "com.openfaas.scale.max": "4"})
         time.sleep(1.0)  # ten control periods with no call: nothing starts
         assert [replicas(system, f"z-stage-{i}") for i in range(2)] == [(0, 0), (0, 0)]
         started = time.monotonic()

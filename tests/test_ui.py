@@ -12,22 +12,16 @@ import time
 
 import pytest
 import requests
-from embedded_system import ThreadedSystem
+from embedded_system import deploy_echo_pipeline, plugin_system
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture
 def pipeline(tmp_path, monkeypatch):
-    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", "0.2")
-    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
-    system = ThreadedSystem(tmp_path, attach_plugin=True)
+    system = plugin_system(tmp_path, monkeypatch, "0.2")
     try:
-        for i in range(3):
-            body = {"service": f"m-stage-{i}", "image": "quart/echo:latest",
-                    "labels": {"com.quart.model": "m", "com.quart.stage": str(i), "com.quart.stages": "3"}}
-            assert requests.post(f"{system.url}/system/functions", json=body, auth=system.auth,
-                                 timeout=30).status_code == 202
+        deploy_echo_pipeline(system, "m", 3)
         for _ in range(10):
             assert requests.post(f"{system.url}/function/m", data=b"x" * 100, timeout=30).status_code == 200
         time.sleep(0.6)  # control steps: decisions and snapshots
