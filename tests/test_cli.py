@@ -121,3 +121,46 @@ def test_the_management_commands_on_a_running_gateway(tmp_path, monkeypatch, cap
         system.close()
     assert main(["list", "--gateway", system.url]) == 1
     assert "cannot reach the gateway" in capsys.readouterr().err
+
+
+def test_invoke_prints_a_streamed_answer_as_it_arrives():
+    """A generation answers as a stream (server-sent events): each chunk is on stdout before the next is sent."""
+    import http.server
+    import os
+    import select
+    import threading
+
+    release = threading.Event()
+
+    class Streaming(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for event in (b"data: Hello\n\n", b"data: world\n\n"):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+                release.wait(30)  # the second token waits until the client printed the first
+            self.wfile.write(b"0\r\n\r\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Streaming)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "quart_tools.cli", "invoke", "gen", "--gateway",
+                                 f"http://127.0.0.1:{server.server_port}", "-d", '{"generate": true}'],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        ready, _, _ = select.select([proc.stdout], [], [], 20)  # a buffered client prints nothing before 30 s
+        assert ready and os.read(proc.stdout.fileno(), 100) == b"data: Hello\n\n"  # while the server holds the rest
+        release.set()
+        rest, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and rest == b"data: world\n\n", err
+    finally:
+        release.set()
+        server.shutdown()
