@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -164,3 +166,26 @@ def test_invoke_prints_a_streamed_answer_as_it_arrives():
     finally:
         release.set()
         server.shutdown()
+
+
+def test_the_gguf_dequantisation_reports_its_steps(tmp_path, monkeypatch, capsys):
+    """SmolLM2's first partition dequantises its GGUF (about a minute): it says so, and each step as it starts."""
+    import torch
+    import transformers
+    from quart_tools import realmodels
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(realmodels, "load_gguf", lambda path: ({"model_type": "llama"}, {"w": torch.zeros(2)}))
+
+    class Tokenizer:
+        def save_pretrained(self, folder):
+            (Path(folder) / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    folder = realmodels.gguf_folder(gguf, cache=tmp_path / "cache")
+    err = capsys.readouterr().err
+    assert "dequantising model.gguf to float32 (once, about a minute" in err
+    steps = re.findall(r"\[\s*[\d.]+ s\] (\d/3) ", err)
+    assert steps == ["1/3", "2/3", "3/3"] and "dequantised in" in err, err
+    assert (folder / "model.safetensors").exists()
