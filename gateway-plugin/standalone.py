@@ -208,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"standalone plugin: {exc}", file=sys.stderr)
         return 2
-    configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
+    try:
+        configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
+    except ValueError as exc:  # ConfigError: the variable and what it must be
+        print(f"quartctl plugin: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     web.run_app(plugin.app(), host=args.bind, port=args.port, print=lambda *a: None)
     return 0

@@ -6,6 +6,7 @@ import asyncio
 import sys
 
 from quart_stage import cliargs
+from quart_stage.logs import configure as configure_logs
 
 from keysmanager.config import KeysManagerConfig
 from keysmanager.server import serve
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host-address", help="this host's address: replicas listen on it (default 127.0.0.1)")
     args = parser.parse_args(argv)
     try:
+        configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
         config = KeysManagerConfig.from_env(
             name=args.name, socket=args.socket, state_dir=args.state_dir, memory_limit=args.memory_limit,
             memory_threshold=args.memory_threshold, gpus=args.gpus, fork_mode=args.fork_mode,

@@ -130,7 +130,11 @@ def up(argv: list[str]) -> int:
         return 2
     if args.detach:
         return _detach(argv, state_dir, args.wait)
-    configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
+    try:
+        configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
+    except ValueError as exc:  # ConfigError: the variable and what it must be
+        print(f"quartctl up: {exc}", file=sys.stderr)
+        return 2
     try:
         import uvloop
 
