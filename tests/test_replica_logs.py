@@ -51,6 +51,10 @@ def test_access_log_middleware_logs_errors_with_their_traceback_and_json_on_requ
     def ok():
         return b"answer"
 
+    @app.get("/_/health")
+    def health():
+        return b"OK"
+
     @app.post("/boom")
     def boom():
         raise RuntimeError("the stage broke")
@@ -67,7 +71,7 @@ def test_access_log_middleware_logs_errors_with_their_traceback_and_json_on_requ
     assert "Traceback (most recent call last)" in lines[1] and "RuntimeError: the stage broke" in lines[1]
     as_json: list[str] = []
     client = Client(AccessLog(app.wsgi_app, as_json.append, LogSettings(format="json")))
-    client.get("/_/health")  # health probes are not logged
+    assert client.get("/_/health").data == b"OK"  # health probes pass through, not logged
     assert client.post("/", data=b"1", headers={"X-Call-Id": "c3"}).data == b"answer"
     [doc] = [json.loads(line) for line in as_json]
     assert (doc["level"], doc["event"], doc["call_id"], doc["status"], doc["bytes_out"]) == ("info", "access", "c3",

@@ -105,9 +105,12 @@ class AccessLog:
         self.json = (settings or log_settings()).format == "json"
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path == HEALTH_PATH:
+        if environ.get("PATH_INFO", "") == HEALTH_PATH:  # probes: not logged, passed through as they are
             return self.app(environ, start_response)
+        return self._logged(environ, start_response)
+
+    def _logged(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
         started = time.perf_counter()
         fields: dict[str, Any] = {
             "call_id": environ.get("HTTP_X_CALL_ID") or environ.get("HTTP_X_QUART_REQUEST_ID") or "-", "method": environ.get("REQUEST_METHOD", ""),
