@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 
@@ -42,6 +42,9 @@ class StageVisit:
     param_bytes: int = 0
 
 
+TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """One pipeline request, as written to the JSONL records file."""
@@ -54,6 +57,9 @@ class RequestRecord:
     latency_ms: float
     stages: list[StageVisit] = field(default_factory=list)
     error: str = ""
+    ttft_ms: float | None = None  # a generation: arrival -> its first token
+    tpot_ms: float | None = None  # a generation: mean time per token after the first
+    tokens: int = 0  # a generation: tokens generated
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -222,6 +228,10 @@ class MetricsCollector:
         self.registry = CollectorRegistry()
         self.c_requests = Counter("quart_pipeline_requests", "finished pipeline requests", ["model", "code"], registry=self.registry)
         self.recent: deque[tuple[float, str, float, int]] = deque(maxlen=20_000)  # (end, model, latency ms, status)
+        self.h_ttft = Histogram("quart_generation_ttft_seconds", "time to the first generated token", ["model"],
+                                buckets=TOKEN_BUCKETS_S, registry=self.registry)
+        self.h_tpot = Histogram("quart_generation_tpot_seconds", "mean time per generated token after the first",
+                                ["model"], buckets=TOKEN_BUCKETS_S, registry=self.registry)
 
     def stage(self, function: str) -> StageMetrics:
         if function not in self.stages:
@@ -231,6 +241,10 @@ class MetricsCollector:
     def record(self, rec: RequestRecord) -> None:
         self.c_requests.labels(rec.model, str(rec.status)).inc()
         self.recent.append((rec.end, rec.model, rec.latency_ms, rec.status))  # the status page's latency chart
+        if rec.ttft_ms is not None:
+            self.h_ttft.labels(rec.model).observe(rec.ttft_ms / 1000)
+        if rec.tpot_ms is not None:
+            self.h_tpot.labels(rec.model).observe(rec.tpot_ms / 1000)
         if self.records is not None:
             with self._records_lock:
                 self.records.write(rec.to_json() + "\n")

@@ -2,8 +2,11 @@
 
 - ``POST /function/<model>`` for a pipeline (functions labelled ``com.quart.model``) goes to the
   router; deployed stage functions are still invocable one by one by the gateway itself.
+- ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and generation bodies on
+  ``POST /function/<model>`` go to the generation API (``gateway_plugin.generation``).
 - The per-stage gauges join the gateway's ``/metrics``; ``GET /function/quart-plugin/snapshot``
-  answers the current per-stage snapshots as JSON, ``.../timeline`` the controller's history.
+  answers the current per-stage snapshots as JSON, ``.../timeline`` the controller's history,
+  ``.../sessions`` the generation sessions in flight and the KV positions booked per replica.
 - The controller scales stages through the configured actuator (default: in-process gateway calls,
   whose placer is the scheduler). Settings: ``PluginConfig.from_env`` (``QUART_*``).
 """
@@ -22,6 +25,9 @@ from typing import IO, Any
 from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
+from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.openai_api import GenerationAPI
+from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.policies import make_policy
 from gateway_plugin.router import Router
@@ -120,6 +126,12 @@ class GatewayView:
         state = self.stage_state(function) if function in self.gateway.functions else None
         return (state.cpus, state.param_bytes) if state else (1.0, 0)
 
+    def model_dir(self, model: str) -> str | None:
+        """The partitioned model folder of a pipeline (its stage 0's ``QUART_MODEL_DIR``): the tokenizer."""
+        stages = self.pipelines().get(model)
+        fn = self.gateway.functions.get(stages[0]) if stages else None
+        return fn.deployment.env_vars.get("QUART_MODEL_DIR") if fn is not None else None
+
 
 def online_cv_trainer(config: PluginConfig):
     """The background CV-model trainer QUART uses by default (none with a trained model given or QUART_CV_ONLINE=0)."""
@@ -209,6 +221,10 @@ class Plugin:
         self.collector = MetricsCollector(self.config.window_s, records)
         self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta,
                              on_call=getattr(gateway, "record_invocation", None))
+        self.engine = SessionEngine(self.view, GenerationConfig.from_env(),
+                                    on_call=getattr(gateway, "record_invocation", None))
+        self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
+                                        self.collector)
         self.controller = Controller(
             self.view, self.router, self.collector, actuator or make_actuator(self.config, gateway),
             factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),
@@ -236,6 +252,7 @@ class Plugin:
                 await self._task
             self._task = None
         await self.router.close()
+        await self.engine.close()
         closer = getattr(self.controller.actuator, "close", None)
         if closer is not None:
             await closer()
@@ -252,7 +269,7 @@ class Plugin:
             if tail:
                 return web.json_response({"error": f"pipeline {name!r} has no sub-path {tail!r}", "field": "path"},
                                          status=404)
-            return await self.router.handle(request, name)
+            return await self.generation.function(request, name) or await self.router.handle(request, name)
         return None
 
     def _authorised(self, request: web.Request) -> bool:
@@ -295,9 +312,14 @@ class Plugin:
                 return web.json_response({"error": f"since must be a number, got {since!r}", "field": "since"},
                                          status=400)
             return web.json_response([row for row in self.controller.timeline if row["time"] >= t0][-20000:])
+        if tail == "sessions":  # generation sessions in flight and the KV positions booked per replica
+            return web.json_response({"active": [{"id": x.id, "model": x.model, "tokens": x.fed, "replays": x.replays,
+                                                  "replicas": [getattr(r, "id", None) for r in x.replicas]}
+                                                 for x in self.engine.active.values()],
+                                      "kv": self.engine.book.occupancy()})
         if tail == "metrics":
             return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
-        return web.json_response({"error": f"unknown plugin path {tail!r}; use snapshot, timeline or metrics",
+        return web.json_response({"error": f"unknown plugin path {tail!r}; use snapshot, timeline, sessions or metrics",
                                   "field": "path"}, status=404)
 
 
@@ -306,6 +328,7 @@ async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = No
     plugin = Plugin(gateway, config)
     gateway.add_invoke_hook(plugin.hook)
     gateway.ui_hook = make_ui_hook(plugin)  # /ui/: the status page
+    gateway.add_api_hook(plugin.generation.v1)
     gateway.shutdown_callbacks.append(plugin.close)
     with contextlib.suppress(Exception):
         gateway.metrics.registry.register(_RegistryBridge(plugin.collector.registry))

@@ -5,7 +5,10 @@ OpenFaaS hides individual pods behind ``/function/<name>``, so here a stage's "r
 keeps one FIFO queue per stage and never sends a stage more concurrent requests than its replicas ×
 concurrency, so the queue stays in the router where the policies can see it. Pipelines, replica
 counts, CPUs and scale bounds come from ``GET /system/functions`` (polled); scaling goes through the
-REST or faas-cli actuator.
+REST or faas-cli actuator. The generation API (``/v1/...``, generation bodies on ``/function/<model>``) is
+served here too; OpenFaaS spreads a stage's calls over its pods, so a session's affinity holds with one
+replica per stage, and with more a step that lands on a pod without the session is answered 409 and
+replayed (correct, slower).
 
     python -m gateway_plugin.standalone --gateway http://127.0.0.1:8080 --password-file pw --port 8081
 """
@@ -24,6 +27,9 @@ import aiohttp
 from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
+from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.openai_api import GenerationAPI
+from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
 from gateway_plugin.router import Router, StaticReplica, json_reply
@@ -94,6 +100,12 @@ class OpenFaaSView:
             param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
         )
 
+    def model_dir(self, model: str) -> str | None:
+        """The model folder of a pipeline (stage 0's ``envVars.QUART_MODEL_DIR``, readable here when the
+        plugin runs beside the functions' files): the tokenizer of the generation API."""
+        stages = self.pipelines().get(model)
+        return ((self.status[stages[0]].get("envVars") or {}).get("QUART_MODEL_DIR")) if stages else None
+
     def stage_meta(self, function: str) -> tuple[float, int]:
         if function not in self.status:
             return (1.0, 0)
@@ -128,6 +140,9 @@ class StandalonePlugin:
         self.view = OpenFaaSView(config.gateway_url, auth, config.default_concurrency)
         self.collector = MetricsCollector(config.window_s)
         self.router = Router(self.view, self.view.pipelines, config, self.collector, self.view.stage_meta)
+        self.engine = SessionEngine(self.view, GenerationConfig.from_env())
+        self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
+                                        self.collector)
         self.controller = Controller(self.view, self.router, self.collector, make_actuator(config, password=password),
                                      policy_factory(config), config)
         self._stop = asyncio.Event()
@@ -141,6 +156,7 @@ class StandalonePlugin:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/function/{model}", traced(self._invoke))
+        app.router.add_route("*", "/v1/{tail:.*}", traced(self.generation.v1))
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/snapshot", lambda r: web.json_response(
             {m: asdict(s) for m, s in self.controller.last_snapshots.items()},
@@ -159,7 +175,8 @@ class StandalonePlugin:
             reply = json_reply(404, f"namespace {namespace!r} does not exist for pipeline {model!r} (it is in "
                                     f"{known!r})", "namespace")
             return reply.response()
-        return await self.router.handle(with_trace(request), model)
+        request = with_trace(request)
+        return await self.generation.function(request, model) or await self.router.handle(request, model)
 
     async def _refresh_forever(self) -> None:
         assert self._session is not None
@@ -181,6 +198,7 @@ class StandalonePlugin:
         self._stop.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.router.close()
+        await self.engine.close()
         closer = getattr(self.controller.actuator, "close", None)
         if closer is not None:
             await closer()

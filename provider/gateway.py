@@ -7,7 +7,8 @@
 - :class:`.balancer.Balancer`: ``acquire / release``: a ready replica of a function by the one pick rule
   (:func:`.balancer.pick`), waiting (bounded) for one when none is ready or all are at their limit;
 - ``add_invoke_hook``: the plugin's router takes ``/function/<name>`` for names that are not
-  deployed functions (a pipeline, ``POST /function/<model>``).
+  deployed functions (a pipeline, ``POST /function/<model>``);
+- ``add_api_hook``: the plugin answers ``/v1/...`` (its OpenAI-compatible generation API).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from quart_provider.admission import ByteGate
 from quart_provider.adopt import adopt_replicas
@@ -69,6 +71,7 @@ class EmbeddedGateway:
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
         self.ui_hook: UiHook | None = None  # answers /ui/<path> (the plugin's status page), behind basic auth
+        self.api_hooks: list[Callable[[Any], Awaitable[Any]]] = []  # /v1/... (the plugin's generation API)
         # request bodies in flight, per gateway and per function / pipeline (quart_provider.admission)
         self.body_gate = ByteGate(config.max_inflight_bytes, config.max_function_inflight_bytes,
                                   fallback_retry_s=config.retry_after_s)
@@ -180,6 +183,10 @@ class EmbeddedGateway:
     def add_invoke_hook(self, hook: InvokeHook) -> None:
         """Let ``hook(request, name, subpath)`` answer ``/function/<name>`` for names not deployed here."""
         self.invoke_hooks.append(hook)
+
+    def add_api_hook(self, hook: Callable[[Any], Awaitable[Any]]) -> None:
+        """Let ``hook(request)`` answer ``/v1/...`` (None: not its path)."""
+        self.api_hooks.append(hook)
 
     def ready_endpoints(self, name: str, partial: bool = False) -> list[Endpoint]:
         """The ready replicas of a function (live objects: ``in_flight`` is current); with ``partial``, also the

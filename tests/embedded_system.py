@@ -13,15 +13,17 @@ from quart_provider.system import EmbeddedSystem
 
 
 class ThreadedSystem:
-    """Start an EmbeddedSystem (process hosts, no KeysManager) on a background loop; close() stops it."""
+    """Start an EmbeddedSystem (process hosts, no KeysManager, unless ``use_keysmanager``: then real stage
+    functions run) on a background loop; close() stops it."""
 
-    def __init__(self, tmp_path, attach_plugin: bool = False, hold_queue: bool = False, **config) -> None:
+    def __init__(self, tmp_path, attach_plugin: bool = False, hold_queue: bool = False, use_keysmanager: bool = False,
+                 **config) -> None:
         settings = dict(port=0, state_dir=tmp_path / "state", reconcile_interval_s=0.05, ready_wait_s=20,
                         drain_timeout_s=5, callback_allowed_networks="127.0.0.0/8,::1")
         settings.update(config)
         from gateway_plugin.plugin import attach
 
-        self.system = EmbeddedSystem(GatewayConfig(**settings), use_keysmanager=False,
+        self.system = EmbeddedSystem(GatewayConfig(**settings), use_keysmanager=use_keysmanager,
                                      plugin=attach if attach_plugin else None, hold_queue=hold_queue)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

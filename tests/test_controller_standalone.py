@@ -92,3 +92,20 @@ def test_standalone_routes_pipeline_and_scales_over_rest(setup) -> None:
     snap = requests.get(f"{setup.url}/snapshot", timeout=10).json()["m"]
     assert [s["name"] for s in snap["stages"]] == ["m-stage-0", "m-stage-1"]
     assert "quart_stage_replicas" in requests.get(f"{setup.url}/metrics", timeout=10).text
+
+
+def test_standalone_serves_the_generation_api_and_keeps_one_shot_bodies_on_the_router(setup) -> None:
+    """The OpenAI-compatible routes are there; a pipeline with no model folder (echo stages) is no decoder
+    the plugin can tokenize for: 400 in each door's error shape, and a one-shot body still passes."""
+    assert requests.get(f"{setup.url}/v1/models", timeout=10).json() == {"object": "list", "data": []}
+    res = requests.post(f"{setup.url}/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=10)
+    assert res.status_code == 400 and res.json()["error"]["param"] == "model", res.text
+    res = requests.post(f"{setup.url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=10)
+    assert res.status_code == 404 and res.json()["error"]["code"] == "model_not_found"
+    res = requests.post(f"{setup.url}/function/m", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+    assert res.status_code == 400 and res.json()["field"] == "model", res.text
+    deadline = time.monotonic() + 20
+    while (res := requests.post(f"{setup.url}/function/m", data=b'{"text": ["one-shot"]}', timeout=20)).status_code != 200:
+        assert time.monotonic() < deadline, res.text
+        time.sleep(0.1)
+    assert res.content == b'{"text": ["one-shot"]}'  # echo stages: the body came back through both

@@ -22,7 +22,7 @@ from quart_stage.runtime import StageRuntime, read_stage_file
 from quart_stage.verify import reference_model
 from quart_tools import answers
 from quart_tools.partition import partition, split_layers
-from quart_tools.realmodels import REAL_MODELS, detect, gguf_folder, package_path
+from quart_tools.realmodels import REAL_MODELS, detect, package_path
 from realmodel_reference import FIXTURE, minilm_reference
 from tokenizers import Tokenizer
 
@@ -37,22 +37,6 @@ def minilm_dir(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("minilm") / "p6")
     partition("minilm", 6, out, progress=False)
     return out
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("smollm2")
-    gguf_folder(package_path(REAL_MODELS["smollm2"]), cache=root / "cache")  # dequantised here, not in ~/.cache
-    previous = os.environ.get("QUART_MODEL_CACHE")
-    os.environ["QUART_MODEL_CACHE"] = str(root / "cache")
-    try:
-        partition("smollm2", 30, str(root / "p30"), progress=False)
-    finally:
-        if previous is None:
-            os.environ.pop("QUART_MODEL_CACHE")
-        else:
-            os.environ["QUART_MODEL_CACHE"] = previous
-    return str(root / "p30")
 
 
 def _all_tensors(model_dir: str) -> tuple[Manifest, dict[str, torch.Tensor]]:

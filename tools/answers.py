@@ -5,8 +5,10 @@ takes the request through every stage) or, without the plugin, stage by stage
 (``/function/<model>-stage-<i>``). In-process callers (tests, ``quartctl bench realmodel``) pass a
 ``step`` of their own.
 
-Generation is greedy and keeps **no KV cache**: each new token is one pass of the whole sequence so far
-through every stage. The stages stay stateless, so any replica of any stage serves any token (the
+With the plugin attached, a decoder answers through the gateway's ``/v1/chat/completions`` stream
+(:func:`stream_chat`: sessions whose KV caches stay in the stage replicas, docs/generation.md). Without
+it, generation falls back to this module's greedy loop, which keeps **no KV cache**: each new token is
+one pass of the whole sequence so far through every stage. The stages stay stateless, so any replica of any stage serves any token (the
 router may spread one generation over replicas and scale a stage mid-generation), at the price of
 recomputing the prefix: a token costs O(prompt + generated) positions of compute instead of one. For
 the few-token answers here (a 30-token prompt, ~10 tokens) that is a few tens of milliseconds per token
@@ -47,6 +49,48 @@ async def greedy(step: Step, ids: list[int], max_new: int, stop: set[int] | None
         if stop and token in stop:
             break
     return new
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int
+                      ) -> str | None:
+    """Ask ``POST /v1/chat/completions`` (greedy, ``stream: true``) and print the answer as its tokens arrive;
+    the text, or None when the gateway serves no ``/v1`` (no plugin)."""
+    import time
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    started = time.perf_counter()
+    first = last = None
+    text, chunks = "", 0
+    async with session.post(f"{url.rstrip('/')}/v1/chat/completions", json=body) as res:
+        if res.status == 404 and res.content_type != "text/event-stream":
+            return None
+        if res.status == 400:  # e.g. a partition made before the chat template was kept: the old path
+            print(f"  /v1/chat/completions: {(await res.json())['error']['message']}")
+            return None
+        if res.status != 200:
+            raise RuntimeError(f"/v1/chat/completions answered {res.status}: {await res.text()}")
+        print(f"  POST /v1/chat/completions (stream) -> {prompt!r}\n    ", end="", flush=True)
+        async for raw in res.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the stream ended with an error: {event['error']}")
+            delta = (event["choices"][0].get("delta") or {}).get("content") if event.get("choices") else None
+            if delta:
+                first = first or time.perf_counter()
+                last = time.perf_counter()
+                chunks += 1
+                text += delta
+                print(delta, end="", flush=True)
+    print()
+    if first is not None:
+        per = (last - first) * 1000 / max(1, chunks - 1)
+        print(f"  first token after {(first - started) * 1000:.0f} ms, then {per:.0f} ms a chunk (each stage keeps the "
+              "session's KV cache; a step carries one position)")
+    return text
 
 
 class GatewayClient:
@@ -119,6 +163,9 @@ async def show_answer(session: aiohttp.ClientSession, url: str, model: str, stag
         return True
     if manifest.family != "decoder":
         return False
+    streamed = await stream_chat(session, url, model, prompt, NEW_TOKENS * 4)
+    if streamed is not None:
+        return True
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(model_dir) / manifest.tokenizer))
@@ -128,7 +175,8 @@ async def show_answer(session: aiohttp.ClientSession, url: str, model: str, stag
     started = time.perf_counter()
     new = await greedy(client.next_token, ids, NEW_TOKENS, stop)
     took = time.perf_counter() - started
-    print(f"  greedy completion ({len(new)} tokens, each one pass through all {len(stages)} stages, no KV cache; "
+    print(f"  (no /v1 API: the plugin is not attached) greedy completion ({len(new)} tokens, each one pass "
+          f"through all {len(stages)} stages, no KV cache; "
           f"{took * 1000 / max(1, len(new)):.0f} ms a token):")
     print(f"    {prompt!r} -> {tok.decode(new).strip()!r}")
     return True

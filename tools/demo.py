@@ -8,8 +8,8 @@
 3. deploys every stage function over the gateway REST API, exactly as faas-cli does;
 4. sends a prompt through every stage via the gateway (``POST /function/<model>`` when the router
    plugin is attached, otherwise the demo chains ``/function/<model>-stage-<i>`` itself) and prints a
-   real answer (`quart_tools.answers`): the cosine similarity of sentences (minilm), a greedy completion
-   (smollm2), or, for random-weight presets, the next-token ids;
+   real answer (`quart_tools.answers`): the cosine similarity of sentences (minilm), a chat answer streamed
+   through ``/v1/chat/completions`` (smollm2: sessions with per-stage KV caches), or, for random-weight presets, the next-token ids;
 5. scales one stage over REST (``/system/scale-function``) with the cache-aware placer (``--placer``):
    the new replica lands where the stage is cached and forks from the KeysManager's zygote; the demo
    prints which source each replica started from (fork/peer/cold) and its asked-to-ready time, and

@@ -392,11 +392,19 @@ def _config_dtype(src: Source) -> str | None:
     return None
 
 
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
 def _write_tokenizer(src: Source, out: str, cfg) -> str | None:
-    """Copy a checkpoint's tokenizer.json; for presets write a byte-level one (ids 0..255)."""
+    """Copy a checkpoint's tokenizer.json (and its config and chat template); for presets write a byte-level
+    one (ids 0..255)."""
     target = os.path.join(out, "tokenizer.json")
     if src.tokenizer_file:
         shutil.copyfile(src.tokenizer_file, target)
+        for extra in TOKENIZER_EXTRAS:  # special tokens and the chat template: the gateway's generation API reads them
+            path = os.path.join(os.path.dirname(src.tokenizer_file), extra)
+            if os.path.isfile(path):
+                shutil.copyfile(path, os.path.join(out, extra))
         return "tokenizer.json"
     if src.preset and cfg.vocab_size >= 256:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -16,12 +16,12 @@ dependencies that are deliberately not installed: ``pip install --no-deps``).
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +142,8 @@ def gguf_folder(gguf: Path, cache: Path | None = None) -> Path:
     stat = gguf.stat()
     dest = (cache or cache_root()) / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (dest / ".complete").exists():
+        if not (dest / "tokenizer_config.json").exists():  # made before the chat template was kept
+            save_gguf_tokenizer(gguf, dest)
         return dest
     started = time.perf_counter()
     print(f"dequantising {gguf.name} to float32 (once, about a minute on one core; kept in {dest})",
@@ -158,13 +160,8 @@ def gguf_folder(gguf: Path, cache: Path | None = None) -> Path:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt", "source": gguf.name})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    from transformers import AutoTokenizer
-
     step("3/3 converting the tokenizer")
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
-    for extra in set(glob.glob(str(tmp / "*"))) - {str(tmp / n) for n in ("model.safetensors", "config.json",
-                                                                              "tokenizer.json")}:
-        os.remove(extra)  # tokenizer_config.json, chat template: not used by the stages
+    save_gguf_tokenizer(gguf, tmp)
     (tmp / ".complete").write_text(f"{gguf}\n")
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
@@ -179,6 +176,19 @@ def _steps(started: float):
         print(f"  [{time.perf_counter() - started:5.1f} s] {what}", file=sys.stderr, flush=True)
 
     return step
+
+
+def save_gguf_tokenizer(gguf: Path, dest: Path) -> None:
+    """The GGUF's tokenizer as tokenizer.json + tokenizer_config.json (special tokens, the chat template the
+    gateway's ``/v1/chat/completions`` applies)."""
+    from transformers import AutoTokenizer
+
+    keep = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        for name in os.listdir(tmp):
+            if name in keep:
+                os.replace(os.path.join(tmp, name), dest / name)
 
 
 def load_gguf(gguf: Path) -> tuple[dict, dict]:

@@ -34,6 +34,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                   "a cold stage fetched in P parts on P netns hosts, served as a sub-pipeline, consolidated"),
     "cuda": ("quart_tools.bench.cuda:main", "fork then parameters onto the GPU: pageable vs staged vs registered; cold"),
     "realmodel": ("quart_tools.bench.realmodel:main", "packaged pretrained models: stage pipeline vs whole model, max|diff|, ms"),
+    "generation": ("quart_tools.bench.generation:main",
+                   "SmolLM2 token streams through 3 stages (KV caches) vs transformers generate; failover by replay"),
+    "stage-generation": ("quart_tools.bench.stage_generation:main",
+                         "SmolLM2 generation through in-process stages (KV sessions) vs transformers generate"),
     "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }

@@ -1,7 +1,8 @@
 """The flask WSGI app of a stage replica (what the KeysManager and gunicorn serve).
 
 ``POST /`` (any path) invokes the stage; ``GET /_/health`` is 200 once the runtime is ready (the path
-of-watchdog uses). The body limit is enforced from Content-Length before a byte is read; more than
+of-watchdog uses). ``GET /_/sessions`` lists the generation sessions (KV caches) the replica holds,
+``DELETE /_/sessions/<id>`` frees one (docs/generation.md). The body limit is enforced from Content-Length before a byte is read; more than
 ``QUART_MAX_INFLIGHT`` concurrent requests get 429 with Retry-After.
 
 gunicorn: ``gunicorn 'quart_stage.app:create_app_from_env()'`` serves the stage named by the QUART_*
@@ -89,6 +90,16 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
                 "compute": runtime.compute, "parameter_bytes": runtime.parameter_bytes,
                 "layers": list(runtime.stage_range) if runtime.stage_range else None,
                 "layers_held": list(held) if held else None}, 200, _held()
+
+    @app.get("/_/sessions")
+    def sessions():
+        """The generation sessions this replica holds and its KV-cache occupancy (docs/generation.md)."""
+        return runtime.generation.table.snapshot(), 200, _held()
+
+    @app.delete("/_/sessions/<session_id>")
+    def end_session(session_id: str):
+        status, doc = runtime.generation.free(session_id)
+        return (doc or ""), status
 
     @app.post("/", defaults={"path": ""})
     @app.post("/<path:path>")

@@ -34,6 +34,13 @@ class StageConfig:
     emulated_mean_ms [QUART_EMULATED_MEAN_MS] mean emulated service time of this stage (overrides the profile)
     emulated_cv     [QUART_EMULATED_CV]      coefficient of variation of emulated service time (default 0.1)
     emulated_activation_bytes [QUART_EMULATED_ACTIVATION_BYTES] per-request output size override (emulated)
+    emulated_decode_ms [QUART_EMULATED_DECODE_MS] emulated time of one generation decode step of this stage
+                                             (default: the profile's decode time x the stage's share, else the mean)
+    emulated_prefill_ms_per_token [QUART_EMULATED_PREFILL_MS_PER_TOKEN] emulated prefill time per position of
+                                             this stage (default: the profile's exec_ms / its sequence x share)
+    kv_max_tokens   [QUART_KV_MAX_TOKENS]    KV-cache positions this replica holds over all generation sessions
+                                             (default 0 = auto: what 1 GiB of the stage's K/V holds, 1024..65536)
+    kv_idle_s       [QUART_KV_IDLE_S]        a generation session idle this long is freed (default 120)
     seed            [QUART_SEED]             seed of the emulated service-time draw (default: from pid)
     threads         [QUART_THREADS]          torch intra-op threads per replica (default 1)
     max_batch       [QUART_MAX_BATCH]        largest batch accepted (default 64)
@@ -62,6 +69,10 @@ class StageConfig:
     emulated_mean_ms: float | None = None
     emulated_cv: float = 0.1
     emulated_activation_bytes: int | None = None
+    emulated_decode_ms: float | None = None
+    emulated_prefill_ms_per_token: float | None = None
+    kv_max_tokens: int = 0
+    kv_idle_s: float = 120.0
     seed: int | None = None
     threads: int = 1
     max_batch: int = 64
@@ -95,6 +106,14 @@ class StageConfig:
         if self.device_copy not in DEVICE_COPY_METHODS:
             raise ConfigError(f"QUART_DEVICE_COPY must be one of {', '.join(DEVICE_COPY_METHODS)}, "
                               f"got {self.device_copy!r}")
+        if self.kv_max_tokens < 0:
+            raise ConfigError("QUART_KV_MAX_TOKENS must be >= 0 (0 = auto)")
+        if self.kv_idle_s <= 0:
+            raise ConfigError("QUART_KV_IDLE_S must be positive")
+        for name, value in (("QUART_EMULATED_DECODE_MS", self.emulated_decode_ms),
+                            ("QUART_EMULATED_PREFILL_MS_PER_TOKEN", self.emulated_prefill_ms_per_token)):
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0")
         if self.keysmanager_timeout_s <= 0:
             raise ConfigError("QUART_KEYSMANAGER_TIMEOUT_S must be positive")
         if self.model_dir is None and self.model_url is None and self.compute != "emulated":
@@ -122,6 +141,10 @@ class StageConfig:
             "QUART_PROFILE": self.profile,
             "QUART_EMULATED_MEAN_MS": self.emulated_mean_ms,
             "QUART_EMULATED_ACTIVATION_BYTES": self.emulated_activation_bytes,
+            "QUART_EMULATED_DECODE_MS": self.emulated_decode_ms,
+            "QUART_EMULATED_PREFILL_MS_PER_TOKEN": self.emulated_prefill_ms_per_token,
+            "QUART_KV_MAX_TOKENS": self.kv_max_tokens or None,
+            "QUART_KV_IDLE_S": self.kv_idle_s if self.kv_idle_s != 120.0 else None,
             "QUART_SEED": self.seed,
             "QUART_DEVICE": self.device,
             "QUART_DEVICE_COPY": self.device_copy if self.device_copy != "auto" else None,

@@ -46,3 +46,37 @@ def service_time_for(
     if profile is None:
         raise ValueError("emulated compute needs QUART_PROFILE (a paper model) or QUART_EMULATED_MEAN_MS")
     return ServiceTime(paper_profile(profile).exec_ms * stage_share(stage_bytes, index), cv)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Emulated time of one generation step of this stage: ``max(decode_ms, positions * prefill_ms_per_token)``
+    (a one-position decode step costs a weight read; a prefill costs its positions), gamma-distributed with ``cv``."""
+
+    decode_ms: float
+    prefill_ms_per_token: float
+    cv: float
+
+    def mean_ms(self, positions: int) -> float:
+        return max(self.decode_ms, positions * self.prefill_ms_per_token)
+
+    def sample_ms(self, positions: int, rng: random.Random) -> float:
+        return ServiceTime(self.mean_ms(positions), self.cv).sample_ms(rng)
+
+
+def step_time_for(
+    *, decode_ms: float | None, prefill_ms_per_token: float | None, mean_ms: float | None, cv: float,
+    profile: str | None, stage_bytes: list[int], index: int
+) -> StepTime | None:
+    """This stage's generation step time: explicit settings win, else the profile's decode time and prefill time
+    per token times the stage's share; without a profile the one-shot mean is the decode time. None when the
+    profile is not a decoder (no generation)."""
+    share = stage_share(stage_bytes, index)
+    p = paper_profile(profile) if profile is not None else None
+    if p is not None and p.decode_ms is None and decode_ms is None:
+        return None
+    if decode_ms is None:
+        decode_ms = p.decode_ms * share if p is not None else (mean_ms or 0.0)
+    if prefill_ms_per_token is None:
+        prefill_ms_per_token = p.exec_ms / p.seq * share if p is not None else 0.0
+    return StepTime(decode_ms, prefill_ms_per_token, cv)

@@ -14,20 +14,22 @@ class QuartError(Exception):
     """An answer that is not a result: ``status``, a sentence, the field it is about, extra headers."""
 
     def __init__(self, status: int, message: str, field: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, detail: Mapping[str, object] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.field = field
         self.headers = dict(headers or {})
+        self.detail = dict(detail or {})  # more JSON keys of the answer (e.g. ``held`` of a 409 session mismatch)
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}" if self.field else self.message
 
-    def to_json(self) -> dict[str, str]:
-        out = {"error": self.message}
+    def to_json(self) -> dict:
+        out: dict = {"error": self.message}
         if self.field:
             out["field"] = self.field
+        out.update(self.detail)
         return out
 
 

@@ -233,27 +233,43 @@ class StageModule(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: Mapping[str, torch.Tensor], start: int | None = None,
-                end: int | None = None) -> torch.Tensor:
+                end: int | None = None, *, cache=None, past: int = 0) -> torch.Tensor:
         """Run layers ``[start, end)`` (absolute, inside this stage's range; default: all of them).
 
         A sub-range runs the stage's own modules (no copy, no new module): input ``input_ids`` when it starts
         at layer 0, else ``hidden_states``; output ``logits`` when it ends at the head, else ``hidden_states``.
         Chaining consecutive sub-ranges gives exactly the whole range's output.
+
+        With ``cache`` (a transformers ``Cache`` from :meth:`new_cache`, holding ``past`` positions of one
+        sequence): the inputs are the sequence's next positions only; positions, rotary tables and masks
+        continue from ``past``, the blocks append their keys and values to the cache, and the head (if held)
+        runs on the last position only.
         """
         lo = self.start if start is None else start
         hi = self.end if end is None else end
         if not self.start <= lo < hi <= self.end:
             raise ValueError(f"layers [{lo}, {hi}) are not inside this stage's [{self.start}, {self.end})")
         mask = inputs.get("attention_mask")
-        hidden = self._embed(inputs, mask) if lo == 0 else inputs["hidden_states"]
+        hidden = self._embed(inputs, mask, past) if lo == 0 else inputs["hidden_states"]
         first, last = max(lo, 1), min(hi, self.total_layers - 1)  # block layers l run block l - 1
         if first < last:
-            hidden = self._blocks(hidden, mask, first - 1 - self.block_offset, last - 1 - self.block_offset)
+            hidden = self._blocks(hidden, mask, first - 1 - self.block_offset, last - 1 - self.block_offset,
+                                  cache, past)
         if hi == self.total_layers:
-            hidden = self._head(hidden, mask)
+            hidden = self._head(hidden if cache is None else hidden[:, -1:], mask)
         return hidden
 
-    def _embed(self, inputs: Mapping[str, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+    def new_cache(self):
+        """An empty KV cache for one sequence through this stage's blocks (decoders only): transformers'
+        ``DynamicCache`` of the model's config, so sliding-window layers keep only their window. Layers of
+        other stages stay empty (a cache layer allocates on its first update)."""
+        from transformers import DynamicCache
+
+        if self.plan.family != "decoder":
+            raise ValueError(f"a {self.plan.model_type} model is not a decoder: it has no KV cache")
+        return DynamicCache(config=self.cfg)
+
+    def _embed(self, inputs: Mapping[str, torch.Tensor], mask: torch.Tensor | None, past: int = 0) -> torch.Tensor:
         ids = inputs["input_ids"]
         if self.plan.model_type == "bert":
             return self.embed["bert_embeddings"](input_ids=ids, token_type_ids=inputs.get("token_type_ids"))
@@ -261,52 +277,59 @@ class StageModule(nn.Module):
             hidden = self.embed["model_decoder_embed_tokens"](ids)
             if "model_decoder_project_in" in self.embed:
                 hidden = self.embed["model_decoder_project_in"](hidden)
-            positions = self._opt_positions(ids, mask)
+            positions = self._opt_positions(ids, mask, past)
             return hidden + self.embed["model_decoder_embed_positions"](mask, 0, position_ids=positions)
         return self.embed["model_embed_tokens"](ids)
 
     @staticmethod
-    def _opt_positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """OPT's learned positions count the tokens before each one (padding skipped), as OPTDecoder does."""
+    def _opt_positions(ids: torch.Tensor, mask: torch.Tensor | None, past: int = 0) -> torch.Tensor:
+        """OPT's learned positions count the tokens before each one (padding skipped), as OPTDecoder does;
+        a cached sequence's new positions continue from ``past``."""
         if mask is None:
-            return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+            return torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
         return (torch.cumsum(mask, dim=1) * mask - 1).long()
 
-    def _blocks(self, hidden: torch.Tensor, mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    def _blocks(self, hidden: torch.Tensor, mask: torch.Tensor | None, lo: int, hi: int, cache=None,
+                past: int = 0) -> torch.Tensor:
         """Blocks ``self.blocks[lo:hi]`` (indices into this stage's blocks)."""
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
         kwargs: dict = {"position_ids": positions}
         if self.plan.family == "decoder" and self.plan.model_type != "opt":
             kwargs["position_embeddings"] = self.rotary(hidden, positions)
+        if cache is not None:
+            kwargs.update(past_key_values=cache, use_cache=True)
         blocks = self.blocks[lo:hi]
-        masks = self._attention_masks(hidden, mask, positions, len(blocks), self.block_offset + lo)
+        masks = self._attention_masks(hidden, mask, positions, len(blocks), self.block_offset + lo, cache)
         for block, block_mask in zip(blocks, masks, strict=True):
             out = block(hidden, attention_mask=block_mask, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
     def _attention_masks(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-                         count: int, offset: int) -> list:
+                         count: int, offset: int, cache=None) -> list:
         """Each block's attention mask, built by transformers' own mask functions exactly as the whole model
-        builds it: padding (``mask``), causality, Mistral's and Qwen2's sliding windows. None where SDPA's
-        ``is_causal`` (or no mask at all) is enough."""
+        builds it: padding (``mask``), causality, Mistral's and Qwen2's sliding windows, and with a ``cache``
+        the positions it already holds (sized from the cache layer of this stage's first block of each kind,
+        as the whole model sizes them from its first). None where SDPA's ``is_causal`` (or no mask at all) is
+        enough — a one-position decode step needs none."""
         from transformers import masking_utils
 
         if self.plan.family == "encoder":
             return [masking_utils.create_bidirectional_mask(config=self.cfg, inputs_embeds=hidden,
                                                             attention_mask=mask)] * count
-        args = {"config": self.cfg, "inputs_embeds": hidden, "attention_mask": mask, "past_key_values": None}
+        args = {"config": self.cfg, "inputs_embeds": hidden, "attention_mask": mask, "past_key_values": cache}
         if self.plan.model_type != "opt":  # OPTDecoder passes no position ids to its mask
             args["position_ids"] = positions
         if self.plan.model_type == "mistral" and getattr(self.cfg, "sliding_window", None) is not None:
-            return [masking_utils.create_sliding_window_causal_mask(**args)] * count
-        full = masking_utils.create_causal_mask(**args)
+            return [masking_utils.create_sliding_window_causal_mask(**args, layer_idx=offset)] * count
         types = getattr(self.cfg, "layer_types", None) if self.plan.model_type == "qwen2" else None
-        if not types or "sliding_attention" not in types:
-            return [full] * count
-        sliding = masking_utils.create_sliding_window_causal_mask(**args)
-        return [sliding if types[offset + i] == "sliding_attention" else full
-                for i in range(count)]
+        kinds = [types[offset + i] if types else "full_attention" for i in range(count)]
+        made = {}
+        for kind in dict.fromkeys(kinds):  # each kind once, sized from its first block here
+            create = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
+                      else masking_utils.create_causal_mask)
+            made[kind] = create(**args, layer_idx=offset + kinds.index(kind))
+        return [made[kind] for kind in kinds]
 
     def _head(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         for module in self.head.values():  # a pooling head (takes_mask) needs the padding mask

@@ -2,7 +2,8 @@
 
 A function's ``handler.py`` is two lines: ``from quart_stage.handler import StageHandler`` and
 ``handle = StageHandler.from_env()``. ``handle(event, context)`` returns the python3-http response dict
-``{"statusCode", "body", "headers"}`` with a bytes body.
+``{"statusCode", "body", "headers"}`` with a bytes body. ``GET /_/sessions`` and ``DELETE /_/sessions/<id>``
+list and free generation sessions, as on a replica's own app (docs/generation.md).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from quart_stage.attach import load_stage
 from quart_stage.config import ConfigError, StageConfig
 from quart_stage.runtime import StageRuntime
+
+SESSIONS = "/_/sessions"
 
 
 class StageHandler:
@@ -30,7 +33,14 @@ class StageHandler:
 
     def __call__(self, event, context) -> dict:
         rt = self.runtime
-        if getattr(event, "method", "POST") == "GET":
+        method, path = getattr(event, "method", "POST"), getattr(event, "path", "/") or "/"
+        if path.rstrip("/") == SESSIONS and method == "GET":
+            return {"statusCode": 200, "headers": {"Content-Type": "application/json"},
+                    "body": rt.generation.table.snapshot()}
+        if path.startswith(SESSIONS + "/") and method == "DELETE":
+            status, doc = rt.generation.free(path[len(SESSIONS) + 1:])
+            return {"statusCode": status, "headers": {"Content-Type": "application/json"}, "body": doc or b""}
+        if method == "GET":
             return {"statusCode": 200, "headers": {"Content-Type": "application/json"},
                     "body": {"status": "ok", "model": rt.model, "stage": rt.stage_index,
                              "stages": rt.num_stages, "compute": rt.compute, "parameters": rt.parameter_source}}

@@ -80,6 +80,10 @@ class PaperProfile:
     seq: int
     dtype: str = "float16"
     preset: str | None = None
+    decode_ms: float | None = None
+    """Decoders: one generated token of the whole model at batch 1 (emulated generation). Decoding is bound by
+    reading the weights: fp16 bytes / ~1.5 TB/s of A100 HBM, rounded up (LLaMA-7B 14 GB -> 12 ms; OPT-66B
+    132 GB -> 90 ms)."""
 
     def activation_shape(self, batch: int = 1) -> tuple[int, int, int]:
         return (batch, self.seq, self.hidden)
@@ -89,8 +93,10 @@ PAPER_PROFILES: dict[str, PaperProfile] = {
     # Whisper: 1500 encoder frames of width 1280; WideResNet: a 14x14x2048 feature map as 196 x 2048.
     "whisper-9b": PaperProfile("whisper-9b", 2.9, 677, None, 74.0, hidden=1280, seq=1500),
     "bert-21b": PaperProfile("bert-21b", 43, 1195, 128, 137.0, hidden=6144, seq=128, preset="bert-21b"),
-    "llama-7b": PaperProfile("llama-7b", 14, 225, 1024, 243.0, hidden=4096, seq=1024, preset="llama-7b"),
-    "opt-66b": PaperProfile("opt-66b", 132, 581, 128, 278.0, hidden=9216, seq=128, preset="opt-66b"),
+    "llama-7b": PaperProfile("llama-7b", 14, 225, 1024, 243.0, hidden=4096, seq=1024, preset="llama-7b",
+                             decode_ms=12.0),
+    "opt-66b": PaperProfile("opt-66b", 132, 581, 128, 278.0, hidden=9216, seq=128, preset="opt-66b",
+                            decode_ms=90.0),
     "wideresnet": PaperProfile("wideresnet", 16, 295, None, 646.0, hidden=2048, seq=196),
 }
 

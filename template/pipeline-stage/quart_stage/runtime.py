@@ -19,7 +19,6 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ import torch
 from quart_stage import jsonparse, wire
 from quart_stage.config import ConfigError, StageConfig
 from quart_stage.device_copy import move_module
-from quart_stage.emulated import ServiceTime, service_time_for
+from quart_stage.emulated import ServiceTime, StepTime, service_time_for, step_time_for
 from quart_stage.errors import QuartError, invalid
 from quart_stage.inputs import (
     ATTENTION_MASK,
@@ -52,36 +51,22 @@ from quart_stage.layers import (
 )
 from quart_stage.manifest import Manifest, StageEntry, stage_path
 from quart_stage.presets import paper_profile
+from quart_stage.response import (  # noqa: F401 - StageResponse and the header names are used from here too
+    H_COMPUTE,
+    H_DESER,
+    H_MODE,
+    H_MODEL,
+    H_REQUEST_ID,
+    H_SER,
+    H_STAGE,
+    JSON_TYPE,
+    StageResponse,
+    elapsed_ms,
+)
+from quart_stage.sessions import H_SESSION, Generation, parse_session
 
-JSON_TYPE = "application/json"
 JSON_DATA_LIMIT = 1 << 16
 """JSON responses carry the output values only up to this many elements (always shape, dtype, argmax)."""
-
-H_REQUEST_ID, H_MODEL, H_STAGE = "X-Quart-Request-Id", "X-Quart-Model", "X-Quart-Stage"
-H_DESER, H_COMPUTE, H_SER, H_MODE = (
-    "X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms", "X-Quart-Compute-Mode")
-
-
-@dataclass
-class StageResponse:
-    """What a stage answers: status, body chunks (bytes), headers. `body` joins the chunks."""
-
-    status: int
-    chunks: list[bytes]
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def body(self) -> bytes:
-        return self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-
-    @classmethod
-    def error(cls, exc: QuartError, headers: dict[str, str] | None = None) -> StageResponse:
-        return cls.json(exc.status, exc.to_json(), headers)
-
-    @classmethod
-    def json(cls, status: int, payload: dict, headers: dict[str, str] | None = None) -> StageResponse:
-        h = {"Content-Type": JSON_TYPE, **(headers or {})}
-        return cls(status, [json.dumps(payload).encode()], h)
 
 
 class StageRuntime:
@@ -108,12 +93,17 @@ class StageRuntime:
         self._shapes: dict[tuple[int, int], Shape] = {}
         self.shape = self._shape()
         self.service_time: ServiceTime | None = None
+        self.step_time: StepTime | None = None  # emulated generation steps (quart_stage.sessions)
         if cfg.compute == "emulated":
             stage_bytes = [s.parameter_bytes for s in manifest.stages] if manifest else [0] * self.num_stages
+            profile = cfg.profile or (manifest.profile if manifest else None)
             try:
                 self.service_time = service_time_for(
-                    mean_ms=cfg.emulated_mean_ms, cv=cfg.emulated_cv,
-                    profile=cfg.profile or (manifest.profile if manifest else None),
+                    mean_ms=cfg.emulated_mean_ms, cv=cfg.emulated_cv, profile=profile,
+                    stage_bytes=stage_bytes, index=cfg.stage_index)
+                self.step_time = step_time_for(
+                    decode_ms=cfg.emulated_decode_ms, prefill_ms_per_token=cfg.emulated_prefill_ms_per_token,
+                    mean_ms=cfg.emulated_mean_ms, cv=cfg.emulated_cv, profile=profile,
                     stage_bytes=stage_bytes, index=cfg.stage_index)
             except (KeyError, ValueError) as exc:
                 raise ConfigError(str(exc).strip('"')) from None
@@ -131,6 +121,7 @@ class StageRuntime:
         self._device = torch.device("cpu")
         self._prepare_lock = threading.Lock()  # a lock object, not a thread: safe to fork while unlocked
         self.prepared = False
+        self.generation = Generation(self)  # generation sessions (KV caches); its sweeper starts with the first
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -226,22 +217,29 @@ class StageRuntime:
         headers = {k.lower(): v for k, v in headers.items()}
         request_id = headers.get(H_REQUEST_ID.lower()) or uuid.uuid4().hex
         base = self.response_headers(request_id)
+        session = None
         try:
             self._check_route(headers)
+            session = parse_session(headers) if H_SESSION.lower() in headers else None
             span, shape = self._layers(headers.get(H_LAYERS.lower()), base)
             inputs, metadata = self._parse(body, headers, shape)
             self._check_route(metadata)
             validate(inputs, shape, self.cfg, self.stage_index)
+            new = self.generation.check(session, inputs, span) if session else 0
         except QuartError as exc:
-            base[H_DESER] = _ms(t0)
+            base[H_DESER] = elapsed_ms(t0)
+            if session is not None:
+                base.update(self.generation.headers(session.id))
             return StageResponse.error(exc, {**base, **exc.headers})
         t1 = time.perf_counter()
+        if session is not None:
+            return self.generation.step(session, inputs, new, base, (t0, t1))
         try:
             self.prepare_device()
             output = self._compute(inputs, span)
         except Exception as exc:  # noqa: BLE001 - any compute failure is answered, the worker keeps serving
             return StageResponse.json(500, {"error": f"stage compute failed: {exc}", "field": "compute"},
-                                      {**base, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1)})
+                                      {**base, H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1)})
         t2 = time.perf_counter()
         name = LOGITS if shape.gives_logits else HIDDEN
         mask = inputs.get(ATTENTION_MASK)
@@ -251,16 +249,22 @@ class StageRuntime:
         else:
             # the next hop: the next stage, or this stage again for the rest of its layers (a sub-range)
             more = span is not None and span[1] < self.stage_range[1]
-            meta = {"model": self.model, "stage": str(self.stage_index + (0 if more else 1)),
-                    "producer": str(self.stage_index), "request_id": request_id}
+            meta = self.next_hop_meta(request_id, more)
             outputs = {name: output} if mask is None else {name: output, ATTENTION_MASK: mask}  # for the next stage
             chunks = wire.encode_chunks(outputs, meta)
             ctype = wire.CONTENT_TYPE
         t3 = time.perf_counter()
         if span is not None:
             base[H_LAYERS] = fmt(span)
-        base.update({"Content-Type": ctype, H_DESER: _ms(t0, t1), H_COMPUTE: _ms(t1, t2), H_SER: _ms(t2, t3)})
+        base.update({"Content-Type": ctype, H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1, t2),
+                     H_SER: elapsed_ms(t2, t3)})
         return StageResponse(200, chunks, base)
+
+    def next_hop_meta(self, request_id: str, more: bool) -> dict[str, str]:
+        """The safetensors metadata of an output: the stage it goes to (this one again when ``more`` of its layers
+        remain: a sub-range), who made it, and the request id."""
+        return {"model": self.model, "stage": str(self.stage_index + (0 if more else 1)),
+                "producer": str(self.stage_index), "request_id": request_id}
 
     def response_headers(self, request_id: str | None = None) -> dict[str, str]:
         """The X-Quart-* headers of every response; phases not reached report 0.000 ms; the layers held."""
@@ -413,7 +417,3 @@ def read_stage_file(model_dir: str, entry: StageEntry, verify: bool = False) -> 
         return wire.decode(view, field=entry.file).tensors
     except QuartError as exc:
         raise ConfigError(f"{path} is not a valid safetensors file: {exc}") from None
-
-
-def _ms(start: float, end: float | None = None) -> str:
-    return f"{((end if end is not None else time.perf_counter()) - start) * 1000.0:.3f}"

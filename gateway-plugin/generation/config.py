@@ -1,0 +1,25 @@
+"""Settings of token generation on the gateway (``QUART_GEN_*``; docs/configuration.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from quart_stage.settings import settings_from_env
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    max_body_bytes: int = 1 << 20  # [QUART_GEN_MAX_BODY_BYTES] a generation request's JSON body, checked before parsing
+    max_prompt_chars: int = 200_000  # [QUART_GEN_MAX_PROMPT_CHARS] prompt / messages text, checked before tokenizing
+    max_messages: int = 256  # [QUART_GEN_MAX_MESSAGES] chat messages in one request
+    default_max_tokens: int = 256  # [QUART_GEN_DEFAULT_MAX_TOKENS] when a chat or /function request names none
+    kv_tokens: int = 16384  # [QUART_GEN_KV_TOKENS] KV positions a replica holds until it reports its own cap
+    max_replays: int = 3  # [QUART_GEN_MAX_REPLAYS] failovers of one session before its stream ends with an error
+    replica_wait_s: float = 30.0  # [QUART_GEN_REPLICA_WAIT_S] wait for a ready replica (scale from zero, a replacement)
+    step_timeout_s: float = 60.0  # [QUART_GEN_STEP_TIMEOUT_S] one stage call of a session before failing over
+    retry_after_s: int = 1  # [QUART_GEN_RETRY_AFTER_S] Retry-After of a session refused for lack of KV room
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> GenerationConfig:
+        return settings_from_env(cls, "QUART_GEN_", env)

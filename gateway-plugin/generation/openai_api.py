@@ -1,0 +1,312 @@
+"""The generation doors of the gateway: OpenAI's ``/v1`` API and generation bodies on ``/function/<model>``.
+
+- ``GET /v1/models``: the decoder pipelines (``model`` = the pipeline's name, ``com.quart.model``);
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and answer shapes (the
+  chat template of the model's tokenizer), ``stream: true`` → server-sent events ending with
+  ``data: [DONE]``, ``usage`` counts, errors as ``{"error": {"message", "type", "param", "code"}}``;
+- ``POST /function/<model>`` with a generation body (:func:`.params.is_generation`): the same engine,
+  answered in the project's shape (``{"tokens", "text", "finish_reason", "usage", ...}``, errors
+  ``{"error", "field"}``), streamed as ``data: {"token", "text"}`` events when ``stream`` is true.
+
+The body is bounded before it is parsed, the text before it is tokenized; a request is checked whole
+before its session is placed. A stream that cannot go on ends with ``data: {"error": ...}`` and
+``data: [DONE]``; every request ends. TTFT and TPOT go to the metrics collector (histograms and the
+request records).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from gateway_plugin.generation import sse
+from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.params import GenerationParams, is_generation, parse
+from gateway_plugin.generation.sessions import Session, SessionEngine
+from gateway_plugin.generation.tokens import ModelCatalog, ModelInfo, TextStream
+from gateway_plugin.metrics import MetricsCollector, RequestRecord
+from quart_stage.errors import QuartError, invalid
+
+log = logging.getLogger("quart.openai")
+
+TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+def openai_error(exc: QuartError) -> dict[str, Any]:
+    """OpenAI's error object for a :class:`QuartError`."""
+    code = "model_not_found" if exc.status == 404 and exc.field == "model" else str(exc.status)
+    return {"error": {"message": exc.message, "type": TYPES.get(exc.status, "server_error" if exc.status >= 500
+                                                                  else "invalid_request_error"),
+                      "param": exc.field, "code": code}}
+
+
+@dataclass
+class Outcome:
+    """What one generation produced (for the answer, the records and the metrics)."""
+
+    prompt_tokens: int
+    arrival: float
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    first_at: float | None = None
+    last_at: float | None = None
+    error: QuartError | None = None
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
+                "total_tokens": self.prompt_tokens + len(self.tokens)}
+
+
+class GenerationAPI:
+    """The handlers; ``pipelines()`` names each pipeline's stage functions, ``model_dir(model)`` its folder."""
+
+    def __init__(self, engine: SessionEngine, pipelines: Callable[[], dict[str, list[str]]],
+                 model_dir: Callable[[str], str | None], config: GenerationConfig,
+                 collector: MetricsCollector | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.pipelines = pipelines
+        self.model_dir = model_dir
+        self.config = config
+        self.collector = collector
+        self.clock = clock
+        self.catalog = ModelCatalog()
+
+    # ------------------------------------------------------------------ doors
+
+    async def v1(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/<path>``: the OpenAI-compatible API."""
+        path = request.path.rstrip("/")
+        try:
+            if path == "/v1/models":
+                if request.method != "GET":
+                    raise QuartError(405, "use GET /v1/models", "method")
+                return web.json_response(self.models())
+            door = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
+            if door is None:
+                raise QuartError(404, f"no route {request.method} {path}; this gateway serves /v1/models, "
+                                      "/v1/completions and /v1/chat/completions", "path")
+            if request.method != "POST":
+                raise QuartError(405, f"use POST {path}", "method")
+            doc = await self._read_json(request)
+            return await self.generate(request, parse(doc, door, self.config), door)
+        except QuartError as exc:
+            return web.json_response(openai_error(exc), status=exc.status, headers=exc.headers)
+
+    async def function(self, request: web.Request, model: str) -> web.StreamResponse | None:
+        """``POST /function/<model>`` when its body asks for generation (:func:`.params.is_generation`); None
+        for a one-shot body (the router's path)."""
+        if request.method != "POST":
+            return None
+        body = await request.read()
+        if len(body) > self.config.max_body_bytes or not body.lstrip()[:1] == b"{" or not any(
+                key in body for key in (b'"prompt"', b'"max_tokens"', b'"stream"', b'"input_ids"')):
+            return None
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return None  # the one-shot path answers what is wrong with it
+        if not is_generation(doc):
+            return None
+        try:
+            return await self.generate(request, parse(doc, "native", self.config, model), "native")
+        except QuartError as exc:
+            return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers)
+
+    def models(self) -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "quart", "stages": len(stages)}
+                for name, stages in sorted(self.pipelines().items())
+                if self.catalog.known_decoder(self.model_dir(name))]
+        return {"object": "list", "data": data}
+
+    async def _read_json(self, request: web.Request) -> Any:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise invalid("body", f"the body has {request.content_length} bytes; at most {limit}", 413)
+        body = bytearray()
+        async for chunk in request.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > limit:
+                raise invalid("body", f"the body has more than {limit} bytes", 413)
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise invalid("body", f"the body is not valid JSON: {exc}") from None
+
+    # ------------------------------------------------------------------ one generation
+
+    async def generate(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
+        arrival = self.clock()
+        stages = self.pipelines().get(params.model)
+        if not stages:
+            raise QuartError(404, f"no pipeline named {params.model!r} is deployed (GET /v1/models lists them)",
+                             "model")
+        info = await self.catalog.get(params.model, self.model_dir(params.model))
+        if params.prompt_chars > 4096:  # a long text is tokenized off the event loop
+            prompt = await asyncio.to_thread(info.prompt_ids, params)
+        else:
+            prompt = info.prompt_ids(params)
+        max_tokens = self._max_tokens(info, params, len(prompt), door)
+        sample = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
+        eos = frozenset() if params.ignore_eos else info.eos_ids
+        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos)
+        outcome = Outcome(len(prompt), arrival)
+        ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        try:
+            if params.stream:
+                response = await sse.open_stream(request, {"X-Quart-Request-Id": ident})
+                await self._stream(request, response, session, info, params, door, ident, outcome)
+                return response
+            await self._collect(request, session, info, params, outcome)
+            if outcome.error is not None:
+                exc = outcome.error
+                body = openai_error(exc) if door != "native" else exc.to_json()
+                return web.json_response(body, status=exc.status, headers=exc.headers)
+            return web.json_response(self._answer(door, ident, params.model, outcome, session))
+        finally:
+            self.engine.finish(session)
+            self._record(ident, params.model, arrival, outcome)
+
+    def _max_tokens(self, info: ModelInfo, params: GenerationParams, prompt_len: int, door: str) -> int:
+        room = info.context - prompt_len
+        if prompt_len < 1:
+            raise invalid("prompt", "the prompt has no tokens")
+        if room < 1:
+            raise invalid("prompt", f"the prompt has {prompt_len} tokens; the model's context is {info.context}")
+        if params.max_tokens is None:
+            return min(room, 16 if door == "completion" else self.config.default_max_tokens)
+        if params.max_tokens > room:
+            raise invalid("max_tokens", f"max_tokens {params.max_tokens} is above the context: the prompt has "
+                                        f"{prompt_len} tokens and the model holds {info.context}")
+        return params.max_tokens
+
+    async def _tokens(self, request: web.Request, session: Session, info: ModelInfo, params: GenerationParams,
+                      outcome: Outcome):
+        """(token, text delta) as they come, ``outcome`` kept current; stops at a stop string or id, EOS,
+        max_tokens, or when the client is gone; an engine failure lands in ``outcome.error``."""
+        text = TextStream(info, params.stop)
+        stop_ids = set(params.stop_ids)
+        try:
+            async with contextlib.aclosing(self.engine.tokens(session)) as tokens:
+                async for token in tokens:
+                    now = self.clock()
+                    outcome.first_at = outcome.first_at or now
+                    outcome.last_at = now
+                    outcome.tokens.append(token)
+                    if token in stop_ids:
+                        outcome.finish_reason = "stop"
+                        break
+                    delta = "" if token in info.eos_ids else text.push(token)
+                    outcome.text += delta
+                    if text.stopped:
+                        outcome.finish_reason = "stop"
+                        yield token, delta
+                        break
+                    yield token, delta
+                    if sse.client_gone(request):
+                        outcome.finish_reason = "client_gone"
+                        break
+                else:
+                    outcome.finish_reason = session.finish_reason or "length"
+        except QuartError as exc:
+            outcome.error = exc
+        except Exception as exc:  # never a hung stream: an explicit error
+            log.exception("generation %s failed", session.id)
+            outcome.error = QuartError(502, f"generation failed: {type(exc).__name__}: {exc}", "stage")
+        if outcome.error is None and outcome.finish_reason != "stop":
+            rest = text.finish()
+            outcome.text += rest
+            if rest:
+                yield None, rest
+
+    async def _collect(self, request, session, info, params, outcome) -> None:
+        async for _ in self._tokens(request, session, info, params, outcome):
+            pass
+
+    async def _stream(self, request, response, session, info, params, door, ident, outcome) -> None:
+        created = int(time.time())
+        try:
+            if door == "chat":
+                await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
+            async for token, delta in self._tokens(request, session, info, params, outcome):
+                if door == "native":
+                    await sse.send(response, {"text": delta} if token is None else {"token": token, "text": delta})
+                elif delta:
+                    await sse.send(response, self._chunk(door, ident, params.model, created, delta, None))
+            if outcome.error is not None:
+                exc = outcome.error
+                await sse.send(response, openai_error(exc) if door != "native" else exc.to_json())
+            elif door == "native":
+                await sse.send(response, {"finish_reason": outcome.finish_reason, "usage": outcome.usage(),
+                                          "replays": session.replays})
+            else:
+                await sse.send(response, self._chunk(door, ident, params.model, created, "", outcome.finish_reason))
+                if params.include_usage:
+                    await sse.send(response, {"id": ident, "object": _object(door, True), "created": created,
+                                              "model": params.model, "choices": [], "usage": outcome.usage()})
+            await sse.done(response)
+        except sse.GONE:  # the client went away: the session was closed with the iterator
+            outcome.finish_reason = outcome.finish_reason or "client_gone"
+
+    @staticmethod
+    def _chunk(door: str, ident: str, model: str, created: int, delta: str, finish: str | None,
+               role: bool = False) -> dict[str, Any]:
+        if door == "chat":
+            body: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        return {"id": ident, "object": _object(door, True), "created": created, "model": model, "choices": [choice]}
+
+    @staticmethod
+    def _answer(door: str, ident: str, model: str, outcome: Outcome, session: Session) -> dict[str, Any]:
+        if door == "native":
+            return {"id": ident, "model": model, "tokens": outcome.tokens, "text": outcome.text,
+                    "finish_reason": outcome.finish_reason, "usage": outcome.usage(), "replays": session.replays,
+                    "ttft_ms": outcome_ms(outcome)[0], "tpot_ms": outcome_ms(outcome)[1]}  # the gateway's clock
+        if door == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
+                      "finish_reason": outcome.finish_reason}
+        else:
+            choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
+        return {"id": ident, "object": _object(door, False), "created": int(time.time()), "model": model,
+                "choices": [choice], "usage": outcome.usage()}
+
+    # ------------------------------------------------------------------ measuring
+
+    def _record(self, ident: str, model: str, arrival: float, outcome: Outcome) -> None:
+        if self.collector is None:
+            return
+        end = self.clock()
+        ttft, tpot = outcome_ms(outcome)
+        status = outcome.error.status if outcome.error is not None else 499 if outcome.finish_reason == "client_gone" else 200
+        with contextlib.suppress(Exception):  # measuring never fails a request
+            self.collector.record(RequestRecord(
+                id=ident, model=model, arrival=arrival, end=end, status=status, latency_ms=1000 * (end - arrival),
+                error=outcome.error.message if outcome.error else "", ttft_ms=ttft, tpot_ms=tpot,
+                tokens=len(outcome.tokens)))
+
+
+def _object(door: str, chunk: bool) -> str:
+    if door == "chat":
+        return "chat.completion.chunk" if chunk else "chat.completion"
+    return "text_completion"
+
+
+def outcome_ms(outcome: Outcome) -> tuple[float | None, float | None]:
+    """(TTFT from the request's arrival, TPOT: mean time between tokens after the first), in ms."""
+    if outcome.first_at is None:
+        return None, None
+    ttft = 1000 * (outcome.first_at - outcome.arrival)
+    n = len(outcome.tokens)
+    tpot = 1000 * (outcome.last_at - outcome.first_at) / (n - 1) if n > 1 and outcome.last_at else None
+    return ttft, tpot

@@ -1,0 +1,202 @@
+"""A generation request's parameters, checked before anything is tokenized or expanded. Pure.
+
+The same rules for the three doors: ``/v1/completions``, ``/v1/chat/completions`` (OpenAI's fields) and a
+generation body on ``POST /function/<model>`` (:func:`is_generation` says which bodies are). Every
+refusal is a :class:`~quart_stage.errors.QuartError` 400 naming the field. Fields this gateway does not
+implement and that change the answer (``n`` > 1, ``logprobs``, ``tools``...) are refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway_plugin.generation.config import GenerationConfig
+from quart_stage.errors import invalid
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_TOKEN_ID = 2**31 - 1
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call", "best_of",
+               "echo", "suffix", "logit_bias", "response_format")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """What to generate: exactly one of ``prompt``, ``prompt_ids``, ``messages``; sampling and stopping."""
+
+    model: str
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, text)
+    max_tokens: int | None = None  # None: the door's default, bounded by the context
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None  # None: the gateway draws one (a replay must sample the same tokens)
+    stop: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+
+    @property
+    def prompt_chars(self) -> int:
+        if self.prompt is not None:
+            return len(self.prompt)
+        return sum(len(text) for _, text in self.messages or ())
+
+
+def is_generation(doc: Any) -> bool:
+    """Whether a JSON body on ``POST /function/<model>`` asks for generation: it names ``prompt``,
+    ``max_tokens`` or ``stream``, or its ``input_ids`` is one flat list of integers. A one-shot pass
+    (``input_ids`` as a matrix, ``text``, anything else) keeps the router's one-shot path."""
+    if not isinstance(doc, dict):
+        return False
+    if any(k in doc for k in ("prompt", "max_tokens", "stream")):
+        return True
+    ids = doc.get("input_ids")
+    return isinstance(ids, list) and bool(ids) and all(isinstance(i, int) for i in ids)
+
+
+def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) -> GenerationParams:
+    """The parameters of ``doc`` for ``door`` (``completion``, ``chat`` or ``native``; ``model`` given for the
+    native door, where the path names it)."""
+    if not isinstance(doc, dict):
+        raise invalid("body", "the request body must be a JSON object")
+    name = model if model is not None else doc.get("model")
+    if not isinstance(name, str) or not name:
+        raise invalid("model", "model must name a deployed pipeline (GET /v1/models lists them)")
+    for key in UNSUPPORTED:
+        if doc.get(key) not in (None, False, [], {}) and not (key == "response_format" and _text_format(doc[key])):
+            raise invalid(key, f"{key} is not supported by this gateway")
+    n = doc.get("n", 1)
+    if n is not None and (not _is_int(n) or n != 1):
+        raise invalid("n", f"only n=1 is supported, got {n!r}")
+    prompt, prompt_ids, messages = None, None, None
+    if door == "chat":
+        messages = _messages(doc.get("messages"), cfg)
+    elif door == "completion":
+        prompt, prompt_ids = _prompt(doc.get("prompt"), "prompt")
+    else:
+        if "prompt" in doc and "input_ids" in doc:
+            raise invalid("prompt", "give prompt or input_ids, not both")
+        prompt, prompt_ids = _prompt(doc["input_ids"] if "input_ids" in doc else doc.get("prompt"),
+                                     "input_ids" if "input_ids" in doc else "prompt")
+    if prompt is not None and len(prompt) > cfg.max_prompt_chars:
+        raise invalid("prompt", f"the prompt has {len(prompt)} characters; at most {cfg.max_prompt_chars}", 413)
+    max_tokens = doc.get("max_completion_tokens") if doc.get("max_tokens") is None else doc.get("max_tokens")
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise invalid("max_tokens", f"max_tokens must be an integer of at least 1, got {max_tokens!r}")
+    default_t = 0.0 if door == "native" else 1.0
+    temperature = _number(doc, "temperature", default_t, 0.0, 2.0)
+    top_p = _number(doc, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0.0:
+        raise invalid("top_p", "top_p must be above 0")
+    seed = doc.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise invalid("seed", f"seed must be a 64-bit integer, got {seed!r}")
+    stop, stop_ids = _stops(doc.get("stop"), doc.get("stop_token_ids"))
+    stream = doc.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid("stream", f"stream must be true or false, got {stream!r}")
+    ignore_eos = doc.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos", f"ignore_eos must be true or false, got {ignore_eos!r}")
+    options = doc.get("stream_options") or {}
+    if not isinstance(options, Mapping) or not isinstance(options.get("include_usage", False), bool):
+        raise invalid("stream_options", "stream_options must be an object with a boolean include_usage")
+    return GenerationParams(
+        model=name, prompt=prompt, prompt_ids=prompt_ids, messages=messages, max_tokens=max_tokens,
+        temperature=temperature, top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, stream=stream,
+        include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos,
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text_format(value: Any) -> bool:
+    return isinstance(value, Mapping) and value.get("type") == "text"
+
+
+def _number(doc: Mapping, key: str, default: float, low: float, high: float) -> float:
+    value = doc.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise invalid(key, f"{key} must be a number, got {value!r}")
+    if not low <= value <= high:
+        raise invalid(key, f"{key} must be between {low:g} and {high:g}, got {value!r}")
+    return float(value)
+
+
+def _prompt(value: Any, field: str) -> tuple[str | None, tuple[int, ...] | None]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # OpenAI's batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise invalid(field, f"{field} is empty")
+        return value, None
+    if isinstance(value, list) and value and all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in value):
+        return None, tuple(value)
+    raise invalid(field, f"{field} must be a non-empty string or one list of token ids (a batch of prompts is "
+                         "not supported)")
+
+
+def _messages(value: Any, cfg: GenerationConfig) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "messages must be a non-empty list of {role, content}")
+    if len(value) > cfg.max_messages:
+        raise invalid("messages", f"{len(value)} messages; at most {cfg.max_messages}", 413)
+    out, chars = [], 0
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise invalid(where, f"{where} must be an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
+        text = _content(message.get("content"), where)
+        chars += len(text)
+        if chars > cfg.max_prompt_chars:
+            raise invalid("messages", f"the messages hold more than {cfg.max_prompt_chars} characters", 413)
+        out.append(("system" if role == "developer" else role, text))
+    return tuple(out)
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content", f"{where}.content parts must be {{\"type\": \"text\", \"text\": ...}}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+
+
+def _stops(stop: Any, stop_token_ids: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    items = [] if stop is None else [stop] if isinstance(stop, str | int) and not isinstance(stop, bool) else stop
+    if not isinstance(items, list) or len(items) > MAX_STOPS:
+        raise invalid("stop", f"stop must be a string or a list of at most {MAX_STOPS}")
+    ids = [] if stop_token_ids is None else stop_token_ids
+    if not isinstance(ids, list) or len(ids) > MAX_STOPS or not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
+        raise invalid("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOPS} token ids")
+    texts: list[str] = []
+    for item in items:
+        if _is_int(item) and 0 <= item <= MAX_TOKEN_ID:  # a token id (the native door's "stop strings/ids")
+            ids.append(item)
+        elif isinstance(item, str) and 0 < len(item) <= MAX_STOP_CHARS:
+            texts.append(item)
+        else:
+            raise invalid("stop", f"each stop must be a non-empty string of at most {MAX_STOP_CHARS} characters "
+                                  f"or a token id, got {item!r}")
+    return tuple(texts), tuple(ids)

@@ -1,0 +1,289 @@
+"""The session engine: one generation request = one session through the pipeline's stages.
+
+- **Affinity**: at its start a session is placed on one replica per stage (:class:`.kvbook.KVBook`: a
+  replica with room for every position it may hold; none → 429 at the entry); every step of it goes to
+  those replicas, which keep its KV cache for their own layers (docs/generation.md, the stage protocol).
+- **Steps**: the first step carries the whole prompt (prefill, ``X-Quart-Session-Pos: 0``), every later
+  one the last sampled token only, at the position the caches hold; the last stage answers the next
+  token. Sessions are independent tasks, so the steps of different sessions overlap across the stages
+  (stage 0 runs B's step while stage 2 runs A's); a replica gets at most its concurrency at once.
+- **Failover by replay**: a replica that fails a step (no answer, 5xx, 429, or 409: it does not hold the
+  session) is replaced by another ready replica of its stage, the session gets a new id, and the next
+  step feeds every token so far (prompt + generated) from position 0 through all stages; the others
+  keep their replicas and drop the old session's cache. Sampling is a pure function of (seed, position,
+  logits), so the tokens are the same as without the failure. After ``max_replays`` the stream ends
+  with an error.
+- **Freeing**: the step that yields the last allowed token carries ``X-Quart-Session-End``; a session
+  that ends otherwise (EOS, a stop string, the client gone, an error) is deleted on every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from gateway_plugin import layers
+from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
+from gateway_plugin.retry import replica_gone
+from quart_provider.dead_peer import dead_peer_connector
+from quart_stage.errors import QuartError, unavailable
+
+log = logging.getLogger("quart.generation")
+
+SESSION, SESSION_POS, SESSION_END = "X-Quart-Session", "X-Quart-Session-Pos", "X-Quart-Session-End"
+SESSION_RESERVE = "X-Quart-Session-Reserve"  # at Pos 0: the replica books prompt + max_tokens up front
+SAMPLE = "X-Quart-Sample"
+
+
+class StepFailed(Exception):
+    """A stage replica could not run a step; the session replays elsewhere."""
+
+    def __init__(self, stage: int, replica: Any, why: str, keep: bool = False) -> None:
+        super().__init__(why)
+        self.stage, self.replica, self.why, self.keep = stage, replica, why, keep  # keep: the replica may serve the replay
+
+
+@dataclass
+class Session:
+    """One generation in flight: where its caches are, what it fed, what it generated."""
+
+    model: str
+    stages: list[str]
+    replicas: list[Any]
+    need: int  # positions booked on each of its replicas
+    prompt: list[int]
+    max_tokens: int
+    sample: dict[str, Any]
+    eos: frozenset[int]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    generated: list[int] = field(default_factory=list)
+    fed: int = 0  # positions every replica holds
+    replays: int = 0
+    freed: bool = False
+    finish_reason: str = ""
+
+
+class SessionEngine:
+    """Places sessions, runs their steps, replays them after a failure."""
+
+    def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
+                 on_call: Callable[[str, int, float], None] | None = None, poll_s: float = 0.05) -> None:
+        self.source = source  # a gateway_plugin.router.ReplicaSource
+        self.config = config
+        self.clock = clock
+        self.on_call = on_call
+        self.poll_s = poll_s
+        self.book = KVBook(config.kv_tokens)
+        self.http: aiohttp.ClientSession | None = None
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._background: set[asyncio.Task] = set()
+        self.active: dict[str, Session] = {}
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(task, 2.0)
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self.http is None:
+            self.http = aiohttp.ClientSession(connector=dead_peer_connector(limit=0, enable_cleanup_closed=True),
+                                              timeout=aiohttp.ClientTimeout(total=None))
+        return self.http
+
+    # ------------------------------------------------------------------ placement
+
+    def _ready(self, function: str) -> list[Any]:
+        return [r for r in self.source.ready(function) if layers.is_whole(r)]
+
+    async def _choose(self, function: str, need: int, excluded: set[str], wait: bool) -> Any:
+        """A replica of ``function`` with room for ``need`` positions; waits (bounded) while the stage has no
+        ready replica at all; 429 when ready replicas have no room."""
+        deadline = self.clock() + (self.config.replica_wait_s if wait else 0.0)
+        while True:
+            ready = [r for r in self._ready(function) if r.id not in excluded]
+            chosen = self.book.choose(ready, need)
+            if chosen is not None:
+                return chosen
+            if ready:
+                raise unavailable(429, f"no replica of {function!r} has room for {need} more KV-cache positions "
+                                       "now (every one holds other sessions); retry later", self.config.retry_after_s)
+            if self.clock() >= deadline:
+                raise unavailable(503, f"stage {function!r} has no ready replica", self.config.retry_after_s)
+            await asyncio.sleep(self.poll_s)
+
+    async def open(self, model: str, stages: list[str], prompt: list[int], max_tokens: int,
+                   sample: dict[str, Any], eos: frozenset[int]) -> Session:
+        """Place a new session (one replica per stage, its positions booked on each) or raise 429 / 503."""
+        need = len(prompt) + max_tokens
+        chosen: list[Any] = []
+        try:
+            for fn in stages:
+                replica = await self._choose(fn, need, set(), wait=True)
+                self.book.reserve(replica.id, need)
+                chosen.append(replica)
+        except BaseException:
+            for replica in chosen:
+                self.book.release(replica.id, need)
+            raise
+        if sample.get("seed") is None:
+            sample = {**sample, "seed": random.getrandbits(63)}  # fixed for the session: a replay samples the same
+        else:
+            sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
+        session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos)
+        self.active[session.id] = session
+        return session
+
+    # ------------------------------------------------------------------ running
+
+    async def tokens(self, session: Session) -> AsyncIterator[int]:
+        """The session's tokens as they come; ends at max_tokens or EOS (``finish_reason`` says which). The
+        caller may stop early (a stop string, the client gone): closing the iterator frees the caches."""
+        try:
+            while len(session.generated) < session.max_tokens:
+                token = await self._advance(session)
+                session.generated.append(token)
+                if token in session.eos:
+                    session.finish_reason = "stop"
+                    yield token
+                    return
+                yield token
+            session.finish_reason = "length"
+        finally:
+            self.finish(session)
+
+    async def _advance(self, session: Session) -> int:
+        """One step (or, after a failure, the replay that rebuilds the caches) and its token."""
+        while True:
+            sequence = session.prompt + session.generated
+            last = len(session.generated) + 1 == session.max_tokens
+            try:
+                token = await self._step(session, sequence[session.fed:], session.fed, last)
+            except StepFailed as failed:
+                await self._replace(session, failed)
+                continue
+            session.fed = len(sequence)
+            session.freed = last
+            return token
+
+    async def _replace(self, session: Session, failed: StepFailed) -> None:
+        session.replays += 1
+        fn = session.stages[failed.stage]
+        log.info("session %s: stage %s replica %s failed (%s); replay %d", session.id, fn, failed.replica.id,
+                 failed.why, session.replays)
+        if session.replays > self.config.max_replays:
+            raise QuartError(502, f"stage {fn!r} failed {session.replays} time(s) for this generation; last: "
+                                  f"{failed.why}", "stage")
+        self._drop(session)  # the old session id on every replica
+        self.book.release(failed.replica.id, session.need)
+        excluded = set() if failed.keep else {failed.replica.id}
+        try:
+            replacement = await self._choose(fn, session.need, excluded, wait=True)
+        except QuartError as exc:
+            session.replicas[failed.stage] = None
+            raise QuartError(exc.status, f"a replica of stage {fn!r} failed ({failed.why}) and no other could take "
+                                         f"the session over: {exc.message}", "stage", exc.headers) from None
+        self.book.reserve(replacement.id, session.need)
+        session.replicas[failed.stage] = replacement
+        self.active.pop(session.id, None)
+        session.id, session.fed = uuid.uuid4().hex, 0
+        self.active[session.id] = session
+
+    async def _step(self, session: Session, new: list[int], pos: int, last: bool) -> int:
+        body, ctype = json.dumps({"input_ids": [new]}).encode(), "application/json"
+        final = len(session.stages) - 1
+        for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
+            headers = {"Content-Type": ctype, SESSION: session.id, SESSION_POS: str(pos),
+                       "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
+            if k == final:
+                headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
+            if pos == 0:
+                headers[SESSION_RESERVE] = str(session.need)
+            if last:
+                headers[SESSION_END] = "1"
+            status, data, answer = await self._call(k, fn, replica, body, headers)
+            self.book.note(replica.id, answer.get(KV_HEADER))
+            if status == 409:
+                raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
+            if status == 429 or status >= 500:
+                raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
+            if status != 200:
+                raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
+            body, ctype = data, answer.get("Content-Type", "application/octet-stream")
+        try:
+            return int(json.loads(body)["token"])
+        except (ValueError, KeyError, TypeError):
+            raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
+
+    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
+                    ) -> tuple[int, bytes, dict[str, str]]:
+        slots = self.source.concurrency(fn)
+        gate = self._slots.get(replica.id)
+        if gate is None:
+            gate = self._slots[replica.id] = asyncio.Semaphore(slots if slots > 0 else 1 << 30)
+        start = self.clock()
+        status = 0
+        async with gate:
+            self.source.take(fn, replica)
+            try:
+                async with self._client().post(
+                    replica.url, data=body, headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=self.config.step_timeout_s),
+                ) as resp:
+                    data = await resp.read()
+                    status = resp.status
+                    return status, data, dict(resp.headers)
+            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+                status = 504 if isinstance(exc, TimeoutError) else 502
+                if replica_gone(exc) and hasattr(self.source, "mark_unreachable"):
+                    self.source.mark_unreachable(fn, replica)
+                raise StepFailed(k, replica, f"{type(exc).__name__}: {exc}") from None
+            finally:
+                self.source.give_back(fn, replica)
+                if self.on_call is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_call(fn, status, self.clock() - start)
+
+    # ------------------------------------------------------------------ freeing
+
+    def finish(self, session: Session) -> None:
+        """Release the session's bookings and free its caches (unless its last step already did)."""
+        if self.active.pop(session.id, None) is None:
+            return
+        if not session.freed:
+            self._drop(session)
+        for replica in session.replicas:
+            if replica is not None:
+                self.book.release(replica.id, session.need)
+
+    def _drop(self, session: Session) -> None:
+        """``DELETE /_/sessions/<id>`` on every replica of the session, in the background."""
+        for replica in session.replicas:
+            if replica is not None:
+                task = asyncio.get_running_loop().create_task(self._delete(replica, session.id))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _delete(self, replica: Any, session_id: str) -> None:
+        url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            async with self._client().delete(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                await resp.read()
+
+
+def _error_text(data: bytes) -> str:
+    with contextlib.suppress(ValueError, AttributeError):
+        return str(json.loads(data).get("error", ""))
+    return ""

@@ -1,0 +1,154 @@
+"""A pipeline's tokenizer on the gateway: prompts and chat messages to token ids, token ids to text.
+
+The files are those of the partitioned model folder (``QUART_MODEL_DIR`` of the pipeline's stage 0):
+``manifest.json`` (the family, the context length, the EOS ids), ``tokenizer.json`` and, when the source
+had them, ``tokenizer_config.json`` / ``chat_template.jinja`` (special tokens and the chat template),
+read with transformers' ``PreTrainedTokenizerFast``. Loaded once per folder, in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway_plugin.generation.params import GenerationParams
+from quart_stage.errors import QuartError, invalid
+from quart_stage.manifest import Manifest
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ModelInfo:
+    """What generation needs to know about one decoder pipeline."""
+
+    name: str
+    model_dir: str
+    context: int  # positions the model can hold (max_position_embeddings)
+    eos_ids: frozenset[int]
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def prompt_ids(self, params: GenerationParams) -> list[int]:
+        """The prompt's token ids (the caller bounded the text by characters first)."""
+        if params.prompt_ids is not None:
+            vocab = len(self.tokenizer)
+            bad = next((i for i in params.prompt_ids if i >= vocab), None)
+            if bad is not None:
+                raise invalid("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            return list(params.prompt_ids)
+        if params.messages is not None:
+            if not self.has_chat_template:
+                raise invalid("messages", f"pipeline {self.name!r} has no chat template; use /v1/completions")
+            messages = [{"role": role, "content": text} for role, text in params.messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(params.prompt or "", add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_model(name: str, model_dir: str) -> ModelInfo:
+    """The tokenizer and limits of a partitioned decoder; a 400 for an encoder or a folder without a tokenizer."""
+    manifest = Manifest.load(model_dir)
+    if manifest.family != "decoder":
+        raise invalid("model", f"pipeline {name!r} is a {manifest.family} ({manifest.model_type}), not a decoder: "
+                               "it does not generate text")
+    if not manifest.tokenizer:
+        raise invalid("model", f"pipeline {name!r} has no tokenizer in {model_dir}")
+    from transformers import PreTrainedTokenizerFast
+
+    if os.path.isfile(os.path.join(model_dir, "tokenizer_config.json")):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    else:
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, manifest.tokenizer))
+    eos = manifest.config.get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(int(tokenizer.eos_token_id))
+    context = int(manifest.config.get("max_position_embeddings") or manifest.config.get("n_positions") or 2048)
+    return ModelInfo(name, model_dir, context, frozenset(int(i) for i in eos_ids), tokenizer)
+
+
+@dataclass
+class ModelCatalog:
+    """Loaded :class:`ModelInfo` per model folder (reloaded when its manifest changes)."""
+
+    cache: dict[str, tuple[float, ModelInfo | QuartError]] = field(default_factory=dict)
+
+    async def get(self, name: str, model_dir: str | None) -> ModelInfo:
+        if not model_dir:
+            raise invalid("model", f"pipeline {name!r} has no model folder the gateway can read "
+                                   "(QUART_MODEL_DIR of its stage 0): it cannot tokenize for it")
+        try:
+            mtime = os.stat(os.path.join(model_dir, "manifest.json")).st_mtime
+        except OSError:
+            raise invalid("model", f"pipeline {name!r}: no manifest.json in {model_dir}") from None
+        hit = self.cache.get(model_dir)
+        if hit is None or hit[0] != mtime:
+            try:
+                info: ModelInfo | QuartError = await asyncio.to_thread(load_model, name, model_dir)
+            except QuartError as exc:
+                info = exc
+            except (OSError, ValueError) as exc:
+                info = invalid("model", f"pipeline {name!r}: cannot load its tokenizer: {exc}")
+            hit = self.cache[model_dir] = (mtime, info)
+        if isinstance(hit[1], QuartError):
+            raise hit[1]
+        return hit[1]
+
+    def known_decoder(self, model_dir: str | None) -> bool | None:
+        """Whether a folder holds a decoder: from the loaded cache, else its manifest (None: unreadable)."""
+        if not model_dir:
+            return None
+        hit = self.cache.get(model_dir)
+        if hit is not None:
+            return isinstance(hit[1], ModelInfo)
+        try:
+            return Manifest.load(model_dir).family == "decoder"
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+class TextStream:
+    """The text of the generated tokens as it grows, cut at the first stop string.
+
+    Text that could still become a stop string, and an incomplete UTF-8 sequence (U+FFFD at the end), is
+    held back until the next token decides it."""
+
+    def __init__(self, model: ModelInfo, stops: tuple[str, ...]) -> None:
+        self.model = model
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters already handed out
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add a token; the new text that is safe to hand out (``stopped`` once a stop string appeared)."""
+        self.ids.append(token)
+        text = self.model.decode(self.ids)
+        cut = min((i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            delta, self.sent = text[self.sent:cut], max(self.sent, cut)
+            return delta
+        safe = len(text) - self.hold
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent:safe], safe
+        return delta
+
+    def finish(self) -> str:
+        """The held-back rest, once no more tokens come."""
+        if self.stopped:
+            return ""
+        text = self.model.decode(self.ids)
+        delta, self.sent = text[self.sent:], len(text)
+        return delta

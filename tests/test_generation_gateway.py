@@ -1,0 +1,138 @@
+"""Generation through a running embedded gateway (`quartctl up` in-process, KeysManager host, real stage
+replicas of the ``tiny`` decoder at 3 stages): the ``openai`` client against ``/v1`` (completions and chat,
+streamed and not), tokens identical to transformers' greedy ``generate`` on the whole model, errors in
+OpenAI's shape, and a stage replica ``kill -9``'d mid-stream: the stream goes on, the tokens identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+import requests
+import torch
+from embedded_system import ThreadedSystem
+from gateway_plugin.generation.tokens import load_model
+from generation_app import CHATML
+from quart_provider.stack import load_stack
+from quart_stage.verify import reference_model
+from quart_tools.partition import partition
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    model_dir = root / "tiny"
+    partition("tiny", 3, str(model_dir), stack={"compute": "cpu"}, progress=False)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                 "chat_template": CHATML}))
+    os.environ["QUART_POLICY"] = "static"  # nothing rescales the stages under the test
+    try:
+        system = ThreadedSystem(root, attach_plugin=True, use_keysmanager=True, hosts=1, gpus_per_host=8)
+    finally:
+        os.environ.pop("QUART_POLICY", None)
+    try:
+        stack = load_stack(model_dir / "stack.yml")
+        system.system.gateway.images.register(stack.image_index_entries())
+        for fn in stack.functions:
+            res = requests.post(f"{system.url}/system/functions", json=fn.request, auth=system.auth, timeout=30)
+            assert res.status_code == 202, res.text
+        requests.post(f"{system.url}/system/scale-function/tiny-stage-1", json={"serviceName": "tiny-stage-1",
+                      "replicas": 2}, auth=system.auth, timeout=10)
+        deadline = time.monotonic() + 180
+        want = {"tiny-stage-0": 1, "tiny-stage-1": 2, "tiny-stage-2": 1}
+        while True:
+            listing = {f["name"]: f["availableReplicas"] for f in
+                       requests.get(f"{system.url}/system/functions", auth=system.auth, timeout=10).json()}
+            if all(listing.get(k, 0) >= v for k, v in want.items()):
+                break
+            assert time.monotonic() < deadline, listing
+            time.sleep(0.2)
+        yield system, str(model_dir)
+    finally:
+        system.close()
+
+
+@pytest.fixture(scope="module")
+def whole(gateway):
+    return reference_model(gateway[1])
+
+
+def greedy(whole, ids: list[int], n: int) -> list[int]:
+    whole.generation_config.eos_token_id = None
+    whole.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        out = whole.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, use_cache=True)
+    return out[0, len(ids):].tolist()
+
+
+def test_openai_client_completions_and_chat_streamed_and_not(gateway, whole):
+    system, model_dir = gateway
+    client = openai.OpenAI(base_url=f"{system.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    answer = client.completions.create(model="tiny", prompt="Pipelines stream", max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    ids = load_model("tiny", model_dir).tokenizer.encode("Pipelines stream", add_special_tokens=False)
+    assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == 10
+    direct = requests.post(f"{system.url}/function/tiny", json={"input_ids": ids, "max_tokens": 10,
+                                                                "ignore_eos": True}, timeout=60).json()
+    assert direct["tokens"] == greedy(whole, ids, 10)  # token-identical to transformers' generate
+    streamed = client.completions.create(model="tiny", prompt="Pipelines stream", max_tokens=10, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == answer.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=10**6)
+    metrics = requests.get(f"{system.url}/metrics", timeout=10).text
+    assert 'quart_generation_tpot_seconds_count{model="tiny"}' in metrics
+
+
+def _pid_listening(url: str) -> int:
+    port = int(url.rstrip("/").rsplit(":", 1)[1])
+    return next(c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
+
+
+def test_a_stage_replica_killed_mid_stream_fails_over_and_the_tokens_are_identical(gateway, whole):
+    system, _ = gateway
+    ids = [7, 8, 9, 10, 11]
+    events: list[dict] = []
+    killed = threading.Event()
+
+    def kill_when_started():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(events) < 3:
+            time.sleep(0.005)
+        plugin_engine = system.system.gateway.invoke_hooks[0].__self__.engine
+        [session] = plugin_engine.active.values()
+        os.kill(_pid_listening(session.replicas[1].url), signal.SIGKILL)
+        killed.set()
+
+    killer = threading.Thread(target=kill_when_started)
+    killer.start()
+    with requests.post(f"{system.url}/function/tiny", json={"input_ids": ids, "max_tokens": 40, "stream": True,
+                                                            "ignore_eos": True}, stream=True, timeout=120) as res:
+        for line in res.iter_lines(decode_unicode=True):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                if not killed.is_set():
+                    time.sleep(0.02)  # slow the stream until the kill lands
+            elif line == "data: [DONE]":
+                events.append({"done": True})
+    killer.join(10)
+    assert killed.is_set() and events[-1] == {"done": True}
+    tokens = [e["token"] for e in events if "token" in e]
+    assert tokens == greedy(whole, ids, 40)
+    assert events[-2]["finish_reason"] == "length" and events[-2]["replays"] >= 1
+    sessions = requests.get(f"{system.url}/function/quart-plugin/sessions", timeout=10).json()
+    assert sessions == {"active": [], "kv": {}}  # nothing in flight, nothing booked
