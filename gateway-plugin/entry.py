@@ -1,6 +1,7 @@
 """Who the pipeline router lets in (issue 14, item 3): the queue cap and admission by time, at entry.
 
-:func:`stage_loads` reads the router's queues, replicas and measured service times;
+:func:`stage_loads` reads the router's queues, replicas and measured service times (the p90 of each stage
+function's :class:`quart_provider.admission.ServiceTimes`, the estimator the proxy admits with too);
 :func:`entry_admission` decides with the pure rules of :mod:`quart_provider.admission`: a stage whose
 queue is at ``queue_cap`` refuses (Retry-After: the time that queue needs to drain one place at its
 measured rate), and so does a request whose expected wait over all its stages exceeds its deadline; a
@@ -17,15 +18,14 @@ from quart_provider.admission import Admission, StageLoad, admit_by_time, retry_
 
 def stage_loads(router: Any, stages: Sequence[str]) -> list[StageLoad]:
     """Each stage's queue, serving slots (ready replicas × concurrency; unlimited: one per replica) and
-    measured mean service time."""
-    now = router.clock()
+    measured p90 service time."""
     loads = []
     for fn in stages:
         q = router.queues.get(fn)
         per_replica = router.source.concurrency(fn) or 1
-        stats = router.collector.stage(fn)
+        service = router.service_times(fn)
         loads.append(StageLoad(len(q.jobs) if q else 0, len(router.source.ready(fn)) * per_replica,
-                               stats.mean_service_s(now), stats.fastest_service_s))
+                               service.p90(), service.fastest()))
     return loads
 
 

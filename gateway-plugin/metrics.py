@@ -79,7 +79,7 @@ class StageMetrics:
     """
 
     __slots__ = ("window_s", "recent_s", "trim_on_event", "arrivals", "recent", "waits", "services",
-                 "activations", "total_arrivals", "total_completions", "last_service_s", "fastest_service_s", "_wait_sum",
+                 "activations", "total_arrivals", "total_completions", "last_service_s", "_wait_sum",
                  "_busy_sum", "_act_sum", "_gap_sq_sum", "_removed")
 
     def __init__(self, window_s: float, recent_s: float = 1.0, trim_on_event: bool = True) -> None:
@@ -94,7 +94,6 @@ class StageMetrics:
         self.total_arrivals = 0
         self.total_completions = 0
         self.last_service_s = 0.0  # most recent mean service time, kept when the window empties
-        self.fastest_service_s = 0.0  # the fastest completion ever (0 = none): a shorter deadline cannot be met
         self._wait_sum = 0.0
         self._busy_sum = 0.0
         self._act_sum = 0.0
@@ -124,8 +123,6 @@ class StageMetrics:
     def on_complete(self, now: float, service_s: float) -> None:
         self.services.append((now, service_s))
         self._busy_sum += service_s
-        if service_s > 0 and (self.fastest_service_s <= 0 or service_s < self.fastest_service_s):
-            self.fastest_service_s = service_s
         self.total_completions += 1
         if self.trim_on_event:
             self._trim(now)

@@ -1,9 +1,11 @@
 """Attach the router, metrics and controller to the embedded gateway (``quartctl up`` calls ``attach``).
 
 - ``POST /function/<model>`` for a pipeline (functions labelled ``com.quart.model``) goes to the
-  router; deployed stage functions are still invocable one by one by the gateway itself.
+  router: the gateway's pipeline route (``gateway.route_pipelines(router.answer)``), which its fast
+  front calls with the body read; deployed stage functions are still invocable one by one.
 - ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and generation bodies on
-  ``POST /function/<model>`` go to the generation API (``gateway_plugin.generation``).
+  ``POST /function/<model>`` of a decoder pipeline go to the generation API (``gateway_plugin.generation``;
+  ``gateway.route_generation``: those calls take the gateway's aiohttp server, which can stream).
 - The per-stage gauges join the gateway's ``/metrics``; ``GET /function/quart-plugin/snapshot``
   answers the current per-stage snapshots as JSON, ``.../timeline`` the controller's history,
   ``.../sessions`` the generation sessions in flight and the KV positions booked per replica.
@@ -33,9 +35,12 @@ from gateway_plugin.policies import make_policy
 from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
+from quart_provider.admission import ServiceTimes
+from quart_provider.responses import error_of
 from gateway_plugin.webui import make_ui_hook
 from quart_provider.capacity import not_ready_reason
 from quart_stage import labels as vocab
+from quart_stage.errors import QuartError
 
 log = logging.getLogger("quart.plugin")
 
@@ -49,6 +54,7 @@ class GatewayView:
         self.gateway = gateway
         self.default_concurrency = default_concurrency
         self._unplaced: dict[str, int] = {}  # replicas that could not be placed, as last logged
+        self._meta: dict[str, tuple[Any, tuple[float, int]]] = {}  # function -> (its deployment, stage_meta)
 
     def pipelines(self) -> dict[str, list[str]]:
         return self.gateway.pipelines()
@@ -62,6 +68,24 @@ class GatewayView:
 
     def take(self, function: str, replica: Any) -> None:
         replica.in_flight += 1
+
+    def wait(self, function: str) -> asyncio.Future[None]:
+        """Resolved at the function's next release (the router's or the proxy's) or ready-list change: the
+        same wake-ups the proxy's waiting calls get (``FunctionState.wakeups``)."""
+        future = asyncio.get_running_loop().create_future()
+        fn = self.gateway.functions.get(function)
+        if fn is not None:
+            fn.add_waiter(future)
+        return future
+
+    def waiting(self, function: str) -> int:
+        """Calls of ``function`` through the proxy waiting for a slot (the controller sees them in the queue)."""
+        fn = self.gateway.functions.get(function)
+        return fn.waiting if fn is not None else 0
+
+    def service_times(self, function: str) -> ServiceTimes:
+        fn = self.gateway.functions.get(function)
+        return fn.service if fn is not None else ServiceTimes()
 
     def mark_unreachable(self, function: str, replica: Any) -> None:
         """The router found nothing listening on ``replica``: out of the ready list until its host says."""
@@ -123,8 +147,15 @@ class GatewayView:
         )
 
     def stage_meta(self, function: str) -> tuple[float, int]:
-        state = self.stage_state(function) if function in self.gateway.functions else None
-        return (state.cpus, state.param_bytes) if state else (1.0, 0)
+        """(cpus, parameter bytes) of a stage, read from its labels once per deployment (the router asks per call)."""
+        fn = self.gateway.functions.get(function)
+        if fn is None:
+            return (1.0, 0)
+        cached = self._meta.get(function)
+        if cached is None or cached[0] is not fn.deployment:
+            state = self.stage_state(function)
+            cached = self._meta[function] = (fn.deployment, (state.cpus, state.param_bytes))
+        return cached[1]
 
     def model_dir(self, model: str) -> str | None:
         """The partitioned model folder of a pipeline (its stage 0's ``QUART_MODEL_DIR``): the tokenizer."""
@@ -261,15 +292,11 @@ class Plugin:
         self._files.clear()
 
     async def hook(self, request: web.Request, name: str, tail: str) -> web.StreamResponse | None:
+        """``/function/quart-plugin/...`` (pipelines go to the gateway's pipeline route, not here)."""
         if name == PLUGIN_PATH:
             if tail == "policy" and request.method == "POST":
                 return await self._switch_policy(request)
             return self._introspect(tail, request.query.get("since"))
-        if name in self.view.pipelines():
-            if tail:
-                return web.json_response({"error": f"pipeline {name!r} has no sub-path {tail!r}", "field": "path"},
-                                         status=404)
-            return await self.generation.function(request, name) or await self.router.handle(request, name)
         return None
 
     def _authorised(self, request: web.Request) -> bool:
@@ -284,8 +311,8 @@ class Plugin:
         """``POST /function/quart-plugin/policy`` {"policy": name, "config": {...}} (basic auth): swap the
         policy of every pipeline; the new one starts with fresh state. Answers the controller's clock."""
         if not self._authorised(request):
-            return web.json_response({"error": "missing or wrong credentials: use the gateway's basic auth"},
-                                     status=401, headers={"WWW-Authenticate": 'Basic realm="Restricted"'})
+            return _error(401, "missing or wrong credentials: use the gateway's basic auth", None,
+                          {"WWW-Authenticate": 'Basic realm="Restricted"'})
         try:
             body = json.loads(await request.read() or b"{}")
             name = body["policy"]
@@ -294,7 +321,7 @@ class Plugin:
                 raise TypeError("config must be an object")
             factory = policy_factory(replace(self.config, policy=name), **overrides)
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-            return web.json_response({"error": f"cannot switch policy: {exc}", "field": "policy"}, status=400)
+            return _error(400, f"cannot switch policy: {exc}", "policy")
         self.config = replace(self.config, policy=name)
         self.controller.policy_factory = factory
         self.controller.policies.clear()
@@ -309,8 +336,7 @@ class Plugin:
             try:
                 t0 = float(since) if since else float("-inf")
             except ValueError:
-                return web.json_response({"error": f"since must be a number, got {since!r}", "field": "since"},
-                                         status=400)
+                return _error(400, f"since must be a number, got {since!r}", "since")
             return web.json_response([row for row in self.controller.timeline if row["time"] >= t0][-20000:])
         if tail == "sessions":  # generation sessions in flight and the KV positions booked per replica
             return web.json_response({"active": [{"id": x.id, "model": x.model, "tokens": x.fed, "replays": x.replays,
@@ -319,8 +345,12 @@ class Plugin:
                                       "kv": self.engine.book.occupancy()})
         if tail == "metrics":
             return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
-        return web.json_response({"error": f"unknown plugin path {tail!r}; use snapshot, timeline, sessions or metrics",
-                                  "field": "path"}, status=404)
+        return _error(404, f"unknown plugin path {tail!r}; use snapshot, timeline, sessions or metrics", "path")
+
+
+def _error(status: int, message: str, field: str | None, headers: dict[str, str] | None = None) -> web.Response:
+    """The plugin's error answers: the one error body (:class:`QuartError`)."""
+    return error_of(QuartError(status, message, field, headers or {}), retry_after_s=1)
 
 
 async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = None) -> Plugin:
@@ -329,6 +359,8 @@ async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = No
     gateway.add_invoke_hook(plugin.hook)
     gateway.ui_hook = make_ui_hook(plugin)  # /ui/: the status page
     gateway.add_api_hook(plugin.generation.v1)
+    gateway.route_pipelines(plugin.router.answer)
+    gateway.route_generation(plugin.generation)
     gateway.shutdown_callbacks.append(plugin.close)
     with contextlib.suppress(Exception):
         gateway.metrics.registry.register(_RegistryBridge(plugin.collector.registry))

@@ -9,8 +9,20 @@ deadline allows, otherwise the client gets an explicit 5xx JSON error. A request
 queue at its cap is refused with 429 + Retry-After before it is accepted. Every accepted request
 ends with exactly one response.
 
+One path with the gateway's proxy (docs/architecture.md, "One request"): the embedded gateway's fast
+front hands ``POST /function/<model>`` to :meth:`Router.answer` with the body already read (no aiohttp
+in between); stage calls go through the provider's lean client (:class:`quart_provider.upstream.UpstreamPool`);
+retries follow :mod:`quart_provider.retry`, the client's deadline :func:`quart_provider.admission.client_deadline_s`,
+admission the p90 of :class:`quart_provider.admission.ServiceTimes` (the same estimator the proxy uses, per
+function); errors are :class:`~quart_stage.errors.QuartError` bodies. The stage queue is the function's one
+queue: a dispatcher with no free replica waits on :meth:`ReplicaSource.wait`, which a release (by this
+router or by the proxy) or a replica becoming ready resolves — no polling.
+
 Replicas come from a ``ReplicaSource``: the embedded gateway's live replica sets (plugin.py) or a
-fixed list (``StaticReplicas``: tests, or function-level dispatch to a real OpenFaaS gateway).
+fixed list (``StaticReplicas``: tests, or function-level dispatch to a real OpenFaaS gateway). Other
+engines (token generation, batching) reuse the same three pieces: a ``ReplicaSource``, the pick rule
+(:meth:`Router.pick` → :func:`quart_provider.balancer.pick`) and the upstream client (``Router.upstream``;
+:meth:`~quart_provider.upstream.UpstreamPool.stream` for a streamed answer).
 """
 
 from __future__ import annotations
@@ -25,87 +37,40 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 from gateway_plugin import layers
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.entry import entry_admission
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
-from gateway_plugin.retry import passed_on, replica_gone, should_retry
+from gateway_plugin.replicas import ReplicaSource, StaticReplica, StaticReplicas, Waiters
+from quart_provider.admission import ServiceTimes, client_deadline_s
 from quart_provider.balancer import pick
-from quart_provider.dead_peer import dead_peer_connector
-from quart_provider.tracing import CALL_ID
-
-from keysmanager.aio import wait_event, within
+from quart_provider.responses import Answer, answer_of
+from quart_provider.retry import passed_on, replica_gone, should_retry
+from quart_provider.tracing import CALL_ID, new_call_id
+from quart_provider.upstream import UpstreamPool, UpstreamTimeout
+from quart_stage.errors import QuartError
 
 log = logging.getLogger("quart.router")
 
 TIMING_HEADERS = ("X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms")
 
 
-class ReplicaSource(Protocol):
-    """Where a stage function's replicas are and how their slots are counted."""
+__all__ = ["ReplicaSource", "Reply", "Router", "StaticReplica", "StaticReplicas", "Waiters", "json_reply"]
 
-    def ready(self, function: str) -> list[Any]: ...
-
-    def concurrency(self, function: str) -> int: ...  # per replica; 0 = unlimited
-
-    def take(self, function: str, replica: Any) -> None: ...
-
-    def give_back(self, function: str, replica: Any) -> None: ...
-
-    def note_held(self, function: str, replica: Any, held: layers.Range) -> None: ...  # its answer's Layers-Held
+Reply = Answer  # what the router answers: status, headers, body (quart_provider.responses.Answer)
 
 
-@dataclass(slots=True)
-class StaticReplica:
-    id: str
-    url: str
-    in_flight: int = 0
-    layers: layers.Range | None = None  # its stage's layers, when it reports them (see gateway_plugin.layers)
-    held: layers.Range | None = None  # the layers it can run now (None: all of its stage)
+def json_reply(status: int, message: str, field_name: str | None = None, **headers: str) -> Answer:
+    """An error answer: the :class:`QuartError` body (``{"error", "field"}``) with ``headers``."""
+    return answer_of(QuartError(status, message, field_name, headers), retry_after_s=1)
 
 
-@dataclass(slots=True)
-class StaticReplicas:
-    """A replica list per function that the owner edits (tests; a fixed set of upstream URLs)."""
-
-    replicas: dict[str, list[StaticReplica]] = field(default_factory=dict)
-    slots: int = 1
-
-    def ready(self, function: str) -> list[StaticReplica]:
-        return list(self.replicas.get(function, ()))
-
-    def concurrency(self, function: str) -> int:
-        return self.slots
-
-    def take(self, function: str, replica: StaticReplica) -> None:
-        replica.in_flight += 1
-
-    def give_back(self, function: str, replica: StaticReplica) -> None:
-        replica.in_flight -= 1
-
-    def note_held(self, function: str, replica: StaticReplica, held: layers.Range) -> None:
-        replica.held = held
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    status: int
-    body: bytes
-    headers: Mapping[str, str]
-
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body, headers=dict(self.headers))
-
-
-def json_reply(status: int, message: str, field_name: str | None = None, **headers: str) -> Reply:
-    payload: dict[str, str] = {"error": message}
-    if field_name:
-        payload["field"] = field_name
-    return Reply(status, json.dumps(payload).encode(), {"Content-Type": "application/json", **headers})
+def web_response(answer: Answer) -> web.Response:
+    return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: jobs live in sets
@@ -139,6 +104,7 @@ class StageQueue:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     busy: int = 0
     dispatcher: asyncio.Task | None = None
+    parked: bool = False  # the dispatcher waits for a job (the queue is empty)
 
 
 class Router:
@@ -152,7 +118,7 @@ class Router:
         collector: MetricsCollector | None = None,
         stage_meta: Callable[[str], tuple[float, int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        dispatch_poll_s: float = 0.02,
+        dispatch_poll_s: float = 0.25,
         on_call: Callable[[str, int, float], None] | None = None,
     ) -> None:
         self.source = source
@@ -161,10 +127,12 @@ class Router:
         self.collector = collector or MetricsCollector(self.config.window_s)
         self.stage_meta = stage_meta or (lambda fn: (1.0, 0))  # function → (cpus, param bytes)
         self.clock = clock
-        self.dispatch_poll_s = dispatch_poll_s
+        self.dispatch_poll_s = dispatch_poll_s  # a safety bound on a wait for a replica: a release wakes it
         self.on_call = on_call  # (function, HTTP status, seconds) per stage call: the gateway's invocation counters
         self.queues: dict[str, StageQueue] = {}
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None  # the lean client to replicas (keep-alive, dead-peer sockets)
+        self._targets: dict[str, tuple[str, str]] = {}  # replica url -> (base url, path)
+        self._services: dict[str, ServiceTimes] = {}  # for a source that keeps none
         self._ids = itertools.count()
         self._closed = False
         self._running: set[Job] = set()
@@ -174,12 +142,8 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        if self.session is None:
-            self.session = aiohttp.ClientSession(
-                # a call in flight to a host that went silent fails in ~2 s and is retried elsewhere
-                connector=dead_peer_connector(limit=0, enable_cleanup_closed=True),
-                timeout=aiohttp.ClientTimeout(total=None),
-            )
+        if self.upstream is None:  # a call in flight to a host that went silent fails in ~2 s, retried elsewhere
+            self.upstream = UpstreamPool(self.config.attempt_timeout_s, keepalive_s=60)
 
     async def close(self) -> None:
         """Answer every queued or running request with 503, stop dispatchers, close the client."""
@@ -198,9 +162,9 @@ class Router:
             if q.dispatcher:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await q.dispatcher
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        if self.upstream is not None:
+            await self.upstream.close()
+            self.upstream = None
 
     def queue(self, function: str) -> StageQueue:
         q = self.queues.get(function)
@@ -213,35 +177,38 @@ class Router:
     # ------------------------------------------------------------------ entry points
 
     async def handle(self, request: web.Request, model: str) -> web.StreamResponse:
-        """aiohttp handler body for ``POST /function/<model>``; every answer carries the request's ``X-Call-Id``
-        (the client's, else a new UUID4), which is also the request id unless ``X-Quart-Request-Id`` is sent."""
-        call_id = request.headers.get(CALL_ID) or str(uuid.uuid4())
-        response = (await self._handle(request, model, call_id)).response()
-        response.headers[CALL_ID] = call_id
-        return response
+        """aiohttp handler body for ``POST /function/<model>`` (the standalone plugin; the embedded gateway
+        calls :meth:`answer` from its fast front)."""
+        body = await request.read() if request.method == "POST" else b""
+        return web_response(await self.answer(model, request.method, "", request.headers, body))
 
-    async def _handle(self, request: web.Request, model: str, call_id: str) -> Reply:
-        if request.method != "POST":
+    async def answer(self, model: str, method: str, tail: str, headers: Mapping[str, str], body: bytes) -> Answer:
+        """``method /function/<model>[/<tail>]`` with ``headers`` and the whole ``body``; every answer carries the
+        request's ``X-Call-Id`` (the client's, else a new one), which is also the request id unless
+        ``X-Quart-Request-Id`` is sent."""
+        call_id = headers.get(CALL_ID) or new_call_id()
+        answer = await self._answer(model, method, tail, headers, body, call_id)
+        answer.headers[CALL_ID] = call_id
+        return answer
+
+    async def _answer(self, model: str, method: str, tail: str, headers: Mapping[str, str], body: bytes,
+                      call_id: str) -> Answer:
+        if tail:
+            return json_reply(404, f"pipeline {model!r} has no sub-path {tail!r}", "path")
+        if method != "POST":
             return json_reply(405, f"use POST to invoke pipeline {model!r}", "method")
-        body = await request.read()
-        timeout = None
-        raw = request.headers.get("X-Quart-Timeout-Ms")
-        if raw:
-            try:
-                timeout = float(raw) / 1000.0
-                if timeout <= 0:
-                    raise ValueError
-            except ValueError:
-                return json_reply(400, f"X-Quart-Timeout-Ms must be a positive number, got {raw!r}",
-                                  "X-Quart-Timeout-Ms")
-        return await self.invoke(model, body, request.headers.get("Content-Type", "application/octet-stream"),
-                                 timeout_s=timeout, request_id=request.headers.get("X-Quart-Request-Id") or call_id,
-                                 accept=request.headers.get("Accept", ""))
+        try:
+            timeout = client_deadline_s(headers, self.config.request_timeout_s)
+        except QuartError as exc:
+            return answer_of(exc, self.config.retry_after_s)
+        return await self.invoke(model, body, headers.get("Content-Type", "application/octet-stream"),
+                                 timeout_s=timeout, request_id=headers.get("X-Quart-Request-Id") or call_id,
+                                 accept=headers.get("Accept", ""))
 
     async def invoke(
         self, model: str, body: bytes, content_type: str = "application/octet-stream",
         timeout_s: float | None = None, request_id: str | None = None, accept: str = "",
-    ) -> Reply:
+    ) -> Answer:
         if self._closed:
             return json_reply(503, "the router is shutting down", None, **{"Retry-After": str(self.config.retry_after_s)})
         stages = self.pipelines().get(model)
@@ -264,14 +231,14 @@ class Router:
         if hasattr(self.source, "scale_from_zero"):  # stages at zero start now, all of them (as OpenFaaS does)
             self.source.scale_from_zero(stages)
         self._enqueue(job, front=False)
+        timer = asyncio.get_running_loop().call_later(timeout + 0.5, self._abandon, job)  # answers it 504
         try:
-            return await within(timeout + 0.5, asyncio.shield(job.future))
-        except TimeoutError:
-            self._abandon(job)
-            return job.future.result()
+            return await job.future
         except asyncio.CancelledError:  # the client went away: stop the work, keep counters exact
             self._abandon(job, status=499)
             raise
+        finally:
+            timer.cancel()
 
     # ------------------------------------------------------------------ internals
 
@@ -285,12 +252,34 @@ class Router:
             job.tried = set()
             job.attempts = 0
             self.collector.stage(fn).on_arrival(now, len(job.body))
-            q.jobs.append(job)
-        else:
+        if q.parked and not q.jobs and now < job.deadline:  # nobody ahead: to a free replica now, if one is
+            replica = self._free_replica(q, job)
+            if replica is not None:
+                self._launch(q, job, replica)
+                return
+        if front:
             q.jobs.appendleft(job)
+        else:
+            q.jobs.append(job)
         q.wake.set()
 
-    def _pick(self, function: str, tried: set, at: int | None = None) -> Any | None:
+    def _free_replica(self, q: StageQueue, job: Job) -> Any | None:
+        try:
+            return self.pick(q.function, job.tried, job.layer_at)
+        except Exception as exc:  # the platform's replica view failed: keep serving, retry soon
+            log.warning("listing replicas of %s failed: %s", q.function, exc)
+            return None
+
+    def _launch(self, q: StageQueue, job: Job, replica: Any) -> None:
+        """The stage call of ``job`` on ``replica`` (its slot taken), as a task."""
+        self.source.take(q.function, replica)
+        q.busy += 1
+        job.attempts += 1
+        job.task = asyncio.get_running_loop().create_task(self._call(job, q, replica))
+        self._running.add(job)
+        job.task.add_done_callback(lambda _t, job=job: self._running.discard(job))
+
+    def pick(self, function: str, tried: set, at: int | None = None) -> Any | None:
         """The pick rule over the replicas that can run the request's next layers (all of them, unless some
         replica holds only part of its stage: see :mod:`gateway_plugin.layers`)."""
         ready = [r for r in self.source.ready(function) if layers.eligible(r, at)]
@@ -302,29 +291,48 @@ class Router:
                 q.jobs.popleft()
             if not q.jobs:
                 q.wake.clear()
-                await q.wake.wait()
+                q.parked = True
+                try:
+                    await q.wake.wait()
+                finally:
+                    q.parked = False
                 continue
             job = q.jobs[0]
             if self.clock() >= job.deadline:
                 q.jobs.popleft()
                 self._finish(job, self._deadline_reply(job, "waiting for a replica"))
                 continue
-            try:
-                replica = self._pick(q.function, job.tried, job.layer_at)
-            except Exception as exc:  # the platform's replica view failed: keep serving, retry soon
-                log.warning("listing replicas of %s failed: %s", q.function, exc)
-                replica = None
-            if replica is None:
+            replica = self._free_replica(q, job)
+            if replica is None:  # wait for a release or a new replica (this router's, the proxy's, the platform's)
                 q.wake.clear()
-                await wait_event(q.wake, self.dispatch_poll_s)
+                await self._wait_slot(q)
                 continue
             q.jobs.popleft()
-            self.source.take(q.function, replica)
-            q.busy += 1
-            job.attempts += 1
-            job.task = asyncio.get_running_loop().create_task(self._call(job, q, replica))
-            self._running.add(job)
-            job.task.add_done_callback(lambda _t, job=job: self._running.discard(job))
+            self._launch(q, job, replica)
+
+    def service_times(self, function: str) -> ServiceTimes:
+        """The function's one service-time estimator (the source's; this router's own for a source without one)."""
+        getter = getattr(self.source, "service_times", None)
+        return getter(function) if getter is not None else self._services.setdefault(function, ServiceTimes())
+
+    async def _wait_slot(self, q: StageQueue) -> None:
+        wait = getattr(self.source, "wait", None)
+        released = wait(q.function) if wait is not None else asyncio.get_running_loop().create_future()
+        woken = asyncio.ensure_future(q.wake.wait())  # a job queued in front (a retry), the router closing
+        try:
+            await asyncio.wait((released, woken), timeout=self.dispatch_poll_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            released.cancel()
+
+    def _target(self, url: str) -> tuple[str, str]:
+        """A replica's url as (base url, path) for the upstream client."""
+        target = self._targets.get(url)
+        if target is None:
+            parts = urlsplit(url)
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            target = self._targets[url] = (f"{parts.scheme}://{parts.netloc}", path)
+        return target
 
     async def _call(self, job: Job, q: StageQueue, replica: Any) -> None:
         fn = q.function
@@ -335,8 +343,8 @@ class Router:
         error: BaseException | None = None
         try:
             timeout = min(self.config.attempt_timeout_s, job.deadline - start)
-            if self.session is None:
-                raise aiohttp.ClientError("the router's HTTP client is closed")
+            if self.upstream is None:
+                raise RuntimeError("the router's HTTP client is closed")
             sent = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
                     "X-Quart-Model": job.model, "X-Quart-Stage": str(job.stage)}
             part = layers.part_for(replica, job.layer_at)
@@ -345,12 +353,9 @@ class Router:
             stage_end = part is None or layers.next_position(part, layers.stage_range(replica)) is None
             if job.accept and job.stage == len(job.stages) - 1 and stage_end:
                 sent["Accept"] = job.accept  # e.g. application/json: the client's format for the final answer
-            async with self.session.post(
-                replica.url, data=job.body, headers=sent,
-                timeout=aiohttp.ClientTimeout(total=max(0.001, timeout)),
-            ) as resp:
-                data = await resp.read()
-                status, headers = resp.status, dict(resp.headers)
+            base, path = self._target(replica.url)
+            resp = await self.upstream.request("POST", base, path, sent, job.body, timeout_s=max(0.001, timeout))
+            data, status, headers = resp.body, resp.status, resp.headers
             held = layers.parse_range(headers.get(layers.HELD))
             if held is not None and held != getattr(replica, "held", None):
                 self.source.note_held(fn, replica, held)
@@ -360,7 +365,7 @@ class Router:
         except Exception as exc:  # timeout, connection, protocol, closed client: all count as a failed attempt
             error = exc
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            status = 504 if isinstance(exc, TimeoutError) else 502  # what the gateway's proxy would count
+            status = 504 if isinstance(exc, UpstreamTimeout | TimeoutError) else 502  # as the proxy counts it
         finally:
             q.busy -= 1
             self.source.give_back(fn, replica)
@@ -382,6 +387,7 @@ class Router:
             rest = layers.next_position(ran, layers.stage_range(replica)) if part is not None else None
             if rest is None:
                 stats.on_complete(end, service_s)  # a stage run in parts completes once, with its last part
+                self.service_times(fn).record(service_s)  # admission's estimator, shared with the proxy
             cpus, param_bytes = self.stage_meta(fn)
             job.visits.append(StageVisit(
                 stage=job.stage, function=fn, wait_ms=1000 * wait_s, service_ms=1000 * service_s,
@@ -400,13 +406,13 @@ class Router:
             if job.stage + 1 == len(job.stages):
                 out = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id}
                 out.update({k: headers[k] for k in TIMING_HEADERS if k in headers})
-                self._finish(job, Reply(200, data, out))
+                self._finish(job, Answer(200, out, data))
             else:
                 job.stage += 1
                 self._enqueue(job, front=False)
             return
-        if passed_on(status, error):  # a 4xx, a stage's 500: the same on every replica (gateway_plugin.retry)
-            self._finish(job, Reply(status, data, {"Content-Type": headers.get("Content-Type", "application/json")}))
+        if passed_on(status, error):  # a 4xx, a stage's 500: the same on every replica (quart_provider.retry)
+            self._finish(job, Answer(status, {"Content-Type": headers.get("Content-Type", "application/json")}, data))
             return
         why = failure or f"HTTP {status}"
         job.tried.add(replica.id)
@@ -422,7 +428,7 @@ class Router:
             self._finish(job, json_reply(502, f"stage {fn!r} failed {job.attempts} time(s) for request "
                                               f"{job.id}; last error: {why}", "stage"))
 
-    def _deadline_reply(self, job: Job, doing: str) -> Reply:
+    def _deadline_reply(self, job: Job, doing: str) -> Answer:
         fn = job.stages[job.stage]
         return json_reply(504, f"request {job.id} passed its deadline at stage {job.stage} ({fn!r}), {doing}", "stage")
 
@@ -437,7 +443,7 @@ class Router:
         reply = self._deadline_reply(job, "in the pipeline") if status == 504 else json_reply(status, "client closed the request")
         self._finish(job, reply)
 
-    def _finish(self, job: Job, reply: Reply) -> None:
+    def _finish(self, job: Job, reply: Answer) -> None:
         if job.done:
             return
         job.done = True
@@ -457,8 +463,11 @@ class Router:
     # ------------------------------------------------------------------ state for the snapshot builder
 
     def queue_len(self, function: str) -> int:
+        """What waits for a replica of ``function``: this router's stage queue, and the proxy's calls of the
+        function waiting for a slot (``waiting`` of the source, when it counts them)."""
         q = self.queues.get(function)
-        return sum(1 for j in q.jobs if not j.done) if q else 0
+        waiting = getattr(self.source, "waiting", None)
+        return (sum(1 for j in q.jobs if not j.done) if q else 0) + (waiting(function) if waiting else 0)
 
     def busy(self, function: str) -> int:
         q = self.queues.get(function)

@@ -32,7 +32,7 @@ from gateway_plugin.generation.openai_api import GenerationAPI
 from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
-from gateway_plugin.router import Router, StaticReplica, json_reply
+from gateway_plugin.router import Router, StaticReplica, json_reply, web_response
 from gateway_plugin.snapshot_builder import StageState
 from quart_provider import namespaces
 from quart_provider.metrics import render_registry
@@ -174,7 +174,7 @@ class StandalonePlugin:
         if namespace and known is not None and namespace != known:
             reply = json_reply(404, f"namespace {namespace!r} does not exist for pipeline {model!r} (it is in "
                                     f"{known!r})", "namespace")
-            return reply.response()
+            return web_response(reply)
         request = with_trace(request)
         return await self.generation.function(request, model) or await self.router.handle(request, model)
 

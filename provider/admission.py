@@ -13,6 +13,8 @@
   below what the function has *ever* taken (its fastest recent call, or a floor before anything was
   measured) cannot be met under any load: 400 naming ``X-Quart-Timeout-Ms`` (retrying would not help).
   Pure (time is passed in): the gateway's proxy and the pipeline router both call it.
+- **Deadline**: :func:`client_deadline_s` reads the client's ``X-Quart-Timeout-Ms`` (one parser for the
+  proxy and the router: a value that is not a positive number is a 400 naming the header).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from quart_stage.errors import QuartError
 
+DEADLINE_HEADER = "X-Quart-Timeout-Ms"
 MAX_RETRY_AFTER_S = 60
 _BUCKET_S = 0.1  # drain-rate resolution
 
@@ -34,6 +37,23 @@ def retry_after_s(seconds: float, fallback: int = 1) -> int:
     if not math.isfinite(seconds) or seconds <= 0:
         return max(1, fallback)
     return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
+
+
+def client_deadline_s(headers: Mapping[str, str], cap_s: float) -> float | None:
+    """The client's deadline (``X-Quart-Timeout-Ms``) in seconds, at most ``cap_s``; None when it sent none.
+
+    Raises a 400 :class:`QuartError` naming the header when the value is not a positive finite number."""
+    raw = headers.get(DEADLINE_HEADER)
+    if raw is None or raw == "":
+        return None
+    try:
+        deadline = float(raw) / 1000.0
+    except ValueError:
+        deadline = -1.0
+    if not math.isfinite(deadline) or deadline <= 0:
+        raise QuartError(400, f"{DEADLINE_HEADER} must be a positive number of milliseconds, got {raw[:40]!r}",
+                         DEADLINE_HEADER)
+    return min(deadline, cap_s)
 
 
 @dataclass(slots=True)

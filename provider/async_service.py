@@ -38,7 +38,7 @@ class DurableAsync:
         cfg = self.config
         token = load_or_create_token(cfg.credentials_dir)
         self.server = NatsServer(cfg.state_dir / "nats", token, port=cfg.nats_port,
-                                 max_payload=cfg.max_body_bytes + 64 * 1024)
+                                 max_payload=cfg.max_body_bytes + 64 * 1024, binary=cfg.nats_server or None)
         try:
             await self.server.start()
             self.queue = AsyncQueue(self.server.url, token, cfg.async_queue_cap)

@@ -53,11 +53,13 @@ class Balancer:
     """Hands out the ready replicas of the functions in ``functions`` (the registry's live mapping)."""
 
     def __init__(self, config: GatewayConfig, functions: Mapping[str, FunctionState], kick: Callable[[], None],
-                 why: Callable[[FunctionState], str] = lambda fn: "") -> None:
+                 why: Callable[[FunctionState], str] = lambda fn: "",
+                 scale: Callable[[str, int], object] | None = None) -> None:
         self.config = config
         self.functions = functions
-        self.kick = kick  # ask the reconciler to act now (scale from zero, a replica gone)
+        self.kick = kick  # ask the reconciler to act now (a replica gone)
         self.why = why  # why a function has no ready replica (quart_provider.capacity), for the 503
+        self.scale = scale  # desired replicas, through the registry (Registry.set_desired: saved, reconciled)
 
     def acquire_nowait(self, fn: FunctionState) -> Endpoint | None:
         """The :func:`pick` of ``fn``'s ready replicas, its in-flight count taken; None if none."""
@@ -78,9 +80,11 @@ class Balancer:
         if fn.waiting >= self.config.max_waiting:
             raise ServiceUnavailable(429, f"function {fn.name!r} is overloaded: {fn.waiting} requests already "
                                           "wait for a replica", None)
-        if fn.desired == 0:
-            fn.desired = max(1, fn.deployment.min_replicas)  # scale from zero
-            self.kick()
+        if fn.desired == 0:  # scale from zero, through the registry (the one writer of desired)
+            if self.scale is not None:
+                self.scale(fn.name, max(1, fn.deployment.min_replicas))
+            else:
+                self.kick()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.ready_wait_s
         fn.waiting += 1
@@ -90,7 +94,7 @@ class Balancer:
                 if remaining <= 0 or fn.name not in self.functions:
                     break
                 fut = loop.create_future()
-                fn.wakeups.append(fut)
+                fn.add_waiter(fut)
                 with contextlib.suppress(TimeoutError):
                     await within(min(remaining, 0.25), fut)  # also looks again at what the reconciler found
                 endpoint = self.acquire_nowait(fn)

@@ -19,6 +19,9 @@ NETWORKS = ("loopback", "netns")
 ASYNC_BACKENDS = ("nats", "memory")
 
 
+OTHER_NAMES = {"nats_server": "QUART_NATS_SERVER", "git_sha": "QUART_GIT_SHA"}  # settings not named QUART_GATEWAY_*
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """How the gateway listens, authenticates, places and proxies."""
@@ -76,6 +79,8 @@ class GatewayConfig:
     callback_timeout_s: float = 10.0  # one callback POST
     callback_per_destination: int = 4  # callbacks in flight to one host:port at once
     replica_uids: str = ""  # "<first>-<last>": each function's replicas run as its own uid from this range; "" = as the gateway
+    nats_server: str = ""  # [QUART_NATS_SERVER] the nats-server binary; "" = beside this interpreter, else on PATH
+    git_sha: str = "unknown"  # [QUART_GIT_SHA] the version /system/info shows
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -106,7 +111,7 @@ class GatewayConfig:
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> GatewayConfig:
         """Defaults, then ``QUART_GATEWAY_*`` variables (``quart_stage.settings`` rules), then explicit
         overrides (None = keep)."""
-        return settings_from_env(cls, "QUART_GATEWAY_", env, **overrides)
+        return settings_from_env(cls, "QUART_GATEWAY_", env, OTHER_NAMES, **overrides)
 
     def uid_range(self) -> range | None:
         """The uids functions' replicas run as (``replica_uids``), or None: as the gateway's user."""

@@ -1,17 +1,21 @@
 """The fast front of ``/function/<name>``: an :class:`asyncio.Protocol` HTTP/1.1 server for invocations of
-deployed functions, handing every other request, and its connection, to the aiohttp application.
+deployed functions and of pipelines, handing every other request, and its connection, to the aiohttp
+application.
 
 aiohttp's server costs ≈ 45 µs of CPU per request on the benchmark machine (request, response, writer
 objects, a task per connection, middlewares and routing) before the proxy does anything; the proxy hop
 itself is a few µs. This front parses what an invocation needs (request line, headers, a
 ``Content-Length`` or chunked body) from one buffer and calls the same
 :meth:`.handlers_invoke.InvokeHandlers.call` as the aiohttp handler: one invoke semantics (admission by
-time and bytes, 413/429 + Retry-After, tracing headers, retries, metrics), two HTTP servers.
+time and bytes, 413/429 + Retry-After, tracing headers, retries, metrics), two HTTP servers; for a
+pipeline it calls :meth:`.handlers_invoke.InvokeHandlers.call_pipeline` (the body read here, then the
+gateway's pipeline route: the plugin's router), so a pipeline request is parsed once.
 
-It takes ``METHOD /function/<name>[/<tail>][?query] HTTP/1.1`` for a *deployed function* (not HEAD), with
+It takes ``METHOD /function/<name>[/<tail>][?query] HTTP/1.1`` for a *deployed function* or a *pipeline*
+(not HEAD), with
 at most one ``Content-Length`` (digits) or ``Transfer-Encoding: chunked`` alone, no ``Expect`` nor
 ``Upgrade``, and no bare CR/LF or NUL in its head. Anything else — ``/system/*``, ``/async-function``,
-pipelines (the plugin's invoke hooks), a name with ``%``, HTTP/1.0, a head over 8 KiB, a malformed
+other invoke hooks' names, a name with ``%``, HTTP/1.0, a head over 8 KiB, a malformed
 request — is handed over whole (nothing of it consumed) to aiohttp's request handler, which keeps the
 connection from then on and answers as it always did (400 for what it finds malformed). Requests on a
 connection are answered in order, one at a time (pipelining-safe); reading pauses while more than
@@ -62,10 +66,11 @@ class _Request:
     method: str
     target: str  # path and query as sent
     headers: CIMultiDict[str]
-    fn: FunctionState
+    fn: FunctionState | None  # None: a pipeline (``model``)
     length: int  # Content-Length (0 when none)
     chunked: bool
     close: bool  # Connection: close
+    model: str = ""  # the pipeline, when ``fn`` is None
 
 
 def _truncated() -> QuartError:
@@ -226,11 +231,16 @@ class FrontConnection(asyncio.Protocol):
         name = rest[:cut]
         if not name or "%" in name:
             return None
+        model = ""
         try:
             fn = self.front.invoke.function(name)
+            if fn is None:
+                model = self.front.invoke.pipeline(name) or ""
+                if model and self.front.invoke.generates(model):
+                    return None  # a decoder pipeline: its generation answers stream (the aiohttp server)
         except QuartError:
             return None
-        if fn is None:
+        if fn is None and not model:
             return None
         headers: CIMultiDict[str] = CIMultiDict()
         length, chunked, close = -1, False, False
@@ -261,7 +271,7 @@ class FrontConnection(asyncio.Protocol):
             headers.add(key, value)
         if chunked and length >= 0:
             return None
-        return _Request(method, target, headers, fn, max(length, 0), chunked, close)
+        return _Request(method, target, headers, fn, max(length, 0), chunked, close, model)
 
     def _hand_over(self) -> None:
         """From this request on, the connection is aiohttp's (nothing of the request was consumed)."""
@@ -285,8 +295,12 @@ class FrontConnection(asyncio.Protocol):
         try:
             headers = request.headers
             host = headers.get("Host") or self._sockname()
-            await self.front.invoke.call(request.fn, request.method, request.target, headers, host,
-                                         Trace.begin(headers), self._read, self._respond)
+            if request.fn is None:
+                await self.front.invoke.call_pipeline(request.model, request.method, request.target, headers,
+                                                      Trace.begin(headers), self._read, self._respond)
+            else:
+                await self.front.invoke.call(request.fn, request.method, request.target, headers, host,
+                                             Trace.begin(headers), self._read, self._respond)
         except ConnectionError:
             if self.transport is not None:
                 self.transport.close()

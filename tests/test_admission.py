@@ -171,15 +171,15 @@ def test_router_entry_refuses_at_the_queue_cap_and_past_the_deadline_with_a_meas
 
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.entry import entry_admission
-    from gateway_plugin.metrics import MetricsCollector
+    from quart_provider.admission import ServiceTimes
 
-    collector = MetricsCollector(30.0)
-    for fn in ("m-0", "m-1"):
-        for i in range(5):
-            collector.stage(fn).on_complete(1.0 + i, 0.5)  # measured: 0.5 s per request
+    services = {fn: ServiceTimes() for fn in ("m-0", "m-1")}
+    for times in services.values():
+        for _ in range(5):
+            times.record(0.5)  # measured: 0.5 s per request (the estimator the proxy admits with too)
     queues = {"m-0": SimpleNamespace(jobs=deque(range(12))), "m-1": SimpleNamespace(jobs=deque())}
     source = SimpleNamespace(concurrency=lambda fn: 1, ready=lambda fn: ["r1", "r2"])
-    router = SimpleNamespace(clock=lambda: 6.0, queues=queues, source=source, collector=collector,
+    router = SimpleNamespace(clock=lambda: 6.0, queues=queues, source=source, service_times=services.__getitem__,
                              config=PluginConfig(queue_cap=10, retry_after_s=1))
     capped = entry_admission(router, "m", ["m-0", "m-1"], deadline_s=60.0)
     assert not capped.admit and "cap 10" in capped.reason and capped.retry_after_s == 1  # 3 × 0.5 s / 2

@@ -31,8 +31,8 @@ def test_tried_replicas_go_last_but_are_used_when_nothing_else_is_free():
 def test_router_and_gateway_pick_alike():
     source = StaticReplicas({"s": _replicas(1, 0)}, slots=0)
     router = Router(source, lambda: {})
-    assert router._pick("s", set()) is pick(source.ready("s"), 0)
+    assert router.pick("s", set()) is pick(source.ready("s"), 0)
     source.slots = 1  # r0 is full: only r1 has a slot, tried or not
-    assert router._pick("s", {"r1"}) is source.replicas["s"][1]
+    assert router.pick("s", {"r1"}) is source.replicas["s"][1]
     source.replicas["s"][1].in_flight = 1
-    assert router._pick("s", set()) is None
+    assert router.pick("s", set()) is None

@@ -144,12 +144,12 @@ def test_stage_input_ids_of_two_to_the_seventy_are_a_400_over_safetensors(tiny1)
 
 
 def test_router_retries_only_what_another_replica_can_fix():
-    import aiohttp
-    from gateway_plugin.retry import passed_on, should_retry
+    from quart_provider.retry import passed_on, should_retry
+    from quart_provider.upstream import UpstreamError, UpstreamRefused, UpstreamTimeout
 
-    assert should_retry(0, ConnectionRefusedError()) and should_retry(0, aiohttp.ServerDisconnectedError())
-    assert should_retry(0, TimeoutError()) and should_retry(0, aiohttp.ClientPayloadError("died mid-answer"))
-    assert not should_retry(0, aiohttp.ClientError("the router's HTTP client is closed"))
+    assert should_retry(0, ConnectionRefusedError()) and should_retry(0, UpstreamRefused("refused"))
+    assert should_retry(0, UpstreamTimeout("late")) and should_retry(0, UpstreamError("died mid-answer"))
+    assert not should_retry(0, RuntimeError("the router's HTTP client is closed"))
     for status in (408, 429, 502, 503):
         assert should_retry(status, None) and not passed_on(status, None)
     for status in (400, 404, 413, 415, 422, 500, 501, 504):
@@ -189,10 +189,8 @@ def test_echo_replica_answers_malformed_content_length_with_400_and_closes(lengt
 
 
 def test_a_replica_that_refuses_connections_is_known_dead():
-    import aiohttp
-    from aiohttp.client_reqrep import ConnectionKey
-    from gateway_plugin.retry import replica_gone
+    from quart_provider.retry import replica_gone
+    from quart_provider.upstream import UpstreamError, UpstreamRefused
 
-    key = ConnectionKey("127.0.0.1", 9, False, True, None, None, None)
-    assert replica_gone(aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused")))
-    assert not replica_gone(aiohttp.ServerDisconnectedError()) and not replica_gone(None)
+    assert replica_gone(UpstreamRefused("cannot connect to 127.0.0.1:9: refused"))
+    assert not replica_gone(UpstreamError("the replica closed the connection")) and not replica_gone(None)

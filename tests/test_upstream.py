@@ -141,3 +141,71 @@ def test_refused_reset_timeout_and_malformed():
         await pool.close()
 
     run(main())
+
+
+def test_a_streamed_answer_comes_piece_by_piece_and_its_connection_is_reused():
+    async def main():
+        sent = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"7\r\ntoken-1\r\n")
+            await writer.drain()
+            await sent.wait()  # the client has the first piece before the second exists
+            writer.write(b"7\r\ntoken-2\r\n0\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")  # a second request on the same connection
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nabcdef")
+            await writer.drain()
+            await reader.read()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = UpstreamPool(timeout_s=5)
+        try:
+            async with await pool.stream("POST", url, "/generate", {}, b"prompt") as stream:
+                assert stream.status == 200 and stream.headers["Content-Type"] == "text/event-stream"
+                pieces = []
+                async for piece in stream:
+                    pieces.append(piece)
+                    sent.set()
+            assert pieces == [b"token-1", b"token-2"]
+            again = await pool.stream("GET", url, "/", {}, b"")
+            assert await again.read() == b"abcdef"
+            assert sum(len(v) for v in pool.idle.values()) == 1  # the one connection, back in the pool
+        finally:
+            await pool.close()
+            server.close()
+
+    run(main())
+
+
+def test_a_stream_that_dies_or_stalls_mid_body_is_an_error():
+    async def main():
+        server, url = await serve([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"], [], close_after=True)
+        pool = UpstreamPool(timeout_s=5)
+        try:
+            stream = await pool.stream("POST", url, "/", {}, b"x")
+            assert await stream.__anext__() == b"abc"
+            with pytest.raises(UpstreamError):
+                await stream.read()
+            async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab")
+                await asyncio.sleep(5)  # the rest never comes
+                writer.close()
+
+            stalled = await asyncio.start_server(stall, "127.0.0.1", 0)
+            stall_url = f"http://127.0.0.1:{stalled.sockets[0].getsockname()[1]}"
+            slow = await pool.stream("POST", stall_url, "/", {}, b"x", idle_s=0.2)
+            assert await slow.__anext__() == b"ab"
+            with pytest.raises(UpstreamTimeout):
+                await slow.read()
+            stalled.close()
+            assert not pool.busy
+        finally:
+            await pool.close()
+            server.close()
+
+    run(main())

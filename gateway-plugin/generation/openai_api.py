@@ -80,6 +80,7 @@ class GenerationAPI:
         self.collector = collector
         self.clock = clock
         self.catalog = ModelCatalog()
+        self._decoders: dict[str, bool] = {}  # model folder -> a decoder (generates)
 
     # ------------------------------------------------------------------ doors
 
@@ -102,12 +103,23 @@ class GenerationAPI:
         except QuartError as exc:
             return web.json_response(openai_error(exc), status=exc.status, headers=exc.headers)
 
+    def generates(self, model: str) -> bool:
+        """Whether pipeline ``model`` is a decoder (its ``/function`` calls may generate); remembered per folder."""
+        model_dir = self.model_dir(model)
+        known = self._decoders.get(model_dir or "")
+        if known is None:
+            known = self._decoders[model_dir or ""] = bool(self.catalog.known_decoder(model_dir))
+        return known
+
     async def function(self, request: web.Request, model: str) -> web.StreamResponse | None:
         """``POST /function/<model>`` when its body asks for generation (:func:`.params.is_generation`); None
         for a one-shot body (the router's path)."""
         if request.method != "POST":
             return None
-        body = await request.read()
+        return await self.answer(request, model, await request.read())
+
+    async def answer(self, request: web.Request, model: str, body: bytes) -> web.StreamResponse | None:
+        """The generation answer to ``body`` (read by the gateway) on ``/function/<model>``; None: one-shot."""
         if len(body) > self.config.max_body_bytes or not body.lstrip()[:1] == b"{" or not any(
                 key in body for key in (b'"prompt"', b'"max_tokens"', b'"stream"', b'"input_ids"')):
             return None

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serialization": ("quart_tools.bench.serialization:main", "activation serde vs memcpy, 1-64 MB"),
     "keysmanager": ("quart_tools.bench.keysmanager:main", "replica-ready time, fork vs cold, 100 MB-4 GB; PSS"),
     "gateway": ("quart_tools.bench.gateway:main", "latency added by one gateway hop; req/s"),
+    "pipeline": ("quart_tools.bench.pipeline:main", "a 4-stage echo pipeline against one function: req/s, added p50"),
     "policies": ("quart_tools.bench.policies:main", "live policy comparison on quartctl up"),
     "scheduler": ("quart_tools.bench.scheduler:main", "cache-aware vs first-fit, 3 hosts x 4 GPUs"),
     "loadgen": ("quart_tools.bench.loadgen:main", "load generator rate and send-time error"),

@@ -14,6 +14,7 @@ function (a raw-asyncio HTTP/1.1 echo replica, see :mod:`quart_provider.echo`), 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -128,12 +129,15 @@ async def _throughput(url: str, path: str, body: bytes, concurrency: int, second
     return done / elapsed
 
 
-def _start_gateway(state_dir: Path) -> tuple[subprocess.Popen, str, tuple[str, str]]:
+def _start_gateway(state_dir: Path, plugin: bool = False, env: dict[str, str] | None = None
+                   ) -> tuple[subprocess.Popen, str, tuple[str, str]]:
+    """`quartctl up --process-hosts` in ``state_dir`` (with the QUART plugin when ``plugin``); its URL and auth."""
     log = open(state_dir / "gateway.log", "wb")  # noqa: SIM115 - closed by the caller via the process
     process = subprocess.Popen(
-        [sys.executable, "-m", "quart_tools.cli", "up", "--port", "0", "--process-hosts", "--no-plugin",
-         "--state-dir", str(state_dir)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True)
+        [sys.executable, "-m", "quart_tools.cli", "up", "--port", "0", "--process-hosts",
+         *([] if plugin else ["--no-plugin"]), "--state-dir", str(state_dir)], stdout=log,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 60
     state_file = state_dir / "up.json"
     while time.monotonic() < deadline:
@@ -146,6 +150,22 @@ def _start_gateway(state_dir: Path) -> tuple[subprocess.Popen, str, tuple[str, s
         time.sleep(0.05)
     stop_process(process.pid, process)
     raise RuntimeError("gateway did not start in 60 s")
+
+
+def deploy_echo(url: str, auth: tuple[str, str], name: str, labels: dict[str, str] | None = None) -> str:
+    """Deploy ``quart/echo`` as ``name`` (with ``labels``) and wait for its replica; the replica's URL."""
+    res = requests.post(f"{url}/system/functions", auth=auth, timeout=30,
+                        json={"service": name, "image": "quart/echo:latest", "labels": labels or {}})
+    res.raise_for_status()
+    deadline = time.monotonic() + 60
+    while True:
+        listing = requests.get(f"{url}/system/replicas/{name}", auth=auth, timeout=10).json()
+        ready = [r for r in listing["replicas"] if r["state"] == "ready"]
+        if ready:
+            return ready[0]["url"]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} replica not ready in 60 s")
+        time.sleep(0.05)
 
 
 def _throughput_pair(client: str, tmp: Path, url: str, replica_url: str, body: bytes, connections: int,
@@ -170,29 +190,12 @@ def _throughput_pair(client: str, tmp: Path, url: str, replica_url: str, body: b
 
 def run(body_bytes: int, count: int, warmup: int, connections: int, seconds: float, client: str = "auto") -> dict:
     """The whole bench; ``client``: ``auto`` (wrk if found or installable, else python), ``wrk`` or ``python``."""
-    if client != "python":
-        wrk = find_wrk(install=True)
-        if wrk is None and client == "wrk":
-            raise RuntimeError("wrk is not installed (apt-get install wrk) and could not be installed")
-        client = wrk or "python"
-    client_name = version(client) if client != "python" else "quart asyncio client (tools/bench/gateway.py)"
+    client, client_name = choose_client(client)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="quart-bench-gw-") as tmp:
         process, url, auth = _start_gateway(Path(tmp))
         try:
-            res = requests.post(f"{url}/system/functions", auth=auth, timeout=30,
-                                json={"service": "echo", "image": "quart/echo:latest"})
-            res.raise_for_status()
-            deadline = time.monotonic() + 60
-            while True:
-                listing = requests.get(f"{url}/system/replicas/echo", auth=auth, timeout=10).json()
-                ready = [r for r in listing["replicas"] if r["state"] == "ready"]
-                if ready:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("echo replica not ready in 60 s")
-                time.sleep(0.05)
-            replica_url = ready[0]["url"]
+            replica_url = deploy_echo(url, auth, "echo")
             body = os.urandom(body_bytes)
             try:
                 import uvloop
@@ -206,29 +209,49 @@ def run(body_bytes: int, count: int, warmup: int, connections: int, seconds: flo
             stop_process(process.pid, process)
     rps_gateway, rps_direct = loaded["rps_gateway"], loaded["rps_direct"]
     return {
-        "connections": connections, "client": client_name, "rps_direct": rps_direct, "rps_gateway": rps_gateway,
+        "connections": connections, "rps_direct": rps_direct, "rps_gateway": rps_gateway,
         "ratio_gateway_vs_direct": round(rps_gateway / rps_direct, 3) if rps_direct else None,
         **{k: round(v, 4) for k, v in latency.items()},
         **({"loaded": loaded["loaded"]} if "loaded" in loaded else {}),
-        "body_bytes": body_bytes, "latency_requests": count, "seconds": seconds,
-        "replica": "built-in quart/echo (raw asyncio HTTP/1.1 echo, uvloop)",
-        "machine": {**machine_info(), "loadavg_start": [round(x, 2) for x in load_start],
-                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "latency_requests": count, **run_facts(client_name, body_bytes, seconds, load_start),
     }
 
 
-def main(argv: list[str]) -> int:
-    p = cliargs.ArgumentParser(prog="quartctl bench gateway", description=__doc__.splitlines()[0])
+def choose_client(client: str) -> tuple[str, str]:
+    """The throughput client to run (wrk's path or ``python``) and its name, for ``auto``, ``wrk`` or ``python``."""
+    if client != "python":
+        wrk = find_wrk(install=True)
+        if wrk is None and client == "wrk":
+            raise RuntimeError("wrk is not installed (apt-get install wrk) and could not be installed")
+        client = wrk or "python"
+    return client, version(client) if client != "python" else "quart asyncio client (tools/bench/gateway.py)"
+
+
+def run_facts(client_name: str, body_bytes: int, seconds: float, load_start: tuple[float, ...]) -> dict:
+    """What a run's JSON says of its conditions: client, body, duration, replica, machine and load."""
+    return {"client": client_name, "body_bytes": body_bytes, "seconds": seconds,
+            "replica": "built-in quart/echo (raw asyncio HTTP/1.1 echo, uvloop)",
+            "machine": {**machine_info(), "loadavg_start": [round(x, 2) for x in load_start],
+                        "loadavg_end": [round(x, 2) for x in os.getloadavg()]}}
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """--out, --body-bytes, --connections, --seconds, --client: shared by the gateway and pipeline benches."""
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout)")
     p.add_argument("--body-bytes", type=int, default=1024)
-    p.add_argument("--requests", type=int, default=3000, help="latency pairs measured (after warm-up)")
-    p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--connections", "--concurrency", type=int, default=16, dest="connections",
                    help="keep-alive connections in the closed-loop throughput runs")
     p.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run (wrk: whole seconds)")
     p.add_argument("--client", choices=("auto", "wrk", "python"), default="auto",
                    help="throughput client: wrk (found, or apt-get installed when root), our asyncio client, or "
                         "auto (wrk when it can be had)")
+
+
+def main(argv: list[str]) -> int:
+    p = cliargs.ArgumentParser(prog="quartctl bench gateway", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=3000, help="latency pairs measured (after warm-up)")
+    p.add_argument("--warmup", type=int, default=300)
+    add_load_args(p)
     args = p.parse_args(argv)
     result = run(args.body_bytes, args.requests, args.warmup, args.connections, args.seconds, args.client)
     write_report(result, args.out, always_print=True)
