@@ -35,10 +35,10 @@ from gateway_plugin.policies import make_policy
 from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
-from quart_provider.admission import ServiceTimes
-from quart_provider.responses import error_of
 from gateway_plugin.webui import make_ui_hook
+from quart_provider.admission import ServiceTimes
 from quart_provider.capacity import not_ready_reason
+from quart_provider.responses import error_of
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError
 

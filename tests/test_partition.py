@@ -159,7 +159,8 @@ def test_cli(tmp_path, capsys):
     assert main(["--model", "tiny-encoder", "--stages", "2", "--out", str(tmp_path / "e")]) == 0
     assert "2 stages by parameters" in capsys.readouterr().out
     assert main(["--model", "nope", "--stages", "2", "--out", str(tmp_path / "x")]) == 2
-    assert "neither a preset" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "neither a packaged pretrained model (minilm, smollm2), a preset (tiny" in err
     assert main(["--model", "wideresnet", "--stages", "4", "--out", str(tmp_path / "w")]) == 0
     doc = yaml.safe_load(open(tmp_path / "w" / "stack.yml"))
     env = doc["functions"]["wideresnet-stage-3"]["environment"]
