@@ -222,7 +222,8 @@ class Reconciler:
             fn.pending_starts, fn.retry_at, frozenset(self.paraserve.protected(fn)), self._stage_param_bytes(fn),
             fn.name in self.key_history, len(fn.ready)) for fn in self.functions.values())
         mechanisms = {"peer", "multicast"} if self.config.peer_fetch else set()
-        if self.config.live_scaling:
+        live = self.config.live_scaling
+        if live or (live is None and self.config.network == "netns"):  # default: on where hosts have addresses
             mechanisms.add("live")
         if self.config.paraserve:
             mechanisms.add("paraserve")

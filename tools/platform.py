@@ -75,7 +75,7 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-host", type=cliargs.positive_int, default=None,
                    help=f"replica slots per host (default {UP_SLOTS}: room for the autoscaler to scale the stages)")
     p.add_argument("--host-memory", type=_memory, default=None, help="parameter cache per host, e.g. 8Gi (default 8Gi)")
-    p.add_argument("--placer", choices=PLACERS, default=None, help="replica placer (default first-fit)")
+    p.add_argument("--placer", choices=PLACERS, default=None, help="replica placer (default cache-aware)")
     p.add_argument("--network", choices=NETWORKS, default=None,
                    help="loopback (default): KeysManagers on Unix sockets, replicas on 127.0.0.1; netns: each "
                         "host a network namespace on a bridge, KeysManager on TCP with a token (needs root)")
