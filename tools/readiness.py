@@ -32,7 +32,7 @@ def stuck(fn: Any, gateway: Any) -> str:
     """Why ``fn`` will not get its desired replicas without a change ('' while it still may)."""
     if len(fn.ready) >= fn.desired:
         return ""
-    if fn.unplaced and not fn.pending_starts:
+    if fn.unplaced and len(fn.ready) + fn.unplaced >= fn.desired:  # every replica that could be placed is up
         return not_ready_reason(fn, gateway.functions.values(), gateway.hosts) or "its replicas cannot be placed"
     if fn.start_failures and fn.last_error:
         return fn.last_error
