@@ -29,6 +29,7 @@ class Arrivals:
     times: np.ndarray  # float64 seconds, ascending, first ≥ 0
     sizes: np.ndarray  # int64 input bytes per request
     tokens: np.ndarray | None = None  # int64 context tokens per request (trace replay only)
+    generated: np.ndarray | None = None  # int64 generated tokens per request (trace replay only)
     kind: str = ""  # "poisson" | "gamma" | "trace"
 
     def __len__(self) -> int:
@@ -168,7 +169,8 @@ def replay_trace(
     ``speedup`` divides every gap (2.0 = twice the rate); ``target_rate`` picks the speed-up that
     gives this mean rate (give at most one of the two; neither = real time). ``start_s`` skips into
     the trace (in trace seconds), ``duration_s`` cuts the replay (in replay seconds); with ``loop``
-    the trace repeats until ``duration_s`` is filled. Sizes are context tokens × ``bytes_per_token``.
+    the trace repeats until ``duration_s`` is filled. Sizes are context tokens × ``bytes_per_token``;
+    ``tokens`` and ``generated`` carry the trace's ContextTokens and GeneratedTokens.
     """
     if speedup is not None and target_rate is not None:
         raise ValueError("give speedup or target_rate, not both")
@@ -183,20 +185,22 @@ def replay_trace(
     keep = trace.offsets_s >= start_s
     offsets = (trace.offsets_s[keep] - start_s) / speedup
     ctx = trace.context_tokens[keep]
+    gen = trace.generated_tokens[keep]
     if len(offsets) == 0:
         raise ValueError(f"start_s={start_s} is past the end of the trace")
     if loop and duration_s is not None:
         span = float(offsets[-1]) + (1.0 / (base_rate * speedup) if base_rate > 0 else 0.0)
         reps = int(np.ceil(duration_s / span)) if span > 0 else 1
         offsets = np.concatenate([offsets + i * span for i in range(reps)])
-        ctx = np.tile(ctx, reps)
+        ctx, gen = np.tile(ctx, reps), np.tile(gen, reps)
     if duration_s is not None:
         cut = offsets < duration_s
-        offsets, ctx = offsets[cut], ctx[cut]
+        offsets, ctx, gen = offsets[cut], ctx[cut], gen[cut]
     return Arrivals(
         times=offsets.astype(np.float64),
         sizes=(ctx * int(bytes_per_token)).astype(np.int64),
         tokens=ctx.astype(np.int64),
+        generated=gen.astype(np.int64),
         kind="trace",
     )
 
