@@ -361,6 +361,8 @@ async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = No
     gateway.add_api_hook(plugin.generation.v1)
     gateway.route_pipelines(plugin.router.answer)
     gateway.route_generation(plugin.generation)
+    if hasattr(gateway, "reserve_name"):
+        gateway.reserve_name(PLUGIN_PATH, f"the QUART plugin (/function/{PLUGIN_PATH}/snapshot, timeline, sessions, ...)")
     gateway.shutdown_callbacks.append(plugin.close)
     with contextlib.suppress(Exception):
         gateway.metrics.registry.register(_RegistryBridge(plugin.collector.registry))

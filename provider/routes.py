@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from quart_provider.auth import Credentials
 from quart_provider.front import FrontSite
 from quart_provider.gateway import EmbeddedGateway
@@ -28,6 +30,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INVOKE = web.AppKey("quart.invoke", InvokeHandlers)  # the app's invoke handlers, which the fast front calls too
 
 
+@web.middleware
+async def malformed_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body the server cannot decode (a ``Content-Encoding: gzip`` that is not gzip, a broken chunked
+    framing) is the client's error: 400 naming the header, never a 500 (issue 31, item 5)."""
+    try:
+        return await handler(request)
+    except (HttpProcessingError, RequestPayloadError) as exc:
+        cause = exc.__cause__ or exc
+        field = "Content-Encoding" if isinstance(cause, ContentEncodingError) else "body"
+        message = getattr(cause, "message", "") or str(cause) or type(cause).__name__
+        return error_response(400, f"the request body cannot be read: {message.strip()}", field)
+
+
 def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provider: bool = False
                ) -> web.Application:
     """The aiohttp application; starting it starts the gateway's reconcile loop, cleanup stops everything.
@@ -36,7 +51,7 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     (``functions_provider_url``): ``/system/info`` answers a ``ProviderInfo``, and the app leaves the
     gateway's lifecycle to the main app.
     """
-    app = web.Application(client_max_size=gateway.config.max_body_bytes)
+    app = web.Application(client_max_size=gateway.config.max_body_bytes, middlewares=[malformed_body])
     system = SystemHandlers(gateway, provider)
     invoke = app[INVOKE] = InvokeHandlers(gateway, provider)
     secrets = SecretHandlers(gateway)

@@ -85,9 +85,11 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plugin", action="store_true", help="do not attach gateway_plugin.plugin")
     p.add_argument("--process-hosts", action="store_true",
                    help="hosts without KeysManagers: only process runnables (quart/echo) can run")
-    p.add_argument("--keep-hosts", action="store_true",
-                   help="KeysManagers and their replicas outlive this gateway; the next `quartctl up` on the same "
-                        "--state-dir adopts them instead of starting every replica again (`quartctl down` stops them)")
+    p.add_argument("--keep-hosts", action=argparse.BooleanOptionalAction, default=True,
+                   help="KeysManagers and their replicas outlive this gateway (the default on loopback, as function "
+                        "pods outlive OpenFaaS's gateway); the next `quartctl up` on the same --state-dir adopts them "
+                        "instead of starting every replica again. `quartctl down` stops everything; --no-keep-hosts: "
+                        "stopping the gateway stops its hosts too")
     p.add_argument("--detach", "-d", action="store_true", help="run in the background; stop with `quartctl down`")
     p.add_argument("--wait", type=float, default=120.0,
                    help="seconds to wait for the functions' replicas before reporting each one (default 120)")

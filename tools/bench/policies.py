@@ -88,7 +88,7 @@ class Gateway:
     def __init__(self, stack: Path, state_dir: Path, hosts: int, gpus: int, env: dict[str, str],
                  extra: tuple[str, ...] = ()) -> None:
         argv = [sys.executable, "-m", "quart_tools.cli", "up", "-f", str(stack), "--port", "0", "--state-dir",
-                str(state_dir), "--hosts", str(hosts), "--gpus-per-host", str(gpus), *extra]
+                str(state_dir), "--hosts", str(hosts), "--gpus-per-host", str(gpus), "--no-keep-hosts", *extra]  # stopped: all gone
         self.log_path = state_dir / "up.log"
         state_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
