@@ -25,12 +25,8 @@ from gateway_plugin.actuators import Actuator
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
-<<<<<<< HEAD
 from gateway_plugin.snapshot_builder import GenerationView, Inventory, QueueView, build_snapshot
-=======
-from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
 from gateway_plugin.zero import held_at_zero
->>>>>>> main
 from quart_provider.replicaset import within_bounds
 
 from keysmanager.aio import wait_event
