@@ -109,6 +109,20 @@ def test_the_snapshot_carries_each_stages_sessions_and_kv_occupancy() -> None:
     assert 'quart_stage_kv_tokens{function="m-0",model="m",stage="0"} 96.0' in text
     assert 'quart_stage_sessions{function="m-0",model="m",stage="0"} 3.0' in text
     assert snapshot_from_json(json.loads(json.dumps(asdict(snap)))) == snap
+
+    class Idle(FakeQueues):
+        def busy(self, function: str) -> int:
+            return 0  # nothing in service: only the sessions (between their steps) keep the pipeline busy
+
+    scalable = FakeInventory({"m-0": StageState(2, 2, min_replicas=0), "m-1": StageState(1, 1, min_replicas=0)})
+
+    def to_zero(generation) -> list[int]:
+        ctl = Controller(scalable, Idle({}), MetricsCollector(window_s=10.0), RecordingActuator(),
+                         lambda: make_policy("static", replicas=0), clock=lambda: 5.0, generation=generation)
+        return [s.replicas for s in ctl.decide()[0]["m"].stages]
+
+    assert to_zero(FakeGeneration()) == [1, 1]  # sessions run: no stage goes to 0
+    assert to_zero(None) == [0, 0]
     bare = Controller(inventory, FakeQueues({}), MetricsCollector(window_s=10.0), RecordingActuator(),
                       lambda: make_policy("static"), clock=lambda: 5.0)  # no engine (the simulator): zeros
     bare.decide()
