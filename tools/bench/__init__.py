@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "stage-generation": ("quart_tools.bench.stage_generation:main",
                          "SmolLM2 generation through in-process stages (KV sessions) vs transformers generate"),
     "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
+    "peer-cpu": ("quart_tools.bench.peer_cpu:main", "CPU-s per GB of a chain hop: source → receiver+forwarder → receiver, loopback"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 
