@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from quart_stage.progress import read_progress, write_progress
 
 from keysmanager.peers import FORWARD_BYTES, StageFile, serve_file, stream_from_peer
 from keysmanager.transfer import LayerCheck, TransferError, VerifiedWriter
-from quart_stage.progress import read_progress, write_progress
 
 
 def _serving(handler: Callable[[web.Request], object], body: Callable[[int], None]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import multiprocessing
 import os
@@ -124,6 +125,23 @@ def run_once(folder: Path, source: Path, sha: str, size: int, receive: str) -> d
             "verified": (folder / "tail.bin").exists() and (folder / "mid.bin").exists()}
 
 
+def floor_components(folder: Path, nbytes: int = 256 << 20) -> dict:
+    """CPU seconds per GB of the two per-byte costs no receive path avoids: sha256 over bytes in memory, and
+    writing bytes into fresh tmpfs pages (allocate, zero, copy)."""
+    block, gb = os.urandom(1 << 20), nbytes / 1e9
+    c0, digest = _cpu(), hashlib.sha256()
+    for _ in range(nbytes >> 20):
+        digest.update(block)
+    c1 = _cpu()
+    target = folder / "floor.bin"
+    with open(target, "wb") as f:
+        for _ in range(nbytes >> 20):
+            f.write(block)
+    c2 = _cpu()
+    target.unlink()
+    return {"sha256_cpu_s_per_gb": round((c1 - c0) / gb, 3), "tmpfs_write_cpu_s_per_gb": round((c2 - c1) / gb, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quartctl bench peer-cpu", description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=512, help="stage file size in MB (default 512)")
@@ -137,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in paths if p not in RECEIVE_PATHS]
     if unknown:
         parser.error(f"--receive: unknown path(s) {unknown}; known: {list(RECEIVE_PATHS)}")
+    load_before = os.getloadavg()
     folder = Path(tempfile.mkdtemp(prefix="quart-peer-cpu-", dir=args.dir))
     try:
+        floor = floor_components(folder)
         size = args.mb << 20
         source = folder / "source.bin"
         sha = write_random_file(source, size)
@@ -149,12 +169,12 @@ def main(argv: list[str] | None = None) -> int:
             "tail_cpu_s_per_gb", "source_cpu_s_per_gb")
     medians = {p: {k: round(statistics.median(r[k] for r in runs if r["receive"] == p), 3) for k in keys}
                for p in paths}
-    doc = {"bench": "peer-cpu", "mb": args.mb, "runs": args.runs, "load_before": os.getloadavg()[0],
-           "medians": medians, "all": runs, "load_after": os.getloadavg()[0]}
+    doc = {"bench": "peer-cpu", "mb": args.mb, "runs": args.runs, "load_before": [round(x, 2) for x in load_before],
+           "medians": medians, "floor": floor, "all": runs, "load_after": [round(x, 2) for x in os.getloadavg()]}
     text = json.dumps(doc, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(text if not args.out else json.dumps(medians, indent=2))
+    print(text if not args.out else json.dumps({"medians": medians, "floor": floor}, indent=2))
     return 0
 
 
