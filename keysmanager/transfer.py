@@ -150,7 +150,8 @@ class VerifiedWriter:
 
     def _close(self) -> None:
         if self._map is not None:
-            self._map.close()
+            with contextlib.suppress(BufferError):  # a view in a failed layer check's traceback: unmapped with it
+                self._map.close()
             self._map = None
         if self._pipe is not None:
             for end in self._pipe:

@@ -156,3 +156,22 @@ def test_a_live_resume_by_splice_never_rewrites_verified_layers_and_verifies_the
     assert held[:1 << 20] == marker  # never rewritten (a replica maps it); layers 1 and 2 arrived by splice
     assert held[1 << 20:] == data[1 << 20:]
     assert read_progress(str(layers.progress)) == 3
+
+
+def test_a_corrupt_layer_received_by_splice_ends_the_attempt_before_it_counts(tmp_path: Path) -> None:
+    data = bytearray(os.urandom(3 << 20))
+    spans = ((0, 1 << 20), (1 << 20, 2 << 20), (2 << 20, 3 << 20))
+    layers = LayerCheck(spans, tuple(hashlib.sha256(data[a:b]).hexdigest() for a, b in spans),
+                        tmp_path / "progress")
+    sha = hashlib.sha256(data).hexdigest()
+    data[(1 << 20) + 5] ^= 0x01  # layer 1 flipped on the wire
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+
+    def body(port: int) -> None:
+        with pytest.raises(TransferError, match="layer 1 of the stage fails its sha256 check"):
+            _fetch(port, tmp_path / "out.bin", sha, len(data), layers=layers)
+
+    _serving(lambda r: serve_file(r, StageFile("f", src, sha, len(data))), body)
+    assert read_progress(str(layers.progress)) == 1  # layer 0 verified and announced; layer 1 never
+    assert not (tmp_path / "out.bin").exists()
