@@ -13,10 +13,11 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from quart_provider.capacity import deploy_refusal
+from quart_provider.deploy_limits import DeployCaps, check_count, check_labels, check_model, check_name
 from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
-from quart_provider.replicaset import note_key_scale
+from quart_provider.replicaset import note_key_scale, within_bounds
 from quart_provider.secrets import SecretStore
 from quart_provider.store import DeploymentStore
 from quart_provider.types import Endpoint, FunctionState
@@ -33,7 +34,8 @@ class Registry:
 
     def __init__(self, images: ImageIndex, hosts: Mapping[str, Host], max_body_bytes: int,
                  changed: Callable[[], None], retire: Callable[[FunctionState, Endpoint], None],
-                 secrets: SecretStore, store: DeploymentStore | None = None, uids: range | None = None) -> None:
+                 secrets: SecretStore, store: DeploymentStore | None = None, uids: range | None = None,
+                 caps: DeployCaps | None = None) -> None:
         self.store = store  # durable copy of every function (None: in memory only)
         self.uids = uids  # one uid per function for its replicas (None: they run as the gateway's user)
         self.images = images
@@ -44,6 +46,8 @@ class Registry:
         self.retire = retire  # drain and stop one replica
         self.functions: dict[str, FunctionState] = {}
         self.key_history: dict[str, int] = {}  # function → scale-ups flagged as a key stage's
+        self.caps = caps or DeployCaps(1000, 64, 4096)
+        self.reserved: dict[str, str] = {}  # /function/<name> someone else answers → who (deploy_limits)
         self._pipelines: dict[str, list[str]] = {}
         self._pipelines_key: tuple = ()
 
@@ -58,6 +62,8 @@ class Registry:
         if deployment.service in self.functions:
             raise QuartError(400, f"function {deployment.service!r} already exists; update it with "
                                     "PUT /system/functions", "service")
+        check_count(deployment.namespace, (f.deployment.namespace for f in self.functions.values()), self.caps)
+        self._check_limits(deployment)
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
         self._check_capacity(deployment, runnable.kind)
@@ -76,12 +82,13 @@ class Registry:
         running replicas are kept and only the desired count is clamped to the new bounds.
         """
         fn = self.get(deployment.service)
+        self._check_limits(deployment)
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
         self._check_capacity(deployment, runnable.kind)
         before = fn.replica_spec(self.max_body_bytes)
         fn.deployment, fn.runnable = deployment, runnable
-        fn.desired = min(max(fn.desired, deployment.min_replicas), deployment.max_replicas)
+        fn.desired = within_bounds(fn.desired, deployment.max_replicas, deployment.min_replicas)
         if fn.replica_spec(self.max_body_bytes) != before:
             fn.generation += 1
             await self._invalidate(fn.name)
@@ -110,7 +117,7 @@ class Registry:
         if replicas < 0:
             raise QuartError(400, f"replicas must not be negative, got {replicas}", "replicas")
         fn = self.get(name)
-        applied = min(replicas, fn.deployment.max_replicas)
+        applied = within_bounds(replicas, fn.deployment.max_replicas)
         note_key_scale(self.key_history, name, fn.desired, applied, key)
         if applied != fn.desired:
             fn.desired = applied
@@ -149,7 +156,7 @@ class Registry:
             except QuartError as exc:
                 self.store.set_aside(name, str(exc))
                 continue
-            desired = min(max(stored.desired, 0), deployment.max_replicas)
+            desired = within_bounds(stored.desired, deployment.max_replicas)
             self.functions[deployment.service] = FunctionState(deployment, runnable, desired, stored.created_at,
                                                                secrets_source=str(self.secrets.folder),
                                                                run_as=self._free_uid(stored.run_as))
@@ -188,6 +195,13 @@ class Registry:
         refusal = deploy_refusal(kind, deployment.min_replicas, self.hosts)
         if refusal is not None:
             raise invalid(*refusal)
+
+    def _check_limits(self, deployment: FunctionDeployment) -> None:
+        """Reserved names and the label caps (:mod:`.deploy_limits`)."""
+        check_name(deployment.service, self.pipelines(), self.reserved)
+        check_model(deployment.labels.get(vocab.MODEL), self.functions, self.reserved)
+        check_labels(deployment.labels, self.caps)
+        check_labels(deployment.annotations, self.caps, "annotations")
 
     def _check_secrets(self, deployment: FunctionDeployment) -> None:
         """A deploy naming a secret that does not exist is refused (OpenFaaS: the pod could not start)."""

@@ -4,7 +4,8 @@
     quartctl simulate --experiment fig7 --out fig7.json                             # CV sweep
     quartctl simulate --experiment fig6|fig2|ablations|all --out FILE [--plots DIR]
     quartctl simulate --experiment frontier --out FILE [--plots DIR] [--quick]    # equal cost (issue 15)
-    quartctl simulate --experiment quart-ablation --out FILE [--reuse FRONTIER]   # QUART's parts one at a time
+    quartctl simulate --experiment frontier --seeds 0,1,2,3,4 [--only-trace] ...  # mean and worst over seeds
+    quartctl simulate --experiment ablation --out FILE [--reuse FRONTIER]         # QUART's parts one at a time
     quartctl simulate --experiment blitzscale --out FILE [--plots DIR]            # start modes (issues 16, 17)
 """
 
@@ -16,17 +17,19 @@ import sys
 import time
 from pathlib import Path
 
+from quart_stage import cliargs
 from quart_tools.arrivals import DEFAULT_TRACE, gamma_arrivals, load_trace, replay_trace
 from quart_tools.report import json_safe, plot_arrivals, plot_latency_cdf, plot_stage_series
 from quart_tools.sim import experiments as ex
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
 DEFAULT_LOAD = 0.4  # mean rate as a fraction of what the whole cluster sustains for the model
-EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "quart-ablation", "blitzscale", "all")
+EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "quart-ablation", "ablation", "blitzscale",
+               "all")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quartctl simulate", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment", choices=EXPERIMENTS, default="run")
     p.add_argument("--model", default="bert-21b", choices=sorted(PAPER_MODELS), help="model of a single run")
     p.add_argument("--models", default=None,
@@ -47,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
                         "kept, only QUART and the oracle run again")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV for fig6 / --arrivals trace")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None,
+                   help="frontier, quart-ablation: seeds (comma list, e.g. 0,1,2,3,4); entries carry their seed and "
+                        "the summary gives mean and worst per workload (default: --seed)")
+    p.add_argument("--only-trace", action="store_true", help="frontier, quart-ablation: the trace workloads alone")
     p.add_argument("--quart-config", default="",
                    help="JSON settings for QUART's make_policy (diagnostics, e.g. a shorter cooldown)")
     p.add_argument("--max-replicas", type=int, default=0,
@@ -109,7 +116,7 @@ def _systems(args, default) -> list[str]:
 
 def _fig7(args, cal: Calibration) -> dict:
     models = [m.strip() for m in args.models.split(",")]
-    cvs = [float(c) for c in args.cvs.split(",")]
+    cvs = _floats(args.cvs)
     specs = ex.fig7_specs(models, cvs, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.seed,
                           args.quart_config, _overrides(args))
     entries = ex.run_many(specs, args.workers, "fig7")
@@ -150,15 +157,46 @@ def _ablations(args, cal: Calibration) -> dict:
             "entries": entries, "table": {"trace": ex.ablation_table(trace), "cv4": ex.ablation_table(cv4)}}
 
 
+def _floats(text: str) -> list[float]:
+    """A comma list of numbers; "" is the empty list."""
+    try:
+        return [float(c) for c in text.split(",") if c.strip()]
+    except ValueError as exc:
+        raise ValueError(f"expected a comma list of numbers, got {text!r}") from exc
+
+
+def _seeds(args) -> list[int]:
+    if args.seeds is None:
+        return [args.seed]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError as exc:
+        raise ValueError(f"--seeds: expected a comma list of integers, got {args.seeds!r}") from exc
+    if not seeds:
+        raise ValueError("--seeds: give at least one seed")
+    return seeds
+
+
+def _workload_args(args) -> tuple[list[str], list[float], str | None]:
+    """Models, gamma CVs and the trace path (None: no trace workload) of frontier / quart-ablation."""
+    models = [m.strip() for m in args.models.split(",")]
+    cvs = [] if args.only_trace else _floats(args.cvs)
+    if args.only_trace and args.no_trace:
+        raise ValueError("--only-trace and --no-trace exclude each other")
+    trace = None if args.no_trace else args.trace
+    if not cvs and trace is None:
+        raise ValueError("no workload: give --cvs or a trace")
+    return models, cvs, trace
+
+
 def _frontier(args, cal: Calibration) -> dict:
     from quart_tools.sim.frontier import QUICK_DURATION_S, run_frontier
 
-    models = [m.strip() for m in args.models.split(",")]
-    cvs = [float(c) for c in args.cvs.split(",")]
+    models, cvs, trace = _workload_args(args)
+    seeds = _seeds(args)
     duration = QUICK_DURATION_S if args.quick else args.duration
-    trace = None if args.no_trace else args.trace
     config = {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
-              "seed": args.seed, "max_replicas": args.max_replicas}
+              "seeds": seeds, "max_replicas": args.max_replicas}
     reuse = None
     if args.reuse:
         with open(args.reuse, encoding="utf-8") as f:
@@ -166,7 +204,7 @@ def _frontier(args, cal: Calibration) -> dict:
         if earlier.get("config") != config:
             raise ValueError(f"--reuse {args.reuse}: its config {earlier.get('config')} is not this run's {config}")
         reuse = earlier["entries"]
-    doc = run_frontier(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, _overrides(args), reuse)
+    doc = run_frontier(models, cvs, duration, args.load, cal, trace, seeds, args.workers, _overrides(args), reuse)
     if args.plots:
         from quart_tools.sim.frontier_plots import plot_frontier
 
@@ -178,18 +216,17 @@ def _quart_ablation(args, cal: Calibration) -> dict:
     from quart_tools.sim.frontier import QUICK_DURATION_S
     from quart_tools.sim.quart_ablation import run_ablation
 
-    models = [m.strip() for m in args.models.split(",")]
-    cvs = [float(c) for c in args.cvs.split(",")]
+    models, cvs, trace = _workload_args(args)
+    seeds = _seeds(args)
     duration = QUICK_DURATION_S if args.quick else args.duration
-    trace = None if args.no_trace else args.trace
     frontier = None
     if args.reuse:  # a frontier document: the rows read the static frontier at each variant's cost
         with open(args.reuse, encoding="utf-8") as f:
             frontier = json.load(f)["entries"]
-    doc = run_ablation(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, frontier,
+    doc = run_ablation(models, cvs, duration, args.load, cal, trace, seeds, args.workers, frontier,
                        _overrides(args))
     return {"experiment": "quart-ablation", "config": {"models": models, "cvs": cvs, "trace": trace,
-                                                       "duration_s": duration, "load": args.load, "seed": args.seed},
+                                                       "duration_s": duration, "load": args.load, "seeds": seeds},
             **doc}
 
 
@@ -215,6 +252,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.models is None and args.experiment != "blitzscale":
         args.models = ",".join(PAPER_MODELS)
+    if args.plots and args.experiment in ("fig2", "quart-ablation"):
+        return cliargs.usage_error("quartctl simulate", f"--plots: the {args.experiment} experiment has no plots "
+                                   "(run, fig6, fig7, ablations, frontier, blitzscale and all have)")
     started = time.perf_counter()
     try:
         cal = _calibration(args)
@@ -230,13 +270,24 @@ def main(argv: list[str]) -> int:
             doc = _ablations(args, cal)
         elif args.experiment == "frontier":
             doc = _frontier(args, cal)
-        elif args.experiment == "quart-ablation":
+        elif args.experiment in ("quart-ablation", "ablation"):
             doc = _quart_ablation(args, cal)
         elif args.experiment == "blitzscale":
             doc = _blitzscale(args, cal)
         else:
             doc = {"experiment": "all", "fig2": ex.fig2(cal, args.duration, seed=args.seed), "fig6": _fig6(args, cal),
                    "fig7": _fig7(args, cal), "ablations": _ablations(args, cal)}
+        if args.plots and args.experiment in ("fig6", "fig7", "ablations", "all"):
+            from quart_tools.sim.cv_plots import plot_policy_sweep
+
+            parts = [doc] if args.experiment != "all" else [doc["fig6"], doc["fig7"], doc["ablations"]]
+            runs = [(e, part["experiment"]) for part in parts if part["experiment"] != "ablations"
+                    for e in [part["entries"]]]
+            runs += [([e for e in part["entries"] if e["tag"] == tag], f"ablations-{tag}") for part in parts
+                     if part["experiment"] == "ablations" for tag in ("fig6", "fig7")]
+            doc["plots"] = [str(path) for entries, name in runs if entries
+                            for path in plot_policy_sweep(entries, args.plots, name)]
+            print(f"wrote {len(doc['plots'])} plot(s) to {args.plots}", file=sys.stderr)
         if args.experiment != "run":
             doc["calibration"] = cal.to_json()
             doc["wall_s"] = round(time.perf_counter() - started, 2)
