@@ -39,6 +39,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "SmolLM2 token streams through 3 stages (KV caches) vs transformers generate; failover by replay"),
     "stage-generation": ("quart_tools.bench.stage_generation:main",
                          "SmolLM2 generation through in-process stages (KV sessions) vs transformers generate"),
+    "batching": ("quart_tools.bench.batching:main",
+                 "MiniLM one-shot passes, router batching off vs on: open-loop Poisson rate steps, max rate within SLO"),
     "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
