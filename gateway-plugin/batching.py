@@ -7,7 +7,8 @@ with the same tensor names, dtypes and widths, for the whole stage (no layer sub
 answer asked of this call. :func:`pack` pads each request's tensors on the right to the longest sequence
 and concatenates them along the batch dimension, with an ``attention_mask`` (1 on each request's own
 positions, or its own mask), so that the stage runs them as any padded batch; :func:`split` cuts the
-stage's output back into each request's rows and positions (its own mask kept, none added), and each
+stage's output back into each request's rows and positions (rows only of a pooled [rows, features] output;
+its own mask kept, none added), and each
 request continues alone to the next stage's queue (:meth:`Router.settle`). Right padding keeps every
 request's outputs those of a run alone, for encoders (masked keys) and decoders (causal).
 
@@ -79,6 +80,11 @@ class Member:
             None if self.mask is None else self.mask.dtype,)
 
 
+def json_answer(job: Job) -> bool:
+    """Whether this call must answer JSON (the last stage, a client that asked for it: as the stage decides)."""
+    return job.stage == len(job.stages) - 1 and "application/json" in job.accept and SAFETENSORS not in job.accept
+
+
 def member_of(body: bytes, content_type: str) -> Member | None:
     """``body`` as a batch member, or None when it must go alone (not safetensors, malformed, not [rows, seq, ...])."""
     if content_type.split(";")[0].strip().lower() not in ("", SAFETENSORS):
@@ -126,18 +132,21 @@ def pack(members: list[Member], metadata: Mapping[str, str]) -> bytes:
 
 
 def split(answer: bytes, members: list[Member], request_ids: list[str]) -> list[bytes]:
-    """The stage's answer to a packed batch as one safetensors body per member (its rows, its positions, its own
-    mask); ValueError when the answer does not have the batch's rows and sequence."""
+    """The stage's answer to a packed batch as one safetensors body per member: of a tensor of rank ≥ 3
+    ([rows, positions, …]: hidden states, logits) its rows and positions, of a rank-2 one ([rows, features]: a
+    pooled embedding) its rows; its own mask. ValueError when the answer does not have the batch's shape."""
     from quart_stage import wire
+
     decoded = wire.decode(answer)
     tensors = {n: t for n, t in decoded.tensors.items() if n != ATTENTION_MASK}
     rows, longest = sum(m.rows for m in members), max(m.length for m in members)
-    if not tensors or any(t.dim() < 2 or tuple(t.shape[:2]) != (rows, longest) for t in tensors.values()):
+    if not tensors or any(t.dim() < 2 or t.shape[0] != rows or (t.dim() > 2 and t.shape[1] != longest)
+                          for t in tensors.values()):
         raise ValueError(f"a batch of {rows} rows × {longest} positions was answered with shapes "
                          f"{ {n: list(t.shape) for n, t in tensors.items()} }")
     pieces, row = [], 0
     for m, request_id in zip(members, request_ids, strict=True):
-        own = {n: t[row:row + m.rows, :m.length] for n, t in tensors.items()}
+        own = {n: t[row:row + m.rows, :m.length] if t.dim() > 2 else t[row:row + m.rows] for n, t in tensors.items()}
         if m.mask is not None:
             own[ATTENTION_MASK] = m.mask
         pieces.append(wire.encode_bytes(own, {**decoded.metadata, "request_id": request_id}))
@@ -166,18 +175,14 @@ class Batcher:
         return chosen if len(chosen) > 1 or limits.wait_s > 0 else []
 
     def eligible(self, job: Job, replica: Any) -> bool:
-        last = job.stage == len(job.stages) - 1
-        json_answer = last and job.accept and SAFETENSORS not in job.accept
-        return not job.solo and not json_answer and job.layer_at is None and layers.part_for(replica, None) is None
+        return not job.solo and not json_answer(job) and job.layer_at is None and layers.part_for(replica, None) is None
 
     def _more(self, q: StageQueue, chosen: list[tuple[Job, Member]], most: int) -> None:
         key, now = chosen[0][1].key, self.router.clock()
         for other in list(q.jobs):
             if len(chosen) >= most:
                 break
-            if other.done or other.solo or other.layer_at is not None or now >= other.deadline:
-                continue
-            if other.accept and other.stage == len(other.stages) - 1 and SAFETENSORS not in other.accept:
+            if other.done or other.solo or other.layer_at is not None or now >= other.deadline or json_answer(other):
                 continue
             member = member_of(other.body, other.content_type)
             if member is not None and member.key == key:

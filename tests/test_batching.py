@@ -21,7 +21,7 @@ from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from quart_tools.partition import partition
 
-FAMILIES = {"decoder": "tiny", "encoder": "tiny-encoder"}
+FAMILIES = {"decoder": "tiny", "encoder": "tiny-encoder", "pooled": "minilm"}  # minilm: real weights, mean pooling
 TOL = 1e-4
 STAGES = 2
 
@@ -131,6 +131,8 @@ def test_batched_outputs_equal_one_at_a_time(parts, family):
     assert worst <= TOL, f"max |diff| {worst:.3g}"  # a batched matmul may sum in another order
     sizes = dict((size, n) for size, n, _ in router.collector.stage("m-0").batch_service_s())
     assert sizes.get(1) and max(sizes) >= 4 and sum(size * n for size, n in sizes.items()) == len(bodies)
+    last = dict((size, n) for size, n, _ in router.collector.stage(f"m-{STAGES - 1}").batch_service_s())
+    assert max(last) >= 2 and sum(size * n for size, n in last.items()) == len(bodies)  # split there too, no re-run
 
 
 def test_a_refused_request_keeps_its_error_to_itself(parts):
@@ -154,6 +156,9 @@ def test_pack_pads_right_and_split_gives_each_its_own():
     one, two = wire.decode(first), wire.decode(second)
     assert torch.equal(one.tensors["hidden"], a.tensors["hidden"]) and "attention_mask" not in one.tensors
     assert torch.equal(two.tensors["attention_mask"], b.mask) and one.metadata["request_id"] == "ra"
+    pooled = split(wire.encode_bytes({"logits": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+                                      "attention_mask": packed["attention_mask"]}), [a, b], ["ra", "rb"])
+    assert [wire.decode(p).tensors["logits"].tolist() for p in pooled] == [[[1.0, 2.0]], [[3.0, 4.0]]]
     with pytest.raises(ValueError):
         split(wire.encode_bytes({"hidden": torch.zeros(1, 5, 2)}), [a, b], ["ra", "rb"])
 
