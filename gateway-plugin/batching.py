@@ -1,7 +1,7 @@
 """Dynamic batching of one-shot passes at the router's stage queues (docs/batching.md).
 
 When a replica of a stage is free, :meth:`Batcher.gather` takes, beside the request at the head of the
-stage's queue, the requests waiting behind it that can share one call (up to the function's
+stage's queue, the requests waiting behind it that can share one call, nearest in length first (up to the function's
 ``com.quart.batch.max``, default ``QUART_BATCH_MAX`` = 1 = off): bodies that are safetensors activations
 with the same tensor names, dtypes and widths, for the whole stage (no layer sub-range), and no JSON
 answer asked of this call. :func:`pack` pads each request's tensors on the right to the longest sequence
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -178,16 +179,19 @@ class Batcher:
         return not job.solo and not json_answer(job) and job.layer_at is None and layers.part_for(replica, None) is None
 
     def _more(self, q: StageQueue, chosen: list[tuple[Job, Member]], most: int) -> None:
-        key, now = chosen[0][1].key, self.router.clock()
-        for other in list(q.jobs):
-            if len(chosen) >= most:
-                break
+        """Add to ``chosen`` the compatible queued requests whose lengths are nearest the head's (padding is
+        compute spent on nothing), scanning at most 4 × ``most`` of the queue."""
+        head, now = chosen[0][1], self.router.clock()
+        found = []
+        for other in itertools.islice(q.jobs, 4 * most):
             if other.done or other.solo or other.layer_at is not None or now >= other.deadline or json_answer(other):
                 continue
             member = member_of(other.body, other.content_type)
-            if member is not None and member.key == key:
-                q.jobs.remove(other)
-                chosen.append((other, member))
+            if member is not None and member.key == head.key:
+                found.append((abs(member.length - head.length), len(found), other, member))
+        for _, _, other, member in sorted(found)[: most - len(chosen)]:
+            q.jobs.remove(other)
+            chosen.append((other, member))
 
     def launch(self, q: StageQueue, chosen: list[tuple[Job, Member]], replica: Any) -> None:
         """The batched call of ``chosen`` on ``replica`` (its slot taken), as a task the router's close cancels."""
