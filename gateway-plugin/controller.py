@@ -1,7 +1,8 @@
 """The control loop: every period, snapshot → policy → bounds → desired {replicas, CPUs} → actuator.
 
 The one path from a decision to an action, for every policy and for the simulator alike
-(``quart_tools.sim`` drives this class through a simulated inventory and actuator): the policy decides,
+(``quart_tools.sim`` calls :meth:`Controller.decide` over a simulated inventory and applies its changes on
+simulated time; :meth:`Controller.step` hands them to the actuator): the policy decides,
 ``bounded`` applies ``com.openfaas.scale.min/max`` once, and the actuator is told only what changed.
 One policy object per pipeline (policies keep state). Scale-ups of the stages the policy names as
 key stages are flagged ``key`` so the placer (the cache-aware scheduler behind the gateway's scale
@@ -25,6 +26,7 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
+from quart_provider.replicaset import within_bounds
 
 from keysmanager.aio import wait_event
 
@@ -32,8 +34,9 @@ log = logging.getLogger("quart.controller")
 
 
 def bounded_replicas(stage: StageSnapshot, replicas: int) -> int:
-    """``replicas`` within the stage's ``com.openfaas.scale.min`` … ``max`` (the only place bounds apply)."""
-    return max(stage.min_replicas, min(stage.max_replicas, int(replicas)))
+    """``replicas`` within the stage's ``com.openfaas.scale.min`` … ``max`` (the one bounds rule,
+    `quart_provider.replicaset.within_bounds`, which the registry applies to every desired count too)."""
+    return within_bounds(replicas, stage.max_replicas, stage.min_replicas)
 
 
 def bounded(snap: PipelineSnapshot, decision: Decision) -> Decision:
@@ -41,6 +44,16 @@ def bounded(snap: PipelineSnapshot, decision: Decision) -> Decision:
     stages = tuple(replace(want, replicas=bounded_replicas(stage, want.replicas))
                    for stage, want in zip(snap.stages, decision.stages, strict=True))
     return replace(decision, stages=stages)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What one decision asks of one function: a new desired count and/or CPUs (None: unchanged)."""
+
+    function: str
+    replicas: int | None = None
+    key: bool = False  # a scale-up of a stage the policy named as a key stage
+    cpus: float | None = None
 
 
 @dataclass(slots=True)
@@ -73,9 +86,12 @@ class Controller:
         return build_snapshot(self.clock(), model, functions, self.inventory, self.queues, self.collector,
                               self.config.slo_factor, self.slo_s)
 
-    async def step(self) -> dict[str, Decision]:
-        """One control period for every pipeline; returns the decisions."""
+    def decide(self) -> tuple[dict[str, Decision], list[Change]]:
+        """One control period's decisions for every pipeline, and the changes they ask of the platform (what
+        differs from each stage's desired count and CPUs now). No I/O: the simulator calls this on its own
+        clock and applies the changes to its platform; :meth:`step` hands them to the actuator."""
         decisions: dict[str, Decision] = {}
+        changes: list[Change] = []
         for model, functions in self.inventory.pipelines().items():
             snap = self.snapshot(model, functions)
             self.last_snapshots[model] = snap
@@ -86,21 +102,33 @@ class Controller:
             if self.cv_trainer is not None and hasattr(policy, "cv_model"):  # only QUART reads a CV model
                 self.cv_trainer.observe(snap)
             decisions[model] = decision
-            await self._apply(snap, decision)
+            changes.extend(self._changes(snap, decision))
             self._log(snap, decision)
-        return decisions
+        return decisions, changes
 
-    async def _apply(self, snap: PipelineSnapshot, decision: Decision) -> None:
-        for stage, want in zip(snap.stages, decision.stages, strict=True):
-            state = self.inventory.stage_state(stage.name)
+    async def step(self) -> dict[str, Decision]:
+        """One control period for every pipeline, carried out by the actuator; returns the decisions."""
+        decisions, changes = self.decide()
+        for change in changes:
             try:
-                if want.replicas != state.desired:
-                    await self.actuator.scale(stage.name, want.replicas, key=stage.index in decision.key_stages)
-                if abs(want.cpus - state.cpus) >= 0.01:
-                    await self.actuator.set_cpus(stage.name, want.cpus)
+                if change.replicas is not None:
+                    await self.actuator.scale(change.function, change.replicas, key=change.key)
+                if change.cpus is not None:
+                    await self.actuator.set_cpus(change.function, change.cpus)
             except Exception as exc:  # an actuator failure must not stop the loop
                 self.errors += 1
-                log.warning("actuating %s failed: %s", stage.name, exc)
+                log.warning("actuating %s failed: %s", change.function, exc)
+        return decisions
+
+    def _changes(self, snap: PipelineSnapshot, decision: Decision) -> list[Change]:
+        out = []
+        for stage, want in zip(snap.stages, decision.stages, strict=True):
+            state = self.inventory.stage_state(stage.name)
+            replicas = want.replicas if want.replicas != state.desired else None
+            cpus = want.cpus if abs(want.cpus - state.cpus) >= 0.01 else None
+            if replicas is not None or cpus is not None:
+                out.append(Change(stage.name, replicas, stage.index in decision.key_stages, cpus))
+        return out
 
     def _log(self, snap: PipelineSnapshot, decision: Decision) -> None:
         if self.keep_timeline:

@@ -36,7 +36,7 @@ class GatewayConfig:
     max_deploy_bytes: int = 1024 * 1024  # largest JSON body on /system/*
     max_inflight_bytes: int = 256 * 1024 * 1024  # request-body bytes held at once by the gateway; more → 429
     max_function_inflight_bytes: int = 64 * 1024 * 1024  # … by one function or pipeline (≥ one max body); one body over → 413
-    placer: str = "first-fit"  # replica placer: first-fit | cache-aware (quart_provider.scheduling)
+    placer: str = "cache-aware"  # replica placer: cache-aware (QUART §6.2) | first-fit (quart_provider.scheduling)
     hosts: int = 1  # simulated hosts (one KeysManager each)
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
     host_memory_bytes: int = 8 * 1024**3  # parameter-cache memory per host (KeysManager --memory-limit)
@@ -55,7 +55,9 @@ class GatewayConfig:
     upstream_timeout_s: float = 300.0  # one proxied request to a replica
     drain_timeout_s: float = 30.0  # a replica being stopped finishes its in-flight requests within this
     peer_fetch: bool = True  # a host without a stage fetches it from hosts that hold it before the registry
-    live_scaling: bool = False  # a start that fetches parameters serves the layers held while the rest arrive
+    # a start that fetches parameters serves the layers held while the rest arrive; None: on where hosts have
+    # addresses (network "netns"), off on loopback; true/false forces it
+    live_scaling: bool | None = None
     paraserve: bool = False  # a cold stage (no host holds it) is fetched in P parts on P hosts, served as a sub-pipeline
     paraserve_slo_ms: float = 0.0  # the first response a ParaServe start must meet; 0: the fastest P
     paraserve_parts: int = 0  # force P (benchmarks); 0: the smallest P meeting paraserve_slo_ms (plan_parallelism)

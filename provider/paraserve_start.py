@@ -31,7 +31,7 @@ from quart_provider.scheduling.paraserve import (
     split_parts,
 )
 from quart_provider.scheduling.starts import StartPlan
-from quart_provider.scheduling.types import HostView, Placement
+from quart_provider.scheduling.types import HostView
 from quart_provider.types import Endpoint, FunctionState
 
 log = logging.getLogger("quart.gateway")
@@ -115,35 +115,22 @@ class ParaServeStarts:
         self.layouts[fn.name] = (fn.generation, layout)
         return layout
 
-    async def cold_layouts(self, placements: Sequence[Placement], views: Sequence[HostView],
-                           functions: Mapping[str, FunctionState], spec_of) -> dict[str, StageLayout]:
-        """The layouts of this batch's stages that no host holds and that have no replica (cold)."""
+    async def cold_layouts(self, functions: Sequence[str], views: Sequence[HostView],
+                           states: Mapping[str, FunctionState], spec_of) -> dict[str, StageLayout]:
+        """The layouts of ``functions`` that no host holds and that have no replica (cold)."""
         held = {f for v in views for f in v.cached}
         out = {}
-        for function in dict.fromkeys(p.function for p in placements):
-            fn = functions.get(function)
+        for function in dict.fromkeys(functions):
+            fn = states.get(function)
             if fn is not None and function not in held and not fn.replicas:
                 layout = await self.layout(fn, spec_of(fn).env)
                 if layout is not None and len(layout.layer_bytes) > 1:
                     out[function] = layout
         return out
 
-    def plan_inputs(self, placements: Sequence[Placement], views: Sequence[HostView],
-                    cold: Mapping[str, StageLayout]) -> tuple[dict[str, int], list[str]]:
-        """(P per cold function, spare hosts) for `plan_starts`; nothing without cold stages."""
-        if not cold:
-            return {}, []
-        return self.parts_for(placements, views, cold), self.spare_hosts(views, placements)
-
-    def spare_hosts(self, views: Sequence[HostView], placements: Sequence[Placement]) -> list[str]:
-        """Hosts with a free slot and nothing placed in this batch, quiet ones first (helper candidates)."""
-        placed = {p.host for p in placements}
-        free = [v for v in views if v.gpu_free > 0 and v.name not in placed]
-        return [v.name for v in sorted(free, key=lambda v: (sum(v.running.values()), v.name))]
-
-    def parts_for(self, placements: Sequence[Placement], views: Sequence[HostView],
-                  cold: Mapping[str, StageLayout]) -> dict[str, int]:
-        """P per cold function of this batch (``cold``: function → layout of stages nobody holds)."""
+    def parts_for(self, views: Sequence[HostView], cold: Mapping[str, StageLayout]) -> dict[str, int]:
+        """P per cold function (``cold``: function → layout of stages nobody holds): the gateway's cost model,
+        what `quart_provider.convergence.converge` splits a registry load by."""
         nic = (self.config.paraserve_fetch_gbps or self.config.nic_gbps) * 1e9 / 8
         costs = ParaServeCosts(registry_bytes_s=self.config.registry_gbps * 1e9 / 8 or math.inf,
                                fixed_s=self.config.paraserve_fixed_s, overlap=True,

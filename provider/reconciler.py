@@ -3,11 +3,12 @@
 A loop (every ``reconcile_interval_s``, or at once on :meth:`Reconciler.kick`) polls every host (each
 poll bounded by ``host_timeout_s``; a host silent for ``host_down_after_s`` is down: its replicas are
 dropped as dead and replaced elsewhere, and whatever still runs there is stopped when it answers again),
-drops dead replicas, replaces ones that never became ready, and converges each function by the pure
-rules of :mod:`.replicaset`: asks the placer for the shortfall, drains and stops the surplus, and
-retires the previous generation once a rolling update's replicas are ready. New replicas are started
-where the placer says (:mod:`.placing`), probed until their health path answers, and counted in the scheduler
-metrics (:mod:`.starting`).
+drops dead replicas, replaces ones that never became ready, and converges: it builds the platform's view
+(:class:`quart_provider.convergence.PlatformView`: functions, replicas, pending starts, back-off, ParaServe
+groups, and the hosts' reports when something is missing), asks the one pure convergence
+(:func:`quart_provider.convergence.converge`, the simulator's too) for the actions, and carries them out:
+replicas that leave are drained and stopped here, starts go to the :class:`quart_provider.starting.Starter`
+(pins, chain multicasts, host starts, readiness probes, ready-time metrics).
 """
 
 from __future__ import annotations
@@ -17,19 +18,27 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Mapping
+from dataclasses import replace
 from typing import Any
 
-import aiohttp
 from quart_provider.adopt import adopt_replicas
 from quart_provider.config import GatewayConfig
+from quart_provider.convergence import (
+    Action,
+    Convergence,
+    FunctionView,
+    PlatformView,
+    ReplicaView,
+    converge,
+    leaving,
+    requests,
+)
 from quart_provider.host_health import HostHealth
 from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
 from quart_provider.paraserve_start import ParaServeStarts
-from quart_provider.placing import Placing
-from quart_provider.replicaset import choose_surplus, rollover_done, shortfall
 from quart_provider.scheduling.metrics import SchedulerMetrics
-from quart_provider.scheduling.types import Placer, ReplicaRequest
-from quart_provider.starting import Starting
+from quart_provider.scheduling.types import HostView, Placer
+from quart_provider.starting import Starter
 from quart_provider.types import Endpoint, FunctionState
 
 from keysmanager.aio import wait_event, within
@@ -37,8 +46,9 @@ from keysmanager.aio import wait_event, within
 log = logging.getLogger("quart.gateway")
 
 
-class Reconciler(Placing, Starting):
-    """Drives ``hosts`` towards ``functions`` (the registry's live mapping). All methods run on one loop."""
+class Reconciler:
+    """Drives ``hosts`` towards ``functions`` (the registry's live mapping): observes, decides, lets replicas go;
+    the starter starts. All methods run on one loop."""
 
     def __init__(self, config: GatewayConfig, hosts: Mapping[str, Host], placer: Placer,
                  functions: Mapping[str, FunctionState], key_history: Mapping[str, int],
@@ -49,16 +59,16 @@ class Reconciler(Placing, Starting):
         self.functions = functions
         self.key_history = key_history
         self.scheduler_metrics = scheduler_metrics
-        self.pins: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # host → (pinned, sole copies) sent
-        self._placed: dict[str, tuple[float, str, bool]] = {}  # replica id → (asked at, planned source, key)
         self._param_bytes: dict[str, tuple[int, int]] = {}  # function → (generation, stage parameter bytes)
         self._kick = asyncio.Event()
         self._closing = False
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._probe_session: aiohttp.ClientSession | None = None
         self.health = HostHealth(config.host_down_after_s)
         self.paraserve = ParaServeStarts(config)  # cold stages in parts (issue 17; off unless config.paraserve)
+        self.starter = Starter(config, hosts, functions, scheduler_metrics, self.paraserve, self._spawn, self.kick,
+                               self._stop_now)
+        self.last_convergence: Convergence | None = None  # the latest pass's actions (tests compare them)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -80,9 +90,7 @@ class Reconciler(Placing, Starting):
         stops = [self._stop_now(e) for f in self.functions.values() for e in list(f.replicas.values())]
         await asyncio.gather(*stops, return_exceptions=True)
         await asyncio.gather(*(h.close() for h in self.hosts.values()), return_exceptions=True)
-        if self._probe_session is not None:
-            await self._probe_session.close()
-            self._probe_session = None
+        await self.starter.close()
 
     def kick(self) -> None:
         """Reconcile now rather than at the next tick."""
@@ -147,14 +155,14 @@ class Reconciler(Placing, Starting):
                     endpoint.layers, endpoint.held = status.layers, status.held
                     changed = changed or endpoint.whole != was_whole
                     if endpoint.whole and not was_whole and endpoint.state == "ready":
-                        self._replica_ready(fn, endpoint)
+                        self.starter._replica_ready(fn, endpoint)
                 if endpoint.state in ("starting", "ready") and status.state != endpoint.state:
                     if endpoint.probed and endpoint.state == "ready" and status.state == "starting":
                         continue  # our probe got the health answer first; the host's report lags behind
                     endpoint.state = status.state
                     changed = True
                     if endpoint.state == "ready":
-                        self._replica_ready(fn, endpoint)
+                        self.starter._replica_ready(fn, endpoint)
                 if (endpoint.state == "starting" or not endpoint.whole) and now - endpoint.started_at > \
                         self.config.start_timeout_s:  # a live replica whose transfer stalls is replaced too
                     log.warning("replica %s of %s not ready after %.0f s: replacing it", endpoint.id, fn.name,
@@ -206,28 +214,65 @@ class Reconciler(Placing, Starting):
         log.warning("host %s answers again; %d replica(s) adopted back, %d stopped", name, len(adopted), len(stale))
         self.kick()
 
+    def view(self, now: float, hosts: tuple[HostView, ...] = ()) -> PlatformView:
+        """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed)."""
+        functions = tuple(FunctionView(
+            fn.name, fn.desired, fn.generation,
+            tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at) for e in fn.replicas.values()),
+            fn.pending_starts, fn.retry_at, frozenset(self.paraserve.protected(fn)), self._stage_param_bytes(fn),
+            fn.name in self.key_history, len(fn.ready)) for fn in self.functions.values())
+        mechanisms = {"peer", "multicast"} if self.config.peer_fetch else set()
+        live = self.config.live_scaling
+        if live or (live is None and self.config.network == "netns"):  # default: on where hosts have addresses
+            mechanisms.add("live")
+        if self.config.paraserve:
+            mechanisms.add("paraserve")
+        return PlatformView(now, functions, hosts, dict(self.key_history), frozenset(mechanisms))
+
     async def _converge(self, now: float) -> None:
-        requests: list[ReplicaRequest] = []
-        for fn in self.functions.values():
-            current = [e for e in fn.replicas.values()
-                       if e.generation == fn.generation and e.state in ("starting", "ready")]
-            missing = shortfall(fn.desired, len(current), fn.pending_starts)
-            if missing and now >= fn.retry_at:
-                requests.append(ReplicaRequest(fn.name, missing, param_bytes=self._stage_param_bytes(fn),
-                                               key=fn.name in self.key_history))
-            keep = self.paraserve.protected(fn)  # ParaServe groups leave only once consolidated
-            for endpoint in choose_surplus([e for e in current if e.id not in keep], fn.desired - len(keep)):
+        """One convergence of the view (:func:`quart_provider.convergence.converge`): what leaves is let go at
+        once (a slow host report must not hold up a drain); the hosts are asked only when something is
+        missing, and the starts go to the starter."""
+        view = self.view(now)
+        self._let_go(leaving(view))
+        self.starter.forget_gone()
+        layouts: dict = {}
+        parts: dict[str, int] = {}
+        wanted = requests(view)
+        if wanted:
+            hosts = await self._host_views()
+            view = replace(view, hosts=tuple(hosts))
+            if self.config.paraserve:
+                layouts = await self.paraserve.cold_layouts([r.function for r in wanted], hosts, self.functions,
+                                                            self._spec)
+                parts = self.paraserve.parts_for(hosts, layouts)
+        plan = converge(view, self.placer, lambda function, _hosts: parts.get(function, 1))
+        self.last_convergence = plan  # its stops, drains and retirements are the ones let go above
+        if plan.schedule is not None:
+            await self.starter.start_all(plan, view.hosts, layouts)
+
+    def _let_go(self, actions: list[Action]) -> None:
+        """Carry out stop / drain / retire: drain, then stop (a replica already draining is left as it is)."""
+        for action in actions:
+            fn = self.functions.get(action.function)
+            endpoint = fn.replicas.get(action.replica) if fn is not None else None
+            if endpoint is not None:
                 self.retire(fn, endpoint)
-            ready_current = sum(1 for e in current if e.state == "ready")
-            old = [e for e in fn.replicas.values() if e.generation != fn.generation and e.state != "draining"]
-            if old and rollover_done(ready_current, fn.desired):
-                for endpoint in old:
-                    self.retire(fn, endpoint)
-        live = {rid for fn in self.functions.values() for rid in fn.replicas}
-        for rid in [r for r in self._placed if r not in live]:  # died before it was ready
-            del self._placed[rid]
-        if requests:
-            await self._place(requests)
+
+    async def _host_views(self) -> list[HostView]:
+        """Each answering host's report, with the slots its starts under way will take."""
+        names = [n for n in self.hosts if self.health.is_up(n)]
+        reports = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].report()) for n in names),
+                                       return_exceptions=True)
+        views: list[HostView] = []
+        for name, report in zip(names, reports, strict=True):
+            if isinstance(report, BaseException):
+                log.warning("host %s gave no report: %s", name, report)
+                continue
+            pending = sum(1 for t in self._tasks if t.get_name().startswith(f"start:{name}:"))
+            views.append(replace(report, gpu_used=min(report.gpu_slots, report.gpu_used + pending)))
+        self.scheduler_metrics.record_hosts(views)
+        return views
 
     def _stage_param_bytes(self, fn: FunctionState) -> int:
         """The stage's parameter bytes (its checkpoint in the manifest), what a host caches; 0 for a process."""

@@ -16,7 +16,7 @@ from quart_provider.capacity import deploy_refusal
 from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
-from quart_provider.replicaset import note_key_scale
+from quart_provider.replicaset import note_key_scale, within_bounds
 from quart_provider.secrets import SecretStore
 from quart_provider.store import DeploymentStore
 from quart_provider.types import Endpoint, FunctionState
@@ -81,7 +81,7 @@ class Registry:
         self._check_capacity(deployment, runnable.kind)
         before = fn.replica_spec(self.max_body_bytes)
         fn.deployment, fn.runnable = deployment, runnable
-        fn.desired = min(max(fn.desired, deployment.min_replicas), deployment.max_replicas)
+        fn.desired = within_bounds(fn.desired, deployment.max_replicas, deployment.min_replicas)
         if fn.replica_spec(self.max_body_bytes) != before:
             fn.generation += 1
             await self._invalidate(fn.name)
@@ -110,7 +110,7 @@ class Registry:
         if replicas < 0:
             raise QuartError(400, f"replicas must not be negative, got {replicas}", "replicas")
         fn = self.get(name)
-        applied = min(replicas, fn.deployment.max_replicas)
+        applied = within_bounds(replicas, fn.deployment.max_replicas)
         note_key_scale(self.key_history, name, fn.desired, applied, key)
         if applied != fn.desired:
             fn.desired = applied
@@ -149,7 +149,7 @@ class Registry:
             except QuartError as exc:
                 self.store.set_aside(name, str(exc))
                 continue
-            desired = min(max(stored.desired, 0), deployment.max_replicas)
+            desired = within_bounds(stored.desired, deployment.max_replicas)
             self.functions[deployment.service] = FunctionState(deployment, runnable, desired, stored.created_at,
                                                                secrets_source=str(self.secrets.folder),
                                                                run_as=self._free_uid(stored.run_as))

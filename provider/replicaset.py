@@ -1,6 +1,7 @@
 """How a function's replica set converges on its desired count: pure rules, shared by the live provider and
 the simulator (``quart_tools.sim``), so a simulated figure rests on the same choices.
 
+- ``within_bounds``: a replica count within ``com.openfaas.scale.min/max`` (the one bounds rule);
 - ``shortfall``: how many replicas to ask the placer for (desired − current − already asked for);
 - ``choose_surplus``: which replicas to stop when there are too many — a starting replica first (newest
   first: it has served nothing), then ready ones with the fewest requests in flight (newest first); a
@@ -32,6 +33,13 @@ class ReplicaLike(Protocol):
 
 
 R = TypeVar("R", bound=ReplicaLike)
+
+
+def within_bounds(replicas: int, max_replicas: int, min_replicas: int = 0) -> int:
+    """``replicas`` clamped to ``min_replicas`` … ``max_replicas`` (``com.openfaas.scale.min/max``): the one bounds
+    rule. The controller applies the labels' min and max; the registry, the one writer of a function's desired
+    count, applies max to every count it is given (an API scale may go below min, as on OpenFaaS)."""
+    return max(min_replicas, min(max_replicas, int(replicas)))
 
 
 def shortfall(desired: int, current: int, pending: int = 0) -> int:

@@ -6,12 +6,15 @@ import numpy as np
 import pytest
 from quart_tools.arrivals import (
     DEFAULT_TRACE,
+    Trace,
     gamma_arrivals,
     interarrival_cv,
     load_trace,
     make_arrivals,
+    pick_window,
     poisson_arrivals,
     replay_trace,
+    trace_window,
 )
 
 
@@ -67,3 +70,44 @@ def test_trace_errors_name_the_problem(tmp_path) -> None:
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12,x\n")
     with pytest.raises(ValueError, match="line 2"):
         load_trace(bad)
+
+
+def _bursty_trace() -> Trace:
+    """10 minutes: 1 req/s, then a 2-minute pause, then 5 req/s (a rate step), then 1 req/s."""
+    parts = [np.arange(0, 180, 1.0), np.arange(300, 420, 0.2), np.arange(420, 600, 1.0)]
+    t = np.concatenate(parts)
+    return Trace(offsets_s=t, context_tokens=np.full(len(t), 100), generated_tokens=np.full(len(t), 10))
+
+
+def test_trace_windows_are_picked_by_their_kind() -> None:
+    trace = _bursty_trace()
+    assert pick_window(trace, "busy", 120.0, step_s=60.0) == 300.0  # the 5 req/s minutes
+    assert pick_window(trace, "quiet", 120.0, step_s=60.0, min_requests=30) in (120.0, 180.0)  # half in the pause
+    step = pick_window(trace, "step", 120.0, step_s=60.0, min_requests=30)
+    assert step in (120.0, 240.0)  # one half empty (the pause), the other at 1 or 5 req/s
+    with pytest.raises(ValueError, match="unknown trace window"):
+        pick_window(trace, "loud", 120.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        pick_window(trace, "busy", 1e6)
+
+
+@pytest.mark.parametrize("target", [0.5, 2.0, 23.7])  # thinning, replication, a fractional copy count
+def test_trace_window_keeps_its_time_scale_and_matches_the_rate(target: float) -> None:
+    trace = _bursty_trace()
+    a = trace_window(trace, 240.0, 240.0, target, seed=4)
+    assert a.kind == "trace" and len(a) == len(a.tokens)
+    assert a.times.min() >= 0 and a.times.max() < 240.0 and np.all(np.diff(a.times) >= 0)
+    assert len(a) / 240.0 == pytest.approx(target, rel=0.15)
+    # real time: the pause (trace 240–300 s) stays a pause, the 5 req/s minutes stay 5× the 1 req/s ones
+    assert np.sum(a.times < 60.0) <= max(1, 0.01 * len(a))
+    dense, sparse = np.sum((a.times >= 60) & (a.times < 180)), np.sum(a.times >= 180)
+    assert dense / 120.0 == pytest.approx(5 * sparse / 60.0, rel=0.35 if len(a) > 400 else 0.8)
+    again = trace_window(trace, 240.0, 240.0, target, seed=4)
+    assert np.array_equal(a.times, again.times)  # seeded
+
+
+def test_trace_window_caps_the_busiest_minute() -> None:
+    trace = _bursty_trace()
+    a = trace_window(trace, 240.0, 240.0, 20.0, seed=1, peak_rate=30.0)
+    peak = np.bincount((a.times // 60).astype(int)).max() / 60.0
+    assert peak <= 30.0 * 1.1 and len(a) / 240.0 < 20.0  # the mean gives way to the cap

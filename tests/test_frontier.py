@@ -81,10 +81,10 @@ def test_frontier_interpolation() -> None:
 
 
 def _trace(path) -> str:
-    """A small Azure-format trace: bursts of requests every few seconds."""
+    """A small Azure-format trace: bursts of requests every few seconds for 117 s (longer than a --quick window)."""
     t0 = datetime(2023, 11, 16, 18, 0, 0)
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    for i in range(400):
+    for i in range(1600):
         t = t0 + timedelta(seconds=(i // 40) * 3 + (i % 40) * 0.01)
         rows.append(f"{t:%Y-%m-%d %H:%M:%S}.{t.microsecond:06d}0,100,10")
     path.write_text("\n".join(rows) + "\n")
@@ -99,7 +99,8 @@ def test_cli_writes_the_documented_json(tmp_path) -> None:
     assert rc == 0
     doc = json.loads(out.read_text())
     entries = doc["entries"]
-    assert {e["workload"] for e in entries} == {"wideresnet/cv4", "wideresnet/trace"}
+    windows = {f"wideresnet/trace-{k}" for k in ("busy", "quiet", "step")}
+    assert {e["workload"] for e in entries} == {"wideresnet/cv4", *windows}
     for e in entries:
         assert {"workload", "policy", "mean_ms", "p99_ms", "slo_attainment", "replica_seconds"} <= set(e)
         assert {"1.0", "1.5", "2.0", "3.0"} <= set(e["slo_attainment"])
@@ -108,7 +109,8 @@ def test_cli_writes_the_documented_json(tmp_path) -> None:
     assert "static-4" not in main  # static-k stops at the per-stage cap
     assert {e["policy"] for e in entries if e["table"] == "no-km"} >= {"inferline", "infless", "cocktail"}
     rows = {r["workload"]: r for r in doc["summary"]}
-    assert set(rows) == {"wideresnet/cv4", "wideresnet/trace"}
+    assert all(e["seed"] == 0 for e in entries)
+    assert set(rows) == {"wideresnet/cv4", *windows}
     for r in rows.values():
         assert {"frontier_mean_ms", "quart_over_frontier", "cheaper_baselines", "quart_over_oracle",
                 "targets_met"} <= set(r)
@@ -137,3 +139,37 @@ def test_quart_ablation_runs_every_variant(tmp_path) -> None:
     assert [r["policy"] for r in rows] == ["quart", "-smooth", "-cpu", "-key-placement", "-keysmanager", "pid"]
     by = {r["policy"]: r for r in rows}
     assert by["-keysmanager"]["mean_ms"] > by["quart"]["mean_ms"]  # cold starts instead of forks
+
+
+def test_frontier_over_seeds_and_trace_windows(tmp_path) -> None:
+    """--seeds: every entry carries its seed, the summary has one row per (workload, seed) and over_seeds the mean
+    and worst; --only-trace (and --cvs "") runs the trace's windows, each at its own time scale."""
+    t0 = datetime(2023, 11, 16, 18, 0, 0)
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(600):  # 150 s: bursts every 2 s, quieter after 60 s, busy again after 100 s
+        if 60 <= i // 4 < 100 and i % 4:
+            continue
+        t = t0 + timedelta(seconds=i // 4, milliseconds=(i % 4) * 50)
+        rows.append(f"{t:%Y-%m-%d %H:%M:%S}.{t.microsecond:06d}0,100,10")
+    trace = tmp_path / "trace.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "seeds.json"
+    rc = cli.main(["--experiment", "frontier", "--quick", "--models", "wideresnet", "--cvs", "", "--only-trace",
+                   "--trace", str(trace), "--seeds", "0,1", "--max-replicas", "2", "--workers", "1", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["seeds"] == [0, 1]
+    names = {"wideresnet/trace-busy", "wideresnet/trace-quiet", "wideresnet/trace-step"}
+    assert {e["workload"] for e in doc["entries"]} == names
+    assert {e["seed"] for e in doc["entries"]} == {0, 1}
+    assert {(r["workload"], r["seed"]) for r in doc["summary"]} == {(w, s) for w in names for s in (0, 1)}
+    for agg in doc["over_seeds"]:
+        assert agg["seeds"] == [0, 1]
+        by_seed = [v for v in agg["quart_over_frontier_by_seed"].values() if v is not None]
+        if by_seed:
+            assert agg["quart_over_frontier_worst"] == max(by_seed)
+            assert agg["quart_over_frontier_mean"] == pytest.approx(sum(by_seed) / len(by_seed))
+        assert set(agg["targets_met"]) == {"frontier_mean", "frontier_worst", "oracle_worst", "cheaper_baselines"}
+    assert cli.main(["--experiment", "frontier", "--quick", "--cvs", "", "--no-trace", "--out",
+                     str(tmp_path / "none.json")]) == 2  # no workload: refused, named
+    assert cli.main(["--experiment", "frontier", "--quick", "--seeds", "a,b", "--out", str(tmp_path / "x.json")]) == 2

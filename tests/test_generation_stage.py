@@ -104,6 +104,19 @@ def test_sessions_on_one_replica_run_concurrently_and_stay_apart(models, referen
     assert all(rt.generation.table.used == 0 for rt in runtimes), "the last step frees every session"
 
 
+def test_one_sessions_concurrent_steps_run_one_at_a_time(models):
+    (rt,) = _runtimes(models["opt", 1])
+    assert _post(rt, PROMPT, 0).status == 200
+    statuses: list[int] = []
+    threads = [threading.Thread(target=lambda: statuses.append(_post(rt, [4], len(PROMPT)).status)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(statuses) == [200, 409]  # the second waits for the first, then finds the position taken
+    assert rt.generation.table.held("s") == len(PROMPT) + 1
+
+
 def test_position_mismatch_is_409_and_changes_nothing(models, references):
     (rt,) = _runtimes(models["llama", 1])
     unknown = _post(rt, [1], 5, session="never")

@@ -19,7 +19,9 @@ schema = schemathesis.openapi.from_path(str(SPEC))
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    running = ThreadedSystem(tmp_path_factory.mktemp("openapi"), ready_wait_s=2, async_initial_retry_s=0.05)
+    # the plugin attached, as `quartctl up` runs it: it serves the /v1 generation API the document names
+    running = ThreadedSystem(tmp_path_factory.mktemp("openapi"), attach_plugin=True, ready_wait_s=2,
+                             async_initial_retry_s=0.05)
     res = requests.post(f"{running.url}/system/functions", json={"service": "echo", "image": "quart/echo:latest"},
                         auth=running.auth, timeout=30)
     assert res.status_code == 202, res.text
@@ -32,7 +34,8 @@ def system(tmp_path_factory):
 def test_the_document_names_every_route():
     paths = set(schema.raw_schema["paths"])
     for path in ("/system/functions", "/system/secrets", "/system/logs", "/system/namespaces", "/function/{functionName}",
-                 "/async-function/{functionName}", "/system/scale-function/{functionName}"):
+                 "/async-function/{functionName}", "/system/scale-function/{functionName}", "/v1/models",
+                 "/v1/completions", "/v1/chat/completions"):
         assert path in paths
 
 

@@ -91,6 +91,18 @@ def test_a_backlog_counts_only_when_it_outlasts_the_start_time() -> None:
     assert d.replicas >= 4 and "backlog" in d.reason
 
 
+def test_the_stages_after_a_backlog_are_sized_for_what_it_will_serve() -> None:
+    # a 30-request queue with 1 ready replica: the entry stage asks for more to drain it within 2 starts; the next
+    # stage, asked in the same step, is sized (ρ ≤ 0.95) for the rate the entry stage serves once its new replicas
+    # are ready, not for the one replica ready now (issue 32, the start of BERT CV 8 seed 0)
+    d = quiet().decide(snap(0.0, stage(0, 2.0, 1, queue_len=30), stage(1, 2.0, 1)))
+    up = d.stages[0].replicas
+    assert up >= 4 and "backlog" in d.stages[0].reason
+    assert d.stages[1].replicas >= up and "upstream backlog" in d.stages[1].reason
+    off = quiet(provision={"propagate_backlog": False}).decide(snap(0.0, stage(0, 2.0, 1, queue_len=30), stage(1, 2.0, 1)))
+    assert off.stages[1].replicas < up
+
+
 def test_never_below_busy_replicas_nor_above_the_maximum() -> None:
     policy = quiet(provision={"rate_window_s": 0.5, "peak_window_s": 0.5, "hold_min_s": 0.0, "hold_starts": 0.0})
     assert policy.decide(snap(0.0, stage(0, 500.0, 1))).stages[0].replicas == 12

@@ -344,3 +344,20 @@ def test_stall_stop_cuts_the_slow_tail_without_moving_placements():
     assert max(losses) < 0.05 and np.mean(losses) < 0.005, losses
     assert same >= 0.9 * total, (same, total)
     assert fast_steps < 0.6 * full_steps, (fast_steps, full_steps)
+
+
+def test_a_shortage_is_shared_max_min_fairly_across_stages() -> None:
+    """8 stages of one pipeline ask 7, 6, …, 6 replicas of 40 free slots: each gets 5 (the last forty), none 0 —
+    placed in name order, the later stages would otherwise get what the first ones left (issue 32, seed 1)."""
+    from quart_provider.scheduling.cluster import fair_trim
+
+    hosts = [_host(f"h{i}", cached=[f"s{j}" for j in range(8)]) for i in range(10)]
+    requests = [ReplicaRequest(f"s{j}", 7 if j == 0 else 6, 10, key=True) for j in range(8)]
+    result = make_placer("cache-aware").place(hosts, requests, {})
+    got = Counter(p.function for p in result.placements)
+    assert sum(got.values()) == 40 and set(got.values()) == {5}, got
+    assert {u.function: u.count for u in result.unplaced} == {"s0": 2, **{f"s{j}": 1 for j in range(1, 8)}}
+    trimmed, cut = fair_trim(requests, 100)  # everything fits: unchanged
+    assert trimmed == requests and cut == {}
+    trimmed, cut = fair_trim([ReplicaRequest("a", 1, 1), ReplicaRequest("b", 9, 1)], 6)
+    assert [r.count for r in trimmed] == [1, 5] and cut == {"b": 4}  # a small ask is met whole; the rest shared

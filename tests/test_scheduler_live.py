@@ -79,7 +79,7 @@ def test_gateway_scale_ups_follow_the_cache_aware_placer(tmp_path):
             snap = gateway.scheduler_metrics.snapshot()
             assert snap.key_scale_ups == 2 and snap.key_hits == planned.count("fork")
             assert set(planned) <= set(snap.ready) and all(0 < r.mean_ms < 240_000 for r in snap.ready.values())
-            assert any(key in pinned for pinned, _sole in gateway.reconciler.pins.values())  # keep_cached pinned on a KeysManager
+            assert any(key in pinned for pinned, _sole in gateway.reconciler.starter.pins.values())  # keep_cached pinned on a KeysManager
         finally:
             await system.stop()
 

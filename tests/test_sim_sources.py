@@ -137,14 +137,20 @@ def test_paraserve_borrows_helpers_that_leave_after_consolidation() -> None:
     assert not np.isnan(res.latencies_ms).any()
 
 
-def test_stopping_a_paraserve_replica_before_it_serves_sends_its_helpers_away() -> None:
+def test_a_paraserve_group_is_never_surplus_before_it_consolidates() -> None:
+    """The live rule (quart_provider.convergence): a scale-down while a group loads stops another replica; the
+    group's helpers serve their part and leave only once it has consolidated."""
     cal = Calibration(hosts=8, gpus_per_host=1, service_cv=0.0, h2d_gbps=16.0, disk_gbps=1.25, cold_fixed_s=0.2)
     cfg = SimConfig(model="m", stages=(StageSpec("m-stage-0", 0.05, SIZE),), slo_s=1.0, calibration=cal,
                     hop_s=0.001, queue_cap=10**9, initial_replicas=1, prewarm_hosts=0, drain_s=30.0,
                     start_mechanisms=frozenset({"paraserve"}), paraserve_slo_s=2.5, cache_on_ready=True)
     arrivals = Arrivals(times=np.linspace(0.0, 10.0, 100, endpoint=False), sizes=np.ones(100, dtype=np.int64))
-    res = Simulation(cfg, Scripted([(0.0, 1), (1.0, 2), (1.5, 1)]), arrivals).run()
+    sim = Simulation(cfg, Scripted([(0.0, 1), (1.0, 2), (1.5, 1)]), arrivals)
+    [initial] = sim.stages[0].ready
+    res = sim.run()
     helpers = [r for r in res.launched if r.helper]
-    assert helpers and all(h.state == "gone" and h.ready_at < 0 for h in helpers)  # never served
+    [kept] = [r for r in res.launched if not r.helper]
+    assert initial.state == "gone" and kept.state == "ready"  # the scale-down took the replica outside the group
+    assert helpers and all(h.state == "gone" and h.ready_at > 0 for h in helpers)  # served, then left
     assert all(h.slot.replica is None for h in helpers)  # their GPUs are free again
     assert not np.isnan(res.latencies_ms).any()

@@ -123,3 +123,32 @@ def test_product_modules_are_short_and_hold_no_benchmark(package: str) -> None:
             benches.append(str(path.relative_to(ROOT)))
     assert not long, f"modules over {MAX_LINES} lines: {long}"
     assert not benches, f"benchmarks belong in tools/bench: {benches}"
+
+
+# The embedded gateway itself (registry, reconciler, starter, its HTTP app, its supervisor): the standalone plugin
+# runs beside a real OpenFaaS gateway and needs none of it (issue 26); what it may use of quart_provider is the
+# pure decision kernel (admission, replicaset, balancer's pick, convergence, scheduling) and shared plumbing.
+EMBEDDED_GATEWAY = ("gateway", "registry", "reconciler", "starting", "routes", "handlers_*", "supervisor", "store",
+                    "adopt", "host_health", "keysmanager_host", "paraserve_start", "async_service", "system", "stack")
+
+
+def _reached(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        for nxt in graph.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def test_the_plugin_does_not_import_the_embedded_gateway() -> None:
+    import fnmatch
+
+    graph = _graph()
+    reached = _reached(graph, [m for m in graph if _top(m) == "gateway_plugin"])
+    embedded = [m for m in sorted(reached) if _top(m) == "quart_provider"
+                and any(fnmatch.fnmatch(m.partition(".")[2], pattern) for pattern in EMBEDDED_GATEWAY)]
+    assert not embedded, f"the plugin reaches the embedded gateway: {embedded}"
+    assert "quart_provider.replicaset" in reached  # the check sees the plugin's real imports

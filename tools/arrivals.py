@@ -2,7 +2,8 @@
 
 Pure functions of their arguments (a seed makes them repeatable): Poisson and gamma arrivals with a
 target rate and coefficient of variation (CV), and replay of the Azure LLM inference trace
-(``../shared/traces/AzureLLMInferenceTrace_code.csv``) with time compression or rate scaling. The
+(``../shared/traces/AzureLLMInferenceTrace_code.csv``): the whole trace compressed in time (``replay_trace``), or
+a window of it at its own time scale with the rate matched by thinning or replicating (``trace_window``). The
 load generator, the live policy benchmark and the simulator all draw their arrivals from here, so
 live and simulated runs see the very same request sequence.
 """
@@ -28,6 +29,7 @@ class Arrivals:
     times: np.ndarray  # float64 seconds, ascending, first ≥ 0
     sizes: np.ndarray  # int64 input bytes per request
     tokens: np.ndarray | None = None  # int64 context tokens per request (trace replay only)
+    generated: np.ndarray | None = None  # int64 generated tokens per request (trace replay only)
     kind: str = ""  # "poisson" | "gamma" | "trace"
 
     def __len__(self) -> int:
@@ -167,7 +169,8 @@ def replay_trace(
     ``speedup`` divides every gap (2.0 = twice the rate); ``target_rate`` picks the speed-up that
     gives this mean rate (give at most one of the two; neither = real time). ``start_s`` skips into
     the trace (in trace seconds), ``duration_s`` cuts the replay (in replay seconds); with ``loop``
-    the trace repeats until ``duration_s`` is filled. Sizes are context tokens × ``bytes_per_token``.
+    the trace repeats until ``duration_s`` is filled. Sizes are context tokens × ``bytes_per_token``;
+    ``tokens`` and ``generated`` carry the trace's ContextTokens and GeneratedTokens.
     """
     if speedup is not None and target_rate is not None:
         raise ValueError("give speedup or target_rate, not both")
@@ -182,22 +185,83 @@ def replay_trace(
     keep = trace.offsets_s >= start_s
     offsets = (trace.offsets_s[keep] - start_s) / speedup
     ctx = trace.context_tokens[keep]
+    gen = trace.generated_tokens[keep]
     if len(offsets) == 0:
         raise ValueError(f"start_s={start_s} is past the end of the trace")
     if loop and duration_s is not None:
         span = float(offsets[-1]) + (1.0 / (base_rate * speedup) if base_rate > 0 else 0.0)
         reps = int(np.ceil(duration_s / span)) if span > 0 else 1
         offsets = np.concatenate([offsets + i * span for i in range(reps)])
-        ctx = np.tile(ctx, reps)
+        ctx, gen = np.tile(ctx, reps), np.tile(gen, reps)
     if duration_s is not None:
         cut = offsets < duration_s
-        offsets, ctx = offsets[cut], ctx[cut]
+        offsets, ctx, gen = offsets[cut], ctx[cut], gen[cut]
     return Arrivals(
         times=offsets.astype(np.float64),
         sizes=(ctx * int(bytes_per_token)).astype(np.int64),
         tokens=ctx.astype(np.int64),
+        generated=gen.astype(np.int64),
         kind="trace",
     )
+
+
+TRACE_WINDOWS = ("busy", "quiet", "step")  # the windows `trace_window` picks: most arrivals, fewest, largest rate step
+
+
+def pick_window(trace: Trace, kind: str, duration_s: float, step_s: float = 60.0, min_requests: int = 100) -> float:
+    """Start (trace seconds) of the ``duration_s`` window of the trace that is ``kind``: ``busy`` (most arrivals),
+    ``quiet`` (fewest, among windows with ≥ ``min_requests``), ``step`` (largest change of rate between its halves,
+    relative to its mean). Windows start on a ``step_s`` grid and lie inside the trace."""
+    if kind not in TRACE_WINDOWS:
+        raise ValueError(f"unknown trace window {kind!r}; one of {', '.join(TRACE_WINDOWS)}")
+    span = float(trace.offsets_s[-1]) if len(trace.offsets_s) else 0.0
+    if duration_s <= 0 or duration_s > span:
+        raise ValueError(f"window of {duration_s} s does not fit in the trace ({span:.0f} s)")
+    starts = np.arange(0.0, span - duration_s + 1e-9, step_s)
+    o = trace.offsets_s
+    count = np.searchsorted(o, starts + duration_s) - np.searchsorted(o, starts)
+    if kind == "busy":
+        return float(starts[int(np.argmax(count))])
+    ok = count >= min_requests
+    if not ok.any():
+        raise ValueError(f"no {duration_s} s window of the trace holds {min_requests} requests")
+    if kind == "quiet":
+        return float(starts[ok][int(np.argmin(count[ok]))])
+    half = np.searchsorted(o, starts + duration_s / 2) - np.searchsorted(o, starts)
+    jump = np.where(ok, np.abs((count - half) - half) / np.maximum(count, 1), -1.0)
+    return float(starts[int(np.argmax(jump))])
+
+
+def trace_window(trace: Trace, start_s: float, duration_s: float, target_rate: float, seed: int = 0,
+                 peak_rate: float | None = None, peak_window_s: float = 60.0,
+                 bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN) -> Arrivals:
+    """The trace from ``start_s`` for ``duration_s`` seconds at its own time scale (no compression, no loop), its
+    mean rate matched to ``target_rate`` — or lower, so that no ``peak_window_s`` of it exceeds ``peak_rate`` (a
+    window whose requests come in a few bursts would otherwise ask more than the cluster serves) — by thinning (keep each request with probability scale < 1) or replicating
+    (⌊scale⌋ copies of each, one more with the fractional probability; copies spread uniformly over the gap to the
+    next request, so the local rate is multiplied, not stacked at one instant). Seeded: repeatable."""
+    if target_rate <= 0:
+        raise ValueError(f"target_rate must be positive, got {target_rate}")
+    o = trace.offsets_s
+    keep = (o >= start_s) & (o < start_s + duration_s)
+    t, ctx = o[keep] - start_s, trace.context_tokens[keep]
+    if len(t) < 2:
+        raise ValueError(f"the trace holds {len(t)} request(s) in [{start_s}, {start_s + duration_s}) s")
+    scale = target_rate * duration_s / len(t)
+    if peak_rate is not None:
+        peak = np.bincount((t // peak_window_s).astype(np.int64)).max() / peak_window_s
+        scale = min(scale, peak_rate / peak)
+    rng = np.random.default_rng(seed)
+    copies = np.floor(scale).astype(np.int64) + (rng.random(len(t)) < scale - np.floor(scale))
+    gaps = np.diff(np.append(t, duration_s))
+    idx = np.repeat(np.arange(len(t)), copies)
+    first = np.concatenate([[0], np.cumsum(copies)[:-1]])
+    is_copy = np.arange(len(idx)) != np.repeat(first, copies)  # the first copy keeps the trace's time
+    times = t[idx] + np.where(is_copy, rng.random(len(idx)) * gaps[idx], 0.0)
+    order = np.argsort(times, kind="stable")
+    times, tokens = times[order], ctx[idx][order]
+    return Arrivals(times=times.astype(np.float64), sizes=(tokens * int(bytes_per_token)).astype(np.int64),
+                    tokens=tokens.astype(np.int64), kind="trace")
 
 
 def make_arrivals(

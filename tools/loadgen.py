@@ -5,6 +5,8 @@ next send never waits for a response. One aiohttp session with keep-alive and a 
 the load, on uvloop. Each request yields a record (intended and actual send time, status, latency,
 the per-stage timings the pipeline reports in ``X-Quart-*-Ms`` response headers) and every request
 ends with a status or an explicit client-side error (timeout, connection error, run-time bound).
+With ``--generate`` the requests are streamed generations (:mod:`quart_tools.genload`) and the records
+also carry each stream's tokens, TTFT and TPOT.
 
 Library use (the live policy benchmark): ``generate_load(url, arrivals, ...) -> LoadResult``.
 """
@@ -26,6 +28,13 @@ import aiohttp
 import numpy as np
 import uvloop
 from quart_tools.arrivals import DEFAULT_BYTES_PER_TOKEN, Arrivals, make_arrivals
+from quart_tools.genload import (
+    GenerationWorkload,
+    generation_stats,
+    make_workload,
+    read_stream,
+    records_generation,
+)
 from tqdm import tqdm
 
 STAGE_HEADER_PREFIX = "x-quart-"
@@ -46,6 +55,12 @@ class RequestRecord:
     size_bytes: int
     error: str | None = None  # client-side failure, in words
     stages: dict[str, float] = field(default_factory=dict)  # X-Quart-*-Ms response headers
+    # generation loads only (quart_tools.genload): asked-for lengths, tokens streamed, client-side times
+    prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    tokens: int | None = None
+    ttft_ms: float | None = None  # send → first token event
+    tpot_ms: float | None = None  # mean time between the later tokens
 
     @property
     def send_error_ms(self) -> float:
@@ -53,7 +68,8 @@ class RequestRecord:
 
     @property
     def ok(self) -> bool:
-        return 200 <= self.status < 300
+        """A 2xx answer, and for a stream no error event."""
+        return 200 <= self.status < 300 and self.error is None
 
 
 @dataclass
@@ -142,12 +158,17 @@ async def run_load(
     body: Callable[[int], tuple[bytes, str]] | None = None,
     headers: dict[str, str] | None = None,
     progress: bool | None = None,
+    generation: GenerationWorkload | None = None,
 ) -> LoadResult:
     """Send ``arrivals`` to ``url`` open loop and return one record per request.
 
-    ``timeout_s`` bounds each request; ``max_run_s`` bounds the whole run (default: schedule span +
-    timeout_s): requests still open then are cancelled and recorded with an error.
+    ``timeout_s`` bounds each request (a whole stream included); ``max_run_s`` bounds the whole run
+    (default: schedule span + timeout_s): requests still open then are cancelled and recorded with an
+    error. With ``generation`` each request is that workload's streamed body and its record carries the
+    stream's tokens, TTFT and TPOT.
     """
+    if generation is not None and len(generation) != len(arrivals):
+        raise ValueError(f"the workload has {len(generation)} requests, the arrivals {len(arrivals)}")
     body = body or body_maker("bytes")
     extra_headers = dict(headers or {})
     n = len(arrivals)
@@ -187,13 +208,18 @@ async def run_load(
     t0 = time.perf_counter() + START_LEAD_S
 
     async def one(i: int) -> None:
-        data, ctype = body(sizes[i])
+        data, ctype = body(sizes[i]) if generation is None else generation.request(i)
         hdrs = {"Content-Type": ctype, **extra_headers}
         attempt = time.perf_counter()
-        status, error, stages, done = 0, None, {}, math.nan
+        status, error, stages, done, timing = 0, None, {}, math.nan, None
         try:
             async with session.post(url, data=data, headers=hdrs, trace_request_ctx=i) as resp:
-                await resp.read()
+                if generation is not None and resp.status == 200:
+                    sent = sent_at[i] if not math.isnan(sent_at[i]) else attempt
+                    timing = await read_stream(resp.content, generation.door, sent)
+                    error = timing.error
+                else:
+                    await resp.read()
                 done = time.perf_counter()
                 status = resp.status
                 stages = parse_stage_headers(resp.headers)
@@ -214,6 +240,11 @@ async def run_load(
             error=error,
             stages=stages,
         )
+        if generation is not None:
+            rec = records[i]
+            rec.prompt_tokens, rec.max_tokens = int(generation.prompt_tokens[i]), int(generation.max_tokens[i])
+            if timing is not None:
+                rec.tokens, rec.ttft_ms, rec.tpot_ms = timing.tokens, timing.ttft_ms, timing.tpot_ms
         bar.update(1)
 
     tasks: set[asyncio.Task] = set()
@@ -262,7 +293,7 @@ def write_records(records: list[RequestRecord], path: str | Path) -> None:
     with open(path, "w") as fh:
         for rec in records:
             row = asdict(rec)
-            for key in ("sent_s", "latency_ms"):
+            for key in ("sent_s", "latency_ms", "ttft_ms", "tpot_ms"):
                 if isinstance(row[key], float) and math.isnan(row[key]):
                     row[key] = None
             fh.write(json.dumps(row, separators=(",", ":")) + "\n")
@@ -301,6 +332,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=int, default=None, help="connector size (default: the file-descriptor limit; open loop never waits for a socket)")
     p.add_argument("--header", action="append", default=[], help="extra header NAME:VALUE (repeatable)")
     p.add_argument("--out", default="records.jsonl", help="JSONL file of per-request records")
+    g = p.add_argument_group("generation (streamed /v1/completions or /function/<model> bodies; docs/loadgen.md)")
+    g.add_argument("--generate", action="store_true", help="send streamed generation requests, record TTFT/TPOT")
+    g.add_argument("--model", default="", help="model name for /v1/completions (default for /function: from the URL)")
+    g.add_argument("--token-scale", type=float, default=1.0, help="multiply the trace's token counts by this")
+    g.add_argument("--output-scale", type=float, default=None, help="multiply its output counts by this instead")
+    g.add_argument("--max-context", type=int, default=2048, help="cap on prompt + output tokens")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="cap on output tokens")
+    g.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for poisson/gamma arrivals")
+    g.add_argument("--new-tokens", type=int, default=32, help="output length for poisson/gamma arrivals")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     return p
 
 
@@ -317,17 +358,26 @@ def main(argv: list[str]) -> int:
         arrivals = make_arrivals(args.arrivals, args.rate, args.duration, cv=args.cv, seed=args.seed,
                                  input_bytes=args.input_bytes, trace_path=args.trace, speedup=args.speedup,
                                  bytes_per_token=args.bytes_per_token)
+        workload = None if not args.generate else make_workload(
+            args.url, arrivals, model=args.model, scale=args.token_scale, output_scale=args.output_scale, max_context=args.max_context,
+            max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+            temperature=args.temperature)
     except (ValueError, FileNotFoundError) as exc:
         print(f"quartctl load: {exc}", file=sys.stderr)
         return 2
     result = generate_load(args.url, arrivals, timeout_s=args.timeout, max_run_s=args.max_run,
                            connections=args.connections, headers=headers,
-                           body=body_maker(args.body, args.bytes_per_token))
+                           body=body_maker(args.body, args.bytes_per_token), generation=workload)
     write_records(result.records, args.out)
     ok = sum(r.ok for r in result.records)
     err = result.send_error_ms()
     err = err[~np.isnan(err)]
     p99 = float(np.percentile(err, 99)) if len(err) else math.nan
-    print(json.dumps({"requests": len(result.records), "ok": ok, "rps": round(result.achieved_rps(), 1),
-                      "send_error_p99_ms": round(p99, 3), "records": str(args.out)}))
+    summary = {"requests": len(result.records), "ok": ok, "rps": round(result.achieved_rps(), 1),
+               "send_error_p99_ms": round(p99, 3), "records": str(args.out)}
+    if workload is not None:
+        stats = generation_stats(*records_generation(result.records))
+        summary.update({k: None if math.isnan(stats[k]) else round(stats[k], 3)
+                        for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")})
+    print(json.dumps(summary))
     return 0

@@ -66,7 +66,7 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=None, help="simulated hosts, one KeysManager each (default 1)")
     p.add_argument("--gpus-per-host", type=int, default=None, help="replica slots per host (default 4)")
     p.add_argument("--host-memory", type=_memory, default=None, help="parameter cache per host, e.g. 8Gi (default 8Gi)")
-    p.add_argument("--placer", default=None, help="replica placer: first-fit | cache-aware (default first-fit)")
+    p.add_argument("--placer", default=None, help="replica placer: cache-aware | first-fit (default cache-aware)")
     p.add_argument("--network", choices=NETWORKS, default=None,
                    help="loopback (default): KeysManagers on Unix sockets, replicas on 127.0.0.1; netns: each "
                         "host a network namespace on a bridge, KeysManager on TCP with a token (needs root)")

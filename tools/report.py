@@ -3,7 +3,8 @@
 The computation functions are pure (arrays in, numbers out) so the live policy benchmark and the
 simulator build their reports with exactly the same math. One report entry per policy carries the
 keys ``policy, mean_ms, p50_ms, p75_ms, p99_ms, slo_attainment {"1.0".."3.0"}, goodput_rps,
-replica_seconds, queue_mean_by_stage`` (plus ``cv_by_stage`` and counts when known).
+replica_seconds, queue_mean_by_stage`` (plus ``cv_by_stage`` and counts when known); generation records
+add ``generation`` (TTFT/TPOT p50/p90/p99 and SLO attainment, :func:`generation_stats`).
 
 Time series (replicas and queue per stage over time) are samples ``{t, stage, replicas, queue}``;
 a sample holds until the next one of the same stage (a step function).
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from quart_tools.genload import generation_stats, records_generation
 
 SLO_MULTIPLIERS: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0)
 GOODPUT_SLO_MULTIPLIER = 1.5  # goodput counts requests within 1.5× the profiled time by default
@@ -177,7 +179,7 @@ def json_safe(value):
 
 def records_latencies(records) -> tuple[np.ndarray, np.ndarray, int]:
     """(latency_ms with NaN for failures and non-2xx, intended send times, count) from loadgen records."""
-    lat = np.array([r.latency_ms if 200 <= r.status < 300 else math.nan for r in records], dtype=np.float64)
+    lat = np.array([r.latency_ms if r.ok else math.nan for r in records], dtype=np.float64)
     sent = np.array([r.intended_s for r in records], dtype=np.float64)
     return lat, sent, len(records)
 
@@ -220,6 +222,35 @@ def plot_latency_cdf(latencies_by_policy: Mapping[str, np.ndarray], path: str | 
     ax.set_ylabel("fraction of completed requests")
     ax.set_title(title)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_generation_cdf(by_policy: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
+                        ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> None:
+    """Two panels: the CDF of TTFT and of TPOT per policy, SLOs as vertical lines."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for idx, (label, slo) in enumerate((("TTFT", ttft_slo_ms), ("TPOT", tpot_slo_ms))):
+        ax = axes[idx]
+        for name, pair in by_policy.items():
+            vals = np.sort(pair[idx][~np.isnan(pair[idx])])
+            if len(vals):
+                ax.plot(vals, np.arange(1, len(vals) + 1) / len(vals), label=name)
+        if slo:
+            ax.axvline(slo, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("fraction of streams")
+        ax.set_title(f"{label} CDF")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -290,6 +321,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--goodput-slo", type=float, default=GOODPUT_SLO_MULTIPLIER, help="SLO multiple for goodput")
     p.add_argument("--out", default=None, help="report JSON (default stdout)")
     p.add_argument("--plots", default=None, help="folder for PNG plots")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="generation records: TTFT SLO (ms)")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="generation records: TPOT SLO (ms)")
     args = p.parse_args(argv)
 
     from quart_tools.loadgen import read_records
@@ -300,7 +333,7 @@ def main(argv: list[str]) -> int:
         for item in args.timeseries:
             name, sep, path = item.rpartition("=")
             series[name if sep else ""] = load_samples(path)
-        entries, lat_by_policy = [], {}
+        entries, lat_by_policy, gen_by_policy = [], {}, {}
         for item in args.records:
             name, sep, path = item.rpartition("=")
             name = name if sep else Path(path).stem
@@ -313,6 +346,10 @@ def main(argv: list[str]) -> int:
             entries.append(build_report(name, lat, profiled, duration, n_total=total, samples=samples,
                                         goodput_multiplier=args.goodput_slo))
             lat_by_policy[name] = lat
+            gen = records_generation(records)
+            if gen is not None:
+                entries[-1]["generation"] = generation_stats(*gen, args.ttft_slo_ms, args.tpot_slo_ms)
+                gen_by_policy[name] = (np.where(gen[2], gen[0], math.nan), np.where(gen[2], gen[1], math.nan))
             if args.plots:
                 Path(args.plots).mkdir(parents=True, exist_ok=True)
                 plot_arrivals(sent, Path(args.plots) / f"arrivals-{name}.png", title=f"Arrivals ({name})")
@@ -320,6 +357,9 @@ def main(argv: list[str]) -> int:
                     plot_stage_series(samples, Path(args.plots) / f"stages-{name}.png", title=name)
         if args.plots:
             plot_latency_cdf(lat_by_policy, Path(args.plots) / "latency-cdf.png", profiled)
+            if gen_by_policy:
+                plot_generation_cdf(gen_by_policy, Path(args.plots) / "ttft-tpot-cdf.png", args.ttft_slo_ms,
+                                    args.tpot_slo_ms)
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
         print(f"quartctl report: {exc}", file=sys.stderr)
         return 2

@@ -140,8 +140,9 @@ class Provisioner:
             backlog = math.ceil((rate + stage.queue_len / drain_within) / stage.service_rate - 1e-9)
             if backlog > servers:
                 servers, reason = backlog, reason + f" backlog {stage.queue_len}"
-                # it leaves at what is ready to serve now (the new replicas' share follows once they are ready)
-                release = min(servers, servers_of(stage, stage.replicas)) * stage.service_rate
+                # it leaves at what this stage will serve once the replicas asked for now are ready: the next
+                # stages' replicas, asked in the same step, are ready then too
+                release = servers * stage.service_rate
         demand = min(stage.max_replicas, max(stage.min_replicas, math.ceil(servers / per)))
         delay = mmc_delay(rate, stage.service_rate, servers_of(stage, max(current, 0)))
         error = cfg_error(delay, target, self.correct.error_cap)

@@ -100,3 +100,30 @@ def merge_requests(requests: Iterable[ReplicaRequest]) -> list[ReplicaRequest]:
         else:
             merged[r.function] = r
     return list(merged.values())
+
+
+def fair_trim(requests: list[ReplicaRequest], free_slots: int) -> tuple[list[ReplicaRequest], dict[str, int]]:
+    """When the asks exceed the free GPU slots: max-min fair shares of the slots (each function gets an equal share,
+    capped at its ask; the rest of the slots shared again; a remainder one each in request order), so that no
+    function is starved by the ones placed before it (a pipeline runs at its slowest stage's rate). Returns the
+    trimmed requests and what was cut per function (the caller reports it unplaced). Unchanged when all fit."""
+    asked = sum(r.count for r in requests)
+    if asked <= free_slots:
+        return list(requests), {}
+    share = {r.function: 0 for r in requests}
+    left, open_ = max(0, free_slots), [r for r in requests]
+    while left > 0 and open_:
+        each = left // len(open_)
+        if each == 0:  # fewer slots than open asks: one each, in request order
+            for r in open_[:left]:
+                share[r.function] += 1
+            break
+        for r in open_:
+            give = min(each, r.count - share[r.function])
+            share[r.function] += give
+            left -= give
+        open_ = [r for r in open_ if share[r.function] < r.count]
+    trimmed = [ReplicaRequest(r.function, share[r.function], r.param_bytes, r.key) for r in requests
+               if share[r.function] > 0]
+    cut = {r.function: r.count - share[r.function] for r in requests if r.count > share[r.function]}
+    return trimmed, cut

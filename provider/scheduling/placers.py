@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from quart_provider.scheduling.cluster import Batch, HostState, merge_requests
+from quart_provider.scheduling.cluster import Batch, HostState, fair_trim, merge_requests
 from quart_provider.scheduling.config import SchedulerConfig
 from quart_provider.scheduling.dispersion import DispersionProblem, disperse, round_expected
 from quart_provider.scheduling.types import HostView, ReplicaRequest, ScheduleResult
@@ -152,10 +152,13 @@ class CacheAwarePlacer:
         states = sorted(_states(hosts), key=lambda h: h.name)  # input order must not matter
         merged = merge_requests(requests)
         keys = {r.function for r in merged if r.key} | {f for f, n in history.items() if n > 0}
-        # Key stages first (most scaled-up first), so they get the emptiest hosts; then the rest, densely.
-        key_reqs = sorted((r for r in merged if r.function in keys), key=lambda r: (-history.get(r.function, 0), r.function))
-        other_reqs = [r for r in merged if r.function not in keys]
         level = contention(hosts, merged)
+        # More asked than there are free slots: every function its max-min fair share first, not whoever is placed
+        # first; what is cut goes to slots no share could use (a stage that fits nowhere else), else stays unplaced.
+        asks, cut = fair_trim(merged, sum(h.gpu_free for h in states))
+        # Key stages first (most scaled-up first), so they get the emptiest hosts; then the rest, densely.
+        key_reqs = sorted((r for r in asks if r.function in keys), key=lambda r: (-history.get(r.function, 0), r.function))
+        other_reqs = [r for r in asks if r.function not in keys]
         batch = Batch()
         kl_history: tuple[float, ...] = ()
         dispersed = bool(key_reqs) and level >= self.config.contention_threshold and len(states) > 1
@@ -166,6 +169,10 @@ class CacheAwarePlacer:
                 self._greedy(states, req, keys, batch)
         for req in other_reqs:
             self._greedy(states, req, keys, batch)
+        for req in merged:
+            if cut.get(req.function):
+                self._greedy(states, ReplicaRequest(req.function, cut[req.function], req.param_bytes, req.key), keys,
+                             batch)
         keep = sorted({(f, h.name) for h in states for f in h.cached & keys})
         return ScheduleResult(
             placements=tuple(batch.placements),

@@ -39,7 +39,8 @@ class StartPhases:
         """Stamp each host's start (asked, answered), the chain multicast (begun, told) and ready replicas."""
         for host in hosts:
             host.start = self._timed_start(host.name, host.start)
-        multicast, replica_ready = reconciler._multicast, reconciler._replica_ready
+        starter = reconciler.starter
+        multicast, replica_ready = starter._multicast, starter._replica_ready
 
         @functools.wraps(multicast)
         async def timed_multicast(fn, names):
@@ -55,7 +56,7 @@ class StartPhases:
                 self.ready.setdefault(endpoint.id, self._ms())
             replica_ready(fn, endpoint)
 
-        reconciler._multicast, reconciler._replica_ready = timed_multicast, timed_ready
+        starter._multicast, starter._replica_ready = timed_multicast, timed_ready
 
     def _timed_start(self, name: str, start):
         @functools.wraps(start)

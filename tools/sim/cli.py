@@ -4,7 +4,8 @@
     quartctl simulate --experiment fig7 --out fig7.json                             # CV sweep
     quartctl simulate --experiment fig6|fig2|ablations|all --out FILE [--plots DIR]
     quartctl simulate --experiment frontier --out FILE [--plots DIR] [--quick]    # equal cost (issue 15)
-    quartctl simulate --experiment quart-ablation --out FILE [--reuse FRONTIER]   # QUART's parts one at a time
+    quartctl simulate --experiment frontier --seeds 0,1,2,3,4 [--only-trace] ...  # mean and worst over seeds
+    quartctl simulate --experiment ablation --out FILE [--reuse FRONTIER]         # QUART's parts one at a time
     quartctl simulate --experiment blitzscale --out FILE [--plots DIR]            # start modes (issues 16, 17)
 """
 
@@ -22,7 +23,8 @@ from quart_tools.sim import experiments as ex
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
 DEFAULT_LOAD = 0.4  # mean rate as a fraction of what the whole cluster sustains for the model
-EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "quart-ablation", "blitzscale", "all")
+EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "quart-ablation", "ablation", "blitzscale",
+               "all")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                         "kept, only QUART and the oracle run again")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV for fig6 / --arrivals trace")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None,
+                   help="frontier, quart-ablation: seeds (comma list, e.g. 0,1,2,3,4); entries carry their seed and "
+                        "the summary gives mean and worst per workload (default: --seed)")
+    p.add_argument("--only-trace", action="store_true", help="frontier, quart-ablation: the trace workloads alone")
     p.add_argument("--quart-config", default="",
                    help="JSON settings for QUART's make_policy (diagnostics, e.g. a shorter cooldown)")
     p.add_argument("--max-replicas", type=int, default=0,
@@ -109,7 +115,7 @@ def _systems(args, default) -> list[str]:
 
 def _fig7(args, cal: Calibration) -> dict:
     models = [m.strip() for m in args.models.split(",")]
-    cvs = [float(c) for c in args.cvs.split(",")]
+    cvs = _floats(args.cvs)
     specs = ex.fig7_specs(models, cvs, _systems(args, ex.FIG7_SYSTEMS), args.duration, args.load, cal, args.seed,
                           args.quart_config, _overrides(args))
     entries = ex.run_many(specs, args.workers, "fig7")
@@ -150,15 +156,46 @@ def _ablations(args, cal: Calibration) -> dict:
             "entries": entries, "table": {"trace": ex.ablation_table(trace), "cv4": ex.ablation_table(cv4)}}
 
 
+def _floats(text: str) -> list[float]:
+    """A comma list of numbers; "" is the empty list."""
+    try:
+        return [float(c) for c in text.split(",") if c.strip()]
+    except ValueError as exc:
+        raise ValueError(f"expected a comma list of numbers, got {text!r}") from exc
+
+
+def _seeds(args) -> list[int]:
+    if args.seeds is None:
+        return [args.seed]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError as exc:
+        raise ValueError(f"--seeds: expected a comma list of integers, got {args.seeds!r}") from exc
+    if not seeds:
+        raise ValueError("--seeds: give at least one seed")
+    return seeds
+
+
+def _workload_args(args) -> tuple[list[str], list[float], str | None]:
+    """Models, gamma CVs and the trace path (None: no trace workload) of frontier / quart-ablation."""
+    models = [m.strip() for m in args.models.split(",")]
+    cvs = [] if args.only_trace else _floats(args.cvs)
+    if args.only_trace and args.no_trace:
+        raise ValueError("--only-trace and --no-trace exclude each other")
+    trace = None if args.no_trace else args.trace
+    if not cvs and trace is None:
+        raise ValueError("no workload: give --cvs or a trace")
+    return models, cvs, trace
+
+
 def _frontier(args, cal: Calibration) -> dict:
     from quart_tools.sim.frontier import QUICK_DURATION_S, run_frontier
 
-    models = [m.strip() for m in args.models.split(",")]
-    cvs = [float(c) for c in args.cvs.split(",")]
+    models, cvs, trace = _workload_args(args)
+    seeds = _seeds(args)
     duration = QUICK_DURATION_S if args.quick else args.duration
-    trace = None if args.no_trace else args.trace
     config = {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
-              "seed": args.seed, "max_replicas": args.max_replicas}
+              "seeds": seeds, "max_replicas": args.max_replicas}
     reuse = None
     if args.reuse:
         with open(args.reuse, encoding="utf-8") as f:
@@ -166,7 +203,7 @@ def _frontier(args, cal: Calibration) -> dict:
         if earlier.get("config") != config:
             raise ValueError(f"--reuse {args.reuse}: its config {earlier.get('config')} is not this run's {config}")
         reuse = earlier["entries"]
-    doc = run_frontier(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, _overrides(args), reuse)
+    doc = run_frontier(models, cvs, duration, args.load, cal, trace, seeds, args.workers, _overrides(args), reuse)
     if args.plots:
         from quart_tools.sim.frontier_plots import plot_frontier
 
@@ -178,18 +215,17 @@ def _quart_ablation(args, cal: Calibration) -> dict:
     from quart_tools.sim.frontier import QUICK_DURATION_S
     from quart_tools.sim.quart_ablation import run_ablation
 
-    models = [m.strip() for m in args.models.split(",")]
-    cvs = [float(c) for c in args.cvs.split(",")]
+    models, cvs, trace = _workload_args(args)
+    seeds = _seeds(args)
     duration = QUICK_DURATION_S if args.quick else args.duration
-    trace = None if args.no_trace else args.trace
     frontier = None
     if args.reuse:  # a frontier document: the rows read the static frontier at each variant's cost
         with open(args.reuse, encoding="utf-8") as f:
             frontier = json.load(f)["entries"]
-    doc = run_ablation(models, cvs, duration, args.load, cal, trace, args.seed, args.workers, frontier,
+    doc = run_ablation(models, cvs, duration, args.load, cal, trace, seeds, args.workers, frontier,
                        _overrides(args))
     return {"experiment": "quart-ablation", "config": {"models": models, "cvs": cvs, "trace": trace,
-                                                       "duration_s": duration, "load": args.load, "seed": args.seed},
+                                                       "duration_s": duration, "load": args.load, "seeds": seeds},
             **doc}
 
 
@@ -230,7 +266,7 @@ def main(argv: list[str]) -> int:
             doc = _ablations(args, cal)
         elif args.experiment == "frontier":
             doc = _frontier(args, cal)
-        elif args.experiment == "quart-ablation":
+        elif args.experiment in ("quart-ablation", "ablation"):
             doc = _quart_ablation(args, cal)
         elif args.experiment == "blitzscale":
             doc = _blitzscale(args, cal)

@@ -3,15 +3,18 @@
 One request walks the pipeline's stages; each stage has one FIFO queue (the router's) and dispatches
 to a free replica slot. Service times are the stage's profiled time × the CPU effect × a gamma draw;
 the draws are per (request, stage), so every policy sees the same request sizes (common random
-numbers). Every ``control_period_s`` the live `gateway_plugin.controller.Controller` takes a step over
-this simulated platform (it is the controller's Inventory, QueueView and, through `SimActuator`, its
-Actuator): the same snapshot builder over the live sliding-window metrics, the same policy, the same
-bounds. What follows a decision is the live provider's rules (`quart_provider.replicaset`): the
-shortfall goes to the placer (`quart_provider.scheduling`), the surplus choice stops the same replicas,
-a CPU change is a rolling update that drops the stage's cached zygotes, the ask → ready estimate is the
-same moving average. New replicas are ready after the delay of their source (gpu / fork / cold; with
-``start_mechanisms`` also peer / multicast / live / paraserve: `quart_tools.sim.starting`).
-Requests are admitted or refused (429) only at the pipeline's entry, as by the live router.
+numbers). Every ``control_period_s`` the live `gateway_plugin.controller.Controller` decides over this
+simulated platform (it is the controller's Inventory and QueueView; `Controller.decide` is synchronous,
+its changes are applied here as the embedded gateway's registry applies them): the same snapshot builder
+over the live sliding-window metrics, the same policy, the same bounds (`replicaset.within_bounds`).
+What follows a decision is the live reconciler's one convergence (`quart_provider.convergence.converge`)
+over this platform's view (functions, replicas, ParaServe groups, hosts): the shortfall goes to the
+placer, each placement starts by the live start rule (`plan_starts`), the surplus choice stops the same
+replicas, a rolling update retires the previous generation. What stays here is the data plane and time:
+a CPU change drops the stage's cached zygotes, new replicas are ready after the delay of their mechanism
+(gpu / fork / cold; with ``start_mechanisms`` also peer / multicast / live / paraserve:
+`quart_tools.sim.starting`), the ask → ready estimate is the same moving average. Requests are admitted
+or refused (429) only at the pipeline's entry, as by the live router.
 
 ``whole_model=True`` serves the model as one function (INFless as the paper ran it): a request holds
 one replica of every stage for the whole model's time, no pipelining (`quart_tools.sim.wholemodel`).
@@ -24,19 +27,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import replace
 
 import numpy as np
 from gateway_plugin.config import PluginConfig
-from gateway_plugin.controller import Controller
+from gateway_plugin.controller import Change, Controller
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.snapshot_builder import StageState
-from quart_provider.replicaset import (
-    choose_surplus,
-    note_key_scale,
-    rollover_done,
-    shortfall,
-)
+from quart_provider.convergence import Convergence, FunctionView, PlatformView, ReplicaView, converge
+from quart_provider.replicaset import note_key_scale, within_bounds
 from quart_provider.scheduling import ReplicaRequest, SchedulerConfig, make_placer
 from quart_tools.arrivals import Arrivals
 from quart_tools.report import StageSample
@@ -46,11 +44,12 @@ from quart_tools.sim.state import Replica, SimConfig, SimResult, StageSpec, _Sta
 from quart_tools.sim.wholemodel import WholeModelFlow
 
 _COMPLETE, _READY, _CONTROL, _RECONCILE = 0, 1, 2, 3
-__all__ = ["SimActuator", "SimConfig", "SimResult", "Simulation", "StageSpec", "drive"]
+__all__ = ["SimActuator", "SimConfig", "SimResult", "Simulation", "StageSpec"]
 
 
 class SimActuator:
-    """The controller's actuator on the simulated platform: the embedded gateway's scale / update_limits."""
+    """The controller's actuator on the simulated platform (for `Controller.step`; the run itself applies
+    `Controller.decide`'s changes directly, on simulated time)."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
@@ -60,16 +59,6 @@ class SimActuator:
 
     async def set_cpus(self, function: str, cpus: float) -> None:
         self.sim.set_cpus(function, cpus)
-
-
-def drive(coro):
-    """Run a coroutine that never suspends (the simulated actuator answers at once); returns its result."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise RuntimeError("a simulated control step suspended: the simulated platform must answer at once")
 
 
 class Simulation(StartsMixin, WholeModelFlow):
@@ -249,19 +238,26 @@ class Simulation(StartsMixin, WholeModelFlow):
         if self.cfg.record_series:
             for st in self.stages:
                 self.samples.append(StageSample(now, st.index, len(st.ready) + len(st.starting), len(st.queue)))
-        decision = drive(self.controller.step())[self.cfg.model]
-        if self.controller.errors:
-            raise RuntimeError(f"the simulated actuator failed {self.controller.errors} time(s); see the log")
+        decisions, changes = self.controller.decide()
+        self.apply(changes)
+        decision = decisions[self.cfg.model]
         if decision.key_stages:
             self.decisions.append((now, tuple(sorted(decision.key_stages))))
             for i in decision.key_stages:
                 self.key_counts[i] = self.key_counts.get(i, 0) + 1
         self._converge(now)
 
-    # The embedded gateway's scale / update_limits (EmbeddedGateway.scale, .update_limits), on simulated time.
+    def apply(self, changes: list[Change]) -> None:
+        """The controller's changes, as the embedded gateway applies them (`EmbeddedGateway.scale`, `.update_limits`)."""
+        for change in changes:
+            if change.replicas is not None:
+                self.scale(change.function, change.replicas, change.key)
+            if change.cpus is not None:
+                self.set_cpus(change.function, change.cpus)
+
     def scale(self, function: str, replicas: int, key: bool = False) -> None:
         st = self.stage_by_fn[function]
-        applied = min(replicas, self.max_replicas)  # the gateway clamps to com.openfaas.scale.max
+        applied = within_bounds(replicas, self.max_replicas)  # the registry's rule (com.openfaas.scale.max)
         note_key_scale(self.key_history, function, st.desired, applied, key)
         st.desired = applied
 
@@ -273,24 +269,31 @@ class Simulation(StartsMixin, WholeModelFlow):
         for host in self.hosts:
             host.invalidate(function)
 
-    def _converge(self, now: float) -> None:
-        """The gateway's reconcile (quart_provider.replicaset): ask the placer for the shortfall, stop the
-        surplus, retire a previous generation once the new one is ready."""
-        requests = []
+    def view(self, now: float) -> PlatformView:
+        """This platform as the one convergence reads it (the live reconciler's `Reconciler.view`)."""
+        functions = []
         for st in self.stages:
-            current = [r for r in st.current() if r.generation == st.generation]
-            missing = shortfall(st.desired, len(current))
-            if missing:
-                requests.append(ReplicaRequest(st.function, missing, st.spec.param_bytes,
-                                               st.function in self.key_history))
-            for rep in choose_surplus(current, st.desired):
-                self._stop(st, rep, now)
-            old = [r for r in st.current() if r.generation != st.generation]
-            if old and rollover_done(sum(1 for r in current if r.state == "ready"), st.desired):
-                for rep in old:
-                    self._stop(st, rep, now)
-        if requests:
-            self._scale_up(requests, now)
+            current = st.current()
+            protected = frozenset(str(r.id) for r in current if r.group is not None and any(
+                m.consolidated_at < 0 and m.state in ("starting", "ready") for m in r.group))
+            functions.append(FunctionView(
+                st.function, st.desired, st.generation,
+                tuple(ReplicaView(str(r.id), r.state, r.generation, r.in_flight, r.started_at) for r in current),
+                0, 0.0, protected, st.spec.param_bytes, st.function in self.key_history, len(st.ready)))
+        return PlatformView(now, tuple(functions), tuple(h.view() for h in self.hosts), dict(self.key_history),
+                            self.cfg.start_mechanisms)
+
+    def _converge(self, now: float) -> Convergence:
+        """The gateway's reconcile: the one convergence's actions, carried out on this platform."""
+        plan = converge(self.view(now), self.placer, self._paraserve_parts)
+        by_id = {str(r.id): r for st in self.stages for r in st.current()}
+        for action in plan.actions:
+            rep = by_id.get(action.replica) if action.replica else None
+            if rep is not None:  # stop / drain / retire
+                self._stop(self.stage_by_fn[action.function], rep, now)
+        if plan.schedule is not None:
+            self._scale_up(plan, now)
+        return plan
 
     def _stop(self, st: _Stage, rep: Replica, now: float) -> None:
         """Drain and stop one replica: at once if it serves nothing, after its request otherwise."""
@@ -318,29 +321,18 @@ class Simulation(StartsMixin, WholeModelFlow):
             self._reconcile_due = True
             self._push(now + self.cfg.reconcile_s, _RECONCILE, None)
 
-    def _scale_up(self, requests: list[ReplicaRequest], now: float) -> None:
-        result = self.placer.place([h.view() for h in self.hosts], requests, dict(self.key_history))
+    def _scale_up(self, plan: Convergence, now: float) -> None:
+        result = plan.schedule
+        assert result is not None
         for host in self.hosts:  # keep_cached is binding, as the live gateway pins it on each KeysManager
             host.pinned = frozenset(f for f, h in result.keep_cached if h == host.name)
-        if self.cfg.start_mechanisms:
-            self._scale_up_sources(result.placements, now)
-            result = replace(result, placements=())
-        by_fn = {s.function: s for s in self.stages}
-        for p in result.placements:
-            stage, host = by_fn[p.function], self.host_by_name[p.host]
+        for action in plan.starts:
+            start = action.plan
+            assert start is not None
+            host = self.host_by_name[start.host]
             if host.gpu_used >= host.gpus:
                 continue  # defensive: a placer must not overfill a host
-            source = "fork" if host.is_cached(stage.function) else "cold"
-            rep = self._new_replica(stage, host, source, now)
-            if rep.source == "cold" and not self.cfg.cache_on_ready:
-                host.cache_stage(stage.function, stage.spec.param_bytes, now)
-            else:
-                host.touch(stage.function, now)
-            delay = self.cal.ready_s(rep.source, stage.spec.param_bytes)
-            self.starts_by_source[rep.source] += 1
-            self.launched.append(rep)
-            stage.starting.append(rep)
-            self._push(now + delay, _READY, rep)
+            self._launch(self.stage_by_fn[action.function], host, start.mode, now, start)
         if result.unplaced and not self._reconcile_due and self.cfg.reconcile_s > 0:
             self._reconcile_due = True
             self._push(now + self.cfg.reconcile_s, _RECONCILE, None)

@@ -17,7 +17,15 @@ from multiprocessing import get_context
 
 import numpy as np
 from gateway_plugin.policies import POLICY_NAMES
-from quart_tools.arrivals import DEFAULT_TRACE, gamma_arrivals, load_trace, replay_trace
+from quart_tools.arrivals import (
+    DEFAULT_TRACE,
+    TRACE_WINDOWS,
+    gamma_arrivals,
+    load_trace,
+    pick_window,
+    replay_trace,
+    trace_window,
+)
 from quart_tools.report import latency_stats
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.scenario import BASELINES, pipeline_capacity_rps, run
@@ -46,7 +54,7 @@ class RunSpec:
 
     model: str
     system: str
-    arrivals: str  # "gamma" | "trace"
+    arrivals: str  # "gamma" | "trace" (the whole trace, compressed, looped) | "trace-busy|quiet|step" (a window)
     rate: float
     cv: float = 1.0
     duration_s: float = 600.0
@@ -58,9 +66,18 @@ class RunSpec:
     policy_config: str = ""  # JSON object passed to make_policy (diagnostic variants)
 
 
+TRACE_PEAK_OVER_MEAN = 2.0  # a trace window's busiest minute at most this × the target mean (load 0.4 → 0.8 of capacity)
+
+
 def _arrivals(spec: RunSpec):
     if spec.arrivals == "gamma":
         return gamma_arrivals(spec.rate, spec.cv, spec.duration_s, seed=spec.seed)
+    kind = spec.arrivals.removeprefix("trace-")
+    if kind in TRACE_WINDOWS:  # a window of the trace at its own time scale, rate matched (no loop)
+        trace = load_trace(spec.trace_path)
+        start = pick_window(trace, kind, spec.duration_s)
+        return trace_window(trace, start, spec.duration_s, spec.rate, seed=spec.seed,
+                            peak_rate=TRACE_PEAK_OVER_MEAN * spec.rate)
     if spec.arrivals == "trace":
         return replay_trace(load_trace(spec.trace_path), target_rate=spec.rate, duration_s=spec.duration_s,
                             loop=True)

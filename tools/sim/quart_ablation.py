@@ -35,12 +35,13 @@ VARIANTS: dict[str, tuple[str, dict, tuple[tuple[str, object], ...]]] = {
 
 
 def run_ablation(models: list[str], cvs: list[float], duration_s: float, load: float, calibration: Calibration,
-                 trace_path: str | None, seed: int = 0, workers: int | None = None,
+                 trace_path: str | None, seeds: list[int] | int = 0, workers: int | None = None,
                  frontier: list[dict] | None = None, overrides: tuple[tuple[str, object], ...] = ()) -> dict:
     """Every variant on every workload; rows with mean, p99, replica-seconds and, given a frontier document's
     entries, the static frontier at the variant's cost."""
     jobs = []
-    for w in workloads(models, cvs, trace_path is not None):
+    seeds = [seeds] if isinstance(seeds, int) else list(seeds)
+    for w, seed in ((w, seed) for w in workloads(models, cvs, trace_path is not None) for seed in seeds):
         base = RunSpec(w.model, "quart", w.arrivals, rate_for(w.model, load, calibration), w.cv, duration_s, seed,
                        calibration, trace_path or "", overrides, tag=w.name)
         for label, (system, config, extra) in VARIANTS.items():
@@ -49,9 +50,10 @@ def run_ablation(models: list[str], cvs: list[float], duration_s: float, load: f
     entries = _pool(_run_job, jobs, workers, "quart ablation", lambda j: j[2].rate * j[2].duration_s)
     rows = []
     for e in entries:
-        row = {k: e[k] for k in ("workload", "policy", "mean_ms", "p99_ms", "replica_seconds")}
+        row = {k: e[k] for k in ("workload", "seed", "policy", "mean_ms", "p99_ms", "replica_seconds")}
         if frontier:
-            mine = [f for f in frontier if f["workload"] == e["workload"] and f["table"] == "km"]
+            mine = [f for f in frontier if f["workload"] == e["workload"] and f["table"] == "km"
+                    and f.get("seed", 0) == e["seed"]]
             front, how = frontier_at(frontier_points(mine), e["replica_seconds"])
             row["frontier_mean_ms"], row["frontier"] = front, how
             row["over_frontier"] = e["mean_ms"] / front if front else None

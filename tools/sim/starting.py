@@ -1,9 +1,10 @@
 """Scale-up sources of the simulator (issues 16, 17): peer fetch, chain multicast, live (BlitzScale) and
 ParaServe starts, beside the KeysManager fork and the cold start. A mixin of `quart_tools.sim.engine.Simulation`.
 
-Which mechanism a new replica uses is the live rule (`quart_provider.scheduling.starts.plan_starts`) over
-the placer's placements; P of a ParaServe start is the live planner's
-(`quart_provider.scheduling.paraserve.plan_parallelism`). Timing comes from `Calibration`:
+Which mechanism a new replica uses is decided by the one convergence (`quart_provider.convergence`, the live
+rule `plan_starts` over the placer's placements); P of a ParaServe start is the live planner's
+(`quart_provider.scheduling.paraserve.plan_parallelism`) over this cluster's costs. This module is the data
+plane of a start: its timing comes from `Calibration`:
 
 - peer / multicast: ready after the transfer (the source's NIC shared by the receivers of a star; one chain
   hop per place in a chain), then a fork and the host → GPU copy (`Calibration.peer_s`);
@@ -20,9 +21,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import replace
 
-from quart_provider.scheduling import ParaServeCosts, plan_parallelism, plan_starts
+from quart_provider.scheduling import ParaServeCosts, plan_parallelism
 from quart_provider.scheduling.paraserve import FetchHost
 from quart_tools.sim.calibration import GB
 
@@ -34,43 +34,16 @@ class StartsMixin:
     """Start a placed replica by its mechanism; run live replicas' partial requests and their remainders."""
 
     # ---------------------------------------------------------------------------- scale-up
-    def _scale_up_sources(self, placements, now: float) -> None:
-        """Launch ``placements`` (the placer's) with the enabled mechanisms (``SimConfig.start_mechanisms``)."""
-        by_fn = {s.function: s for s in self.stages}
-        rest = []
-        seen: set[tuple[str, str]] = set()
-        for p in placements:
-            host = self.host_by_name[p.host]
-            if host.gpu_used >= host.gpus:
-                continue
-            if host.is_cached(p.function) or (p.host, p.function) in seen:
-                self._launch(by_fn[p.function], host, "fork", now)
-            else:
-                seen.add((p.host, p.function))
-                rest.append(replace(p, source="peer"))  # plan_starts falls back to cold without a holder
-        if not rest:
-            return
-        functions = {p.function for p in rest}
-        holders = {f: [h.name for h in self.hosts if h.is_cached(f)] for f in functions}
-        serving = {f: len(by_fn[f].ready) for f in functions}
-        parts = {}
-        batch = {p.host for p in placements}
-        spare = [h.name for h in self.hosts if h.gpu_used < h.gpus and h.name not in batch]
-        if "paraserve" in self.cfg.start_mechanisms:
-            for f in functions:
-                hosts = sorted({p.host for p in rest if p.function == f})
-                parts[f] = self._paraserve_parts(by_fn[f], hosts + spare)
-        plans = plan_starts(rest, holders, self.cfg.start_mechanisms, serving, parts, spare_hosts=spare)
-        for p, plan in zip(rest, plans, strict=True):
-            self._launch(by_fn[p.function], self.host_by_name[p.host], plan.mode, now, plan)
-
-    def _paraserve_parts(self, stage, hosts: list[str]) -> int:
+    def _paraserve_parts(self, function: str, hosts) -> int:
+        """P of a ParaServe start of ``function`` over ``hosts`` (those with a free slot fetch a part each): the
+        convergence's ``parallelism``, from this cluster's calibrated costs."""
+        stage = self.stage_by_fn[function]
         cal, cfg = self.cal, self.cfg
         costs = ParaServeCosts(registry_bytes_s=cal.registry_gbytes_s * GB, h2d_bytes_s=cal.h2d_gbps * GB,
                                fixed_s=cal.cold_fixed_s, hop_s=self._part_hop_s(stage),
                                service_s=stage.spec.service_s, overlap=cal.paraserve_overlap)
         slo = cfg.paraserve_slo_s or cfg.slo_s or cfg.slo_factor * sum(s.spec.service_s for s in self.stages)
-        fetch = [FetchHost(h, cal.disk_gbps * GB) for h in hosts]
+        fetch = [FetchHost(h.name, cal.disk_gbps * GB) for h in hosts if h.gpu_free > 0]
         plan = plan_parallelism(stage.spec.param_bytes, slo, fetch, costs, max_parts=cfg.paraserve_max_parts)
         self.paraserve_plans.append((plan.parts, plan.first_response_s, plan.meets_slo))
         return plan.parts
@@ -80,11 +53,16 @@ class StartsMixin:
         return self.cfg.hop_s + stage.spec.activation_bytes / (self.cal.nic_gbytes_s * GB)
 
     def _launch(self, stage, host, mode: str, now: float, plan=None) -> None:
+        """Start one replica of ``stage`` on ``host`` by ``mode`` (its `StartPlan`'s); ready after its delay.
+        The host decides what it can do, as a live host reports its start's source: without a KeysManager there
+        is no zygote to fork (the placer counts on one for a second replica in a batch), so that start is cold."""
+        if mode == "fork" and not host.keysmanager:
+            mode = "cold"
         rep = self._new_replica(stage, host, mode, now)
         mode = rep.source  # "gpu" when the parameters were still resident
         size = stage.spec.param_bytes
         cal = self.cal
-        if mode == "fork":
+        if mode in ("fork", "gpu"):
             host.touch(stage.function, now)
         elif not self.cfg.cache_on_ready:
             host.cache_stage(stage.function, size, now)
