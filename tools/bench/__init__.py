@@ -46,6 +46,23 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
+async def system_with_plugin(work: str | Path):
+    """An embedded gateway (one host, 8 GPU slots) with the QUART plugin attached, started: (system, [plugin])."""
+    from gateway_plugin.plugin import attach
+    from quart_provider.config import GatewayConfig
+    from quart_provider.system import EmbeddedSystem
+
+    plugins: list = []
+
+    async def keep(gateway, app):
+        plugins.append(await attach(gateway, app))
+
+    config = GatewayConfig.from_env(port=0, state_dir=Path(work) / "state", hosts=1, gpus_per_host=8)
+    system = EmbeddedSystem(config, plugin=keep)
+    await system.start()
+    return system, plugins
+
+
 def write_random_file(path: str | Path, nbytes: int, chunk_bytes: int = 32 << 20) -> str:
     """Fill ``path`` with ``nbytes`` incompressible bytes; returns their sha256 (hashed as written)."""
     import hashlib

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 from quart_tools.arrivals import Arrivals, poisson_arrivals
-from quart_tools.bench import machine_info, write_report
+from quart_tools.bench import machine_info, system_with_plugin, write_report
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch the quiet river flow past "
          "old stone bridges and green fields under a pale autumn sky").split()
@@ -71,9 +71,6 @@ def _row(batching: str, rate: float, records) -> dict:
 async def run(args: argparse.Namespace, work: Path) -> dict:
     import aiohttp
     from gateway_plugin.batching import BatchLimits
-    from gateway_plugin.plugin import attach
-    from quart_provider.config import GatewayConfig
-    from quart_provider.system import EmbeddedSystem
     from quart_tools.demo import Demo, partition_model
     from quart_tools.loadgen import run_load
 
@@ -83,21 +80,12 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
     stack.write_text(text)
     lengths = range(6, 31)
     bodies = _bodies(model_dir, lengths)
-    plugins: list = []
-
-    async def keep(gateway, app):
-        plugins.append(await attach(gateway, app))
-
     os.environ["QUART_POLICY"] = "static"  # one replica per stage, nothing scales while measured
     os.environ["QUART_CONCURRENCY"] = "1"
-    config = GatewayConfig.from_env(port=0, state_dir=work / "state", hosts=1, gpus_per_host=8)
-    system = EmbeddedSystem(config, plugin=keep)
-    await system.start()
+    system, plugins = await system_with_plugin(work)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            demo = Demo(system, session)
-            names = await demo.deploy(stack)
-            await demo.wait_available(names)
+            names = await Demo(system, session).deploy_ready(stack)
             model = json.loads((model_dir / "manifest.json").read_text())["model"]
             url = f"{system.url}/function/{model}"
             batcher = plugins[0].router.batcher
