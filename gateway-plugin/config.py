@@ -183,6 +183,7 @@ class PluginConfig:
     retry_after_s: int = 1  # [QUART_RETRY_AFTER_S] Retry-After on 429
     request_timeout_s: float = 60.0  # [QUART_REQUEST_TIMEOUT_S] deadline of one pipeline request
     min_deadline_ms: float = 5.0  # [QUART_MIN_DEADLINE_MS] a shorter X-Quart-Timeout-Ms is refused 400
+    admission_safety: float = 1.5  # [QUART_ADMISSION_SAFETY] a deadline admits / keeps a call whose expected time × this fits
     attempt_timeout_s: float = 30.0  # [QUART_ATTEMPT_TIMEOUT_S] one stage call before retrying elsewhere
     max_attempts: int = 3  # [QUART_MAX_ATTEMPTS] tries of one stage call on distinct replicas
     replica_refresh_s: float = 0.5  # [QUART_REPLICA_REFRESH_S] how often ready replicas are re-listed
@@ -211,6 +212,7 @@ class PluginConfig:
             "retry_after_s": "QUART_RETRY_AFTER_S",
             "request_timeout_s": "QUART_REQUEST_TIMEOUT_S",
             "min_deadline_ms": "QUART_MIN_DEADLINE_MS",
+            "admission_safety": "QUART_ADMISSION_SAFETY",
             "attempt_timeout_s": "QUART_ATTEMPT_TIMEOUT_S",
             "max_attempts": "QUART_MAX_ATTEMPTS",
             "replica_refresh_s": "QUART_REPLICA_REFRESH_S",

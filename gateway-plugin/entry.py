@@ -4,16 +4,20 @@
 function's :class:`quart_provider.admission.ServiceTimes`, the estimator the proxy admits with too);
 :func:`entry_admission` decides with the pure rules of :mod:`quart_provider.admission`: a stage whose
 queue is at ``queue_cap`` refuses (Retry-After: the time that queue needs to drain one place at its
-measured rate), and so does a request whose expected wait over all its stages exceeds its deadline; a
-deadline shorter than the stages have ever taken together (or ``min_deadline_ms``) is refused 400.
+measured rate), and so does a request whose expected wait over its pipeline (:func:`.shedding.admit_pipeline`:
+the calls ahead of it at every stage) exceeds its deadline; a deadline shorter than the stages have ever taken
+together (or ``min_deadline_ms``) is refused 400. :func:`queued_verdict`: whether a call at the head of a queue
+can still meet its deadline (else shed, 429, before it takes a replica).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from quart_provider.admission import Admission, StageLoad, admit_by_time, retry_after_s
+from quart_provider.admission import Admission, StageLoad, retry_after_s
+from quart_provider.shedding import admit_pipeline, shed_queued
 
 
 def stage_loads(router: Any, stages: Sequence[str]) -> list[StageLoad]:
@@ -38,5 +42,16 @@ def entry_admission(router: Any, model: str, stages: Sequence[str], deadline_s: 
             drain_s = (load.queued - cap + 1) * load.service_s / load.servers if load.servers else float("nan")
             return Admission(False, 0.0, retry_after_s(drain_s, fallback),
                              f"stage {fn!r} already has {load.queued} requests waiting (cap {cap}); retry later")
-    return admit_by_time(loads, deadline_s, f"a request to {model!r}",
-                         floor_s=getattr(router.config, "min_deadline_ms", 0.0) / 1000.0)
+    in_service = [getattr(router.queues.get(fn), "busy", 0) for fn in stages]
+    return admit_pipeline(loads, in_service, deadline_s, f"a request to {model!r}",
+                          safety=router.config.admission_safety,
+                          floor_s=getattr(router.config, "min_deadline_ms", 0.0) / 1000.0)
+
+
+def queued_verdict(router: Any, job: Any) -> Admission:
+    """Keep the call at the head of its stage's queue, or shed it (429) when what is left of its deadline no
+    longer covers the rest of its pipeline (:func:`quart_provider.shedding.shed_queued`)."""
+    rest = job.stages[job.stage:]
+    loads = stage_loads(router, rest)
+    loads[0] = replace(loads[0], queued=0)  # at the head: no wait at its own stage
+    return shed_queued(loads, job.deadline - router.clock(), f"request {job.id}", router.config.admission_safety)

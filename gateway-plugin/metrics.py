@@ -237,6 +237,7 @@ class MetricsCollector:
         self._records_lock = threading.Lock()
         self.registry = CollectorRegistry()
         self.c_requests = Counter("quart_pipeline_requests", "finished pipeline requests", ["model", "code"], registry=self.registry)
+        self.recent: deque[tuple[float, str, float, int]] = deque(maxlen=20_000)  # (end, model, latency ms, status)
         self.h_ttft = Histogram("quart_generation_ttft_seconds", "time to the first generated token", ["model"],
                                 buckets=TOKEN_BUCKETS_S, registry=self.registry)
         self.h_tpot = Histogram("quart_generation_tpot_seconds", "mean time per generated token after the first",
@@ -249,6 +250,7 @@ class MetricsCollector:
 
     def record(self, rec: RequestRecord) -> None:
         self.c_requests.labels(rec.model, str(rec.status)).inc()
+        self.recent.append((rec.end, rec.model, rec.latency_ms, rec.status))  # the status page's latency chart
         if rec.ttft_ms is not None:
             self.h_ttft.labels(rec.model).observe(rec.ttft_ms / 1000)
         if rec.tpot_ms is not None:

@@ -33,13 +33,14 @@ from aiohttp import web
 from gateway_plugin import layers
 from gateway_plugin.batching import Batcher, BatchLimits
 from gateway_plugin.config import PluginConfig
-from gateway_plugin.entry import entry_admission
+from gateway_plugin.entry import entry_admission, queued_verdict
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 from gateway_plugin.replicas import ReplicaSource, StaticReplica, StaticReplicas, Waiters
 from quart_provider.admission import ServiceTimes, client_deadline_s
 from quart_provider.balancer import pick
 from quart_provider.responses import Answer, answer_of
 from quart_provider.retry import passed_on, replica_gone, should_retry
+from quart_provider.shedding import SHED_HEADER
 from quart_provider.tracing import CALL_ID, new_call_id
 from quart_provider.upstream import UpstreamPool, UpstreamTimeout
 from quart_stage.errors import QuartError
@@ -237,6 +238,8 @@ class Router:
             arrival=now, deadline=now + timeout, future=asyncio.get_running_loop().create_future(), accept=accept,
         )
         self.accepted += 1
+        if hasattr(self.source, "scale_from_zero"):  # stages at zero start now, all of them (as OpenFaaS does)
+            self.source.scale_from_zero(stages)
         self._enqueue(job, front=False)
         timer = asyncio.get_running_loop().call_later(timeout + 0.5, self._abandon, job)  # answers it 504
         try:
@@ -310,6 +313,11 @@ class Router:
             if self.clock() >= job.deadline:
                 q.jobs.popleft()
                 self._finish(job, self._deadline_reply(job, "waiting for a replica"))
+                continue
+            if not (keep := queued_verdict(self, job)).admit:  # its deadline can no longer be met: 429 now
+                q.jobs.popleft()
+                self._finish(job, json_reply(429, keep.reason, None, **{"Retry-After": str(keep.retry_after_s),
+                                                                        SHED_HEADER: "deadline"}))
                 continue
             replica = self._free_replica(q, job)
             if replica is None:  # wait for a release or a new replica (this router's, the proxy's, the platform's)

@@ -31,6 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
+from quart_stage.memlimit import bound_replica
 from quart_stage.privdrop import drop_from_env
 
 from keysmanager.protocol import LineReader, encode
@@ -60,6 +61,7 @@ def _run_child(runtime, app, listen: socket.socket, mm, order: dict, lifeline_fd
             privatize(mm)
         runtime.prepare_device()
         set_cpu_budget(None, int(order.get("threads", 1)))  # prepare_device may have set its own default
+        bound_replica(runtime.cfg.memory_headroom_bytes, runtime.parameter_bytes)  # RLIMIT_DATA
         drop_from_env(os.environ)  # QUART_RUN_AS: requests are served as the function's own user
         serve_forever(app, listen.detach(), lifeline, drain_s)
     except BaseException:
@@ -251,6 +253,7 @@ def run_cold(args: argparse.Namespace) -> int:
     runtime, app = build_runtime(os.environ, None)
     runtime.prepare_device()
     set_cpu_budget(None, threads)
+    bound_replica(runtime.cfg.memory_headroom_bytes, runtime.parameter_bytes)  # RLIMIT_DATA
     drop_from_env(os.environ)  # QUART_RUN_AS
     serve_forever(app, args.listen_fd, None if args.survive else args.lifeline_fd, args.drain_timeout)
     return 0

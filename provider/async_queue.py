@@ -6,7 +6,7 @@ and answers 202 once JetStream has stored it. The message's payload is the reque
 carry the rest (:class:`QueuedCall`): the function as named in the path, the path and query to invoke,
 the call id, the callback URL, the end-to-end request headers (JSON) and when it was accepted.
 At most ``async_queue_cap`` calls wait (the stream discards new ones past that: 429); a body over the
-server's ``max_payload`` is a 413. The consumer side is :mod:`.queue_worker`.
+server's ``max_payload`` is a 413; a body over 1 MiB waits in a file beside the stream (:mod:`.async_bodies`). The consumer side is :mod:`.queue_worker`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from quart_provider.async_bodies import BodyStore
 from quart_stage.errors import QuartError
 
 log = logging.getLogger("quart.gateway.async")
@@ -28,6 +29,7 @@ DELIVERED_BUCKET = "faas-callbacks"  # stream sequences whose result was deliver
 DELIVERED_TTL_S = 7 * 24 * 3600.0
 H_FUNCTION, H_PATH, H_CALL_ID = "Quart-Function", "Quart-Path", "Quart-Call-Id"
 H_CALLBACK, H_HEADERS, H_ACCEPTED = "Quart-Callback", "Quart-Headers", "Quart-Accepted-At"
+H_BODY_FILE = "Quart-Body-File"  # the body is in the BodyStore under this name (quart_provider.async_bodies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +43,15 @@ class QueuedCall:
     body: bytes
     callback: str | None
     accepted_at: float  # unix seconds
+    body_file: str | None = None  # a large body, kept beside the stream (async_bodies.BodyStore)
 
     def to_message(self) -> tuple[dict[str, str], bytes]:
         headers = {H_FUNCTION: self.function, H_PATH: self.path, H_CALL_ID: self.call_id,
                    H_HEADERS: json.dumps(self.headers), H_ACCEPTED: f"{self.accepted_at:.6f}"}
         if self.callback:
             headers[H_CALLBACK] = self.callback
+        if self.body_file:
+            headers[H_BODY_FILE] = self.body_file
         return headers, self.body
 
     @classmethod
@@ -55,7 +60,7 @@ class QueuedCall:
         h = headers or {}
         try:
             return cls(h[H_CALL_ID], h[H_FUNCTION], h[H_PATH], json.loads(h.get(H_HEADERS, "{}")), body,
-                       h.get(H_CALLBACK) or None, float(h.get(H_ACCEPTED, "0")))
+                       h.get(H_CALLBACK) or None, float(h.get(H_ACCEPTED, "0")), h.get(H_BODY_FILE) or None)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"not a queued call: {exc}") from None
 
@@ -63,8 +68,9 @@ class QueuedCall:
 class AsyncQueue:
     """The JetStream connection: the stream, the delivered-results bucket, publishing, the queue length."""
 
-    def __init__(self, url: str, token: str, capacity: int) -> None:
+    def __init__(self, url: str, token: str, capacity: int, bodies: BodyStore | None = None) -> None:
         self.url, self._token, self.capacity = url, token, capacity
+        self.bodies = bodies  # where large bodies wait (None: every body rides in its message)
         self.nc: nats.NATS | None = None
         self.js = None
         self.delivered = None  # KeyValue
@@ -88,6 +94,14 @@ class AsyncQueue:
         """Store a call; its stream sequence. QuartError 413 (too big), 429 (full), 503 (NATS down)."""
         if self.js is None or self.nc is None or self.nc.is_closed:
             raise QuartError(503, "the async queue is not connected")
+        try:
+            return await self._publish(call)
+        except BaseException:
+            if self.bodies is not None:
+                self.bodies.remove(call.body_file)
+            raise
+
+    async def _publish(self, call: QueuedCall) -> int:
         headers, body = call.to_message()
         if len(body) + 4096 > self.nc.max_payload:
             raise QuartError(413, f"an async call's body may be at most {self.nc.max_payload - 4096} bytes "
@@ -95,6 +109,10 @@ class AsyncQueue:
         try:
             ack = await self.js.publish(SUBJECT, body, headers=headers, timeout=5)
         except nats.js.errors.APIError as exc:
+            if "too large" in (exc.description or ""):  # JetStream's file store takes about 32 MiB at most
+                raise QuartError(413, f"an async call's body of {len(body)} bytes is over what the queue stores "
+                                 "in a message; send it with Content-Length (bodies over 1 MiB are kept beside "
+                                 "the queue)", "body") from None
             if "maximum messages" in (exc.description or "") or exc.err_code in (10077, 10047):
                 raise QuartError(429, f"the async queue is full ({self.capacity} calls wait); retry later"
                                  ) from None

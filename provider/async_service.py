@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from quart_provider.async_bodies import BodyStore
 from quart_provider.async_queue import AsyncQueue
 from quart_provider.callbacks import CallbackPolicy, CallbackSender
 from quart_provider.config import GatewayConfig
@@ -41,7 +42,7 @@ class DurableAsync:
                                  max_payload=cfg.max_body_bytes + 64 * 1024, binary=cfg.nats_server or None)
         try:
             await self.server.start()
-            self.queue = AsyncQueue(self.server.url, token, cfg.async_queue_cap)
+            self.queue = AsyncQueue(self.server.url, token, cfg.async_queue_cap, BodyStore(cfg.state_dir / "async-bodies"))
             await self.queue.connect()
         except (NatsUnavailable, OSError, Exception) as exc:  # noqa: BLE001 - the gateway serves without it
             gateway.async_unavailable = f"the NATS JetStream queue did not start: {type(exc).__name__}: {exc}"

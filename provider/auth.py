@@ -36,10 +36,11 @@ class Credentials:
 
     def check(self, authorization: str | None) -> bool:
         """True when an ``Authorization`` header carries exactly these credentials."""
-        if not authorization or not authorization.startswith("Basic "):
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "basic":  # RFC 7617 (and 7235): the scheme is case-insensitive
             return False
         try:
-            decoded = base64.b64decode(authorization[6:].strip(), validate=True).decode()
+            decoded = base64.b64decode(token.strip(), validate=True).decode()
         except (binascii.Error, UnicodeDecodeError):
             return False
         user, sep, password = decoded.partition(":")

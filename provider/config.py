@@ -12,6 +12,7 @@ from pathlib import Path
 from quart_provider.callbacks import parse_networks
 from quart_provider.network import DEFAULT_NIC_GBPS
 from quart_provider.queue_worker import parse_codes
+from quart_provider.replica_users import auto_uids
 from quart_stage.settings import ConfigError, settings_from_env
 
 DEFAULT_NAMESPACE = "openfaas-fn"
@@ -80,7 +81,11 @@ class GatewayConfig:
     callback_allowed_networks: str = ""  # CIDRs callbacks may reach though loopback/private/link-local
     callback_timeout_s: float = 10.0  # one callback POST
     callback_per_destination: int = 4  # callbacks in flight to one host:port at once
-    replica_uids: str = ""  # "<first>-<last>": each function's replicas run as its own uid from this range; "" = as the gateway
+    max_functions: int = 1000  # functions per namespace; a deploy past it → 409 (deploy_limits.py)
+    max_labels: int = 64  # labels (and annotations) per function; more → 400
+    max_label_bytes: int = 4096  # one label's key + value; larger → 400
+    replica_uids: str = "auto"  # "<first>-<last>": each function's replicas run as its own uid from this range;
+    # auto: per-function uids when the gateway is root and an unprivileged user can run the venv (replica_users.py)
     nats_server: str = ""  # [QUART_NATS_SERVER] the nats-server binary; "" = beside this interpreter, else on PATH
     git_sha: str = "unknown"  # [QUART_GIT_SHA] the version /system/info shows
 
@@ -91,6 +96,8 @@ class GatewayConfig:
             raise ConfigError(f"nic_gbps must be > 0, got {self.nic_gbps}")
         if not 0 < self.max_function_inflight_bytes <= self.max_inflight_bytes:
             raise ConfigError("max_function_inflight_bytes must be > 0 and at most max_inflight_bytes")
+        if min(self.max_functions, self.max_labels, self.max_label_bytes) < 1:
+            raise ConfigError("max_functions, max_labels and max_label_bytes must be >= 1")
         if self.replica_uids:
             self.uid_range()  # raises ConfigError when malformed
         if (self.paraserve_parts < 0 or self.paraserve_max_parts < 1 or self.registry_gbps < 0
@@ -117,6 +124,8 @@ class GatewayConfig:
 
     def uid_range(self) -> range | None:
         """The uids functions' replicas run as (``replica_uids``), or None: as the gateway's user."""
+        if self.replica_uids == "auto":
+            return auto_uids()[0]  # quart_provider.replica_users
         if not self.replica_uids:
             return None
         first, _, last = self.replica_uids.partition("-")

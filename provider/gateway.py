@@ -27,17 +27,19 @@ from quart_provider.async_queue import AsyncQueue
 from quart_provider.balancer import Balancer
 from quart_provider.capacity import not_ready_reason
 from quart_provider.config import GatewayConfig
+from quart_provider.deploy_limits import DeployCaps
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import Host
 from quart_provider.images import INDEX_FILE, ImageIndex
 from quart_provider.metrics import GatewayMetrics
 from quart_provider.reconciler import Reconciler
 from quart_provider.registry import Registry
+from quart_provider.replica_users import auto_uids
 from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
 from quart_provider.scheduling.types import Placer
 from quart_provider.secrets import SecretStore
 from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
-from quart_provider.types import Endpoint, FunctionState, GenerationRoute, InvokeHook, PipelineRoute
+from quart_provider.types import Endpoint, FunctionState, GenerationRoute, InvokeHook, PipelineRoute, UiHook
 
 from keysmanager.aio import within
 
@@ -60,8 +62,11 @@ class EmbeddedGateway:
         self.scheduler_metrics = SchedulerMetrics()  # cache hits, replica-ready time by source, host use
         self.secrets = SecretStore(config.function_secrets_dir, config.namespace)
         self.registry = Registry(self.images, self.hosts, config.max_body_bytes, self.kick, self._retire,
-                                 self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR), config.uid_range())
+                                 self.secrets, DeploymentStore(config.state_dir / FUNCTIONS_DIR), config.uid_range(),
+                                 DeployCaps(config.max_functions, config.max_labels, config.max_label_bytes))
         self.functions: dict[str, FunctionState] = self.registry.functions
+        if config.replica_uids == "auto":
+            log.info("replica users: %s", auto_uids()[1])
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
                                      self.key_history, self.scheduler_metrics)
@@ -71,6 +76,7 @@ class EmbeddedGateway:
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
+        self.ui_hook: UiHook | None = None  # answers /ui/<path> (the plugin's status page), behind basic auth
         self.api_hooks: list[Callable[[Any], Awaitable[Any]]] = []  # /v1/... (the plugin's generation API)
         self.pipeline_route: PipelineRoute | None = None  # POST /function/<model> (the plugin's router)
         # generation bodies on POST /function/<model> of a decoder pipeline (the plugin's generation API)
@@ -186,6 +192,10 @@ class EmbeddedGateway:
     def add_invoke_hook(self, hook: InvokeHook) -> None:
         """Let ``hook(request, name, subpath)`` answer ``/function/<name>`` for names not deployed here."""
         self.invoke_hooks.append(hook)
+
+    def reserve_name(self, name: str, owner: str) -> None:
+        """``/function/<name>`` is ``owner``'s (a plugin route): a deploy of that name is refused 409."""
+        self.registry.reserved[name] = owner
 
     def add_api_hook(self, hook: Callable[[Any], Awaitable[Any]]) -> None:
         """Let ``hook(request)`` answer ``/v1/...`` (None: not its path)."""

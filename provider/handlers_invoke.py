@@ -38,6 +38,7 @@ from quart_provider.gateway import EmbeddedGateway
 from quart_provider.headers import forwardable
 from quart_provider.responses import Answer, answer_of, error_answer, error_of, error_response
 from quart_provider.retry import replica_gone
+from quart_provider.shedding import SHED_HEADER, replica_wait_s
 from quart_provider.tracing import Trace, trace_of, with_trace
 from quart_provider.types import FunctionState
 from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
@@ -105,17 +106,19 @@ class InvokeHandlers:
             callback = await self.callback_policy.check_url(request.headers.get(CALLBACK_HEADER))
         except ValueError as exc:
             return error_response(400, str(exc), CALLBACK_HEADER)
-        body = await self._invocation_body(request)
+        queue = self.gateway.async_queue
+        bodies = queue.bodies if self.config.async_backend == "nats" and queue is not None else None
+        body, body_file = (await bodies.receive(request, self.config.max_body_bytes) if bodies is not None
+                           else (await self._invocation_body(request), None))  # large bodies: a file, not memory
         tail = request.raw_path.split("/async-function/", 1)[1]  # path and query as sent
         trace = trace_of(request)
         headers = {k: v for k, v in forwardable(request.headers.items()).items() if k.lower() != CALLBACK_HEADER.lower()}
         trace.mark(headers)
-        queue = self.gateway.async_queue
         if self.config.async_backend == "nats":
             if queue is None:
                 return error_response(503, f"asynchronous calls are unavailable: {self.gateway.async_unavailable}",
                                       None, headers={"Retry-After": str(self.config.retry_after_s)})
-            await queue.publish(QueuedCall(trace.call_id, name, tail, headers, body, callback, time.time()))
+            await queue.publish(QueuedCall(trace.call_id, name, tail, headers, body, callback, time.time(), body_file))
             return web.Response(status=202)
         host, port = request.transport.get_extra_info("sockname")[:2]  # this listener: the worker calls back in
         host = f"[{host}]" if ":" in host else host
@@ -318,19 +321,26 @@ class InvokeHandlers:
         headers = trace.mark(forwardable(in_headers.items()))
         headers["X-Forwarded-Host"] = host
         path = _upstream_path(raw_path)
-        payload = None
+        payload, wait_s, left = None, 0.0, 0.0
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
             try:  # a free ready replica without a wait (the common case), else wait (bounded) for one
                 endpoint = gateway.acquire_nowait(fn)
                 if endpoint is None:
                     if deadline_at is None:
                         endpoint = await gateway.acquire(fn)
-                    else:
-                        endpoint = await within(deadline_at - time.monotonic(), gateway.acquire(fn))
+                    else:  # no later than it can still be served in time (provider/shedding.py)
+                        left = deadline_at - time.monotonic()
+                        wait_s = replica_wait_s(left, self._load(fn).service_s, self.config.admission_safety)
+                        endpoint = await within(wait_s, gateway.acquire(fn))
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return answer_of(exc, self.config.retry_after_s)
             except TimeoutError:
+                if wait_s < left:  # cut short: shed while its deadline has not passed, not a 504 at it
+                    metrics.invocation_done(metric_name, 429, time.perf_counter() - start)
+                    return error_answer(429, f"the call of {name!r} can no longer be served within its deadline "
+                                             "(X-Quart-Timeout-Ms): no replica was free in time; retry later", None,
+                                        {"Retry-After": str(self.config.retry_after_s), SHED_HEADER: "deadline"})
                 metrics.invocation_done(metric_name, 504, time.perf_counter() - start)
                 return error_answer(504, f"the call of {name!r} passed its deadline (X-Quart-Timeout-Ms) waiting "
                                          "for a replica", "X-Quart-Timeout-Ms")

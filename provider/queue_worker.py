@@ -129,6 +129,7 @@ class QueueWorker:
             if await self._was_delivered(key):
                 self.duplicates += 1
                 await msg.ack()
+                self._forget(call)
                 return
             attempt = msg.metadata.num_delivered
             heartbeat = asyncio.create_task(self._heartbeat(msg))
@@ -153,6 +154,7 @@ class QueueWorker:
                     if await self.sender.post(call.callback, out, body) is not None:
                         await self._mark_delivered(key)
                 await msg.ack()
+                self._forget(call)
             finally:
                 heartbeat.cancel()
         except asyncio.CancelledError:  # the stop's drain ran out: the call stays in the stream
@@ -176,14 +178,24 @@ class QueueWorker:
         started = time.monotonic()
         headers = {**call.headers, "User-Agent": "quart-queue-worker"}
         try:
-            async with self._session.post(f"{self.gateway_url}/function/{call.path}", data=call.body,
-                                          headers=headers,
-                                          timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as res:
-                body = await res.read()
-                return res.status, forwardable(res.headers.items()), body, time.monotonic() - started
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            with contextlib.ExitStack() as files:
+                data = call.body  # a large body streams from its file (quart_provider.async_bodies)
+                if call.body_file and self.queue.bodies is not None:
+                    data = files.enter_context(open(self.queue.bodies.path(call.body_file), "rb"))  # noqa: SIM115
+                async with self._session.post(f"{self.gateway_url}/function/{call.path}", data=data,
+                                              headers=headers,
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as res:
+                    body = await res.read()
+                    return res.status, forwardable(res.headers.items()), body, time.monotonic() - started
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             body = json.dumps({"error": f"invoking {call.function} failed: {type(exc).__name__}: {exc}"}).encode()
             return 503, dict(JSON), body, time.monotonic() - started
+
+    def _forget(self, call: QueuedCall) -> None:
+        """The call is acked: its body file (if any) is no longer needed."""
+        if call.body_file and self.queue.bodies is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.queue.bodies.remove(call.body_file)
 
     async def _was_delivered(self, key: str) -> bool:
         try:

@@ -13,6 +13,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from quart_provider.capacity import deploy_refusal
+from quart_provider.deploy_limits import DeployCaps, check_count, check_labels, check_model, check_name
 from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
@@ -33,7 +34,8 @@ class Registry:
 
     def __init__(self, images: ImageIndex, hosts: Mapping[str, Host], max_body_bytes: int,
                  changed: Callable[[], None], retire: Callable[[FunctionState, Endpoint], None],
-                 secrets: SecretStore, store: DeploymentStore | None = None, uids: range | None = None) -> None:
+                 secrets: SecretStore, store: DeploymentStore | None = None, uids: range | None = None,
+                 caps: DeployCaps | None = None) -> None:
         self.store = store  # durable copy of every function (None: in memory only)
         self.uids = uids  # one uid per function for its replicas (None: they run as the gateway's user)
         self.images = images
@@ -44,6 +46,8 @@ class Registry:
         self.retire = retire  # drain and stop one replica
         self.functions: dict[str, FunctionState] = {}
         self.key_history: dict[str, int] = {}  # function → scale-ups flagged as a key stage's
+        self.caps = caps or DeployCaps(1000, 64, 4096)
+        self.reserved: dict[str, str] = {}  # /function/<name> someone else answers → who (deploy_limits)
         self._pipelines: dict[str, list[str]] = {}
         self._pipelines_key: tuple = ()
 
@@ -58,6 +62,8 @@ class Registry:
         if deployment.service in self.functions:
             raise QuartError(400, f"function {deployment.service!r} already exists; update it with "
                                     "PUT /system/functions", "service")
+        check_count(deployment.namespace, (f.deployment.namespace for f in self.functions.values()), self.caps)
+        self._check_limits(deployment)
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
         self._check_capacity(deployment, runnable.kind)
@@ -76,6 +82,7 @@ class Registry:
         running replicas are kept and only the desired count is clamped to the new bounds.
         """
         fn = self.get(deployment.service)
+        self._check_limits(deployment)
         self._check_secrets(deployment)
         runnable = resolve(deployment, self.images)
         self._check_capacity(deployment, runnable.kind)
@@ -188,6 +195,13 @@ class Registry:
         refusal = deploy_refusal(kind, deployment.min_replicas, self.hosts)
         if refusal is not None:
             raise invalid(*refusal)
+
+    def _check_limits(self, deployment: FunctionDeployment) -> None:
+        """Reserved names and the label caps (:mod:`.deploy_limits`)."""
+        check_name(deployment.service, self.pipelines(), self.reserved)
+        check_model(deployment.labels.get(vocab.MODEL), self.functions, self.reserved)
+        check_labels(deployment.labels, self.caps)
+        check_labels(deployment.annotations, self.caps, "annotations")
 
     def _check_secrets(self, deployment: FunctionDeployment) -> None:
         """A deploy naming a secret that does not exist is refused (OpenFaaS: the pod could not start)."""

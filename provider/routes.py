@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from quart_provider.auth import Credentials
 from quart_provider.front import FrontSite
 from quart_provider.gateway import EmbeddedGateway
@@ -28,6 +30,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INVOKE = web.AppKey("quart.invoke", InvokeHandlers)  # the app's invoke handlers, which the fast front calls too
 
 
+@web.middleware
+async def malformed_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body the server cannot decode (a ``Content-Encoding: gzip`` that is not gzip, a broken chunked
+    framing) is the client's error: 400 naming the header, never a 500 (issue 31, item 5)."""
+    try:
+        return await handler(request)
+    except (HttpProcessingError, RequestPayloadError) as exc:
+        cause = exc.__cause__ or exc
+        field = "Content-Encoding" if isinstance(cause, ContentEncodingError) else "body"
+        message = getattr(cause, "message", "") or str(cause) or type(cause).__name__
+        return error_response(400, f"the request body cannot be read: {message.strip()}", field)
+
+
 def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provider: bool = False
                ) -> web.Application:
     """The aiohttp application; starting it starts the gateway's reconcile loop, cleanup stops everything.
@@ -36,7 +51,7 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     (``functions_provider_url``): ``/system/info`` answers a ``ProviderInfo``, and the app leaves the
     gateway's lifecycle to the main app.
     """
-    app = web.Application(client_max_size=gateway.config.max_body_bytes)
+    app = web.Application(client_max_size=gateway.config.max_body_bytes, middlewares=[malformed_body])
     system = SystemHandlers(gateway, provider)
     invoke = app[INVOKE] = InvokeHandlers(gateway, provider)
     secrets = SecretHandlers(gateway)
@@ -75,6 +90,17 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     r.add_delete("/system/secrets", guarded(secrets.delete))
     r.add_get("/system/logs", guarded(LogHandlers(gateway).logs))
     r.add_post("/system/alert", guarded(AlertHandler(gateway).alert))
+
+    async def ui(request: web.Request) -> web.StreamResponse:
+        """The status page of the plugin (``gateway.ui_hook``); 404 without one."""
+        if gateway.ui_hook is None:
+            return error_response(404, "no status page here: the QUART plugin is not attached", None)
+        if request.path == "/ui":
+            raise web.HTTPFound("/ui/")
+        return await gateway.ui_hook(request, request.match_info.get("tail", ""))
+
+    r.add_get("/ui", guarded(ui))
+    r.add_get("/ui/{tail:.*}", guarded(ui))
     async_invoke, sync_invoke = traced(guarded(invoke.async_invoke, auth=False)), traced(invoke.invoke)
     r.add_route("*", "/async-function/{name}", async_invoke)
     r.add_route("*", "/async-function/{name}/{tail:.*}", async_invoke)

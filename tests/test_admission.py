@@ -180,7 +180,7 @@ def test_router_entry_refuses_at_the_queue_cap_and_past_the_deadline_with_a_meas
     queues = {"m-0": SimpleNamespace(jobs=deque(range(12))), "m-1": SimpleNamespace(jobs=deque())}
     source = SimpleNamespace(concurrency=lambda fn: 1, ready=lambda fn: ["r1", "r2"])
     router = SimpleNamespace(clock=lambda: 6.0, queues=queues, source=source, service_times=services.__getitem__,
-                             config=PluginConfig(queue_cap=10, retry_after_s=1))
+                             config=PluginConfig(queue_cap=10, retry_after_s=1, admission_safety=1.0))
     capped = entry_admission(router, "m", ["m-0", "m-1"], deadline_s=60.0)
     assert not capped.admit and "cap 10" in capped.reason and capped.retry_after_s == 1  # 3 × 0.5 s / 2
     queues["m-0"].jobs = deque(range(8))  # under the cap: 8 × 0.5 / 2 = 2 s + 1 s of service
@@ -189,24 +189,30 @@ def test_router_entry_refuses_at_the_queue_cap_and_past_the_deadline_with_a_meas
     assert not late.admit and late.retry_after_s == 2 and "deadline" in late.reason
 
 
+def busy_function(running: Running):
+    """Deploy ``busy`` (one replica, concurrency 1); returns ``occupy(n)``, which takes ``n`` of its slots."""
+    body = faas_cli_deploy_body("busy", labels={"com.quart.concurrency": "1", "com.openfaas.scale.max": "1"})
+    assert running.deploy(body).status_code == 202
+    running.wait_available("busy", 1)
+    fn = running.system.gateway.functions["busy"]
+
+    async def take(n: int) -> None:
+        fn.ready[0].in_flight += n
+
+    return lambda n: running.call(take(n))
+
+
 def test_a_client_deadline_bounds_the_wait_for_a_replica(tmp_path):
     running = Running(tmp_path)
     try:
-        body = faas_cli_deploy_body("busy", labels={"com.quart.concurrency": "1", "com.openfaas.scale.max": "1"})
-        assert running.deploy(body).status_code == 202
-        running.wait_available("busy", 1)
-        fn = running.system.gateway.functions["busy"]
-
-        async def occupy(n: int) -> None:
-            fn.ready[0].in_flight += n
-
-        running.call(occupy(1))  # its only replica is at its concurrency limit
+        occupy = busy_function(running)
+        occupy(1)  # its only replica is at its concurrency limit
         start = time.monotonic()
         res = requests.post(f"{running.url}/function/busy", data=b"x", headers={"X-Quart-Timeout-Ms": "300"},
                             timeout=10)
         assert res.status_code == 504 and res.json()["field"] == "X-Quart-Timeout-Ms"
         assert time.monotonic() - start < 2.0
-        running.call(occupy(-1))
+        occupy(-1)
         assert requests.post(f"{running.url}/function/busy", data=b"x", timeout=10).status_code == 200
         assert running.system.gateway.body_gate.total == 0  # request and answer bytes released
     finally:

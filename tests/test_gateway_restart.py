@@ -142,12 +142,14 @@ def test_a_restarted_gateway_adopts_kept_hosts_and_their_replicas(emulated_stack
     assert out["ready_s"] < 5.0, out
 
 
-def test_up_keep_hosts_leaves_its_keysmanagers_to_the_next_up_and_down_stops_them(tmp_path):
+@pytest.mark.parametrize("flags", [["--keep-hosts"], []], ids=["keep-hosts", "default"])
+def test_up_keep_hosts_leaves_its_keysmanagers_to_the_next_up_and_down_stops_them(tmp_path, flags):
+    """Issue 31 item 4: with no flag at all too (kept hosts are the default on loopback)."""
     from quart_tools.bench.chaos import Gateway
 
     state = tmp_path / "state"
     state.mkdir()
-    gw = Gateway(state, ["--hosts", "1", "--keep-hosts", "--no-plugin"])
+    gw = Gateway(state, ["--hosts", "1", *flags, "--no-plugin"])
     km_pid = 0
     try:
         gw.start(120)
@@ -163,6 +165,27 @@ def test_up_keep_hosts_leaves_its_keysmanagers_to_the_next_up_and_down_stops_the
         assert not _alive(km_pid) and not (state / "up.json").exists()
     finally:
         gw.stop()
+        if km_pid and _alive(km_pid):
+            stop_process(km_pid)
+
+
+def test_no_keep_hosts_takes_the_hosts_down_with_the_gateway(tmp_path):
+    from quart_tools.bench.chaos import Gateway
+
+    state = tmp_path / "state"
+    state.mkdir()
+    gw = Gateway(state, ["--hosts", "1", "--no-keep-hosts", "--no-plugin"])
+    km_pid = 0
+    try:
+        gw.start(120)
+        km_pid = gw.state()["hosts"][0]["pid"]
+        gw.stop()
+        deadline = time.monotonic() + 10
+        while _alive(km_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(km_pid)
+    finally:
+        gw.down()
         if km_pid and _alive(km_pid):
             stop_process(km_pid)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -33,6 +32,7 @@ from gateway_plugin.generation.params import GenerationParams, is_generation, pa
 from gateway_plugin.generation.sessions import Session, SessionEngine
 from gateway_plugin.generation.tokens import ModelCatalog, ModelInfo, TextStream
 from gateway_plugin.metrics import MetricsCollector, RequestRecord
+from quart_stage import jsonparse
 from quart_stage.errors import QuartError, invalid
 
 log = logging.getLogger("quart.openai")
@@ -124,8 +124,8 @@ class GenerationAPI:
                 key in body for key in (b'"prompt"', b'"max_tokens"', b'"stream"', b'"input_ids"')):
             return None
         try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+            doc = jsonparse.loads(body)  # deep nesting, NaN: a QuartError, never a RecursionError (a 500)
+        except QuartError:
             return None  # the one-shot path answers what is wrong with it
         if not is_generation(doc):
             return None
@@ -149,10 +149,7 @@ class GenerationAPI:
             body += chunk
             if len(body) > limit:
                 raise invalid("body", f"the body has more than {limit} bytes", 413)
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise invalid("body", f"the body is not valid JSON: {exc}") from None
+        return jsonparse.loads(body, "body", "the body")  # 400 for anything that is not plain JSON
 
     # ------------------------------------------------------------------ one generation
 

@@ -16,3 +16,12 @@ keepalive = 75
 accesslog = None
 errorlog = "-"
 loglevel = os.getenv("QUART_LOG_LEVEL", "info")
+
+
+def post_fork(server, worker):
+    """A worker serves under RLIMIT_DATA (quart_stage.memlimit): one request cannot take the host."""
+    from quart_stage.config import StageConfig
+    from quart_stage.memlimit import bound_replica
+
+    limit = bound_replica(StageConfig.from_env().memory_headroom_bytes, 0)
+    server.log.info("worker %s: private memory bounded at %s bytes (QUART_MEMORY_HEADROOM_BYTES)", worker.pid, limit)

@@ -5,12 +5,16 @@
   replica every 3 s), ``keysmanager-kill`` (kill -9 one KeysManager), ``replica-stop`` (SIGSTOP a replica
   for 5 s), ``gateway-restart`` (SIGTERM the gateway, `quartctl up` again on the same state folder: the
   functions come back from the store, the replicas the kept hosts still run are adopted; ``recovered_s``
-  counts from the new process's start, its imports included). Per scenario: ``sent``, ``ok`` (2xx),
+  counts from the new process's start, its imports included), ``gateway-restart-default`` (the same with no
+  flag at all: kept hosts are the default on loopback, issue 31). Per scenario: ``sent``, ``ok`` (2xx),
   ``explicit_error`` (an HTTP error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
   ``recovered_s`` (from the last fault to every function at its desired replicas again).
 - **Overload** (`--process-hosts`, ``quart/echo`` at concurrency 1 on one replica, 32 MB bodies): the
   capacity measured closed-loop, then an open loop at ``--factor`` × capacity with a deadline
   (``X-Quart-Timeout-Ms``): the gateway's RSS growth and the p99 of accepted requests.
+- **Limits** (issue 31, :mod:`.chaos_limits`): ``oversized_text`` (a 4 MB text: 413, replica RSS growth),
+  ``async_32mb`` (202, never 429), ``overload_deadline`` (``--deadline-factor`` × the capacity of the model at
+  ``--deadline-mean-ms`` per stage, with ``--deadline-ms``: admitted calls answered within their deadline).
 - **Fuzz** (``--fuzz-cases``, seeded): mutated requests to the deploy, scale, function and async APIs;
   ``status_5xx``, ``hangs`` (no answer in 10 s) and ``crashes`` (the gateway process gone).
 """
@@ -32,11 +36,14 @@ from pathlib import Path
 import aiohttp
 import psutil
 import yaml
+from quart_provider.shedding import SHED_HEADER
 from quart_provider.system import stop_process
+from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.chaos_fuzz import fuzz
+from quart_tools.bench.chaos_limits import async_32mb, capacity, deadline_summary, oversized_text, peak_rss
 
-SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart")
+SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart", "gateway-restart-default")
 MODEL = "bert-21b"
 BODY = json.dumps({"input_ids": [[1, 2, 3, 4]]}).encode()
 RECOVERY_POLL_DELAY_S = 0.5  # recovered_s is at least this: a poll right after a kill still counts the victim
@@ -51,12 +58,12 @@ class Gateway:
         self.url, self.auth = "", aiohttp.BasicAuth("admin", "")
         self.phases: dict[str, float] = {}  # of the last restart
 
-    def start(self, timeout_s: float = 120.0) -> None:
+    def start(self, timeout_s: float = 120.0, extra: tuple[str, ...] = ()) -> None:
         log = open(self.state_dir.parent / "gateway.log", "ab")  # noqa: SIM115 - the child's
         state_file = self.state_dir / "up.json"
         state_file.unlink(missing_ok=True)
         self.process = subprocess.Popen([sys.executable, "-m", "quart_tools.cli", "up", "--port", "0", "--state-dir",
-                                         str(self.state_dir), *self.args], stdout=log, stderr=subprocess.STDOUT,
+                                         str(self.state_dir), *self.args, *extra], stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout_s
@@ -106,10 +113,12 @@ async def wait_serving(session: aiohttp.ClientSession, gw: Gateway, timeout_s: f
     return float("inf")
 
 
-async def _replica_pids(session: aiohttp.ClientSession, gw: Gateway) -> list[int]:
-    """Pids of ready replicas (from the ports their URLs name)."""
+async def _replica_pids(session: aiohttp.ClientSession, gw: Gateway, function: str | None = None) -> list[int]:
+    """Pids of ready replicas (of ``function``, else of all; from the ports their URLs name)."""
     ports = set()
     for fn in await _functions(session, gw):
+        if function is not None and fn["name"] != function:
+            continue
         async with session.get(f"{gw.url}/system/replicas/{fn['name']}", auth=gw.auth) as r:
             for rep in (await r.json())["replicas"]:
                 if rep["state"] == "ready":
@@ -123,12 +132,14 @@ async def _headers_sent(session, ctx, params) -> None:
 
 
 async def open_loop(gw: Gateway, path: str, body: bytes, rate: float, seconds: float, timeout_s: float,
-                    headers: dict[str, str] | None = None, expect100: bool = False) -> dict:
+                    headers: dict[str, str] | None = None, expect100: bool = False,
+                    answers: list[tuple[int, float, bool]] | None = None) -> dict:
     """``rate`` req/s for ``seconds`` whatever the answers; every request's outcome and latency: ``ok_ms``
     from the request's headers sent to the answer's headers received (the span ``X-Quart-Timeout-Ms``
     bounds: the body's upload, the queue, the service), ``ok_full_ms`` from the call to the answer's last
     byte (the download of a large answer included). ``expect100``: ``Expect: 100-continue`` (as curl sends
-    for bodies over 1 MB): a refused request's body is never sent."""
+    for bodies over 1 MB): a refused request's body is never sent. ``answers``: each answer's (status, ms from
+    the headers sent, shed: a queued call refused 429 before its deadline, ``X-Quart-Shed``) appended."""
     out = {"sent": 0, "ok": 0, "explicit_error": 0, "lost": 0, "by_status": {}, "ok_ms": [], "ok_full_ms": []}
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     trace = aiohttp.TraceConfig()
@@ -142,6 +153,8 @@ async def open_loop(gw: Gateway, path: str, body: bytes, rate: float, seconds: f
                                         trace_request_ctx=ctx, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                     answered = time.perf_counter()
                     await r.read()
+                    if answers is not None:
+                        answers.append((r.status, 1000 * (answered - ctx.get("sent", start)), SHED_HEADER in r.headers))
                     out["by_status"][str(r.status)] = out["by_status"].get(str(r.status), 0) + 1
                     if 200 <= r.status < 300:
                         out["ok"] += 1
@@ -186,11 +199,13 @@ async def inject(name: str, gw: Gateway, seconds: float, rng: random.Random) -> 
             await asyncio.sleep(5.0)
             os.kill(pid, signal.SIGCONT)
             return time.monotonic()
-        if name == "gateway-restart":  # measured from the new process's start: its imports and start count
+        if name.startswith("gateway-restart"):  # measured from the new process's start: imports and start count
             stopping = time.monotonic()
             await asyncio.to_thread(gw.stop)
             spawned = time.monotonic()
-            await asyncio.to_thread(gw.start)  # functions from the store, replicas adopted (--keep-hosts)
+            # functions from the store, replicas adopted: --keep-hosts said, or by default (no flag)
+            extra = ("--keep-hosts",) if name == "gateway-restart" else ()
+            await asyncio.to_thread(gw.start, 120.0, extra)
             gw.phases = {"stop_s": round(spawned - stopping, 2),
                          "stopped_to_listening_s": round(time.monotonic() - spawned, 2)}
             return spawned
@@ -202,7 +217,8 @@ async def scenario(name: str, gw: Gateway, rate: float, seconds: float, seed: in
     load = asyncio.create_task(open_loop(gw, f"/function/{MODEL}", BODY, rate, seconds, timeout_s=15.0,
                                          headers={"Content-Type": "application/json", "X-Quart-Timeout-Ms": "10000"}))
     fault_end = await inject(name, gw, seconds, rng)
-    if name != "gateway-restart":  # a new gateway has no stale view of the fault to see first
+    restart = name.startswith("gateway-restart")
+    if not restart:  # a new gateway has no stale view of the fault to see first
         await asyncio.sleep(RECOVERY_POLL_DELAY_S)  # let the gateway see the fault before asking if all is well
     async with aiohttp.ClientSession() as session:
         serving_at = await wait_serving(session, gw, 120.0, want=3)
@@ -211,16 +227,16 @@ async def scenario(name: str, gw: Gateway, rate: float, seconds: float, seed: in
     ok_ms = sorted(result.pop("ok_ms"))
     extra = {"phases": {**gw.phases, "listening_to_serving_s": round(serving_at - fault_end
                                                                     - gw.phases["stopped_to_listening_s"], 2)}} \
-        if name == "gateway-restart" and gw.phases else {}
+        if restart and gw.phases else {}
     return {"name": name, **result, "recovered_s": round(serving_at - fault_end, 2),
             "ok_p99_ms": round(ok_ms[int(0.99 * (len(ok_ms) - 1))], 1) if ok_ms else None, **extra}
 
 
-def _stack(folder: Path, mean_ms: float) -> Path:
+def _stack(folder: Path, mean_ms: float, **options: int) -> Path:
     from quart_tools.partition import partition
 
     partition(MODEL, 3, str(folder), weights="none", progress=False,
-              stack={"compute": "emulated", "scale_min": 2, "scale_max": 2})
+              stack={"compute": "emulated", "scale_min": 2, "scale_max": 2, **options})
     path = folder / "stack.yml"
     doc = yaml.safe_load(path.read_text())
     for fn in doc["functions"].values():
@@ -278,6 +294,35 @@ async def overload(tmp: Path, factor: float, seconds: float, body_mb: int, deadl
         gw.stop()
 
 
+async def overload_deadline(tmp: Path, factor: float, seconds: float, deadline_ms: int, mean_ms: float) -> dict:
+    """The model at ``mean_ms`` per stage on its own gateway: its capacity closed-loop, then ``factor`` × that
+    open-loop with ``X-Quart-Timeout-Ms`` (:func:`.chaos_limits.deadline_summary`) and the gateway's RSS."""
+    stack = _stack(tmp / "deadline-model", mean_ms, concurrency=1)
+    state = tmp / "deadline-state"
+    state.mkdir()
+    gw = Gateway(state, ["--hosts", "1", "--gpus-per-host", "8", "--no-keep-hosts", "-f", str(stack)])
+    await asyncio.to_thread(gw.start, 300.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            if await wait_serving(session, gw, 300, want=3) == float("inf"):
+                raise RuntimeError("the overload model never served")
+        headers = {"Content-Type": "application/json"}
+        rps = await capacity(gw, f"/function/{MODEL}", BODY, headers)
+        base = psutil.Process(gw.process.pid).memory_info().rss
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(peak_rss([gw.process.pid], stop))
+        answers: list[tuple[int, float, bool]] = []
+        result = await open_loop(gw, f"/function/{MODEL}", BODY, rps * factor, seconds, deadline_ms / 1000 + 30,
+                                 {**headers, "X-Quart-Timeout-Ms": str(deadline_ms)}, answers=answers)
+        stop.set()
+        peak = await sampler
+    finally:
+        await asyncio.to_thread(gw.down)
+    return {"factor": factor, "capacity_rps": round(rps, 1), "mean_ms": mean_ms, "deadline_ms": deadline_ms,
+            **deadline_summary(answers, result["sent"], result["lost"], deadline_ms),
+            "rss_growth_mb": round(max(0, peak - base) / 2**20, 1), "by_status": result["by_status"]}
+
+
 async def run(args: argparse.Namespace) -> dict:
     doc: dict = {"scenarios": [], "machine": machine_info(load_before=os.getloadavg())}
     with tempfile.TemporaryDirectory(prefix="quart-chaos-") as name:
@@ -287,7 +332,7 @@ async def run(args: argparse.Namespace) -> dict:
             stack = _stack(tmp / "model", args.mean_ms)
             state = tmp / "state"
             state.mkdir()
-            gw = Gateway(state, ["--hosts", "2", "--gpus-per-host", "4", "--keep-hosts", "-f", str(stack)])
+            gw = Gateway(state, ["--hosts", "2", "--gpus-per-host", "4", "-f", str(stack)])  # hosts kept: the default
             await asyncio.to_thread(gw.start, 300.0)
             try:
                 async with aiohttp.ClientSession() as session:
@@ -298,8 +343,16 @@ async def run(args: argparse.Namespace) -> dict:
                 for i, scenario_name in enumerate(args.scenarios):
                     doc["scenarios"].append(await scenario(scenario_name, gw, args.rate, args.seconds, args.seed + i))
                     print(json.dumps(doc["scenarios"][-1]), file=sys.stderr)
+                if args.limits:
+                    async with aiohttp.ClientSession() as session:
+                        pids = await _replica_pids(session, gw, f"{MODEL}-stage-0")
+                    doc["oversized_text"] = await oversized_text(gw, MODEL, pids)
+                    doc["async_32mb"] = await async_32mb(gw, MODEL)
             finally:
                 await asyncio.to_thread(gw.down)
+        if args.deadline_factor:
+            doc["overload_deadline"] = await overload_deadline(tmp, args.deadline_factor, args.overload_seconds,
+                                                               args.deadline_ms, args.deadline_mean_ms)
         if args.factor:
             doc["overload"] = await overload(tmp, args.factor, args.overload_seconds, args.body_mb, args.deadline_ms,
                                              not args.no_expect)
@@ -309,7 +362,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench chaos", description=__doc__.splitlines()[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench chaos", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(SCENARIOS),
                    help=f"comma-separated, from {','.join(SCENARIOS)} ('' = none)")
@@ -323,6 +376,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--deadline-ms", type=int, default=2000)
     p.add_argument("--no-expect", action="store_true",
                    help="overload without Expect: 100-continue (refused bodies are uploaded, then dropped)")
+    p.add_argument("--deadline-factor", type=float, default=8.0,
+                   help="overload_deadline: open loop at this × the model's capacity with --deadline-ms (0 = skip)")
+    p.add_argument("--deadline-mean-ms", type=float, default=40.0,
+                   help="overload_deadline: emulated service time of each stage (its capacity stays in reach)")
+    p.add_argument("--no-limits", dest="limits", action="store_false",
+                   help="skip oversized_text and async_32mb")
     p.add_argument("--seed", type=int, default=14)
     p.add_argument("--keep-dir", type=Path, default=None, help="work (state, logs) here and keep it")
     args = p.parse_args(argv)

@@ -19,7 +19,6 @@ threads: transformers ``generate(use_cache=True)``, greedy, same prompt ids.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 import torch
+from quart_stage import cliargs
 from quart_tools.bench import machine_info, system_with_plugin, write_report
 
 TEXT = ("The history of computing is a story of layers. Each generation of machines hid the details of the one "
@@ -189,7 +189,7 @@ async def run(stages: int, threads: int, contexts: list[int], new_tokens: int, r
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench generation", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench generation", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write JSON here (default stdout)")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of every stage replica and the reference")

@@ -45,6 +45,12 @@ class StageConfig:
     threads         [QUART_THREADS]          torch intra-op threads per replica (default 1)
     max_batch       [QUART_MAX_BATCH]        largest batch accepted (default 64)
     max_inflight    [QUART_MAX_INFLIGHT]     concurrent requests per replica before 429 (0 = unlimited, default)
+    max_text_chars  [QUART_MAX_TEXT_CHARS]   longest ``text`` (characters, all texts of a batch together) read
+                                             before tokenizing; longer: 413 (0 = 16 × the model's positions, or
+                                             65,536 without them; default 0)
+    memory_headroom_bytes [QUART_MEMORY_HEADROOM_BYTES] a replica's private memory beyond what it holds when it
+                                             starts serving (RLIMIT_DATA, quart_stage.memlimit; 0 = max(1 GiB,
+                                             2 × its parameter bytes); negative = unbounded; default 0)
     verify_checksum [QUART_VERIFY_CHECKSUM]  1: check the stage file's sha256 against the manifest on load (default 0;
                                              the file size is always checked)
     device          [QUART_DEVICE]           torch device for cuda mode (default cuda:0 or the first visible GPU)
@@ -77,6 +83,8 @@ class StageConfig:
     threads: int = 1
     max_batch: int = 64
     max_inflight: int = 0
+    max_text_chars: int = 0
+    memory_headroom_bytes: int = 0
     verify_checksum: bool = False
     device: str | None = None
     device_copy: str = "auto"

@@ -60,9 +60,60 @@ def validate(inputs: dict[str, torch.Tensor], s: Shape, cfg: StageConfig, stage_
         inputs[ATTENTION_MASK] = padding_mask(inputs[ATTENTION_MASK], (batch, seq), name)
 
 
-def int_matrix(value, name: str) -> torch.Tensor:
+CHARS_PER_POSITION = 16  # a text this many times longer than the model's positions can never fit
+DEFAULT_MAX_TEXT_CHARS = 65_536  # a model that does not say how many positions it has
+
+
+def text_limit(cfg: StageConfig, max_seq: int | None) -> int:
+    """Most characters of ``text`` (a batch's texts together) a stage reads before tokenizing them."""
+    if cfg.max_text_chars > 0:
+        return cfg.max_text_chars
+    return CHARS_PER_POSITION * max_seq if max_seq else DEFAULT_MAX_TEXT_CHARS
+
+
+def check_text(text, cfg: StageConfig, max_seq: int | None) -> list[str]:
+    """``text`` (one string or a list) as a list, bounded before anything expands it: the batch size, then the
+    characters (413 naming the limit, ``QUART_MAX_TEXT_CHARS``); tokenizing a 4 MB text took gigabytes."""
+    texts = [text] if isinstance(text, str) else text
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise invalid("text", "text must be a non-empty string or a list of them")
+    if len(texts) > cfg.max_batch:
+        raise invalid("text", f"batch size must be 1..{cfg.max_batch}, got {len(texts)} texts")
+    limit, chars = text_limit(cfg, max_seq), sum(len(t) for t in texts)
+    if chars > limit:
+        raise invalid("text", f"text of {chars} characters is over the limit of {limit} (QUART_MAX_TEXT_CHARS)",
+                      status=413)
+    return texts
+
+
+JSON_BYTES_PER_ID = 24  # "123456, " with room: a JSON body larger than the ids it may carry is refused unread
+JSON_FIELDS = 3  # input_ids, token_type_ids, attention_mask
+
+
+def json_limit(cfg: StageConfig, max_seq: int | None) -> int:
+    """Most bytes of a JSON input a stage parses: its largest batch of ids (every field), or its text limit
+    written as six-character escapes, and never under 1 MiB."""
+    ids = JSON_FIELDS * cfg.max_batch * (max_seq or 4096) * JSON_BYTES_PER_ID
+    return max(1 << 20, ids, 6 * text_limit(cfg, max_seq) + 1024)
+
+
+def check_json_size(size: int, cfg: StageConfig, max_seq: int | None) -> None:
+    """413 before parsing a JSON body no valid input of this stage needs (parsing expands it ~10 ×)."""
+    limit = json_limit(cfg, max_seq)
+    if size > limit:
+        raise invalid("body", f"JSON body of {size} bytes is over this stage's limit of {limit} bytes (the largest "
+                              "batch of ids, QUART_MAX_BATCH × the model's positions, or QUART_MAX_TEXT_CHARS)",
+                      status=413)
+
+
+def int_matrix(value, name: str, max_batch: int | None = None, max_seq: int | None = None) -> torch.Tensor:
+    """A batch × sequence list of integers as int64, its shape checked before the tensor is allocated."""
     if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
         raise invalid(name, "must be a non-empty list of lists of integers (batch, sequence)")
+    if max_batch is not None and len(value) > max_batch:
+        raise invalid(name, f"batch size must be 1..{max_batch}, got {len(value)}")
+    if max_seq is not None and len(value[0]) > max_seq:
+        raise invalid(name, f"sequence length must be 1..{max_seq}, got {len(value[0])}")
     if len({len(r) for r in value}) != 1:
         raise invalid(name, "rows must all have the same length: pad the shorter ones and send an "
                                     "attention_mask (1 = token, 0 = padding)")

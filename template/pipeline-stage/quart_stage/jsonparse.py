@@ -2,7 +2,7 @@
 
 ``json.loads`` alone lets through what later crashes a handler: ``NaN`` / ``Infinity`` (not JSON, but
 Python accepts them: ``"replicas": NaN`` then fails in ``int()``), nesting deep enough to raise
-``RecursionError`` (5,000 ``[``), integers of more than 4,300 digits (``ValueError``) and bytes that
+``RecursionError`` (5,000 ``[``), numbers too large for a float (``1e400``: ``inf``), integers of more than 4,300 digits (``ValueError``) and bytes that
 are not UTF-8. :func:`loads` turns each into :func:`~quart_stage.errors.invalid` and bounds the depth
 (:data:`MAX_DEPTH`) before the decoder recurses.
 """
@@ -10,6 +10,7 @@ are not UTF-8. :func:`loads` turns each into :func:`~quart_stage.errors.invalid`
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from quart_stage.errors import invalid
@@ -19,6 +20,13 @@ MAX_DEPTH = 64  # deepest array/object nesting accepted (deploy bodies, stage in
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: json.loads would give inf, which int() cannot take
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
 
 
 def nesting_depth(raw: bytes | str) -> int:
@@ -57,7 +65,7 @@ def loads(raw: bytes | bytearray | memoryview | str, field: str = "body", what: 
     if text.count("[") + text.count("{") > max_depth and nesting_depth(text) > max_depth:
         raise invalid(field, f"{what} nests arrays/objects more than {max_depth} deep")
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except json.JSONDecodeError as exc:
         raise invalid(field, f"{what} is not valid JSON: {exc}") from None
     except (ValueError, RecursionError) as exc:  # NaN/Infinity, a 5,000-digit integer, a decoder limit

@@ -34,6 +34,8 @@ from quart_stage.inputs import (
     INPUT_IDS,
     LOGITS,
     TOKEN_TYPE_IDS,
+    check_json_size,
+    check_text,
     dt,
     int_matrix,
     validate,
@@ -195,6 +197,8 @@ class StageRuntime:
                     self._device = torch.device(self.cfg.device or "cuda:0")
                     move_module(self.module, self._device, self.cfg.device_copy)
                 self.module.materialize_buffers(self._device)
+            if self.shape.takes_ids and self.manifest is not None and self.manifest.tokenizer:
+                self._load_tokenizer(self.manifest.tokenizer)  # read while the model folder is readable
             self.prepared = True
 
     # -- properties ------------------------------------------------------------------------------
@@ -312,6 +316,7 @@ class StageRuntime:
         return decoded.tensors, {k: v for k, v in decoded.metadata.items() if k in ("model", "stage")}
 
     def _parse_json(self, body) -> dict[str, torch.Tensor]:
+        check_json_size(len(body), self.cfg, self.shape.max_seq)  # 413 before parsing expands it
         doc = jsonparse.loads(body)  # NaN, deep nesting, huge integers: 400 naming the body
         if not isinstance(doc, dict):
             raise invalid("body", 'JSON input must be an object like {"input_ids": [[1, 2, 3]]}')
@@ -325,26 +330,21 @@ class StageRuntime:
             return self._tokenize(doc["text"])
         if INPUT_IDS not in doc:
             raise invalid(INPUT_IDS, 'missing; send {"input_ids": [[...]]}')
-        out = {INPUT_IDS: int_matrix(doc[INPUT_IDS], INPUT_IDS)}
+        bound = (self.cfg.max_batch, self.shape.max_seq)  # checked before any tensor is allocated
+        out = {INPUT_IDS: int_matrix(doc[INPUT_IDS], INPUT_IDS, *bound)}
         for name in (TOKEN_TYPE_IDS, ATTENTION_MASK):
             if name in doc:
-                out[name] = int_matrix(doc[name], name)
+                out[name] = int_matrix(doc[name], name, *bound)
         return out
 
     def _tokenize(self, text) -> dict[str, torch.Tensor]:
         """Token ids of one text or a batch; texts of different lengths are padded on the right and get an
         ``attention_mask`` (right padding keeps each text's positions, so its outputs equal an unpadded run)."""
-        texts = [text] if isinstance(text, str) else text
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-            raise invalid("text", "text must be a non-empty string or a list of them")
+        texts = check_text(text, self.cfg, self.shape.max_seq)  # bounded before the tokenizer expands it
         tok_file = self.manifest.tokenizer if self.manifest else None
         if not tok_file:
             raise invalid("text", f"model {self.model!r} has no tokenizer file; send input_ids")
-        if self._tokenizer is None:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no thread pool in a forked replica
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(os.path.join(self.cfg.model_dir, tok_file))
+        self._load_tokenizer(tok_file)
         ids = [self._tokenizer.encode(t).ids for t in texts]
         longest = max(len(x) for x in ids)
         if all(len(x) == longest for x in ids):
@@ -352,6 +352,14 @@ class StageRuntime:
         pad = (self._tokenizer.padding or {}).get("pad_id", 0)
         return {INPUT_IDS: torch.tensor([x + [pad] * (longest - len(x)) for x in ids], dtype=torch.int64),
                 ATTENTION_MASK: torch.tensor([[1] * len(x) + [0] * (longest - len(x)) for x in ids], dtype=torch.int64)}
+
+    def _load_tokenizer(self, tok_file: str) -> None:
+        """Read the tokenizer once; :meth:`prepare_device` does it before a replica drops to its own uid."""
+        if self._tokenizer is None:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no thread pool in a forked replica
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(os.path.join(self.cfg.model_dir, tok_file))
 
     def _compute(self, inputs: dict[str, torch.Tensor], span: tuple[int, int] | None) -> torch.Tensor:
         if self.cfg.compute == "emulated":
@@ -379,6 +387,8 @@ class StageRuntime:
         return out
 
     def _json_output(self, name: str, output: torch.Tensor, request_id: str, mask: torch.Tensor | None) -> dict:
+        if name == LOGITS and output.dim() == 2:  # a pooling head (MiniLM): one vector per input, no logits
+            name = "embedding"
         doc = {"model": self.model, "stage": self.stage_index, "request_id": request_id, "output": name,
                "dtype": dt(output.dtype), "shape": list(output.shape)}
         if mask is not None:
