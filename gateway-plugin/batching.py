@@ -39,13 +39,13 @@ if TYPE_CHECKING:
     import torch
 
 # the router's types (gateway_plugin.router imports this module, so they are named here, not imported)
-Router = Job = StageQueue = Exchange = Any
+Router = Job = StageQueue = Any
 
 log = logging.getLogger("quart.batching")
 ATTENTION_MASK = "attention_mask"  # quart_stage.inputs.ATTENTION_MASK (torch and the wire format load on first use)
 SAFETENSORS = "application/octet-stream"  # quart_stage.SAFETENSORS
 
-__all__ = ["BatchLimits", "Batcher", "Member", "limits_from_labels", "pack", "split"]
+__all__ = ["BatchLimits", "Batcher", "Exchange", "Member", "limits_from_labels", "pack", "split"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,20 @@ def limits_from_labels(labels: Mapping[str, str], default: BatchLimits) -> Batch
                            vocab.label_float(labels, vocab.BATCH_WAIT_MS, 1000 * default.wait_s) / 1000)
     except QuartError:
         return default
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One stage call's outcome (the router's, batched or not): times, the answer, or why it failed."""
+
+    start: float
+    end: float
+    status: int
+    data: bytes
+    headers: Mapping[str, str]
+    failure: str = ""
+    error: BaseException | None = None
+    size: int = 1  # requests it carried
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 from gateway_plugin import layers
-from gateway_plugin.batching import Batcher, BatchLimits
+from gateway_plugin.batching import Batcher, BatchLimits, Exchange
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.entry import entry_admission, queued_verdict
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
@@ -87,20 +87,6 @@ class Job:
     task: asyncio.Task | None = None
     done: bool = False
     solo: bool = False  # sent alone, never in a batch (its batch's answer did not split: gateway_plugin.batching)
-
-
-@dataclass(slots=True)
-class Exchange:
-    """One stage call's outcome: times, the answer (status, body, headers), or why it failed."""
-
-    start: float
-    end: float
-    status: int
-    data: bytes
-    headers: Mapping[str, str]
-    failure: str = ""
-    error: BaseException | None = None
-    size: int = 1  # requests it carried (a batch: gateway_plugin.batching)
 
 
 @dataclass(slots=True)
