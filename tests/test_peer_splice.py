@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from quart_stage.progress import read_progress, write_progress
+from quart_tools.bench.peer_cpu import serve_stage
 
 from keysmanager.peers import FORWARD_BYTES, StageFile, serve_file, stream_from_peer
 from keysmanager.transfer import LayerCheck, TransferError, VerifiedWriter
@@ -101,16 +102,8 @@ def test_a_hop_receiving_by_splice_forwards_its_growing_file(tmp_path: Path) -> 
     seen = {}
 
     async def main() -> None:
-        apps = []
-        for stage in (StageFile("f", src, sha, len(data)), StageFile("f", mid.dest, sha, len(data), mid)):
-            app = web.Application()
-            app.router.add_get("/v1/stages/{function}/file", lambda r, s=stage: serve_file(r, s))
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            apps.append((runner, site._server.sockets[0].getsockname()[1]))
-        (src_runner, src_port), (mid_runner, mid_port) = apps
+        src_runner, src_port = await serve_stage(StageFile("f", src, sha, len(data)))
+        mid_runner, mid_port = await serve_stage(StageFile("f", mid.dest, sha, len(data), mid))
 
         def upstream() -> None:
             with mid:

@@ -39,7 +39,8 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def _serve(stage: StageFile) -> tuple[web.AppRunner, int]:
+async def serve_stage(stage: StageFile) -> tuple[web.AppRunner, int]:
+    """``stage`` served on ``GET /v1/stages/{function}/file`` at an ephemeral loopback port: (runner, port)."""
     app = web.Application()
     app.router.add_get("/v1/stages/{function}/file", lambda request: serve_file(request, stage))
     runner = web.AppRunner(app)
@@ -51,7 +52,7 @@ async def _serve(stage: StageFile) -> tuple[web.AppRunner, int]:
 
 def _source(path: str, sha: str, size: int, ports, done) -> None:
     async def main() -> None:
-        runner, port = await _serve(StageFile("f", Path(path), sha, size))
+        runner, port = await serve_stage(StageFile("f", Path(path), sha, size))
         ports.put(port)
         c0 = _cpu()
         await asyncio.to_thread(done.wait, 600)
@@ -65,7 +66,7 @@ def _mid(upstream: int, dest: str, sha: str, size: int, receive: str, ports, don
     stage = StageFile("f", writer.dest, sha, size, writer)
 
     async def main() -> None:
-        runner, port = await _serve(stage)
+        runner, port = await serve_stage(stage)
         ports.put(port)
         c0, t0, box = _cpu(), time.perf_counter(), {}
 
