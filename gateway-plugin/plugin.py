@@ -25,6 +25,7 @@ from dataclasses import asdict, replace
 from typing import IO, Any
 
 from aiohttp import web
+from gateway_plugin.batching import BatchLimits, limits_from_labels
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
@@ -55,6 +56,7 @@ class GatewayView:
         self.default_concurrency = default_concurrency
         self._unplaced: dict[str, int] = {}  # replicas that could not be placed, as last logged
         self._meta: dict[str, tuple[Any, tuple[float, int]]] = {}  # function -> (its deployment, stage_meta)
+        self._batch: dict[str, tuple[Any, BatchLimits]] = {}  # function -> (its deployment, its batch labels)
 
     def pipelines(self) -> dict[str, list[str]]:
         return self.gateway.pipelines()
@@ -157,6 +159,16 @@ class GatewayView:
             cached = self._meta[function] = (fn.deployment, (state.cpus, state.param_bytes))
         return cached[1]
 
+    def batch_limits(self, function: str, default: BatchLimits) -> BatchLimits:
+        """What the function's ``com.quart.batch.*`` labels say (``default`` where they say nothing), once per deployment."""
+        fn = self.gateway.functions.get(function)
+        if fn is None:
+            return default
+        cached = self._batch.get(function)
+        if cached is None or cached[0] is not fn.deployment:
+            cached = self._batch[function] = (fn.deployment, limits_from_labels(fn.deployment.labels, default))
+        return cached[1]
+
     def model_dir(self, model: str) -> str | None:
         """The partitioned model folder of a pipeline (its stage 0's ``QUART_MODEL_DIR``): the tokenizer."""
         stages = self.pipelines().get(model)
@@ -250,8 +262,10 @@ class Plugin:
         self._files: list[IO[str]] = []
         records = self._open(self.config.records_path)
         self.collector = MetricsCollector(self.config.window_s, records)
+        batching = BatchLimits(self.config.batch_max, self.config.batch_wait_ms / 1000)
         self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta,
-                             on_call=getattr(gateway, "record_invocation", None))
+                             on_call=getattr(gateway, "record_invocation", None),
+                             batch_limits=lambda fn: self.view.batch_limits(fn, batching))
         self.engine = SessionEngine(self.view, GenerationConfig.from_env(),
                                     on_call=getattr(gateway, "record_invocation", None))
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,

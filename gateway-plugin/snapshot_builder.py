@@ -90,6 +90,7 @@ def build_snapshot(
             arrival_rate_recent=m.arrival_rate(now, 1.0),
             replica_start_s=state.start_s,
             sessions=sessions, kv_tokens=kv_tokens, kv_capacity=kv_capacity,
+            batch_service_s=m.batch_service_s(),
         ))
     slo = (slo_s or {}).get(model, 0.0) or slo_factor * total_service
     return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window)

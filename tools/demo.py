@@ -77,6 +77,12 @@ class Demo:
         self.session = session
         self.auth = aiohttp.BasicAuth(system.credentials.user, system.credentials.password)
 
+    async def deploy_ready(self, stack_path: Path) -> list[str]:
+        """:meth:`deploy`, then wait until every function has a ready replica; the function names."""
+        names = await self.deploy(stack_path)
+        await self.wait_available(names)
+        return names
+
     async def deploy(self, stack_path: Path) -> list[str]:
         """faas-cli deploy: PUT /system/functions, POST when the function does not exist yet."""
         stack = load_stack(stack_path)
