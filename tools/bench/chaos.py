@@ -9,6 +9,9 @@
   flag at all: kept hosts are the default on loopback, issue 31). Per scenario: ``sent``, ``ok`` (2xx),
   ``explicit_error`` (an HTTP error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
   ``recovered_s`` (from the last fault to every function at its desired replicas again).
+- **Stream scenarios** (issue 31, :mod:`.chaos_streams`): ``--streams`` concurrent token streams of the ``tiny``
+  decoder on their own gateway while a stage replica, a KeysManager or the gateway is killed:
+  ``streams_started``, ``streams_completed``, ``streams_identical``, ``stream_errors``, ``stream_hangs``.
 - **Overload** (`--process-hosts`, ``quart/echo`` at concurrency 1 on one replica, 32 MB bodies): the
   capacity measured closed-loop, then an open loop at ``--factor`` × capacity with a deadline
   (``X-Quart-Timeout-Ms``): the gateway's RSS growth and the p99 of accepted requests.
@@ -42,7 +45,8 @@ from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.chaos_fuzz import fuzz
 from quart_tools.bench.chaos_limits import async_32mb, capacity, deadline_summary, oversized_text, peak_rss
 
-SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart", "gateway-restart-default")
+SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart", "gateway-restart-default",
+             "stream-replica-kill", "stream-keysmanager-kill", "stream-gateway-restart")  # stream-*: chaos_streams
 MODEL = "bert-21b"
 BODY = json.dumps({"input_ids": [[1, 2, 3, 4]]}).encode()
 RECOVERY_POLL_DELAY_S = 0.5  # recovered_s is at least this: a poll right after a kill still counts the victim
@@ -327,7 +331,9 @@ async def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="quart-chaos-") as name:
         tmp = Path(args.keep_dir) if args.keep_dir else Path(name)
         tmp.mkdir(parents=True, exist_ok=True)
-        if args.scenarios:
+        plain = [s for s in args.scenarios if not s.startswith("stream-")]
+        streamed = [s for s in args.scenarios if s.startswith("stream-")]
+        if plain:  # the emulated model's gateway: its scenarios, fuzz and limits
             stack = _stack(tmp / "model", args.mean_ms)
             state = tmp / "state"
             state.mkdir()
@@ -339,7 +345,7 @@ async def run(args: argparse.Namespace) -> dict:
                         raise RuntimeError("the model never served at its desired replicas")
                 if args.fuzz_cases:
                     doc["fuzz"] = await fuzz(gw, args.fuzz_cases, args.seed)
-                for i, scenario_name in enumerate(args.scenarios):
+                for i, scenario_name in enumerate(plain):
                     doc["scenarios"].append(await scenario(scenario_name, gw, args.rate, args.seconds, args.seed + i))
                     print(json.dumps(doc["scenarios"][-1]), file=sys.stderr)
                 if args.limits:
@@ -349,6 +355,13 @@ async def run(args: argparse.Namespace) -> dict:
                     doc["async_32mb"] = await async_32mb(gw, MODEL)
             finally:
                 await asyncio.to_thread(gw.down)
+        if streamed:
+            from quart_tools.bench.chaos_streams import stream_scenarios
+
+            for entry in await stream_scenarios(tmp, streamed, args.streams, args.stream_tokens,
+                                                args.stream_timeout, args.seed):
+                doc["scenarios"].append(entry)
+                print(json.dumps(entry), file=sys.stderr)
         if args.deadline_factor:
             doc["overload_deadline"] = await overload_deadline(tmp, args.deadline_factor, args.overload_seconds,
                                                                args.deadline_ms, args.deadline_mean_ms)
@@ -369,6 +382,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="length of each scenario")
     p.add_argument("--mean-ms", type=float, default=5.0, help="emulated service time of each stage")
     p.add_argument("--fuzz-cases", type=int, default=2000)
+    p.add_argument("--streams", type=int, default=16, help="stream-*: concurrent token streams")
+    p.add_argument("--stream-tokens", type=int, default=48, help="stream-*: tokens each stream generates")
+    p.add_argument("--stream-timeout", type=float, default=120.0,
+                   help="stream-*: a stream that has not ended (last token or error) by then is a hang")
     p.add_argument("--factor", type=float, default=8.0, help="overload factor × measured capacity (0 = skip)")
     p.add_argument("--overload-seconds", type=float, default=10.0)
     p.add_argument("--body-mb", type=int, default=32)
