@@ -10,7 +10,7 @@
   ``explicit_error`` (an HTTP error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
   ``recovered_s`` (from the last fault to every function at its desired replicas again).
 - **Stream scenarios** (issue 31, :mod:`.chaos_streams`): ``--streams`` concurrent token streams of the ``tiny``
-  decoder on their own gateway while a stage replica, a KeysManager or the gateway is killed:
+  decoder on their own gateway while a stage replica, a KeysManager or the gateway is killed (or restarted):
   ``streams_started``, ``streams_completed``, ``streams_identical``, ``stream_errors``, ``stream_hangs``.
 - **Overload** (`--process-hosts`, ``quart/echo`` at concurrency 1 on one replica, 32 MB bodies): the
   capacity measured closed-loop, then an open loop at ``--factor`` × capacity with a deadline
@@ -46,7 +46,7 @@ from quart_tools.bench.chaos_fuzz import fuzz
 from quart_tools.bench.chaos_limits import async_32mb, capacity, deadline_summary, oversized_text, peak_rss
 
 SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart", "gateway-restart-default",
-             "stream-replica-kill", "stream-keysmanager-kill", "stream-gateway-restart")  # stream-*: chaos_streams
+             "stream-replica-kill", "stream-keysmanager-kill", "stream-gateway-restart", "stream-gateway-kill")  # stream-*: chaos_streams
 MODEL = "bert-21b"
 BODY = json.dumps({"input_ids": [[1, 2, 3, 4]]}).encode()
 RECOVERY_POLL_DELAY_S = 0.5  # recovered_s is at least this: a poll right after a kill still counts the victim

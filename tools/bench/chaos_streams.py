@@ -9,8 +9,9 @@ every stream has a few tokens:
 - ``stream-replica-kill``: kill -9 one stage-1 replica that holds sessions (failover by replay: the streams
   go on, their tokens identical);
 - ``stream-keysmanager-kill``: kill -9 one host's KeysManager;
-- ``stream-gateway-restart``: SIGTERM the gateway with the streams open, `quartctl up` again (open streams
-  end: the client sees an error event or the connection closed).
+- ``stream-gateway-restart``: SIGTERM the gateway with the streams open (it drains them), `quartctl up` again;
+- ``stream-gateway-kill``: kill -9 the gateway with the streams open, `quartctl up` again (the open streams
+  end: the client sees its connection closed, an error, never a hang).
 
 Per scenario: ``streams_started``, ``streams_completed`` (``[DONE]`` after a ``finish_reason`` event and
 every token), ``streams_identical`` (completed with the reference's tokens), ``stream_errors`` (an HTTP
@@ -33,7 +34,7 @@ import aiohttp
 import psutil
 from quart_tools.bench.chaos import Gateway, wait_serving
 
-STREAM_SCENARIOS = ("stream-replica-kill", "stream-keysmanager-kill", "stream-gateway-restart")
+STREAM_SCENARIOS = ("stream-replica-kill", "stream-keysmanager-kill", "stream-gateway-restart", "stream-gateway-kill")
 STREAM_MODEL = "tiny"
 TOKENS_BEFORE_FAULT = 3  # every stream has this many tokens when the fault is injected
 
@@ -142,8 +143,16 @@ async def _restart_gateway(gw: Gateway, rng: random.Random) -> dict:
     return {"killed": "gateway", "stop_s": round(time.monotonic() - started, 2)}
 
 
+async def _kill_gateway(gw: Gateway, rng: random.Random) -> dict:
+    pid = gw.process.pid
+    os.kill(pid, signal.SIGKILL)  # no drain: the open streams' connections close under them
+    await asyncio.to_thread(gw.process.wait)
+    gw.process = None
+    return {"killed": "gateway", "killed_pid": pid}
+
+
 FAULTS = {"stream-replica-kill": _kill_stage_replica, "stream-keysmanager-kill": _kill_keysmanager,
-          "stream-gateway-restart": _restart_gateway}
+          "stream-gateway-restart": _restart_gateway, "stream-gateway-kill": _kill_gateway}
 
 
 def tiny_stack(folder: Path) -> Path:
