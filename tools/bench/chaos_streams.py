@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from quart_tools.bench.chaos import Gateway, wait_serving
+from quart_tools.bench.chaos_system import Gateway, wait_serving
 
 STREAM_SCENARIOS = ("stream-replica-kill", "stream-keysmanager-kill", "stream-gateway-restart", "stream-gateway-kill")
 STREAM_MODEL = "tiny"
