@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean browser
 
 setup: $(STAMP)
 
@@ -21,7 +21,13 @@ $(STAMP): requirements.txt requirements-models.txt pyproject.toml
 demo: setup
 	$(VENV)/bin/quartctl demo
 
-test: setup
+# Debian's chromium for the status page's browser test (tests/test_ui.py skips without it); as root only
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } \
+		|| echo "chromium not installed: tests/test_ui.py's browser test will be skipped"
+
+test: setup browser
 	$(PY) -m pytest
 
 lint: setup

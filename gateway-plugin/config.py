@@ -188,6 +188,8 @@ class PluginConfig:
     max_attempts: int = 3  # [QUART_MAX_ATTEMPTS] tries of one stage call on distinct replicas
     replica_refresh_s: float = 0.5  # [QUART_REPLICA_REFRESH_S] how often ready replicas are re-listed
     default_concurrency: int = 1  # [QUART_CONCURRENCY] slots per replica when no label says
+    batch_max: int = 1  # [QUART_BATCH_MAX] requests per stage call when no com.quart.batch.max label says (1 = off)
+    batch_wait_ms: float = 0.0  # [QUART_BATCH_WAIT_MS] a short batch waits this long for more (com.quart.batch.wait-ms)
     window_s: float = 10.0  # [QUART_WINDOW_S] metrics sliding window
     records_path: str = ""  # [QUART_RECORDS] JSONL of per-request records ("" = keep none)
     control_period_s: float = 1.0  # [QUART_CONTROL_PERIOD_S]
@@ -215,6 +217,8 @@ class PluginConfig:
             "max_attempts": "QUART_MAX_ATTEMPTS",
             "replica_refresh_s": "QUART_REPLICA_REFRESH_S",
             "default_concurrency": "QUART_CONCURRENCY",
+            "batch_max": "QUART_BATCH_MAX",
+            "batch_wait_ms": "QUART_BATCH_WAIT_MS",
             "window_s": "QUART_WINDOW_S",
             "records_path": "QUART_RECORDS",
             "control_period_s": "QUART_CONTROL_PERIOD_S",

@@ -26,6 +26,7 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import Inventory, QueueView, build_snapshot
+from gateway_plugin.zero import held_at_zero
 from quart_provider.replicaset import within_bounds
 
 from keysmanager.aio import wait_event
@@ -54,6 +55,8 @@ class Change:
     replicas: int | None = None
     key: bool = False  # a scale-up of a stage the policy named as a key stage
     cpus: float | None = None
+    previous: int = 0  # the desired count it replaces (for the log)
+    reason: str = ""  # the policy's why
 
 
 @dataclass(slots=True)
@@ -98,7 +101,8 @@ class Controller:
             policy = self.policy(model)
             if self.cv_trainer is not None:
                 self.cv_trainer.install(model, policy)
-            decision = bounded(snap, policy.decide(snap))
+            desired_now = [self.inventory.stage_state(stage.name).desired for stage in snap.stages]
+            decision = held_at_zero(snap, bounded(snap, policy.decide(snap)), desired_now)
             if self.cv_trainer is not None and hasattr(policy, "cv_model"):  # only QUART reads a CV model
                 self.cv_trainer.observe(snap)
             decisions[model] = decision
@@ -107,17 +111,29 @@ class Controller:
         return decisions, changes
 
     async def step(self) -> dict[str, Decision]:
-        """One control period for every pipeline, carried out by the actuator; returns the decisions."""
+        """One control period for every pipeline, carried out by the actuator; returns the decisions. Every
+        change of a desired count is logged and kept by the platform (``note_decision``: the function's
+        lastDecision); every replica the platform cannot place is logged once per change (``check_placement``)."""
         decisions, changes = self.decide()
+        note = getattr(self.inventory, "note_decision", None)
         for change in changes:
             try:
                 if change.replicas is not None:
+                    why = f"{change.previous} -> {change.replicas}{' (key stage)' if change.key else ''}: " + (
+                        change.reason or "policy")
+                    log.info("scale %s %s", change.function, why)
                     await self.actuator.scale(change.function, change.replicas, key=change.key)
+                    if note is not None:
+                        note(change.function, why)
                 if change.cpus is not None:
                     await self.actuator.set_cpus(change.function, change.cpus)
             except Exception as exc:  # an actuator failure must not stop the loop
                 self.errors += 1
                 log.warning("actuating %s failed: %s", change.function, exc)
+        if hasattr(self.inventory, "check_placement"):
+            for snap in self.last_snapshots.values():
+                for stage in snap.stages:
+                    self.inventory.check_placement(stage.name)
         return decisions
 
     def _changes(self, snap: PipelineSnapshot, decision: Decision) -> list[Change]:
@@ -127,7 +143,8 @@ class Controller:
             replicas = want.replicas if want.replicas != state.desired else None
             cpus = want.cpus if abs(want.cpus - state.cpus) >= 0.01 else None
             if replicas is not None or cpus is not None:
-                out.append(Change(stage.name, replicas, stage.index in decision.key_stages, cpus))
+                out.append(Change(stage.name, replicas, stage.index in decision.key_stages, cpus, state.desired,
+                                  want.reason))
         return out
 
     def _log(self, snap: PipelineSnapshot, decision: Decision) -> None:

@@ -80,7 +80,7 @@ class StageMetrics:
 
     __slots__ = ("window_s", "recent_s", "trim_on_event", "arrivals", "recent", "waits", "services",
                  "activations", "total_arrivals", "total_completions", "last_service_s", "_wait_sum",
-                 "_busy_sum", "_act_sum", "_gap_sq_sum", "_removed")
+                 "_busy_sum", "_act_sum", "_gap_sq_sum", "_removed", "batches")
 
     def __init__(self, window_s: float, recent_s: float = 1.0, trim_on_event: bool = True) -> None:
         self.window_s = window_s
@@ -99,6 +99,7 @@ class StageMetrics:
         self._act_sum = 0.0
         self._gap_sq_sum = 0.0  # Σ (a[k+1] − a[k])² over consecutive arrivals in the window
         self._removed = 0  # entries trimmed since the sums were last rebuilt
+        self.batches: dict[int, list[float]] = {}  # requests per call → [calls, Σ service s] since the start
 
     # ------------------------------------------------------------------------------ events
     def on_arrival(self, now: float, activation_bytes: float) -> None:
@@ -126,6 +127,18 @@ class StageMetrics:
         self.total_completions += 1
         if self.trim_on_event:
             self._trim(now)
+
+    def on_batch(self, size: int, service_s: float) -> None:
+        """One successful stage call that carried ``size`` requests (gateway_plugin.batching) and took ``service_s``."""
+        entry = self.batches.get(size)
+        if entry is None:
+            entry = self.batches[size] = [0, 0.0]
+        entry[0] += 1
+        entry[1] += service_s
+
+    def batch_service_s(self) -> tuple[tuple[int, int, float], ...]:
+        """(requests per call, calls, mean service s of such a call), by size: the stage's service time by batch."""
+        return tuple((size, int(n), total / n) for size, (n, total) in sorted(self.batches.items()) if n)
 
     # ------------------------------------------------------------------------------ window
     def _trim(self, now: float) -> None:
@@ -224,6 +237,7 @@ class MetricsCollector:
         self._records_lock = threading.Lock()
         self.registry = CollectorRegistry()
         self.c_requests = Counter("quart_pipeline_requests", "finished pipeline requests", ["model", "code"], registry=self.registry)
+        self.recent: deque[tuple[float, str, float, int]] = deque(maxlen=20_000)  # (end, model, latency ms, status)
         self.h_ttft = Histogram("quart_generation_ttft_seconds", "time to the first generated token", ["model"],
                                 buckets=TOKEN_BUCKETS_S, registry=self.registry)
         self.h_tpot = Histogram("quart_generation_tpot_seconds", "mean time per generated token after the first",
@@ -236,6 +250,7 @@ class MetricsCollector:
 
     def record(self, rec: RequestRecord) -> None:
         self.c_requests.labels(rec.model, str(rec.status)).inc()
+        self.recent.append((rec.end, rec.model, rec.latency_ms, rec.status))  # the status page's latency chart
         if rec.ttft_ms is not None:
             self.h_ttft.labels(rec.model).observe(rec.ttft_ms / 1000)
         if rec.tpot_ms is not None:

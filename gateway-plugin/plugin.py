@@ -20,10 +20,12 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, replace
 from typing import IO, Any
 
 from aiohttp import web
+from gateway_plugin.batching import BatchLimits, limits_from_labels
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
@@ -34,7 +36,9 @@ from gateway_plugin.policies import make_policy
 from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
+from gateway_plugin.webui import make_ui_hook
 from quart_provider.admission import ServiceTimes
+from quart_provider.capacity import not_ready_reason
 from quart_provider.responses import error_of
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError
@@ -50,7 +54,9 @@ class GatewayView:
     def __init__(self, gateway: Any, default_concurrency: int = 1) -> None:
         self.gateway = gateway
         self.default_concurrency = default_concurrency
+        self._unplaced: dict[str, int] = {}  # replicas that could not be placed, as last logged
         self._meta: dict[str, tuple[Any, tuple[float, int]]] = {}  # function -> (its deployment, stage_meta)
+        self._batch: dict[str, tuple[Any, BatchLimits]] = {}  # function -> (its deployment, its batch labels)
 
     def pipelines(self) -> dict[str, list[str]]:
         return self.gateway.pipelines()
@@ -99,6 +105,37 @@ class GatewayView:
     def note_held(self, function: str, replica: Any, held: tuple[int, int]) -> None:
         self.gateway.note_held(function, replica, held)
 
+    def note_decision(self, function: str, text: str) -> None:
+        """The controller changed ``function``'s replicas: kept for ``/system/functions`` (lastDecision)."""
+        fn = self.gateway.functions.get(function)
+        if fn is not None:
+            fn.last_decision = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {text}"
+
+    def check_placement(self, function: str) -> None:
+        """Log, once per change, the replicas of ``function`` that cannot be placed and why."""
+        fn = self.gateway.functions.get(function)
+        unplaced = fn.unplaced if fn is not None else 0
+        if unplaced != self._unplaced.get(function, 0) and fn is not None:
+            if unplaced:
+                log.warning("cannot place %d replica(s) of %s: %s", unplaced, function,
+                            not_ready_reason(fn, self.gateway.functions.values(), self.gateway.hosts))
+            else:
+                log.info("all replicas of %s are placed again", function)
+        self._unplaced[function] = unplaced
+
+    def scale_from_zero(self, functions: list[str]) -> None:
+        """A call came for a pipeline: its stages at zero replicas get ``max(1, com.openfaas.scale.min)``, as the
+        OpenFaaS gateway's scale from zero does for a function (the balancer does the same for a direct call)."""
+        woken = False
+        for name in functions:
+            fn = self.gateway.functions.get(name)
+            if fn is not None and fn.desired == 0:
+                fn.desired = max(1, fn.deployment.min_replicas)
+                woken = True
+        if woken:
+            log.info("scale from zero: %s", ", ".join(functions))
+            self.gateway.kick()
+
     def stage_state(self, function: str) -> StageState:
         fn = self.gateway.functions[function]
         dep = fn.deployment
@@ -120,6 +157,16 @@ class GatewayView:
         if cached is None or cached[0] is not fn.deployment:
             state = self.stage_state(function)
             cached = self._meta[function] = (fn.deployment, (state.cpus, state.param_bytes))
+        return cached[1]
+
+    def batch_limits(self, function: str, default: BatchLimits) -> BatchLimits:
+        """What the function's ``com.quart.batch.*`` labels say (``default`` where they say nothing), once per deployment."""
+        fn = self.gateway.functions.get(function)
+        if fn is None:
+            return default
+        cached = self._batch.get(function)
+        if cached is None or cached[0] is not fn.deployment:
+            cached = self._batch[function] = (fn.deployment, limits_from_labels(fn.deployment.labels, default))
         return cached[1]
 
     def model_dir(self, model: str) -> str | None:
@@ -215,8 +262,10 @@ class Plugin:
         self._files: list[IO[str]] = []
         records = self._open(self.config.records_path)
         self.collector = MetricsCollector(self.config.window_s, records)
+        batching = BatchLimits(self.config.batch_max, self.config.batch_wait_ms / 1000)
         self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta,
-                             on_call=getattr(gateway, "record_invocation", None))
+                             on_call=getattr(gateway, "record_invocation", None),
+                             batch_limits=lambda fn: self.view.batch_limits(fn, batching))
         self.engine = SessionEngine(self.view, GenerationConfig.from_env(),
                                     on_call=getattr(gateway, "record_invocation", None))
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
@@ -322,6 +371,7 @@ async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = No
     """Called by the embedded gateway once it is up: hooks the router in and starts the controller."""
     plugin = Plugin(gateway, config)
     gateway.add_invoke_hook(plugin.hook)
+    gateway.ui_hook = make_ui_hook(plugin)  # /ui/: the status page
     gateway.add_api_hook(plugin.generation.v1)
     gateway.route_pipelines(plugin.router.answer)
     gateway.route_generation(plugin.generation)

@@ -1,28 +1,17 @@
 """The pipeline router: ``POST /function/<model>`` runs every stage of the model in order.
 
-Each stage function has a FIFO queue. A per-stage dispatcher hands the head of the queue to the replica
-the provider's one pick rule names (:func:`quart_provider.balancer.pick`, the same as the gateway's
-proxy: least in flight among ready replicas with a free slot, concurrency 0 = unlimited), and carries
-the stage's output (safetensors bytes) to the next stage's queue: a replica never calls its
-successor. A failed or timed-out stage call is retried on another replica while the request's
-deadline allows, otherwise the client gets an explicit 5xx JSON error. A request that finds a stage
-queue at its cap is refused with 429 + Retry-After before it is accepted. Every accepted request
-ends with exactly one response.
-
-One path with the gateway's proxy (docs/architecture.md, "One request"): the embedded gateway's fast
-front hands ``POST /function/<model>`` to :meth:`Router.answer` with the body already read (no aiohttp
-in between); stage calls go through the provider's lean client (:class:`quart_provider.upstream.UpstreamPool`);
-retries follow :mod:`quart_provider.retry`, the client's deadline :func:`quart_provider.admission.client_deadline_s`,
-admission the p90 of :class:`quart_provider.admission.ServiceTimes` (the same estimator the proxy uses, per
-function); errors are :class:`~quart_stage.errors.QuartError` bodies. The stage queue is the function's one
-queue: a dispatcher with no free replica waits on :meth:`ReplicaSource.wait`, which a release (by this
-router or by the proxy) or a replica becoming ready resolves — no polling.
-
-Replicas come from a ``ReplicaSource``: the embedded gateway's live replica sets (plugin.py) or a
-fixed list (``StaticReplicas``: tests, or function-level dispatch to a real OpenFaaS gateway). Other
-engines (token generation, batching) reuse the same three pieces: a ``ReplicaSource``, the pick rule
-(:meth:`Router.pick` → :func:`quart_provider.balancer.pick`) and the upstream client (``Router.upstream``;
-:meth:`~quart_provider.upstream.UpstreamPool.stream` for a streamed answer).
+Each stage function has one FIFO queue. A per-stage dispatcher hands the head of the queue to the replica the
+provider's one pick rule names (:func:`quart_provider.balancer.pick`: least in flight among ready replicas with
+a free slot) and carries the stage's output (safetensors) to the next stage's queue: a replica never calls its
+successor. With ``com.quart.batch.max`` > 1 the waiting requests that fit go in one call
+(:mod:`gateway_plugin.batching`). A failed or timed-out call is retried on another replica while the deadline
+allows (:mod:`quart_provider.retry`), else the client gets an explicit 5xx; a request that finds a stage queue at
+its cap is refused with 429 + Retry-After before it is accepted (``entry.py``). Every accepted request ends with
+exactly one response. The embedded gateway's fast front calls :meth:`Router.answer` with the body read; stage
+calls go through :class:`quart_provider.upstream.UpstreamPool`; a dispatcher with no free replica waits on
+:meth:`ReplicaSource.wait`, resolved by any release or a replica becoming ready — no polling
+(docs/architecture.md, "One request"). Replicas come from a ``ReplicaSource`` (plugin.py's live replica sets, or
+``StaticReplicas``); engines beside the router reuse it, :meth:`Router.pick` and ``Router.upstream``.
 """
 
 from __future__ import annotations
@@ -42,6 +31,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 from gateway_plugin import layers
+from gateway_plugin.batching import Batcher, BatchLimits, Exchange
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.entry import entry_admission, queued_verdict
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
@@ -96,6 +86,7 @@ class Job:
     visits: list[StageVisit] = field(default_factory=list)
     task: asyncio.Task | None = None
     done: bool = False
+    solo: bool = False  # sent alone, never in a batch (its batch's answer did not split: gateway_plugin.batching)
 
 
 @dataclass(slots=True)
@@ -121,6 +112,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         dispatch_poll_s: float = 0.25,
         on_call: Callable[[str, int, float], None] | None = None,
+        batch_limits: Callable[[str], BatchLimits] | None = None,
     ) -> None:
         self.source = source
         self.pipelines = pipelines
@@ -137,6 +129,8 @@ class Router:
         self._ids = itertools.count()
         self._closed = False
         self._running: set[Job] = set()
+        default = BatchLimits(self.config.batch_max, self.config.batch_wait_ms / 1000)
+        self.batcher = Batcher(self, batch_limits or (lambda fn: default))  # com.quart.batch.max per function
         self.accepted = 0
         self.answered = 0
 
@@ -163,6 +157,7 @@ class Router:
             if q.dispatcher:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await q.dispatcher
+        await self.batcher.close()
         if self.upstream is not None:
             await self.upstream.close()
             self.upstream = None
@@ -229,6 +224,8 @@ class Router:
             arrival=now, deadline=now + timeout, future=asyncio.get_running_loop().create_future(), accept=accept,
         )
         self.accepted += 1
+        if hasattr(self.source, "scale_from_zero"):  # stages at zero start now, all of them (as OpenFaaS does)
+            self.source.scale_from_zero(stages)
         self._enqueue(job, front=False)
         timer = asyncio.get_running_loop().call_later(timeout + 0.5, self._abandon, job)  # answers it 504
         try:
@@ -273,6 +270,8 @@ class Router:
         """The stage call of ``job`` on ``replica`` (its slot taken), as a task."""
         self.source.take(q.function, replica)
         q.busy += 1
+        if batch := self.batcher.gather(q, job, replica):  # the waiting requests that join this call, if it batches
+            return self.batcher.launch(q, batch, replica)
         job.attempts += 1
         job.task = asyncio.get_running_loop().create_task(self._call(job, q, replica))
         self._running.add(job)
@@ -339,33 +338,35 @@ class Router:
         return target
 
     async def _call(self, job: Job, q: StageQueue, replica: Any) -> None:
-        fn = q.function
         start = self.clock()
-        wait_s = start - job.enqueued_at
+        sent = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
+                "X-Quart-Model": job.model, "X-Quart-Stage": str(job.stage)}
+        part = layers.part_for(replica, job.layer_at)
+        if part is not None:
+            sent[layers.LAYERS] = layers.format_range(part)
+        stage_end = part is None or layers.next_position(part, layers.stage_range(replica)) is None
+        if job.accept and job.stage == len(job.stages) - 1 and stage_end:
+            sent["Accept"] = job.accept  # e.g. application/json: the client's format for the final answer
+        done = await self.exchange(q, replica, sent, job.body, job.deadline, start)
+        job.task = None
+        self.settle(job, q, replica, part, done)
+
+    async def exchange(self, q: StageQueue, replica: Any, sent: dict[str, str], body: bytes, deadline: float,
+                       start: float) -> Exchange:
+        """One stage call on ``replica`` (its slot taken by :meth:`_launch`), the slot given back after it."""
+        fn = q.function
         status, data, headers, failure = 0, b"", {}, ""
-        part: layers.Range | None = None
         error: BaseException | None = None
         try:
-            timeout = min(self.config.attempt_timeout_s, job.deadline - start)
+            timeout = min(self.config.attempt_timeout_s, deadline - start)
             if self.upstream is None:
                 raise RuntimeError("the router's HTTP client is closed")
-            sent = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
-                    "X-Quart-Model": job.model, "X-Quart-Stage": str(job.stage)}
-            part = layers.part_for(replica, job.layer_at)
-            if part is not None:
-                sent[layers.LAYERS] = layers.format_range(part)
-            stage_end = part is None or layers.next_position(part, layers.stage_range(replica)) is None
-            if job.accept and job.stage == len(job.stages) - 1 and stage_end:
-                sent["Accept"] = job.accept  # e.g. application/json: the client's format for the final answer
             base, path = self._target(replica.url)
-            resp = await self.upstream.request("POST", base, path, sent, job.body, timeout_s=max(0.001, timeout))
+            resp = await self.upstream.request("POST", base, path, sent, body, timeout_s=max(0.001, timeout))
             data, status, headers = resp.body, resp.status, resp.headers
             held = layers.parse_range(headers.get(layers.HELD))
             if held is not None and held != getattr(replica, "held", None):
                 self.source.note_held(fn, replica, held)
-        except asyncio.CancelledError:
-            failure = "cancelled"
-            raise
         except Exception as exc:  # timeout, connection, protocol, closed client: all count as a failed attempt
             error = exc
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -374,13 +375,18 @@ class Router:
             q.busy -= 1
             self.source.give_back(fn, replica)
             q.wake.set()
-            job.task = None
         end = self.clock()
         if self.on_call is not None:
             try:
                 self.on_call(fn, status, end - start)
             except Exception as exc:  # counting must never fail a request
                 log.warning("recording the call to %s failed: %s", fn, exc)
+        return Exchange(start, end, status, data, headers, failure, error)
+
+    def settle(self, job: Job, q: StageQueue, replica: Any, part: layers.Range | None, done: Exchange) -> None:
+        """What a stage call's answer means for ``job``: the next stage, the rest of this one, a retry, an answer."""
+        fn, start, end, wait_s = q.function, done.start, done.end, done.start - job.enqueued_at
+        status, data, headers, failure, error = done.status, done.data, done.headers, done.failure, done.error
         if job.done:
             return
         if failure == "" and 200 <= status < 300:
@@ -390,6 +396,8 @@ class Router:
             stats.on_dispatch(start, wait_s)
             rest = layers.next_position(ran, layers.stage_range(replica)) if part is not None else None
             if rest is None:
+                if done.size == 1:
+                    stats.on_batch(1, service_s)
                 stats.on_complete(end, service_s)  # a stage run in parts completes once, with its last part
                 self.service_times(fn).record(service_s)  # admission's estimator, shared with the proxy
             cpus, param_bytes = self.stage_meta(fn)
@@ -479,7 +487,6 @@ class Router:
 
 
 def _ms(headers: Mapping[str, str], name: str) -> float:
-    try:
+    with contextlib.suppress(ValueError):
         return float(headers.get(name, 0.0))
-    except ValueError:
-        return 0.0
+    return 0.0

@@ -38,6 +38,8 @@ class StageSnapshot:
     concurrency: int = 1  # requests one replica serves at once
     arrival_rate_recent: float = -1.0  # λ over the last second (−1: unknown → use arrival_rate)
     replica_start_s: float = -1.0  # measured ask → ready time of a new replica (−1: unknown → the policy learns it)
+    # (requests per call, calls, mean service s) by batch size, measured by the router (gateway_plugin.batching)
+    batch_service_s: tuple[tuple[int, int, float], ...] = ()
 
     @property
     def mean_service_s(self) -> float:

@@ -80,6 +80,7 @@ def build_snapshot(
             concurrency=state.concurrency,
             arrival_rate_recent=m.arrival_rate(now, 1.0),
             replica_start_s=state.start_s,
+            batch_service_s=m.batch_service_s(),
         ))
     slo = (slo_s or {}).get(model, 0.0) or slo_factor * total_service
     return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window)

@@ -15,7 +15,6 @@ replayed (correct, slower).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -36,8 +35,11 @@ from gateway_plugin.plugin import make_actuator, policy_factory
 from gateway_plugin.router import Router, StaticReplica, json_reply, web_response
 from gateway_plugin.snapshot_builder import StageState
 from quart_provider import namespaces
+from quart_provider.metrics import render_registry
 from quart_provider.tracing import traced, with_trace
+from quart_stage import cliargs
 from quart_stage import labels as vocab
+from quart_stage.logs import configure as configure_logs
 
 from keysmanager.aio import wait_event
 
@@ -147,12 +149,15 @@ class StandalonePlugin:
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body, content_type = render_registry(self.collector.registry, request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/function/{model}", traced(self._invoke))
         app.router.add_route("*", "/v1/{tail:.*}", traced(self.generation.v1))
-        app.router.add_get("/metrics", lambda r: web.Response(body=self.collector.prometheus_text(),
-                                                               content_type="text/plain"))
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/snapshot", lambda r: web.json_response(
             {m: asdict(s) for m, s in self.controller.last_snapshots.items()},
             dumps=lambda d: json.dumps(d, default=str)))
@@ -202,7 +207,7 @@ class StandalonePlugin:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gateway_plugin.standalone", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl plugin", description=__doc__.split("\n\n")[0])
     p.add_argument("--gateway", default=None, help="OpenFaaS gateway URL (QUART_GATEWAY_URL)")
     p.add_argument("--user", default=None, help="basic-auth user (QUART_GATEWAY_USER, default admin)")
     p.add_argument("--password-file", default=None, help="file holding the gateway password (mode 0600)")
@@ -221,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"standalone plugin: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
+    except ValueError as exc:  # ConfigError: the variable and what it must be
+        print(f"quartctl plugin: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     web.run_app(plugin.app(), host=args.bind, port=args.port, print=lambda *a: None)
     return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
+
+from quart_stage import cliargs
+from quart_stage.logs import configure as configure_logs
 
 from keysmanager.config import KeysManagerConfig
 from keysmanager.server import serve
@@ -12,7 +14,7 @@ from keysmanager.types import FORK_MODES
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="quartctl keysmanager", description="run one KeysManager host agent")
+    parser = cliargs.ArgumentParser(prog="quartctl keysmanager", description="run one KeysManager host agent")
     parser.add_argument("--name", help="host name (default host-0)")
     parser.add_argument("--socket", help="API Unix socket path (default <state-dir>/km.sock)")
     parser.add_argument("--state-dir", help="pidfile, state and logs (default $XDG_RUNTIME_DIR or /tmp)")
@@ -28,6 +30,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host-address", help="this host's address: replicas listen on it (default 127.0.0.1)")
     args = parser.parse_args(argv)
     try:
+        configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
         config = KeysManagerConfig.from_env(
             name=args.name, socket=args.socket, state_dir=args.state_dir, memory_limit=args.memory_limit,
             memory_threshold=args.memory_threshold, gpus=args.gpus, fork_mode=args.fork_mode,

@@ -17,6 +17,8 @@ import contextlib
 import http.client
 import json
 import re
+import select
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _POLL_S = 0.005
 FORWARD_BYTES = 4 * PEER_CHUNK_BYTES  # a file still arriving is forwarded once this much is new (32 ms at 1 Gbit/s)
 _HOLD_S = 0.02  # ... or once the oldest byte not sent has waited this long (a slow or stalled upstream)
+RECEIVE_PATHS = ("copy", "splice")  # splice: socket → pipe → file, hashed in place (Linux)
 GATHER_BYTES, _GATHER_S = 256 << 10, 0.002  # a receiver whose read got less sleeps 2 ms: ~250 kB a read at 1 Gbit/s
 
 
@@ -130,7 +133,7 @@ def _open(stage: StageFile):
 
 
 def stream_from_peer(peer: str, function: str, token: str | None, writer: VerifiedWriter,
-                     connect_timeout_s: float = 3.0, read_timeout_s: float = 10.0) -> FetchResult:
+                     connect_timeout_s: float = 3.0, read_timeout_s: float = 10.0, receive: str = "copy") -> FetchResult:
     """Stream ``function``'s stage file from the KeysManager at ``peer`` (``http://HOST:PORT``) into ``writer``
     and commit it (size and sha256 checked there). TransferError naming the peer and the cause.
 
@@ -150,6 +153,9 @@ def stream_from_peer(peer: str, function: str, token: str | None, writer: Verifi
         offered = reply.getheader(SHA_HEADER)
         if writer.sha256 and offered and offered != writer.sha256:
             raise TransferError(f"peer {peer} holds another version of {function} (sha256 {offered[:16]}…)")
+        if receive == "splice" and reply.length and not reply.chunked and writer.can_splice:
+            _splice_body(conn.sock, reply, writer, read_timeout_s)
+            return writer.commit(source=peer)
         buffer = memoryview(bytearray(PEER_CHUNK_BYTES))
         remaining = reply.length  # Content-Length (None: until the peer closes)
         while remaining is None or remaining > 0:
@@ -169,6 +175,37 @@ def stream_from_peer(peer: str, function: str, token: str | None, writer: Verifi
     finally:
         conn.close()
     return writer.commit(source=peer)
+
+
+def _splice_body(sock: socket.socket, reply: http.client.HTTPResponse, writer: VerifiedWriter,
+                 read_timeout_s: float) -> None:
+    """The body of ``reply`` (``reply.length`` bytes) into ``writer``: what http.client already buffered by a
+    write, the rest spliced from the socket into the file (``VerifiedWriter.splice_from``). A short body is
+    left to the writer's commit (it names the count); a silent peer is a TimeoutError."""
+    remaining = reply.length
+    buffered = reply.fp.peek(1)[:remaining]  # bytes read with the headers (one socket read at most)
+    if buffered:
+        writer.write(reply.fp.read1(len(buffered)))
+        remaining -= len(buffered)
+    buffer = memoryview(bytearray(PEER_CHUNK_BYTES))
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    while remaining > 0:
+        try:
+            if writer.can_splice:
+                n = writer.splice_from(sock.fileno(), min(PEER_CHUNK_BYTES, remaining))
+            else:  # bytes an earlier live attempt verified: hashed through a buffer, not rewritten
+                n = sock.recv_into(buffer[:min(len(buffer), remaining)], socket.MSG_DONTWAIT)
+                writer.write(buffer[:n])
+        except BlockingIOError:  # the socket has a timeout, so it is non-blocking: wait for bytes
+            if not poller.poll(read_timeout_s * 1000):
+                raise TimeoutError(f"no bytes for {read_timeout_s} s") from None
+            continue
+        if not n:
+            return
+        remaining -= n
+        if n < GATHER_BYTES:
+            time.sleep(_GATHER_S)
 
 
 def read_peer_range(peer: str, function: str, token: str | None, sha256: str | None, start: int, end: int,

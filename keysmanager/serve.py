@@ -1,8 +1,9 @@
 """A replica's HTTP server: the stage's WSGI app on a listening socket the parent already bound.
 
 Runs in the replica (a forked child of a zygote, or a cold process). Threads are created here, after the
-fork, never before. The server answers concurrent requests on threads (HTTP/1.1 keep-alive), logs nothing
-per request (no logging handler is inherited across fork), stops accepting on SIGTERM and exits once the
+fork, never before. The server answers concurrent requests on threads (HTTP/1.1 keep-alive), writes one
+access line per request to stderr, the replica's log (``quart_stage.logs.AccessLog``; no logging handler is
+inherited across fork), stops accepting on SIGTERM and exits once the
 requests in flight are answered (drain), and exits at once when the KeysManager's lifeline pipe closes.
 """
 
@@ -17,11 +18,12 @@ import threading
 import time
 from typing import Any
 
+from quart_stage.logs import AccessLog
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No per-request logging; counts a request as in flight from its request line to its response's end
+    """No werkzeug request lines (AccessLog writes ours); counts a request as in flight from its request line to its response's end
     (an idle keep-alive connection is not in flight, so it does not hold a drain up)."""
 
     def handle_one_request(self) -> None:
@@ -83,7 +85,7 @@ def serve_forever(app, listen_fd: int, lifeline_fd: int | None, drain_timeout_s:
     with socket.socket(fileno=os.dup(listen_fd)) as probe:  # the family of the inherited socket (TCP or Unix)
         unix = probe.family == socket.AF_UNIX
         host = f"unix://{probe.getsockname()}" if unix else "127.0.0.1"
-    server = ThreadedWSGIServer(host, 0, app, handler=_QuietHandler, fd=listen_fd)
+    server = ThreadedWSGIServer(host, 0, AccessLog(app), handler=_QuietHandler, fd=listen_fd)
     server.in_flight = _InFlight()
     os.close(listen_fd)  # the server holds its own duplicate
     server.daemon_threads = True

@@ -15,7 +15,10 @@ live replica maps it) and never rewrites bytes of layers already verified: it on
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import mmap
 import os
 import threading
 import time
@@ -84,13 +87,15 @@ class VerifiedWriter:
         # layers that tile the whole file are its checksum: no second sha256 pass over every byte
         self._hash_whole = layers is None or not (layers.spans and layers.spans[0][0] == 0
                                                   and layers.spans[-1][1] == size)
+        self._pipe: tuple[int, int] | None = None  # splice_from: socket → pipe → file
+        self._map: mmap.mmap | None = None  # ... and the file mapped read-only, to hash what landed in place
 
     def __enter__(self) -> VerifiedWriter:
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         if self.layers is None:
             # a new file, never a truncated one: a live replica of an earlier attempt may still map the old one
             self.partial.unlink(missing_ok=True)
-            self._file = open(self.partial, "wb")  # noqa: SIM115 - closed in commit/abort
+            self._file = open(self.partial, "w+b")  # noqa: SIM115 - closed in commit/abort; readable: splice_from maps it
             return self
         fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)  # never truncated: a live replica maps it
         self._file = os.fdopen(fd, "r+b")
@@ -106,10 +111,57 @@ class VerifiedWriter:
 
     def write(self, chunk: bytes | memoryview) -> None:
         skip = min(len(chunk), max(0, self._keep - self.written))
-        if skip:  # verified by an earlier attempt: bytes a live replica may be using stay as they are
-            self._file.seek(self.written + skip)
+        if skip or self._map is not None:  # verified earlier: bytes a live replica may use stay as they are;
+            self._file.seek(self.written + skip)  # or splice_from wrote by offset, not through this file's position
         self._file.write(memoryview(chunk)[skip:] if skip else chunk)
         self._file.flush()  # readers of the partial file see what ``written`` says
+        self._landed(chunk)
+
+    @property
+    def can_splice(self) -> bool:
+        """Whether :meth:`splice_from` may take the next bytes: the size is known and they are new (not bytes
+        an earlier live attempt verified, which are only hashed, never rewritten)."""
+        return bool(self.size) and self.written >= self._keep and self.written < self.size
+
+    def splice_from(self, fd: int, count: int) -> int:
+        """Move up to ``count`` bytes from the socket ``fd`` to the file at ``written`` with ``splice`` (socket →
+        pipe → page cache: no copy through user space), then hash them from the page cache while they are hot.
+        Returns the bytes taken (0: the peer closed). BlockingIOError when a non-blocking socket has nothing."""
+        if self._map is None:
+            self._open_splice()
+        read_end, write_end = self._pipe
+        n = os.splice(fd, write_end, min(count, self.size - self.written), flags=os.SPLICE_F_MOVE)
+        pos, left = self.written, n
+        while left:
+            left -= os.splice(read_end, self._file.fileno(), left, offset_dst=pos + n - left, flags=os.SPLICE_F_MOVE)
+        if n:
+            with memoryview(self._map) as whole, whole[pos:pos + n] as landed:
+                self._landed(landed)
+        return n
+
+    def _open_splice(self) -> None:
+        fd = self._file.fileno()
+        if os.fstat(fd).st_size < self.size:
+            os.ftruncate(fd, self.size)  # mappable whole; the bytes not arrived read as zeros
+        self._pipe = os.pipe()
+        with contextlib.suppress(OSError):  # a pipe of 1 MiB: a socket read's worth per splice (default 64 KiB)
+            fcntl.fcntl(self._pipe[1], fcntl.F_SETPIPE_SZ, 1 << 20)
+        self._map = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
+
+    def _close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view in a failed layer check's traceback: unmapped with it
+                self._map.close()
+            self._map = None
+        if self._pipe is not None:
+            for end in self._pipe:
+                os.close(end)
+            self._pipe = None
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+
+    def _landed(self, chunk: bytes | memoryview) -> None:
+        """Account for bytes now in the file at ``written``: hash them, verify layers, wake readers."""
         if self._hash_whole:
             self._digest.update(chunk)
         if self.layers is not None:
@@ -146,7 +198,7 @@ class VerifiedWriter:
 
     def commit(self, source: str = "registry") -> FetchResult:
         """Verify size and sha256, rename into place; TransferError (partial file removed) when they differ."""
-        self._file.close()
+        self._close()
         if self.size is not None and self.written != self.size:
             self.abort()
             raise TransferError(f"{self.what}: got {self.written} bytes, the manifest says {self.size}")
@@ -166,8 +218,7 @@ class VerifiedWriter:
         return FetchResult(self.dest, self.written, time.perf_counter() - self._started, source)
 
     def abort(self) -> None:
-        if self._file is not None and not self._file.closed:
-            self._file.close()
+        self._close()
         if self.layers is None:  # live: kept (a replica maps it; the next attempt resumes on its verified layers)
             self.partial.unlink(missing_ok=True)
         self._finish("failed")

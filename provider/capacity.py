@@ -31,6 +31,7 @@ def _slots(hosts: Mapping[str, SlotHost]) -> int | None:
 
 ALL_KINDS = frozenset({"process", "stage"})
 NOT_READY_ANNOTATION = "com.quart.not-ready"
+LAST_DECISION_ANNOTATION = "com.quart.last-decision"  # the autoscaler's last scaling of the function, and why
 
 
 def host_kinds(host: object) -> frozenset[str]:
@@ -77,10 +78,15 @@ def not_ready_reason(fn: FunctionState, functions: Iterable[FunctionState], host
 def status_fields(fn: FunctionState, functions: Iterable[FunctionState], hosts: Mapping[str, SlotHost]
                   ) -> dict[str, Any]:
     """``status`` (Ready / Not Ready, as faas-cli describe words it) and, when not ready, ``reason``, also as
-    the annotation ``com.quart.not-ready`` (faas-cli describe prints annotations, not unknown fields)."""
+    the annotation ``com.quart.not-ready`` (faas-cli describe prints annotations, not unknown fields); the
+    autoscaler's last change, ``lastDecision``, also as the annotation ``com.quart.last-decision``."""
     reason = not_ready_reason(fn, functions, hosts)
     out: dict[str, Any] = {"status": "Ready" if fn.ready else "Not Ready"}
+    annotations = dict(fn.deployment.annotations)
     if reason:
-        out["reason"] = reason
-        out["annotations"] = {**fn.deployment.annotations, NOT_READY_ANNOTATION: reason}
+        out["reason"] = annotations[NOT_READY_ANNOTATION] = reason
+    if fn.last_decision:
+        out["lastDecision"] = annotations[LAST_DECISION_ANNOTATION] = fn.last_decision
+    if annotations != fn.deployment.annotations:
+        out["annotations"] = annotations
     return out

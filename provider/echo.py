@@ -4,7 +4,8 @@ It answers ``GET /_/health`` with 200 and any other request with its body (statu
 gateway benchmark measures the gateway, not the function. It serves on the socket inherited in
 ``QUART_LISTEN_FD`` (see :class:`quart_provider.hosts.ProcessHost`) or ``--port``.
 Bodies carry ``Content-Length`` or ``Transfer-Encoding: chunked`` (the OpenFaaS gateway forwards
-bodies chunked); chunk extensions and trailers are read and dropped.
+bodies chunked); chunk extensions and trailers are read and dropped. Every request but the health probe
+gets an access line on stderr (the function's log; ``quart_stage.logs``), written in batches.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import asyncio
 import os
 import socket
 import sys
+import time
 
 from quart_provider.http1 import dechunk
+from quart_stage.logs import format_line, log_settings
 
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024
@@ -64,6 +67,45 @@ def _frame(head: bytes) -> tuple[bytes, int, bool, bool] | str:
     return parts[1], length, chunked, close
 
 
+def _header(head: bytes, lower_name: bytes) -> str:
+    """The value of header ``lower_name`` in a request head, or ''."""
+    key = b"\r\n" + lower_name + b":"
+    at = head.lower().find(key)
+    if at < 0:
+        return ""
+    eol = head.find(b"\r\n", at + len(key))
+    return head[at + len(key):eol if eol >= 0 else len(head)].strip().decode("latin-1")
+
+
+class AccessLines:
+    """Access lines gathered for a moment and written to stderr together (one write per batch)."""
+
+    def __init__(self, json_format: bool, delay_s: float = 0.05) -> None:
+        self.json, self.delay_s, self.lines, self.pending = json_format, delay_s, [], False
+
+    def add(self, head: bytes, target: bytes, status: int, bytes_in: int, bytes_out: int, started: float) -> None:
+        fields = {"call_id": _header(head, b"x-call-id") or _header(head, b"x-quart-request-id") or "-",
+                  "method": head[:head.find(b" ")].decode("latin-1"), "path": target.decode("latin-1"),
+                  "status": status, "duration_ms": round(1000 * (time.perf_counter() - started), 3),
+                  "bytes_in": bytes_in, "bytes_out": bytes_out, "pid": os.getpid()}
+        self.lines.append(format_line("INFO", "access", fields, self.json))
+        if not self.pending:
+            try:
+                asyncio.get_running_loop().call_later(self.delay_s, self.flush)
+                self.pending = True
+            except RuntimeError:  # driven without a loop (tests): at once
+                self.flush()
+
+    def flush(self) -> None:
+        self.pending = False
+        if self.lines:
+            data, self.lines = ("\n".join(self.lines) + "\n").encode(errors="replace"), []
+            os.write(2, data)
+
+
+ACCESS = AccessLines(log_settings().format == "json")
+
+
 class EchoProtocol(asyncio.Protocol):
     """Parses requests from a byte stream; answers each with its own body.
 
@@ -83,7 +125,7 @@ class EchoProtocol(asyncio.Protocol):
             if len(self.buffer) < self.need:
                 return  # a body still arriving
             data, self.buffer, self.need = bytes(self.buffer), bytearray(), 0
-        pos, size = 0, len(data)
+        pos, size, arrived = 0, len(data), time.perf_counter()
         while pos < size:
             end = data.find(_HEAD_END, pos)
             if end < 0:
@@ -111,8 +153,12 @@ class EchoProtocol(asyncio.Protocol):
                     self.need = total - pos
                     break
                 body = data[end + 4:total]
-            pos = total
-            self._reply(200, b"" if target == b"/_/health" else body, close)
+            head, pos = data[pos:end], total
+            if target == b"/_/health":
+                self._reply(200, b"", close)
+            else:
+                self._reply(200, body, close)
+                ACCESS.add(head, target, 200, len(body), len(body), arrived)
             if close:
                 return
         if pos < size:

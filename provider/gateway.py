@@ -39,7 +39,7 @@ from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetri
 from quart_provider.scheduling.types import Placer
 from quart_provider.secrets import SecretStore
 from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
-from quart_provider.types import Endpoint, FunctionState, GenerationRoute, InvokeHook, PipelineRoute
+from quart_provider.types import Endpoint, FunctionState, GenerationRoute, InvokeHook, PipelineRoute, UiHook
 
 from keysmanager.aio import within
 
@@ -76,6 +76,7 @@ class EmbeddedGateway:
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []
+        self.ui_hook: UiHook | None = None  # answers /ui/<path> (the plugin's status page), behind basic auth
         self.api_hooks: list[Callable[[Any], Awaitable[Any]]] = []  # /v1/... (the plugin's generation API)
         self.pipeline_route: PipelineRoute | None = None  # POST /function/<model> (the plugin's router)
         # generation bodies on POST /function/<model> of a decoder pipeline (the plugin's generation API)

@@ -5,7 +5,8 @@ Body: a ``PrometheusAlert`` (``{"status", "receiver", "alerts": [{"status", "lab
 ``name.namespace``): ``firing`` adds a step of ``ceil(max / 100 * factor)`` replicas, at most ``max``
 (``com.openfaas.scale.max``, itself at most 20), where ``factor`` is ``com.openfaas.scale.factor`` (20 %
 by default); ``resolved`` (anything else) goes back to ``com.openfaas.scale.min``. Alerts for names
-that are not functions here are skipped, as OpenFaaS skips them. 200 when done; a body that is not
+that are not functions here are skipped, as OpenFaaS skips them, and so are QUART stage functions
+(labelled ``com.quart.model``): the QUART controller scales them. 200 when done; a body that is not
 that shape is a 400 naming the field.
 """
 
@@ -67,9 +68,9 @@ class AlertHandler:
             except QuartError:
                 continue  # another namespace: no function of ours
             fn = self.gateway.functions.get(name)
-            if fn is None:
+            labels = fn.deployment.labels if fn is not None else {}
+            if fn is None or vocab.MODEL in labels:  # a QUART stage: the QUART controller is its autoscaler
                 continue
-            labels = fn.deployment.labels
             factor = vocab.label_int(labels, SCALE_FACTOR, DEFAULT_SCALE_FACTOR)
             target = next_replicas(status, fn.desired, fn.deployment.max_replicas, fn.deployment.min_replicas,
                                    factor)

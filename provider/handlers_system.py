@@ -49,7 +49,8 @@ class SystemHandlers:
         return web.Response(text="OK")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.gateway.metrics.render(), content_type="text/plain", charset="utf-8")
+        body, content_type = self.gateway.metrics.exposition(request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     # ------------------------------------------------------------ /system
 

@@ -1,6 +1,6 @@
 """Prometheus metrics under the OpenFaaS gateway's names, so its dashboards and alert rules work.
 
-- ``gateway_function_invocation_started{function_name}`` (counter)
+- ``gateway_function_invocation_started{function_name}`` (a counter, typed unknown: below)
 - ``gateway_function_invocation_total{function_name,code}`` (counter)
 - ``gateway_functions_seconds{function_name,code}`` (histogram)
 - ``gateway_service_count{function_name}`` (gauge: desired replicas)
@@ -9,6 +9,11 @@
 event loop (no locks, no per-request objects); prometheus_client renders the text format on scrape.
 The counters keep OpenFaaS's names exactly (the Go client adds no ``_total`` suffix to
 ``..._started``), so they are emitted as explicit samples.
+
+``/metrics`` answers OpenMetrics 1.0 (``exposition``) unless the scraper asks for the text format 0.0.4 only
+(``Accept: text/plain``), which is what the OpenFaaS gateway serves. OpenMetrics wants a counter's samples to
+end in ``_total``; so that the name OpenFaaS's dashboards query stays ``gateway_function_invocation_started``,
+that one family is typed ``unknown`` (``untyped`` in the text format; ``rate()`` works on it the same).
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics import exposition as openmetrics
+
+OPENMETRICS = openmetrics.CONTENT_TYPE_LATEST
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # prometheus DefBuckets
 
@@ -54,7 +62,10 @@ class GatewayMetrics:
         hist.sum += seconds
 
     def collect(self) -> Iterator[Metric]:
-        started = Metric("gateway_function_invocation_started", "The total number of function HTTP requests started.", "counter")
+        # typed unknown: a counter's samples must end in _total (OpenMetrics; prometheus_client's text format
+        # declares the family as ..._total too), and the name OpenFaaS's dashboards query has none
+        started = Metric("gateway_function_invocation_started", "The total number of function HTTP requests started.",
+                         "unknown")
         for name, value in self.started.items():
             started.add_sample("gateway_function_invocation_started", {"function_name": name}, value)
         total = Metric("gateway_function_invocation", "Function metrics", "counter")
@@ -77,4 +88,21 @@ class GatewayMetrics:
         yield from (started, total, seconds, count)
 
     def render(self) -> bytes:
+        """The text format 0.0.4, as the OpenFaaS gateway serves it."""
         return generate_latest(self.registry)
+
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """(body, content type) for a scrape: OpenMetrics unless ``accept`` asks for the text format only."""
+        return render_registry(self.registry, accept)
+
+
+def wants_openmetrics(accept: str) -> bool:
+    """OpenMetrics when asked for, or when the scraper names no format (curl, a browser); text 0.0.4 otherwise."""
+    return "application/openmetrics-text" in accept or "text/plain" not in accept
+
+
+def render_registry(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
+    """(body, content type) of ``registry`` in the format ``accept`` picks (:func:`wants_openmetrics`)."""
+    if wants_openmetrics(accept):
+        return openmetrics.generate_latest(registry), OPENMETRICS
+    return generate_latest(registry), CONTENT_TYPE_LATEST

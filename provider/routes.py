@@ -90,6 +90,17 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
     r.add_delete("/system/secrets", guarded(secrets.delete))
     r.add_get("/system/logs", guarded(LogHandlers(gateway).logs))
     r.add_post("/system/alert", guarded(AlertHandler(gateway).alert))
+
+    async def ui(request: web.Request) -> web.StreamResponse:
+        """The status page of the plugin (``gateway.ui_hook``); 404 without one."""
+        if gateway.ui_hook is None:
+            return error_response(404, "no status page here: the QUART plugin is not attached", None)
+        if request.path == "/ui":
+            raise web.HTTPFound("/ui/")
+        return await gateway.ui_hook(request, request.match_info.get("tail", ""))
+
+    r.add_get("/ui", guarded(ui))
+    r.add_get("/ui/{tail:.*}", guarded(ui))
     async_invoke, sync_invoke = traced(guarded(invoke.async_invoke, auth=False)), traced(invoke.invoke)
     r.add_route("*", "/async-function/{name}", async_invoke)
     r.add_route("*", "/async-function/{name}/{tail:.*}", async_invoke)

@@ -20,6 +20,7 @@ from quart_provider.replicaset import StartTimeEstimate
 from quart_stage.privdrop import RUN_AS_ENV
 
 InvokeHook = Callable[[Any, str, str], Awaitable[Any]]  # (aiohttp request, name, sub-path) → response | None
+UiHook = Callable[[Any, str], Awaitable[Any]]  # (aiohttp request, path under /ui/) → response
 # (model, method, sub-path, headers with the trace's, whole body) → its Answer (quart_provider.responses)
 PipelineRoute = Callable[[str, str, str, Mapping[str, str], bytes], Awaitable[Any]]
 
@@ -92,6 +93,7 @@ class FunctionState:
     service: ServiceTimes = field(default_factory=ServiceTimes)  # recent replica answer times (admission)
     admitted: int = 0  # proxied calls admitted and not yet answered (reading their body, waiting, served)
     run_as: int | None = None  # the uid (= gid) its replicas run as (GatewayConfig.replica_uids); None: the gateway's
+    last_decision: str = ""  # the autoscaler's last change of ``desired`` and why (com.quart.last-decision)
 
     @property
     def name(self) -> str:

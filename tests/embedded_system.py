@@ -46,3 +46,22 @@ class ThreadedSystem:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+def deploy_echo_pipeline(system: ThreadedSystem, model: str, stages: int, **labels: str) -> None:
+    """Deploy ``model`` as ``stages`` quart/echo stage functions (``<model>-stage-<i>``) through the REST API."""
+    import requests
+
+    for i in range(stages):
+        body = {"service": f"{model}-stage-{i}", "image": "quart/echo:latest",
+                "labels": {"com.quart.model": model, "com.quart.stage": str(i), "com.quart.stages": str(stages),
+                           **labels}}
+        res = requests.post(f"{system.url}/system/functions", json=body, auth=system.auth, timeout=30)
+        assert res.status_code == 202, res.text
+
+
+def plugin_system(tmp_path, monkeypatch, period_s: str = "0.2", **config) -> ThreadedSystem:
+    """A ThreadedSystem with the plugin attached: control period ``period_s``, request records in tmp_path."""
+    monkeypatch.setenv("QUART_CONTROL_PERIOD_S", period_s)
+    monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
+    return ThreadedSystem(tmp_path, attach_plugin=True, **config)

@@ -8,6 +8,7 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 
+import aiohttp
 import requests
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
@@ -101,6 +102,11 @@ def test_keysmanager_stage_replicas_logs_are_found(tmp_path, emulated_stack):  #
             while not gw.functions[fn.name].ready:
                 assert time.monotonic() < deadline, gw.functions[fn.name].last_error
                 await asyncio.sleep(0.05)
+            async with aiohttp.ClientSession() as session:  # a body that is no activation: a 400, logged too
+                async with session.post(f"{system.url}/function/{fn.name}", data=b"not a tensor",
+                                        headers={"X-Call-Id": "km-call-1"}) as res:
+                    assert res.status == 400, await res.text()
+            await asyncio.sleep(0.2)
             return await gw.log_files(fn.name)
         finally:
             await system.stop()
@@ -108,3 +114,6 @@ def test_keysmanager_stage_replicas_logs_are_found(tmp_path, emulated_stack):  #
     files = asyncio.run(main())
     assert files and all(path.is_file() for _, path in files), files
     assert any(instance.startswith("host-0-zygote-") for instance, _ in files), files
+    text = "".join(path.read_text() for _, path in files)
+    assert any("access call_id=km-call-1 method=POST" in line and "status=400" in line
+               for line in text.splitlines()), text[-2000:]

@@ -136,3 +136,20 @@ def test_a_stage_replica_killed_mid_stream_fails_over_and_the_tokens_are_identic
     assert events[-2]["finish_reason"] == "length" and events[-2]["replays"] >= 1
     sessions = requests.get(f"{system.url}/function/quart-plugin/sessions", timeout=10).json()
     assert sessions == {"active": [], "kv": {}}  # nothing in flight, nothing booked
+
+
+def test_quartctl_invoke_streams_a_generation(gateway, whole):
+    """`quartctl invoke <model>` with a generation body that asks for a stream prints the events as they come."""
+    import subprocess
+    import sys
+
+    system, model_dir = gateway
+    ids = load_model("tiny", model_dir).tokenizer.encode("Pipelines stream", add_special_tokens=False)
+    body = json.dumps({"input_ids": ids, "max_tokens": 6, "ignore_eos": True, "stream": True})
+    res = subprocess.run([sys.executable, "-m", "quart_tools.cli", "invoke", "tiny", "--gateway", system.url,
+                          "-d", body], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    events = [line[len("data: "):] for line in res.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", res.stdout
+    tokens = [json.loads(e)["token"] for e in events[:-1] if "token" in json.loads(e)]
+    assert tokens == greedy(whole, ids, 6)

@@ -76,7 +76,7 @@ def test_every_object_of_every_overlay_validates_strictly(overlay: str, version:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     objects = render(overlay)
     assert {o["kind"] for o in objects} == {"ServiceAccount", "ConfigMap", "Service", "Deployment", "DaemonSet",
-                                            "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"}
+                                            "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding", "Namespace"}
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)  # raises on any unknown or mistyped field
 
@@ -93,8 +93,12 @@ def test_strict_validation_rejects_an_unknown_field():
 def test_namespaces_are_openfaas_ones(overlay: str):
     objects = render(overlay)
     for obj in objects:
-        if not obj["kind"].startswith("MutatingAdmissionPolicy"):  # cluster-scoped
+        if not obj["kind"].startswith("MutatingAdmissionPolicy") and obj["kind"] != "Namespace":  # cluster-scoped
             assert obj["metadata"]["namespace"] == "openfaas", obj["metadata"]["name"]
+    # the stage pods' hostPath mounts are refused under Pod Security baseline: their namespace is privileged
+    [namespace] = [o for o in objects if o["kind"] == "Namespace"]
+    assert namespace["metadata"]["name"] == "openfaas-fn"
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     policies = [o for o in objects if o["kind"] == "MutatingAdmissionPolicy"]
     bindings = {o["spec"]["policyName"] for o in objects if o["kind"] == "MutatingAdmissionPolicyBinding"}
     assert bindings == {p["metadata"]["name"] for p in policies}  # every policy is bound

@@ -62,7 +62,7 @@ def test_manifest_files_and_stack_yml(tmp_path):
     assert env["QUART_NUM_STAGES"] == "3" and env["QUART_COMPUTE"] == "cpu"
     assert StageConfig.from_env(env).stage_index == 1
     assert fn["labels"] == {"com.openfaas.scale.min": "1", "com.openfaas.scale.max": "5",
-                            "com.openfaas.scale.factor": "0", "com.openfaas.scale.zero": "false",
+                            "com.openfaas.scale.factor": "20", "com.openfaas.scale.zero": "false",
                             "com.quart.model": "tiny", "com.quart.stage": "1", "com.quart.stages": "3",
                             "com.quart.concurrency": "2"}
     assert "constraints" not in fn and "annotations" not in fn  # GPU placement only for cuda stages
@@ -159,7 +159,8 @@ def test_cli(tmp_path, capsys):
     assert main(["--model", "tiny-encoder", "--stages", "2", "--out", str(tmp_path / "e")]) == 0
     assert "2 stages by parameters" in capsys.readouterr().out
     assert main(["--model", "nope", "--stages", "2", "--out", str(tmp_path / "x")]) == 2
-    assert "neither a preset" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "neither a packaged pretrained model (minilm, smollm2), a preset (tiny" in err
     assert main(["--model", "wideresnet", "--stages", "4", "--out", str(tmp_path / "w")]) == 0
     doc = yaml.safe_load(open(tmp_path / "w" / "stack.yml"))
     env = doc["functions"]["wideresnet-stage-3"]["environment"]

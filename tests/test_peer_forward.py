@@ -10,9 +10,9 @@ import threading
 import time
 from pathlib import Path
 
-from aiohttp import web
+from quart_tools.bench.peer_cpu import serve_stage
 
-from keysmanager.peers import FORWARD_BYTES, StageFile, serve_file, stream_from_peer
+from keysmanager.peers import FORWARD_BYTES, StageFile, stream_from_peer
 from keysmanager.transfer import VerifiedWriter
 
 
@@ -26,13 +26,7 @@ def test_a_stalled_upstream_still_forwards_what_arrived_and_the_rest_follows(tmp
     seen: dict[str, object] = {}
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/v1/stages/{function}/file", lambda request: serve_file(request, stage))
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await serve_stage(stage)
 
         def fetch() -> None:
             with receiver:

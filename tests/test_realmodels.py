@@ -150,6 +150,7 @@ def test_minilm_pipeline_gives_the_known_embeddings_and_similarity(minilm_dir):
     got = torch.tensor(doc["data"])
     known = torch.tensor(REFERENCE["minilm"]["embeddings"])
     assert doc["shape"] == [3, 384] and (got - known).abs().max().item() <= TOL
+    assert doc["output"] == "embedding"  # a pooling head: sentence embeddings, not logits
     similar = answers.cosine(doc["data"][0], doc["data"][1])
     unrelated = answers.cosine(doc["data"][0], doc["data"][2])
     assert similar > 0.6 and abs(unrelated) < 0.2

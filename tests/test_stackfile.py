@@ -29,7 +29,7 @@ def test_cuda_stages_carry_gpu_placement_scale_labels_and_limits(tmp_path):
     assert list(deployments) == ["tiny-stage-0", "tiny-stage-1"]
     for stage, d in enumerate(deployments.values()):
         assert d.labels["com.openfaas.scale.min"] == "1" and d.labels["com.openfaas.scale.max"] == "6"
-        assert d.labels["com.openfaas.scale.factor"] == "0"  # OpenFaaS's own autoscaling off: QUART scales
+        assert d.labels["com.openfaas.scale.factor"] == "20"  # the gateway's default; it refuses 0
         assert d.labels["com.openfaas.scale.zero"] == "false"
         assert StageLabels.parse(d.labels).stage == stage
         assert d.constraints == [GPU_CONSTRAINT]  # faas-netes: key=value → the pod's nodeSelector
@@ -82,7 +82,7 @@ def test_quartctl_up_serves_a_written_stack_with_its_kubernetes_fields(tmp_path)
         for name in ("tiny-stage-0", "tiny-stage-1"):
             status = requests.get(f"{info['url']}/system/function/{name}", auth=("admin", password),
                                   timeout=10).json()
-            assert status["labels"]["com.openfaas.scale.factor"] == "0", status
+            assert status["labels"]["com.openfaas.scale.factor"] == "20", status
             assert status["labels"]["com.openfaas.scale.zero"] == "false"
             assert status["limits"]["cpu"] == "1" and status["requests"]["memory"].endswith("Mi")
         answer = requests.post(f"{info['url']}/function/tiny", json={"input_ids": [[1, 2, 3]]}, timeout=120)

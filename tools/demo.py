@@ -32,9 +32,13 @@ import aiohttp
 from aiohttp import web
 from quart_provider.config import GatewayConfig
 from quart_provider.routes import start_site
+from quart_provider.scheduling import PLACERS
 from quart_provider.stack import load_stack
 from quart_provider.system import EmbeddedSystem
+from quart_stage import cliargs
+from quart_stage.presets import MODEL_PRESETS, resolve_preset
 from quart_tools.answers import show_answer
+from quart_tools.realmodels import REAL_MODELS
 from tqdm import tqdm
 
 from keysmanager.aio import within
@@ -72,6 +76,12 @@ class Demo:
         self.url = system.url
         self.session = session
         self.auth = aiohttp.BasicAuth(system.credentials.user, system.credentials.password)
+
+    async def deploy_ready(self, stack_path: Path) -> list[str]:
+        """:meth:`deploy`, then wait until every function has a ready replica; the function names."""
+        names = await self.deploy(stack_path)
+        await self.wait_available(names)
+        return names
 
     async def deploy(self, stack_path: Path) -> list[str]:
         """faas-cli deploy: PUT /system/functions, POST when the function does not exist yet."""
@@ -390,7 +400,7 @@ async def coexist(demo: Demo, target: str, index: int, since: float | None, conf
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl demo", description=__doc__.splitlines()[0])
+    p = cliargs.ArgumentParser(prog="quartctl demo", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="minilm",
                    help="minilm (default: sentence embeddings), smollm2 (text generation), or a random-weight "
                         "preset (small, tiny, ...)")
@@ -399,7 +409,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpus-per-host", type=int, default=8,
                    help="replica slots per host (default 8: room beside the stages, so a scaled stage forks where "
                         "it is cached)")
-    p.add_argument("--placer", default="cache-aware", help="replica placer (default cache-aware)")
+    p.add_argument("--placer", choices=PLACERS, default="cache-aware", help="replica placer (default cache-aware)")
     p.add_argument("--prompt", default=None,
                    help="the text sent (default: a sentence for minilm, a question for smollm2, a prompt for presets)")
     p.add_argument("--requests", type=int, default=3, help="extra request pairs after scaling (default 3)")
@@ -410,6 +420,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--state-dir", type=Path, default=Path(".quart/demo"), help="models, sockets, logs")
     p.add_argument("--verbose", "-v", action="store_true", help="log the gateway's and plugin's messages")
     args = p.parse_args(argv)
+    if args.model not in REAL_MODELS and resolve_preset(args.model) is None:
+        p.error(f"--model {args.model!r} is neither a packaged model ({', '.join(REAL_MODELS)}) nor a preset "
+                f"({', '.join(MODEL_PRESETS)})")
     args.prompt = args.prompt or DEFAULT_PROMPTS.get(args.model, DEFAULT_PROMPTS["preset"])
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="  %(asctime)s %(name)s %(levelname)s %(message)s")

@@ -27,6 +27,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import uvloop
+from quart_stage import cliargs
 from quart_tools.arrivals import DEFAULT_BYTES_PER_TOKEN, Arrivals, make_arrivals
 from quart_tools.genload import (
     GenerationWorkload,
@@ -315,7 +316,7 @@ def read_records(path: str | Path) -> list[RequestRecord]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quartctl load", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl load", description=__doc__.split("\n\n")[0])
     p.add_argument("url", help="where to POST, e.g. http://127.0.0.1:8080/function/bert-21b")
     p.add_argument("--arrivals", choices=("poisson", "gamma", "trace"), default="poisson")
     p.add_argument("--rate", type=float, default=10.0, help="mean requests/s (trace: rescale to it; 0 = real time)")
@@ -380,4 +381,8 @@ def main(argv: list[str]) -> int:
         summary.update({k: None if math.isnan(stats[k]) else round(stats[k], 3)
                         for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")})
     print(json.dumps(summary))
+    unanswered = [r for r in result.records if r.status == 0]
+    if result.records and len(unanswered) == len(result.records):  # nothing listens there: say so, fail
+        print(f"quartctl load: no request got an answer from {args.url}: {unanswered[0].error}", file=sys.stderr)
+        return 1
     return 0

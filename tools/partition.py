@@ -14,7 +14,6 @@ for presets, a byte-level ``tokenizer.json``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import hashlib
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from quart_stage import families, wire
+from quart_stage import cliargs, families, wire
 from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.presets import PAPER_PROFILES, PRESET_DTYPES, preset_config, resolve_preset
 from quart_tools.realmodels import REAL_MODELS, source_folder
@@ -84,7 +83,8 @@ def resolve_model(model: str | Mapping) -> Source:
             config = json.load(f)
         return Source(_safe_name(os.path.splitext(os.path.basename(model))[0]), config)
     raise ValueError(
-        f"model {model!r} is neither a preset ({', '.join(['tiny', 'small', 'tiny-encoder', 'small-encoder', 'bert-21b', 'llama-7b', 'opt-66b'])}), "
+        f"model {model!r} is neither a packaged pretrained model ({', '.join(REAL_MODELS)}), a preset "
+        f"({', '.join(['tiny', 'small', 'tiny-encoder', 'small-encoder', 'bert-21b', 'llama-7b', 'opt-66b'])}), "
         f"a paper profile ({', '.join(PAPER_PROFILES)}), a folder with config.json, nor a config .json file")
 
 
@@ -96,6 +96,9 @@ def _safe_name(name: str | None) -> str:
 
 def split_layers(counts: list[int], stages: int, method: str = "parameters") -> list[int]:
     """Stage boundaries (N+1 Python ints) over the layer list, by DeepSpeed's partitioner."""
+    # only DeepSpeed's pure-Python partitioner is used: no accelerator probe (and no "Setting accelerator to
+    # CPU" warning on a machine without a GPU); an explicit DS_ACCELERATOR is kept
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
     if stages < 1:
@@ -418,7 +421,7 @@ def _write_tokenizer(src: Source, out: str, cfg) -> str | None:
 # --- CLI -------------------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl partition", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl partition", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
                    help="preset (tiny, small, tiny-encoder, small-encoder, bert-21b, llama-7b, opt-66b, "
                         "whisper-9b, wideresnet, sized), a packaged pretrained model (minilm, smollm2, or a path "

@@ -30,15 +30,22 @@ from quart_provider.network import (
     unavailable_reason,
 )
 from quart_provider.quantities import parse_memory
+from quart_provider.scheduling import PLACERS
 from quart_provider.stack import StackError, load_stack
 from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
+from quart_stage import cliargs
 from quart_stage.errors import QuartError
+from quart_stage.logs import configure as configure_logs
 from quart_stage.settings import ConfigError
+from quart_tools.readiness import READY_PREFIX, keep_only, readiness_lines, wait_settled
 
 from keysmanager.config import KeysManagerConfig
 from keysmanager.recovery import clean_leftovers
 
 DEFAULT_STATE_DIR = Path(".quart")
+# replica slots of `quartctl up`'s host: the README's walkthrough (4 stages, then `quartctl load` at 10 req/s)
+# leaves the autoscaler room for several replicas per stage (GatewayConfig's own default, 4, is for tests)
+UP_SLOTS = 16
 
 
 def _state(state_dir: Path) -> dict | None:
@@ -56,17 +63,19 @@ def _memory(text: str) -> int:
 
 
 def _up_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quartctl up", description="Start the embedded OpenFaaS-compatible gateway, "
+    p = cliargs.ArgumentParser(prog="quartctl up", description="Start the embedded OpenFaaS-compatible gateway, "
                                 "one KeysManager per simulated host, and the gateway plugin.")
     p.add_argument("-f", "--file", "--yaml", dest="file", help="stack.yml to deploy once the gateway is up")
-    p.add_argument("--port", type=int, default=None, help="gateway port (default 8080; 0 = any free port)")
-    p.add_argument("--provider-port", type=int, default=None,
+    p.add_argument("--port", type=cliargs.port, default=None, help="gateway port (default 8080; 0 = any free port)")
+    p.add_argument("--provider-port", type=cliargs.port, default=None,
                    help="also serve the faas-provider API here, for a real OpenFaaS gateway in front (0 = any port)")
     p.add_argument("--bind", default=None, help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--hosts", type=int, default=None, help="simulated hosts, one KeysManager each (default 1)")
-    p.add_argument("--gpus-per-host", type=int, default=None, help="replica slots per host (default 4)")
+    p.add_argument("--hosts", type=cliargs.positive_int, default=None,
+                   help="simulated hosts, one KeysManager each (default 1)")
+    p.add_argument("--gpus-per-host", type=cliargs.positive_int, default=None,
+                   help=f"replica slots per host (default {UP_SLOTS}: room for the autoscaler to scale the stages)")
     p.add_argument("--host-memory", type=_memory, default=None, help="parameter cache per host, e.g. 8Gi (default 8Gi)")
-    p.add_argument("--placer", default=None, help="replica placer: cache-aware | first-fit (default cache-aware)")
+    p.add_argument("--placer", choices=PLACERS, default=None, help="replica placer (default cache-aware)")
     p.add_argument("--network", choices=NETWORKS, default=None,
                    help="loopback (default): KeysManagers on Unix sockets, replicas on 127.0.0.1; netns: each "
                         "host a network namespace on a bridge, KeysManager on TCP with a token (needs root)")
@@ -82,12 +91,17 @@ def _up_parser() -> argparse.ArgumentParser:
                         "instead of starting every replica again. `quartctl down` stops everything; --no-keep-hosts: "
                         "stopping the gateway stops its hosts too")
     p.add_argument("--detach", "-d", action="store_true", help="run in the background; stop with `quartctl down`")
+    p.add_argument("--wait", type=float, default=120.0,
+                   help="seconds to wait for the functions' replicas before reporting each one (default 120)")
     return p
 
 
 def _config(args: argparse.Namespace) -> GatewayConfig:
+    slots = args.gpus_per_host
+    if slots is None and not os.environ.get("QUART_GATEWAY_GPUS_PER_HOST"):
+        slots = UP_SLOTS
     return GatewayConfig.from_env(
-        port=args.port, provider_port=args.provider_port, bind=args.bind, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+        port=args.port, provider_port=args.provider_port, bind=args.bind, hosts=args.hosts, gpus_per_host=slots,
         host_memory_bytes=args.host_memory, placer=args.placer, state_dir=args.state_dir.resolve(),
         network=args.network, nic_gbps=args.nic_gbps,
     )
@@ -117,8 +131,12 @@ def up(argv: list[str]) -> int:
         print(f"quartctl up: --network netns: {reason}", file=sys.stderr)
         return 2
     if args.detach:
-        return _detach(argv, state_dir)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        return _detach(argv, state_dir, args.wait)
+    try:
+        configure_logs()  # QUART_LOG_LEVEL, QUART_LOG_FORMAT (text or json)
+    except ValueError as exc:  # ConfigError: the variable and what it must be
+        print(f"quartctl up: {exc}", file=sys.stderr)
+        return 2
     try:
         import uvloop
 
@@ -126,7 +144,7 @@ def up(argv: list[str]) -> int:
     except ImportError:  # pragma: no cover
         pass
     use_km = False if args.process_hosts else None
-    return asyncio.run(_run_foreground(config, stack, not args.no_plugin, use_km, args.keep_hosts))
+    return asyncio.run(_run_foreground(config, stack, not args.no_plugin, use_km, args.keep_hosts, args.wait))
 
 
 def _plugin():
@@ -137,7 +155,7 @@ def _plugin():
 
 
 async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None,
-                          keep_hosts: bool = False) -> int:
+                          keep_hosts: bool = False, wait_s: float = 120.0) -> int:
     system = EmbeddedSystem(config, use_keysmanager=use_keysmanager, plugin=_plugin() if attach_plugin else None,
                             hold_queue=True,  # queued async calls run once the stack's functions exist again
                             keep_hosts=keep_hosts and config.network != "netns")
@@ -164,7 +182,12 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
             print(f"Network:      netns, bridge {system.network.bridge} {system.network.subnet}, NICs "
                   f"{config.nic_gbps:g} Gbit/s: " + ", ".join(f"{h.name} {h.address}" for h in system.network.hosts),
                   flush=True)
-        if stack is not None:
+        previous = sorted(system.gateway.functions)
+        if stack is not None:  # exactly this stack: what a previous run left and the stack does not name goes
+            removed = await keep_only(system.gateway, (f.name for f in stack.functions))
+            if removed:
+                print(f"Removed {len(removed)} function(s) of the previous run on {config.state_dir} that "
+                      f"{stack.path} does not name: {', '.join(removed)}", flush=True)
             try:
                 for line in await system.deploy_stack(stack):
                     print(line, flush=True)
@@ -172,6 +195,15 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
                 print(f"quartctl up: deploying {stack.path} failed: {exc.message}"
                       + (f" (field {exc.field})" if exc.field else ""), file=sys.stderr)
                 return 1
+        elif previous:
+            print(f"Restored {len(previous)} function(s) of the previous run on {config.state_dir}: "
+                  f"{', '.join(previous)} (`up -f stack.yml` deploys exactly a stack; `down --purge` forgets them)",
+                  flush=True)
+        names = sorted(system.gateway.functions)
+        await wait_settled(system.gateway, names, wait_s)
+        lines, not_ready = readiness_lines(system.gateway, names)
+        for line in lines:
+            print(line, flush=True)
         await system.start_queue_worker()
         serving = asyncio.create_task(_log_serving(system))
         if system.durable is not None and system.durable.server is not None:
@@ -180,7 +212,11 @@ async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use
         elif config.async_backend == "nats":
             print(f"Async queue:  unavailable, /async-function answers 503 ({system.gateway.async_unavailable})",
                   flush=True)
-        print("Ready. Stop with Ctrl-C or `quartctl down`.", flush=True)
+        if not_ready:
+            print(f"Serving; {not_ready} of {len(names)} function(s) NOT READY (reasons above; `quartctl status`). "
+                  "Stop with Ctrl-C or `quartctl down`.", flush=True)
+        else:
+            print(f"Ready: {len(names)} function(s) serving. Stop with Ctrl-C or `quartctl down`.", flush=True)
         await stop.wait()
         serving.cancel()
         return 0
@@ -201,7 +237,7 @@ async def _log_serving(system: EmbeddedSystem) -> None:
                                        len(names), process_age_s())
 
 
-def _detach(argv: list[str], state_dir: Path) -> int:
+def _detach(argv: list[str], state_dir: Path, wait_s: float = 120.0) -> int:
     child_argv = [a for a in argv if a not in ("--detach", "-d")]
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "logs").mkdir(exist_ok=True)
@@ -210,7 +246,7 @@ def _detach(argv: list[str], state_dir: Path) -> int:
     with open(log_path, "ab") as logfile:
         process = subprocess.Popen([sys.executable, "-m", "quart_tools.cli", "up", *child_argv], stdout=logfile,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 180 + wait_s  # start, deploy, then up to --wait for the replicas
     while time.monotonic() < deadline:
         if process.poll() is not None:
             print(f"quartctl up: the gateway exited with {process.returncode}; log: {log_path}\n"
@@ -220,8 +256,11 @@ def _detach(argv: list[str], state_dir: Path) -> int:
             fh.seek(offset)
             text = fh.read().decode(errors="replace")
         state = _state(state_dir)
-        if state and state.get("pid") == process.pid and ("Ready." in text):
+        if state and state.get("pid") == process.pid and ("Ready:" in text or "Serving;" in text):
             print(f"Gateway:      {state['url']} (pid {process.pid}, log {log_path})")
+            for line in text.splitlines():  # what happened to the functions, and the verdict
+                if line.startswith((READY_PREFIX, "Removed ", "Restored ", "Ready:", "Serving;")):
+                    print(line)
             print(f"Credentials:  user {state['user']}, password in {state['password_file']} (mode 0600)")
             print("Stop with:    quartctl down" + (f" --state-dir {state_dir}" if state_dir != DEFAULT_STATE_DIR.resolve()
                                                    else ""))
@@ -233,14 +272,16 @@ def _detach(argv: list[str], state_dir: Path) -> int:
 
 
 def down(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl down", description="Stop everything `quartctl up` started.")
+    p = cliargs.ArgumentParser(prog="quartctl down", description="Stop everything `quartctl up` started.")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    p.add_argument("--purge", action="store_true",
+                   help="also forget the deployed functions (the next `quartctl up` starts with none)")
     args = p.parse_args(argv)
     state_dir = args.state_dir.resolve()
     state = _state(state_dir)
     if state is None:
         print(f"quartctl down: nothing is running (no {state_dir / STATE_FILE})")
-        return 0
+        return _purge(state_dir) if args.purge else 0
     pid = int(state["pid"])
     survivors: list[str] = []
     if _alive(pid) and not stop_process(pid, grace_s=30.0):
@@ -268,12 +309,25 @@ def down(argv: list[str]) -> int:
         return 1
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     print(f"Stopped the gateway (pid {pid}) and {len(state.get('hosts', []))} KeysManager(s).")
+    return _purge(state_dir) if args.purge else 0
+
+
+def _purge(state_dir: Path) -> int:
+    """Forget the functions a run deployed (``<state>/functions``); credentials and secrets stay."""
+    import shutil
+
+    from quart_provider.store import FUNCTIONS_DIR
+
+    folder = state_dir / FUNCTIONS_DIR
+    names = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+    shutil.rmtree(folder, ignore_errors=True)
+    print(f"Forgot {len(names)} deployed function(s)" + (f": {', '.join(names)}" if names else ""))
     return 0
 
 
 def host(argv: list[str]) -> int:
     """Take a host's link down or up (netns clusters): its KeysManager and replicas stop answering."""
-    p = argparse.ArgumentParser(prog="quartctl host", description=host.__doc__)
+    p = cliargs.ArgumentParser(prog="quartctl host", description=host.__doc__)
     p.add_argument("action", choices=("down", "up"))
     p.add_argument("name", help="host name, e.g. host-1")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
@@ -315,7 +369,7 @@ def deploy(argv: list[str]) -> int:
     """Send the same REST calls `faas-cli deploy` sends: PUT /system/functions, POST when it answers 404."""
     import requests
 
-    p = argparse.ArgumentParser(prog="quartctl deploy", description=deploy.__doc__)
+    p = cliargs.ArgumentParser(prog="quartctl deploy", description=deploy.__doc__)
     p.add_argument("-f", "--file", "--yaml", dest="file", required=True, help="stack.yml")
     p.add_argument("-g", "--gateway", default=None, help="gateway URL (default: stack provider.gateway, "
                    "OPENFAAS_URL, or the running `quartctl up`)")

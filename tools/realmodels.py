@@ -146,22 +146,36 @@ def gguf_folder(gguf: Path, cache: Path | None = None) -> Path:
             save_gguf_tokenizer(gguf, dest)
         return dest
     started = time.perf_counter()
-    print(f"dequantising {gguf.name} to float32 (once; kept in {dest})", file=sys.stderr)
+    print(f"dequantising {gguf.name} to float32 (once, about a minute on one core; kept in {dest})",
+          file=sys.stderr)
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    step = _steps(started)
+    step("1/3 reading and dequantising the tensors")
     config, tensors = load_gguf(gguf)
     from safetensors.torch import save_file
 
+    step(f"2/3 writing {len(tensors)} float32 tensors")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt", "source": gguf.name})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    step("3/3 converting the tokenizer")
     save_gguf_tokenizer(gguf, tmp)
     (tmp / ".complete").write_text(f"{gguf}\n")
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     print(f"dequantised in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return dest
+
+
+def _steps(started: float):
+    """A printer of ``  [12.3 s] what`` progress lines on stderr, timed from ``started``."""
+
+    def step(what: str) -> None:
+        print(f"  [{time.perf_counter() - started:5.1f} s] {what}", file=sys.stderr, flush=True)
+
+    return step
 
 
 def save_gguf_tokenizer(gguf: Path, dest: Path) -> None:

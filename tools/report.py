@@ -12,7 +12,6 @@ a sample holds until the next one of the same stage (a step function).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from quart_stage import cliargs
 from quart_tools.genload import generation_stats, records_generation
 
 SLO_MULTIPLIERS: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0)
@@ -312,7 +312,7 @@ def _profiled_ms(args) -> float:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl report", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl report", description=__doc__.split("\n\n")[0])
     p.add_argument("records", nargs="+", help="loadgen JSONL records, as PATH or POLICY=PATH")
     p.add_argument("--profiled-ms", type=float, default=None, help="the model's profiled time (SLO 1.0×)")
     p.add_argument("--model", default="bert-21b", help="paper model whose Table 1 time is the SLO base")

@@ -76,8 +76,9 @@ def stack_document(model: str, family: str, stages: int, out: str, *, profile: s
             "environment": env,
             "labels": {
                 "com.openfaas.scale.min": str(scale_min), "com.openfaas.scale.max": str(scale_max),
-                # the QUART controller is the one autoscaler: OpenFaaS's own scaling and scale to zero stay off
-                "com.openfaas.scale.factor": "0", "com.openfaas.scale.zero": "false",
+                # the gateway refuses a factor outside 1-100 (404 on every call with scale_from_zero=true): its
+                # default 20; the QUART controller is the autoscaler (docs/kubernetes.md: AlertManager's rule off)
+                "com.openfaas.scale.factor": "20", "com.openfaas.scale.zero": "false",
                 "com.quart.model": model, "com.quart.stage": str(i), "com.quart.stages": str(stages),
                 "com.quart.concurrency": str(concurrency),
             },

@@ -11,12 +11,14 @@ import os
 
 from flask import Flask, jsonify, request
 from function import handler
+from quart_stage.logs import AccessLog
 from werkzeug.exceptions import HTTPException
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 
 app = Flask(__name__)
 app.config["MAX_CONTENT_LENGTH"] = int(os.getenv("QUART_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES)))
+app.wsgi_app = AccessLog(app.wsgi_app)  # an access line per request on stderr: the function's log
 
 
 class Event:

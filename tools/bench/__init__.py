@@ -39,9 +39,29 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "SmolLM2 token streams through 3 stages (KV caches) vs transformers generate; failover by replay"),
     "stage-generation": ("quart_tools.bench.stage_generation:main",
                          "SmolLM2 generation through in-process stages (KV sessions) vs transformers generate"),
+    "batching": ("quart_tools.bench.batching:main",
+                 "MiniLM one-shot passes, router batching off vs on: open-loop Poisson rate steps, max rate within SLO"),
     "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
+    "peer-cpu": ("quart_tools.bench.peer_cpu:main", "CPU-s per GB of a chain hop: source → receiver+forwarder → receiver, loopback"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
+
+
+async def system_with_plugin(work: str | Path):
+    """An embedded gateway (one host, 8 GPU slots) with the QUART plugin attached, started: (system, [plugin])."""
+    from gateway_plugin.plugin import attach
+    from quart_provider.config import GatewayConfig
+    from quart_provider.system import EmbeddedSystem
+
+    plugins: list = []
+
+    async def keep(gateway, app):
+        plugins.append(await attach(gateway, app))
+
+    config = GatewayConfig.from_env(port=0, state_dir=Path(work) / "state", hosts=1, gpus_per_host=8)
+    system = EmbeddedSystem(config, plugin=keep)
+    await system.start()
+    return system, plugins
 
 
 def write_random_file(path: str | Path, nbytes: int, chunk_bytes: int = 32 << 20) -> str:

@@ -20,7 +20,6 @@ read) and removes its namespaces at the end. Ready times are the KeysManagers' o
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from quart_provider.network import HostNetwork, cleanup_by_prefix, cluster_id
 from quart_provider.scheduling.multicast import plan_chain
+from quart_stage import cliargs
 from quart_tools.bench import free_port, machine_info, wait_tcp, write_random_file, write_report
 
 from keysmanager.client import KeysManagerClient, KeysManagerError
@@ -281,7 +281,7 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="quartctl bench blitz", description=__doc__.split("\n\n")[0])
+    parser = cliargs.ArgumentParser(prog="quartctl bench blitz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the JSON here (default stdout)")
     parser.add_argument("--stage-mb", type=int, default=200, help="stage size, MiB (default 200)")
     parser.add_argument("--nic-gbps", type=float, default=1.0, help="each host's NIC limit (default 1)")

@@ -39,6 +39,7 @@ import aiohttp
 import psutil
 import yaml
 from quart_provider.shedding import SHED_HEADER
+from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.chaos_fuzz import fuzz
 from quart_tools.bench.chaos_limits import async_32mb, capacity, deadline_summary, oversized_text, peak_rss
@@ -296,7 +297,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench chaos", description=__doc__.splitlines()[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench chaos", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--scenarios", type=lambda s: [x for x in s.split(",") if x], default=list(SCENARIOS),
                    help=f"comma-separated, from {','.join(SCENARIOS)} ('' = none)")

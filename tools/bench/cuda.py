@@ -20,7 +20,6 @@ Without CUDA it reports ``{"cuda": false}`` and exits 0 (CI runs no GPU). docs/b
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from quart_stage import cliargs
 from quart_stage.device_copy import METHODS, move_module
 from quart_tools.bench import machine_info, write_report
 from torch import nn
@@ -232,7 +232,7 @@ def run(sizes_gb: list[float], repeats: int, workdir: Path, device: torch.device
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench cuda", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench cuda", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-gb", default="0.1,1,4", help="stage sizes in GB, comma separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="write JSON here (default stdout)")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import requests
 from quart_provider.system import stop_process
+from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.wrk import find_wrk, run_wrk, version, write_script
 from tqdm import tqdm
@@ -247,7 +248,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench gateway", description=__doc__.splitlines()[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench gateway", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=3000, help="latency pairs measured (after warm-up)")
     p.add_argument("--warmup", type=int, default=300)
     add_load_args(p)

@@ -19,7 +19,6 @@ threads: transformers ``generate(use_cache=True)``, greedy, same prompt ids.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -33,7 +32,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 import torch
-from quart_tools.bench import machine_info, write_report
+from quart_stage import cliargs
+from quart_tools.bench import machine_info, system_with_plugin, write_report
 
 TEXT = ("The history of computing is a story of layers. Each generation of machines hid the details of the one "
         "below it behind a simpler interface, and each interface let more people build more things. Vacuum tubes "
@@ -124,9 +124,6 @@ async def failover(url: str, model: str, plugin, prompts: list[list[int]], refs:
 
 async def run(stages: int, threads: int, contexts: list[int], new_tokens: int, repeats: int, streams: int,
               work: Path) -> dict:
-    from gateway_plugin.plugin import attach
-    from quart_provider.config import GatewayConfig
-    from quart_provider.system import EmbeddedSystem
     from quart_stage.verify import reference_model
     from quart_tools.demo import Demo, partition_model
     from transformers import PreTrainedTokenizerFast
@@ -138,20 +135,12 @@ async def run(stages: int, threads: int, contexts: list[int], new_tokens: int, r
     torch.set_num_threads(threads)
     whole = reference_model(str(model_dir))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    plugins: list = []
-
-    async def keep(gateway, app):
-        plugins.append(await attach(gateway, app))
-
     os.environ.setdefault("QUART_POLICY", "static")  # nothing scales the stages while they are measured
-    config = GatewayConfig.from_env(port=0, state_dir=work / "state", hosts=1, gpus_per_host=8)
-    system = EmbeddedSystem(config, plugin=keep)
-    await system.start()
+    system, plugins = await system_with_plugin(work)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             demo = Demo(system, session)
-            names = await demo.deploy(stack)
-            await demo.wait_available(names)
+            names = await demo.deploy_ready(stack)
             model = json.loads((model_dir / "manifest.json").read_text())["model"]
             rows = []
             for context in contexts:
@@ -200,7 +189,7 @@ async def run(stages: int, threads: int, contexts: list[int], new_tokens: int, r
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench generation", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench generation", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write JSON here (default stdout)")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of every stage replica and the reference")

@@ -16,7 +16,6 @@ Three measurements, each on its own namespaces, all removed at the end (also on 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import requests
 from quart_provider.network import HostNetwork, cluster_id, unavailable_reason
+from quart_stage import cliargs
 from quart_tools.arrivals import poisson_arrivals
 from quart_tools.bench import free_port, machine_info, wait_tcp, write_random_file, write_report
 from quart_tools.bench.policies import Gateway
@@ -173,7 +173,7 @@ def cluster(args, work: Path) -> tuple[dict, dict]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench hosts", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench hosts", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--hosts", type=int, default=3)
     p.add_argument("--gpus-per-host", type=int, default=4)

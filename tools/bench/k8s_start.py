@@ -27,7 +27,6 @@ imports), measured in its own fresh process the same way.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 import requests
+from quart_stage import cliargs
 from quart_stage.attach import stage_spec
 from quart_stage.config import StageConfig
 from quart_tools.bench import machine_info, write_report
@@ -202,7 +202,7 @@ def params_ms(build: Path, env: dict[str, str], source: str) -> float:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="quartctl bench k8s-start", description=__doc__.splitlines()[0])
+    parser = cliargs.ArgumentParser(prog="quartctl bench k8s-start", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the JSON here (default stdout)")
     parser.add_argument("--size-gb", type=float, default=1.0, help="stage size in GB (default 1)")
     parser.add_argument("--reps", type=int, default=3, help="starts per path; medians (default 3)")

@@ -17,7 +17,6 @@ stage; and isolated replicas (private copy) for comparison. Medians over ``--rep
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import psutil
 import requests
+from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from tqdm import tqdm
 
@@ -172,7 +172,7 @@ def _memory_point(km: KeysManagerClient, model: Path, nbytes: int, replicas: int
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="quartctl bench keysmanager", description=__doc__.splitlines()[0])
+    parser = cliargs.ArgumentParser(prog="quartctl bench keysmanager", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the JSON here (default stdout)")
     parser.add_argument("--sizes", default="100,1000,4000", help="stage sizes in MB (default 100,1000,4000)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per measurement; medians (default 3)")

@@ -8,7 +8,6 @@ also what the tests use as a slow server (``--delay-ms``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import os
@@ -19,6 +18,7 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
+from quart_stage import cliargs
 from quart_tools.bench import write_report
 
 RESPONSE_BODY = b'{"ok":true}'
@@ -151,7 +151,7 @@ def run_bench(rate: float, duration_s: float, repeats: int = 3, seed: int = 0) -
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench loadgen", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the JSON here (default stdout)")
     p.add_argument("--rate", type=float, default=2000.0, help="target requests/s")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
@@ -166,7 +166,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
+    ap = cliargs.ArgumentParser()
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--delay-ms", type=float, default=0.0)
     ns = ap.parse_args()

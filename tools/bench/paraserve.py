@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 
 from quart_provider.scheduling.paraserve import ParaServeCosts, largest_part, predict
+from quart_stage import cliargs
 from quart_tools.bench import machine_info, wait_until, write_report
 from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
 from quart_tools.bench.blitzscale import build_stage
@@ -299,7 +300,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench paraserve", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench paraserve", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the JSON here (default stdout)")
     p.add_argument("--stage-mb", type=int, default=1024, help="stage size, MB (default 1024)")
     p.add_argument("--blocks", type=int, default=16, help="transformer blocks in the stage (default 16)")

@@ -15,7 +15,6 @@ model (concurrency 64 per replica, so neither path queues on a slot), and in the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 from quart_provider.system import stop_process
+from quart_stage import cliargs
 from quart_tools.bench import write_report
 from quart_tools.bench.gateway import (
     Connection,
@@ -133,7 +133,7 @@ def run(stages: int, body_bytes: int, count: int, warmup: int, connections: int,
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench pipeline", description=__doc__.splitlines()[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--requests", type=int, default=2000, help="latency rounds measured (after warm-up)")
     p.add_argument("--warmup", type=int, default=200)

@@ -31,6 +31,7 @@ from typing import Any
 
 import requests
 from gateway_plugin.policies import POLICY_NAMES
+from quart_stage import cliargs
 from quart_tools.bench import machine_info
 from tqdm import tqdm
 
@@ -41,7 +42,7 @@ WORKLOADS = ("gamma-cv1", "gamma-cv4", "gamma-cv8", "trace")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quartctl bench policies", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench policies", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-policies.json", help="JSON report (plots go next to it)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policy names")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))

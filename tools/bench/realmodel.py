@@ -15,7 +15,6 @@ Each row: ``{"model", "stages", "max_abs_diff", "pipeline_ms", "whole_model_ms",
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from quart_stage import wire
+from quart_stage import cliargs, wire
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from quart_stage.verify import reference_model
@@ -110,7 +109,7 @@ def run(cuts: dict[str, tuple[int, ...]], repeats: int = 10, threads: int = 1) -
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench realmodel", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench realmodel", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write JSON here (default stdout)")
     p.add_argument("--models", default="minilm,smollm2", help="comma separated (default minilm,smollm2)")
     p.add_argument("--cuts", default=None,

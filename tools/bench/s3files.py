@@ -11,11 +11,11 @@ the whole object — moto reads the whole object for every GET (``quart_tools.be
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from aiohttp import web
+from quart_stage import cliargs
 
 _XML = '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message></Error>'
 
@@ -47,7 +47,7 @@ def make_app(root: Path) -> web.Application:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m quart_tools.bench.s3files", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="python -m quart_tools.bench.s3files", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True, help="folder holding one folder per bucket")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)

@@ -11,7 +11,6 @@ rate of key-stage scale-ups (replicas the KeysManager forked) and their replica-
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from quart_provider.scheduling import make_placer
 from quart_provider.scheduling.hosts import host_view_from_report
 from quart_provider.scheduling.metrics import SchedulerMetrics
 from quart_provider.scheduling.types import HostView, Placer, ReplicaRequest
+from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.scheduler_scenario import Step, scripted_sequence
 from tqdm import tqdm
@@ -248,7 +248,7 @@ def build_model(workdir: Path, stage_mb: float, stages: int) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="quartctl bench scheduler", description=__doc__.splitlines()[0])
+    ap = cliargs.ArgumentParser(prog="quartctl bench scheduler", description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the JSON here (default: stdout)")
     ap.add_argument("--hosts", type=int, default=3)
     ap.add_argument("--gpus-per-host", type=int, default=4)

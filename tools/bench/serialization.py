@@ -11,12 +11,11 @@ Writes JSON ``{"machine": ..., "rows": [{mb, serde_gbps, copy_gbps, ratio, ...}]
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
-from quart_stage import wire
+from quart_stage import cliargs, wire
 from quart_tools.bench import machine_info, write_report
 
 DEFAULT_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
@@ -85,7 +84,7 @@ def run(sizes_mb=DEFAULT_SIZES_MB, repeats: int = 20) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench serialization", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench serialization", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write JSON here (default stdout)")
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES_MB), help="MB, comma separated")
     p.add_argument("--repeats", type=int, default=200)

@@ -19,7 +19,6 @@ reference's, TPOT(512) <= 1.5x TPOT(32), same_tokens everywhere.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from quart_stage import cliargs
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from quart_stage.verify import reference_model
@@ -145,7 +145,7 @@ def run(stages: int = 3, contexts: tuple[int, ...] = (32, 512), new_tokens: int 
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="quartctl bench stage-generation", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench stage-generation", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write JSON here (default stdout)")
     p.add_argument("--stages", type=int, default=3, help="stage count (default 3)")
     p.add_argument("--contexts", default="32,512", help="prompt lengths, comma separated (default 32,512)")

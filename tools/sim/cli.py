@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from quart_stage import cliargs
 from quart_tools.arrivals import DEFAULT_TRACE, gamma_arrivals, load_trace, replay_trace
 from quart_tools.report import json_safe, plot_arrivals, plot_latency_cdf, plot_stage_series
 from quart_tools.sim import experiments as ex
@@ -28,7 +29,7 @@ EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "quart-ab
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quartctl simulate", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment", choices=EXPERIMENTS, default="run")
     p.add_argument("--model", default="bert-21b", choices=sorted(PAPER_MODELS), help="model of a single run")
     p.add_argument("--models", default=None,
@@ -251,6 +252,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.models is None and args.experiment != "blitzscale":
         args.models = ",".join(PAPER_MODELS)
+    if args.plots and args.experiment in ("fig2", "quart-ablation"):
+        return cliargs.usage_error("quartctl simulate", f"--plots: the {args.experiment} experiment has no plots "
+                                   "(run, fig6, fig7, ablations, frontier, blitzscale and all have)")
     started = time.perf_counter()
     try:
         cal = _calibration(args)
@@ -273,6 +277,17 @@ def main(argv: list[str]) -> int:
         else:
             doc = {"experiment": "all", "fig2": ex.fig2(cal, args.duration, seed=args.seed), "fig6": _fig6(args, cal),
                    "fig7": _fig7(args, cal), "ablations": _ablations(args, cal)}
+        if args.plots and args.experiment in ("fig6", "fig7", "ablations", "all"):
+            from quart_tools.sim.cv_plots import plot_policy_sweep
+
+            parts = [doc] if args.experiment != "all" else [doc["fig6"], doc["fig7"], doc["ablations"]]
+            runs = [(e, part["experiment"]) for part in parts if part["experiment"] != "ablations"
+                    for e in [part["entries"]]]
+            runs += [([e for e in part["entries"] if e["tag"] == tag], f"ablations-{tag}") for part in parts
+                     if part["experiment"] == "ablations" for tag in ("fig6", "fig7")]
+            doc["plots"] = [str(path) for entries, name in runs if entries
+                            for path in plot_policy_sweep(entries, args.plots, name)]
+            print(f"wrote {len(doc['plots'])} plot(s) to {args.plots}", file=sys.stderr)
         if args.experiment != "run":
             doc["calibration"] = cal.to_json()
             doc["wall_s"] = round(time.perf_counter() - started, 2)

@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from quart_stage import cliargs
 from quart_tools.arrivals import gamma_arrivals, poisson_arrivals
 from quart_tools.bench import machine_info, write_report
 from quart_tools.report import latency_stats
@@ -41,7 +42,7 @@ TOLERANCE = 0.15
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quartctl bench sim-vs-live", description=__doc__.split("\n\n")[0])
+    p = cliargs.ArgumentParser(prog="quartctl bench sim-vs-live", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="JSON output (default stdout)")
     p.add_argument("--policy", default="static", help="policy on both sides (static keeps scaling out of it)")
     p.add_argument("--replicas", type=int, default=1, help="start replicas per stage (and static's count)")

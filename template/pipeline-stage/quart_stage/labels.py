@@ -22,6 +22,8 @@ STAGES = "com.quart.stages"  # stage count of the pipeline
 CONCURRENCY = "com.quart.concurrency"  # requests one replica serves at once (0 = unlimited)
 PARAM_BYTES = "com.quart.param-bytes"  # parameter bytes of one replica
 PROFILE_MS = "com.quart.profile-ms"  # profiled service time of the stage
+BATCH_MAX = "com.quart.batch.max"  # requests the router sends a replica in one call (1 = no batching)
+BATCH_WAIT_MS = "com.quart.batch.wait-ms"  # how long a short batch waits for more requests (0 = none)
 # "off": replicas cold-start like a plain OpenFaaS function (the paper's baselines); "on": fork from the cache
 KEYSMANAGER = "com.quart.keysmanager"
 

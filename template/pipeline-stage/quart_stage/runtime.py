@@ -387,6 +387,8 @@ class StageRuntime:
         return out
 
     def _json_output(self, name: str, output: torch.Tensor, request_id: str, mask: torch.Tensor | None) -> dict:
+        if name == LOGITS and output.dim() == 2:  # a pooling head (MiniLM): one vector per input, no logits
+            name = "embedding"
         doc = {"model": self.model, "stage": self.stage_index, "request_id": request_id, "output": name,
                "dtype": dt(output.dtype), "shape": list(output.shape)}
         if mask is not None:

@@ -1,0 +1,177 @@
+"""`quartctl bench batching`: dynamic batching of one-shot passes at the router, off vs on (docs/batching.md).
+
+MiniLM (real weights, real CPU compute) partitioned into ``--stages`` stages and deployed on the embedded
+gateway with one replica per stage (its stage processes, one request at a time each, ``--threads`` torch
+threads). The client sends open-loop Poisson arrivals, stepped up in rate (``--rates``, ``--step-s`` seconds
+each), of safetensors ``input_ids`` of 6–30 tokens (tokenized sentences of different lengths), to
+``POST /function/<model>``; every rate runs with batching off (``com.quart.batch.max`` 1) and then on
+(``--batch-max``), on the same arrivals, in the same system: only the router's batch limit changes between the
+two (the lowest rate runs off, on, on, off, its two runs of each pooled). The SLO is 5 × the unloaded latency (the p50 of ``--unloaded`` sequential requests, batching off);
+``max_rate_within_slo`` is the highest rate whose p99 is within it with every request answered 200.
+
+JSON: ``{"oneshot": {"model", "stages", "slo_ms", "unloaded_ms", "rows": [{"batching", "rate", "p50_ms", "p99_ms",
+"ok", "lost", "sent", "refused"}], "max_rate_within_slo": {"off", "on"}}, "targets", "machine"}``. ``lost``: a
+request without any answer; ``refused``: an explicit non-200 answer (429, 504). The decode half of issue 28
+(continuous batching) is not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from quart_tools.arrivals import Arrivals, poisson_arrivals
+from quart_tools.bench import machine_info, system_with_plugin, write_report
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch the quiet river flow past "
+         "old stone bridges and green fields under a pale autumn sky").split()
+DEFAULT_RATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return round(float(np.percentile(values, q)), 2) if values else float("nan")
+
+
+def _bodies(model_dir: Path, lengths: range) -> dict[int, bytes]:
+    """One safetensors ``input_ids`` body per token count (a tokenized sentence, cut to that many tokens)."""
+    import torch
+    from quart_stage import wire
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tok.encode(" ".join(WORDS * 2)).ids
+    out = {}
+    for n in lengths:
+        cut = ids[: n - 1] + [ids[-1]]  # [CLS] words … [SEP]
+        out[n] = wire.encode_bytes({"input_ids": torch.tensor([cut], dtype=torch.int64)})
+    return out
+
+
+def _arrivals(rate: float, step_s: float, seed: int, lengths: range) -> Arrivals:
+    arr = poisson_arrivals(rate, step_s, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    sizes = rng.integers(lengths.start, lengths.stop, size=len(arr)).astype(np.int64)
+    return Arrivals(times=arr.times, sizes=sizes, kind="poisson")
+
+
+def _row(batching: str, rate: float, records) -> dict:
+    ok = [r.latency_ms for r in records if r.ok]
+    lost = sum(1 for r in records if r.status == 0)
+    return {"batching": batching, "rate": rate, "p50_ms": _percentile(ok, 50), "p99_ms": _percentile(ok, 99),
+            "ok": len(ok), "lost": lost, "sent": len(records), "refused": len(records) - len(ok) - lost}
+
+
+async def run(args: argparse.Namespace, work: Path) -> dict:
+    import aiohttp
+    from gateway_plugin.batching import BatchLimits
+    from quart_tools.demo import Demo, partition_model
+    from quart_tools.loadgen import run_load
+
+    model_dir = work / f"minilm-{args.stages}"
+    stack = partition_model("minilm", args.stages, model_dir)
+    text = stack.read_text().replace("QUART_THREADS: '1'", f"QUART_THREADS: '{args.threads}'")
+    stack.write_text(text)
+    lengths = range(6, 31)
+    bodies = _bodies(model_dir, lengths)
+    os.environ["QUART_POLICY"] = "static"  # one replica per stage, nothing scales while measured
+    os.environ["QUART_CONCURRENCY"] = "1"
+    system, plugins = await system_with_plugin(work)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            names = await Demo(system, session).deploy_ready(stack)
+            model = json.loads((model_dir / "manifest.json").read_text())["model"]
+            url = f"{system.url}/function/{model}"
+            batcher = plugins[0].router.batcher
+
+            def set_batch(most: int) -> None:
+                limits = BatchLimits(most)
+                batcher.limits = lambda fn: limits
+
+            set_batch(1)
+            unloaded = []
+            for k in range(args.unloaded + 3):  # 3 warm-up requests
+                n = lengths[k % len(lengths)]
+                t0 = time.perf_counter()
+                async with session.post(url, data=bodies[n], headers={"Content-Type": "application/octet-stream"}) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"unloaded request: HTTP {r.status}")
+                if k >= 3:
+                    unloaded.append(1000 * (time.perf_counter() - t0))
+            unloaded_ms = float(np.median(unloaded))
+            slo_ms = 5 * unloaded_ms
+            print(f"  unloaded p50 {unloaded_ms:.1f} ms, SLO {slo_ms:.1f} ms", file=sys.stderr)
+            rows = []
+            over = {"off": 0, "on": 0}
+            for step, rate in enumerate(args.rates):
+                arrivals = _arrivals(rate, args.step_s, seed=100 + step, lengths=lengths)
+                # the lowest rate (the p50 comparison) runs off, on, on, off: drift in the machine's load hits both
+                order = ("off", "on", "on", "off") if step == 0 else ("off", "on")
+                records: dict[str, list] = {"off": [], "on": []}
+                for mode in order:
+                    if over[mode] >= 2:  # past its limit twice: no need to load it further
+                        continue
+                    set_batch(1 if mode == "off" else args.batch_max)
+                    result = await run_load(url, arrivals, timeout_s=max(2.0, 4 * slo_ms / 1000),
+                                            body=lambda n: (bodies[int(n)], "application/octet-stream"),
+                                            headers={"X-Quart-Timeout-Ms": str(int(max(2000, 4 * slo_ms)))},
+                                            progress=False)
+                    records[mode].extend(result.records)
+                    await asyncio.sleep(1.0)  # drain between runs
+                for mode in ("off", "on"):
+                    if not records[mode]:
+                        continue
+                    row = _row(mode, rate, records[mode])
+                    rows.append(row)
+                    within = row["ok"] == row["sent"] and row["p99_ms"] <= slo_ms
+                    over[mode] = 0 if within else over[mode] + 1
+                    print(f"  {mode:3} {rate:5g} req/s: p50 {row['p50_ms']} p99 {row['p99_ms']} ms, ok {row['ok']}/"
+                          f"{row['sent']}, lost {row['lost']}, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
+                if over["off"] >= 2 and over["on"] >= 2:
+                    break
+            sizes = {fn: plugins[0].collector.stage(fn).batch_service_s() for fn in names}
+    finally:
+        await system.stop()
+
+    def best(mode: str) -> float:
+        good = [r["rate"] for r in rows if r["batching"] == mode and r["ok"] == r["sent"] and r["p99_ms"] <= slo_ms]
+        return max(good, default=0.0)
+
+    off, on = best("off"), best("on")
+    at1 = {r["batching"]: r["p50_ms"] for r in rows if r["rate"] == args.rates[0]}
+    oneshot = {"model": "minilm", "stages": args.stages, "slo_ms": round(slo_ms, 2), "unloaded_ms": round(unloaded_ms, 2),
+               "batch_max": args.batch_max, "rows": rows, "max_rate_within_slo": {"off": off, "on": on},
+               "service_by_batch": {fn: [{"size": s, "calls": n, "mean_ms": round(1000 * m, 2)} for s, n, m in v]
+                                    for fn, v in sizes.items()}}
+    targets = {"max_rate_on_ge_3x_off": off > 0 and on >= 3 * off,
+               f"p50_at_{args.rates[0]:g}_on_le_1.1x_off": at1.get("on", 1e9) <= 1.1 * at1.get("off", 0),
+               "lost_0": all(r["lost"] == 0 for r in rows)}
+    return {"benchmark": "batching", "oneshot": oneshot, "targets": targets,
+            "machine": machine_info(torch_threads=args.threads, load=os.getloadavg()),
+            "method": f"embedded gateway + one stage process per stage (concurrency 1), open-loop Poisson, "
+                      f"{args.step_s:g} s per rate, same arrivals off and on, 6-30 tokens per request"}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="quartctl bench batching", description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="write the JSON here (default: stdout)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
+    p.add_argument("--batch-max", type=int, default=16)
+    p.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES))
+    p.add_argument("--step-s", type=float, default=8.0, help="seconds of arrivals per rate (≤ 15)")
+    p.add_argument("--unloaded", type=int, default=30, help="sequential requests for the unloaded latency")
+    args = p.parse_args(argv)
+    if not 0 < args.step_s <= 15:
+        p.error("--step-s must be in (0, 15]")
+    with tempfile.TemporaryDirectory(prefix="quart-batching-") as work:
+        report = asyncio.run(run(args, Path(work)))
+    write_report(report, args.out)
+    return 0 if all(report["targets"].values()) else 1
