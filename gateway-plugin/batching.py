@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from gateway_plugin import layers
 from quart_provider.retry import passed_on
 from quart_stage import labels as vocab

@@ -76,9 +76,12 @@ def load_model(name: str, model_dir: str) -> ModelInfo:
 
 @dataclass
 class ModelCatalog:
-    """Loaded :class:`ModelInfo` per model folder (reloaded when its manifest changes)."""
+    """Loaded :class:`ModelInfo` per model folder (reloaded when its manifest changes). One load per folder at a
+    time: concurrent first requests wait for it (transformers' lazy imports are not thread-safe: parallel
+    first loads raised ImportError, a 500)."""
 
     cache: dict[str, tuple[float, ModelInfo | QuartError]] = field(default_factory=dict)
+    loading: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     async def get(self, name: str, model_dir: str | None) -> ModelInfo:
         if not model_dir:
@@ -90,13 +93,16 @@ class ModelCatalog:
             raise invalid("model", f"pipeline {name!r}: no manifest.json in {model_dir}") from None
         hit = self.cache.get(model_dir)
         if hit is None or hit[0] != mtime:
-            try:
-                info: ModelInfo | QuartError = await asyncio.to_thread(load_model, name, model_dir)
-            except QuartError as exc:
-                info = exc
-            except (OSError, ValueError) as exc:
-                info = invalid("model", f"pipeline {name!r}: cannot load its tokenizer: {exc}")
-            hit = self.cache[model_dir] = (mtime, info)
+            async with self.loading.setdefault(model_dir, asyncio.Lock()):
+                hit = self.cache.get(model_dir)
+                if hit is None or hit[0] != mtime:  # not loaded by the request this one waited for
+                    try:
+                        info: ModelInfo | QuartError = await asyncio.to_thread(load_model, name, model_dir)
+                    except QuartError as exc:
+                        info = exc
+                    except (OSError, ValueError) as exc:
+                        info = invalid("model", f"pipeline {name!r}: cannot load its tokenizer: {exc}")
+                    hit = self.cache[model_dir] = (mtime, info)
         if isinstance(hit[1], QuartError):
             raise hit[1]
         return hit[1]

@@ -9,6 +9,9 @@
   flag at all: kept hosts are the default on loopback, issue 31). Per scenario: ``sent``, ``ok`` (2xx),
   ``explicit_error`` (an HTTP error or a refused connection: the client knows), ``lost`` (no answer within the client's timeout),
   ``recovered_s`` (from the last fault to every function at its desired replicas again).
+- **Stream scenarios** (issue 31, :mod:`.chaos_streams`): ``--streams`` concurrent token streams of the ``tiny``
+  decoder on their own gateway while a stage replica, a KeysManager or the gateway is killed (or restarted):
+  ``streams_started``, ``streams_completed``, ``streams_identical``, ``stream_errors``, ``stream_hangs``.
 - **Overload** (`--process-hosts`, ``quart/echo`` at concurrency 1 on one replica, 32 MB bodies): the
   capacity measured closed-loop, then an open loop at ``--factor`` × capacity with a deadline
   (``X-Quart-Timeout-Ms``): the gateway's RSS growth and the p99 of accepted requests.
@@ -27,7 +30,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,94 +39,18 @@ import aiohttp
 import psutil
 import yaml
 from quart_provider.shedding import SHED_HEADER
-from quart_provider.system import stop_process
 from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.chaos_fuzz import fuzz
 from quart_tools.bench.chaos_limits import async_32mb, capacity, deadline_summary, oversized_text, peak_rss
+from quart_tools.bench.chaos_system import Gateway, _replica_pids, wait_serving
 
-SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart", "gateway-restart-default")
+SCENARIOS = ("replica-kill", "keysmanager-kill", "replica-stop", "gateway-restart", "gateway-restart-default",
+             "stream-replica-kill", "stream-keysmanager-kill", "stream-gateway-restart",  # stream-*: chaos_streams
+             "stream-gateway-kill")
 MODEL = "bert-21b"
 BODY = json.dumps({"input_ids": [[1, 2, 3, 4]]}).encode()
 RECOVERY_POLL_DELAY_S = 0.5  # recovered_s is at least this: a poll right after a kill still counts the victim
-
-
-class Gateway:
-    """One `quartctl up` process on a state folder; ``start`` again after ``stop`` restores its functions."""
-
-    def __init__(self, state_dir: Path, args: list[str]) -> None:
-        self.state_dir, self.args = state_dir, args
-        self.process: subprocess.Popen | None = None
-        self.url, self.auth = "", aiohttp.BasicAuth("admin", "")
-        self.phases: dict[str, float] = {}  # of the last restart
-
-    def start(self, timeout_s: float = 120.0, extra: tuple[str, ...] = ()) -> None:
-        log = open(self.state_dir.parent / "gateway.log", "ab")  # noqa: SIM115 - the child's
-        state_file = self.state_dir / "up.json"
-        state_file.unlink(missing_ok=True)
-        self.process = subprocess.Popen([sys.executable, "-m", "quart_tools.cli", "up", "--port", "0", "--state-dir",
-                                         str(self.state_dir), *self.args, *extra], stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while not state_file.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"quartctl up did not start; see {self.state_dir.parent / 'gateway.log'}")
-            time.sleep(0.05)
-        state = json.loads(state_file.read_text())
-        self.url = state["url"]
-        self.auth = aiohttp.BasicAuth(state["user"], Path(state["password_file"]).read_text().strip())
-
-    def state(self) -> dict:
-        return json.loads((self.state_dir / "up.json").read_text())
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process(self.process.pid, self.process, grace_s=30.0)
-            self.process = None
-
-    def down(self) -> None:
-        """Stop it and whatever it kept (``--keep-hosts``: KeysManagers and replicas), as a user would."""
-        self.stop()
-        subprocess.run([sys.executable, "-m", "quart_tools.cli", "down", "--state-dir", str(self.state_dir)],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False)
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-
-async def _functions(session: aiohttp.ClientSession, gw: Gateway) -> list[dict]:
-    async with session.get(f"{gw.url}/system/functions", auth=gw.auth, timeout=aiohttp.ClientTimeout(total=2)) as r:
-        return await r.json() if r.status == 200 else []
-
-
-async def wait_serving(session: aiohttp.ClientSession, gw: Gateway, timeout_s: float, want: int = 0) -> float:
-    """When (monotonic) every function (at least ``want`` of them) has its desired replicas available; inf
-    when not within ``timeout_s``."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        try:
-            fns = await _functions(session, gw)
-            if len(fns) >= max(1, want) and all(f["availableReplicas"] >= f["replicas"] for f in fns):
-                return time.monotonic()
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            pass
-        await asyncio.sleep(0.1)
-    return float("inf")
-
-
-async def _replica_pids(session: aiohttp.ClientSession, gw: Gateway, function: str | None = None) -> list[int]:
-    """Pids of ready replicas (of ``function``, else of all; from the ports their URLs name)."""
-    ports = set()
-    for fn in await _functions(session, gw):
-        if function is not None and fn["name"] != function:
-            continue
-        async with session.get(f"{gw.url}/system/replicas/{fn['name']}", auth=gw.auth) as r:
-            for rep in (await r.json())["replicas"]:
-                if rep["state"] == "ready":
-                    ports.add(int(rep["url"].rsplit(":", 1)[1]))
-    return sorted({c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid
-                   and c.laddr.port in ports})
 
 
 async def _headers_sent(session, ctx, params) -> None:
@@ -328,7 +254,9 @@ async def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="quart-chaos-") as name:
         tmp = Path(args.keep_dir) if args.keep_dir else Path(name)
         tmp.mkdir(parents=True, exist_ok=True)
-        if args.scenarios:
+        plain = [s for s in args.scenarios if not s.startswith("stream-")]
+        streamed = [s for s in args.scenarios if s.startswith("stream-")]
+        if plain:  # the emulated model's gateway: its scenarios, fuzz and limits
             stack = _stack(tmp / "model", args.mean_ms)
             state = tmp / "state"
             state.mkdir()
@@ -340,7 +268,7 @@ async def run(args: argparse.Namespace) -> dict:
                         raise RuntimeError("the model never served at its desired replicas")
                 if args.fuzz_cases:
                     doc["fuzz"] = await fuzz(gw, args.fuzz_cases, args.seed)
-                for i, scenario_name in enumerate(args.scenarios):
+                for i, scenario_name in enumerate(plain):
                     doc["scenarios"].append(await scenario(scenario_name, gw, args.rate, args.seconds, args.seed + i))
                     print(json.dumps(doc["scenarios"][-1]), file=sys.stderr)
                 if args.limits:
@@ -350,6 +278,13 @@ async def run(args: argparse.Namespace) -> dict:
                     doc["async_32mb"] = await async_32mb(gw, MODEL)
             finally:
                 await asyncio.to_thread(gw.down)
+        if streamed:
+            from quart_tools.bench.chaos_streams import stream_scenarios
+
+            for entry in await stream_scenarios(tmp, streamed, args.streams, args.stream_tokens,
+                                                args.stream_timeout, args.seed):
+                doc["scenarios"].append(entry)
+                print(json.dumps(entry), file=sys.stderr)
         if args.deadline_factor:
             doc["overload_deadline"] = await overload_deadline(tmp, args.deadline_factor, args.overload_seconds,
                                                                args.deadline_ms, args.deadline_mean_ms)
@@ -370,6 +305,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="length of each scenario")
     p.add_argument("--mean-ms", type=float, default=5.0, help="emulated service time of each stage")
     p.add_argument("--fuzz-cases", type=int, default=2000)
+    p.add_argument("--streams", type=int, default=16, help="stream-*: concurrent token streams")
+    p.add_argument("--stream-tokens", type=int, default=48, help="stream-*: tokens each stream generates")
+    p.add_argument("--stream-timeout", type=float, default=120.0,
+                   help="stream-*: a stream that has not ended (last token or error) by then is a hang")
     p.add_argument("--factor", type=float, default=8.0, help="overload factor × measured capacity (0 = skip)")
     p.add_argument("--overload-seconds", type=float, default=10.0)
     p.add_argument("--body-mb", type=int, default=32)
