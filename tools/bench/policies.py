@@ -104,7 +104,7 @@ class Gateway:
             m = re.match(r"Gateway:\s+(\S+)", line)
             if m:
                 self.url = m.group(1)
-            if line.startswith("Ready."):
+            if line.startswith(("Ready:", "Serving;")):  # `quartctl up`'s last line (tools/platform.py)
                 break
             if time.monotonic() > deadline:
                 break
