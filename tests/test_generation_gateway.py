@@ -219,7 +219,8 @@ def test_a_stage_scaled_2_to_1_mid_stream_drains_by_replay_and_the_tokens_are_id
     deadline = time.monotonic() + 30
     while True:  # the controller's snapshot shows the stage's KV capacity (one ready replica's cap) and no session
         snap = requests.get(f"{system.url}/function/quart-plugin/snapshot", timeout=10).json()["tiny"]["stages"][1]
-        if snap["replicas"] == 1 and snap["kv_capacity"] > 0:
+        # the snapshot is the controller's last step (every control period): wait for one after the streams
+        if snap["replicas"] == 1 and snap["kv_capacity"] > 0 and snap["sessions"] == 0:
             break
         assert time.monotonic() < deadline, snap
         time.sleep(0.2)
