@@ -9,7 +9,6 @@ time (:class:`quart_stage.emulated.StepTime`) and answers tokens that are a hash
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -30,6 +29,8 @@ from quart_stage.kvcache import (
     H_SESSION_RESERVE,
     SessionTable,
 )
+from quart_stage.kvmigrate import EmulatedKV, block_layers
+from quart_stage.layers import H_LAYERS, fmt, range_share
 from quart_stage.response import H_COMPUTE, H_DESER, H_REQUEST_ID, H_SER, JSON_TYPE, StageResponse, elapsed_ms
 from quart_stage.sampling import H_SAMPLE, SampleParams, choose, parse_sample
 
@@ -98,17 +99,6 @@ def auto_kv_tokens(config: Mapping | None, blocks: int, itemsize: int) -> int:
     return max(KV_AUTO_MIN, min(KV_AUTO_MAX, KV_BUDGET_BYTES // per_token))
 
 
-class EmulatedState:
-    """An emulated session's stand-in for a KV cache: a running hash of the session's token ids."""
-
-    def __init__(self, seed: int):
-        self.digest = hashlib.blake2b(f"{seed}:".encode(), digest_size=8)
-
-    def token(self, ids: list[int], vocab: int) -> int:
-        self.digest.update(b"".join(i.to_bytes(8, "big") for i in ids))
-        return int.from_bytes(self.digest.copy().digest(), "big") % vocab
-
-
 class Generation:
     """The sessions of one StageRuntime and the step that serves them."""
 
@@ -143,8 +133,6 @@ class Generation:
         rt = self.rt
         if not self.decoder:
             raise invalid(FIELD, f"model {rt.model!r} is not a decoder: it has no generation sessions")
-        if span is not None and span != rt.stage_range:
-            raise invalid(FIELD, "a session request runs the whole stage; drop X-Quart-Layers")
         if ATTENTION_MASK in inputs:
             raise invalid(ATTENTION_MASK, "a session request carries one unpadded sequence: no attention_mask")
         first = inputs[INPUT_IDS] if INPUT_IDS in inputs else inputs[HIDDEN]
@@ -157,20 +145,35 @@ class Generation:
                                  f"model {rt.model!r} has {limit}")
         return new
 
+    def new_state(self, seed: int):
+        """An empty cache for a session: transformers' ``DynamicCache``, or the emulated stand-in."""
+        rt = self.rt
+        if rt.cfg.compute != "emulated":
+            return rt.module.new_cache()
+        cfg = rt.manifest.config if rt.manifest is not None else {}
+        heads = int(cfg.get("num_attention_heads") or 1)
+        head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size") or 64 * heads) // heads)
+        return EmulatedKV(seed, int(cfg.get("num_key_value_heads") or heads) * head_dim, rt.shape.dtype)
+
+    def span_of(self, span: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The layers a session request runs: a sub-range (a ParaServe part), or None for the whole stage."""
+        return None if span is None or span == self.rt.stage_range else span
+
     def step(self, req: SessionRequest, inputs: dict[str, torch.Tensor], new: int, base: dict[str, str],
-             timing: tuple[float, float]):
+             timing: tuple[float, float], span: tuple[int, int] | None = None):
         """Run one step of session ``req.id`` and answer it (409/429/500 as JSON, nothing changed)."""
         t0, t1 = timing
         rt = self.rt
         try:
             rt.prepare_device()
             emulated = rt.cfg.compute == "emulated"
-            make = (lambda: EmulatedState(req.sample.seed)) if emulated else rt.module.new_cache
-            with self.table.step(req.id, req.pos, new, req.reserve, make) as session:
+            span = self.span_of(span)
+            last = self.last if span is None else span[1] == rt.total_layers
+            with self.table.step(req.id, req.pos, new, req.reserve, lambda: self.new_state(req.sample.seed)) as session:
                 if emulated:
-                    output = self._emulate(session.state, inputs, req, new)
+                    output = self._emulate(session.state, inputs, req, new, span, last)
                 else:
-                    output = self._compute(session.state, inputs, req, new)
+                    output = self._compute(session.state, inputs, req, new, span, last)
         except QuartError as exc:
             return StageResponse.error(exc, {**base, **self.headers(req.id), **exc.headers,
                                              H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1)})
@@ -181,41 +184,50 @@ class Generation:
         if req.end:
             self.table.drop(req.id)
         held = req.pos + new
-        if self.last:
+        if span is not None:
+            base = {**base, H_LAYERS: fmt(span)}
+        if last:
             doc = {"token": output[0], "pos": held}
             if req.return_logits and output[1] is not None:
                 doc["logits"] = output[1].tolist()
             chunks, ctype = [json.dumps(doc).encode()], JSON_TYPE
         else:
-            chunks = wire.encode_chunks({HIDDEN: output}, rt.next_hop_meta(base[H_REQUEST_ID], False))
+            more = span is not None and span[1] < rt.stage_range[1]  # this stage again, for its next part
+            chunks = wire.encode_chunks({HIDDEN: output}, rt.next_hop_meta(base[H_REQUEST_ID], more))
             ctype = wire.CONTENT_TYPE
         headers = {**base, H_SESSION_POS: str(held), H_KV_TOKENS: self.table.occupancy(), "Content-Type": ctype,
                    H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1, t2), H_SER: elapsed_ms(t2)}
         return StageResponse(200, chunks, headers)
 
-    def _compute(self, cache, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int):
+    def _compute(self, cache, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
+                 span: tuple[int, int] | None, last: bool):
         rt = self.rt
         if rt._device.type != "cpu":
             inputs = {k: v.to(rt._device, non_blocking=True) for k, v in inputs.items()}
-        out = rt.module(inputs, cache=cache, past=req.pos)
-        if not self.last:
+        out = rt.module(inputs, *(span or ()), cache=cache, past=req.pos)
+        if not last:
             return out.cpu() if out.device.type != "cpu" else out
         logits = out[0, -1]
         token = choose(logits, req.sample, req.pos + new)
         return token, (logits.float().cpu() if req.return_logits else None)
 
-    def _emulate(self, state: EmulatedState, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int):
+    def _emulate(self, state: EmulatedKV, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
+                 span: tuple[int, int] | None, last: bool):
         rt = self.rt
+        share = 1.0 if span is None else range_share(rt.manifest.layer_parameter_counts, span, rt.stage_range)
         if INPUT_IDS in inputs:
             ids = inputs[INPUT_IDS][0].tolist()
         else:
             digits = inputs[HIDDEN][0, :, :_DIGITS].long()
             ids = [sum(int(d) << (8 * k) for k, d in enumerate(row)) for row in digits.tolist()]
-        time.sleep(rt.step_time.sample_ms(new, rt._rng) / 1000.0)
-        if self.last:
-            return state.token(ids, self.vocab), None
-        out = torch.zeros((1, new, rt.shape.out_width), dtype=rt.shape.dtype)
-        if rt.shape.out_width >= _DIGITS:
+        time.sleep(rt.step_time.sample_ms(new, rt._rng) * share / 1000.0)
+        ran = span or rt.stage_range
+        state.append(ids, block_layers(ran, rt.total_layers) if ran else range(0))
+        if last:
+            return state.token(self.vocab), None
+        width = (rt.shape if span is None else rt.shape_for(span)).out_width
+        out = torch.zeros((1, new, width), dtype=rt.shape.dtype)
+        if width >= _DIGITS:
             ids_t = torch.tensor(ids, dtype=torch.long)
             for k in range(_DIGITS):
                 out[0, :, k] = ((ids_t >> (8 * k)) & 0xFF).to(out.dtype)
