@@ -30,6 +30,7 @@ from quart_provider.scheduling.paraserve import (
     plan_parallelism,
     split_parts,
 )
+from quart_provider.scheduling.paraserve_gen import GenerationCosts, plan_generation
 from quart_provider.scheduling.starts import StartPlan
 from quart_provider.scheduling.types import HostView
 from quart_provider.types import Endpoint, FunctionState
@@ -143,12 +144,22 @@ class ParaServeStarts:
                 parts = min(self.config.paraserve_parts, limit)
             else:
                 slo = self.config.paraserve_slo_ms / 1000 if self.config.paraserve_slo_ms > 0 else 0.0
-                plan = plan_parallelism(layout.stage_bytes, slo, hosts_from_rates(dict.fromkeys(usable, nic)),
-                                        costs, max_parts=limit, layer_bytes=layout.layer_bytes)
-                parts = plan.parts
+                hosts = hosts_from_rates(dict.fromkeys(usable, nic))
+                if self.config.paraserve_tpot_slo_ms > 0:
+                    parts = plan_generation(layout.stage_bytes, slo or math.inf, self.config.paraserve_tpot_slo_ms / 1000,
+                                            hosts, costs, self.generation_costs(), 1, limit, layout.layer_bytes).parts
+                else:
+                    parts = plan_parallelism(layout.stage_bytes, slo, hosts, costs, max_parts=limit,
+                                             layer_bytes=layout.layer_bytes).parts
             out[function] = parts
             log.info("%s: cold; ParaServe P = %d (stage %d bytes)", function, parts, layout.stage_bytes)
         return out
+
+    def generation_costs(self) -> GenerationCosts:
+        """The whole stage's step costs the generation planner is told (GatewayConfig.paraserve_*_ms)."""
+        c = self.config
+        return GenerationCosts(0.0, c.paraserve_decode_ms / 1000, c.paraserve_hop_ms / 1000,
+                               prefill_min_s=c.paraserve_prefill_ms / 1000)
 
     def plan_groups(self, plans: Sequence[StartPlan], layouts: Mapping[str, StageLayout]) -> dict[int, Group]:
         """The group of each ``paraserve`` plan (by index), one `Group` per sub-pipeline."""

@@ -114,14 +114,16 @@ class GroupGenerator:
             s.token_at.append(time.monotonic())
         return s.generated
 
-    async def consolidate(self, sessions: Sequence[GroupSession], whole: Hop) -> Migration:
-        """Move every unfinished session of ``sessions`` onto ``whole`` (a replica that now holds the whole
-        stage): its KV cache from every other part, verified on arrival; a failure falls back to a replay."""
+    async def consolidate(self, sessions: Sequence[GroupSession], whole: Hop | Sequence[Hop]) -> Migration:
+        """Move every unfinished session of ``sessions`` onto ``whole`` (replicas that now hold the whole stage:
+        one when the group scales down, several when it scales up — sessions are dealt round-robin): its KV
+        cache from every other part, verified on arrival; a failure falls back to a replay."""
+        targets = [whole] if isinstance(whole, Hop) else list(whole)
         report = Migration()
         t0 = time.monotonic()
         open_ = [s for s in sessions if len(s.generated) < s.max_tokens]
         report.sessions = len(open_)
-        await asyncio.gather(*(self._move(s, whole, report) for s in open_))
+        await asyncio.gather(*(self._move(s, targets[i % len(targets)], report) for i, s in enumerate(open_)))
         report.seconds = time.monotonic() - t0
         return report
 

@@ -268,6 +268,14 @@ def measure(args: argparse.Namespace) -> dict:
             ModelRegistry(MODEL_URL, endpoint_url=cluster.endpoint).upload(model)
             shutil.rmtree(model)
         os.environ["QUART_REGISTRY_ENDPOINT"] = cluster.endpoint  # the gateway reads the manifest (the layout)
+        if args.workload == "generation":  # quart_tools.bench.paraserve_gen: sessions, KV migration, both SLOs
+            from quart_tools.bench import paraserve_gen
+
+            return {**paraserve_gen.measure(args, cluster, hosts, layer_bytes), "stage_bytes": stage_bytes,
+                    "nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "hosts": args.hosts,
+                    "emulated": {"decode_ms": args.decode_ms, "prefill_ms_per_token": args.prefill_ms_per_token},
+                    "sessions": args.sessions, "rate": args.rate, "prompt": args.prompt,
+                    "max_tokens": args.max_tokens}
         rows = []
         for parts in args.parts:
             fresh_keysmanagers(cluster, hosts, preloader=True)
@@ -318,6 +326,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slo-ms", type=float, default=0.0, help="first-answer SLO (default: 0.5 x single-host cold)")
     p.add_argument("--slo-runs", type=int, default=4, help="cold starts of the SLO run (default 4)")
     p.add_argument("--verbose", action="store_true", help="log the gateway's decisions")
+    g = p.add_argument_group("--workload generation (quart_tools.bench.paraserve_gen)")
+    g.add_argument("--workload", choices=("oneshot", "generation"), default="oneshot",
+                   help="one-shot passes (default) or generation sessions with KV-cache migration")
+    g.add_argument("--sessions", type=int, default=8, help="sessions per cold start (default 8)")
+    g.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    g.add_argument("--max-tokens", type=int, default=256, help="new tokens per session (default 256)")
+    g.add_argument("--decode-ms", type=float, default=30.0, help="emulated decode step, whole stage (default 30)")
+    g.add_argument("--prefill-ms-per-token", type=float, default=0.25,
+                   help="emulated prefill per prompt token, whole stage (default 0.25)")
+    g.add_argument("--ttft-slo-ms", type=float, default=0.0, help="TTFT SLO (default 0.5 x single-host cold)")
+    g.add_argument("--tpot-slo-ms", type=float, default=0.0, help="TPOT SLO (default 2 x P = 1's TPOT)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -325,8 +344,10 @@ def main(argv: list[str]) -> int:
     if max(args.parts) > args.hosts:
         p.error("--hosts must be at least the largest of --parts")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, kill: still remove the namespaces
+    load = round(os.getloadavg()[0], 2)
     doc = measure(args)
-    doc["machine"] = machine_info(load_avg_1m_at_start=round(os.getloadavg()[0], 2), compute="emulated")
+    doc["machine"] = machine_info(load_avg_1m_at_start=load, load_avg_1m_at_end=round(os.getloadavg()[0], 2),
+                                  compute="emulated")
     doc["command"] = "quartctl bench paraserve " + " ".join(argv)
     write_report(doc, args.out)
     return 0

@@ -1,0 +1,239 @@
+"""`quartctl bench paraserve --workload generation`: ParaServe with generation sessions (issue 29).
+
+The cluster of `quart_tools.bench.paraserve` (netns hosts with tbf-limited NICs, a KeysManager on each, the
+ranged-read registry, one decoder stage of ``--stage-mb`` real bytes with *emulated* compute): each row is one cold
+start of the stage by the embedded gateway with P parts (P = 1: the ordinary cold start) while ``--sessions``
+generation sessions arrive at ``--rate``/s from the cold start (prompt ``--prompt`` tokens, ``--max-tokens`` new
+tokens, emulated steps: ``--decode-ms`` per decode step and ``--prefill-ms-per-token`` of the whole stage, each
+part taking its share of the parameters). A session opens on the group's P parts once all of them serve
+(`gateway_plugin.generation.paragroup`: each part holds the KV cache of its own layers), or on a whole worker.
+
+When the group's first worker holds the whole stage, the group consolidates ("scale down", ParaServe §6.2): every
+session's KV cache is gathered onto that worker (verified) and its stream goes on there; the helpers leave
+(the bench holds a request slot on each group member until then, so the gateway drains them after it). Then
+the same prompts run again as fresh sessions on the consolidated worker, all at once: their tokens are the
+reference (``identical``) and their TPOT is ``tpot_whole_ms``; ``tpot_after_ms`` is the migrated sessions'
+time per token after the move (p50 over sessions). ``wrong``: tokens that differ from the emulation's own
+function of (seed, ids) (`quart_stage.kvmigrate.EmulatedKV`). The SLO run: ``--slo-runs`` cold starts with P
+chosen by the gateway's generation planner (`plan_generation`, TTFT SLO ``--ttft-slo-ms``, default 0.5 ×
+single-host cold TTFT; TPOT SLO ``--tpot-slo-ms``, default 2 × P = 1's TPOT) calibrated from the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+
+from quart_tools.bench.blitz import PeerCluster, fresh_keysmanagers
+
+FUNCTION, MODEL = "paraserve-stage-0", "blitzscale"
+VOCAB = 32000
+
+
+def _deployment(namespace: str, args: argparse.Namespace):
+    from quart_provider.deployment import FunctionDeployment
+    from quart_tools.bench.paraserve import MODEL_URL
+
+    return FunctionDeployment.from_json({
+        "service": FUNCTION, "image": "quart/pipeline-stage",
+        "envVars": {"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "emulated",
+                    "QUART_EMULATED_MEAN_MS": str(args.decode_ms), "QUART_EMULATED_CV": "0",
+                    "QUART_EMULATED_DECODE_MS": str(args.decode_ms),
+                    "QUART_EMULATED_PREFILL_MS_PER_TOKEN": str(args.prefill_ms_per_token)},
+        "labels": {"com.quart.model": MODEL, "com.quart.stage": "0", "com.quart.stages": "1",
+                   "com.quart.concurrency": "64", "com.openfaas.scale.min": "1", "com.openfaas.scale.max": "1"}},
+        namespace)
+
+
+def expected_tokens(prompt: list[int], seed: int, n: int) -> list[int]:
+    """The tokens an emulated pipeline answers for ``prompt`` (the stage's own function, no network)."""
+    from quart_stage.kvmigrate import EmulatedKV
+
+    state, out, ids = EmulatedKV(seed, 1), [], list(prompt)
+    for _ in range(n):
+        state.ids = ids
+        out.append(state.token(VOCAB))
+        ids = ids + [out[-1]]
+    return out
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 1)
+
+
+def _tpot_ms(times: list[float], since: float | None = None) -> float | None:
+    """Mean time per token after the first (or between the tokens after ``since``)."""
+    if since is not None:
+        times = [t for t in times if t >= since]
+    return round(1000 * (times[-1] - times[0]) / (len(times) - 1), 2) if len(times) > 1 else None
+
+
+async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: argparse.Namespace,
+                     gen_config: dict | None = None) -> dict:
+    """One cold start with its sessions; ``parts`` 0: the gateway's generation planner chooses P."""
+    import aiohttp
+    from gateway_plugin.generation.paragroup import GroupGenerator, GroupSession, Hop
+    from quart_provider.config import GatewayConfig
+    from quart_provider.gateway import EmbeddedGateway
+    from quart_provider.keysmanager_host import KeysManagerHost
+    from quart_provider.scheduling import make_placer
+    from quart_tools.bench import wait_until
+    from quart_tools.bench.paraserve import TOKEN, part_bytes, worker_timelines
+
+    from keysmanager.client import AsyncKeysManagerClient
+
+    config = GatewayConfig(port=0, state_dir=cluster.work / f"gwgen-{parts}-{time.monotonic_ns()}",
+                           reconcile_interval_s=0.05, host_timeout_s=3.0, host_down_after_s=30.0, peer_fetch=False,
+                           ready_probe_s=0.002, nic_gbps=args.nic_gbps, registry_gbps=args.registry_gbps,
+                           paraserve=parts != 1, paraserve_parts=max(0, parts), paraserve_max_parts=len(hosts),
+                           **(gen_config or {}))
+    km_hosts = [KeysManagerHost(h, AsyncKeysManagerClient(cluster.url(h), token=TOKEN, timeout=300), 1, 64 << 30)
+                for h in hosts]
+    gw = EmbeddedGateway(config, km_hosts, make_placer("first-fit"))
+    await gw.start()
+    rng = random.Random(parts)
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    try:
+        gen = GroupGenerator(http, step_timeout_s=120)
+        fn, paraserve = None, gw.reconciler.paraserve
+        t0, t0_wall = time.monotonic(), time.time()
+        await gw.deploy(_deployment(config.namespace, args))
+        fn = gw.functions[FUNCTION]
+        held: list = []  # group members the bench holds a request slot on until consolidation
+        consolidating = False
+
+        def route() -> list[Hop] | None:
+            if consolidating:
+                return None
+            whole = [e for e in fn.ready if e.whole]
+            if whole and not held:
+                return [Hop(whole[0].url)]
+            group = paraserve.history[0] if paraserve.history else None
+            if group is None:
+                return None
+            on = {e.host: e for e in [*fn.ready, *fn.partial]}
+            if not all(h in on for h in group.hosts):
+                return None
+            if not held:
+                for h in group.hosts:  # the surplus rule drains them only after the bench lets go
+                    on[h].in_flight += 1
+                    held.append(on[h])
+            return [Hop(on[h].url, part) for h, part in zip(group.hosts, group.parts, strict=True)]
+
+        sessions: list[GroupSession] = []
+
+        async def one(i: int) -> GroupSession:
+            await asyncio.sleep(max(0.0, t0 + i / args.rate - time.monotonic()))
+            arrived_at = time.monotonic()
+            hops = None
+            while hops is None:
+                hops = route()
+                if hops is None:
+                    await asyncio.sleep(0.005)
+            s = GroupSession([rng.randrange(VOCAB) for _ in range(args.prompt)], args.max_tokens,
+                             rng.getrandbits(62), hops)
+            sessions.append(s)
+            s.arrived = arrived_at  # noqa: B010 - the bench's own mark
+            await gen.run(s)
+            return s
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(args.sessions)]
+        migration = None
+        if parts != 1:
+            await wait_until(lambda: paraserve.history, 600, "the ParaServe group")
+            group = paraserve.history[0]
+            await wait_until(lambda: any(e.host == group.hosts[0] and e.whole and e.state == "ready"
+                                         for e in fn.ready), 600, "the group's first worker whole")
+            target = next(e for e in fn.ready if e.host == group.hosts[0])
+            consolidating = True
+            migration = await gen.consolidate(list(sessions), Hop(target.url))
+            for e in held:
+                gw.release(fn, e)
+            held.clear()
+            consolidating = False
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        ok = [s for s in done if isinstance(s, GroupSession)]
+        row = {"P": (paraserve.chosen[0][1] if paraserve.chosen else 1),
+               "sessions": args.sessions, "lost": args.sessions - len(ok),
+               "wrong": sum(1 for s in ok if s.generated != expected_tokens(s.prompt, s.seed, s.max_tokens)),
+               "first_token_ms": round(1000 * (min(s.token_at[0] for s in ok) - t0), 1) if ok else None}
+        ttft = [1000 * (s.token_at[0] - s.arrived) for s in ok]
+        row.update(ttft_p50_ms=_pct(ttft, 0.5), ttft_p99_ms=_pct(ttft, 0.99), ttft_ms=[round(x, 1) for x in ttft],
+                   tpot_p50_ms=_pct([_tpot_ms(s.token_at) for s in ok if len(s.token_at) > 1], 0.5))
+        row["session_tpot_ms"] = [_tpot_ms(s.token_at) for s in ok]
+        row["first_served_ms"] = row["first_token_ms"]
+        row["workers"] = await worker_timelines(cluster, hosts, t0_wall, {}, part_bytes(paraserve))
+        if migration is not None:
+            row["consolidation"] = await _after(gen, fn, ok, migration, args)
+        return row
+    finally:
+        await http.close()
+        await gw.close()
+
+
+async def _after(gen, fn, ok: list, migration, args: argparse.Namespace) -> dict:
+    """The consolidation's figures: the migrated streams and the same prompts again on the whole worker."""
+    from gateway_plugin.generation.paragroup import GroupSession, Hop
+
+    moved = [s for s in ok if s.consolidated_at is not None and s.token_at and s.token_at[0] < s.consolidated_at]
+    whole = Hop(next(e for e in fn.ready if e.whole).url)
+    again = [GroupSession(list(s.prompt), s.max_tokens, s.seed, [whole]) for s in moved]
+    await asyncio.gather(*(gen.run(s) for s in again))
+    after = [_tpot_ms(s.token_at, s.consolidated_at) for s in moved]
+    return {"streams": len(moved), "completed": sum(1 for s in moved if len(s.generated) == s.max_tokens),
+            "identical": sum(1 for s, r in zip(moved, again, strict=True) if s.generated == r.generated),
+            "reprefills": migration.reprefills, "migrated": migration.migrated, "kv_bytes": migration.bytes,
+            "migration_ms": round(1000 * migration.seconds, 1),
+            "tpot_after_ms": _pct([x for x in after if x is not None], 0.5),
+            "tpot_whole_ms": _pct([_tpot_ms(s.token_at) for s in again], 0.5), "failures": migration.failures}
+
+
+def measure(args: argparse.Namespace, cluster: PeerCluster, hosts: list[str], layer_bytes: list[int]) -> dict:
+    """The rows, the consolidation of the largest P, the SLO run."""
+    from quart_tools.bench.paraserve import calibrate
+
+    rows = []
+    for parts in args.parts:
+        fresh_keysmanagers(cluster, hosts, preloader=True)
+        rows.append(asyncio.run(cold_start(cluster, hosts, parts, args)))
+        print({k: v for k, v in rows[-1].items() if k not in ("workers", "ttft_ms")}, flush=True)
+    single = next(r for r in rows if r["P"] == 1)
+    cal = calibrate(rows, sum(layer_bytes))
+    whole_tpot = single["tpot_p50_ms"]
+    widest = max(rows, key=lambda r: r["P"])
+    hop_ms = max(0.0, (widest["tpot_p50_ms"] - whole_tpot) / max(1, widest["P"] - 1))
+    ttft_slo = args.ttft_slo_ms or round(0.5 * single["ttft_p50_ms"], 0)
+    tpot_slo = args.tpot_slo_ms or round(2 * whole_tpot, 1)
+    gen_config = {"paraserve_slo_ms": ttft_slo, "paraserve_tpot_slo_ms": tpot_slo,
+                  "paraserve_decode_ms": whole_tpot, "paraserve_hop_ms": hop_ms, "paraserve_prefill_ms": 0.0,
+                  "paraserve_fixed_s": cal.fixed_s, "paraserve_tail_s": cal.tail_s,
+                  "paraserve_fetch_gbps": 8 * cal.fetch_bytes_s / 1e9}
+    runs = []
+    for _ in range(args.slo_runs):
+        fresh_keysmanagers(cluster, hosts, preloader=True)
+        runs.append(asyncio.run(cold_start(cluster, hosts, 0, args, gen_config)))
+        print({k: v for k, v in runs[-1].items() if k not in ("workers", "ttft_ms")}, flush=True)
+    ttfts = [t for r in runs for t in r["ttft_ms"]]
+    tpots = [r.get("consolidation", {}) for r in runs]
+    session_tpots = [r["tpot_p50_ms"] for r in runs]
+    return {
+        "single_host_cold_ttft_ms": single["ttft_p50_ms"],
+        "rows": [{k: v for k, v in r.items() if k != "consolidation"} for r in rows],
+        "consolidation": widest.get("consolidation"),
+        "slo_run": {"chosen_P": sorted({r["P"] for r in runs}), "ttft_slo_ms": ttft_slo, "tpot_slo_ms": tpot_slo,
+                    "ttft_attainment": round(sum(1 for t in ttfts if t <= ttft_slo) / len(ttfts), 3) if ttfts else None,
+                    "tpot_attainment": _tpot_attainment(runs, tpot_slo),
+                    "calibration": {**{k: round(v, 3) for k, v in gen_config.items() if isinstance(v, float)}},
+                    "lost": sum(r["lost"] for r in runs), "wrong": sum(r["wrong"] for r in runs),
+                    "runs": runs, "consolidations": tpots, "tpot_p50_ms": session_tpots},
+    }
+
+
+def _tpot_attainment(runs: list[dict], slo_ms: float) -> float | None:
+    per_session = [t for r in runs for t in r.get("session_tpot_ms", [])]
+    return round(sum(1 for t in per_session if t <= slo_ms) / len(per_session), 3) if per_session else None
