@@ -99,3 +99,46 @@ def test_the_export_format_is_verified_before_anything_changes():
         assert getattr(err.value, "status", 400) == 400
     with pytest.raises(Exception, match="not 's2'"):
         kvmigrate.decode(body, "s2", 3)
+
+
+def test_emulated_sessions_scale_up_onto_two_whole_workers(tmp_path):
+    """The bench's emulated decoder (real stage bytes, emulated steps): four sessions over three parts move to
+    two whole workers (the scale-up choice), every KV byte verified, and answer the emulation's own tokens."""
+    from quart_tools.bench.blitzscale import build_stage
+    from quart_tools.bench.paraserve_gen import expected_tokens
+
+    root = str(build_stage(tmp_path, 40, 8, 10.0))
+    manifest = Manifest.load(root)
+    tensors, end = read_stage_file(root, manifest.stages[0]), manifest.stages[0].end
+    servers, urls = [], []
+    for _ in range(3):
+        (rt,) = cut_runtimes(root, manifest, tensors, [0, end], compute="emulated", emulated_mean_ms=10.0,
+                             emulated_decode_ms=5.0, emulated_prefill_ms_per_token=0.1, emulated_cv=0.0)
+        server = make_server("127.0.0.1", 0, create_app(rt), threaded=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        urls.append(f"http://127.0.0.1:{server.server_port}/")
+    cuts = [0, 3, 6, end]
+    vocab = int(manifest.config["vocab_size"])
+
+    async def main():
+        async with aiohttp.ClientSession() as http:
+            gen = GroupGenerator(http)
+            hops = [Hop(u, span) for u, span in zip(urls, zip(cuts, cuts[1:], strict=False), strict=True)]
+            sessions = [GroupSession(list(range(i, i + 20)), 30, 1000 + i, list(hops)) for i in range(4)]
+            tasks = [asyncio.ensure_future(gen.run(s)) for s in sessions]
+            while min(len(s.generated) for s in sessions) < 3:
+                await asyncio.sleep(0.01)
+            report = await gen.consolidate(sessions, [Hop(urls[0]), Hop(urls[1])])
+            await asyncio.gather(*tasks)
+            return sessions, report
+
+    try:
+        sessions, report = asyncio.run(main())
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert (report.sessions, report.migrated, report.reprefills) == (4, 4, 0), report.failures
+    assert report.bytes > 4 * 20 * 5 * 2 * 4  # keys and values of ≥ 20 positions x 5 moved blocks, fp32
+    assert {s.hops[0].url for s in sessions} == {urls[0], urls[1]}
+    assert all(s.generated == expected_tokens(s.prompt, s.seed, 30, vocab) for s in sessions)

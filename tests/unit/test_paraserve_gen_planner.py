@@ -67,3 +67,17 @@ def test_sliding_window_keeps_workers_for_the_burst():
     assert workers_to_keep([], 10.0, 2.0, 0, 4, 4) == 1  # idle: scale down to one
     with pytest.raises(ValueError):
         workers_to_keep([], 10.0, 0.0, 0, 4, 4)
+
+
+def test_the_gateway_plans_p_from_both_slos_when_given_a_tpot_slo():
+    from quart_provider.config import GatewayConfig
+    from quart_provider.paraserve_start import ParaServeStarts, StageLayout
+    from quart_provider.scheduling.types import HostView
+
+    views = [HostView(f"h{i}", 1, 0, 64 << 30, 0) for i in range(4)]
+    layout = StageLayout(0, 10, tuple([GB // 10] * 10))
+    common = dict(paraserve=True, nic_gbps=1.0, registry_gbps=4.0, paraserve_fixed_s=0.5, paraserve_slo_ms=2500,
+                  paraserve_decode_ms=30.0, paraserve_hop_ms=10.0, paraserve_prefill_ms=100.0)
+    assert ParaServeStarts(GatewayConfig(**common, paraserve_tpot_slo_ms=100)).parts_for(views, {"f": layout}) == {"f": 4}
+    # a TPOT SLO of 45 ms allows one extra part: P = 2 (the earliest TTFT among those that decode in time)
+    assert ParaServeStarts(GatewayConfig(**common, paraserve_tpot_slo_ms=45)).parts_for(views, {"f": layout}) == {"f": 2}

@@ -259,7 +259,9 @@ def measure(args: argparse.Namespace) -> dict:
         cluster.preload, cluster.km_args = True, ("--gpus", "1")  # one replica slot a host
         model = build_stage(cluster.work, args.stage_mb, args.blocks, args.service_ms)
         stage_bytes = (model / "stage-0.safetensors").stat().st_size
-        layer_bytes = [b - a for a, b in json.loads((model / "manifest.json").read_text())["stages"][0]["layer_bytes"]]
+        manifest = json.loads((model / "manifest.json").read_text())
+        layer_bytes = [b - a for a, b in manifest["stages"][0]["layer_bytes"]]
+        args.vocab = int(manifest["config"].get("vocab_size") or 32000)
         if args.registry == "files":
             bucket, prefix = parse_model_url(MODEL_URL)
             (cluster.registry_root / bucket).mkdir()

@@ -29,7 +29,6 @@ import time
 from quart_tools.bench.blitz import PeerCluster, fresh_keysmanagers
 
 FUNCTION, MODEL = "paraserve-stage-0", "blitzscale"
-VOCAB = 32000
 
 
 def _deployment(namespace: str, args: argparse.Namespace):
@@ -47,14 +46,14 @@ def _deployment(namespace: str, args: argparse.Namespace):
         namespace)
 
 
-def expected_tokens(prompt: list[int], seed: int, n: int) -> list[int]:
+def expected_tokens(prompt: list[int], seed: int, n: int, vocab: int) -> list[int]:
     """The tokens an emulated pipeline answers for ``prompt`` (the stage's own function, no network)."""
     from quart_stage.kvmigrate import EmulatedKV
 
     state, out, ids = EmulatedKV(seed, 1), [], list(prompt)
     for _ in range(n):
         state.ids = ids
-        out.append(state.token(VOCAB))
+        out.append(state.token(vocab))
         ids = ids + [out[-1]]
     return out
 
@@ -135,7 +134,7 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
                 hops = route()
                 if hops is None:
                     await asyncio.sleep(0.005)
-            s = GroupSession([rng.randrange(VOCAB) for _ in range(args.prompt)], args.max_tokens,
+            s = GroupSession([rng.randrange(args.vocab) for _ in range(args.prompt)], args.max_tokens,
                              rng.getrandbits(62), hops)
             sessions.append(s)
             s.arrived = arrived_at  # noqa: B010 - the bench's own mark
@@ -160,7 +159,7 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
         ok = [s for s in done if isinstance(s, GroupSession)]
         row = {"P": (paraserve.chosen[0][1] if paraserve.chosen else 1),
                "sessions": args.sessions, "lost": args.sessions - len(ok),
-               "wrong": sum(1 for s in ok if s.generated != expected_tokens(s.prompt, s.seed, s.max_tokens)),
+               "wrong": sum(1 for s in ok if s.generated != expected_tokens(s.prompt, s.seed, s.max_tokens, args.vocab)),
                "first_token_ms": round(1000 * (min(s.token_at[0] for s in ok) - t0), 1) if ok else None}
         ttft = [1000 * (s.token_at[0] - s.arrived) for s in ok]
         row.update(ttft_p50_ms=_pct(ttft, 0.5), ttft_p99_ms=_pct(ttft, 0.99), ttft_ms=[round(x, 1) for x in ttft],
