@@ -27,13 +27,14 @@ import random
 import time
 
 from quart_tools.bench.blitz import PeerCluster, fresh_keysmanagers
+from quart_tools.bench.paraserve_calib import FUNCTION
 
-FUNCTION, MODEL = "paraserve-stage-0", "blitzscale"
+MODEL = "blitzscale"  # the model name build_stage gives
 
 
 def _deployment(namespace: str, args: argparse.Namespace):
     from quart_provider.deployment import FunctionDeployment
-    from quart_tools.bench.paraserve import MODEL_URL
+    from quart_tools.bench.blitz import MODEL_URL
 
     return FunctionDeployment.from_json({
         "service": FUNCTION, "image": "quart/pipeline-stage",
@@ -82,7 +83,8 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
     from quart_provider.keysmanager_host import KeysManagerHost
     from quart_provider.scheduling import make_placer
     from quart_tools.bench import wait_until
-    from quart_tools.bench.paraserve import TOKEN, part_bytes, worker_timelines
+    from quart_tools.bench.blitz import TOKEN
+    from quart_tools.bench.paraserve_calib import part_bytes, worker_timelines
 
     from keysmanager.client import AsyncKeysManagerClient
 
@@ -194,7 +196,7 @@ async def _after(gen, fn, ok: list, migration, args: argparse.Namespace) -> dict
 
 def measure(args: argparse.Namespace, cluster: PeerCluster, hosts: list[str], layer_bytes: list[int]) -> dict:
     """The rows, the consolidation of the largest P, the SLO run."""
-    from quart_tools.bench.paraserve import calibrate
+    from quart_tools.bench.paraserve_calib import calibrate
 
     rows = []
     for parts in args.parts:

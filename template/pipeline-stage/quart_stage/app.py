@@ -20,7 +20,7 @@ import threading
 
 from flask import Flask, Response, request
 
-from quart_stage import kvmigrate
+from quart_stage import kvroutes
 from quart_stage.attach import load_stage
 from quart_stage.config import StageConfig
 from quart_stage.errors import QuartError, invalid
@@ -105,8 +105,8 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
 
     @app.get("/_/sessions/<session_id>/kv")
     def export_kv(session_id: str):
-        """A session's KV cache, for a consolidating ParaServe group (quart_stage.kvmigrate)."""
-        return to_flask(kvmigrate.export_response(runtime, session_id, request.args.get("layers")))
+        """A session's KV cache, for a consolidating ParaServe group (quart_stage.kvroutes)."""
+        return to_flask(kvroutes.export_response(runtime, session_id, request.args.get("layers")))
 
     @app.put("/_/sessions/<session_id>/kv")
     def import_kv(session_id: str):
@@ -114,7 +114,7 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
             body = read_body_limited(max_body)
         except QuartError as exc:
             return to_flask(StageResponse.error(exc, {"Connection": "close"}))
-        return to_flask(kvmigrate.import_response(runtime, session_id, body, request.headers))
+        return to_flask(kvroutes.import_response(runtime, session_id, body, request.headers))
 
     @app.post("/", defaults={"path": ""})
     @app.post("/<path:path>")

@@ -62,14 +62,14 @@ def parse_session(headers: Mapping[str, str]) -> SessionRequest:
     if not SESSION_ID.fullmatch(sid):
         raise invalid(FIELD, f"{H_SESSION} must be 1..128 characters of A-Z a-z 0-9 . _ : -, got {sid[:140]!r}")
     return SessionRequest(
-        id=sid, pos=_count(headers.get(H_SESSION_POS.lower()), H_SESSION_POS, required=True),
-        reserve=_count(headers.get(H_SESSION_RESERVE.lower()), H_SESSION_RESERVE),
+        id=sid, pos=count_header(headers.get(H_SESSION_POS.lower()), H_SESSION_POS, required=True),
+        reserve=count_header(headers.get(H_SESSION_RESERVE.lower()), H_SESSION_RESERVE),
         end=_flag(headers.get(H_SESSION_END.lower()), H_SESSION_END),
         sample=parse_sample(headers.get(H_SAMPLE.lower())),
         return_logits=_flag(headers.get(H_RETURN_LOGITS.lower()), H_RETURN_LOGITS))
 
 
-def _count(raw: str | None, name: str, required: bool = False) -> int:
+def count_header(raw: str | None, name: str, required: bool = False) -> int:
     if raw is None:
         if required:
             raise invalid(FIELD, f"{name} is required with {H_SESSION} (0 for a new session)")
