@@ -145,8 +145,8 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(args.sessions)]
         migration = None
-        if parts != 1:
-            await wait_until(lambda: paraserve.history, 600, "the ParaServe group")
+        await wait_until(lambda: paraserve.history or any(e.whole for e in fn.ready), 600, "a group or a replica")
+        if paraserve.history and len(paraserve.history[0].hosts) > 1:  # P > 1: consolidate when worker 0 is whole
             group = paraserve.history[0]
             await wait_until(lambda: any(e.host == group.hosts[0] and e.whole and e.state == "ready"
                                          for e in fn.ready), 600, "the group's first worker whole")
