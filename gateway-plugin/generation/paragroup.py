@@ -12,7 +12,8 @@ installed on the whole worker (``PUT /_/sessions/<id>/kv``, which verifies every
 anything). Then the session's next step runs the whole stage there, from the positions it holds: no re-prefill.
 A session whose migration fails (a part gone, a refused install) falls back to a replay on the whole worker
 (prompt + generated at position 0, new session id) and is counted in ``reprefills``. Sessions migrate
-concurrently; the bytes go part → gateway → whole worker.
+a few at a time (each stream pauses only for its own move);
+the bytes go part → gateway → whole worker.
 """
 
 from __future__ import annotations
@@ -114,16 +115,24 @@ class GroupGenerator:
             s.token_at.append(time.monotonic())
         return s.generated
 
-    async def consolidate(self, sessions: Sequence[GroupSession], whole: Hop | Sequence[Hop]) -> Migration:
+    async def consolidate(self, sessions: Sequence[GroupSession], whole: Hop | Sequence[Hop],
+                          parallel: int = 2) -> Migration:
         """Move every unfinished session of ``sessions`` onto ``whole`` (replicas that now hold the whole stage:
         one when the group scales down, several when it scales up — sessions are dealt round-robin): its KV
-        cache from every other part, verified on arrival; a failure falls back to a replay."""
+        cache from every other part, verified on arrival; a failure falls back to a replay. ``parallel``
+        sessions move at once: each stream pauses only for its own move while the others go on in the group."""
         targets = [whole] if isinstance(whole, Hop) else list(whole)
         report = Migration()
         t0 = time.monotonic()
         open_ = [s for s in sessions if len(s.generated) < s.max_tokens]
         report.sessions = len(open_)
-        await asyncio.gather(*(self._move(s, targets[i % len(targets)], report) for i, s in enumerate(open_)))
+        gate = asyncio.Semaphore(max(1, parallel))
+
+        async def one(i: int, s: GroupSession) -> None:
+            async with gate:
+                await self._move(s, targets[i % len(targets)], report)
+
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(open_)))
         report.seconds = time.monotonic() - t0
         return report
 

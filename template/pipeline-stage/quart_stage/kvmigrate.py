@@ -31,24 +31,45 @@ FIELD = "kv"
 class EmulatedKV:
     """An emulated session's cache: its token ids and, per block layer held, key and value tensors of the
     model's width whose values are a pure function of (id, layer, column) — real bytes to move and check.
-    The next token is ``blake2b(seed, ids)``: the same after a replay or a migration, on any replica."""
+    Buffers grow by doubling, so a step writes only its new positions (as a paged cache does). The next token
+    is ``blake2b(seed, ids)``: the same after a replay or a migration, on any replica."""
 
     def __init__(self, seed: int, width: int, dtype: torch.dtype = torch.float16):
         self.seed, self.width, self.dtype = seed, width, dtype
         self.ids: list[int] = []
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer → (keys, values, positions)
+
+    @property
+    def layers(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's keys and values, ``(1, 1, positions, width)`` views of the held positions."""
+        return {layer: (k[:, :, :n], v[:, :, :n]) for layer, (k, v, n) in self._buffers.items()}
 
     def rows(self, ids: list[int], layer: int) -> torch.Tensor:
         cols = torch.arange(self.width, dtype=torch.int64)
         grid = (torch.tensor(ids, dtype=torch.int64).unsqueeze(1) * 31 + layer * 7 + cols) % 251
         return grid.to(self.dtype).unsqueeze(0).unsqueeze(0)  # (batch, heads, positions, width), as transformers'
 
+    def put(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append positions to ``layer`` (a new layer starts with them)."""
+        k, v, n = self._buffers.get(layer, (None, None, 0))
+        new = keys.shape[-2]
+        if k is None or n + new > k.shape[-2]:
+            size = max(16, 2 * (n + new))
+            grown = [torch.empty((1, 1, size, self.width), dtype=self.dtype) for _ in range(2)]
+            if k is not None:
+                grown[0][:, :, :n], grown[1][:, :, :n] = k[:, :, :n], v[:, :, :n]
+            k, v = grown
+        k[:, :, n:n + new], v[:, :, n:n + new] = keys, values
+        self._buffers[layer] = (k, v, n + new)
+
+    def holds(self, layer: int) -> bool:
+        return layer in self._buffers
+
     def append(self, ids: list[int], block_layers: range) -> None:
         """A step over ``ids`` through ``block_layers``: each layer's keys and values grow by those positions."""
         for layer in block_layers:
-            k, v = self.rows(ids, layer), self.rows(ids, layer) + 1
-            old = self.layers.get(layer)
-            self.layers[layer] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
+            keys = self.rows(ids, layer)
+            self.put(layer, keys, keys + 1)
         self.ids.extend(ids)
 
     def token(self, vocab: int) -> int:
@@ -131,7 +152,7 @@ def install(state: object, tensors: Mapping[str, torch.Tensor], tokens: int) -> 
         ids = tensors["ids"].tolist() if "ids" in tensors else None
         if ids is not None and state.ids and state.ids != ids:
             raise QuartError(409, "the export's token ids differ from the ones this replica holds", FIELD)
-        taken = [layer for layer in layers if layer in state.layers]
+        taken = [layer for layer in layers if state.holds(layer)]
     else:
         taken = [layer for layer in layers if state.layers[layer - 1].is_initialized]
     if taken:
@@ -139,7 +160,7 @@ def install(state: object, tensors: Mapping[str, torch.Tensor], tokens: int) -> 
     for layer in layers:
         k, v = tensors[f"k.{layer}"], tensors[f"v.{layer}"]
         if isinstance(state, EmulatedKV):
-            state.layers[layer] = (k.to(state.dtype), v.to(state.dtype))
+            state.put(layer, k.to(state.dtype), v.to(state.dtype))
         else:
             cached = state.layers[layer - 1]
             cached.update(k, v)
