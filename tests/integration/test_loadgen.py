@@ -73,3 +73,41 @@ def test_cli_writes_records(tmp_path, capsys) -> None:
     records = read_records(out)
     assert summary["requests"] == len(records) > 50 and summary["ok"] == len(records)
     assert main([url, "--header", "no-colon", "--out", str(out)]) == 2
+
+
+def test_cli_exits_1_when_requests_fail_unless_allowed(tmp_path, capsys) -> None:
+    """Some answers are 503: the run says how many failed and exits 1; --max-failed 1 accepts any failure."""
+    import itertools
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from quart_tools.loadgen import main
+
+    counter = itertools.count()
+
+    class Flaky(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            status = 503 if next(counter) % 3 == 0 else 200
+            self.send_response(status)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    try:
+        out = str(tmp_path / "rec.jsonl")
+        assert main([url, "--rate", "60", "--duration", "0.5", "--out", out]) == 1
+        captured = capsys.readouterr()
+        summary = json.loads(captured.out.strip().splitlines()[-1])
+        assert summary["failed"]["503"] > 0 and "requests failed" in captured.err and "503" in captured.err
+        assert main([url, "--rate", "60", "--duration", "0.5", "--out", out, "--max-failed", "1"]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
