@@ -37,11 +37,11 @@ from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
 from gateway_plugin.webui import make_ui_hook
-from quart_provider.admission import ServiceTimes
-from quart_provider.capacity import not_ready_reason
-from quart_provider.responses import error_of
+from quart_kernel.admission import ServiceTimes
+from quart_kernel.capacity import not_ready_reason
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError
+from quart_transport.responses import error_of
 
 log = logging.getLogger("quart.plugin")
 
@@ -319,7 +319,7 @@ class Plugin:
         cfg = getattr(self.gateway, "config", None)
         if cfg is None or not getattr(cfg, "auth", False):
             return True
-        from quart_provider.auth import load_or_create
+        from quart_transport.auth import load_or_create
 
         return load_or_create(cfg.credentials_dir).check(request.headers.get("Authorization"))
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from aiohttp import web
-from quart_provider.admission import Reservation
+from quart_provider.body_gate import Reservation
 from quart_stage.errors import QuartError
 
 _PIECE = 64 * 1024

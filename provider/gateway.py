@@ -21,11 +21,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from quart_provider.admission import ByteGate
+from quart_kernel.capacity import not_ready_reason
+from quart_kernel.scheduling.types import Placer
 from quart_provider.adopt import adopt_replicas
 from quart_provider.async_queue import AsyncQueue
 from quart_provider.balancer import Balancer
-from quart_provider.capacity import not_ready_reason
+from quart_provider.body_gate import ByteGate
 from quart_provider.config import GatewayConfig
 from quart_provider.deploy_limits import DeployCaps
 from quart_provider.deployment import FunctionDeployment
@@ -35,8 +36,7 @@ from quart_provider.metrics import GatewayMetrics
 from quart_provider.reconciler import Reconciler
 from quart_provider.registry import Registry
 from quart_provider.replica_users import auto_uids
-from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
-from quart_provider.scheduling.types import Placer
+from quart_provider.scheduler_metrics import SchedulerCollector, SchedulerMetrics
 from quart_provider.secrets import SecretStore
 from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
 from quart_provider.types import Endpoint, FunctionState, GenerationRoute, InvokeHook, PipelineRoute, UiHook
@@ -47,7 +47,7 @@ log = logging.getLogger("quart.gateway")
 
 
 def default_placer(name: str) -> Placer:
-    from quart_provider.scheduling import make_placer
+    from quart_kernel.scheduling import make_placer
 
     return make_placer(name)
 
@@ -81,7 +81,7 @@ class EmbeddedGateway:
         self.pipeline_route: PipelineRoute | None = None  # POST /function/<model> (the plugin's router)
         # generation bodies on POST /function/<model> of a decoder pipeline (the plugin's generation API)
         self.generation_route: GenerationRoute | None = None
-        # request bodies in flight, per gateway and per function / pipeline (quart_provider.admission)
+        # request bodies in flight, per gateway and per function / pipeline (quart_kernel.admission)
         self.body_gate = ByteGate(config.max_inflight_bytes, config.max_function_inflight_bytes,
                                   fallback_retry_s=config.retry_after_s)
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []

@@ -20,29 +20,29 @@ from typing import TypeVar
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 from multidict import CIMultiDict
-from quart_provider import namespaces
-from quart_provider.admission import (
+from quart_kernel.admission import (
     Admission,
     RateMeter,
-    Reservation,
     StageLoad,
     admit_by_time,
     client_deadline_s,
 )
+from quart_kernel.shedding import SHED_HEADER, replica_wait_s
 from quart_provider.async_calls import AsyncCall, AsyncInvoker
 from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.bodies import read_body
+from quart_provider.body_gate import Reservation
 from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSender
 from quart_provider.gateway import EmbeddedGateway
-from quart_provider.headers import forwardable
-from quart_provider.responses import Answer, answer_of, error_answer, error_of, error_response
-from quart_provider.retry import replica_gone
-from quart_provider.shedding import SHED_HEADER, replica_wait_s
-from quart_provider.tracing import Trace, trace_of, with_trace
 from quart_provider.types import FunctionState
-from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from quart_stage.errors import QuartError
+from quart_transport import namespaces
+from quart_transport.headers import forwardable
+from quart_transport.responses import Answer, answer_of, error_answer, error_of, error_response
+from quart_transport.retry import replica_gone
+from quart_transport.tracing import Trace, trace_of, with_trace
+from quart_transport.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 
 from keysmanager.aio import within
 
@@ -328,7 +328,7 @@ class InvokeHandlers:
                 if endpoint is None:
                     if deadline_at is None:
                         endpoint = await gateway.acquire(fn)
-                    else:  # no later than it can still be served in time (provider/shedding.py)
+                    else:  # no later than it can still be served in time (kernel/shedding.py)
                         left = deadline_at - time.monotonic()
                         wait_s = replica_wait_s(left, self._load(fn).service_s, self.config.admission_safety)
                         endpoint = await within(wait_s, gateway.acquire(fn))
@@ -355,7 +355,7 @@ class InvokeHandlers:
                 reservation.hold(len(payload))  # the answer counts in the byte bound too (never refused)
                 break
             except UpstreamError as exc:
-                if replica_gone(exc):  # never saw the request (quart_provider.retry): another one may take it
+                if replica_gone(exc):  # never saw the request (quart_transport.retry): another one may take it
                     gateway.mark_unreachable(fn, endpoint)
                     status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
                     if attempt == 1:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from aiohttp import web
 from multidict import MultiMapping
-from quart_provider import namespaces
 from quart_provider.gateway import EmbeddedGateway
 from quart_stage.errors import QuartError, invalid
+from quart_transport import namespaces
 
 POLL_S = 0.1
 _TRUE = {"1", "t", "T", "TRUE", "true", "True"}

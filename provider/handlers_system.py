@@ -17,14 +17,14 @@ import platform
 from typing import Any
 
 from aiohttp import web
-from quart_provider import namespaces
+from quart_kernel.capacity import status_fields
 from quart_provider.bodies import read_body
-from quart_provider.capacity import status_fields
 from quart_provider.deployment import FunctionDeployment, parse_json_object
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.models import model_status, scale_model
 from quart_provider.types import FunctionState
 from quart_stage.errors import invalid
+from quart_transport import namespaces
 
 VERSION = "0.1.0"
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart_provider.capacity import NOT_READY_ANNOTATION, not_ready_reason
+from quart_kernel.capacity import NOT_READY_ANNOTATION, not_ready_reason
 from quart_provider.gateway import EmbeddedGateway
 from quart_stage import labels as vocab
 

@@ -23,7 +23,6 @@ from typing import Any
 
 from quart_provider.adopt import AdoptedProcess, live_keysmanager
 from quart_provider.async_service import DurableAsync
-from quart_provider.auth import Credentials, keysmanager_token_file, load_or_create
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
@@ -34,6 +33,7 @@ from quart_provider.routes import create_app, start_site
 from quart_provider.stack import Stack
 from quart_provider.store import write_private
 from quart_provider.supervisor import Backoff, supervise
+from quart_transport.auth import Credentials, keysmanager_token_file, load_or_create
 
 from keysmanager.client import AsyncKeysManagerClient
 from keysmanager.config import KeysManagerConfig

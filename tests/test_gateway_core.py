@@ -6,15 +6,15 @@ import asyncio
 import textwrap
 
 import pytest
+from quart_kernel.scheduling.types import HostView
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
-from quart_provider.quantities import parse_cpu, parse_memory
-from quart_provider.scheduling.types import HostView
 from quart_provider.stack import StackError, load_stack
 from quart_stage.errors import QuartError
+from quart_transport.quantities import parse_cpu, parse_memory
 
 
 class FakeHost:

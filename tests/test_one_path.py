@@ -15,14 +15,14 @@ from gateway_plugin.actuators.gateway import GatewayActuator
 from gateway_plugin.controller import Controller
 from gateway_plugin.plugin import GatewayView
 from gateway_plugin.policies import make_policy
-from quart_provider.convergence import Action, FunctionView, PlatformView, ReplicaView, converge
+from quart_kernel.convergence import Action, FunctionView, PlatformView, ReplicaView, converge
+from quart_kernel.replicaset import StartTimeEstimate, choose_surplus
+from quart_kernel.scheduling import MECHANISMS, SchedulerConfig, make_placer
+from quart_kernel.scheduling.starts import StartPlan
+from quart_kernel.scheduling.types import HostView
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
 from quart_provider.paraserve_start import Group
-from quart_provider.replicaset import StartTimeEstimate, choose_surplus
-from quart_provider.scheduling import MECHANISMS, SchedulerConfig, make_placer
-from quart_provider.scheduling.starts import StartPlan
-from quart_provider.scheduling.types import HostView
 from quart_provider.types import Endpoint
 from quart_stage import labels
 from quart_tools.arrivals import Arrivals
@@ -157,7 +157,7 @@ def test_start_time_estimate_is_a_moving_average() -> None:
     assert est.note(2.0) == pytest.approx(1.3)
 
 
-# ---------------------------------------------------------------- one convergence (quart_provider.convergence)
+# ---------------------------------------------------------------- one convergence (quart_kernel.convergence)
 STAGES = (StageSpec("m-0", 0.02, 10 * MB), StageSpec("m-1", 0.05, 40 * MB), StageSpec("m-2", 0.02, 10 * MB))
 
 

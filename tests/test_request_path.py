@@ -15,7 +15,7 @@ import requests
 from embedded_system import ThreadedSystem
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.router import Router, StaticReplica, StaticReplicas
-from quart_provider.admission import client_deadline_s
+from quart_kernel.admission import client_deadline_s
 from quart_provider.balancer import Balancer, ServiceUnavailable
 from quart_provider.config import GatewayConfig
 from quart_stage.errors import QuartError

@@ -11,11 +11,11 @@ import time
 import pytest
 import requests
 from embedded_system import ThreadedSystem
+from quart_kernel.scheduling import HostView, make_placer
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
-from quart_provider.scheduling import HostView, make_placer
 
 
 def _sample(text: str, name: str, **labels: str) -> float:

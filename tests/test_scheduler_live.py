@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from quart_provider.scheduling.types import ScheduleResult
+from quart_kernel.scheduling.types import ScheduleResult
 
 pytestmark = pytest.mark.slow
 

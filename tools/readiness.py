@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from quart_provider.capacity import not_ready_reason
+from quart_kernel.capacity import not_ready_reason
 
 READY_PREFIX = "Function:"  # `up --detach` echoes these lines from the gateway's log
 

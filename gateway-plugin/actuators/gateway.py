@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(slots=True)
 class GatewayActuator:
-    gateway: Any  # quart_provider.gateway.EmbeddedGateway
+    gateway: Any  # the embedded gateway (quart_provider.gateway.EmbeddedGateway), duck-typed: no import of it
 
     async def scale(self, function: str, replicas: int, key: bool = False) -> None:
         await self.gateway.scale(function, replicas, key=key)

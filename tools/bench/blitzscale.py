@@ -76,10 +76,10 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.plugin import GatewayView
     from gateway_plugin.router import Router
+    from quart_kernel.scheduling import make_placer
     from quart_provider.config import GatewayConfig
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_provider.scheduling import make_placer
 
     from keysmanager.client import AsyncKeysManagerClient
     from keysmanager.types import StageSpec

@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from quart_provider.scheduling.paraserve import ParaServeCosts, largest_part, predict
+from quart_kernel.scheduling.paraserve import ParaServeCosts, largest_part, predict
 from quart_stage import cliargs
 from quart_tools.bench import machine_info, wait_until, write_report
 from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
@@ -76,10 +76,10 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.plugin import GatewayView
     from gateway_plugin.router import Router
+    from quart_kernel.scheduling import make_placer
     from quart_provider.config import GatewayConfig
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_provider.scheduling import make_placer
 
     from keysmanager.client import AsyncKeysManagerClient
 
