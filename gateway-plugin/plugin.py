@@ -59,7 +59,7 @@ class GatewayView:
         self._batch: dict[str, tuple[Any, BatchLimits]] = {}  # function -> (its deployment, its batch labels)
 
     def pipelines(self) -> dict[str, list[str]]:
-        return self.gateway.pipelines()
+        return self.gateway.registry.pipelines()
 
     def ready(self, function: str) -> list[Any]:
         return self.gateway.ready_endpoints(function, partial=True)
@@ -93,12 +93,12 @@ class GatewayView:
         """The router found nothing listening on ``replica``: out of the ready list until its host says."""
         fn = self.gateway.functions.get(function)
         if fn is not None:
-            self.gateway.mark_unreachable(fn, replica)
+            self.gateway.balancer.mark_unreachable(fn, replica)
 
     def give_back(self, function: str, replica: Any) -> None:
         fn = self.gateway.functions.get(function)
         if fn is not None:
-            self.gateway.release(fn, replica)  # wakes the gateway's own waiters too
+            self.gateway.balancer.release(fn, replica)  # wakes the gateway's own waiters too
         else:
             replica.in_flight -= 1
 

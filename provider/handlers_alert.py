@@ -75,5 +75,5 @@ class AlertHandler:
             target = next_replicas(status, fn.desired, fn.deployment.max_replicas, fn.deployment.min_replicas,
                                    factor)
             if target != fn.desired:
-                scaled[name] = await self.gateway.scale(name, target)
+                scaled[name] = await self.gateway.registry.scale(name, target)
         return web.json_response({"scaled": scaled})

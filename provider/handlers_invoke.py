@@ -100,7 +100,7 @@ class InvokeHandlers:
             return error_response(405, f"asynchronous invocation takes POST, not {request.method}", "method",
                                   headers={"Allow": "POST"})
         name = namespaces.function_name(request.match_info["name"], self.config.namespace)
-        if name not in self.gateway.functions and name not in self.gateway.pipelines():
+        if name not in self.gateway.functions and name not in self.gateway.registry.pipelines():
             return error_response(404, f"function {name!r} not found", "functionName")
         try:
             callback = await self.callback_policy.check_url(request.headers.get(CALLBACK_HEADER))
@@ -137,7 +137,7 @@ class InvokeHandlers:
         if self.gateway.pipeline_route is None:
             return None
         name = namespaces.function_name(raw_name, self.config.namespace)
-        return name if name in self.gateway.pipelines() and name not in self.gateway.functions else None
+        return name if name in self.gateway.registry.pipelines() and name not in self.gateway.functions else None
 
     def generates(self, model: str) -> bool:
         """Whether ``model``'s calls may be generation (a streamed answer: the aiohttp server takes them)."""
@@ -324,14 +324,14 @@ class InvokeHandlers:
         payload, wait_s, left = None, 0.0, 0.0
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
             try:  # a free ready replica without a wait (the common case), else wait (bounded) for one
-                endpoint = gateway.acquire_nowait(fn)
+                endpoint = gateway.balancer.acquire_nowait(fn)
                 if endpoint is None:
                     if deadline_at is None:
-                        endpoint = await gateway.acquire(fn)
+                        endpoint = await gateway.balancer.acquire(fn)
                     else:  # no later than it can still be served in time (kernel/shedding.py)
                         left = deadline_at - time.monotonic()
                         wait_s = replica_wait_s(left, self._load(fn).service_s, self.config.admission_safety)
-                        endpoint = await within(wait_s, gateway.acquire(fn))
+                        endpoint = await within(wait_s, gateway.balancer.acquire(fn))
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return answer_of(exc, self.config.retry_after_s)
@@ -356,7 +356,7 @@ class InvokeHandlers:
                 break
             except UpstreamError as exc:
                 if replica_gone(exc):  # never saw the request (quart_transport.retry): another one may take it
-                    gateway.mark_unreachable(fn, endpoint)
+                    gateway.balancer.mark_unreachable(fn, endpoint)
                     status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
                     if attempt == 1:
                         break
@@ -365,7 +365,7 @@ class InvokeHandlers:
                 message = f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
                 break
             finally:
-                gateway.release(fn, endpoint)
+                gateway.balancer.release(fn, endpoint)
         fn.invocations += 1
         elapsed = time.perf_counter() - start
         if payload is not None and 200 <= status < 300:  # the service time admission by time uses

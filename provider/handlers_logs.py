@@ -98,7 +98,7 @@ class LogHandlers:
     async def logs(self, request: web.Request) -> web.StreamResponse:
         query = LogQuery.parse(request.query)
         namespaces.check(query.namespace, self.config.namespace)
-        fn = self.gateway.get(query.name)  # 404 naming it
+        fn = self.gateway.registry.get(query.name)  # 404 naming it
         tails: dict[Path, _Tail] = {}
         backlog: list[tuple[datetime, str, str]] = []
         for tail in await self._new_tails(fn.name, query.instance, tails):

@@ -33,7 +33,7 @@ STAGE_FUNCTIONS_ANNOTATION = "com.quart.stage-functions"
 
 def model_status(gateway: EmbeddedGateway, model: str) -> dict[str, Any] | None:
     """The model's ``FunctionStatus`` (with ``status`` / ``reason``), or None when ``model`` is not one."""
-    names = gateway.pipelines().get(model)
+    names = gateway.registry.pipelines().get(model)
     if not names:
         return None
     stages = [gateway.functions[n] for n in names]
@@ -61,10 +61,10 @@ def model_status(gateway: EmbeddedGateway, model: str) -> dict[str, Any] | None:
 
 async def scale_model(gateway: EmbeddedGateway, model: str, replicas: int) -> int | None:
     """Scale a model's stages (see the module); the replicas asked, or None when ``model`` is not one."""
-    names = gateway.pipelines().get(model)
+    names = gateway.registry.pipelines().get(model)
     if not names:
         return None
     for name in names:
         fn = gateway.functions[name]
-        await gateway.scale(name, 0 if replicas == 0 else max(fn.desired, replicas))
+        await gateway.registry.scale(name, 0 if replicas == 0 else max(fn.desired, replicas))
     return replicas

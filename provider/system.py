@@ -260,10 +260,10 @@ class EmbeddedSystem:
         for function in stack.functions:
             deployment = FunctionDeployment.from_json(function.request, self.config.namespace)
             if function.name in self.gateway.functions:
-                await self.gateway.update(deployment)
+                await self.gateway.registry.update(deployment)
                 lines.append(f"Updated {function.name}: {self.url}/function/{function.name}")
             else:
-                await self.gateway.deploy(deployment)
+                await self.gateway.registry.deploy(deployment)
                 lines.append(f"Deployed {function.name}: {self.url}/function/{function.name}")
         return lines
 

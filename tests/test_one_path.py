@@ -71,15 +71,15 @@ async def _live_twin(sim: Simulation, tmp_path):
                 labels.PROFILE_MS: f"{st.spec.service_s * 1000:g}"}
 
 
-        await gw.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo", "labels": body,
+        await gw.registry.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo", "labels": body,
                                                       "limits": {"cpu": f"{st.cpus:g}"}}, "openfaas-fn"))
-        await gw.scale(st.function, len(st.ready))
+        await gw.registry.scale(st.function, len(st.ready))
     await settle(gw)
     for host in hosts:
         host.make_ready()
     await settle(gw)
     for st in sim.stages:
-        await gw.scale(st.function, st.desired)
+        await gw.registry.scale(st.function, st.desired)
         gw.functions[st.function].start_time = StartTimeEstimate(st.start_time.seconds)
     await settle(gw)
     return gw, hosts
@@ -229,7 +229,7 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
         try:
             for st in sim.stages:
                 body = {labels.MODEL: "m", labels.STAGE: str(st.index), labels.SCALE_MAX: str(sim.max_replicas)}
-                fn = await gw.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo",
+                fn = await gw.registry.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo",
                                                                    "labels": body}, "openfaas-fn"))
                 gw.reconciler._param_bytes[st.function] = (fn.generation, st.spec.param_bytes)
                 for rep in st.current():
@@ -241,7 +241,7 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
                                                         rep.requested_at, layers=(0, 4),
                                                         held=(0, 4) if whole else (0, 2))
                 fn.refresh_ready()
-                await gw.scale(st.function, st.desired)
+                await gw.registry.scale(st.function, st.desired)
             members = {str(r.id) for r in sim.stages[1].current() if r.group is not None}
             hosts_of_group = tuple(sorted({r.host.name for r in sim.stages[1].current() if r.group is not None}))
             gw.reconciler.paraserve.groups["m-1"] = [Group("m-1", hosts_of_group, [(0, 2), (2, 4)], members, 0)]

@@ -166,9 +166,9 @@ async def _run(cluster, tmp_path, parts: int, fault) -> tuple[list, object, obje
     hosts = [KeysManagerHost(d.name, AsyncKeysManagerClient(str(d.socket), timeout=120), 1, 1 << 30) for d in daemons]
     gw = EmbeddedGateway(config, hosts, make_placer("first-fit"))
     await gw.start()
-    router = Router(GatewayView(gw), gw.pipelines, PluginConfig(request_timeout_s=60.0, attempt_timeout_s=30.0))
+    router = Router(GatewayView(gw), gw.registry.pipelines, PluginConfig(request_timeout_s=60.0, attempt_timeout_s=30.0))
     try:
-        await gw.deploy(FunctionDeployment.from_json({
+        await gw.registry.deploy(FunctionDeployment.from_json({
             "service": FUNCTION, "image": "quart/pipeline-stage",
             "envVars": {"QUART_MODEL_URL": URL, "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "cpu"},
             "labels": {"com.quart.model": "live-llama", "com.quart.stage": "0", "com.quart.stages": "1",

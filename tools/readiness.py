@@ -24,7 +24,7 @@ async def keep_only(gateway: Any, wanted: Iterable[str]) -> list[str]:
     keep = set(wanted)
     extra = sorted(name for name in gateway.functions if name not in keep)
     for name in extra:
-        await gateway.remove(name)
+        await gateway.registry.remove(name)
     return extra
 
 

@@ -11,7 +11,7 @@ class GatewayActuator:
     gateway: Any  # the embedded gateway (quart_provider.gateway.EmbeddedGateway), duck-typed: no import of it
 
     async def scale(self, function: str, replicas: int, key: bool = False) -> None:
-        await self.gateway.scale(function, replicas, key=key)
+        await self.gateway.registry.scale(function, replicas, key=key)
 
     async def set_cpus(self, function: str, cpus: float) -> None:
-        await self.gateway.update_limits(function, cpus=cpus)
+        await self.gateway.registry.update_limits(function, cpus=cpus)
