@@ -174,13 +174,3 @@ class Controller:
                 self.errors += 1
                 log.exception("control step failed: %s", exc)
             await wait_event(stop, period - (self.clock() - started))
-
-
-def snapshot_from_json(data: Mapping[str, Any]) -> PipelineSnapshot:
-    """A PipelineSnapshot back from the controller's JSONL log (for CV-model training)."""
-    from gateway_plugin.snapshot import StageSnapshot
-
-    stages = tuple(StageSnapshot(**{**s, "batch_service_s": tuple(tuple(row) for row in s.get("batch_service_s", ()))})
-                   for s in data["stages"])  # JSON gave lists: the snapshot holds tuples
-    return PipelineSnapshot(time=data["time"], model=data["model"], stages=stages,
-                            slo_s=data.get("slo_s", 0.0), window_s=data.get("window_s", 10.0))

@@ -10,9 +10,10 @@ import pytest
 import requests
 from embedded_system import ThreadedSystem
 from gateway_plugin.config import PluginConfig
-from gateway_plugin.controller import Controller, snapshot_from_json
+from gateway_plugin.controller import Controller
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.policies import make_policy
+from gateway_plugin.snapshot import snapshot_from_json
 from gateway_plugin.snapshot_builder import StageState
 
 

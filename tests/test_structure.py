@@ -191,6 +191,23 @@ def test_the_kernel_decides_and_never_acts() -> None:
     assert not acting, f"the kernel does I/O or concurrency: {acting}"
 
 
+def test_the_policies_are_pure_decisions_over_the_plugin_snapshot() -> None:
+    """The scaling policies stay in the plugin (docs/architecture.md says why) but are held to the kernel's rule:
+    no sockets, event loop or processes (cv_online trains its model on one background thread, the only
+    exception), and of the project only the snapshot, the policy settings, other policies, the kernel and the
+    stage vocabulary."""
+    allowed = {"gateway_plugin.snapshot", "gateway_plugin.config"}
+    graph = _graph()
+    for path in (PACKAGES["gateway_plugin"] / "policies").rglob("*.py"):
+        never = KERNEL_NEVER - ({"threading"} if path.stem == "cv_online" else set())
+        assert not _top_level_imports(path) & never, f"{path.relative_to(ROOT)} does I/O or concurrency"
+    outside = {f"{src} imports {dst}" for src, targets in graph.items() if src.startswith("gateway_plugin.policies")
+               for dst in targets if _top(dst) == "gateway_plugin" and not dst.startswith("gateway_plugin.policies")
+               and dst not in allowed}
+    assert not outside, sorted(outside)
+    assert "gateway_plugin.snapshot" in graph["gateway_plugin.policies.quart"]
+
+
 def test_the_plugin_image_ships_what_the_plugin_imports_and_not_the_embedded_gateway() -> None:
     """deploy/docker/plugin.Dockerfile copies exactly the packages the plugin (and the KeysManager, which runs from
     the same image) reach through their imports: no quart_provider, no quart_tools."""
