@@ -1,7 +1,7 @@
-"""The one pick rule for a request's replica, used by the embedded gateway's proxy (:class:`quart_provider.balancer.Balancer`),
-the pipeline router and the generation sessions' replica choice: least in flight among the ready replicas with a
-free slot (``com.quart.concurrency`` 0 = unlimited, OpenFaaS's ``max_inflight`` meaning), replicas already
-tried for this request last. Pure: it reads what it is given and changes nothing."""
+"""The one pick rule for a request's replica, used by the embedded gateway's proxy
+(:class:`quart_provider.balancer.Balancer`), the pipeline router and the generation sessions' replica choice:
+least in flight among the ready replicas with a free slot (``com.quart.concurrency`` 0 = unlimited, OpenFaaS's
+``max_inflight`` meaning), replicas already tried for this request last. Pure: it reads what it is given and changes nothing."""
 
 from __future__ import annotations
 

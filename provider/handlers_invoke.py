@@ -1,13 +1,13 @@
 """Handlers of the data plane: ``/function/{name}`` (the proxy) and ``/async-function/{name}``.
 
 The proxy hands a request to a replica the balancer picks, retrying once elsewhere when a replica
-refuses the connection (it never saw the request: :mod:`.retry`); a pipeline goes to the gateway's
+refuses the connection (it never saw the request: :mod:`quart_transport.retry`); a pipeline goes to the gateway's
 pipeline route (the plugin's router, :meth:`InvokeHandlers.call_pipeline`), other names to the invoke
 hooks. An async call is answered 202 + ``X-Call-Id`` once it is
 stored in the durable queue (:mod:`.async_queue`; 503 while none is connected, or kept in memory with
 ``async_backend=memory``, :mod:`.async_calls`) and run later through this gateway's own ``/function``
 path. Tracing
-headers (:mod:`.tracing`) go upstream here; :mod:`.routes` stamps them on every answer.
+headers (:mod:`quart_transport.tracing`) go upstream here; :mod:`.routes` stamps them on every answer.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class InvokeHandlers:
             reservation.close()
 
     def _admission(self, fn: FunctionState, headers: Mapping[str, str], deadline_s: float | None) -> Admission:
-        """Admission by time of a call of ``fn`` (:func:`.admission.admit_by_time`): its body's transfer at the
+        """Admission by time of a call of ``fn`` (:func:`quart_kernel.admission.admit_by_time`): its body's transfer at the
         measured ingest rate, the queue, the p90 service time, × ``admission_safety``; only when the client
         sent a deadline (without one, the upstream timeout bounds the call and the queue cap its wait)."""
         if deadline_s is None:

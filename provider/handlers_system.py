@@ -77,7 +77,7 @@ class SystemHandlers:
         return web.json_response(self._status(self.gateway.registry.get(name)))
 
     def _status(self, fn: FunctionState) -> dict[str, Any]:
-        """A ``FunctionStatus`` plus ``status`` and, when not ready, the ``reason`` (:mod:`.capacity`)."""
+        """A ``FunctionStatus`` plus ``status`` and, when not ready, the ``reason`` (:mod:`quart_kernel.capacity`)."""
         return {**fn.status_json(), **status_fields(fn, self.gateway.functions.values(), self.gateway.hosts)}
 
     async def deploy(self, request: web.Request) -> web.Response:

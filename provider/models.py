@@ -9,7 +9,7 @@ waits until one is. A model is no deployed function, so without this it answers 
   when every stage can), ``replicas`` the fewest desired, ``invocationCount`` the first stage's (every
   request passes it once), labels ``com.quart.model`` / ``com.quart.stages``, the stage functions in the
   annotation ``com.quart.stage-functions``, and ``status`` / ``reason`` naming the stages that hold it
-  back (:mod:`.capacity`).
+  back (:mod:`quart_kernel.capacity`).
 - ``POST /system/scale-function/<model>`` (:func:`scale_model`): ``replicas: 0`` scales every stage to
   zero (the idler); ``n > 0`` raises every stage below ``n`` to ``n`` and leaves larger ones alone (the
   QUART policy's choice stands).

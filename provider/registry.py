@@ -191,7 +191,7 @@ class Registry:
         return self._pipelines
 
     def _check_capacity(self, deployment: FunctionDeployment, kind: str) -> None:
-        """A function that can never run here is refused (:func:`.capacity.deploy_refusal`)."""
+        """A function that can never run here is refused (:func:`quart_kernel.capacity.deploy_refusal`)."""
         refusal = deploy_refusal(kind, deployment.min_replicas, self.hosts)
         if refusal is not None:
             raise invalid(*refusal)

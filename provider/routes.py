@@ -3,7 +3,7 @@
 The OpenFaaS gateway REST API (``api-docs/spec.openapi.yml``) over an :class:`.gateway.EmbeddedGateway`:
 ``/system/*`` (:mod:`.handlers_system`, :mod:`.handlers_secrets`, :mod:`.handlers_logs`, :mod:`.handlers_alert`,
 basic auth) and ``/function``, ``/async-function``
-(:mod:`.handlers_invoke`, their answers stamped with :mod:`.tracing` headers). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
+(:mod:`.handlers_invoke`, their answers stamped with :mod:`quart_transport.tracing` headers). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
 ``{"error": ..., "field": ...}`` with its status here.
 """
 

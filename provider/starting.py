@@ -1,4 +1,4 @@
-"""Carrying out start actions (:mod:`.convergence`): pin what the placer keeps, order chain multicasts, ask each
+"""Carrying out start actions (:mod:`quart_kernel.convergence`): pin what the placer keeps, order chain multicasts, ask each
 host for its replica as the start plan says (peers, live, a ParaServe part), probe it until it answers, and
 count its ready time in the scheduler metrics once it serves its whole stage. The reconciler decides; the
 :class:`Starter` acts and reports back through the function state (replicas, pending starts, back-off)."""

@@ -1,7 +1,7 @@
 """The provider's shared state types: a replica the gateway routes to, and one deployed function.
 
 Like faas-provider's ``types`` package: the registry, the balancer and the reconciler all read and
-write these; placement's own inputs (``ReplicaRequest``, ``HostView``) live in :mod:`.scheduling.types`.
+write these; placement's own inputs (``ReplicaRequest``, ``HostView``) live in :mod:`quart_kernel.scheduling.types`.
 """
 
 from __future__ import annotations
