@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import aiohttp
-from quart_provider.scheduling.types import HostView
+from quart_kernel.scheduling.types import HostView
 from quart_provider.secrets import SECRETS_DIR_ENV, mount, unmount
 from quart_stage.envpolicy import replica_base_env
 from quart_stage.privdrop import RUN_AS_ENV, drop_privileges, parse_run_as
@@ -140,7 +140,7 @@ class ProcessHost:
     ``<log_dir>/<function>/<replica>.log`` (``/system/logs`` reads them); else they are the gateway's.
     """
 
-    kinds = frozenset({"process"})  # runnables it can start (quart_provider.capacity)
+    kinds = frozenset({"process"})  # runnables it can start (quart_kernel.capacity)
 
     def __init__(self, name: str, gpu_slots: int, memory_limit: int, health_interval_s: float = 0.02,
                  log_dir: Path | None = None) -> None:

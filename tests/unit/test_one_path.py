@@ -15,14 +15,14 @@ from gateway_plugin.actuators.gateway import GatewayActuator
 from gateway_plugin.controller import Controller
 from gateway_plugin.plugin import GatewayView
 from gateway_plugin.policies import make_policy
-from quart_provider.convergence import Action, FunctionView, PlatformView, ReplicaView, converge
+from quart_kernel.convergence import Action, FunctionView, PlatformView, ReplicaView, converge
+from quart_kernel.replicaset import StartTimeEstimate, choose_surplus
+from quart_kernel.scheduling import MECHANISMS, SchedulerConfig, make_placer
+from quart_kernel.scheduling.starts import StartPlan
+from quart_kernel.scheduling.types import HostView
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
 from quart_provider.paraserve_start import Group
-from quart_provider.replicaset import StartTimeEstimate, choose_surplus
-from quart_provider.scheduling import MECHANISMS, SchedulerConfig, make_placer
-from quart_provider.scheduling.starts import StartPlan
-from quart_provider.scheduling.types import HostView
 from quart_provider.types import Endpoint
 from quart_stage import labels
 from quart_tools.arrivals import Arrivals
@@ -70,15 +70,15 @@ async def _live_twin(sim: Simulation, tmp_path):
                 labels.PROFILE_MS: f"{st.spec.service_s * 1000:g}"}
 
 
-        await gw.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo", "labels": body,
+        await gw.registry.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo", "labels": body,
                                                       "limits": {"cpu": f"{st.cpus:g}"}}, "openfaas-fn"))
-        await gw.scale(st.function, len(st.ready))
+        await gw.registry.scale(st.function, len(st.ready))
     await settle(gw)
     for host in hosts:
         host.make_ready()
     await settle(gw)
     for st in sim.stages:
-        await gw.scale(st.function, st.desired)
+        await gw.registry.scale(st.function, st.desired)
         gw.functions[st.function].start_time = StartTimeEstimate(st.start_time.seconds)
     await settle(gw)
     return gw, hosts
@@ -156,7 +156,7 @@ def test_start_time_estimate_is_a_moving_average() -> None:
     assert est.note(2.0) == pytest.approx(1.3)
 
 
-# ---------------------------------------------------------------- one convergence (quart_provider.convergence)
+# ---------------------------------------------------------------- one convergence (quart_kernel.convergence)
 STAGES = (StageSpec("m-0", 0.02, 10 * MB), StageSpec("m-1", 0.05, 40 * MB), StageSpec("m-2", 0.02, 10 * MB))
 
 
@@ -228,7 +228,7 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
         try:
             for st in sim.stages:
                 body = {labels.MODEL: "m", labels.STAGE: str(st.index), labels.SCALE_MAX: str(sim.max_replicas)}
-                fn = await gw.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo",
+                fn = await gw.registry.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo",
                                                                    "labels": body}, "openfaas-fn"))
                 gw.reconciler._param_bytes[st.function] = (fn.generation, st.spec.param_bytes)
                 for rep in st.current():
@@ -240,7 +240,7 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
                                                         rep.requested_at, layers=(0, 4),
                                                         held=(0, 4) if whole else (0, 2))
                 fn.refresh_ready()
-                await gw.scale(st.function, st.desired)
+                await gw.registry.scale(st.function, st.desired)
             members = {str(r.id) for r in sim.stages[1].current() if r.group is not None}
             hosts_of_group = tuple(sorted({r.host.name for r in sim.stages[1].current() if r.group is not None}))
             gw.reconciler.paraserve.groups["m-1"] = [Group("m-1", hosts_of_group, [(0, 2), (2, 4)], members, 0)]
