@@ -4,8 +4,8 @@ rule for how many workers a consolidating group keeps."""
 from __future__ import annotations
 
 import pytest
-from quart_provider.scheduling.paraserve import FetchHost, ParaServeCosts
-from quart_provider.scheduling.paraserve_gen import (
+from quart_kernel.scheduling.paraserve import FetchHost, ParaServeCosts
+from quart_kernel.scheduling.paraserve_gen import (
     GenerationCosts,
     plan_generation,
     predict_generation,
@@ -70,9 +70,9 @@ def test_sliding_window_keeps_workers_for_the_burst():
 
 
 def test_the_gateway_plans_p_from_both_slos_when_given_a_tpot_slo():
+    from quart_kernel.scheduling.types import HostView
     from quart_provider.config import GatewayConfig
     from quart_provider.paraserve_start import ParaServeStarts, StageLayout
-    from quart_provider.scheduling.types import HostView
 
     views = [HostView(f"h{i}", 1, 0, 64 << 30, 0) for i in range(4)]
     layout = StageLayout(0, 10, tuple([GB // 10] * 10))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from quart_provider.scheduling.paraserve import ParaServeCosts, largest_part, predict
+from quart_kernel.scheduling.paraserve import ParaServeCosts, largest_part, predict
 from quart_tools.bench.blitz import PeerCluster
 
 FUNCTION = "paraserve-stage-0"

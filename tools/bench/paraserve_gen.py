@@ -78,10 +78,10 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
     """One cold start with its sessions; ``parts`` 0: the gateway's generation planner chooses P."""
     import aiohttp
     from gateway_plugin.generation.paragroup import GroupGenerator, GroupSession, Hop
+    from quart_kernel.scheduling import make_placer
     from quart_provider.config import GatewayConfig
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_provider.scheduling import make_placer
     from quart_tools.bench import wait_until
     from quart_tools.bench.blitz import TOKEN
     from quart_tools.bench.paraserve_calib import part_bytes, worker_timelines
