@@ -44,7 +44,7 @@ import sys
 import time
 
 from quart_stage import cliargs
-from quart_tools.bench import machine_info, wait_until, write_report
+from quart_tools.bench import machine_info, paraserve_gen, wait_until, write_report
 from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
 from quart_tools.bench.blitzscale import build_stage
 from quart_tools.bench.paraserve_calib import (  # noqa: F401 - Calibration, predictions: the tests' names
@@ -199,8 +199,6 @@ def measure(args: argparse.Namespace) -> dict:
             shutil.rmtree(model)
         os.environ["QUART_REGISTRY_ENDPOINT"] = cluster.endpoint  # the gateway reads the manifest (the layout)
         if args.workload == "generation":  # quart_tools.bench.paraserve_gen: sessions, KV migration, both SLOs
-            from quart_tools.bench import paraserve_gen
-
             return {**paraserve_gen.measure(args, cluster, hosts, layer_bytes), "stage_bytes": stage_bytes,
                     "nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "hosts": args.hosts,
                     "emulated": {"decode_ms": args.decode_ms, "prefill_ms_per_token": args.prefill_ms_per_token},
@@ -256,17 +254,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slo-ms", type=float, default=0.0, help="first-answer SLO (default: 0.5 x single-host cold)")
     p.add_argument("--slo-runs", type=int, default=4, help="cold starts of the SLO run (default 4)")
     p.add_argument("--verbose", action="store_true", help="log the gateway's decisions")
-    g = p.add_argument_group("--workload generation (quart_tools.bench.paraserve_gen)")
-    g.add_argument("--workload", choices=("oneshot", "generation"), default="oneshot",
-                   help="one-shot passes (default) or generation sessions with KV-cache migration")
-    g.add_argument("--sessions", type=int, default=8, help="sessions per cold start (default 8)")
-    g.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
-    g.add_argument("--max-tokens", type=int, default=256, help="new tokens per session (default 256)")
-    g.add_argument("--decode-ms", type=float, default=30.0, help="emulated decode step, whole stage (default 30)")
-    g.add_argument("--prefill-ms-per-token", type=float, default=0.25,
-                   help="emulated prefill per prompt token, whole stage (default 0.25)")
-    g.add_argument("--ttft-slo-ms", type=float, default=0.0, help="TTFT SLO (default 0.5 x single-host cold)")
-    g.add_argument("--tpot-slo-ms", type=float, default=0.0, help="TPOT SLO (default 2 x P = 1's TPOT)")
+    paraserve_gen.add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

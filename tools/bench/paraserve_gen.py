@@ -47,6 +47,21 @@ def _deployment(namespace: str, args: argparse.Namespace):
         namespace)
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The generation workload's options of `quartctl bench paraserve`."""
+    add = p.add_argument_group("--workload generation (quart_tools.bench.paraserve_gen)").add_argument
+    add("--workload", choices=("oneshot", "generation"), default="oneshot",
+        help="one-shot passes (default) or generation sessions with KV-cache migration")
+    add("--sessions", type=int, default=8, help="sessions per cold start (default 8)")
+    add("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    add("--max-tokens", type=int, default=256, help="new tokens per session (default 256)")
+    add("--decode-ms", type=float, default=30.0, help="emulated decode step, whole stage (default 30)")
+    add("--prefill-ms-per-token", type=float, default=0.25,
+        help="emulated prefill per prompt token, whole stage (default 0.25)")
+    add("--ttft-slo-ms", type=float, default=0.0, help="TTFT SLO (default 0.5 x single-host cold)")
+    add("--tpot-slo-ms", type=float, default=0.0, help="TPOT SLO (default 2 x P = 1's TPOT)")
+
+
 def expected_tokens(prompt: list[int], seed: int, n: int, vocab: int) -> list[int]:
     """The tokens an emulated pipeline answers for ``prompt`` (the stage's own function, no network)."""
     from quart_stage.kvmigrate import EmulatedKV
