@@ -118,7 +118,7 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
         gen = GroupGenerator(http, step_timeout_s=120)
         fn, paraserve = None, gw.reconciler.paraserve
         t0, t0_wall = time.monotonic(), time.time()
-        await gw.deploy(_deployment(config.namespace, args))
+        await gw.registry.deploy(_deployment(config.namespace, args))
         fn = gw.functions[FUNCTION]
         held: list = []  # group members the bench holds a request slot on until consolidation
         consolidating = False
@@ -169,7 +169,7 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
             consolidating = True
             migration = await gen.consolidate(list(sessions), Hop(target.url))
             for e in held:
-                gw.release(fn, e)
+                gw.balancer.release(fn, e)
             held.clear()
             consolidating = False
         done = await asyncio.gather(*tasks, return_exceptions=True)
