@@ -121,13 +121,13 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
         await gw.registry.deploy(_deployment(config.namespace, args))
         fn = gw.functions[FUNCTION]
         held: list = []  # group members the bench holds a request slot on until consolidation
-        consolidating = False
+        consolidating = migrated = False
 
         def route() -> list[Hop] | None:
             if consolidating:
                 return None
             whole = [e for e in fn.ready if e.whole]
-            if whole and not held:
+            if whole and (not held or migrated):
                 return [Hop(whole[0].url)]
             group = paraserve.history[0] if paraserve.history else None
             if group is None:
@@ -168,10 +168,11 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
             target = next(e for e in fn.ready if e.host == group.hosts[0])
             consolidating = True
             migration = await gen.consolidate(list(sessions), Hop(target.url))
-            for e in held:
-                gw.balancer.release(fn, e)
-            held.clear()
-            consolidating = False
+            for e in held:  # the helpers may leave now; the consolidated worker is held until the end
+                if e is not target:
+                    gw.balancer.release(fn, e)
+            held[:] = [target]
+            consolidating, migrated = False, True
         done = await asyncio.gather(*tasks, return_exceptions=True)
         ok = [s for s in done if isinstance(s, GroupSession)]
         row = {"P": (paraserve.chosen[0][1] if paraserve.chosen else 1),
@@ -188,6 +189,8 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
             row["consolidation"] = await _after(gen, fn, ok, migration, args)
         return row
     finally:
+        for e in held:
+            gw.balancer.release(fn, e)
         await http.close()
         await gw.close()
 
