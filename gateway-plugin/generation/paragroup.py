@@ -97,13 +97,25 @@ class GroupGenerator:
                 headers[SESSION_RESERVE] = str(len(s.prompt) + s.max_tokens)
             if last:
                 headers[SESSION_END] = "1"
-            async with self.http.post(hop.url, data=body, headers=headers, timeout=self.timeout) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    raise StepError(f"hop {k} ({hop.url}) answered {resp.status}: {data[:200]!r}")
-                body, ctype = data, resp.headers.get("Content-Type", "application/octet-stream")
+            status, data, ctype = await self._post(hop.url, body, headers)
+            if status != 200:
+                raise StepError(f"hop {k} ({hop.url}) answered {status}: {data[:200]!r}")
+            body = data
         s.fed = len(sequence)
         return int(json.loads(body)["token"])
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, str], wait_s: float = 10.0
+                    ) -> tuple[int, bytes, str]:
+        """One hop; a 503 (a part that does not hold its layers yet: nothing changed there) is retried for
+        up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            async with self.http.post(url, data=body, headers=headers, timeout=self.timeout) as resp:
+                data = await resp.read()
+                ctype = resp.headers.get("Content-Type", "application/octet-stream")
+                if resp.status != 503 or time.monotonic() >= deadline:
+                    return resp.status, data, ctype
+            await asyncio.sleep(0.02)
 
     async def run(self, s: GroupSession) -> list[int]:
         """Every token of ``s``, one step at a time (each under the session's lock: a consolidation moves it
