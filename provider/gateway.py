@@ -35,7 +35,7 @@ from quart_provider.balancer import Balancer
 from quart_provider.body_gate import ByteGate
 from quart_provider.config import GatewayConfig
 from quart_provider.deploy_limits import DeployCaps
-from quart_provider.hosts import Host
+from quart_provider.hosts import Host, poll_replicas
 from quart_provider.images import INDEX_FILE, ImageIndex
 from quart_provider.metrics import GatewayMetrics
 from quart_provider.reconciler import Reconciler
@@ -45,8 +45,6 @@ from quart_provider.scheduler_metrics import SchedulerCollector, SchedulerMetric
 from quart_provider.secrets import SecretStore
 from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
 from quart_provider.types import Endpoint, FunctionState, GenerationRoute, InvokeHook, PipelineRoute, UiHook
-
-from keysmanager.aio import within
 
 log = logging.getLogger("quart.gateway")
 
@@ -107,10 +105,7 @@ class EmbeddedGateway:
 
     async def _adopt(self) -> None:
         """Track what kept hosts still run for the restored functions (:mod:`.adopt`); stop the rest."""
-        names = list(self.hosts)
-        found = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].replicas()) for n in names),
-                                     return_exceptions=True)
-        for name, running in zip(names, found, strict=True):
+        for name, running in (await poll_replicas(self.hosts, self.config.host_timeout_s)).items():
             if isinstance(running, BaseException):
                 continue  # the reconciler's host health decides about a host that does not answer
             adopted = adopt_replicas(self.functions, name, running, time.monotonic())

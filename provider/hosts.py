@@ -95,6 +95,17 @@ class Host(Protocol):
     async def close(self) -> None: ...
 
 
+async def poll_replicas(hosts: dict[str, Host], timeout_s: float) -> dict[str, list[ReplicaStatus] | BaseException]:
+    """Every host's replicas at once, each bounded by ``timeout_s``; a host that fails or is slow maps to its error.
+    Each poll's coroutine is made inside its own task, so a pass cancelled at shutdown leaves none un-awaited."""
+    async def one(host: Host) -> list[ReplicaStatus]:
+        return await within(timeout_s, host.replicas())
+
+    names = list(hosts)
+    found = await asyncio.gather(*(one(hosts[n]) for n in names), return_exceptions=True)
+    return dict(zip(names, found, strict=True))
+
+
 def cpu_set(cpus: float | None, offset: int) -> set[int] | None:
     """The cores a replica limited to ``cpus`` may use (round-robin by ``offset``); None = all."""
     if not cpus:

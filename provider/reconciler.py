@@ -35,7 +35,7 @@ from quart_kernel.scheduling.types import HostView, Placer
 from quart_provider.adopt import adopt_replicas
 from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
-from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
+from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus, poll_replicas
 from quart_provider.paraserve_start import ParaServeStarts
 from quart_provider.scheduler_metrics import SchedulerMetrics
 from quart_provider.starting import Starter
@@ -123,14 +123,12 @@ class Reconciler:
 
     async def reconcile(self) -> None:
         """One pass: poll hosts, drop dead replicas, start missing ones, stop surplus, roll updates."""
-        names = list(self.hosts)
         polled_at = time.monotonic()
-        results = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].replicas()) for n in names),
-                                       return_exceptions=True)
+        results = await poll_replicas(self.hosts, self.config.host_timeout_s)
         seen: dict[str, ReplicaStatus] = {}
         polled_hosts: set[str] = set()
         now = time.monotonic()
-        for name, result in zip(names, results, strict=True):
+        for name, result in results.items():
             if isinstance(result, BaseException):
                 if self.health.failed(name, now):
                     self._host_down(name, result)
