@@ -74,13 +74,6 @@ def expected_tokens(prompt: list[int], seed: int, n: int, vocab: int) -> list[in
     return out
 
 
-def _covers(endpoint, part: tuple[int, int]) -> bool:
-    from gateway_plugin import layers
-
-    held = layers.held_range(endpoint)
-    return held is not None and held[0] <= part[0] and part[1] <= held[1]
-
-
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -140,8 +133,8 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
             if group is None:
                 return None
             on = {e.host: e for e in [*fn.ready, *fn.partial]}
-            if not all(h in on and _covers(on[h], part) for h, part in zip(group.hosts, group.parts, strict=True)):
-                return None  # every part serves once it holds its whole range (ParaServe's group)
+            if not all(h in on for h in group.hosts):
+                return None  # every part routable; a step waits at a part until it holds its range (503, retried)
             if not held:
                 for h in group.hosts:  # the surplus rule drains them only after the bench lets go
                     on[h].in_flight += 1
