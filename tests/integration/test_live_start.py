@@ -35,8 +35,8 @@ class GatedPeer(GatedServer):
 
     def __init__(self, data: bytes, sha: str, spans: list[list[int]], corrupt: int | None = None,
                  die_at: int | None = None) -> None:
-        super().__init__(data, spans, corrupt)
-        self.sha, self.die_at = sha, die_at
+        super().__init__(data, spans, corrupt, die_at)
+        self.sha = sha
         self.serve(_WholeFile)
 
 
@@ -50,12 +50,7 @@ class _WholeFile(BaseHTTPRequestHandler):
         self.send_header(SIZE_HEADER, str(len(peer.data)))
         self.send_header("Content-Length", str(len(peer.data)))
         self.end_headers()
-        for i, (a, b) in enumerate(peer.spans):
-            if not peer.gates[i].wait(60) or i == peer.die_at:
-                self.close_connection = True
-                return
-            self.wfile.write(peer.data[a:b])
-            self.wfile.flush()
+        peer.send_layers(self, 0, len(peer.data))
 
 
 @pytest.fixture

@@ -38,8 +38,8 @@ class RangePeer(GatedServer):
 
     def __init__(self, data: bytes, sha: str, spans: list[list[int]], header: int, corrupt: int | None = None,
                  die_at: int | None = None) -> None:
-        super().__init__(data, spans, corrupt)
-        self.sha, self.header, self.die_at = sha, header, die_at
+        super().__init__(data, spans, corrupt, die_at)
+        self.sha, self.header = sha, header
         self.asked: list[tuple[int, int]] = []
         self.serve(_Ranges)
 
@@ -60,15 +60,7 @@ class _Ranges(BaseHTTPRequestHandler):
         if end <= peer.header:  # the header alone: ungated
             self.wfile.write(peer.data[start:end])
             return
-        for i, (a, b) in enumerate(peer.spans):  # layer by layer, each behind its gate
-            lo, hi = max(a, start), min(b, end)
-            if lo >= hi:
-                continue
-            if not peer.gates[i].wait(60) or i == peer.die_at:
-                self.close_connection = True
-                return
-            self.wfile.write(peer.data[lo:hi])
-            self.wfile.flush()
+        peer.send_layers(self, start, end)  # layer by layer, each behind its gate
 
 
 @pytest.fixture
