@@ -131,13 +131,19 @@ def _plan_for(parts: int, ranked: Sequence[FetchHost], busy: Collection[str], st
     return ParaServePlan(parts, tuple(h.name for h in chosen), first, fetch, consolidated, first <= slo_s)
 
 
+def parts_limit(max_parts: int, layer_bytes: Sequence[int] | None, hosts: Sequence[FetchHost]) -> int:
+    """The largest P a cold stage may take: ``max_parts``, its layers (when known), the hosts able to take a
+    part; at least 1."""
+    return max(1, min(max_parts, len(layer_bytes) if layer_bytes else max_parts, len(hosts)))
+
+
 def choose_parts(stage_bytes: int, slo_s: float, hosts: Sequence[FetchHost], costs: ParaServeCosts,
                  max_parts: int = 8, layer_bytes: Sequence[int] | None = None, fixed_parts: int = 0) -> ParaServePlan:
     """ParaServe's P for one cold stage, the rule the gateway and the simulator share: P is at most
     ``max_parts``, the stage's layers (when ``layer_bytes`` is known) and the hosts able to take a part
     (``hosts``: those with a free GPU slot, at least one); ``fixed_parts`` (> 0) forces P within that limit,
     otherwise the smallest P meeting ``slo_s`` (`plan_parallelism`)."""
-    limit = max(1, min(max_parts, len(layer_bytes) if layer_bytes else max_parts, len(hosts)))
+    limit = parts_limit(max_parts, layer_bytes, hosts)
     if fixed_parts > 0:
         ranked = rank_hosts(list({h.name: h for h in hosts}.values()))
         if not ranked:  # nowhere to fetch yet: P alone (the placer finds the hosts)
