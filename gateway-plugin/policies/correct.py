@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 
 from gateway_plugin.config import CorrectConfig
-from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
+from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, service_rate_at
+from gateway_plugin.policies.queueing import servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
 from quart_provider.replicaset import StartTimeEstimate
 
@@ -43,7 +44,7 @@ def stability_floor(stage: StageSnapshot, rho_max: float) -> int:
     if stage.service_rate <= 0:
         return 0
     rate = max(stage.arrival_rate, stage.recent_rate)
-    return math.ceil(servers_for_utilisation(rate, stage.service_rate, rho_max) / max(1, stage.concurrency))
+    return math.ceil(servers_for_utilisation(rate, capacity_rate(stage), rho_max) / max(1, stage.concurrency))
 
 
 def estimated_delay_s(
@@ -59,9 +60,9 @@ def estimated_delay_s(
         return 0.0  # nothing measured yet: no evidence of delay
     servers = servers_of(stage, replicas)
     rate = max(stage.arrival_rate, stage.recent_rate) if peak_rate else stage.arrival_rate
-    t = mmc_delay(rate, stage.service_rate, servers)
+    t = delay_s(stage, rate, servers)  # M/M/c, or its batched form (batch_capacity)
     if use_queue_feedback and servers > 0:
-        drain_s = stage.queue_len / (servers * stage.service_rate)
+        drain_s = stage.queue_len / (servers * service_rate_at(stage, rate, servers))
         if drain_s >= min_backlog_s:
             observed = stage.mean_wait_s + stage.mean_service_s if stage.queue_len > 0 else 0.0
             t = max(t, drain_s + stage.mean_service_s, observed)
@@ -133,7 +134,7 @@ class Corrector:
         reason = f"T={_fmt(delay)}s target={_fmt(target)}s e={error:+.2f}"
 
         floor = max(stage.min_replicas, stability_floor(stage, cfg.rho_max))
-        if stage.service_rate > 0 and stage.recent_rate >= servers_of(stage, current) * stage.service_rate:
+        if stage.service_rate > 0 and stage.recent_rate >= servers_of(stage, current) * capacity_rate(stage):
             desired = max(desired, floor + max(0, step))
             reason += " rho>=1"
         floor = min(floor, stage.max_replicas)
