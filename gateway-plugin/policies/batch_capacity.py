@@ -14,7 +14,9 @@ service rate of that batch plus the batch's own time:
     T(λ, c) = C(c, λ/μ(b*)) / (c·μ(b*) − λ) + S(b*)
 
 At b* = 1 this is M/M/c with μ = 1/S(1) (a stage that does not batch is the plain model); its capacity is
-c·μ(B). A stage with B ≤ 1 or no measured service time is left to the plain model (``stage.service_rate``).
+c·μ(B). Sizing for a delay target T* (the stability floor, a backlog's drain) counts on the largest batch whose
+call fits half of it, b_T = max{b ≤ B: S(b) ≤ T*/2}: a profile with a small F (CPU: batches save little) gains
+capacity only at a latency the target does not allow. A stage with B ≤ 1 or no measured service time is left to the plain model (``stage.service_rate``).
 """
 
 from __future__ import annotations
@@ -94,10 +96,15 @@ def service_rate_at(stage: StageSnapshot, arrival_rate: float, servers: int) -> 
     return profile.rate(profile.expected_batch(arrival_rate, servers))
 
 
-def capacity_rate(stage: StageSnapshot) -> float:
-    """Requests/s of one server at full batches: the most it can take (``stage.service_rate`` unbatched)."""
+def capacity_rate(stage: StageSnapshot, target_s: float = math.inf) -> float:
+    """Requests/s of one server at the largest batch whose call fits half of ``target_s`` (a request may wait one
+    call, then ride the next: S(b) ≤ target/2), at least 1; at full batches without a target: the most it can
+    take (``stage.service_rate`` unbatched)."""
     profile = profile_of(stage)
-    return stage.service_rate if profile is None else profile.rate(profile.max_batch)
+    if profile is None:
+        return stage.service_rate
+    fits = (target_s / 2 - profile.fixed_s) / profile.per_request_s if profile.per_request_s > 0 else math.inf
+    return profile.rate(min(profile.max_batch, max(1, math.floor(fits))))
 
 
 def delay_s(stage: StageSnapshot, arrival_rate: float, servers: int) -> float:

@@ -39,12 +39,13 @@ def servers_of(stage: StageSnapshot, replicas: int) -> int:
     return replicas * max(1, stage.concurrency)
 
 
-def stability_floor(stage: StageSnapshot, rho_max: float) -> int:
-    """Fewest replicas that keep ρ ≤ rho_max at the larger of the window's and the last second's λ."""
+def stability_floor(stage: StageSnapshot, rho_max: float, target_s: float = math.inf) -> int:
+    """Fewest replicas that keep ρ ≤ rho_max at the larger of the window's and the last second's λ (a batching
+    stage: at the batches that fit ``target_s``, batch_capacity.capacity_rate)."""
     if stage.service_rate <= 0:
         return 0
     rate = max(stage.arrival_rate, stage.recent_rate)
-    return math.ceil(servers_for_utilisation(rate, capacity_rate(stage), rho_max) / max(1, stage.concurrency))
+    return math.ceil(servers_for_utilisation(rate, capacity_rate(stage, target_s), rho_max) / max(1, stage.concurrency))
 
 
 def estimated_delay_s(
@@ -133,7 +134,7 @@ class Corrector:
         desired = current + step
         reason = f"T={_fmt(delay)}s target={_fmt(target)}s e={error:+.2f}"
 
-        floor = max(stage.min_replicas, stability_floor(stage, cfg.rho_max))
+        floor = max(stage.min_replicas, stability_floor(stage, cfg.rho_max, target))
         if stage.service_rate > 0 and stage.recent_rate >= servers_of(stage, current) * capacity_rate(stage):
             desired = max(desired, floor + max(0, step))
             reason += " rho>=1"

@@ -133,15 +133,15 @@ class Provisioner:
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
             return Correction(current, 0.0, target, 0.0, False, reason + " (no service time yet)"), 0.0
         per = max(1, stage.concurrency)
-        servers = servers_for_target(rate, capacity_rate(stage), target, self.correct.rho_max,
+        servers = servers_for_target(rate, capacity_rate(stage, target), target, self.correct.rho_max,
                                      stage.max_replicas * per, lambda c: delay_s(stage, rate, c))
         if released > 0:
-            upstream = servers_for_utilisation(released, capacity_rate(stage), self.correct.rho_max)
+            upstream = servers_for_utilisation(released, capacity_rate(stage, target), self.correct.rho_max)
             if upstream > servers:
                 servers, reason = upstream, reason + f" upstream backlog at {released:.0f}/s"
         release = 0.0
         drain_within = cfg.backlog_starts * max(start_s, 1e-3)
-        mu = capacity_rate(stage)  # a backlog is served in full batches
+        mu = capacity_rate(stage, target)  # at the batches that fit the target
         if stage.queue_len > 0 and stage.queue_len / (max(1, servers_of(stage, current)) * mu) > drain_within:
             backlog = math.ceil((rate + stage.queue_len / drain_within) / mu - 1e-9)
             if backlog > servers:

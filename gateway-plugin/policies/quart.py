@@ -17,7 +17,13 @@ from dataclasses import dataclass, field, replace
 
 from gateway_plugin.config import QuartConfig
 from gateway_plugin.policies.batch_capacity import capacity_rate
-from gateway_plugin.policies.correct import Correction, Corrector, estimated_delay_s, servers_of
+from gateway_plugin.policies.correct import (
+    Correction,
+    Corrector,
+    estimated_delay_s,
+    servers_of,
+    stage_target_s,
+)
 from gateway_plugin.policies.cpu_model import CPULatencyModel
 from gateway_plugin.policies.provision import Provisioner
 from gateway_plugin.policies.queueing import servers_for_utilisation
@@ -107,7 +113,8 @@ class QuartPolicy:
                 continue
             if backlog / release_rate < self.corrector.dead_time_s(stage):
                 continue  # gone before a new replica could serve
-            need = math.ceil(servers_for_utilisation(release_rate, capacity_rate(stage), rho_max) / max(1, stage.concurrency))
+            mu = capacity_rate(stage, stage_target_s(snapshot, stage, self.config.correct.default_target_factor))
+            need = math.ceil(servers_for_utilisation(release_rate, mu, rho_max) / max(1, stage.concurrency))
             need = min(need, stage.max_replicas)
             current = stage.replicas + stage.pending_replicas
             if need > out[i].replicas:

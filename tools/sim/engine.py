@@ -38,6 +38,7 @@ from quart_provider.replicaset import note_key_scale, within_bounds
 from quart_provider.scheduling import ReplicaRequest, SchedulerConfig, make_placer
 from quart_tools.arrivals import Arrivals
 from quart_tools.report import StageSample
+from quart_tools.sim.batching import BatchFlow, profile_s
 from quart_tools.sim.cluster import Host, make_hosts
 from quart_tools.sim.starting import StartsMixin
 from quart_tools.sim.state import Replica, SimConfig, SimResult, StageSpec, _Stage
@@ -61,7 +62,7 @@ class SimActuator:
         self.sim.set_cpus(function, cpus)
 
 
-class Simulation(StartsMixin, WholeModelFlow):
+class Simulation(StartsMixin, WholeModelFlow, BatchFlow):
     """One run of one policy over one arrival schedule."""
 
     def __init__(self, cfg: SimConfig, policy, arrivals: Arrivals) -> None:
@@ -193,10 +194,14 @@ class Simulation(StartsMixin, WholeModelFlow):
         self.seq += 1
         heapq.heappush(self.heap, (now + service, self.seq, _COMPLETE, (req, rep, service)))
 
-    def _complete(self, req: int, rep: Replica, service: float, now: float) -> None:
+    def _complete(self, req: int | tuple[int, ...], rep: Replica, service: float, now: float) -> None:
+        """One call is done: a request, or a batch's (quart_tools.sim.batching)."""
         stage = self.stages[rep.stage]
-        stage.metrics.on_complete(now, service)
-        stage.busy -= 1
+        reqs = req if isinstance(req, tuple) else (req,)
+        for _ in reqs:
+            stage.metrics.on_complete(now, service)
+        stage.metrics.on_batch(len(reqs), service)
+        stage.busy -= len(reqs)
         rep.in_flight -= 1
         if rep.first_done < 0:
             rep.first_done = now
@@ -204,7 +209,8 @@ class Simulation(StartsMixin, WholeModelFlow):
             self._release(rep, now)
         else:
             self._serve_next(stage, rep, now)
-        self._advance(req, rep.stage, now)
+        for r in reqs:
+            self._advance(r, rep.stage, now)
 
     def _advance(self, req: int, index: int, now: float) -> None:
         """A request is done with stage ``index``: on to the next stage, or finished."""
@@ -224,7 +230,9 @@ class Simulation(StartsMixin, WholeModelFlow):
                           min_replicas=self.cfg.min_replicas, max_replicas=self.max_replicas, concurrency=1,
                           param_bytes=st.spec.param_bytes,
                           profiled_service_s=st.spec.service_s if self.cfg.profile_label else 0.0,
-                          start_s=st.start_time.seconds)
+                          start_s=st.start_time.seconds, batch_max=self.cfg.batch_max,
+                          batch_profile_s=profile_s(st.spec.service_s, self.cfg.batch_max, self.cfg.batch_fixed)
+                          if self.cfg.batch_max > 1 and self.cfg.profile_label else ())
 
     def queue_len(self, function: str) -> int:
         st = self.stage_by_fn[function]
@@ -367,6 +375,8 @@ class Simulation(StartsMixin, WholeModelFlow):
         request of its stage, or goes idle."""
         if stage.remainders:
             self._start_remainder(stage, rep, now)
+        elif stage.queue and self.cfg.batch_max > 1:
+            self._start_batch(stage, rep, now)
         elif stage.queue:
             req, enq = stage.queue.popleft()
             self._start(req, stage, rep, now, enq)
