@@ -104,7 +104,7 @@ def capacity_rate(stage: StageSnapshot, target_s: float = math.inf) -> float:
     if profile is None:
         return stage.service_rate
     fits = (target_s / 2 - profile.fixed_s) / profile.per_request_s if profile.per_request_s > 0 else math.inf
-    return profile.rate(min(profile.max_batch, max(1, math.floor(fits))))
+    return profile.rate(profile.max_batch if fits >= profile.max_batch else max(1, math.floor(fits)))
 
 
 def delay_s(stage: StageSnapshot, arrival_rate: float, servers: int) -> float:

@@ -93,3 +93,16 @@ def test_the_profile_label_seeds_the_table_until_measured() -> None:
     assert limits_from_labels({"com.quart.batch.profile-ms": "x"}, default) == default
     # measured sizes win; profiled ones fill in with 0 calls
     assert with_profile(((1, 7, 0.02),), ((1, 0.03), (16, 0.245))) == ((1, 7, 0.02), (16, 0, 0.245))
+
+
+def test_sizing_counts_on_the_batches_that_fit_the_target() -> None:
+    s = _stage()
+    p = profile_of(s)
+    full = capacity_rate(s)
+    assert capacity_rate(s, math.inf) == full == pytest.approx(p.rate(16))
+    # S(b) ≤ target/2: 0.2 s → b ≤ (0.1 − F)/P = 5
+    b = math.floor((0.1 - p.fixed_s) / p.per_request_s)
+    assert capacity_rate(s, 0.2) == pytest.approx(p.rate(b)) and capacity_rate(s, 0.2) < full
+    assert capacity_rate(s, 0.001) == pytest.approx(p.rate(1))  # not even one fits: one at a time
+    # the floor follows: at 50 req/s ρ ≤ 0.9 needs 1 replica at full batches, 2 at the batches a 60 ms target allows
+    assert stability_floor(_stage(rate=50.0), 0.9) == 1 < stability_floor(_stage(rate=50.0), 0.9, 0.06)
