@@ -15,7 +15,7 @@ from the registry first; then, timed from the first order to the last receiver h
 Each figure is the median of ``--reps`` rounds (every sample is in ``samples_s``). Every run uses fresh receivers (restarted, state dirs emptied, the registry client warmed: one manifest
 read) and removes its namespaces at the end. Ready times are the KeysManagers' own timestamps
 (``finished_at``: the verified file renamed into place), read every 50 ms.
-:class:`PeerCluster` is also the harness of ``tests/test_peer_fetch.py``.
+:class:`PeerCluster` is also the harness of ``tests/e2e/test_peer_fetch.py``.
 """
 
 from __future__ import annotations
