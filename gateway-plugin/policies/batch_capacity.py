@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from gateway_plugin.policies.queueing import mmc_wait
 from gateway_plugin.snapshot import StageSnapshot
 
-__all__ = ["BatchProfile", "capacity_rate", "delay_s", "fit", "profile_of", "service_rate_at"]
+__all__ = ["BatchProfile", "capacity_rate", "delay_s", "fit", "profile_of", "service_rate_at", "work_s"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +86,14 @@ def profile_of(stage: StageSnapshot) -> BatchProfile | None:
     if stage.batch_max <= 1:
         return None
     return fit(stage.batch_service_s, stage.batch_max)
+
+
+def work_s(stage: StageSnapshot) -> float:
+    """What one request costs a replica alone: S(1) of a batching stage's profile, else its mean service time (a
+    request of a batch reports the whole call's time, which would weigh a stage by the batches it happened to
+    form: SLO split, fair shares)."""
+    profile = profile_of(stage)
+    return stage.mean_service_s if profile is None else profile.service_s(1)
 
 
 def service_rate_at(stage: StageSnapshot, arrival_rate: float, servers: int) -> float:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from gateway_plugin.config import CorrectConfig
-from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, service_rate_at
+from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, service_rate_at, work_s
 from gateway_plugin.policies.queueing import servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
 from quart_provider.replicaset import StartTimeEstimate
@@ -25,9 +25,9 @@ def stage_target_s(snapshot: PipelineSnapshot, stage: StageSnapshot, default_fac
     """The stage's delay target: its own if set, else the SLO split by service time, else factor × service."""
     if stage.target_s > 0:
         return stage.target_s
-    service = stage.mean_service_s
+    service = work_s(stage)  # a batching stage: S(1), not the mean call its requests report
     if snapshot.slo_s > 0:
-        total = sum(s.mean_service_s for s in snapshot.stages)
+        total = sum(work_s(s) for s in snapshot.stages)
         if total > 0 and service > 0:
             return snapshot.slo_s * service / total
         return snapshot.slo_s / max(1, len(snapshot.stages))

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from gateway_plugin.config import CorrectConfig, ProvisionConfig
-from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s
+from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, work_s
 from gateway_plugin.policies.correct import Correction, servers_of, stage_target_s
 from gateway_plugin.policies.history import SampleWindow
 from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
@@ -176,7 +176,7 @@ def fair_shares(stages: tuple[StageSnapshot, ...], demands: list[int], capacity:
     floors = [max(s.min_replicas, math.ceil(s.busy / max(1, s.concurrency))) for s in stages]
     if sum(demands) <= capacity:
         return list(demands)
-    weights = {k: max(s.mean_service_s / max(1, s.concurrency), 1e-9) for k, s in enumerate(stages)}
+    weights = {k: max(work_s(s) / max(1, s.concurrency), 1e-9) for k, s in enumerate(stages)}
     out = list(demands)
     left, open_ = float(capacity), set(weights)
     while open_:
