@@ -7,7 +7,14 @@ import math
 import pytest
 from gateway_plugin.batching import BatchLimits, limits_from_labels, parse_profile
 from gateway_plugin.config import CorrectConfig
-from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, fit, profile_of, service_rate_at
+from gateway_plugin.policies.batch_capacity import (
+    capacity_rate,
+    delay_s,
+    fit,
+    profile_of,
+    service_rate_at,
+    work_s,
+)
 from gateway_plugin.policies.correct import Corrector, stability_floor
 from gateway_plugin.policies.queueing import mmc_delay, mmc_wait
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
@@ -18,8 +25,9 @@ from quart_stage.errors import QuartError
 TABLE = ((1, 40, 0.030), (4, 12, 0.073), (8, 6, 0.130), (16, 3, 0.245))
 
 
-def _stage(batch_max: int = 16, table=TABLE, rate: float = 10.0, replicas: int = 1, **kw) -> StageSnapshot:
-    return StageSnapshot(name="m-1", index=0, arrival_rate=rate, service_rate=1 / 0.030, replicas=replicas,
+def _stage(batch_max: int = 16, table=TABLE, rate: float = 10.0, replicas: int = 1, service_rate: float = 1 / 0.030,
+           **kw) -> StageSnapshot:
+    return StageSnapshot(name="m-1", index=0, arrival_rate=rate, service_rate=service_rate, replicas=replicas,
                          batch_service_s=table, batch_max=batch_max, **kw)
 
 
@@ -106,3 +114,16 @@ def test_sizing_counts_on_the_batches_that_fit_the_target() -> None:
     assert capacity_rate(s, 0.001) == pytest.approx(p.rate(1))  # not even one fits: one at a time
     # the floor follows: at 50 req/s ρ ≤ 0.9 needs 1 replica at full batches, 2 at the batches a 60 ms target allows
     assert stability_floor(_stage(rate=50.0), 0.9) == 1 < stability_floor(_stage(rate=50.0), 0.9, 0.06)
+
+
+def test_the_slo_split_weighs_a_batching_stage_by_one_request_not_by_its_calls() -> None:
+    from gateway_plugin.policies.correct import stage_target_s
+    from gateway_plugin.policies.provision import fair_shares
+
+    # both stages take 30 ms a request alone; the batching one's requests report 16-calls (245 ms) as service
+    batching = _stage(service_rate=1 / 0.245)
+    plain = StageSnapshot(name="m-0", index=1, arrival_rate=10.0, service_rate=1 / 0.030, replicas=1)
+    snap = PipelineSnapshot(time=0.0, model="m", stages=(batching, plain), slo_s=1.0)
+    assert work_s(batching) == pytest.approx(profile_of(batching).service_s(1)) and work_s(plain) == pytest.approx(0.03)
+    assert stage_target_s(snap, batching, 2.0) == pytest.approx(stage_target_s(snap, plain, 2.0), rel=0.05)
+    assert fair_shares((batching, plain), [10, 10], 10) == [5, 5]  # by the call time: 9 to 1
