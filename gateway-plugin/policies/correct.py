@@ -18,7 +18,7 @@ from gateway_plugin.config import CorrectConfig
 from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, service_rate_at, work_s
 from gateway_plugin.policies.queueing import servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
-from quart_provider.replicaset import StartTimeEstimate
+from quart_kernel.replicaset import StartTimeEstimate
 
 
 def stage_target_s(snapshot: PipelineSnapshot, stage: StageSnapshot, default_factor: float) -> float:

@@ -1,5 +1,5 @@
 """A request in flight to a host whose link goes down fails in ~2 s with dead-peer sockets
-(quart_provider.dead_peer), instead of waiting for its timeout; a slow answer from a healthy host is kept.
+(quart_transport.dead_peer), instead of waiting for its timeout; a slow answer from a healthy host is kept.
 
 Needs host namespaces (root); skips with the reason otherwise.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.network import HostNetwork, cleanup_by_prefix, cluster_id, unavailable_reason
+from quart_transport.dead_peer import dead_peer_connector
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"host namespaces unavailable: {REASON}")

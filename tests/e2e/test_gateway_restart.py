@@ -109,7 +109,7 @@ async def _restart(stack_path, state_dir) -> dict:
         stack = load_stack(stack_path)
         first.gateway.images.register(stack.image_index_entries())
         for fn in stack.functions:
-            await first.gateway.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
+            await first.gateway.registry.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
         await _ready(first, 120)
         before = {n: sorted(f.replicas) for n, f in first.gateway.functions.items()}
         await first.stop()

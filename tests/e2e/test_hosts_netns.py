@@ -82,7 +82,7 @@ def test_up_netns_runs_stages_on_host_addresses(tmp_path, emulated_stack) -> Non
                 assert replica.url.startswith(f"http://{net.host(replica.host).address}:"), replica.url
             assert await invoke(system.url, names[0]) == 200  # gateway → bridge → replica (stage 0 takes JSON)
             # scale a stage across both hosts
-            assert await gw.scale(names[0], 6) == 4  # scale.max
+            assert await gw.registry.scale(names[0], 6) == 4  # scale.max
             await system.wait_ready(names[:1], timeout_s=120)
             assert {e.host for e in gw.functions[names[0]].ready} == {"host-0", "host-1"}
         finally:
@@ -185,7 +185,7 @@ def test_host_down_fails_over_and_replaces_its_replicas(tmp_path, emulated_stack
             gw, net = system.gateway, system.network
             await system.deploy_stack(emulated_stack)
             for name in names:
-                await gw.scale(name, 2)
+                await gw.registry.scale(name, 2)
             await system.wait_ready(names, timeout_s=120)
             victim = gw.functions[names[0]].ready[0].host  # holds at least one replica
             assert await invoke(system.url, model) == 200

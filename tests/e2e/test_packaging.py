@@ -19,7 +19,9 @@ import pytest
 from support.paths import REPO
 
 ROOT = REPO
-PACKAGES = ("quart_stage", "keysmanager", "quart_provider", "gateway_plugin", "quart_tools")
+PACKAGE_DIRS = {name: ROOT / folder for name, folder in
+                tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()}
+PACKAGES = tuple(PACKAGE_DIRS)  # the project's own top-level packages (quart_stage … quart_tools)
 
 
 def _name(requirement: str) -> str:
@@ -68,9 +70,7 @@ def _closure(names: set[str]) -> set[str]:
 def _third_party_imports() -> set[str]:
     """Top-level modules imported anywhere in the product and the tools, not of this project nor the stdlib."""
     found: set[str] = set()
-    roots = {"quart_stage": ROOT / "template/pipeline-stage/quart_stage", "keysmanager": ROOT / "keysmanager",
-             "quart_provider": ROOT / "provider", "gateway_plugin": ROOT / "gateway-plugin", "quart_tools": ROOT / "tools"}
-    for folder in roots.values():
+    for folder in PACKAGE_DIRS.values():
         for path in folder.rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):

@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import pytest
+from quart_kernel.scheduling.paraserve import split_parts
 from quart_provider.paraserve_start import Group, ParaServeStarts, layout_of_manifest
-from quart_provider.scheduling.paraserve import split_parts
 from quart_stage import wire
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
@@ -89,8 +89,8 @@ def test_split_parts_balances_bytes_and_tiles_the_layers() -> None:
 def test_layout_and_groups_protect_members_until_all_are_whole() -> None:
     from types import SimpleNamespace
 
+    from quart_kernel.scheduling.starts import StartPlan
     from quart_provider.config import GatewayConfig
-    from quart_provider.scheduling.starts import StartPlan
     from quart_provider.types import Endpoint
 
     manifest = {"stages": [{"start": 2, "end": 5, "layer_bytes": [[0, 10], [10, 30], [30, 40]],
@@ -150,11 +150,11 @@ async def _run(cluster, tmp_path, parts: int, fault) -> tuple[list, object, obje
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.plugin import GatewayView
     from gateway_plugin.router import Router
+    from quart_kernel.scheduling import make_placer
     from quart_provider.config import GatewayConfig
     from quart_provider.deployment import FunctionDeployment
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_provider.scheduling import make_placer
 
     from keysmanager.client import AsyncKeysManagerClient
 
@@ -166,9 +166,9 @@ async def _run(cluster, tmp_path, parts: int, fault) -> tuple[list, object, obje
     hosts = [KeysManagerHost(d.name, AsyncKeysManagerClient(str(d.socket), timeout=120), 1, 1 << 30) for d in daemons]
     gw = EmbeddedGateway(config, hosts, make_placer("first-fit"))
     await gw.start()
-    router = Router(GatewayView(gw), gw.pipelines, PluginConfig(request_timeout_s=60.0, attempt_timeout_s=30.0))
+    router = Router(GatewayView(gw), gw.registry.pipelines, PluginConfig(request_timeout_s=60.0, attempt_timeout_s=30.0))
     try:
-        await gw.deploy(FunctionDeployment.from_json({
+        await gw.registry.deploy(FunctionDeployment.from_json({
             "service": FUNCTION, "image": "quart/pipeline-stage",
             "envVars": {"QUART_MODEL_URL": URL, "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "cpu"},
             "labels": {"com.quart.model": "live-llama", "com.quart.stage": "0", "com.quart.stages": "1",

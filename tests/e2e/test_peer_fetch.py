@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from quart_kernel.scheduling import HostView, ReplicaRequest, make_placer
+from quart_kernel.scheduling.multicast import chain_busy_hops, plan_chain
 from quart_provider.network import unavailable_reason
-from quart_provider.scheduling import HostView, ReplicaRequest, make_placer
-from quart_provider.scheduling.multicast import chain_busy_hops, plan_chain
 
 from keysmanager.auth import bearer_header
 from keysmanager.peers import parse_range

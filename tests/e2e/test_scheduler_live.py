@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from quart_provider.scheduling.types import ScheduleResult
+from quart_kernel.scheduling.types import ScheduleResult
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +52,8 @@ def test_gateway_scale_ups_follow_the_cache_aware_placer(tmp_path):
         await system.start()
         try:
             gateway = system.gateway
-            recorder = RecordingPlacer(gateway.placer)
-            gateway.placer = recorder
+            recorder = RecordingPlacer(gateway.reconciler.placer)
+            gateway.reconciler.placer = recorder
             assert recorder.name == "cache-aware"
             await system.deploy_stack(stack)
             await system.wait_ready(names, timeout_s=240)
@@ -64,7 +64,7 @@ def test_gateway_scale_ups_follow_the_cache_aware_placer(tmp_path):
                 await asyncio.sleep(0.2)
             before = set(gateway.functions[key].replicas)
             seen = len(recorder.decisions)
-            await gateway.scale(key, 3, key=True)
+            await gateway.registry.scale(key, 3, key=True)
             await system.wait_ready([key], timeout_s=240)
             new = [e for i, e in gateway.functions[key].replicas.items() if i not in before]
             placed = [p for r in recorder.decisions[seen:] for p in r.placements if p.function == key]

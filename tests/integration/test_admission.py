@@ -13,7 +13,8 @@ import time
 
 import pytest
 import requests
-from quart_provider.admission import ByteGate, Reservation, StageLoad, admit_by_time, expected_wait_s
+from quart_kernel.admission import StageLoad, admit_by_time, expected_wait_s
+from quart_provider.body_gate import ByteGate, Reservation
 from quart_stage.errors import QuartError
 from support.embedded_system import ThreadedSystem
 from support.faas_cli import Running, busy_function, faas_cli_deploy_body
@@ -171,7 +172,7 @@ def test_router_entry_refuses_at_the_queue_cap_and_past_the_deadline_with_a_meas
 
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.entry import entry_admission
-    from quart_provider.admission import ServiceTimes
+    from quart_kernel.admission import ServiceTimes
 
     services = {fn: ServiceTimes() for fn in ("m-0", "m-1")}
     for times in services.values():

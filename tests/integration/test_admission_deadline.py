@@ -11,7 +11,7 @@ import socket
 
 import pytest
 import requests
-from quart_provider.admission import RateMeter, ServiceTimes, StageLoad, admit_by_time, expected_wait_s
+from quart_kernel.admission import RateMeter, ServiceTimes, StageLoad, admit_by_time, expected_wait_s
 from support.faas_cli import running_echo
 
 

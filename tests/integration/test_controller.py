@@ -9,9 +9,10 @@ from dataclasses import asdict
 import pytest
 import requests
 from gateway_plugin.config import PluginConfig
-from gateway_plugin.controller import Controller, snapshot_from_json
+from gateway_plugin.controller import Controller
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.policies import make_policy
+from gateway_plugin.snapshot import snapshot_from_json
 from gateway_plugin.snapshot_builder import StageState
 from support.embedded_system import ThreadedSystem
 

@@ -96,7 +96,7 @@ def test_keysmanager_stage_replicas_logs_are_found(tmp_path, emulated_stack):  #
             stack = load_stack(emulated_stack)
             gw.images.register(stack.image_index_entries())
             fn = stack.functions[0]
-            await gw.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
+            await gw.registry.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
             deadline = time.monotonic() + 120
             while not gw.functions[fn.name].ready:
                 assert time.monotonic() < deadline, gw.functions[fn.name].last_error

@@ -35,7 +35,7 @@ async def _scale_up_timings(stack_path, state_dir) -> dict:
         stack = load_stack(stack_path)
         gw.images.register(stack.image_index_entries())
         for fn in stack.functions:
-            await gw.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
+            await gw.registry.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
         name = stack.functions[0].name
         fn = gw.functions[name]
         deadline = time.monotonic() + 120  # the first replica also builds the zygote
@@ -45,7 +45,7 @@ async def _scale_up_timings(stack_path, state_dir) -> dict:
         first = fn.ready[0]
 
         asked = time.monotonic()
-        assert await gw.scale(name, 2) == 2
+        assert await gw.registry.scale(name, 2) == 2
         while len(fn.ready) < 2:
             assert time.monotonic() - asked < 30, "the second replica never became ready"
             await asyncio.sleep(0.002)
@@ -67,8 +67,8 @@ async def _scale_up_timings(stack_path, state_dir) -> dict:
         # the same function redeployed without the parameter cache: running replicas stay, new ones cold-start
         request = dict(stack.functions[0].request)
         request["labels"] = {**request.get("labels", {}), LABEL_KEYSMANAGER: "off"}
-        await gw.update(FunctionDeployment.from_json(request, cfg.namespace))
-        assert await gw.scale(name, 3) == 3
+        await gw.registry.update(FunctionDeployment.from_json(request, cfg.namespace))
+        assert await gw.registry.scale(name, 3) == 3
         deadline = time.monotonic() + 120
         while len(fn.ready) < 3:
             assert time.monotonic() < deadline, f"the cold replica never became ready: {fn.last_error}"

@@ -179,7 +179,7 @@ def test_keysmanager_replicas_serve_as_their_functions_user(tmp_path):
             stack = load_stack(tmp_path / "m" / "stack.yml")
             gw.images.register(stack.image_index_entries())
             for fn in stack.functions:
-                await gw.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
+                await gw.registry.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
             deadline = time.monotonic() + 120
             while not all(f.ready for f in gw.functions.values()):
                 assert time.monotonic() < deadline, {n: f.last_error for n, f in gw.functions.items()}

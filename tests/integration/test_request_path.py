@@ -14,7 +14,7 @@ import pytest
 import requests
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.router import Router, StaticReplica, StaticReplicas
-from quart_provider.admission import client_deadline_s
+from quart_kernel.admission import client_deadline_s
 from quart_provider.balancer import Balancer, ServiceUnavailable
 from quart_provider.config import GatewayConfig
 from quart_stage.errors import QuartError
@@ -82,14 +82,14 @@ def test_pipeline_errors_are_quart_errors_and_a_bad_deadline_is_a_400_everywhere
 
 def test_pipelines_are_computed_once_per_change(pipeline):
     gateway = pipeline.system.gateway
-    first = gateway.pipelines()
-    assert gateway.pipelines() is first and first == {"pipe": ["pipe-s0", "pipe-s1"]}
+    first = gateway.registry.pipelines()
+    assert gateway.registry.pipelines() is first and first == {"pipe": ["pipe-s0", "pipe-s1"]}
     res = requests.post(f"{pipeline.url}/system/functions", auth=pipeline.auth, timeout=30,
                         json={"service": "other-s0", "image": "quart/echo:latest",
                               "labels": {"com.quart.model": "other", "com.quart.stage": "0",
                                          "com.quart.stages": "1"}})
     assert res.status_code == 202, res.text
-    assert gateway.pipelines() is not first and gateway.pipelines()["other"] == ["other-s0"]
+    assert gateway.registry.pipelines() is not first and gateway.registry.pipelines()["other"] == ["other-s0"]
 
 
 def test_the_deadline_parser():

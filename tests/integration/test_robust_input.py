@@ -136,8 +136,8 @@ def test_stage_input_ids_of_two_to_the_seventy_are_a_400_over_safetensors(tiny1)
 
 
 def test_router_retries_only_what_another_replica_can_fix():
-    from quart_provider.retry import passed_on, should_retry
-    from quart_provider.upstream import UpstreamError, UpstreamRefused, UpstreamTimeout
+    from quart_transport.retry import passed_on, should_retry
+    from quart_transport.upstream import UpstreamError, UpstreamRefused, UpstreamTimeout
 
     assert should_retry(0, ConnectionRefusedError()) and should_retry(0, UpstreamRefused("refused"))
     assert should_retry(0, UpstreamTimeout("late")) and should_retry(0, UpstreamError("died mid-answer"))
@@ -181,8 +181,8 @@ def test_echo_replica_answers_malformed_content_length_with_400_and_closes(lengt
 
 
 def test_a_replica_that_refuses_connections_is_known_dead():
-    from quart_provider.retry import replica_gone
-    from quart_provider.upstream import UpstreamError, UpstreamRefused
+    from quart_transport.retry import replica_gone
+    from quart_transport.upstream import UpstreamError, UpstreamRefused
 
     assert replica_gone(UpstreamRefused("cannot connect to 127.0.0.1:9: refused"))
     assert not replica_gone(UpstreamError("the replica closed the connection")) and not replica_gone(None)

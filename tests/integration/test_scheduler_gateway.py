@@ -10,11 +10,11 @@ import time
 
 import pytest
 import requests
+from quart_kernel.scheduling import HostView, make_placer
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
-from quart_provider.scheduling import HostView, make_placer
 from support.embedded_system import ThreadedSystem
 
 
@@ -105,14 +105,14 @@ def test_gateway_places_with_parameter_bytes_pins_kept_zygotes_and_counts_hits(t
         gw = EmbeddedGateway(GatewayConfig(port=0, state_dir=tmp_path, reconcile_interval_s=0.02), hosts, placer)
         await gw.start()
         try:
-            await gw.deploy(FunctionDeployment.from_json(
+            await gw.registry.deploy(FunctionDeployment.from_json(
                 {"service": function, "image": "tiny-stage", "envVars": env,
                  "labels": {"com.openfaas.scale.min": "1", "com.openfaas.scale.max": "6"}}, gw.config.namespace))
             deadline = time.monotonic() + 10
             while gw.scheduler_metrics.snapshot().scale_ups < 1:  # the deploy's replica first
                 assert time.monotonic() < deadline, "first replica not ready"
                 await asyncio.sleep(0.01)
-            await gw.scale(function, 3, key=True)
+            await gw.registry.scale(function, 3, key=True)
             while len(gw.functions[function].ready) < 3 or gw.scheduler_metrics.snapshot().scale_ups < 3:
                 assert time.monotonic() < deadline, "replicas not ready"
                 await asyncio.sleep(0.01)
@@ -148,7 +148,7 @@ def test_metrics_endpoint_has_scale_up_and_ready_time_series_after_a_scale_up(tm
         while gateway.scheduler_metrics.snapshot().scale_ups < 1:  # the deploy's replica first
             assert time.monotonic() < deadline, "first echo replica not ready"
             time.sleep(0.02)
-        assert system.call(gateway.scale("echo", 3, key=True)) == 3
+        assert system.call(gateway.registry.scale("echo", 3, key=True)) == 3
         while gateway.scheduler_metrics.snapshot().scale_ups < 3:
             assert time.monotonic() < deadline, "echo replicas not ready"
             time.sleep(0.02)
@@ -201,7 +201,7 @@ def test_scale_up_onto_hosts_without_the_stage_multicasts_from_the_holder_and_st
                              hosts, make_placer("first-fit"))
         await gw.start()
         try:
-            await gw.deploy(FunctionDeployment.from_json(
+            await gw.registry.deploy(FunctionDeployment.from_json(
                 {"service": function, "image": "m-stage", "envVars": {  # a registry stage: its bytes are fetched
                     "QUART_MODEL_URL": "s3://models/m", "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "emulated"},
                  "labels": {"com.openfaas.scale.min": "1", "com.openfaas.scale.max": "4"}}, gw.config.namespace))
@@ -210,7 +210,7 @@ def test_scale_up_onto_hosts_without_the_stage_multicasts_from_the_holder_and_st
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             told.clear()
-            await gw.scale(function, 4)
+            await gw.registry.scale(function, 4)
             while len(gw.functions[function].ready) < 4:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from quart_provider.admission import StageLoad
-from quart_provider.shedding import SHED_HEADER, admit_pipeline, pipeline_wait_s, shed_queued
+from quart_kernel.admission import StageLoad
+from quart_kernel.shedding import SHED_HEADER, admit_pipeline, pipeline_wait_s, shed_queued
 from support.router_cluster import Cluster, make_router, with_cluster
 
 

@@ -57,7 +57,7 @@ async def _kill_a_keysmanager(stack_path, state_dir) -> dict:
         stack = load_stack(stack_path)
         gw.images.register(stack.image_index_entries())
         for fn in stack.functions:
-            await gw.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
+            await gw.registry.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
         await _all_ready(gw, 120)
         victim = next(a for a in system.agents if any(e.host == a.name for f in gw.functions.values()
                                                        for e in f.ready))

@@ -1,4 +1,4 @@
-"""The proxy's upstream client (:mod:`quart_provider.upstream`) against raw HTTP/1.1 servers: framings, reuse, errors."""
+"""The proxy's upstream client (:mod:`quart_transport.upstream`) against raw HTTP/1.1 servers: framings, reuse, errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import socket
 
 import pytest
-from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
+from quart_transport.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
 
 
 async def serve(answers: list[bytes], seen: list[bytes], close_after: bool = False):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from quart_kernel.scheduling.types import HostView
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
-from quart_provider.scheduling.types import HostView
 
 
 class FakeHost:
@@ -72,6 +72,6 @@ def make(tmp_path, hosts, **cfg) -> EmbeddedGateway:
 
 async def settle(gw: EmbeddedGateway, rounds: int = 3) -> None:
     for _ in range(rounds):
-        await gw.reconcile()
+        await gw.reconciler.reconcile()
         await asyncio.sleep(0.01)
 

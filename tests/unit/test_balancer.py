@@ -1,9 +1,9 @@
-"""The one pick rule the gateway's proxy and the pipeline router share (quart_provider.balancer.pick)."""
+"""The one pick rule the gateway's proxy and the pipeline router share (quart_kernel.picking.pick)."""
 
 from __future__ import annotations
 
 from gateway_plugin.router import Router, StaticReplica, StaticReplicas
-from quart_provider.balancer import pick
+from quart_kernel.picking import pick
 
 
 def _replicas(*loads: int) -> list[StaticReplica]:

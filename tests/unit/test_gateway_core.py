@@ -9,9 +9,9 @@ import pytest
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
-from quart_provider.quantities import parse_cpu, parse_memory
 from quart_provider.stack import StackError, load_stack
 from quart_stage.errors import QuartError
+from quart_transport.quantities import parse_cpu, parse_memory
 from support.fake_hosts import FakeHost, dep, make, settle
 
 
@@ -19,21 +19,21 @@ def test_no_traffic_before_ready_then_least_loaded(tmp_path):
     async def scenario():
         host = FakeHost("h0")
         gw = make(tmp_path, [host])
-        fn = await gw.deploy(dep(**{"com.openfaas.scale.min": "2"}))
+        fn = await gw.registry.deploy(dep(**{"com.openfaas.scale.min": "2"}))
         await settle(gw)
         assert len(fn.replicas) == 2 and fn.ready == []
-        assert gw.acquire_nowait(fn) is None  # starting replicas get nothing
+        assert gw.balancer.acquire_nowait(fn) is None  # starting replicas get nothing
         with pytest.raises(ServiceUnavailable) as err:
-            await gw.acquire(fn)
+            await gw.balancer.acquire(fn)
         assert err.value.status == 503
         host.make_ready()
         await settle(gw)
         assert len(fn.ready) == 2
-        a = gw.acquire_nowait(fn)
-        b = gw.acquire_nowait(fn)
+        a = gw.balancer.acquire_nowait(fn)
+        b = gw.balancer.acquire_nowait(fn)
         assert a is not b  # least loaded: the second request goes to the idle replica
-        gw.release(fn, a)
-        c = gw.acquire_nowait(fn)
+        gw.balancer.release(fn, a)
+        c = gw.balancer.acquire_nowait(fn)
         assert c is a and a.in_flight == 1 and b.in_flight == 1
         spec = host.started[0]
         assert spec.cpus == 2.0 and spec.memory_bytes == 1 << 30 and spec.env["K"] == "v"
@@ -46,18 +46,18 @@ def test_concurrency_limit_waits_then_429_when_queue_full(tmp_path):
     async def scenario():
         host = FakeHost("h0")
         gw = make(tmp_path, [host], max_waiting=1)
-        fn = await gw.deploy(dep(**{"com.quart.concurrency": "1"}))
+        fn = await gw.registry.deploy(dep(**{"com.quart.concurrency": "1"}))
         await settle(gw)
         host.make_ready()
         await settle(gw)
-        held = gw.acquire_nowait(fn)
-        assert held is not None and gw.acquire_nowait(fn) is None  # at its limit
-        waiter = asyncio.create_task(gw.acquire(fn))
+        held = gw.balancer.acquire_nowait(fn)
+        assert held is not None and gw.balancer.acquire_nowait(fn) is None  # at its limit
+        waiter = asyncio.create_task(gw.balancer.acquire(fn))
         await asyncio.sleep(0.02)
         with pytest.raises(ServiceUnavailable) as err:  # one already waits: max_waiting=1
-            await gw.acquire(fn)
+            await gw.balancer.acquire(fn)
         assert err.value.status == 429
-        gw.release(fn, held)
+        gw.balancer.release(fn, held)
         got = await asyncio.wait_for(waiter, 1)
         assert got is held and got.in_flight == 1
         await gw.close()
@@ -69,8 +69,8 @@ def test_placement_spreads_over_hosts_and_scale_down_drains(tmp_path):
     async def scenario():
         hosts = [FakeHost("h0", slots=1), FakeHost("h1", slots=1)]
         gw = make(tmp_path, hosts)
-        fn = await gw.deploy(dep())
-        await gw.scale("f", 3)
+        fn = await gw.registry.deploy(dep())
+        await gw.registry.scale("f", 3)
         await settle(gw)
         assert sorted(e.host for e in fn.replicas.values()) == ["h0", "h1"]
         assert fn.unplaced == 1  # two slots in all
@@ -79,13 +79,13 @@ def test_placement_spreads_over_hosts_and_scale_down_drains(tmp_path):
         await settle(gw)
         busy = fn.ready[0]
         busy.in_flight += 1
-        await gw.scale("f", 1)
+        await gw.registry.scale("f", 1)
         await settle(gw)
         await asyncio.sleep(0.05)
         assert [e.id for e in fn.ready] == [busy.id]  # the idle replica went first
         assert sum(len(h.stopped) for h in hosts) == 1
         with pytest.raises(QuartError):
-            await gw.scale("f", -1)
+            await gw.registry.scale("f", -1)
         await gw.close()
 
     asyncio.run(scenario())
@@ -95,12 +95,12 @@ def test_rolling_update_keeps_old_replicas_until_new_ones_are_ready(tmp_path):
     async def scenario():
         host = FakeHost("h0")
         gw = make(tmp_path, [host])
-        fn = await gw.deploy(dep())
+        fn = await gw.registry.deploy(dep())
         await settle(gw)
         host.make_ready()
         await settle(gw)
         [old] = fn.ready
-        await gw.update_limits("f", cpus=4)
+        await gw.registry.update_limits("f", cpus=4)
         assert host.invalidated == ["f"] and fn.generation == 2
         await settle(gw)
         assert [e.id for e in fn.ready] == [old.id]  # new one still starting
@@ -134,12 +134,12 @@ def test_a_replica_started_during_a_poll_is_kept(tmp_path):
 
     async def go():
         gw = make(tmp_path, [host])
-        fn = await gw.deploy(dep("f"))
-        await gw.reconcile()  # places the first replica; its start runs in the background
-        await gw.reconcile()  # polls while that start finishes
+        fn = await gw.registry.deploy(dep("f"))
+        await gw.reconciler.reconcile()  # places the first replica; its start runs in the background
+        await gw.reconciler.reconcile()  # polls while that start finishes
         assert len(fn.replicas) == 1, "the replica started during the poll was dropped"
         for _ in range(3):
-            await gw.reconcile()
+            await gw.reconciler.reconcile()
         assert len(host.started) == 1 and not host.stopped, (len(host.started), host.stopped)
         await gw.close()
 
@@ -150,8 +150,8 @@ def test_invoke_hooks_and_pipelines(tmp_path):
     async def scenario():
         gw = make(tmp_path, [FakeHost("h0")])
         for i in (1, 0):
-            await gw.deploy(dep(f"m-stage-{i}", **{"com.quart.model": "m", "com.quart.stage": str(i)}))
-        assert gw.pipelines() == {"m": ["m-stage-0", "m-stage-1"]}
+            await gw.registry.deploy(dep(f"m-stage-{i}", **{"com.quart.model": "m", "com.quart.stage": str(i)}))
+        assert gw.registry.pipelines() == {"m": ["m-stage-0", "m-stage-1"]}
         seen = []
 
         async def hook(request, name, tail):
@@ -231,9 +231,9 @@ def test_failed_starts_back_off_and_are_reported(tmp_path):
     async def scenario():
         host = BrokenHost("h0")
         gw = make(tmp_path, [host])
-        fn = await gw.deploy(dep())
+        fn = await gw.registry.deploy(dep())
         for _ in range(10):
-            await gw.reconcile()
+            await gw.reconciler.reconcile()
             await asyncio.sleep(0.01)
         assert len(host.started) == 1  # one try, then a 0.5 s backoff instead of a retry every tick
         assert "no such stage" in fn.last_error and fn.ready == []
@@ -246,12 +246,12 @@ def test_label_only_update_keeps_replicas_and_raises_the_floor(tmp_path):
     async def scenario():
         host = FakeHost("h0")
         gw = make(tmp_path, [host])
-        fn = await gw.deploy(dep())
+        fn = await gw.registry.deploy(dep())
         await settle(gw)
         host.make_ready()
         await settle(gw)
         [old] = fn.ready
-        await gw.update(dep(**{"com.openfaas.scale.min": "2", "com.openfaas.scale.max": "5"}))
+        await gw.registry.update(dep(**{"com.openfaas.scale.min": "2", "com.openfaas.scale.max": "5"}))
         assert fn.generation == 1 and host.invalidated == [] and fn.desired == 2  # no roll, new floor
         await settle(gw)
         host.make_ready()
@@ -279,7 +279,7 @@ def test_a_live_replica_whose_transfer_stalls_is_replaced_after_the_start_timeou
     async def scenario():
         host = StalledLiveHost("h0")
         gw = make(tmp_path, [host], start_timeout_s=0.3)
-        fn = await gw.deploy(dep(**{"com.openfaas.scale.min": "1"}))
+        fn = await gw.registry.deploy(dep(**{"com.openfaas.scale.min": "1"}))
         await settle(gw)
         [first] = fn.replicas.values()
         assert not first.whole and fn.ready == []  # serving part of its stage: not in the proxy's ready list

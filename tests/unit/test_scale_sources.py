@@ -1,13 +1,13 @@
 """Scale-up sources (issues 16 and 17): the ParaServe planner and the start-mode rule the gateway and the
-simulator share (quart_provider.scheduling.paraserve / .starts). Pure functions, no processes."""
+simulator share (quart_kernel.scheduling.paraserve / .starts). Pure functions, no processes."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from quart_provider.scheduling import FetchHost, ParaServeCosts, Placement, plan_parallelism, plan_starts
-from quart_provider.scheduling.paraserve import predict, rank_hosts
+from quart_kernel.scheduling import FetchHost, ParaServeCosts, Placement, plan_parallelism, plan_starts
+from quart_kernel.scheduling.paraserve import predict, rank_hosts
 
 GB = 1_000_000_000
 NIC = 1.25e9  # 10 Gbit/s
@@ -162,8 +162,8 @@ def test_a_small_paraserve_group_borrows_spare_hosts_once_each() -> None:
 
 
 def test_chains_and_peers_the_gateway_orders_from_the_start_plans():
-    from quart_provider.scheduling.starts import chains_of, peers_of, plan_starts
-    from quart_provider.scheduling.types import Placement
+    from quart_kernel.scheduling.starts import chains_of, peers_of, plan_starts
+    from quart_kernel.scheduling.types import Placement
 
     placements = [Placement("f", h, "peer") for h in ("h3", "h1", "h2")] + [Placement("g", "h4", "peer"),
                                                                            Placement("k", "h5", "cold")]

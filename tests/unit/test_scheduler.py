@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from quart_provider.scheduling import (
+from quart_kernel.scheduling import (
     HostView,
     ReplicaRequest,
     SchedulerConfig,
     host_view_from_report,
     make_placer,
 )
-from quart_provider.scheduling.dispersion import (
+from quart_kernel.scheduling.dispersion import (
     DispersionProblem,
     disperse,
     project_rows_to_simplex,
@@ -349,7 +349,7 @@ def test_stall_stop_cuts_the_slow_tail_without_moving_placements():
 def test_a_shortage_is_shared_max_min_fairly_across_stages() -> None:
     """8 stages of one pipeline ask 7, 6, …, 6 replicas of 40 free slots: each gets 5 (the last forty), none 0 —
     placed in name order, the later stages would otherwise get what the first ones left (issue 32, seed 1)."""
-    from quart_provider.scheduling.cluster import fair_trim
+    from quart_kernel.scheduling.cluster import fair_trim
 
     hosts = [_host(f"h{i}", cached=[f"s{j}" for j in range(8)]) for i in range(10)]
     requests = [ReplicaRequest(f"s{j}", 7 if j == 0 else 6, 10, key=True) for j in range(8)]

@@ -8,7 +8,7 @@ import os
 from collections import OrderedDict
 
 import pytest
-from quart_provider.scheduling import HostView, make_placer
+from quart_kernel.scheduling import HostView, make_placer
 from quart_tools.bench.scheduler import Started, run_script
 from quart_tools.bench.scheduler_scenario import scripted_sequence
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from quart_provider.scheduling import HostView, ReplicaRequest, make_placer
-from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
+from quart_kernel.scheduling import HostView, ReplicaRequest, make_placer
+from quart_provider.scheduler_metrics import SchedulerCollector, SchedulerMetrics
 
 
 def _fed() -> SchedulerMetrics:

@@ -54,7 +54,7 @@ def test_a_replica_serves_what_waits_as_one_call_and_the_router_table_fills() ->
         assert mean_s == pytest.approx(0.01 * relative_time(size, 0.6))
     p = fit(table, 16)
     assert p.fixed_s == pytest.approx(0.006) and p.per_request_s == pytest.approx(0.004)
-    state = sim.stage_state("m-stage-0")  # what the policies see: the limit and the profile as a label gives it
+    state = sim.control.stage_state("m-stage-0")  # what the policies see: the limit and the profile as a label gives it
     assert state.batch_max == 16 and state.batch_profile_s == profile_s(0.01, 16, 0.6)
     assert state.batch_profile_s[-1] == (16, pytest.approx(0.01 * 7.0))
 

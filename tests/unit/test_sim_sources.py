@@ -82,7 +82,7 @@ def test_live_replicas_serve_before_they_hold_every_layer_and_lose_nothing() -> 
 
 def test_live_needs_a_serving_replica_to_share_with() -> None:
     # the rule (starts.plan_starts) falls back to a chain without a replica of the stage that serves
-    from quart_provider.scheduling import Placement, plan_starts
+    from quart_kernel.scheduling import Placement, plan_starts
 
     plans = plan_starts([Placement("f", "a", "peer")], {"f": ["s"]}, {"peer", "multicast", "live"}, {"f": 0})
     assert plans[0].mode == "peer"
@@ -138,7 +138,7 @@ def test_paraserve_borrows_helpers_that_leave_after_consolidation() -> None:
 
 
 def test_a_paraserve_group_is_never_surplus_before_it_consolidates() -> None:
-    """The live rule (quart_provider.convergence): a scale-down while a group loads stops another replica; the
+    """The live rule (quart_kernel.convergence): a scale-down while a group loads stops another replica; the
     group's helpers serve their part and leave only once it has consolidated."""
     cal = Calibration(hosts=8, gpus_per_host=1, service_cv=0.0, h2d_gbps=16.0, disk_gbps=1.25, cold_fixed_s=0.2)
     cfg = SimConfig(model="m", stages=(StageSpec("m-stage-0", 0.05, SIZE),), slo_s=1.0, calibration=cal,

@@ -1,5 +1,7 @@
 """The shape of the house (docs/architecture.md): no import cycle between the project's modules, the
-layering of the packages, product modules under 500 lines and free of benchmarks."""
+layering of the packages (the pure decision kernel and the shared HTTP transport below both the embedded
+gateway and the plugin, which import neither each other nor upward), product modules under 500 lines and
+free of benchmarks."""
 
 from __future__ import annotations
 
@@ -13,12 +15,27 @@ ROOT = REPO
 PACKAGES = {  # import name → folder (pyproject.toml, [tool.setuptools] package-dir)
     "quart_stage": ROOT / "template/pipeline-stage/quart_stage",
     "keysmanager": ROOT / "keysmanager",
+    "quart_transport": ROOT / "transport",
+    "quart_kernel": ROOT / "kernel",
     "quart_provider": ROOT / "provider",
     "gateway_plugin": ROOT / "gateway-plugin",
     "quart_tools": ROOT / "tools",
 }
-LAYERS = ["quart_stage", "keysmanager", "quart_provider", "gateway_plugin", "quart_tools"]  # imports go left
-PRODUCT = ["quart_stage", "keysmanager", "quart_provider", "gateway_plugin"]  # what the images ship
+# What each package may import besides itself: strictly downward. The embedded gateway (quart_provider) and the
+# plugin (gateway_plugin) are side by side: each imports the kernel and the transport, never the other.
+BELOW = {
+    "quart_stage": set(),
+    "keysmanager": {"quart_stage"},
+    "quart_transport": {"quart_stage", "keysmanager"},
+    "quart_kernel": {"quart_stage"},
+    "quart_provider": {"quart_stage", "keysmanager", "quart_transport", "quart_kernel"},
+    "gateway_plugin": {"quart_stage", "keysmanager", "quart_transport", "quart_kernel"},
+    "quart_tools": {"quart_stage", "keysmanager", "quart_transport", "quart_kernel", "quart_provider", "gateway_plugin"},
+}
+PRODUCT = ["quart_stage", "keysmanager", "quart_transport", "quart_kernel", "quart_provider", "gateway_plugin"]
+# The kernel decides and never acts: none of these in it (time comes in as an argument or a clock it is given).
+KERNEL_NEVER = {"aiohttp", "asyncio", "socket", "subprocess", "threading", "multiprocessing", "requests", "urllib",
+                "http", "ssl", "selectors", "signal"}
 MAX_LINES = 500
 
 
@@ -96,8 +113,8 @@ def _top(module: str) -> str:
 
 def test_the_graph_is_built_from_real_imports() -> None:
     graph = _graph()
-    assert "quart_provider.replicaset" in graph["quart_tools.sim.engine"]
-    assert "gateway_plugin.controller" in graph["quart_tools.sim.engine"]
+    assert "quart_kernel.replicaset" in graph["quart_tools.sim.control"]
+    assert "gateway_plugin.controller" in graph["quart_tools.sim.control"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
@@ -107,9 +124,17 @@ def test_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " → ".join(cycle or [])
 
 
+def test_the_layers_name_every_package_of_pyproject() -> None:
+    import tomllib
+
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert {name: ROOT / folder for name, folder in dirs.items()} == PACKAGES
+    assert set(BELOW) == set(PACKAGES)
+
+
 def test_packages_import_only_lower_layers() -> None:
     wrong = [f"{src} imports {dst}" for src, targets in _graph().items() for dst in targets
-             if LAYERS.index(_top(dst)) > LAYERS.index(_top(src))]
+             if _top(dst) != _top(src) and _top(dst) not in BELOW[_top(src)]]
     assert not wrong, "\n".join(wrong)
 
 
@@ -126,13 +151,6 @@ def test_product_modules_are_short_and_hold_no_benchmark(package: str) -> None:
     assert not benches, f"benchmarks belong in tools/bench: {benches}"
 
 
-# The embedded gateway itself (registry, reconciler, starter, its HTTP app, its supervisor): the standalone plugin
-# runs beside a real OpenFaaS gateway and needs none of it (issue 26); what it may use of quart_provider is the
-# pure decision kernel (admission, replicaset, balancer's pick, convergence, scheduling) and shared plumbing.
-EMBEDDED_GATEWAY = ("gateway", "registry", "reconciler", "starting", "routes", "handlers_*", "supervisor", "store",
-                    "adopt", "host_health", "keysmanager_host", "paraserve_start", "async_service", "system", "stack")
-
-
 def _reached(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
     seen: set[str] = set()
     stack = list(roots)
@@ -144,15 +162,68 @@ def _reached(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
     return seen
 
 
-def test_the_plugin_does_not_import_the_embedded_gateway() -> None:
-    import fnmatch
+def _top_level_imports(path: Path) -> set[str]:
+    """Top-level module names ``path`` imports (absolute imports, anywhere in the file)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.partition(".")[0])
+    return found
 
+
+def test_the_plugin_and_the_embedded_gateway_do_not_import_each_other() -> None:
+    """Issue 26: the standalone plugin ships without the embedded gateway (quart_provider), and the embedded
+    gateway knows the plugin only through the hooks it is given (quart_tools composes the two)."""
+    for package, other in (("gateway_plugin", "quart_provider"), ("quart_provider", "gateway_plugin")):
+        hits = [str(path.relative_to(ROOT)) for path in PACKAGES[package].rglob("*.py")
+                if other in _top_level_imports(path)]
+        assert not hits, f"{package} imports {other}: {hits}"
     graph = _graph()
-    reached = _reached(graph, [m for m in graph if _top(m) == "gateway_plugin"])
-    embedded = [m for m in sorted(reached) if _top(m) == "quart_provider"
-                and any(fnmatch.fnmatch(m.partition(".")[2], pattern) for pattern in EMBEDDED_GATEWAY)]
-    assert not embedded, f"the plugin reaches the embedded gateway: {embedded}"
-    assert "quart_provider.replicaset" in reached  # the check sees the plugin's real imports
+    plugin = {dst for src, targets in graph.items() if _top(src) == "gateway_plugin" for dst in targets}
+    assert {"quart_kernel.picking", "quart_kernel.admission", "quart_transport.upstream"} <= plugin  # real imports
+
+
+def test_the_kernel_decides_and_never_acts() -> None:
+    acting = {str(path.relative_to(ROOT)): sorted(_top_level_imports(path) & KERNEL_NEVER)
+              for path in PACKAGES["quart_kernel"].rglob("*.py")}
+    acting = {path: names for path, names in acting.items() if names}
+    assert not acting, f"the kernel does I/O or concurrency: {acting}"
+
+
+def test_the_policies_are_pure_decisions_over_the_plugin_snapshot() -> None:
+    """The scaling policies stay in the plugin (docs/architecture.md says why) but are held to the kernel's rule:
+    no sockets, event loop or processes (cv_online trains its model on one background thread, the only
+    exception), and of the project only the snapshot, the policy settings, other policies, the kernel and the
+    stage vocabulary."""
+    allowed = {"gateway_plugin.snapshot", "gateway_plugin.config"}
+    graph = _graph()
+    for path in (PACKAGES["gateway_plugin"] / "policies").rglob("*.py"):
+        never = KERNEL_NEVER - ({"threading"} if path.stem == "cv_online" else set())
+        assert not _top_level_imports(path) & never, f"{path.relative_to(ROOT)} does I/O or concurrency"
+    outside = {f"{src} imports {dst}" for src, targets in graph.items() if src.startswith("gateway_plugin.policies")
+               for dst in targets if _top(dst) == "gateway_plugin" and not dst.startswith("gateway_plugin.policies")
+               and dst not in allowed}
+    assert not outside, sorted(outside)
+    assert "gateway_plugin.snapshot" in graph["gateway_plugin.policies.quart"]
+
+
+def test_the_plugin_image_ships_what_the_plugin_imports_and_not_the_embedded_gateway() -> None:
+    """deploy/docker/plugin.Dockerfile copies exactly the packages the plugin (and the KeysManager, which runs from
+    the same image) reach through their imports: no quart_provider, no quart_tools."""
+    import re
+
+    text = (ROOT / "deploy/docker/plugin.Dockerfile").read_text()
+    folders = {str(folder.relative_to(ROOT)): name for name, folder in PACKAGES.items()}
+    pairs = [(src, dst) for src, dst in re.findall(r"^COPY (\S+) \./lib/(\S+)$", text, re.M) if src in folders]
+    assert all(dst == folders[src] for src, dst in pairs), f"each package goes under its import name: {pairs}"
+    copied = {folders[src] for src, _ in pairs}
+    graph = _graph()
+    roots = [m for m in graph if _top(m) in ("gateway_plugin", "keysmanager")]
+    needed = {_top(m) for m in _reached(graph, roots) | set(roots)}
+    assert copied == needed, f"the plugin image copies {sorted(copied)}, the plugin needs {sorted(needed)}"
+    assert not {"quart_provider", "quart_tools"} & copied
 
 
 TESTS = ROOT / "tests"

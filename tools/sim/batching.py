@@ -22,6 +22,8 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from quart_tools.sim.events import COMPLETE, EventLoop
+
 if TYPE_CHECKING:
     from quart_tools.sim.state import Replica, SimConfig, _Stage
 
@@ -41,27 +43,19 @@ def profile_s(service_s: float, batch_max: int, fixed: float) -> tuple[tuple[int
     return tuple((b, service_s * relative_time(b, fixed)) for b in sizes)
 
 
-class BatchFlow:
-    """Mixin of ``Simulation``: a freeing replica serves a batch from its stage's queue."""
-
-    cfg: SimConfig
-    hop_in_service: float
-    heap: list
-    seq: int
-
-    def _start_batch(self, stage: _Stage, rep: Replica, now: float) -> None:
-        members = []
-        while stage.queue and len(members) < self.cfg.batch_max:
-            req, enqueued = stage.queue.popleft()
-            stage.metrics.on_dispatch(now, now - enqueued)
-            members.append(req)
-        stage.busy += len(members)
-        rep.in_flight += 1  # one call
-        draw = sum(stage.draws[r] for r in members) / len(members)
-        service = (stage.spec.service_s * rep.factor * draw * relative_time(len(members), self.cfg.batch_fixed)
-                   + self.hop_in_service)
-        self.seq += 1
-        heapq.heappush(self.heap, (now + service, self.seq, 0, (tuple(members), rep, service)))  # engine._COMPLETE
+def start_batch(cfg: SimConfig, loop: EventLoop, hop_s: float, stage: _Stage, rep: Replica, now: float) -> None:
+    """A freeing replica takes up to ``cfg.batch_max`` requests waiting at its stage in one call (the data plane's;
+    ``hop_s``: the hop a call holds the replica for)."""
+    members = []
+    while stage.queue and len(members) < cfg.batch_max:
+        req, enqueued = stage.queue.popleft()
+        stage.metrics.on_dispatch(now, now - enqueued)
+        members.append(req)
+    stage.busy += len(members)
+    rep.in_flight += 1  # one call
+    draw = sum(stage.draws[r] for r in members) / len(members)
+    service = stage.spec.service_s * rep.factor * draw * relative_time(len(members), cfg.batch_fixed) + hop_s
+    loop.push(now + service, COMPLETE, (tuple(members), rep, service))
 
 
 def batched_fifo_waits(arrivals: list[float], work: list[float], hop: float, servers: int, batch_max: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from quart_provider.scheduling.types import HostView, Placement, ReplicaRequest, Source
+from quart_kernel.scheduling.types import HostView, Placement, ReplicaRequest, Source
 
 
 @dataclass

@@ -28,9 +28,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from quart_provider.replicaset import choose_surplus, rollover_done, shortfall
-from quart_provider.scheduling.starts import StartPlan, plan_starts
-from quart_provider.scheduling.types import HostView, Placer, ReplicaRequest, ScheduleResult
+from quart_kernel.replicaset import choose_surplus, rollover_done, shortfall
+from quart_kernel.scheduling.starts import StartPlan, plan_starts
+from quart_kernel.scheduling.types import HostView, Placer, ReplicaRequest, ScheduleResult
 
 ActionKind = Literal["start", "stop", "drain", "retire"]
 Parallelism = Callable[[str, Sequence[HostView]], int]  # (function, hosts) → P of a ParaServe cold start

@@ -1,4 +1,4 @@
-"""How the provider's HTTP handlers answer what is not a result: ``{"error": ..., "field": ...}`` JSON.
+"""How both gateways (the embedded one and the plugin) answer what is not a result: ``{"error", "field"}`` JSON.
 
 :class:`Answer` is an invocation's answer before any HTTP server writes it: the aiohttp handlers and the
 fast ``/function`` front (:mod:`.front`) both write the same :class:`Answer` the shared proxy code built.

@@ -4,7 +4,7 @@ A cold stage of ``stage_bytes`` split over P hosts: each host fetches 1/P of the
 its own NIC rate (the registry's bandwidth is shared by the P fetchers), copies its part host → device, and
 the P parts serve as a sub-pipeline at once (one extra hop per part after the first). The planner picks the
 smallest P whose predicted first response meets the SLO, among hosts whose NICs carry no serving traffic
-and no other cold fetch first (the ``Link`` / busy-link notion of `quart_provider.scheduling.multicast`).
+and no other cold fetch first (the ``Link`` / busy-link notion of `quart_kernel.scheduling.multicast`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from quart_provider.scheduling.multicast import Link
+from quart_kernel.scheduling.multicast import Link
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ write on an idle keep-alive connection to the replica, and an :class:`asyncio.Pr
 answer (``Content-Length``, chunked, or up to close; interim 1xx answers skipped; no body for HEAD,
 204, 304) into an :class:`UpstreamResponse`, resolving one future.
 
-Connections are :func:`~quart_provider.dead_peer.dead_peer_socket` sockets (a silent host: an error
+Connections are :func:`~quart_transport.dead_peer.dead_peer_socket` sockets (a silent host: an error
 in about 2 s) with ``TCP_NODELAY``. :class:`UpstreamRefused`: no connection could be made (the replica
 never saw the request; the proxy retries elsewhere) — also a *fresh* connection reset or closed before
 one byte of the answer: a replica killed a moment ago still had its listening socket, the kernel took
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
-from quart_provider.dead_peer import dead_peer_socket
-from quart_provider.headers import HOP_BY_HOP
-from quart_provider.http1 import dechunk, next_chunk
+from quart_transport.dead_peer import dead_peer_socket
+from quart_transport.headers import HOP_BY_HOP
+from quart_transport.http1 import dechunk, next_chunk
 
 from keysmanager.aio import within
 

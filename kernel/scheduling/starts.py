@@ -23,8 +23,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from quart_provider.scheduling.multicast import Link, plan_chain
-from quart_provider.scheduling.types import Placement
+from quart_kernel.scheduling.multicast import Link, plan_chain
+from quart_kernel.scheduling.types import Placement
 
 StartMode = Literal["gpu", "fork", "peer", "multicast", "live", "cold", "paraserve"]
 MECHANISMS = ("peer", "multicast", "live", "paraserve")

@@ -20,7 +20,7 @@ retry); the router retries whatever :func:`should_retry` allows while the reques
 
 from __future__ import annotations
 
-from quart_provider.upstream import UpstreamError, UpstreamRefused
+from quart_transport.upstream import UpstreamError, UpstreamRefused
 
 RETRIABLE_STATUSES = frozenset({408, 429, 502, 503})
 _NEVER_ANSWERED = (UpstreamError, ConnectionError, TimeoutError)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from quart_provider.scheduling.cluster import Batch, HostState, fair_trim, merge_requests
-from quart_provider.scheduling.config import SchedulerConfig
-from quart_provider.scheduling.dispersion import DispersionProblem, disperse, round_expected
-from quart_provider.scheduling.types import HostView, ReplicaRequest, ScheduleResult
+from quart_kernel.scheduling.cluster import Batch, HostState, fair_trim, merge_requests
+from quart_kernel.scheduling.config import SchedulerConfig
+from quart_kernel.scheduling.dispersion import DispersionProblem, disperse, round_expected
+from quart_kernel.scheduling.types import HostView, ReplicaRequest, ScheduleResult
 
 SOURCE_COST = {"fork": 0.0, "peer": 0.5, "cold": 1.0}  # a peer fetch costs a network transfer, no registry
 

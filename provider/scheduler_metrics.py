@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-from quart_provider.scheduling.types import HostView, ScheduleResult
+from quart_kernel.scheduling.types import HostView, ScheduleResult
 
 READY_BUCKETS_MS: tuple[float, ...] = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
 _HITS = ("fork", "gpu")  # sources that used a cache (host memory or a resident copy)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from quart_provider.scheduling.config import SchedulerConfig
+from quart_kernel.scheduling.config import SchedulerConfig
 
 _EPS = 1e-12
 _INFEASIBLE = -1e9  # stands in for −∞ in the simplex projection

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from quart_provider.admission import Admission, StageLoad, admit_by_time, retry_after_s
+from quart_kernel.admission import Admission, StageLoad, admit_by_time, retry_after_s
 
 SHED_HEADER = "X-Quart-Shed"  # on a 429 for a call admitted, then shed from its queue
 

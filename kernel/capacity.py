@@ -13,10 +13,31 @@ Not Ready):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from typing import Any, Protocol
 
-from quart_provider.types import FunctionState
+
+class Annotated(Protocol):
+    annotations: dict[str, str]
+
+
+class FunctionState(Protocol):
+    """What these rules read of a function (the embedded gateway's ``quart_provider.types.FunctionState``)."""
+
+    name: str
+    desired: int
+    unplaced: int
+    last_error: str
+    last_decision: str
+
+    @property
+    def ready(self) -> Sized: ...
+
+    @property
+    def replicas(self) -> Sized: ...
+
+    @property
+    def deployment(self) -> Annotated: ...
 
 
 class SlotHost(Protocol):

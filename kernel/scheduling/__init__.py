@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from quart_provider.scheduling.config import SchedulerConfig
-from quart_provider.scheduling.hosts import host_view_from_report
-from quart_provider.scheduling.paraserve import FetchHost, ParaServeCosts, ParaServePlan, plan_parallelism
-from quart_provider.scheduling.placers import CacheAwarePlacer, FirstFitPlacer, contention
-from quart_provider.scheduling.starts import MECHANISMS, StartPlan, plan_starts
-from quart_provider.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
+from quart_kernel.scheduling.config import SchedulerConfig
+from quart_kernel.scheduling.hosts import host_view_from_report
+from quart_kernel.scheduling.paraserve import FetchHost, ParaServeCosts, ParaServePlan, plan_parallelism
+from quart_kernel.scheduling.placers import CacheAwarePlacer, FirstFitPlacer, contention
+from quart_kernel.scheduling.starts import MECHANISMS, StartPlan, plan_starts
+from quart_kernel.scheduling.types import HostView, Placement, Placer, ReplicaRequest, ScheduleResult
 
 PLACERS = ("cache-aware", "first-fit")
 

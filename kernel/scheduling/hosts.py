@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from quart_provider.scheduling.types import HostView
+from quart_kernel.scheduling.types import HostView
 
 _LIVE_STATES = {"starting", "ready"}
 
