@@ -11,7 +11,7 @@ schedule, on simulated time.
 - `starting.ReplicaStarts`: replicas placed, started by their mechanism (gpu / fork / cold; with
   ``start_mechanisms`` also peer / multicast / live / paraserve), ready, stopped, released;
 - `control.ControlLoop`: the live `Controller` over this platform every control period, then the live
-  reconciler's one convergence (`quart_provider.convergence.converge`).
+  reconciler's one convergence (`quart_kernel.convergence.converge`).
 
 `state.Tally` collects what the run produced; `run` turns it into a `SimResult`.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from quart_provider.scheduling import SchedulerConfig, make_placer
+from quart_kernel.scheduling import SchedulerConfig, make_placer
 from quart_tools.arrivals import Arrivals
 from quart_tools.sim.cluster import Host, make_hosts
 from quart_tools.sim.control import ControlLoop, SimActuator

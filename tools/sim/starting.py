@@ -2,9 +2,9 @@
 by their mechanism — the KeysManager fork, the cold start, peer fetch, chain multicast, live (BlitzScale) and
 ParaServe starts.
 
-Which mechanism a new replica uses is decided by the one convergence (`quart_provider.convergence`, the live
+Which mechanism a new replica uses is decided by the one convergence (`quart_kernel.convergence`, the live
 rule `plan_starts` over the placer's placements); P of a ParaServe start is the live planner's
-(`quart_provider.scheduling.paraserve.plan_parallelism`) over this cluster's costs. This module is the timing
+(`quart_kernel.scheduling.paraserve.plan_parallelism`) over this cluster's costs. This module is the timing
 of a start, from `Calibration`:
 
 - gpu / fork / cold: ready after the mechanism's delay (`Calibration.ready_s`);
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from quart_provider.scheduling import FetchHost, ParaServeCosts, ReplicaRequest, StartPlan, plan_parallelism
+from quart_kernel.scheduling import FetchHost, ParaServeCosts, ReplicaRequest, StartPlan, plan_parallelism
 from quart_tools.sim.calibration import GB
 from quart_tools.sim.cluster import Host
 from quart_tools.sim.dataplane import leave_live_pool
