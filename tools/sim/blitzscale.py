@@ -151,17 +151,15 @@ def run_blitzscale(models: list[str], cal: Calibration, seed: int = 0, base: flo
     ``fabric`` overrides entries of `FABRIC` (e.g. ``{"nic_gbit_s": 200.0}``). ``workload="generation"``: sessions
     with the trace's lengths, judged on TTFT and TBT (`quart_tools.sim.genburst`).
     """
-    if workload == "generation":
-        return run_blitzscale_generation(models, cal, seed, base, burst, (warm_s, burst_s, cool_s), fabric, trace_path)
     unknown = set(fabric or {}) - set(FABRIC)
     if unknown:
         raise ValueError(f"fabric: unknown {sorted(unknown)}; known: {', '.join(FABRIC)}")
     fab = {**FABRIC, **(fabric or {})}
+    if workload == "generation":
+        return run_blitzscale_generation(models, cal, seed, base, burst, (warm_s, burst_s, cool_s), fab, trace_path)
     rows, checks, bursts = [], {}, {}
     for model in models:
-        if model not in MODELS:
-            raise ValueError(f"models: unknown {model!r}; one of {', '.join(MODELS)}")
-        mcal = fabric_calibration(cal, model, fab)
+        mcal = model_calibration(cal, model, fab)
         _, stages, _, service_s, _, initial = MODELS[model]
         capacity = initial / service_s  # requests/s the initial replicas of one stage sustain
         level = min(burst, PEAK_FRACTION * (mcal.hosts // stages) / initial)
@@ -176,27 +174,38 @@ def run_blitzscale(models: list[str], cal: Calibration, seed: int = 0, base: flo
         "fabric": fab,
         "models": {m: {**dict(zip(("param_bytes", "stages", "layers_per_stage", "service_s", "slo_s",
                                    "initial_replicas"), MODELS[m], strict=True)), **bursts[m]} for m in models},
-        "burst": {"base_x_capacity": base, "burst_x_capacity": burst, "warm_s": warm_s, "burst_s": burst_s,
-                  "cool_s": cool_s, "seed": seed, "arrivals": "poisson"},
-        "policy": "quart (the live controller, gateway_plugin.controller)",
+        "burst": burst_doc(base, burst, (warm_s, burst_s, cool_s), seed, "poisson"),
+        "policy": POLICY,
         "rows": rows,
         "check_live_p99_within_1.2x_allcache": checks,
         "simulated": True,
     }
 
 
+POLICY = "quart (the live controller, gateway_plugin.controller)"
+
+
+def burst_doc(base: float, burst: float, spans: tuple[float, float, float], seed: int, arrivals: str) -> dict:
+    warm_s, burst_s, cool_s = spans
+    return {"base_x_capacity": base, "burst_x_capacity": burst, "warm_s": warm_s, "burst_s": burst_s,
+            "cool_s": cool_s, "seed": seed, "arrivals": arrivals}
+
+
+def model_calibration(cal: Calibration, model: str, fab: dict) -> Calibration:
+    if model not in MODELS:
+        raise ValueError(f"models: unknown {model!r}; one of {', '.join(MODELS)}")
+    return fabric_calibration(cal, model, fab)
+
+
 def run_blitzscale_generation(models: list[str], cal: Calibration, seed: int, base: float, burst: float,
-                              spans: tuple[float, float, float], fabric: dict | None, trace_path: str) -> dict:
+                              spans: tuple[float, float, float], fab: dict, trace_path: str) -> dict:
     """Every mode on every model under one generation burst: TTFT, TPOT and TBT per mode; the issue's checks
     (live TTFT p99 ≤ 0.5 × peer-fetch's, live TBT p99 during the scale-up ≤ 1.5 × the steady TBT p99)."""
     from quart_tools.sim.genburst import capacity_sps, gen_stages, run_gen_mode, session_arrivals
 
-    fab = {**FABRIC, **(fabric or {})}
     rows, checks, bursts = [], {}, {}
     for model in models:
-        if model not in MODELS:
-            raise ValueError(f"models: unknown {model!r}; one of {', '.join(MODELS)}")
-        mcal = fabric_calibration(cal, model, fab)
+        mcal = model_calibration(cal, model, fab)
         size, stages, _, _, _, initial = MODELS[model]
         probe, _, _ = session_arrivals(1.0, 1.0, 1.0, 100.0, 100.0, 100.0, seed, trace_path)
         specs = gen_stages(model, size, stages, GEN_KV_BYTES[model], GPU_BYTES, mcal, probe)
@@ -218,14 +227,12 @@ def run_blitzscale_generation(models: list[str], cal: Calibration, seed: int, ba
                                     and checks[model]["live_ttft_p99_over_peer_fetch"] <= 0.5
                                     and checks[model]["live_tbt_p99_over_steady"] is not None
                                     and checks[model]["live_tbt_p99_over_steady"] <= 1.5)
-    warm_s, burst_s, cool_s = spans
     return {
         "workload": "generation", "fabric": fab, "gpu_bytes": GPU_BYTES,
         "models": {m: {**dict(zip(("param_bytes", "stages", "layers_per_stage"), MODELS[m][:3], strict=True)),
                        "kv_bytes_per_token": GEN_KV_BYTES[m], **bursts[m]} for m in models},
-        "burst": {"base_x_capacity": base, "burst_x_capacity": burst, "warm_s": warm_s, "burst_s": burst_s,
-                  "cool_s": cool_s, "seed": seed, "arrivals": "poisson sessions, the trace's lengths"},
-        "policy": "quart (the live controller, gateway_plugin.controller)",
+        "burst": burst_doc(base, burst, spans, seed, "poisson sessions, the trace's lengths"),
+        "policy": POLICY,
         "rows": rows,
         "checks": checks,
         "simulated": True,

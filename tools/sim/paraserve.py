@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from quart_tools.sim.blitzscale import POLICY, burst_doc
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.genburst import capacity_sps, gen_stages, run_gen_mode, session_arrivals
 
@@ -75,8 +76,6 @@ def run_paraserve(models: list[str], cal: Calibration, trace_path: str, seed: in
                                                     if cold["ttft_slo_attainment"] else None),
             "paper": "ParaServe: TTFT up to 4.7× lower, TTFT SLO attainment up to 1.74× (§8.2, §8.3)",
         }
-    return {"fabric": FABRIC, "models": info, "burst": {"base_x_capacity": base, "burst_x_capacity": burst,
-                                                         "warm_s": warm_s, "burst_s": burst_s, "cool_s": cool_s,
-                                                         "seed": seed},
-            "policy": "quart (the live controller, gateway_plugin.controller)", "rows": rows, "checks": checks,
-            "simulated": True}
+    return {"fabric": FABRIC, "models": info,
+            "burst": burst_doc(base, burst, (warm_s, burst_s, cool_s), seed, "poisson sessions, the trace's lengths"),
+            "policy": POLICY, "rows": rows, "checks": checks, "simulated": True}
