@@ -72,3 +72,13 @@ def test_generation_frontier_and_oracle(trace: str) -> None:
     assert 0.0 <= row["quart"]["slo_attainment"] <= 1.0
     quart = next(e for e in doc["entries"] if e["policy"] == "quart")
     assert quart["completed"] == quart["requests"] > 0 and quart["ttft_slo_ms"] > quart["tpot_slo_ms"] > 0
+
+
+def test_a_trace_window_carries_each_request_s_output_length(trace: str) -> None:
+    from quart_tools.arrivals import load_trace, trace_window
+
+    t = load_trace(trace)
+    w = trace_window(t, 60.0, 120.0, target_rate=4.0, seed=1)  # about 2 × the trace's rate: copies
+    pairs = set(zip(t.context_tokens.tolist(), t.generated_tokens.tolist(), strict=True))
+    assert w.generated is not None and len(w.generated) == len(w.tokens) == len(w)
+    assert all((c, g) in pairs for c, g in zip(w.tokens.tolist(), w.generated.tolist(), strict=True))
