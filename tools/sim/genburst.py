@@ -86,9 +86,12 @@ def capacity_sps(specs: tuple[StageSpec, ...], arrivals: Arrivals) -> float:
 def run_gen_mode(model: str, mode: str, specs: tuple[StageSpec, ...], cal: Calibration, arrivals: Arrivals,
                  window: tuple[float, float], mechanisms: frozenset[str], allcache: bool, initial: int,
                  seed: int, paraserve_max_parts: int) -> dict:
-    """One start mode under the generation burst: TTFT, TPOT and TBT of the burst's sessions, steady TBT."""
+    """One start mode under the generation burst: TTFT, TPOT and TBT of the burst's sessions, steady TBT. The
+    controller aims at the TTFT SLO (a step's latency through the pipeline must stay under it): the base load
+    then holds the initial replicas in every mode and the burst alone asks for the scale-up the modes differ in
+    (with the TPOT SLO, a 128-position prefill chunk alone outlasts it and every mode scales up at the start)."""
     ttft_slo, tpot_slo = warm_slos(specs, HOP_S, PREFILL_CHUNK, cal.hbm_gbytes_s * GB)
-    cfg = SimConfig(model=model, stages=specs, slo_s=tpot_slo, calibration=cal, initial_replicas=initial,
+    cfg = SimConfig(model=model, stages=specs, slo_s=ttft_slo, calibration=cal, initial_replicas=initial,
                     prewarm_hosts=-1 if allcache else 0, start_mechanisms=mechanisms, queue_cap=10**9,
                     max_replicas=cal.hosts * cal.gpus_per_host // len(specs), seed=seed, drain_s=600.0,
                     record_series=False, cache_on_ready=True, paraserve_max_parts=paraserve_max_parts,
