@@ -78,7 +78,7 @@ class ControlLoop:
 
     def queue_len(self, function: str) -> int:
         st = self.stage_by_fn[function]
-        return len(st.queue) + len(st.remainders)
+        return len(st.queue) + len(st.remainders) + st.waiting
 
     def busy(self, function: str) -> int:
         return self.stage_by_fn[function].busy
