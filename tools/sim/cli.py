@@ -227,9 +227,11 @@ def _frontier(args, cal: Calibration) -> dict:
         reuse = earlier["entries"]
     doc = run_frontier(models, cvs, duration, args.load, cal, trace, seeds, args.workers, _overrides(args), reuse)
     if args.plots:
-        from quart_tools.sim.frontier_plots import plot_frontier
+        from quart_tools.sim.frontier_plots import plot_frontier, plot_seeds
 
         plot_frontier(doc["entries"], args.plots)
+        if len(seeds) > 1:
+            plot_seeds(doc["over_seeds"], Path(args.plots) / "frontier-seeds.png")
     return {"experiment": "frontier", "config": config, **doc}
 
 
