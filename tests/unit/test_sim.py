@@ -13,7 +13,7 @@ from quart_tools.arrivals import Arrivals, poisson_arrivals
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
 from quart_tools.sim.scenario import run, system
-from support.scripted_policy import Scripted
+from support.scripted import Scripted
 
 GB = 1_000_000_000
 

@@ -12,7 +12,7 @@ import pytest
 from quart_tools.arrivals import Arrivals
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
-from support.scripted_policy import Scripted
+from support.scripted import Scripted
 
 GB = 1_000_000_000
 SIZE = 10 * GB

@@ -1,4 +1,4 @@
-"""A scripted autoscaling policy for the simulator tests: every stage's replicas follow a time-indexed plan."""
+"""A scripted policy for simulator tests: every stage's replicas by time, from a list of (from_time, replicas)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from gateway_plugin.snapshot import Decision, StageDecision
 
 
 class Scripted:
-    """Test double: replicas of every stage by time, from a list of (from_time, replicas)."""
+    """Test double of a policy (`gateway_plugin.policies` shape): the last planned count whose time has come."""
 
     name = "scripted"
 
