@@ -18,12 +18,10 @@ import pytest
 import requests
 import torch
 from quart_stage import wire
-from quart_stage.config import StageConfig
 from quart_stage.manifest import Manifest
-from quart_stage.runtime import StageRuntime
 from support.gated_peer import GatedServer
 from support.keysmanager import preloaded_daemon
-from support.live_registry import IDS, URL
+from support.live_registry import IDS, URL, reference_answer
 
 from keysmanager.peers import SHA_HEADER, SIZE_HEADER
 from keysmanager.types import StageSpec
@@ -81,23 +79,15 @@ def _wait_held(url: str, want: str, timeout_s: float = 30) -> None:
         time.sleep(0.02)
 
 
-_RUNTIMES: dict[str, StageRuntime] = {}
-
-
-def _reference(registry, body: bytes, layers: str) -> torch.Tensor:
-    """What the whole stage file, loaded the ordinary way, answers for ``layers``."""
-    _, model, _ = registry
-    rt = _RUNTIMES.get(str(model)) or _RUNTIMES.setdefault(
-        str(model), StageRuntime.load(StageConfig(model_dir=str(model), stage_index=0)))
-    ctype = "application/json" if layers.startswith("0-") else wire.CONTENT_TYPE
-    resp = rt.handle(body, {"Content-Type": ctype, "X-Quart-Layers": layers})
-    assert resp.status == 200, resp.body
-    return _out(resp.body)
-
 
 def _out(body: bytes) -> torch.Tensor:
     t = wire.decode(body).tensors
     return t.get("logits", t.get("hidden_states"))
+
+
+def _reference(registry, body: bytes, layers: str) -> torch.Tensor:
+    """What the whole stage file, loaded the ordinary way, answers for ``layers``."""
+    return _out(reference_answer(registry, body, layers))
 
 
 def test_live_replica_serves_held_layers_503_for_the_rest_and_ends_full(registry, km) -> None:

@@ -19,11 +19,9 @@ from pathlib import Path
 import pytest
 import requests
 from quart_stage import wire
-from quart_stage.config import StageConfig
-from quart_stage.runtime import StageRuntime
 from support.gated_peer import GatedServer
 from support.keysmanager import preloaded_daemon
-from support.live_registry import IDS, URL
+from support.live_registry import IDS, URL, reference_answer
 
 from keysmanager.client import KeysManagerError
 from keysmanager.parts import fetch_order, grow
@@ -80,18 +78,9 @@ def _spec(name: str) -> StageSpec:
     return StageSpec(name, env={"QUART_MODEL_URL": URL, "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "cpu"})
 
 
-_RUNTIMES: dict[str, StageRuntime] = {}
-
-
 def _reference(registry, body: bytes, layers: str) -> bytes:  # noqa: F811
     """What the whole stage, loaded the ordinary way, answers for ``layers`` (the wire body)."""
-    _, model, _ = registry
-    rt = _RUNTIMES.get(str(model)) or _RUNTIMES.setdefault(
-        str(model), StageRuntime.load(StageConfig(model_dir=str(model), stage_index=0)))
-    ctype = "application/json" if layers.startswith("0-") else wire.CONTENT_TYPE
-    resp = rt.handle(body, {"Content-Type": ctype, "X-Quart-Layers": layers})
-    assert resp.status == 200, resp.body
-    return resp.body
+    return reference_answer(registry, body, layers)
 
 
 def _ask(url: str, body: bytes, layers: str | None) -> requests.Response:
