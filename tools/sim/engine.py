@@ -11,7 +11,7 @@ What follows a decision is the live reconciler's one convergence (`quart_provide
 over this platform's view (functions, replicas, ParaServe groups, hosts): the shortfall goes to the
 placer, each placement starts by the live start rule (`plan_starts`), the surplus choice stops the same
 replicas, a rolling update retires the previous generation. What stays here is the data plane and time:
-a CPU change drops the stage's cached zygotes, new replicas are ready after the delay of their mechanism
+a CPU change re-forks the stage's replicas (its zygotes stay cached), new replicas are ready after the delay of their mechanism
 (gpu / fork / cold; with ``start_mechanisms`` also peer / multicast / live / paraserve:
 `quart_tools.sim.starting`), the ask → ready estimate is the same moving average. Requests are admitted
 or refused (429) only at the pipeline's entry, as by the live router.
@@ -262,12 +262,11 @@ class Simulation(StartsMixin, WholeModelFlow):
         st.desired = applied
 
     def set_cpus(self, function: str, cpus: float) -> None:
-        """A CPU change is a rolling update: a new generation starts, the hosts drop the stage's zygotes."""
+        """A CPU change is a rolling update: a new generation starts; the hosts keep the stage's zygotes and
+        resident parameters (only the replicas' cores and threads change; the live registry does the same)."""
         st = self.stage_by_fn[function]
         st.cpus = cpus
         st.generation += 1
-        for host in self.hosts:
-            host.invalidate(function)
 
     def view(self, now: float) -> PlatformView:
         """This platform as the one convergence reads it (the live reconciler's `Reconciler.view`)."""
