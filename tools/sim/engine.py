@@ -7,7 +7,7 @@ numbers). Every ``control_period_s`` the live `gateway_plugin.controller.Control
 simulated platform (it is the controller's Inventory and QueueView; `Controller.decide` is synchronous,
 its changes are applied here as the embedded gateway's registry applies them): the same snapshot builder
 over the live sliding-window metrics, the same policy, the same bounds (`replicaset.within_bounds`).
-What follows a decision is the live reconciler's one convergence (`quart_provider.convergence.converge`)
+What follows a decision is the live reconciler's one convergence (`quart_kernel.convergence.converge`)
 over this platform's view (functions, replicas, ParaServe groups, hosts): the shortfall goes to the
 placer, each placement starts by the live start rule (`plan_starts`), the surplus choice stops the same
 replicas, a rolling update retires the previous generation. What stays here is the data plane and time:
@@ -33,9 +33,9 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Change, Controller
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.snapshot_builder import StageState
-from quart_provider.convergence import Convergence, FunctionView, PlatformView, ReplicaView, converge
-from quart_provider.replicaset import note_key_scale, within_bounds
-from quart_provider.scheduling import ReplicaRequest, SchedulerConfig, make_placer
+from quart_kernel.convergence import Convergence, FunctionView, PlatformView, ReplicaView, converge
+from quart_kernel.replicaset import note_key_scale, within_bounds
+from quart_kernel.scheduling import ReplicaRequest, SchedulerConfig, make_placer
 from quart_tools.arrivals import Arrivals
 from quart_tools.report import StageSample
 from quart_tools.sim.cluster import Host, make_hosts

@@ -1,9 +1,9 @@
 """Scale-up sources of the simulator (issues 16, 17): peer fetch, chain multicast, live (BlitzScale) and
 ParaServe starts, beside the KeysManager fork and the cold start. A mixin of `quart_tools.sim.engine.Simulation`.
 
-Which mechanism a new replica uses is decided by the one convergence (`quart_provider.convergence`, the live
+Which mechanism a new replica uses is decided by the one convergence (`quart_kernel.convergence`, the live
 rule `plan_starts` over the placer's placements); P of a ParaServe start is the live planner's
-(`quart_provider.scheduling.paraserve.plan_parallelism`) over this cluster's costs. This module is the data
+(`quart_kernel.scheduling.paraserve.plan_parallelism`) over this cluster's costs. This module is the data
 plane of a start: its timing comes from `Calibration`:
 
 - peer / multicast: ready after the transfer (the source's NIC shared by the receivers of a star; one chain
@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 import math
 
-from quart_provider.scheduling import ParaServeCosts, plan_parallelism
-from quart_provider.scheduling.paraserve import FetchHost
+from quart_kernel.scheduling import ParaServeCosts, plan_parallelism
+from quart_kernel.scheduling.paraserve import FetchHost
 from quart_tools.sim.calibration import GB
 
 _COMPLETE, _READY = 0, 1  # the engine's events

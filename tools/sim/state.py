@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import StageMetrics
-from quart_provider.replicaset import StartTimeEstimate
+from quart_kernel.replicaset import StartTimeEstimate
 from quart_tools.report import StageSample
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.cluster import Host, Slot
@@ -58,7 +58,7 @@ class SimConfig:
     drain_s: float = 120.0  # after the last arrival, keep simulating this long for stragglers
     seed: int = 0
     record_series: bool = True
-    # Scale-up sources beyond fork / cold (quart_provider.scheduling.starts.MECHANISMS): "peer", "multicast",
+    # Scale-up sources beyond fork / cold (quart_kernel.scheduling.starts.MECHANISMS): "peer", "multicast",
     # "live", "paraserve". Empty: the fork-or-cold rule of the QUART paper's runs.
     start_mechanisms: frozenset[str] = frozenset()
     paraserve_slo_s: float = 0.0  # the first-response deadline ParaServe's P is chosen for; 0 = slo_s
@@ -86,7 +86,7 @@ class Replica:
         self.group: list | None = None  # ParaServe: every replica and helper of its sub-pipeline
 
     @property
-    def started_at(self) -> float:  # quart_provider.replicaset.ReplicaLike
+    def started_at(self) -> float:  # quart_kernel.replicaset.ReplicaLike
         return self.requested_at
 
 
