@@ -18,6 +18,7 @@ default profile, ``cpu_profile.jsonl`` beside this module, was recorded by ``qua
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
