@@ -108,6 +108,7 @@ class Simulation(StartsMixin, WholeModelFlow):
         self.rejected = 0
         self.key_counts: dict[int, int] = {}
         self.gpu_seconds = 0.0
+        self.cpu_seconds = 0.0  # Σ CPUs × slot time: what CPU compensation spends beside the GPUs
         self.events = 0
         self.decisions: list[tuple[float, tuple[int, ...]]] = []
         self.key_history: dict[str, int] = {}  # the gateway's count of key-stage scale-ups per function
@@ -163,6 +164,7 @@ class Simulation(StartsMixin, WholeModelFlow):
     def _release(self, rep: Replica, now: float) -> None:
         rep.state = "gone"
         self.gpu_seconds += now - rep.requested_at
+        self.cpu_seconds += (now - rep.requested_at) * rep.cpus
         rep.host.release_slot(rep.slot, self.stages[rep.stage].function, now, self.cfg.gpu_keep_s)
 
     # ------------------------------------------------------------------------- request flow
@@ -422,6 +424,7 @@ class Simulation(StartsMixin, WholeModelFlow):
             for slot in h.slots:
                 if slot.replica is not None:
                     self.gpu_seconds += end - slot.replica.requested_at
+                    self.cpu_seconds += (end - slot.replica.requested_at) * slot.replica.cpus
         return SimResult(
             model=cfg.model,
             policy=getattr(self.policy, "name", type(self.policy).__name__),
@@ -436,6 +439,7 @@ class Simulation(StartsMixin, WholeModelFlow):
             rejected=self.rejected,
             key_stage_counts=self.key_counts,
             gpu_seconds=self.gpu_seconds,
+            cpu_seconds=self.cpu_seconds,
             evictions=sum(h.evictions for h in self.hosts),
             events=events,
             decisions=self.decisions,

@@ -130,6 +130,7 @@ def entry_of(result: SimResult, name: str, model: str, arrivals: Arrivals, wall_
         rate_rps=round(arrivals.rate(), 3),
         cv=round(arrivals.cv(), 3),
         gpu_seconds=result.gpu_seconds,
+        cpu_seconds=result.cpu_seconds,
         rejected=result.rejected,
         starts_by_source=result.starts_by_source,
         mean_ready_s_by_source=ready,

@@ -138,3 +138,4 @@ class SimResult:
     decisions: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     launched: list = field(default_factory=list)  # replicas started after t = 0 (Replica: times, source)
     paraserve_plans: list[tuple[int, float, bool]] = field(default_factory=list)  # (P, predicted s, meets SLO)
+    cpu_seconds: float = 0.0  # Σ over replicas of CPUs × (release or end − request time)
