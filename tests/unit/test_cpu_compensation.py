@@ -102,3 +102,19 @@ def test_granted_cpus_are_the_replicas_threads() -> None:
     assert km_stage(limited).cpus == 3.0
     unlimited = ReplicaSpec(function="f", kind="stage", env={"QUART_THREADS": "2"})
     assert km_stage(unlimited).cpus == 2.0
+
+
+def test_simulated_quart_compensates_a_stage_at_its_maximum() -> None:
+    import numpy as np
+    from quart_tools.arrivals import poisson_arrivals
+    from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
+
+    cal = Calibration(hosts=1, gpus_per_host=2)  # a second slot for the rolling update's new replica
+    cfg = SimConfig(model="m", stages=(StageSpec("m-stage-0", 0.1, 2 * 10**9),), slo_s=0.3, calibration=cal,
+                    hop_s=0.0, queue_cap=10**9, initial_replicas=1, max_replicas=1, placer="first-fit")
+    arrivals = poisson_arrivals(9.0, 90.0, seed=3)  # ρ = 0.9 on the one replica it may have
+    on = Simulation(cfg, make_policy("quart", cpu_model=cal.cpu_model()), arrivals).run()
+    off = Simulation(cfg, make_policy("quart", cpu={"enabled": False}), arrivals).run()
+    assert off.cpu_seconds == pytest.approx(off.gpu_seconds)  # 1 CPU per replica throughout
+    assert on.cpu_seconds > 1.5 * on.gpu_seconds  # CPUs granted ...
+    assert np.nanmean(on.latencies_ms) < 0.5 * np.nanmean(off.latencies_ms)  # ... and they shorten the queue
