@@ -118,3 +118,16 @@ def test_simulated_quart_compensates_a_stage_at_its_maximum() -> None:
     assert off.cpu_seconds == pytest.approx(off.gpu_seconds)  # 1 CPU per replica throughout
     assert on.cpu_seconds > 1.5 * on.gpu_seconds  # CPUs granted ...
     assert np.nanmean(on.latencies_ms) < 0.5 * np.nanmean(off.latencies_ms)  # ... and they shorten the queue
+
+
+def test_a_stage_pod_asks_the_keysmanager_for_its_cpu_limit(tmp_path) -> None:
+    from quart_stage.config import StageConfig
+    from quart_stage.nodecache import cgroup_cpus, stage_spec
+
+    cpu_max = tmp_path / "cpu.max"
+    cfg = StageConfig(model_dir="/models/m", stage_index=0, num_stages=2, threads=1)
+    cpu_max.write_text("250000 100000\n")
+    assert cgroup_cpus(str(cpu_max)) == 2.5 and stage_spec(cfg, str(cpu_max))["cpus"] == 2.5
+    cpu_max.write_text("max 100000\n")
+    assert cgroup_cpus(str(cpu_max)) is None and stage_spec(cfg, str(cpu_max))["cpus"] == 1.0
+    assert cgroup_cpus(str(tmp_path / "absent")) is None
