@@ -116,7 +116,8 @@ def main(argv: list[str]) -> int:
         Path(args.records).write_text("".join(json.dumps(r) + "\n" for r in records))
     load = os.getloadavg()
     report = {"benchmark": "cpu-profile", "model": "minilm", "stages": args.stages, "batches": batches,
-              "rounds": args.rounds, "machine": machine_info(torch=torch.__version__, loadavg=[round(x, 2) for x in load]),
+              "rounds": args.rounds, "machine": machine_info(torch=torch.__version__, loadavg=[round(x, 2) for x in load],
+                                     omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "")),
               **summary(records, min(args.cpu_max, len(os.sched_getaffinity(0))))}
     write_report(report, args.out)
     print(json.dumps(report["fit"]), file=sys.stderr)
