@@ -66,7 +66,7 @@ async def _live_twin(sim: Simulation, tmp_path):
     gw = make(tmp_path, hosts)
     for st in sim.stages:
         body = {labels.MODEL: "m", labels.STAGE: str(st.index), labels.SCALE_MIN: str(sim.cfg.min_replicas),
-                labels.SCALE_MAX: str(sim.max_replicas), labels.PARAM_BYTES: str(st.spec.param_bytes),
+                labels.SCALE_MAX: str(sim.control.max_replicas), labels.PARAM_BYTES: str(st.spec.param_bytes),
                 labels.PROFILE_MS: f"{st.spec.service_s * 1000:g}"}
 
 
@@ -86,39 +86,39 @@ async def _live_twin(sim: Simulation, tmp_path):
 
 def test_simulator_steps_the_live_controller() -> None:
     sim = _burst_sim()
-    assert type(sim.controller) is Controller
-    assert sim.key_counts, "the burst made QUART name a key stage"
-    decisions, _changes = sim.controller.decide()
+    assert type(sim.control.controller) is Controller
+    assert sim.tally.key_counts, "the burst made QUART name a key stage"
+    decisions, _changes = sim.control.controller.decide()
     assert any(d.replicas > 1 for d in decisions["m"].stages)
 
 
 @pytest.mark.parametrize("mode", ["pid", "provision"])
 def test_simulated_and_live_steps_take_the_same_actions(tmp_path, mode) -> None:
     sim = _burst_sim(mode)
-    live_policy = copy.deepcopy(sim.controller.policy("m"))  # the same policy state on both sides
+    live_policy = copy.deepcopy(sim.control.controller.policy("m"))  # the same policy state on both sides
 
     async def live_step():
         gw, hosts = await _live_twin(sim, tmp_path)
         try:
             view = GatewayView(gw)
             for st in sim.stages:  # the same platform state before the step
-                state, simulated = view.stage_state(st.function), sim.stage_state(st.function)
+                state, simulated = view.stage_state(st.function), sim.control.stage_state(st.function)
                 assert state == simulated, st.function
             recorder = Recorder(GatewayActuator(gw))
-            ctl = Controller(view, sim, sim.collector, recorder, lambda: live_policy, sim.controller.config,
+            ctl = Controller(view, sim.control, sim.control.collector, recorder, lambda: live_policy, sim.control.controller.config,
                              slo_s={"m": sim.cfg.slo_s}, clock=lambda: sim.now, keep_timeline=False)
             await ctl.step()
             await settle(gw)
-            return ctl.last_snapshots["m"], recorder.calls, {f: gw.functions[f].desired for f in sim.functions}
+            return ctl.last_snapshots["m"], recorder.calls, {f: gw.functions[f].desired for f in sim.control.functions}
         finally:
             await gw.close()
 
     before = {st.function: len(st.current()) for st in sim.stages}
     live_snap, live_calls, live_desired = asyncio.run(live_step())
 
-    _decisions, changes = sim.controller.decide()
-    sim.apply(changes)
-    sim._converge(sim.now)
+    _decisions, changes = sim.control.controller.decide()
+    sim.control.apply(changes)
+    sim.control.converge(sim.now)
     sim_calls = []
     for change in changes:
         if change.replicas is not None:
@@ -126,7 +126,7 @@ def test_simulated_and_live_steps_take_the_same_actions(tmp_path, mode) -> None:
         if change.cpus is not None:
             sim_calls.append(("cpus", change.function, change.cpus))
 
-    assert sim.controller.last_snapshots["m"] == live_snap
+    assert sim.control.controller.last_snapshots["m"] == live_snap
     assert sim_calls == live_calls, (sim_calls, live_calls)
     if mode == "pid":  # the PID corrector is still scaling up at this point; the provisioner did so earlier
         assert any(call[0] == "scale" and call[3] for call in live_calls), "a key-stage scale-up was decided"
@@ -204,13 +204,13 @@ def _case() -> tuple[Simulation, str]:
     sim = Simulation(cfg, make_policy("quart"), Arrivals(np.zeros(0), np.zeros(0, dtype=np.int64)))
     st0, st1, _ = sim.stages
     pending_host = min((h for h in sim.hosts if h.gpu_used < h.gpus), key=lambda h: not h.is_cached("m-0"))
-    sim._launch(st0, pending_host, "fork", 0.0, StartPlan("m-0", pending_host.name, "fork"))
+    sim.starts.launch(st0, pending_host, "fork", 0.0, StartPlan("m-0", pending_host.name, "fork"))
     free = [h for h in sim.hosts if h.gpu_used < h.gpus and not h.is_cached("m-1")][:2]
     group = tuple(h.name for h in free)
     for host in free:
-        sim._launch(st1, host, "paraserve", 0.0, StartPlan("m-1", host.name, "paraserve", group=group))
+        sim.starts.launch(st1, host, "paraserve", 0.0, StartPlan("m-1", host.name, "paraserve", group=group))
     for function, wanted in (("m-0", 3), ("m-1", 1), ("m-2", 2)):
-        sim.scale(function, wanted)
+        sim.control.scale(function, wanted)
     return sim, pending_host.name
 
 
@@ -227,7 +227,7 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
         gw = make(tmp_path, hosts, peer_fetch=True, live_scaling=True, paraserve=True)
         try:
             for st in sim.stages:
-                body = {labels.MODEL: "m", labels.STAGE: str(st.index), labels.SCALE_MAX: str(sim.max_replicas)}
+                body = {labels.MODEL: "m", labels.STAGE: str(st.index), labels.SCALE_MAX: str(sim.control.max_replicas)}
                 fn = await gw.registry.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo",
                                                                    "labels": body}, "openfaas-fn"))
                 gw.reconciler._param_bytes[st.function] = (fn.generation, st.spec.param_bytes)
@@ -265,9 +265,9 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
 
     live_view, live_plan, live_started, live_stopped = asyncio.run(live())
     host_of = {str(r.id): r.host.name for st in sim.stages for r in st.current()}.__getitem__
-    sim_view = sim.view(sim.now)
+    sim_view = sim.control.view(sim.now)
     [m1_ready] = [str(r.id) for r in sim.stages[1].ready]
-    sim_plan = sim._converge(sim.now)
+    sim_plan = sim.control.converge(sim.now)
 
     # the same platform, but for the start the live side has pending and the simulator has already started
     live_m0, sim_m0 = live_view.functions[0], sim_view.functions[0]
@@ -281,7 +281,7 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
     assert ("start", "m-0", "") not in kinds and len([a for a in sim_plan.starts if a.function == "m-0"]) == 1
     stopped = [a for a in sim_plan.actions if a.kind in ("stop", "drain")]
     assert [(a.function, a.replica) for a in stopped] == [("m-1", m1_ready)]  # the group's members stay
-    group = {str(r.id) for r in sim.launched if r.group is not None}
+    group = {str(r.id) for r in sim.tally.launched if r.group is not None}
     assert not group & {a.replica for a in stopped}, "a ParaServe group is never surplus before it consolidates"
     # and each side carried them out
     assert live_stopped == sorted(a.replica for a in stopped)

@@ -137,9 +137,9 @@ def test_hop_holds_the_replica_and_start_time_is_measured() -> None:
     cal = Calibration(hosts=1, gpus_per_host=4, service_cv=0.0)
     sim = Simulation(_one_stage(0.01, cal, keysmanager=True, placer="cache-aware", drain_s=20.0),
                      Scripted([(0.0, 2)]), Arrivals(times=np.arange(0.0, 10.0, 0.5), sizes=np.ones(20, dtype=np.int64)))
-    assert sim.stage_state("m-stage-0").start_s == -1.0  # nothing started yet: unknown, as live
+    assert sim.control.stage_state("m-stage-0").start_s == -1.0  # nothing started yet: unknown, as live
     sim.run()
-    assert sim.stage_state("m-stage-0").start_s == pytest.approx(cal.fork_s(2 * GB))
+    assert sim.control.stage_state("m-stage-0").start_s == pytest.approx(cal.fork_s(2 * GB))
 
 
 def test_cli_run_and_small_fig7(tmp_path) -> None:
