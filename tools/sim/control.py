@@ -7,7 +7,7 @@ sliding-window metrics, the same policy, the same bounds (`replicaset.within_bou
 is the live reconciler's one convergence (`quart_kernel.convergence.converge`) over this platform's view
 (functions, replicas, ParaServe groups, hosts): the shortfall goes to the placer, each placement starts by the
 live start rule (`plan_starts`), the surplus choice stops the same replicas, a rolling update retires the
-previous generation. A CPU change drops the stage's cached zygotes; the ask → ready estimate is the same
+previous generation. A CPU change re-forks the stage's replicas from its cached zygotes; the ask → ready estimate is the same
 moving average.
 """
 
