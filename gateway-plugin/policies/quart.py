@@ -6,9 +6,11 @@
 3. CPU compensation (§5.3, AllocateCPU): a reclaim is kept only if the stage still meets its delay target
    with fewer replicas, at its current CPUs or with the fewest extra CPUs the regression says suffice
    (≤ CPU_max). Otherwise Correct's ŷ_i stands (the paper's "SLO may be violated → Correct"). Every other
-   stage whose predicted delay at its new count is above the target (replicas still starting, its maximum
-   reached, the cluster full) gets the fewest CPUs that meet it, or CPU_max; a stage that meets the target
-   at ``cpu_default`` CPUs goes back to them. A stage's service time at c CPUs is its *measured* time × the
+   stage whose predicted delay is above the target although Correct adds no replica (its maximum reached, the
+   cluster full) and none is starting (a CPU change is a rolling update: it would void those starts) gets the
+   fewest CPUs that meet it, or CPU_max; a stage whose delay at
+   ``cpu_default`` CPUs is ≤ ``release_margin`` × the target goes back to them. A CPU change is a rolling update, so
+   a stage's CPUs change at most once per ``hold_s``. A stage's service time at c CPUs is its *measured* time × the
    regression's ratio t(c)/t(now) (gateway_plugin.policies.cpu_model).
 Stages Correct scaled up are the key stages; their history (count of decisions in which each stage
 was key) goes to the scheduler. Pure: no I/O, time from the snapshot.
@@ -38,6 +40,7 @@ class QuartPolicy:
     name: str = "quart"
     corrector: Corrector = field(init=False)
     provisioner: Provisioner | None = field(init=False)
+    cpu_changed_at: dict[int, float] = field(init=False, default_factory=dict)  # stage → time of its last CPU change
 
     def __post_init__(self) -> None:
         if self.config.mode not in ("provision", "pid"):
@@ -93,8 +96,11 @@ class QuartPolicy:
                                 reason += f" cpus {cpus:g}->{new_cpus:g}"
                             replicas, cpus = candidate, new_cpus
                             break
-            if cpus == stage.cpus:
+            steady = stage.pending_replicas == 0 and replicas <= stage.replicas  # no start a CPU roll would void
+            if cpus == stage.cpus and steady and snapshot.time - self.cpu_changed_at.get(stage.index, -math.inf) >= cfg.cpu.hold_s:
                 cpus, reason = self._allocate(stage, replicas, corr.target_s, cpus, reason)
+            if cpus != stage.cpus:
+                self.cpu_changed_at[stage.index] = snapshot.time
             decisions.append(StageDecision(replicas=replicas, cpus=cpus, reason=reason))
         key = tuple(c_i for c_i, corr in enumerate(corrections) if corr.scaled_up)
         return Decision(time=snapshot.time, stages=tuple(decisions), key_stages=key)
@@ -159,6 +165,7 @@ class QuartPolicy:
             if helps:
                 new = next((c for c in helps if self._delay_at(stage, replicas, c) <= target_s), helps[-1])
                 return new, reason + f" allocate cpus {stage.cpus:g}->{new:g}"
-        elif stage.cpus > cpu_cfg.cpu_default and self._delay_at(stage, replicas, cpu_cfg.cpu_default) <= target_s:
+        elif (stage.cpus > cpu_cfg.cpu_default
+              and self._delay_at(stage, replicas, cpu_cfg.cpu_default) <= cpu_cfg.release_margin * target_s):
             return cpu_cfg.cpu_default, reason + f" cpus {stage.cpus:g}->{cpu_cfg.cpu_default:g} (target met)"
         return cpus, reason
