@@ -68,6 +68,18 @@ def test_allocate_grants_cpus_to_a_stage_over_target_that_cannot_grow() -> None:
     assert 1 / (10.0 / model.service_ratio(1, c)) < 1 / 9.0 or c == 4.0
 
 
+def test_no_cpu_roll_while_replicas_start_and_one_change_per_hold() -> None:
+    model = CPULatencyModel.fit(_records(0.1, 0.3))
+    policy = QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, hold_s=30.0)), cpu_model=model)
+    assert _decide(policy, _stage(pending_replicas=1)).cpus == 1.0  # a CPU roll would void the start
+    assert _decide(policy, _stage()).cpus > 1.0  # t = 100: granted
+    calm = _stage(arrival_rate=0.5, cpus=4.0, service_rate=10.0 / model.service_ratio(1, 4))
+    held = policy.decide(PipelineSnapshot(time=110.0, model="m", stages=(calm,), window_s=10.0)).stages[0]
+    assert held.cpus == 4.0  # within hold_s of the grant: kept although the target is met without them
+    later = policy.decide(PipelineSnapshot(time=131.0, model="m", stages=(calm,), window_s=10.0)).stages[0]
+    assert later.cpus == 1.0
+
+
 def test_cpus_go_back_to_default_when_the_target_is_met_without_them() -> None:
     policy = QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0)), cpu_model=CPULatencyModel.fit(_records(0.1, 0.3)))
     calm = _stage(arrival_rate=1.0, cpus=3.0, service_rate=10.0 / (0.2 / 0.4))  # measured at 3 CPUs
