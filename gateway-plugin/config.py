@@ -64,6 +64,9 @@ class CPUConfig:
     # A CPU change is a rolling update of the stage (its replicas re-fork): at most one per stage per hold_s, and
     # CPUs go back to cpu_default only when the delay there is ≤ release_margin × the target (no flapping).
     hold_s: float = 30.0
+    # AllocateCPU beyond Smooth's reclaims (stages over target that Correct cannot grow). Off by default: a CPU
+    # change is a rolling update, and on a full cluster (where it would act) the roll's new replicas find no slot.
+    allocate: bool = False
     release_margin: float = 0.5
 
 

@@ -5,7 +5,8 @@
    neighbours (CV̂ from the propagation model, or the observed CV until a model is trained).
 3. CPU compensation (§5.3, AllocateCPU): a reclaim is kept only if the stage still meets its delay target
    with fewer replicas, at its current CPUs or with the fewest extra CPUs the regression says suffice
-   (≤ CPU_max). Otherwise Correct's ŷ_i stands (the paper's "SLO may be violated → Correct"). Every other
+   (≤ CPU_max). Otherwise Correct's ŷ_i stands (the paper's "SLO may be violated → Correct"). With
+   ``CPUConfig.allocate`` (off by default: docs/policies.md) every other
    stage whose predicted delay is above the target although Correct adds no replica (its maximum reached, the
    cluster full) and none is starting (a CPU change is a rolling update: it would void those starts) gets the
    fewest CPUs that meet it, or CPU_max; a stage whose delay at
@@ -157,7 +158,7 @@ class QuartPolicy:
                   ) -> tuple[float, str]:
         """AllocateCPU for a stage above its target at its decided count (or back to ``cpu_default``)."""
         cpu_cfg = self.config.cpu
-        if not cpu_cfg.enabled or self.cpu_model is None or stage.service_rate <= 0:
+        if not (cpu_cfg.enabled and cpu_cfg.allocate) or self.cpu_model is None or stage.service_rate <= 0:
             return cpus, reason
         if self._delay_at(stage, replicas, stage.cpus) > target_s:
             steps = self._cpu_steps(stage)

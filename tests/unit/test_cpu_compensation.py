@@ -55,12 +55,14 @@ def test_default_model_is_fitted_on_the_shipped_profile() -> None:
 def test_allocate_grants_cpus_to_a_stage_over_target_that_cannot_grow() -> None:
     # at its maximum (1 replica), ρ = 0.9: M/M/1 delay 1 s > 0.3 s; at 4 CPUs service 0.1 × 0.4 s → ρ = 0.36
     st = _stage()
-    helps = _decide(QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, cpu_step=1.0)),
+    helps = _decide(QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, cpu_step=1.0, allocate=True)),
                                 cpu_model=CPULatencyModel.fit(_records(0.1, 0.3))), st)
     assert helps.replicas == 1 and 1.0 < helps.cpus <= 4.0 and "allocate cpus" in helps.reason
+    default = _decide(QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0)), cpu_model=CPULatencyModel.fit(_records(0.1, 0.3))), st)
+    assert default.cpus == 1.0  # AllocateCPU beyond Smooth's reclaims is opt-in (CPUConfig.allocate)
     off = _decide(QuartPolicy(QuartConfig(cpu=CPUConfig(enabled=False)), cpu_model=CPULatencyModel.fit(_records(0.1, 0.3))), st)
     assert off.cpus == 1.0
-    useless = _decide(QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0)), cpu_model=CPULatencyModel.fit(_records(0.2, 0.0))), st)
+    useless = _decide(QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, allocate=True)), cpu_model=CPULatencyModel.fit(_records(0.2, 0.0))), st)
     assert useless.cpus == 1.0  # the profile says more CPUs do not shorten service: none granted
     # the granted count is the smallest that meets the target (predicted from the measured 0.1 s × the ratio)
     model = CPULatencyModel.fit(_records(0.1, 0.3))
@@ -70,7 +72,7 @@ def test_allocate_grants_cpus_to_a_stage_over_target_that_cannot_grow() -> None:
 
 def test_no_cpu_roll_while_replicas_start_and_one_change_per_hold() -> None:
     model = CPULatencyModel.fit(_records(0.1, 0.3))
-    policy = QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, hold_s=30.0)), cpu_model=model)
+    policy = QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, hold_s=30.0, allocate=True)), cpu_model=model)
     assert _decide(policy, _stage(pending_replicas=1)).cpus == 1.0  # a CPU roll would void the start
     assert _decide(policy, _stage()).cpus > 1.0  # t = 100: granted
     calm = _stage(arrival_rate=0.5, cpus=4.0, service_rate=10.0 / model.service_ratio(1, 4))
@@ -81,7 +83,7 @@ def test_no_cpu_roll_while_replicas_start_and_one_change_per_hold() -> None:
 
 
 def test_cpus_go_back_to_default_when_the_target_is_met_without_them() -> None:
-    policy = QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0)), cpu_model=CPULatencyModel.fit(_records(0.1, 0.3)))
+    policy = QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, allocate=True)), cpu_model=CPULatencyModel.fit(_records(0.1, 0.3)))
     calm = _stage(arrival_rate=1.0, cpus=3.0, service_rate=10.0 / (0.2 / 0.4))  # measured at 3 CPUs
     assert _decide(policy, calm).cpus == 1.0
 
@@ -125,7 +127,9 @@ def test_simulated_quart_compensates_a_stage_at_its_maximum() -> None:
     cfg = SimConfig(model="m", stages=(StageSpec("m-stage-0", 0.1, 2 * 10**9),), slo_s=0.3, calibration=cal,
                     hop_s=0.0, queue_cap=10**9, initial_replicas=1, max_replicas=1, placer="first-fit")
     arrivals = poisson_arrivals(9.0, 90.0, seed=3)  # ρ = 0.9 on the one replica it may have
-    on = Simulation(cfg, make_policy("quart", cpu_model=cal.cpu_model()), arrivals).run()
+    on = Simulation(cfg, make_policy("quart", cpu_model=cal.cpu_model(), cpu={"allocate": True}), arrivals).run()
+    default = Simulation(cfg, make_policy("quart", cpu_model=cal.cpu_model()), arrivals).run()
+    assert default.cpu_seconds == pytest.approx(default.gpu_seconds)  # by default only Smooth's reclaims compensate
     off = Simulation(cfg, make_policy("quart", cpu={"enabled": False}), arrivals).run()
     assert off.cpu_seconds == pytest.approx(off.gpu_seconds)  # 1 CPU per replica throughout
     assert on.cpu_seconds > 1.5 * on.gpu_seconds  # CPUs granted ...

@@ -8,6 +8,7 @@ placer, provisioning corrector):
 | `quart` | nothing |
 | `-smooth` | Smooth (§5.2): no reclaiming by CV-weighted neighbour demand |
 | `-cpu` | CPU compensation (§5.3): QUART's CPU regression is fitted on the simulated replicas (`cpu_seconds` shows what it spends) |
+| `+cpu-allocate` | (added, not removed) AllocateCPU also on stages over target that Correct cannot grow (`CPUConfig.allocate`) |
 | `-key-placement` | key-stage placement: the cache-blind first-fit placer instead of the cache-aware one |
 | `-keysmanager` | the KeysManager: every new replica is a cold start |
 | `pid` | the provisioning corrector: the paper's PID Correct instead (QUART before issue 15) |
@@ -28,6 +29,7 @@ VARIANTS: dict[str, tuple[str, dict, tuple[tuple[str, object], ...]]] = {
     "quart": ("quart", {}, ()),
     "-smooth": ("quart", {"smooth": {"enabled": False}}, ()),
     "-cpu": ("quart", {"cpu": {"enabled": False}}, ()),
+    "+cpu-allocate": ("quart", {"cpu": {"allocate": True}}, ()),
     "-key-placement": ("quart", {}, (("placer", "first-fit"),)),
     "-keysmanager": ("quart-no-km", {}, ()),
     "pid": ("quart", {"mode": "pid"}, ()),
