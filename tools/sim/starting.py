@@ -199,7 +199,8 @@ class ReplicaStarts:
 
     def consolidated(self, rep: Replica, now: float) -> None:
         """A ParaServe group holds the whole stage on each kept worker (a `CONSOLIDATED` event): they serve alone,
-        helpers leave."""
+        helpers leave (the data plane first moves what it must, a generation session's KV)."""
+        self.flow.before_consolidated(rep, now)
         rep.consolidated_at = now
         rep.factor = self.cal.cpu_factor(rep.cpus)
         stage = self.stages[rep.stage]
