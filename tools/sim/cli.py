@@ -309,26 +309,13 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     try:
         cal = _calibration(args)
-        if args.experiment == "run":
-            doc = _single(args, cal)
+        experiments = {"run": _single, "fig6": _fig6, "fig7": _fig7, "ablations": _ablations, "frontier": _frontier,
+                       "quart-ablation": _quart_ablation, "ablation": _quart_ablation, "blitzscale": _blitzscale,
+                       "paraserve": _paraserve, "generation": _generation}
+        if args.experiment in experiments:
+            doc = experiments[args.experiment](args, cal)
         elif args.experiment == "fig2":
             doc = {"experiment": "fig2", **ex.fig2(cal, args.duration, seed=args.seed)}
-        elif args.experiment == "fig6":
-            doc = _fig6(args, cal)
-        elif args.experiment == "fig7":
-            doc = _fig7(args, cal)
-        elif args.experiment == "ablations":
-            doc = _ablations(args, cal)
-        elif args.experiment == "frontier":
-            doc = _frontier(args, cal)
-        elif args.experiment in ("quart-ablation", "ablation"):
-            doc = _quart_ablation(args, cal)
-        elif args.experiment == "blitzscale":
-            doc = _blitzscale(args, cal)
-        elif args.experiment == "paraserve":
-            doc = _paraserve(args, cal)
-        elif args.experiment == "generation":
-            doc = _generation(args, cal)
         else:
             doc = {"experiment": "all", "fig2": ex.fig2(cal, args.duration, seed=args.seed), "fig6": _fig6(args, cal),
                    "fig7": _fig7(args, cal), "ablations": _ablations(args, cal)}
