@@ -106,3 +106,34 @@ def generate(runtimes: Sequence[StageRuntime], prompt: Sequence[int], new_tokens
             out.logits.append(torch.tensor(doc["logits"]))
         pending = [doc["token"]]
     return out
+
+
+def batched_step(runtimes: Sequence[StageRuntime], steps: Sequence[tuple[str, int, int]], *,
+                 samples: Mapping[str, Mapping] | None = None, ends: Sequence[str] = ()) -> list[dict]:
+    """One batched decode step (quart_stage.batchwire) of the sessions ``steps`` = ``(session, token, pos)``
+    through every stage, as the gateway sends it: each stage's answer carries the sessions that succeeded on.
+    Each session's result (``status``, and ``token`` / ``pos`` or ``error`` / ``field``), in order."""
+    from quart_stage import batchwire
+
+    samples = samples or {}
+    entries = [batchwire.BatchEntry(sid, pos, sid in ends) for sid, _, pos in steps]
+    results: dict[str, dict] = {}
+    tensor = {"input_ids": torch.tensor([[tok] for _, tok, _ in steps], dtype=torch.int64)}
+    for k, rt in enumerate(runtimes):
+        if not entries:
+            break
+        last = k == len(runtimes) - 1
+        table = [replace(e, sample=samples.get(e.id, {})) if last else e for e in entries]
+        body = wire.encode_bytes(tensor, {batchwire.META_SESSIONS: json.dumps([e.doc() for e in table])})
+        resp = rt.handle(body, {batchwire.H_SESSION_BATCH: str(len(table)), "Content-Type": wire.CONTENT_TYPE})
+        if resp.status != 200:
+            raise RuntimeError(f"batched step at stage {k}: {resp.status} {resp.body[:300]!r}")
+        if last:
+            answers = json.loads(resp.body)[batchwire.META_RESULTS]
+        else:
+            decoded = wire.decode(resp.body)
+            answers = json.loads(decoded.metadata[batchwire.META_RESULTS])
+            tensor = {"hidden_states": decoded.tensors["hidden_states"].clone()}
+        results.update({a["id"]: a for a in answers if a["status"] != 200 or last})
+        entries = [e for e, a in zip(entries, answers, strict=True) if a["status"] == 200]
+    return [results[sid] for sid, _, _ in steps]

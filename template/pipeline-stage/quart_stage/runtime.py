@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from quart_stage import jsonparse, wire
+from quart_stage.batchwire import H_SESSION_BATCH
 from quart_stage.config import ConfigError, StageConfig
 from quart_stage.device_copy import move_module
 from quart_stage.emulated import ServiceTime, StepTime, service_time_for, step_time_for
@@ -40,6 +41,7 @@ from quart_stage.inputs import (
     int_matrix,
     validate,
 )
+from quart_stage.kvcache import H_KV_TOKENS
 from quart_stage.layers import (
     H_LAYERS,
     H_LAYERS_HELD,
@@ -222,6 +224,8 @@ class StageRuntime:
         request_id = headers.get(H_REQUEST_ID.lower()) or uuid.uuid4().hex
         base = self.response_headers(request_id)
         session = None
+        if H_SESSION_BATCH.lower() in headers:
+            return self._batched_step(body, headers, base, t0)
         try:
             self._check_route(headers)
             session = parse_session(headers) if H_SESSION.lower() in headers else None
@@ -263,6 +267,16 @@ class StageRuntime:
         base.update({"Content-Type": ctype, H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1, t2),
                      H_SER: elapsed_ms(t2, t3)})
         return StageResponse(200, chunks, base)
+
+    def _batched_step(self, body, headers: Mapping[str, str], base: dict[str, str], t0: float) -> StageResponse:
+        """A batched decode step of several sessions (quart_stage.sessionbatch); 400 for the batch as a whole."""
+        try:
+            self._check_route(headers)
+            entries, rows = self.generation.batched.parse(body, headers)
+        except QuartError as exc:
+            base.update({H_DESER: elapsed_ms(t0), H_KV_TOKENS: self.generation.table.occupancy()})
+            return StageResponse.error(exc, {**base, **exc.headers})
+        return self.generation.batched.step(entries, rows, base, t0)
 
     def next_hop_meta(self, request_id: str, more: bool) -> dict[str, str]:
         """The safetensors metadata of an output: the stage it goes to (this one again when ``more`` of its layers
