@@ -137,3 +137,29 @@ def batched_step(runtimes: Sequence[StageRuntime], steps: Sequence[tuple[str, in
         results.update({a["id"]: a for a in answers if a["status"] != 200 or last})
         entries = [e for e, a in zip(entries, answers, strict=True) if a["status"] == 200]
     return [results[sid] for sid, _, _ in steps]
+
+
+def generate_batched(runtimes: Sequence[StageRuntime], prompts: Sequence[Sequence[int]], new_tokens: Sequence[int],
+                     *, prefix: str = "b", samples: Sequence[Mapping | None] | None = None) -> list[list[int]]:
+    """Several sessions at once: each prompt prefilled alone, then every decode step of the sessions still
+    running as one batched step (a session leaves the batch after its ``new_tokens``). Each session's tokens."""
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    sample_of = {sid: dict(s) for sid, s in zip(ids, samples or [None] * len(ids), strict=True) if s}
+    tokens: dict[str, list[int]] = {}
+    held: dict[str, int] = {}
+    for sid, prompt, n in zip(ids, prompts, new_tokens, strict=True):
+        resp = session_step(runtimes, prompt, 0, sid, sample=sample_of.get(sid), reserve=len(prompt) + n, end=n == 1)
+        if resp.status != 200:
+            raise RuntimeError(f"prefill of {sid}: {resp.status} {resp.body[:300]!r}")
+        doc = json.loads(resp.body)
+        tokens[sid], held[sid] = [doc["token"]], doc["pos"]
+    want = dict(zip(ids, new_tokens, strict=True))
+    while running := [sid for sid in ids if len(tokens[sid]) < want[sid]]:
+        steps = [(sid, tokens[sid][-1], held[sid]) for sid in running]
+        ends = [sid for sid in running if len(tokens[sid]) + 1 == want[sid]]
+        for (sid, _, _), doc in zip(steps, batched_step(runtimes, steps, samples=sample_of, ends=ends), strict=True):
+            if doc["status"] != 200:
+                raise RuntimeError(f"batched step of {sid}: {doc}")
+            tokens[sid].append(doc["token"])
+            held[sid] = doc["pos"]
+    return [tokens[sid] for sid in ids]

@@ -368,6 +368,10 @@ class SessionEngine:
 
     # ------------------------------------------------------------------ what the controller sees
 
+    def batch_sizes(self) -> dict[str, dict[str, int]]:
+        """Batched decode steps sent per replica, by batch size, since the start."""
+        return {rid: {str(k): v for k, v in sorted(lane.batches.items())} for rid, lane in self._lanes.items()}
+
     def stage_generation(self, function: str) -> tuple[int, int, int]:
         """(sessions, KV positions booked, KV capacity of its ready replicas) of one stage function; capacity
         is each ready replica's reported cap (``QUART_GEN_KV_TOKENS`` until it has), 0 for a stage that never
