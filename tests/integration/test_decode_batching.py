@@ -6,7 +6,6 @@ prompt's prefill (chunked, alternating with the decode batches) stalls the runni
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest

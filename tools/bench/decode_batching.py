@@ -90,7 +90,7 @@ async def run_decode(args, work: Path) -> tuple[dict, dict]:
     rows = []
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            names = await Demo(system, session).deploy_ready(stack)
+            await Demo(system, session).deploy_ready(stack)
             model = json.loads((model_dir / "manifest.json").read_text())["model"]
             url = f"{system.url}/function/{model}"
             engine = plugins[0].engine
