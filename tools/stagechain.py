@@ -37,6 +37,17 @@ class Generated:
         return sum(rest) / len(rest) if rest else 0.0
 
 
+def whole_tensors(model_dir: str) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The manifest of a partitioned model and every stage's tensors, in memory (for :func:`cut_runtimes`)."""
+    from quart_stage.runtime import read_stage_file
+
+    manifest = Manifest.load(model_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in manifest.stages:
+        tensors.update(read_stage_file(model_dir, entry))
+    return manifest, tensors
+
+
 def cut_runtimes(model_dir: str, manifest: Manifest, tensors: Mapping[str, torch.Tensor], bounds: Sequence[int],
                  **settings) -> list[StageRuntime]:
     """The runtimes of the cut ``bounds`` (layer-list boundaries, e.g. ``[0, 11, 22, 32]``) of the model partitioned

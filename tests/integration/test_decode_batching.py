@@ -10,6 +10,7 @@ import time
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.router import StaticReplica, StaticReplicas
@@ -47,11 +48,9 @@ class SessionStage:
         app = web.Application(client_max_size=1 << 26)
         app.router.add_post("/", self._invoke)
         app.router.add_delete("/_/sessions/{sid}", self._delete)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/"
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        self.url = str(self.server.make_url("/"))
         return self
 
 
@@ -83,7 +82,7 @@ async def _generate(engine: SessionEngine, prompt: list[int], n: int, delay_s: f
 async def _close(engine: SessionEngine, stages: list[SessionStage]) -> None:
     await engine.close()
     for s in stages:
-        await s.runner.cleanup()
+        await s.server.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,16 @@ import pytest
 import torch
 from quart_stage import batchwire, wire
 from quart_stage.config import StageConfig
-from quart_stage.manifest import Manifest
-from quart_stage.runtime import StageRuntime, read_stage_file
+from quart_stage.runtime import StageRuntime
 from quart_tools.partition import partition, split_layers
-from quart_tools.stagechain import batched_step, cut_runtimes, generate, generate_batched, session_step
+from quart_tools.stagechain import (
+    batched_step,
+    cut_runtimes,
+    generate,
+    generate_batched,
+    session_step,
+    whole_tensors,
+)
 
 _BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=128,
              max_position_embeddings=64)
@@ -141,10 +147,7 @@ def test_an_encoder_refuses_a_batched_step(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    manifest = Manifest.load(smollm2_dir)
-    tensors = {}
-    for entry in manifest.stages:
-        tensors.update(read_stage_file(smollm2_dir, entry))
+    manifest, tensors = whole_tensors(smollm2_dir)
     bounds = split_layers(manifest.layer_parameter_counts, 3, manifest.method)
     return cut_runtimes(smollm2_dir, manifest, tensors, bounds)
 
