@@ -47,10 +47,10 @@ from gateway_plugin.generation.decodebatch import (
     token_row,
 )
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
-from quart_provider.dead_peer import dead_peer_connector
-from quart_provider.retry import replica_gone
 from quart_stage.batchwire import BatchEntry
 from quart_stage.errors import QuartError, unavailable
+from quart_transport.dead_peer import dead_peer_connector
+from quart_transport.retry import replica_gone
 
 log = logging.getLogger("quart.generation")
 

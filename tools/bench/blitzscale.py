@@ -76,10 +76,10 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.plugin import GatewayView
     from gateway_plugin.router import Router
+    from quart_kernel.scheduling import make_placer
     from quart_provider.config import GatewayConfig
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_provider.scheduling import make_placer
 
     from keysmanager.client import AsyncKeysManagerClient
     from keysmanager.types import StageSpec
@@ -93,7 +93,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
     gw = EmbeddedGateway(config, km_hosts, make_placer("first-fit"))
     await gw.start()
     view = GatewayView(gw)
-    router = Router(view, gw.pipelines, PluginConfig(request_timeout_s=120.0, attempt_timeout_s=60.0,
+    router = Router(view, gw.registry.pipelines, PluginConfig(request_timeout_s=120.0, attempt_timeout_s=60.0,
                                                      queue_cap=100_000))
     taken: dict[str, float] = {}
     inner_take = view.take
@@ -106,7 +106,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
     phases = StartPhases()
     phases.wrap(gw.reconciler, km_hosts)
     try:
-        await gw.deploy(_deployment(config.namespace, args.service_ms, 1))
+        await gw.registry.deploy(_deployment(config.namespace, args.service_ms, 1))
         fn = gw.functions[FUNCTION]
         await wait_until(lambda: len(fn.ready) == 1, 300, "the first replica")
         [first] = [e.id for e in fn.ready]  # on h0, which now holds the stage: the peers' source
@@ -120,7 +120,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
         n = max(1, round(args.rate * args.burst_s))
         phases.start()
         t0 = phases.t0
-        await gw.scale(FUNCTION, 1 + new)
+        await gw.registry.scale(FUNCTION, 1 + new)
 
         async def one(i: int) -> tuple[int, float]:
             await asyncio.sleep(max(0.0, t0 + i / args.rate - time.monotonic()))
