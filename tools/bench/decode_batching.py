@@ -8,7 +8,9 @@ prompts of ``--context`` tokens start together. ``tokens_per_s``: every token of
 from the first request to the last stream's end; ``tpot_*``: percentiles of the gaps between consecutive tokens
 of a stream, pooled over the streams. ``same_tokens``: every stream's tokens equal transformers'
 ``generate`` (greedy, the whole model) on its prompt. With ``--off`` the largest stream count also runs with
-decode batching off (every step its own call), same prompts.
+decode batching off (every step its own call), same prompts. With ``--stage-step`` the report also has
+``stage_step``: one batched step in process, ragged vs padded caches vs transformers' own
+(:mod:`quart_tools.bench.decode_stage`).
 
 JSON (the ``decode`` key of the batching report): ``{"model", "stages", "context", "new_tokens", "rows":
 [{"streams", "batching", "tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "same_tokens"}],
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from quart_tools.bench.decode_stage import stage_step_rows
 
 DEFAULT_STREAMS = (1, 2, 4, 8, 16)
 
@@ -84,6 +87,9 @@ async def run_decode(args, work: Path) -> tuple[dict, dict]:
     whole = reference_model(str(model_dir))
     refs = [reference(whole, p, args.new_tokens, 1)[2] for p in prompts]
     del whole
+    stage_step = stage_step_rows(model_dir, 64, args.step_rounds) if args.stage_step else []
+    if stage_step:
+        print(f"  stage step (ms): {stage_step}", file=sys.stderr)
     os.environ.update({"QUART_POLICY": "static", "QUART_CONCURRENCY": "1",
                        "QUART_GEN_DECODE_BATCH_MAX": str(args.decode_batch_max)})
     system, plugins = await system_with_plugin(work)
@@ -113,7 +119,7 @@ async def run_decode(args, work: Path) -> tuple[dict, dict]:
         targets["decode_16_streams_tpot_p50_le_3x"] = top["tpot_p50_ms"] <= 3 * one["tpot_p50_ms"]
     decode = {"model": "smollm2", "stages": args.decode_stages, "context": args.context,
               "new_tokens": args.new_tokens, "decode_batch_max": args.decode_batch_max, "rows": rows,
-              "batch_sizes": sizes}
+              "batch_sizes": sizes, "stage_step": stage_step}
     return decode, targets
 
 
@@ -124,3 +130,6 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--decode-batch-max", type=int, default=16)
     p.add_argument("--off", action="store_true", help="also run the most streams with decode batching off")
+    p.add_argument("--stage-step", action="store_true",
+                   help="also time one batched step in process: ragged vs padded caches vs transformers (decode_stage)")
+    p.add_argument("--step-rounds", type=int, default=10, help="decode rounds per --stage-step figure (median)")
