@@ -54,13 +54,17 @@ class SessionStage:
         return self
 
 
-async def _engine(settings: list[dict], **config) -> tuple[SessionEngine, list[SessionStage]]:
+async def _engine(settings: list[dict], replicas: tuple[int, ...] = (1, 1, 1), **config
+                  ) -> tuple[SessionEngine, list[SessionStage]]:
     source = StaticReplicas(slots=1)
     stages = []
     for i, s in enumerate(settings):
-        stage = await SessionStage(StageRuntime.load(StageConfig(stage_index=i, num_stages=STAGES, threads=1, **s))).start()
-        stages.append(stage)
-        source.replicas[f"m-{i}"] = [StaticReplica(f"r{i}", stage.url)]
+        source.replicas[f"m-{i}"] = []
+        for j in range(replicas[i]):
+            runtime = StageRuntime.load(StageConfig(stage_index=i, num_stages=STAGES, threads=1, **s))
+            stage = await SessionStage(runtime).start()
+            stages.append(stage)
+            source.replicas[f"m-{i}"].append(StaticReplica(f"r{i}.{j}", stage.url))
     engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, **config))
     engine.model = stages[0].runtime.model
     return engine, stages
@@ -139,6 +143,35 @@ def test_a_session_whose_cache_is_lost_replays_alone_and_the_batch_goes_on(tiny)
     out, replays = asyncio.run(run())
     assert replays == 1
     assert out == asyncio.run(alone())
+
+
+def test_a_killed_replica_fails_its_sessions_over_and_the_tokens_are_identical(tiny):
+    async def run() -> tuple[list[list[int]], int]:
+        engine, stages = await _engine([{"model_dir": tiny}] * STAGES, replicas=(1, 2, 1), decode_batch_max=8)
+        try:
+            tasks = [asyncio.ensure_future(_generate(engine, p, 14)) for p in PROMPTS[:4]]
+            while sum(len(s.generated) for s in engine.active.values()) < 16:
+                await asyncio.sleep(0.005)
+            source, live = engine.source, list(engine.active.values())
+            victim = live[0].replicas[1]
+            source.replicas["m-1"].remove(victim)  # the gateway saw it go
+            await next(s for s in stages if s.url == victim.url).server.close()  # killed: its batches fail
+            out = await asyncio.gather(*tasks)
+            on_victim = [s for s in live if s.replays]
+            assert on_victim and all(s.replays == 1 for s in on_victim)  # each failed over once, by replay
+            return out, sum(1 for s in stages if s.url == victim.url)
+        finally:
+            await _close(engine, stages)
+
+    async def alone() -> list[list[int]]:
+        engine, stages = await _engine([{"model_dir": tiny}] * STAGES)
+        try:
+            return [await _generate(engine, p, 14) for p in PROMPTS[:4]]
+        finally:
+            await _close(engine, stages)
+
+    out, killed = asyncio.run(run())
+    assert killed == 1 and out == asyncio.run(alone())
 
 
 def test_a_long_prefill_stalls_running_streams_by_at_most_one_chunk_per_stage():
