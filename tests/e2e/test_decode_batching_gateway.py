@@ -6,15 +6,12 @@ batches of several sessions (docs/batching.md#decode-continuous-batching)."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import time
 
 import requests
 import torch
-from quart_provider.stack import load_stack
 from quart_stage.verify import reference_model
 from quart_tools.partition import partition
-from support.embedded_system import ThreadedSystem
+from support.embedded_system import deploy_stack, stage_system, wait_available
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41], list(range(60, 90)), [3] * 9, [90, 12, 33, 5], list(range(100, 112))]
 NEW = [24, 16, 20, 12, 24, 18]
@@ -23,29 +20,13 @@ NEW = [24, 16, 20, 12, 24, 18]
 def test_concurrent_streams_batch_and_give_generates_tokens(tmp_path):
     model_dir = tmp_path / "tiny"
     partition("tiny", 3, str(model_dir), stack={"compute": "cpu"}, progress=False)
-    os.environ["QUART_POLICY"] = "static"
+    system = stage_system(tmp_path)
     try:
-        system = ThreadedSystem(tmp_path, attach_plugin=True, use_keysmanager=True, hosts=1, gpus_per_host=8)
-    finally:
-        os.environ.pop("QUART_POLICY", None)
-    try:
-        stack = load_stack(model_dir / "stack.yml")
-        system.system.gateway.images.register(stack.image_index_entries())
-        for fn in stack.functions:
-            body = {**fn.request, "labels": {**fn.request.get("labels", {}), "com.quart.batch.decode-max": "8"}}
-            res = requests.post(f"{system.url}/system/functions", json=body, auth=system.auth, timeout=30)
-            assert res.status_code == 202, res.text
-        bad = {**stack.functions[0].request, "service": "bad", "labels": {"com.quart.batch.decode-max": "0"}}
+        names = deploy_stack(system, model_dir, {"com.quart.batch.decode-max": "8"})
+        bad = {"service": "bad", "image": "quart/echo:latest", "labels": {"com.quart.batch.decode-max": "0"}}
         refused = requests.post(f"{system.url}/system/functions", json=bad, auth=system.auth, timeout=30)
         assert refused.status_code == 400 and "com.quart.batch.decode-max" in refused.text
-        deadline = time.monotonic() + 180
-        while True:
-            listing = {f["name"]: f["availableReplicas"] for f in
-                       requests.get(f"{system.url}/system/functions", auth=system.auth, timeout=10).json()}
-            if all(listing.get(f"tiny-stage-{i}", 0) >= 1 for i in range(3)):
-                break
-            assert time.monotonic() < deadline, listing
-            time.sleep(0.2)
+        wait_available(system, dict.fromkeys(names, 1))
 
         def stream(k: int) -> list[int]:
             res = requests.post(f"{system.url}/function/tiny", json={"input_ids": PROMPTS[k], "max_tokens": NEW[k],
