@@ -1,7 +1,7 @@
 """The decode half of `quartctl bench batching`: continuous batching of generation steps (docs/batching.md#decode).
 
 SmolLM2-135M-Instruct (real weights, dequantised float32) in ``--stages`` stages on the embedded gateway, one
-stage process per stage (concurrency 1, one torch thread), decode batching on (``QUART_GEN_DECODE_BATCH_MAX``
+replica (stage process) per stage (scale.min = scale.max = 1) (concurrency 1, one torch thread), decode batching on (``QUART_GEN_DECODE_BATCH_MAX``
 = ``--decode-batch-max``). For each count of concurrent streams (``--streams``, default 1 2 4 8 16) that many
 greedy streams (``POST /function/<model>``, ``stream: true``, ``ignore_eos``) of ``--new-tokens`` tokens after
 prompts of ``--context`` tokens start together. ``tokens_per_s``: every token of every stream / the wall time
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,8 @@ async def run_decode(args, work: Path) -> tuple[dict, dict]:
 
     model_dir = work / f"smollm2-{args.decode_stages}"
     stack = partition_model("smollm2", args.decode_stages, model_dir)
+    # one replica per stage (the static policy keeps scale.min..scale.max: both 1)
+    stack.write_text(re.sub(r"(com\.openfaas\.scale\.(?:min|max)): ['\"]?\d+['\"]?", r"\1: '1'", stack.read_text()))
     torch.set_num_threads(1)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     most = max(args.streams)

@@ -3,7 +3,8 @@
 Part of `quartctl bench batching --part decode` (``--stage-step``; docs/batching.md#decode-continuous-batching).
 SmolLM2-135M (real weights) cut into 3 stages in this process, one torch thread; ``B`` sessions with prompts of
 ``context + 3 i`` tokens (different lengths) prefilled, then the median wall time of ``--step-rounds`` decode rounds
-through every stage's ``StageRuntime.handle`` (the wire between stages included):
+through every stage's ``StageRuntime.handle`` (the wire between stages included), the four modes interleaved
+round by round:
 
 - ``unbatched_ms``: the ``B`` sessions' steps one after another (one call per session and stage);
 - ``ragged_ms``: one batched step (quart_stage.ragged: batched projections, attention per session on its own cache);
@@ -42,15 +43,6 @@ def padded_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, keys, values, mask, **kwargs)
 
 
-def _median_ms(step, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return round(1000 * statistics.median(times), 2)
-
-
 def stage_step_rows(model_dir: Path, context: int, rounds: int, sizes=(1, 4, 16)) -> list[dict]:
     from quart_stage import ragged
     from quart_stage.verify import reference_model
@@ -85,22 +77,31 @@ def stage_step_rows(model_dir: Path, context: int, rounds: int, sizes=(1, 4, 16)
             held[sid] = (doc["token"], doc["pos"])
 
     rows = []
-    for count in sizes:
-        alone = prefill(count, f"u{count}-")
-        row = {"sessions": count, "unbatched_ms": _median_ms(lambda h=alone: one_by_one(h), rounds)}
-        for name, attention in (("ragged", ragged.ragged_attention), ("padded", padded_attention)):
-            AttentionInterface.register(ragged.RAGGED_ATTENTION, attention)
-            try:
-                held = prefill(count, f"{name}{count}-")
-                row[f"{name}_ms"] = _median_ms(lambda h=held: together(h), rounds)
-            finally:
-                AttentionInterface.register(ragged.RAGGED_ATTENTION, ragged.ragged_attention)
-        row["transformers_ms"] = _transformers_step(model, count, context, vocab, gen, rounds)
-        rows.append(row)
+    for count in sizes:  # the four modes interleaved round by round: a loaded machine's drift hits them alike
+        alone, held = prefill(count, f"u{count}-"), {m: prefill(count, f"{m}{count}-") for m in ("ragged", "padded")}
+        times: dict[str, list[float]] = {"unbatched": [], "ragged": [], "padded": [], "transformers": []}
+        whole = _transformers_state(model, count, context, vocab, gen)
+        for _ in range(rounds):
+            times["unbatched"].append(_timed(lambda a=alone: one_by_one(a)))
+            for name, attention in (("ragged", ragged.ragged_attention), ("padded", padded_attention)):
+                AttentionInterface.register(ragged.RAGGED_ATTENTION, attention)
+                try:
+                    times[name].append(_timed(lambda h=held[name]: together(h)))
+                finally:
+                    AttentionInterface.register(ragged.RAGGED_ATTENTION, ragged.ragged_attention)
+            times["transformers"].append(_timed(whole))
+        rows.append({"sessions": count, **{f"{k}_ms": round(1000 * statistics.median(v), 2) for k, v in times.items()}})
     return rows
 
 
-def _transformers_step(model, count: int, context: int, vocab: int, gen: torch.Generator, rounds: int) -> float:
+def _timed(step) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def _transformers_state(model, count: int, context: int, vocab: int, gen: torch.Generator):
+    """The whole model prefilled with ``count`` left-padded prompts; a function that runs its next decode step."""
     lengths = [context + 3 * i for i in range(count)]
     longest = max(lengths)
     ids = torch.zeros((count, longest), dtype=torch.long)
@@ -108,16 +109,16 @@ def _transformers_step(model, count: int, context: int, vocab: int, gen: torch.G
     for i, n in enumerate(lengths):
         ids[i, longest - n:] = torch.randint(0, vocab, (n,), generator=gen)
         mask[i, longest - n:] = 1
-    state = {}
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-        state.update(cache=out.past_key_values, next=out.logits[:, -1].argmax(-1, keepdim=True), mask=mask)
+    state = {"cache": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True), "mask": mask}
 
-        def step():
-            state["mask"] = torch.cat([state["mask"], torch.ones((count, 1), dtype=torch.long)], 1)
-            positions = state["mask"].sum(1, keepdim=True) - 1
-            out = model(input_ids=state["next"], attention_mask=state["mask"], past_key_values=state["cache"],
-                        position_ids=positions, use_cache=True)
-            state["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
+    @torch.inference_mode()
+    def step():
+        state["mask"] = torch.cat([state["mask"], torch.ones((count, 1), dtype=torch.long)], 1)
+        positions = state["mask"].sum(1, keepdim=True) - 1
+        out = model(input_ids=state["next"], attention_mask=state["mask"], past_key_values=state["cache"],
+                    position_ids=positions, use_cache=True)
+        state["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
 
-        return _median_ms(step, rounds)
+    return step
