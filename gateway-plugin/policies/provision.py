@@ -27,21 +27,25 @@ Pure: state is the policy's own (rate windows, timers); time comes from the snap
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from gateway_plugin.config import CorrectConfig, ProvisionConfig
+from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, work_s
 from gateway_plugin.policies.correct import Correction, servers_of, stage_target_s
 from gateway_plugin.policies.history import SampleWindow
 from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
 
 
-def servers_for_target(rate: float, service_rate: float, target_s: float, rho_max: float, limit: int) -> int:
-    """Fewest servers (≤ limit) with ρ ≤ rho_max and the M/M/c delay at ``rate`` within ``target_s``."""
+def servers_for_target(rate: float, service_rate: float, target_s: float, rho_max: float, limit: int,
+                       delay_at: Callable[[int], float] | None = None) -> int:
+    """Fewest servers (≤ limit) with ρ ≤ rho_max and the delay at ``rate`` within ``target_s``: the M/M/c delay,
+    or ``delay_at(c)`` (a batching stage's, gateway_plugin.policies.batch_capacity)."""
     if rate <= 0 or service_rate <= 0:
         return 0
     c = servers_for_utilisation(rate, service_rate, rho_max)
-    while c < limit and mmc_delay(rate, service_rate, c) > target_s:
+    while c < limit and (delay_at(c) if delay_at else mmc_delay(rate, service_rate, c)) > target_s:
         c += 1
     return min(c, limit)
 
@@ -129,22 +133,24 @@ class Provisioner:
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
             return Correction(current, 0.0, target, 0.0, False, reason + " (no service time yet)"), 0.0
         per = max(1, stage.concurrency)
-        servers = servers_for_target(rate, stage.service_rate, target, self.correct.rho_max, stage.max_replicas * per)
+        servers = servers_for_target(rate, capacity_rate(stage, target), target, self.correct.rho_max,
+                                     stage.max_replicas * per, lambda c: delay_s(stage, rate, c))
         if released > 0:
-            upstream = servers_for_utilisation(released, stage.service_rate, self.correct.rho_max)
+            upstream = servers_for_utilisation(released, capacity_rate(stage, target), self.correct.rho_max)
             if upstream > servers:
                 servers, reason = upstream, reason + f" upstream backlog at {released:.0f}/s"
         release = 0.0
         drain_within = cfg.backlog_starts * max(start_s, 1e-3)
-        if stage.queue_len > 0 and stage.queue_len / (max(1, servers_of(stage, current)) * stage.service_rate) > drain_within:
-            backlog = math.ceil((rate + stage.queue_len / drain_within) / stage.service_rate - 1e-9)
+        mu = capacity_rate(stage, target)  # at the batches that fit the target
+        if stage.queue_len > 0 and stage.queue_len / (max(1, servers_of(stage, current)) * mu) > drain_within:
+            backlog = math.ceil((rate + stage.queue_len / drain_within) / mu - 1e-9)
             if backlog > servers:
                 servers, reason = backlog, reason + f" backlog {stage.queue_len}"
                 # it leaves at what this stage will serve once the replicas asked for now are ready: the next
                 # stages' replicas, asked in the same step, are ready then too
-                release = servers * stage.service_rate
+                release = servers * mu
         demand = min(stage.max_replicas, max(stage.min_replicas, math.ceil(servers / per)))
-        delay = mmc_delay(rate, stage.service_rate, servers_of(stage, max(current, 0)))
+        delay = delay_s(stage, rate, servers_of(stage, max(current, 0)))
         error = cfg_error(delay, target, self.correct.error_cap)
         if demand > current:
             st.below_since, st.last_scale_up = None, now
@@ -170,7 +176,7 @@ def fair_shares(stages: tuple[StageSnapshot, ...], demands: list[int], capacity:
     floors = [max(s.min_replicas, math.ceil(s.busy / max(1, s.concurrency))) for s in stages]
     if sum(demands) <= capacity:
         return list(demands)
-    weights = {k: max(s.mean_service_s / max(1, s.concurrency), 1e-9) for k, s in enumerate(stages)}
+    weights = {k: max(work_s(s) / max(1, s.concurrency), 1e-9) for k, s in enumerate(stages)}
     out = list(demands)
     left, open_ = float(capacity), set(weights)
     while open_:

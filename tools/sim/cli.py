@@ -21,6 +21,8 @@ from quart_stage import cliargs
 from quart_tools.arrivals import DEFAULT_TRACE, gamma_arrivals, load_trace, replay_trace
 from quart_tools.report import json_safe, plot_arrivals, plot_latency_cdf, plot_stage_series
 from quart_tools.sim import experiments as ex
+from quart_tools.sim.batching import DEFAULT_FIXED
+from quart_tools.sim.batching import DEFAULT_MAX as DEFAULT_BATCH_MAX
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
 DEFAULT_LOAD = 0.4  # mean rate as a fraction of what the whole cluster sustains for the model
@@ -58,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="JSON settings for QUART's make_policy (diagnostics, e.g. a shorter cooldown)")
     p.add_argument("--max-replicas", type=int, default=0,
                    help="per-stage replica cap (com.openfaas.scale.max) of every system; 0 = 2 × GPUs / stages")
+    p.add_argument("--batching", action="store_true",
+                   help="replicas serve batches of what waits (the router's dynamic batching, docs/simulator.md)")
+    p.add_argument("--batch-max", type=int, default=DEFAULT_BATCH_MAX, help="with --batching: requests per call")
+    p.add_argument("--batch-fixed", type=float, default=DEFAULT_FIXED,
+                   help="with --batching: F / S(1) of the profile S(b) = S(1)·(f + (1 − f)·b), in [0, 1)")
     p.add_argument("--nic-gbit", type=float, default=None,
                    help="blitzscale: network Gbit/s per host (default the paper's 100)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
@@ -107,7 +114,15 @@ def _single(args, cal: Calibration) -> dict:
 
 def _overrides(args) -> tuple[tuple[str, object], ...]:
     """SimConfig fields set from the command line (only those given)."""
-    return (("max_replicas", args.max_replicas),) if args.max_replicas else ()
+    out = (("max_replicas", args.max_replicas),) if args.max_replicas else ()
+    if args.batching:  # quart_tools.sim.batching
+        out += (("batch_max", args.batch_max), ("batch_fixed", args.batch_fixed))
+    return out
+
+
+def _batching(args) -> dict:
+    """The batching of a run, for its config record ({} without --batching)."""
+    return {"batching": {"max": args.batch_max, "fixed": args.batch_fixed}} if args.batching else {}
 
 
 def _systems(args, default) -> list[str]:
@@ -196,7 +211,7 @@ def _frontier(args, cal: Calibration) -> dict:
     seeds = _seeds(args)
     duration = QUICK_DURATION_S if args.quick else args.duration
     config = {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
-              "seeds": seeds, "max_replicas": args.max_replicas}
+              "seeds": seeds, "max_replicas": args.max_replicas, **_batching(args)}
     reuse = None
     if args.reuse:
         with open(args.reuse, encoding="utf-8") as f:
@@ -255,6 +270,9 @@ def main(argv: list[str]) -> int:
     if args.plots and args.experiment in ("fig2", "quart-ablation"):
         return cliargs.usage_error("quartctl simulate", f"--plots: the {args.experiment} experiment has no plots "
                                    "(run, fig6, fig7, ablations, frontier, blitzscale and all have)")
+    if args.batch_max < 1 or not 0 <= args.batch_fixed < 1:
+        return cliargs.usage_error("quartctl simulate", f"--batch-max must be ≥ 1 (got {args.batch_max}) and "
+                                   f"--batch-fixed in [0, 1) (got {args.batch_fixed})")
     started = time.perf_counter()
     try:
         cal = _calibration(args)

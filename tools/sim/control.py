@@ -21,6 +21,7 @@ from quart_kernel.convergence import Convergence, FunctionView, PlatformView, Re
 from quart_kernel.replicaset import note_key_scale, within_bounds
 from quart_kernel.scheduling import Placer
 from quart_tools.report import StageSample
+from quart_tools.sim.batching import profile_s
 from quart_tools.sim.cluster import Host
 from quart_tools.sim.events import RECONCILE, EventLoop
 from quart_tools.sim.starting import ReplicaStarts
@@ -71,7 +72,9 @@ class ControlLoop:
                           min_replicas=self.cfg.min_replicas, max_replicas=self.max_replicas, concurrency=1,
                           param_bytes=st.spec.param_bytes,
                           profiled_service_s=st.spec.service_s if self.cfg.profile_label else 0.0,
-                          start_s=st.start_time.seconds)
+                          start_s=st.start_time.seconds, batch_max=self.cfg.batch_max,
+                          batch_profile_s=profile_s(st.spec.service_s, self.cfg.batch_max, self.cfg.batch_fixed)
+                          if self.cfg.batch_max > 1 and self.cfg.profile_label else ())
 
     def queue_len(self, function: str) -> int:
         st = self.stage_by_fn[function]

@@ -65,6 +65,8 @@ class SimConfig:
     paraserve_slo_s: float = 0.0  # the first-response deadline ParaServe's P is chosen for; 0 = slo_s
     paraserve_max_parts: int = 8
     cache_on_ready: bool = False  # a new replica's host caches the stage once loaded (False: at its start)
+    batch_max: int = 1  # requests one call of a replica carries at most (com.quart.batch.max); 1: no batching
+    batch_fixed: float = 0.0  # F / S(1) of the batch profile S(b) = S(1)·(f + (1 − f)·b) (quart_tools.sim.batching)
 
 
 class Replica:

@@ -26,6 +26,7 @@ BATCH_MAX = "com.quart.batch.max"  # requests the router sends a replica in one 
 BATCH_WAIT_MS = "com.quart.batch.wait-ms"  # how long a short batch waits for more requests (0 = none)
 DECODE_BATCH_MAX = "com.quart.batch.decode-max"  # generation sessions in one batched decode step (1 = no batching)
 MAX_DECODE_BATCH = 256  # the largest decode batch a label or setting may ask for
+BATCH_PROFILE_MS = "com.quart.batch.profile-ms"  # profiled ms of one call by batch size, "1:23,16:100" (policies)
 # "off": replicas cold-start like a plain OpenFaaS function (the paper's baselines); "on": fork from the cache
 KEYSMANAGER = "com.quart.keysmanager"
 
