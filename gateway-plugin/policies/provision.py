@@ -20,6 +20,10 @@ corrector spends the same budget the way the oracle does:
 5. **Hysteresis sized to the start cost**: up at once; down only once the demand has stayed below the
    current count for ``hold_s`` = max(``hold_min_s``, ``hold_starts`` × the start time), at most
    ``max_step_down`` per step, never below the replicas busy now.
+6. **Start-up**: until a stage has seen traffic for ``peak_window_s``, its observed peak is the largest of
+   fewer windows than the peak window holds (and, in the first seconds, a mean of a few bursty arrivals), so it
+   is sized for at least the peak the full window is expected to show (``expected_peak_rate``), from the mean
+   rate and the inter-arrival CV observed so far.
 
 Pure: state is the policy's own (rate windows, timers); time comes from the snapshot.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 
 from gateway_plugin.config import CorrectConfig, ProvisionConfig
 from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, work_s
@@ -50,6 +55,22 @@ def servers_for_target(rate: float, service_rate: float, target_s: float, rho_ma
     return min(c, limit)
 
 
+def expected_peak_rate(mean_rate: float, cv: float, span_s: float, rate_window_s: float, peak_window_s: float) -> float:
+    """The largest ``rate_window_s`` mean rate a ``peak_window_s`` window is expected to show, from the mean rate
+    and the inter-arrival CV of a renewal process: its count over T seconds has variance λ·T·CV², so a T-second mean
+    has σ = √(λ·CV²/T), and the largest of n = peak / rate windows is ≈ λ + z_n·σ (z_n: Blom's expected maximum of n
+    standard normals). While less than ``rate_window_s`` is observed (``span_s``), σ is that of the span observed:
+    the mean itself is that uncertain."""
+    if mean_rate <= 0 or span_s <= 0:
+        return 0.0
+    n = max(1.0, peak_window_s / rate_window_s)
+    z = NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+    return mean_rate + max(0.0, z) * math.sqrt(mean_rate * max(cv, 0.0) ** 2 / min(span_s, rate_window_s))
+
+
+RECENT_S = 1.0  # the snapshot's recent rate is λ over the last second (metrics.StageMetrics.recent_s)
+
+
 @dataclass(slots=True)
 class _StageState:
     rates: SampleWindow  # (time, λ over the last second)
@@ -57,6 +78,9 @@ class _StageState:
     below_since: float | None = None  # when the demand first fell below the current count
     since: float | None = None  # first snapshot with traffic
     last_scale_up: float = -math.inf
+    arrived: float = 0.0  # requests seen since the first traffic (Σ λ over the last second × the step)
+    span_s: float = 0.0  # seconds those requests came in
+    cv: float = 1.0  # inter-arrival CV of the last snapshot
 
 
 @dataclass(slots=True)
@@ -78,6 +102,10 @@ class Provisioner:
         if st.since is None:
             st.since = now
         if not st.rates.samples or now > st.rates.samples[-1][0]:
+            step = min(RECENT_S, now - st.rates.samples[-1][0]) if st.rates.samples else RECENT_S
+            st.arrived += max(0.0, stage.recent_rate) * step
+            st.span_s += step
+            st.cv = stage.cv_arrival
             st.rates.add(now, max(0.0, stage.recent_rate))
             st.means.add(now, st.rates.mean(cfg.rate_window_s))
         return st
@@ -85,8 +113,15 @@ class Provisioner:
     def peak_rate(self, index: int) -> float:
         """λ̂ of a stage: the largest ``rate_window_s`` mean in the last ``peak_window_s`` (0 before any sample;
         samples start with the stage's first traffic, so an idle start does not dilute the first means)."""
+        cfg = self.config
         st = self._state.get(index)
-        return st.means.max(self.config.peak_window_s) if st is not None else 0.0
+        if st is None:
+            return 0.0
+        observed = st.means.max(cfg.peak_window_s)
+        if not cfg.startup_estimate or st.span_s <= 0 or st.span_s >= cfg.peak_window_s:
+            return observed
+        expected = expected_peak_rate(st.arrived / st.span_s, st.cv, st.span_s, cfg.rate_window_s, cfg.peak_window_s)
+        return max(observed, expected)
 
     def last_scale_up(self, index: int) -> float:
         st = self._state.get(index)

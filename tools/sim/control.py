@@ -20,6 +20,7 @@ from gateway_plugin.snapshot_builder import StageState
 from quart_kernel.convergence import Convergence, FunctionView, PlatformView, ReplicaView, converge
 from quart_kernel.replicaset import note_key_scale, within_bounds
 from quart_kernel.scheduling import Placer
+from quart_kernel.scheduling.paraserve_groups import consolidating
 from quart_tools.report import StageSample
 from quart_tools.sim.batching import profile_s
 from quart_tools.sim.cluster import Host
@@ -78,7 +79,7 @@ class ControlLoop:
 
     def queue_len(self, function: str) -> int:
         st = self.stage_by_fn[function]
-        return len(st.queue) + len(st.remainders)
+        return len(st.queue) + len(st.remainders) + st.waiting
 
     def busy(self, function: str) -> int:
         return self.stage_by_fn[function].busy
@@ -127,8 +128,8 @@ class ControlLoop:
         functions = []
         for st in self.stages:
             current = st.current()
-            protected = frozenset(str(r.id) for r in current if r.group is not None and any(
-                m.consolidated_at < 0 and m.state in ("starting", "ready") for m in r.group))
+            protected = frozenset(str(r.id) for r in current if r.group is not None and consolidating(
+                0, (m.consolidated_at >= 0 for m in r.group if m.state in ("starting", "ready"))))
             functions.append(FunctionView(
                 st.function, st.desired, st.generation,
                 tuple(ReplicaView(str(r.id), r.state, r.generation, r.in_flight, r.started_at) for r in current),

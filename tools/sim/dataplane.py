@@ -118,6 +118,9 @@ class StageFlow:
         if not rep.in_flight:
             self.serve_next(stage, rep, now)
 
+    def before_consolidated(self, rep: Replica, now: float) -> None:
+        """A ParaServe group consolidates: nothing moves (a one-shot request holds no state between passes)."""
+
     # --------------------------------------------------------------------------------- live
     def live_first(self, rep: Replica, now: float) -> None:
         """A live start's first layer is in (a `LIVE_FIRST` event): it takes requests from now on."""
