@@ -33,6 +33,7 @@ from quart_stage.kvmigrate import EmulatedKV, block_layers
 from quart_stage.layers import H_LAYERS, fmt, range_share
 from quart_stage.response import H_COMPUTE, H_DESER, H_REQUEST_ID, H_SER, JSON_TYPE, StageResponse, elapsed_ms
 from quart_stage.sampling import H_SAMPLE, SampleParams, choose, parse_sample
+from quart_stage.sessionbatch import BatchedSteps
 
 H_RETURN_LOGITS = "X-Quart-Return-Logits"
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -118,6 +119,7 @@ class Generation:
             self.vocab = EMULATED_VOCAB
             auto = KV_AUTO_UNKNOWN
         self.table = SessionTable(cfg.kv_max_tokens or auto, cfg.kv_idle_s)
+        self.batched = BatchedSteps(self)
 
     def free(self, session_id: str) -> tuple[int, dict | None]:
         """``DELETE /_/sessions/<id>``: 204, or 404 naming the session this replica does not hold."""
@@ -139,10 +141,7 @@ class Generation:
         if first.shape[0] != 1:
             raise invalid(FIELD, f"a session request carries one sequence (batch 1), got batch {first.shape[0]}")
         new = int(first.shape[1])
-        limit = rt.shape.max_seq
-        if limit is not None and max(req.pos + new, req.reserve) > limit:
-            raise invalid(FIELD, f"the session would reach {max(req.pos + new, req.reserve)} positions; "
-                                 f"model {rt.model!r} has {limit}")
+        self.check_reach(max(req.pos + new, req.reserve))
         return new
 
     def new_state(self, seed: int):
@@ -158,6 +157,12 @@ class Generation:
     def span_of(self, span: tuple[int, int] | None) -> tuple[int, int] | None:
         """The layers a session request runs: a sub-range (a ParaServe part), or None for the whole stage."""
         return None if span is None or span == self.rt.stage_range else span
+
+    def check_reach(self, positions: int) -> None:
+        """400 when a session would reach more positions than the model has."""
+        limit = self.rt.shape.max_seq
+        if limit is not None and positions > limit:
+            raise invalid(FIELD, f"the session would reach {positions} positions; model {self.rt.model!r} has {limit}")
 
     def step(self, req: SessionRequest, inputs: dict[str, torch.Tensor], new: int, base: dict[str, str],
              timing: tuple[float, float], span: tuple[int, int] | None = None):
@@ -215,20 +220,33 @@ class Generation:
                  span: tuple[int, int] | None, last: bool):
         rt = self.rt
         share = 1.0 if span is None else range_share(rt.manifest.layer_parameter_counts, span, rt.stage_range)
-        if INPUT_IDS in inputs:
-            ids = inputs[INPUT_IDS][0].tolist()
-        else:
-            digits = inputs[HIDDEN][0, :, :_DIGITS].long()
-            ids = [sum(int(d) << (8 * k) for k, d in enumerate(row)) for row in digits.tolist()]
+        [ids] = self.emulated_ids(inputs)
         time.sleep(rt.step_time.sample_ms(new, rt._rng) * share / 1000.0)
-        ran = span or rt.stage_range
-        state.append(ids, block_layers(ran, rt.total_layers) if ran else range(0))
+        self.emulated_append(state, ids, span)
         if last:
             return state.token(self.vocab), None
-        width = (rt.shape if span is None else rt.shape_for(span)).out_width
-        out = torch.zeros((1, new, width), dtype=rt.shape.dtype)
-        if width >= _DIGITS:
+        return self.emulated_activation([ids], span)
+
+    def emulated_append(self, state: EmulatedKV, ids: list[int], span: tuple[int, int] | None = None) -> None:
+        """An emulated step's cache update: the keys and values of ``ids`` in the blocks it ran."""
+        ran = span or self.rt.stage_range
+        state.append(ids, block_layers(ran, self.rt.total_layers) if ran else range(0))
+
+    @staticmethod
+    def emulated_ids(inputs: dict[str, torch.Tensor]) -> list[list[int]]:
+        """Each row's token ids: stage 0's input, or the digits an emulated activation carries."""
+        if INPUT_IDS in inputs:
+            return inputs[INPUT_IDS].tolist()
+        digits = inputs[HIDDEN][:, :, :_DIGITS].long()
+        return [[sum(int(d) << (8 * k) for k, d in enumerate(pos)) for pos in row] for row in digits.tolist()]
+
+    def emulated_activation(self, ids: list[list[int]], span: tuple[int, int] | None = None) -> torch.Tensor:
+        """A zero activation ``[rows, positions, width]`` (of ``span``'s output, default the stage's) carrying each
+        position's token id in its first columns."""
+        shape = self.rt.shape if span is None else self.rt.shape_for(span)
+        out = torch.zeros((len(ids), len(ids[0]), shape.out_width), dtype=self.rt.shape.dtype)
+        if shape.out_width >= _DIGITS:
             ids_t = torch.tensor(ids, dtype=torch.long)
             for k in range(_DIGITS):
-                out[0, :, k] = ((ids_t >> (8 * k)) & 0xFF).to(out.dtype)
+                out[:, :, k] = ((ids_t >> (8 * k)) & 0xFF).to(out.dtype)
         return out
