@@ -4,13 +4,13 @@ When a replica of a stage is free, :meth:`Batcher.gather` takes, beside the requ
 stage's queue, the requests waiting behind it that can share one call, nearest in length first (up to the function's
 ``com.quart.batch.max``, default ``QUART_BATCH_MAX`` = 1 = off): bodies that are safetensors activations
 with the same tensor names, dtypes and widths, for the whole stage (no layer sub-range), and no JSON
-answer asked of this call. :func:`pack` pads each request's tensors on the right to the longest sequence
-and concatenates them along the batch dimension, with an ``attention_mask`` (1 on each request's own
-positions, or its own mask), so that the stage runs them as any padded batch; :func:`split` cuts the
-stage's output back into each request's rows and positions (rows only of a pooled [rows, features] output;
-its own mask kept, none added), and each
-request continues alone to the next stage's queue (:meth:`Router.settle`). Right padding keeps every
-request's outputs those of a run alone, for encoders (masked keys) and decoders (causal).
+answer asked of this call. :func:`pack` lays one-sequence requests (one row, no mask of their own) end to end
+in one row of their total length with ``segment_lengths`` (a packed batch: no padding; the stage restarts
+positions and runs attention per sequence, quart_stage.ragged); requests of several rows or with their own
+mask are padded on the right to the longest sequence and concatenated along the batch dimension, with an
+``attention_mask``. :func:`split` cuts the stage's output back into each request's positions (or rows of a
+pooled [rows, features] output; its own mask kept, none added), and each request continues alone to the next
+stage's queue (:meth:`Router.settle`). Either way every request's outputs are those of a run alone.
 
 Per-request errors stay per request: a body the router cannot parse goes alone (the stage answers its
 own 400); a batch the stage refuses (a 4xx, a 500) or answers in a shape that does not split is re-run
@@ -42,6 +42,7 @@ Router = Job = StageQueue = Any
 
 log = logging.getLogger("quart.batching")
 ATTENTION_MASK = "attention_mask"  # quart_stage.inputs.ATTENTION_MASK (torch and the wire format load on first use)
+SEGMENT_LENGTHS = "segment_lengths"  # quart_stage.inputs.SEGMENT_LENGTHS: a packed batch's sequence lengths
 SAFETENSORS = "application/octet-stream"  # quart_stage.SAFETENSORS
 
 __all__ = ["BatchLimits", "Batcher", "Exchange", "Member", "limits_from_labels", "pack", "split"]
@@ -132,7 +133,7 @@ def member_of(body: bytes, content_type: str) -> Member | None:
     except QuartError:
         return None
     mask = tensors.pop(ATTENTION_MASK, None)
-    if not tensors or any(t.dim() < 2 for t in tensors.values()):
+    if not tensors or SEGMENT_LENGTHS in tensors or any(t.dim() < 2 for t in tensors.values()):
         return None
     rows, length = next(iter(tensors.values())).shape[:2]
     if any(tuple(t.shape[:2]) != (rows, length) for t in tensors.values()) or rows == 0 or length == 0:
@@ -142,11 +143,21 @@ def member_of(body: bytes, content_type: str) -> Member | None:
     return Member(tensors, mask, int(rows), int(length))
 
 
+def packable(members: list[Member]) -> bool:
+    """Whether a batch goes packed (every member one sequence without a mask of its own) rather than padded."""
+    return all(m.rows == 1 and m.mask is None for m in members)
+
+
 def pack(members: list[Member], metadata: Mapping[str, str]) -> bytes:
-    """One safetensors body: every tensor right-padded with zeros to the longest sequence and concatenated on the
-    batch dimension, with an ``attention_mask`` when lengths differ or any member sent one."""
+    """One safetensors body: :func:`packable` members end to end in one row with their ``segment_lengths``; else
+    every tensor right-padded with zeros to the longest sequence and concatenated on the batch dimension, with an
+    ``attention_mask`` when lengths differ or any member sent one."""
     import torch
     from quart_stage import wire
+    if packable(members):
+        out = {name: torch.cat([m.tensors[name] for m in members], dim=1) for name in members[0].tensors}
+        out[SEGMENT_LENGTHS] = torch.tensor([m.length for m in members], dtype=torch.int64)
+        return wire.encode_bytes(out, metadata)
     longest = max(m.length for m in members)
     out: dict[str, torch.Tensor] = {}
     for name, first in members[0].tensors.items():
@@ -175,7 +186,9 @@ def split(answer: bytes, members: list[Member], request_ids: list[str]) -> list[
     from quart_stage import wire
 
     decoded = wire.decode(answer)
-    tensors = {n: t for n, t in decoded.tensors.items() if n != ATTENTION_MASK}
+    tensors = {n: t for n, t in decoded.tensors.items() if n not in (ATTENTION_MASK, SEGMENT_LENGTHS)}
+    if packable(members):  # [1, total positions, …] cut by positions; a pooled [rows, features] by rows
+        return _split_packed(tensors, members, decoded.metadata, request_ids)
     rows, longest = sum(m.rows for m in members), max(m.length for m in members)
     if not tensors or any(t.dim() < 2 or t.shape[0] != rows or (t.dim() > 2 and t.shape[1] != longest)
                           for t in tensors.values()):
@@ -188,6 +201,23 @@ def split(answer: bytes, members: list[Member], request_ids: list[str]) -> list[
             own[ATTENTION_MASK] = m.mask
         pieces.append(wire.encode_bytes(own, {**decoded.metadata, "request_id": request_id}))
         row += m.rows
+    return pieces
+
+
+def _split_packed(tensors: Mapping[str, torch.Tensor], members: list[Member], metadata: Mapping[str, str],
+                  request_ids: list[str]) -> list[bytes]:
+    from quart_stage import wire
+
+    total = sum(m.length for m in members)
+    if not tensors or any(t.dim() < 2 or (t.shape[:2] != (1, total) if t.dim() > 2 else t.shape[0] != len(members))
+                          for t in tensors.values()):
+        raise ValueError(f"a packed batch of {len(members)} sequences, {total} positions, was answered with shapes "
+                         f"{ {n: list(t.shape) for n, t in tensors.items()} }")
+    pieces, at = [], 0
+    for k, (m, request_id) in enumerate(zip(members, request_ids, strict=True)):
+        own = {n: t[:, at:at + m.length] if t.dim() > 2 else t[k:k + 1] for n, t in tensors.items()}
+        pieces.append(wire.encode_bytes(own, {**metadata, "request_id": request_id}))
+        at += m.length
     return pieces
 
 
@@ -215,16 +245,17 @@ class Batcher:
         return not job.solo and not json_answer(job) and job.layer_at is None and layers.part_for(replica, None) is None
 
     def _more(self, q: StageQueue, chosen: list[tuple[Job, Member]], most: int) -> None:
-        """Add to ``chosen`` the compatible queued requests whose lengths are nearest the head's (padding is
-        compute spent on nothing), scanning at most 4 × ``most`` of the queue."""
+        """Add to ``chosen`` the compatible queued requests, in queue order when they pack, else those whose lengths
+        are nearest the head's (padding is compute spent on nothing), scanning at most 4 × ``most`` of the queue."""
         head, now = chosen[0][1], self.router.clock()
+        nearest = not packable([head])
         found = []
         for other in itertools.islice(q.jobs, 4 * most):
             if other.done or other.solo or other.layer_at is not None or now >= other.deadline or json_answer(other):
                 continue
             member = member_of(other.body, other.content_type)
             if member is not None and member.key == head.key:
-                found.append((abs(member.length - head.length), len(found), other, member))
+                found.append((abs(member.length - head.length) if nearest else 0, len(found), other, member))
         for _, _, other, member in sorted(found)[: most - len(chosen)]:
             q.jobs.remove(other)
             chosen.append((other, member))

@@ -20,7 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quart_stage import ragged
+
 FAMILIES = ("decoder", "encoder")
+SEGMENT_LENGTHS = "segment_lengths"  # quart_stage.inputs.SEGMENT_LENGTHS: a packed row's sequence lengths
+Mask = torch.Tensor | ragged.Segments | None  # a padding mask, a packed row's segments, or none
 
 
 @dataclass(frozen=True)
@@ -170,18 +174,17 @@ class StageModule(nn.Module):
 
     Built from a meta skeleton: only the stage's submodules are kept, and their tensors are attached by
     reference. Inputs: ``input_ids`` (stage holding the embeddings) or ``hidden_states``, and optionally
-    ``attention_mask`` (batch × sequence, 1 = token, 0 = padding) for padded batches; output:
+    ``attention_mask`` (batch × sequence, 1 = token, 0 = padding) for padded batches, or ``segment_lengths``
+    for a packed batch (one row of sequences end to end, :class:`quart_stage.ragged.Segments`); output:
     ``hidden_states`` or, for the stage holding the head, ``logits``.
     """
 
     def __init__(self, cfg, start: int, end: int, tensors: Mapping[str, torch.Tensor]):
         super().__init__()
         self.plan = plan_for(cfg)
-        if self.plan.family == "decoder":  # SDPA, and per session in a batched decode step (quart_stage.ragged)
-            from quart_stage import ragged
-
-            cfg = copy.deepcopy(cfg)
-            cfg._attn_implementation = ragged.register()
+        # SDPA; per session in a batched decode step, per sequence in a packed row (quart_stage.ragged)
+        cfg = copy.deepcopy(cfg)
+        cfg._attn_implementation = ragged.register()
         self.cfg = cfg
         self.start, self.end = start, end
         blocks = num_blocks(cfg)
@@ -258,6 +261,10 @@ class StageModule(nn.Module):
         if not self.start <= lo < hi <= self.end:
             raise ValueError(f"layers [{lo}, {hi}) are not inside this stage's [{self.start}, {self.end})")
         mask = inputs.get("attention_mask")
+        if inputs.get(SEGMENT_LENGTHS) is not None:  # a packed row: positions and attention per sequence
+            if cache is not None:
+                raise ValueError("a packed batch (segment_lengths) has no KV cache")
+            mask = ragged.Segments.of(inputs[SEGMENT_LENGTHS])
         hidden = self._embed(inputs, mask, past) if lo == 0 else inputs["hidden_states"]
         first, last = max(lo, 1), min(hi, self.total_layers - 1)  # block layers l run block l - 1
         if first < last:
@@ -277,38 +284,44 @@ class StageModule(nn.Module):
             raise ValueError(f"a {self.plan.model_type} model is not a decoder: it has no KV cache")
         return DynamicCache(config=self.cfg)
 
-    def _embed(self, inputs: Mapping[str, torch.Tensor], mask: torch.Tensor | None, past: int = 0) -> torch.Tensor:
+    def _embed(self, inputs: Mapping[str, torch.Tensor], mask: Mask, past: int = 0) -> torch.Tensor:
         ids = inputs["input_ids"]
         if self.plan.model_type == "bert":
-            return self.embed["bert_embeddings"](input_ids=ids, token_type_ids=inputs.get("token_type_ids"))
+            positions = ragged.segment_positions(mask, ids.device) if isinstance(mask, ragged.Segments) else None
+            return self.embed["bert_embeddings"](input_ids=ids, token_type_ids=inputs.get("token_type_ids"),
+                                                 position_ids=positions)
         if self.plan.model_type == "opt":
             hidden = self.embed["model_decoder_embed_tokens"](ids)
             if "model_decoder_project_in" in self.embed:
                 hidden = self.embed["model_decoder_project_in"](hidden)
             positions = self._opt_positions(ids, mask, past)
-            return hidden + self.embed["model_decoder_embed_positions"](mask, 0, position_ids=positions)
+            return hidden + self.embed["model_decoder_embed_positions"](None, 0, position_ids=positions)
         return self.embed["model_embed_tokens"](ids)
 
     @staticmethod
-    def _opt_positions(ids: torch.Tensor, mask: torch.Tensor | None, past: int | torch.Tensor = 0) -> torch.Tensor:
+    def _opt_positions(ids: torch.Tensor, mask: Mask, past: int | torch.Tensor = 0) -> torch.Tensor:
         """OPT's learned positions count the tokens before each one (padding skipped), as OPTDecoder does;
-        a cached sequence's new positions continue from ``past``."""
+        a cached sequence's new positions continue from ``past``, a packed row's restart per sequence."""
+        if isinstance(mask, ragged.Segments):
+            return ragged.segment_positions(mask, ids.device)
         if mask is None:
             return _positions(past, ids.shape[1], ids.device)
         return (torch.cumsum(mask, dim=1) * mask - 1).long()
 
-    def _blocks(self, hidden: torch.Tensor, mask: torch.Tensor | None, lo: int, hi: int, cache=None,
+    def _blocks(self, hidden: torch.Tensor, mask: Mask, lo: int, hi: int, cache=None,
                 past: int | torch.Tensor = 0) -> torch.Tensor:
         """Blocks ``self.blocks[lo:hi]`` (indices into this stage's blocks)."""
-        positions = _positions(past, hidden.shape[1], hidden.device)
+        packed = isinstance(mask, ragged.Segments)
+        positions = (ragged.segment_positions(mask, hidden.device) if packed
+                     else _positions(past, hidden.shape[1], hidden.device))
         kwargs: dict = {"position_ids": positions}
         if self.plan.family == "decoder" and self.plan.model_type != "opt":
             kwargs["position_embeddings"] = self.rotary(hidden, positions)
         if cache is not None:
             kwargs.update(past_key_values=cache, use_cache=True)
         blocks = self.blocks[lo:hi]
-        if isinstance(past, torch.Tensor):  # a batched decode step: one position per session, no mask
-            masks = [None] * len(blocks)
+        if isinstance(past, torch.Tensor) or packed:  # a batched decode step needs no mask; a packed row its segments
+            masks = [mask if packed else None] * len(blocks)
         else:
             masks = self._attention_masks(hidden, mask, positions, len(blocks), self.block_offset + lo, cache)
         for block, block_mask in zip(blocks, masks, strict=True):
@@ -342,8 +355,8 @@ class StageModule(nn.Module):
             made[kind] = create(**args, layer_idx=offset + kinds.index(kind))
         return [made[kind] for kind in kinds]
 
-    def _head(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        for module in self.head.values():  # a pooling head (takes_mask) needs the padding mask
+    def _head(self, hidden: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        for module in self.head.values():  # a pooling head (takes_mask) needs the padding mask or the segments
             hidden = module(hidden, mask) if getattr(module, "takes_mask", False) else module(hidden)
         return hidden
 

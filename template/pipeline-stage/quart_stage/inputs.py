@@ -10,16 +10,17 @@ from quart_stage.layers import Shape
 
 INPUT_IDS, TOKEN_TYPE_IDS, HIDDEN, LOGITS = "input_ids", "token_type_ids", "hidden_states", "logits"
 ATTENTION_MASK = "attention_mask"  # batch × sequence, 1 = token, 0 = padding; every stage passes it on
+SEGMENT_LENGTHS = "segment_lengths"  # a packed batch: one row, these sequences end to end; every stage passes it on
 
 
 def validate(inputs: dict[str, torch.Tensor], s: Shape, cfg: StageConfig, stage_index: int) -> None:
     """Check (and normalize in place) a request's tensors against the shape of the range it runs."""
     if s.takes_ids:
-        allowed = {INPUT_IDS, TOKEN_TYPE_IDS, ATTENTION_MASK} if s.type_vocab_size else {INPUT_IDS, ATTENTION_MASK}
+        allowed = {INPUT_IDS, ATTENTION_MASK, SEGMENT_LENGTHS} | ({TOKEN_TYPE_IDS} if s.type_vocab_size else set())
         if INPUT_IDS not in inputs:
             raise invalid(INPUT_IDS, f"missing; stage {stage_index} takes token ids")
     else:
-        allowed = {HIDDEN, ATTENTION_MASK}
+        allowed = {HIDDEN, ATTENTION_MASK, SEGMENT_LENGTHS}
         if HIDDEN not in inputs:
             raise invalid(HIDDEN, f"missing; stage {stage_index} takes {HIDDEN}")
     for name in inputs:
@@ -58,6 +59,22 @@ def validate(inputs: dict[str, torch.Tensor], s: Shape, cfg: StageConfig, stage_
         raise invalid(name, f"sequence length must be 1..{s.max_seq}, got {seq}")
     if ATTENTION_MASK in inputs:
         inputs[ATTENTION_MASK] = padding_mask(inputs[ATTENTION_MASK], (batch, seq), name)
+    if SEGMENT_LENGTHS in inputs:
+        inputs[SEGMENT_LENGTHS] = segment_lengths(inputs, batch, seq, cfg.max_batch)
+
+
+def segment_lengths(inputs: dict[str, torch.Tensor], batch: int, seq: int, most: int) -> torch.Tensor:
+    """A packed batch's ``segment_lengths`` (1-D, each ≥ 1, summing to the one row's sequence) as int64."""
+    t = inputs[SEGMENT_LENGTHS]
+    if ATTENTION_MASK in inputs:
+        raise invalid(SEGMENT_LENGTHS, "a packed batch has no padding: send segment_lengths or attention_mask, not both")
+    if t.dtype not in (torch.int64, torch.int32) or t.dim() != 1 or not 1 <= t.numel() <= most:
+        raise invalid(SEGMENT_LENGTHS, f"must be 1..{most} int64 lengths (rank 1), got {dt(t.dtype)} {list(t.shape)}")
+    if batch != 1:
+        raise invalid(SEGMENT_LENGTHS, f"a packed batch is one row of sequences end to end, got {batch} rows")
+    if int(t.min()) < 1 or int(t.sum()) != seq:
+        raise invalid(SEGMENT_LENGTHS, f"lengths must be ≥ 1 and sum to the sequence length {seq}, got {t.tolist()}")
+    return t.long()
 
 
 CHARS_PER_POSITION = 16  # a text this many times longer than the model's positions can never fit

@@ -15,18 +15,23 @@ from torch import nn
 from transformers import BertModel, BertPreTrainedModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from quart_stage.ragged import Segments
+
 
 class MeanPooling(nn.Module):
     """sentence-transformers' ``Pooling(pooling_mode_mean_tokens=True)`` followed by ``Normalize()``.
 
     ``takes_mask``: the stage forward passes the padding mask (batch × sequence, 1 = token); padded
-    positions are left out of the mean, so a padded batch gives each text its unpadded embedding.
+    positions are left out of the mean, so a padded batch gives each text its unpadded embedding; a packed row
+    (:class:`quart_stage.ragged.Segments`) gives one mean per sequence.
     """
 
     takes_mask = True
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if mask is None:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | Segments | None = None) -> torch.Tensor:
+        if isinstance(mask, Segments):
+            pooled = torch.cat([part.mean(dim=1) for part in mask.split(hidden, 1)], dim=0)
+        elif mask is None:
             pooled = hidden.mean(dim=1)
         else:
             weights = mask.unsqueeze(-1).to(hidden.dtype)

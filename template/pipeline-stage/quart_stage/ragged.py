@@ -1,4 +1,13 @@
-"""One decode step for several sessions at once: their caches side by side, of different lengths.
+"""Ragged batches: one decode step for several sessions, and one-shot passes packed without padding.
+
+Packed one-shot batches (docs/batching.md#packed-batches): several sequences laid end to end in one row of
+their total length, ``segment_lengths`` saying where each ends. Embeddings, projections, MLPs and per-position
+heads run over the packed row; positions restart at 0 in each segment (:func:`segment_positions`), and the
+attention function below gets a :class:`Segments` as its mask and runs SDPA per segment — bidirectional for
+encoders, causal for decoders, and a sliding window inside a segment longer than the layer's window — so no
+position attends to another sequence and no compute is spent on padding.
+
+One decode step for several sessions at once: their caches side by side, of different lengths.
 
 A batched decode step stacks one new position per session into a ``[sessions, 1, hidden]`` batch, so every
 projection, MLP and the head run as one matrix product over the batch. Attention is the only part that needs
@@ -29,6 +38,48 @@ class Ragged:
     parts: tuple[torch.Tensor, ...]
 
 
+@dataclass(frozen=True)
+class Segments:
+    """The attention "mask" of a packed row: the lengths of its sequences, in order (their sum = the row)."""
+
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, lengths: torch.Tensor) -> Segments:
+        return cls(tuple(int(n) for n in lengths.tolist()))
+
+    def split(self, tensor: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+        """``tensor`` cut along ``dim`` (its packed positions) into one piece per sequence."""
+        return torch.split(tensor, list(self.lengths), dim=dim)
+
+
+def segment_positions(segments: Segments, device=None) -> torch.Tensor:
+    """Position ids ``[1, total]`` of a packed row: 0, 1, … again from each sequence's start."""
+    return torch.cat([torch.arange(n, device=device) for n in segments.lengths]).unsqueeze(0)
+
+
+def _window_mask(length: int, window: int, device) -> torch.Tensor:
+    """Causal and sliding-window (a query sees the ``window`` positions up to itself), as transformers' masks."""
+    q = torch.arange(length, device=device).view(-1, 1)
+    k = torch.arange(length, device=device).view(1, -1)
+    return ((k <= q) & (q - k < window)).view(1, 1, length, length)
+
+
+def segmented_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention per sequence of a packed row (``[1, heads, total, dim]`` each)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    window = kwargs.get("sliding_window")
+    causal = getattr(module, "is_causal", False)
+    outs = []
+    for q, k, v in zip(segments.split(query, 2), segments.split(key, 2), segments.split(value, 2), strict=True):
+        n = q.shape[2]
+        mask = _window_mask(n, window, q.device) if causal and window and n > window else None
+        outs.append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0])
+    return torch.cat(outs, dim=1), None
+
+
 class RaggedCache:
     """The ``past_key_values`` of a batched decode step: row ``i`` of the batch belongs to ``caches[i]``."""
 
@@ -47,9 +98,12 @@ class RaggedCache:
 
 
 def ragged_attention(module, query: torch.Tensor, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, per session when the keys are :class:`Ragged` (one query position each)."""
+    """transformers' SDPA attention, per session when the keys are :class:`Ragged` (one query position each), per
+    sequence when the mask is :class:`Segments` (a packed row)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if isinstance(attention_mask, Segments):
+        return segmented_attention(module, query, key, value, attention_mask, **kwargs)
     if not isinstance(key, Ragged):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outs = [sdpa_attention_forward(module, query[row : row + 1], k, v, None, **kwargs)[0]

@@ -31,6 +31,7 @@ from quart_stage.emulated import ServiceTime, StepTime, service_time_for, step_t
 from quart_stage.errors import QuartError, invalid
 from quart_stage.inputs import (
     ATTENTION_MASK,
+    SEGMENT_LENGTHS,
     HIDDEN,
     INPUT_IDS,
     LOGITS,
@@ -272,7 +273,8 @@ class StageRuntime:
             # the next hop: the next stage, or this stage again for the rest of its layers (a sub-range)
             more = span is not None and span[1] < self.stage_range[1]
             meta = self.next_hop_meta(request_id, more)
-            outputs = {name: output} if mask is None else {name: output, ATTENTION_MASK: mask}  # for the next stage
+            outputs = {name: output}  # the mask or a packed row's segments, for the next stage
+            outputs.update({k: inputs[k] for k in (ATTENTION_MASK, SEGMENT_LENGTHS) if k in inputs})
             chunks = wire.encode_chunks(outputs, meta)
             ctype = wire.CONTENT_TYPE
         t3 = time.perf_counter()

@@ -19,7 +19,7 @@ import torch
 
 from quart_stage import wire
 from quart_stage.errors import QuartError, invalid
-from quart_stage.inputs import ATTENTION_MASK, HIDDEN, INPUT_IDS
+from quart_stage.inputs import ATTENTION_MASK, HIDDEN, INPUT_IDS, SEGMENT_LENGTHS
 from quart_stage.kvcache import (
     FIELD,
     H_KV_TOKENS,
@@ -137,6 +137,8 @@ class Generation:
             raise invalid(FIELD, f"model {rt.model!r} is not a decoder: it has no generation sessions")
         if ATTENTION_MASK in inputs:
             raise invalid(ATTENTION_MASK, "a session request carries one unpadded sequence: no attention_mask")
+        if SEGMENT_LENGTHS in inputs:
+            raise invalid(SEGMENT_LENGTHS, "a session request carries one sequence, not a packed batch")
         first = inputs[INPUT_IDS] if INPUT_IDS in inputs else inputs[HIDDEN]
         if first.shape[0] != 1:
             raise invalid(FIELD, f"a session request carries one sequence (batch 1), got batch {first.shape[0]}")
