@@ -1,8 +1,8 @@
 """What one-shot batching can give on this machine, beside what `quartctl bench batching` measures (docs/batching.md).
 
 * :func:`compute_profile`: each stage's compute for a batch of b requests, in this process (``StageRuntime.handle``,
-  no HTTP, no router), the requests packed by the router's own ``batching.pack``: of the bench's length mix (padded
-  to the longest) and of one length (no padding) — the ms of one call by batch size, min of ``reps``.
+  no HTTP, no router), the requests packed by the router's own ``batching.pack`` (end to end, no padding): of the
+  bench's length mix and of one length — the ms of one call by batch size, min of ``reps``.
 * :func:`theory`: the rates that profile allows. A call of b requests takes S(b) = F + P·b at the slowest stage
   (``gateway_plugin.policies.batch_capacity.fit``); one replica per stage serves at most 1/S(1) req/s one at a time
   and b/S(b) batched; a request waits up to one call and rides the next, so within the SLO only batches with
@@ -57,7 +57,7 @@ def compute_profile(model_dir: Path, stages: int, threads: int, bodies: dict[int
     for b in sizes:
         lengths = [mix[k % len(mix)] for k in range(b)]
         rows.append({"size": b, "mixed_ms": call_ms(lengths), "uniform_ms": call_ms([uniform] * b),
-                     "padded_tokens": b * max(lengths), "tokens": sum(lengths)})
+                     "tokens": sum(lengths), "uniform_tokens": b * uniform})
     return rows
 
 

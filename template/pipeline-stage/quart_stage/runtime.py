@@ -31,10 +31,10 @@ from quart_stage.emulated import ServiceTime, StepTime, service_time_for, step_t
 from quart_stage.errors import QuartError, invalid
 from quart_stage.inputs import (
     ATTENTION_MASK,
-    SEGMENT_LENGTHS,
     HIDDEN,
     INPUT_IDS,
     LOGITS,
+    SEGMENT_LENGTHS,
     TOKEN_TYPE_IDS,
     check_json_size,
     check_text,
