@@ -21,17 +21,9 @@ from quart_tools.stagechain import (
     session_step,
     whole_tensors,
 )
+from support.tiny_families import DECODER_CONFIGS
 
-_BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=128,
-             max_position_embeddings=64)
-CONFIGS = {  # sliding windows of 4: most prompts exceed them
-    "llama": dict(model_type="llama", num_key_value_heads=2, tie_word_embeddings=True, **_BASE),
-    "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=4, **_BASE),
-    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
-                  max_window_layers=2, **_BASE),
-    "opt": dict(model_type="opt", ffn_dim=64, word_embed_proj_dim=32,
-                **{k: v for k, v in _BASE.items() if k != "intermediate_size"}),
-}
+CONFIGS = DECODER_CONFIGS
 PROMPTS = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 2, 14, 6, 3)]
 NEW = [10, 4, 12, 1, 7]  # sessions leave the batch at different steps
 

@@ -16,18 +16,12 @@ from quart_stage import wire
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from quart_tools.partition import partition
+from support.tiny_families import DECODER_CONFIGS, TINY_BASE
 
-_BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=128,
-             max_position_embeddings=64)
-CONFIGS = {  # sliding windows of 4: most sequences exceed them
-    "bert": dict(model_type="bert", **_BASE),
-    "bert-sentence": dict(model_type="bert", quart_plan="bert-sentence", **_BASE),
-    "llama": dict(model_type="llama", num_key_value_heads=2, tie_word_embeddings=True, **_BASE),
-    "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=4, **_BASE),
-    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
-                  max_window_layers=2, **_BASE),
-    "opt": dict(model_type="opt", ffn_dim=64, word_embed_proj_dim=32,
-                **{k: v for k, v in _BASE.items() if k != "intermediate_size"}),
+CONFIGS = {
+    "bert": dict(model_type="bert", **TINY_BASE),
+    "bert-sentence": dict(model_type="bert", quart_plan="bert-sentence", **TINY_BASE),
+    **DECODER_CONFIGS,
 }
 LENGTHS = (9, 2, 14, 6, 1, 11)
 
