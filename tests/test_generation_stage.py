@@ -241,8 +241,8 @@ def test_bad_session_requests_are_400_before_anything_is_held(models, tmp_path):
         ({"X-Quart-Session": "s", "X-Quart-Session-Pos": "60"}, {"input_ids": [PROMPT]}, "session"),  # > 64
         ({"X-Quart-Session": "s", "X-Quart-Session-Pos": "0", "X-Quart-Session-End": "yes"},
          {"input_ids": [PROMPT]}, "session"),
-        ({"X-Quart-Session": "s", "X-Quart-Session-Pos": "0", "X-Quart-Layers": "0-1"},
-         {"input_ids": [PROMPT]}, "session"),
+        ({"X-Quart-Session": "s", "X-Quart-Session-Pos": "0", "X-Quart-Layers": "0-99"},
+         {"input_ids": [PROMPT]}, "layers"),
     ]
     for headers, doc, field in cases:
         resp = rt.handle(json.dumps(doc).encode(), {"Content-Type": "application/json", **headers})

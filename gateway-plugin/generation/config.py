@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from quart_stage.settings import settings_from_env
+from quart_stage.settings import ConfigError, settings_from_env
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +19,12 @@ class GenerationConfig:
     replica_wait_s: float = 30.0  # [QUART_GEN_REPLICA_WAIT_S] wait for a ready replica (scale from zero, a replacement)
     step_timeout_s: float = 60.0  # [QUART_GEN_STEP_TIMEOUT_S] one stage call of a session before failing over
     retry_after_s: int = 1  # [QUART_GEN_RETRY_AFTER_S] Retry-After of a session refused for lack of KV room
+    cooperative: bool = True  # [QUART_GEN_COOPERATIVE] split new sessions with a live replica's held layers
+    rejoin: str = "shadow"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: shadow | replay | keep
+
+    def __post_init__(self) -> None:
+        if self.rejoin not in ("shadow", "replay", "keep"):
+            raise ConfigError(f"QUART_GEN_REJOIN must be shadow, replay or keep, got {self.rejoin!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GenerationConfig:

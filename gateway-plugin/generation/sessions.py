@@ -17,6 +17,11 @@
   (scale-down, rolling update) moves by the same replay to another ready replica of that stage with room
   (not counted against ``max_replays``); one that finds no room stays, and the replica's drain waits for
   it (bounded by the gateway's drain timeout; if it stops first, the next step fails over as above).
+- **Live scale-ups** (:mod:`.cooperative`): a session opened while a new replica of a stage holds only its
+  first layers is split there (that replica runs those layers, a whole one the rest, each keeping the KV
+  cache of its layers) and rejoins the new replica once it is whole.
+- **Slots**: a replica's steps beyond its concurrency wait in :class:`.slots.StepSlots`, running sessions'
+  steps before new sessions' prefills.
 - **Freeing**: the step that yields the last allowed token carries ``X-Quart-Session-End``; a session
   that ends otherwise (EOS, a stop string, the client gone, an error) is deleted on every replica.
 """
@@ -37,7 +42,9 @@ from typing import Any
 import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.cooperative import CooperativeSessions, Split
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
+from gateway_plugin.generation.slots import StepSlots
 from quart_provider.dead_peer import dead_peer_connector
 from quart_provider.retry import replica_gone
 from quart_stage.errors import QuartError, unavailable
@@ -74,11 +81,13 @@ class Session:
     fed: int = 0  # positions every replica holds
     replays: int = 0
     moves: int = 0  # replays that moved it off a draining replica
+    rejoins: int = 0  # splits ended onto a live replica that became whole
+    splits: dict[int, Split] = field(default_factory=dict)  # stage index -> its cooperative split
     freed: bool = False
     finish_reason: str = ""
 
 
-class SessionEngine:
+class SessionEngine(CooperativeSessions):
     """Places sessions, runs their steps, replays them after a failure."""
 
     def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
@@ -90,10 +99,11 @@ class SessionEngine:
         self.poll_s = poll_s
         self.book = KVBook(config.kv_tokens)
         self.http: aiohttp.ClientSession | None = None
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._slots: dict[str, StepSlots] = {}
         self._background: set[asyncio.Task] = set()
         self.active: dict[str, Session] = {}
         self.moves = 0  # sessions moved off draining replicas since the start
+        self.rejoins = 0  # split sessions moved onto their live replica once it was whole
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
 
     async def close(self) -> None:
@@ -150,6 +160,9 @@ class SessionEngine:
         else:
             sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
         session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos)
+        if self.config.cooperative:
+            for k in range(len(stages)):
+                self._place_split(session, k)
         self.active[session.id] = session
         self._generating.update(stages)
         return session
@@ -175,6 +188,7 @@ class SessionEngine:
     async def _advance(self, session: Session) -> int:
         """One step (or, after a failure, the replay that rebuilds the caches) and its token."""
         while True:
+            await self._rejoin(session)
             self._move_off_leaving(session)
             sequence = session.prompt + session.generated
             last = len(session.generated) + 1 == session.max_tokens
@@ -195,6 +209,11 @@ class SessionEngine:
         if session.replays > self.config.max_replays:
             raise QuartError(502, f"stage {fn!r} failed {session.replays} time(s) for this generation; last: "
                                   f"{failed.why}", "stage")
+        split = session.splits.get(failed.stage)
+        if split is not None:  # the stage runs whole on the whole replica again (the live part is given up)
+            self._unsplit(session, failed.stage, onto_partial=False)
+            if split.partial is failed.replica:
+                return
         self._drop(session)  # the old session id on every replica
         self.book.release(failed.replica.id, session.need)
         session.replicas[failed.stage] = None
@@ -212,6 +231,7 @@ class SessionEngine:
         for k, replica in enumerate(session.replicas):
             if getattr(replica, "state", "ready") != "draining":
                 continue
+            self._unsplit(session, k, onto_partial=False)
             target = self.book.choose(self._ready(session.stages[k]), session.need, excluded={replica.id})
             if target is None:
                 continue
@@ -234,38 +254,43 @@ class SessionEngine:
     async def _step(self, session: Session, new: list[int], pos: int, last: bool) -> int:
         body, ctype = json.dumps({"input_ids": [new]}).encode(), "application/json"
         final = len(session.stages) - 1
-        for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
-            headers = {"Content-Type": ctype, SESSION: session.id, SESSION_POS: str(pos),
-                       "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
-            if k == final:
-                headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
-            if pos == 0:
-                headers[SESSION_RESERVE] = str(session.need)
-            if last:
-                headers[SESSION_END] = "1"
-            status, data, answer = await self._call(k, fn, replica, body, headers)
-            self.book.note(replica.id, answer.get(KV_HEADER))
-            if status == 409:
-                raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
-            if status == 429 or status >= 500:
-                raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
-            if status != 200:
-                raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
-            body, ctype = data, answer.get("Content-Type", "application/octet-stream")
+        for k, fn in enumerate(session.stages):
+            for replica, part in self.calls(session, k):  # the whole stage, or a split's two parts in order
+                headers = {"Content-Type": ctype, SESSION: session.id, SESSION_POS: str(pos),
+                           "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
+                if part is not None:
+                    headers[layers.LAYERS] = layers.format_range(part)
+                if k == final and (part is None or part[1] == layers.stage_range(replica)[1]):
+                    headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
+                if pos == 0:
+                    headers[SESSION_RESERVE] = str(session.need)
+                if last:
+                    headers[SESSION_END] = "1"
+                status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0)
+                self.book.note(replica.id, answer.get(KV_HEADER))
+                held = layers.parse_range(answer.get(layers.HELD))
+                if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
+                    self.source.note_held(fn, replica, held)  # a live replica's layers grow; whole, it joins ready
+                if status == 409:
+                    raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
+                if status == 429 or status >= 500:
+                    raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
+                if status != 200:
+                    raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
+                body, ctype = data, answer.get("Content-Type", "application/octet-stream")
         try:
             return int(json.loads(body)["token"])
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
-    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
+    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool
                     ) -> tuple[int, bytes, dict[str, str]]:
-        slots = self.source.concurrency(fn)
         gate = self._slots.get(replica.id)
         if gate is None:
-            gate = self._slots[replica.id] = asyncio.Semaphore(slots if slots > 0 else 1 << 30)
+            gate = self._slots[replica.id] = StepSlots(max(0, self.source.concurrency(fn)))
         start = self.clock()
         status = 0
-        async with gate:
+        async with gate.hold(running):
             self.source.take(fn, replica)
             try:
                 async with self._client().post(
@@ -304,15 +329,15 @@ class SessionEngine:
         """Release the session's bookings and free its caches (unless its last step already did)."""
         if self.active.pop(session.id, None) is None:
             return
+        self._end_splits(session)
         if not session.freed:
             self._drop(session)
-        for replica in session.replicas:
-            if replica is not None:
-                self.book.release(replica.id, session.need)
+        self._release(session)
 
     def _drop(self, session: Session) -> None:
-        """``DELETE /_/sessions/<id>`` on every replica of the session, in the background."""
-        for replica in session.replicas:
+        """``DELETE /_/sessions/<id>`` on every replica of the session (its splits' live parts too), in the
+        background."""
+        for replica in [*session.replicas, *self.partials(session)]:
             if replica is not None:
                 task = asyncio.get_running_loop().create_task(self._delete(replica, session.id))
                 self._background.add(task)

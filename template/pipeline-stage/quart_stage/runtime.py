@@ -237,7 +237,7 @@ class StageRuntime:
             return StageResponse.error(exc, {**base, **exc.headers})
         t1 = time.perf_counter()
         if session is not None:
-            return self.generation.step(session, inputs, new, base, (t0, t1))
+            return self.generation.step(session, inputs, new, base, (t0, t1), span)
         try:
             self.prepare_device()
             output = self._compute(inputs, span)

@@ -30,8 +30,10 @@ from quart_stage.kvcache import (
     H_SESSION_RESERVE,
     SessionTable,
 )
+from quart_stage.layers import range_share
 from quart_stage.response import H_COMPUTE, H_DESER, H_REQUEST_ID, H_SER, JSON_TYPE, StageResponse, elapsed_ms
 from quart_stage.sampling import H_SAMPLE, SampleParams, choose, parse_sample
+from quart_stage.spans import H_LAYERS, fmt
 
 H_RETURN_LOGITS = "X-Quart-Return-Logits"
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -143,8 +145,6 @@ class Generation:
         rt = self.rt
         if not self.decoder:
             raise invalid(FIELD, f"model {rt.model!r} is not a decoder: it has no generation sessions")
-        if span is not None and span != rt.stage_range:
-            raise invalid(FIELD, "a session request runs the whole stage; drop X-Quart-Layers")
         if ATTENTION_MASK in inputs:
             raise invalid(ATTENTION_MASK, "a session request carries one unpadded sequence: no attention_mask")
         first = inputs[INPUT_IDS] if INPUT_IDS in inputs else inputs[HIDDEN]
@@ -157,20 +157,29 @@ class Generation:
                                  f"model {rt.model!r} has {limit}")
         return new
 
+    def part(self, span: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The layers of a session request: None for the whole stage, else the part ``X-Quart-Layers`` names
+        (cooperative execution: this replica keeps the session's KV cache for those layers only)."""
+        return None if span is None or span == self.rt.stage_range else span
+
     def step(self, req: SessionRequest, inputs: dict[str, torch.Tensor], new: int, base: dict[str, str],
-             timing: tuple[float, float]):
-        """Run one step of session ``req.id`` and answer it (409/429/500 as JSON, nothing changed)."""
+             timing: tuple[float, float], span: tuple[int, int] | None = None):
+        """Run one step of session ``req.id`` over layers ``span`` (None: the whole stage) and answer it
+        (409/429/500 as JSON, nothing changed). A session keeps the layers of its first step: a later step
+        for other layers gets 409 (the gateway replays)."""
         t0, t1 = timing
         rt = self.rt
+        part = self.part(span)
+        last = self.last if part is None else part[1] == rt.total_layers
         try:
             rt.prepare_device()
             emulated = rt.cfg.compute == "emulated"
             make = (lambda: EmulatedState(req.sample.seed)) if emulated else rt.module.new_cache
-            with self.table.step(req.id, req.pos, new, req.reserve, make) as session:
+            with self.table.step(req.id, req.pos, new, req.reserve, make, part, rt.stage_range) as session:
                 if emulated:
-                    output = self._emulate(session.state, inputs, req, new)
+                    output = self._emulate(session.state, inputs, req, new, part, last)
                 else:
-                    output = self._compute(session.state, inputs, req, new)
+                    output = self._compute(session.state, inputs, req, new, part, last)
         except QuartError as exc:
             return StageResponse.error(exc, {**base, **self.headers(req.id), **exc.headers,
                                              H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1)})
@@ -181,41 +190,48 @@ class Generation:
         if req.end:
             self.table.drop(req.id)
         held = req.pos + new
-        if self.last:
+        if last:
             doc = {"token": output[0], "pos": held}
             if req.return_logits and output[1] is not None:
                 doc["logits"] = output[1].tolist()
             chunks, ctype = [json.dumps(doc).encode()], JSON_TYPE
         else:
-            chunks = wire.encode_chunks({HIDDEN: output}, rt.next_hop_meta(base[H_REQUEST_ID], False))
+            more = part is not None and part[1] < rt.stage_range[1]  # the rest of this stage runs elsewhere
+            chunks = wire.encode_chunks({HIDDEN: output}, rt.next_hop_meta(base[H_REQUEST_ID], more))
             ctype = wire.CONTENT_TYPE
+        if part is not None:
+            base = {**base, H_LAYERS: fmt(part)}
         headers = {**base, H_SESSION_POS: str(held), H_KV_TOKENS: self.table.occupancy(), "Content-Type": ctype,
                    H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1, t2), H_SER: elapsed_ms(t2)}
         return StageResponse(200, chunks, headers)
 
-    def _compute(self, cache, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int):
+    def _compute(self, cache, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
+                 part: tuple[int, int] | None, last: bool):
         rt = self.rt
         if rt._device.type != "cpu":
             inputs = {k: v.to(rt._device, non_blocking=True) for k, v in inputs.items()}
-        out = rt.module(inputs, cache=cache, past=req.pos)
-        if not self.last:
+        out = rt.module(inputs, *(part or ()), cache=cache, past=req.pos)
+        if not last:
             return out.cpu() if out.device.type != "cpu" else out
         logits = out[0, -1]
         token = choose(logits, req.sample, req.pos + new)
         return token, (logits.float().cpu() if req.return_logits else None)
 
-    def _emulate(self, state: EmulatedState, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int):
+    def _emulate(self, state: EmulatedState, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
+                 part: tuple[int, int] | None, last: bool):
         rt = self.rt
         if INPUT_IDS in inputs:
             ids = inputs[INPUT_IDS][0].tolist()
         else:
             digits = inputs[HIDDEN][0, :, :_DIGITS].long()
             ids = [sum(int(d) << (8 * k) for k, d in enumerate(row)) for row in digits.tolist()]
-        time.sleep(rt.step_time.sample_ms(new, rt._rng) / 1000.0)
-        if self.last:
+        share = 1.0 if part is None else range_share(rt.manifest.layer_parameter_counts, part, rt.stage_range)
+        time.sleep(rt.step_time.sample_ms(new, rt._rng) * share / 1000.0)
+        if last:
             return state.token(ids, self.vocab), None
-        out = torch.zeros((1, new, rt.shape.out_width), dtype=rt.shape.dtype)
-        if rt.shape.out_width >= _DIGITS:
+        shape = rt.shape if part is None else rt.shape_for(part)
+        out = torch.zeros((1, new, shape.out_width), dtype=shape.dtype)
+        if shape.out_width >= _DIGITS:
             ids_t = torch.tensor(ids, dtype=torch.long)
             for k in range(_DIGITS):
                 out[0, :, k] = ((ids_t >> (8 * k)) & 0xFF).to(out.dtype)
