@@ -156,17 +156,18 @@ def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, w
             "wrong": sum(s.tokens != s.expected for s in done),
             "split": sum(s.split for s in streams), "rejoins": sum(s.rejoins for s in streams),
             "retries_429": sum(s.retries for s in streams), "tbt_samples": len(tbt),
-            "replays": sum(s.replays for s in streams)}
+            "replays": sum(s.replays for s in streams),
+            "errors": sorted({s.error[:200] for s in streams if s.error})[:3]}
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> dict:
     """The document: the rows, the steady TBT (median of the rows' own), and the two ratios the issue asks."""
-    steady = statistics.median([r["steady_tbt_p99_ms"] for r in rows if r["steady_tbt_p99_ms"]])
+    steady = statistics.median([r["steady_tbt_p99_ms"] for r in rows if r["steady_tbt_p99_ms"]] or [0.0])
     by = {r["mode"]: r for r in rows}
     ratios = {}
     if "live" in by and "peer-fetch" in by and by["peer-fetch"]["ttft_p99_ms"]:
         ratios["live_ttft_p99_over_peer_fetch"] = round(by["live"]["ttft_p99_ms"] / by["peer-fetch"]["ttft_p99_ms"], 3)
-    if "live" in by:
+    if "live" in by and steady and by["live"]["tbt_p99_ms"]:
         ratios["live_tbt_p99_over_steady"] = round(by["live"]["tbt_p99_ms"] / steady, 3)
     return {"workload": "generation", "steady_tbt_p99_ms": steady, "ratios": ratios, "rows": rows,
             "emulated": {"decode_ms": args.decode_ms, "prefill_ms_per_token": args.prefill_ms_per_token,
