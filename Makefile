@@ -21,11 +21,11 @@ $(STAMP): requirements.txt requirements-models.txt pyproject.toml
 demo: setup
 	$(VENV)/bin/quartctl demo
 
-# Debian's chromium for the status page's browser test (tests/test_ui.py skips without it); as root only
+# Debian's chromium for the status page's browser test (tests/e2e/test_ui.py skips without it); as root only
 browser:
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q chromium >/dev/null 2>&1 \
 		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } \
-		|| echo "chromium not installed: tests/test_ui.py's browser test will be skipped"
+		|| echo "chromium not installed: tests/e2e/test_ui.py's browser test will be skipped"
 
 test: setup browser
 	$(PY) -m pytest

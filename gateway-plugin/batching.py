@@ -30,9 +30,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gateway_plugin import layers
-from quart_provider.retry import passed_on
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError
+from quart_transport.retry import passed_on
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,7 @@ from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import GenerationView, Inventory, QueueView, build_snapshot
 from gateway_plugin.zero import held_at_zero
-from quart_provider.replicaset import within_bounds
+from quart_kernel.replicaset import within_bounds
 
 from keysmanager.aio import wait_event
 
@@ -36,7 +36,7 @@ log = logging.getLogger("quart.controller")
 
 def bounded_replicas(stage: StageSnapshot, replicas: int) -> int:
     """``replicas`` within the stage's ``com.openfaas.scale.min`` … ``max`` (the one bounds rule,
-    `quart_provider.replicaset.within_bounds`, which the registry applies to every desired count too)."""
+    `quart_kernel.replicaset.within_bounds`, which the registry applies to every desired count too)."""
     return within_bounds(replicas, stage.max_replicas, stage.min_replicas)
 
 
@@ -174,13 +174,3 @@ class Controller:
                 self.errors += 1
                 log.exception("control step failed: %s", exc)
             await wait_event(stop, period - (self.clock() - started))
-
-
-def snapshot_from_json(data: Mapping[str, Any]) -> PipelineSnapshot:
-    """A PipelineSnapshot back from the controller's JSONL log (for CV-model training)."""
-    from gateway_plugin.snapshot import StageSnapshot
-
-    stages = tuple(StageSnapshot(**{**s, "batch_service_s": tuple(tuple(row) for row in s.get("batch_service_s", ()))})
-                   for s in data["stages"])  # JSON gave lists: the snapshot holds tuples
-    return PipelineSnapshot(time=data["time"], model=data["model"], stages=stages,
-                            slo_s=data.get("slo_s", 0.0), window_s=data.get("window_s", 10.0))

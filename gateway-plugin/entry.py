@@ -1,8 +1,8 @@
 """Who the pipeline router lets in (issue 14, item 3): the queue cap and admission by time, at entry.
 
 :func:`stage_loads` reads the router's queues, replicas and measured service times (the p90 of each stage
-function's :class:`quart_provider.admission.ServiceTimes`, the estimator the proxy admits with too);
-:func:`entry_admission` decides with the pure rules of :mod:`quart_provider.admission`: a stage whose
+function's :class:`quart_kernel.admission.ServiceTimes`, the estimator the proxy admits with too);
+:func:`entry_admission` decides with the pure rules of :mod:`quart_kernel.admission`: a stage whose
 queue is at ``queue_cap`` refuses (Retry-After: the time that queue needs to drain one place at its
 measured rate), and so does a request whose expected wait over its pipeline (:func:`.shedding.admit_pipeline`:
 the calls ahead of it at every stage) exceeds its deadline; a deadline shorter than the stages have ever taken
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from quart_provider.admission import Admission, StageLoad, retry_after_s
-from quart_provider.shedding import admit_pipeline, shed_queued
+from quart_kernel.admission import Admission, StageLoad, retry_after_s
+from quart_kernel.shedding import admit_pipeline, shed_queued
 
 
 def stage_loads(router: Any, stages: Sequence[str]) -> list[StageLoad]:
@@ -50,7 +50,7 @@ def entry_admission(router: Any, model: str, stages: Sequence[str], deadline_s: 
 
 def queued_verdict(router: Any, job: Any) -> Admission:
     """Keep the call at the head of its stage's queue, or shed it (429) when what is left of its deadline no
-    longer covers the rest of its pipeline (:func:`quart_provider.shedding.shed_queued`)."""
+    longer covers the rest of its pipeline (:func:`quart_kernel.shedding.shed_queued`)."""
     rest = job.stages[job.stage:]
     loads = stage_loads(router, rest)
     loads[0] = replace(loads[0], queued=0)  # at the head: no wait at its own stage

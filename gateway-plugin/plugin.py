@@ -37,11 +37,11 @@ from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
 from gateway_plugin.snapshot_builder import StageState
 from gateway_plugin.webui import make_ui_hook
-from quart_provider.admission import ServiceTimes
-from quart_provider.capacity import not_ready_reason
-from quart_provider.responses import error_of
+from quart_kernel.admission import ServiceTimes
+from quart_kernel.capacity import not_ready_reason
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError
+from quart_transport.responses import error_of
 
 log = logging.getLogger("quart.plugin")
 
@@ -59,7 +59,7 @@ class GatewayView:
         self._batch: dict[str, tuple[Any, BatchLimits]] = {}  # function -> (its deployment, its batch labels)
 
     def pipelines(self) -> dict[str, list[str]]:
-        return self.gateway.pipelines()
+        return self.gateway.registry.pipelines()
 
     def ready(self, function: str) -> list[Any]:
         return self.gateway.ready_endpoints(function, partial=True)
@@ -93,12 +93,12 @@ class GatewayView:
         """The router found nothing listening on ``replica``: out of the ready list until its host says."""
         fn = self.gateway.functions.get(function)
         if fn is not None:
-            self.gateway.mark_unreachable(fn, replica)
+            self.gateway.balancer.mark_unreachable(fn, replica)
 
     def give_back(self, function: str, replica: Any) -> None:
         fn = self.gateway.functions.get(function)
         if fn is not None:
-            self.gateway.release(fn, replica)  # wakes the gateway's own waiters too
+            self.gateway.balancer.release(fn, replica)  # wakes the gateway's own waiters too
         else:
             replica.in_flight -= 1
 
@@ -319,7 +319,7 @@ class Plugin:
         cfg = getattr(self.gateway, "config", None)
         if cfg is None or not getattr(cfg, "auth", False):
             return True
-        from quart_provider.auth import load_or_create
+        from quart_transport.auth import load_or_create
 
         return load_or_create(cfg.credentials_dir).check(request.headers.get("Authorization"))
 

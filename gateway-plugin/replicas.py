@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway_plugin import layers
-from quart_provider.admission import ServiceTimes
+from quart_kernel.admission import ServiceTimes
 
 
 class ReplicaSource(Protocol):

@@ -1,14 +1,14 @@
 """The pipeline router: ``POST /function/<model>`` runs every stage of the model in order.
 
 Each stage function has one FIFO queue. A per-stage dispatcher hands the head of the queue to the replica the
-provider's one pick rule names (:func:`quart_provider.balancer.pick`: least in flight among ready replicas with
+provider's one pick rule names (:func:`quart_kernel.picking.pick`: least in flight among ready replicas with
 a free slot) and carries the stage's output (safetensors) to the next stage's queue: a replica never calls its
 successor. With ``com.quart.batch.max`` > 1 the waiting requests that fit go in one call
 (:mod:`gateway_plugin.batching`). A failed or timed-out call is retried on another replica while the deadline
-allows (:mod:`quart_provider.retry`), else the client gets an explicit 5xx; a request that finds a stage queue at
+allows (:mod:`quart_transport.retry`), else the client gets an explicit 5xx; a request that finds a stage queue at
 its cap is refused with 429 + Retry-After before it is accepted (``entry.py``). Every accepted request ends with
 exactly one response. The embedded gateway's fast front calls :meth:`Router.answer` with the body read; stage
-calls go through :class:`quart_provider.upstream.UpstreamPool`; a dispatcher with no free replica waits on
+calls go through :class:`quart_transport.upstream.UpstreamPool`; a dispatcher with no free replica waits on
 :meth:`ReplicaSource.wait`, resolved by any release or a replica becoming ready — no polling
 (docs/architecture.md, "One request"). Replicas come from a ``ReplicaSource`` (plugin.py's live replica sets, or
 ``StaticReplicas``); engines beside the router reuse it, :meth:`Router.pick` and ``Router.upstream``.
@@ -36,14 +36,14 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.entry import entry_admission, queued_verdict
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 from gateway_plugin.replicas import ReplicaSource, StaticReplica, StaticReplicas, Waiters
-from quart_provider.admission import ServiceTimes, client_deadline_s
-from quart_provider.balancer import pick
-from quart_provider.responses import Answer, answer_of
-from quart_provider.retry import passed_on, replica_gone, should_retry
-from quart_provider.shedding import SHED_HEADER
-from quart_provider.tracing import CALL_ID, new_call_id
-from quart_provider.upstream import UpstreamPool, UpstreamTimeout
+from quart_kernel.admission import ServiceTimes, client_deadline_s
+from quart_kernel.picking import pick
+from quart_kernel.shedding import SHED_HEADER
 from quart_stage.errors import QuartError
+from quart_transport.responses import Answer, answer_of
+from quart_transport.retry import passed_on, replica_gone, should_retry
+from quart_transport.tracing import CALL_ID, new_call_id
+from quart_transport.upstream import UpstreamPool, UpstreamTimeout
 
 log = logging.getLogger("quart.router")
 
@@ -52,7 +52,7 @@ TIMING_HEADERS = ("X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Seria
 
 __all__ = ["ReplicaSource", "Reply", "Router", "StaticReplica", "StaticReplicas", "Waiters", "json_reply"]
 
-Reply = Answer  # what the router answers: status, headers, body (quart_provider.responses.Answer)
+Reply = Answer  # what the router answers: status, headers, body (quart_transport.responses.Answer)
 
 
 def json_reply(status: int, message: str, field_name: str | None = None, **headers: str) -> Answer:
@@ -423,7 +423,7 @@ class Router:
                 job.stage += 1
                 self._enqueue(job, front=False)
             return
-        if passed_on(status, error):  # a 4xx, a stage's 500: the same on every replica (quart_provider.retry)
+        if passed_on(status, error):  # a 4xx, a stage's 500: the same on every replica (quart_transport.retry)
             self._finish(job, Answer(status, {"Content-Type": headers.get("Content-Type", "application/json")}, data))
             return
         why = failure or f"HTTP {status}"

@@ -8,8 +8,9 @@ policy code against simulated time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from quart_stage.labels import DEFAULT_MAX_REPLICAS, DEFAULT_MIN_REPLICAS
 
@@ -94,3 +95,11 @@ class Policy(Protocol):
     name: str
 
     def decide(self, snapshot: PipelineSnapshot) -> Decision: ...
+
+
+def snapshot_from_json(data: Mapping[str, Any]) -> PipelineSnapshot:
+    """A PipelineSnapshot back from the controller's JSONL log (to train the CV model: :mod:`.policies.cv_model`)."""
+    stages = tuple(StageSnapshot(**{**s, "batch_service_s": tuple(tuple(row) for row in s.get("batch_service_s", ()))})
+                   for s in data["stages"])  # JSON gave lists: the snapshot holds tuples
+    return PipelineSnapshot(time=data["time"], model=data["model"], stages=stages,
+                            slo_s=data.get("slo_s", 0.0), window_s=data.get("window_s", 10.0))

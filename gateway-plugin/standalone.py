@@ -34,12 +34,12 @@ from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
 from gateway_plugin.router import Router, StaticReplica, json_reply, web_response
 from gateway_plugin.snapshot_builder import StageState
-from quart_provider import namespaces
-from quart_provider.metrics import render_registry
-from quart_provider.tracing import traced, with_trace
 from quart_stage import cliargs
 from quart_stage import labels as vocab
 from quart_stage.logs import configure as configure_logs
+from quart_transport import namespaces
+from quart_transport.exposition import render_registry
+from quart_transport.tracing import traced, with_trace
 
 from keysmanager.aio import wait_event
 
@@ -87,7 +87,7 @@ class OpenFaaSView:
         return (self.status[stages[0]].get("namespace") or DEFAULT_NAMESPACE) if stages else None
 
     def stage_state(self, function: str) -> StageState:
-        from quart_provider.quantities import parse_cpu
+        from quart_transport.quantities import parse_cpu
 
         st = self.status[function]
         labels = vocab.StageLabels.lenient(st.get("labels") or {})

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from quart_provider.capacity import not_ready_reason
+from quart_kernel.capacity import not_ready_reason
 
 HISTORY_S = 300.0  # how far back the charts reach
 DECISIONS = 10  # last decisions listed per pipeline

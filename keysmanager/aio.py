@@ -2,7 +2,7 @@
 
 On Python 3.11, ``asyncio.wait_for`` returns the result, swallowing the cancel, when the caller is cancelled
 just as the awaited thing completes: a ``while True`` loop stopped by ``task.cancel()`` then runs on forever
-(it hung the embedded gateway's shutdown; tests/test_aio.py reproduces it). ``asyncio.timeout`` ends a wait
+(it hung the embedded gateway's shutdown; tests/unit/test_aio.py reproduces it). ``asyncio.timeout`` ends a wait
 by cancelling its own task and relies on ``uncancel`` bookkeeping to tell that apart from a real cancel.
 
 These helpers wait with ``asyncio.wait``, which cancels nothing of the caller's: a cancel of the caller

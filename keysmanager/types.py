@@ -108,7 +108,7 @@ class ZygoteInfo:
 
 @dataclass(frozen=True, slots=True)
 class HostReport:
-    """What the scheduler needs from one host (see quart_provider.scheduling.types.HostView)."""
+    """What the scheduler needs from one host (see quart_kernel.scheduling.types.HostView)."""
 
     name: str
     cached: list[str]  # stage functions with a zygote here

@@ -7,6 +7,8 @@ Here a body over :data:`SPILL_BYTES` (or of unknown length) streams piece by pie
 ``<state>/async-bodies/<id>`` (0600) as it arrives; the stream's message carries its name
 (``Quart-Body-File``), the queue worker streams the file to the function and removes it once the call is
 acked. Over ``limit`` bytes: 413 naming the limit, the partial file removed. Small bodies stay in the message.
+A body still arriving is ``<id>.part``, renamed when whole: the parts a gateway killed mid-upload left behind are
+removed when the next gateway opens the folder.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class BodyStore:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for stale in folder.glob("*.part"):  # uploads a killed gateway never finished: no message names them
+            stale.unlink(missing_ok=True)
 
     def path(self, name: str) -> Path:
         if not name or not all(c in "0123456789abcdef" for c in name):
@@ -44,9 +48,10 @@ class BodyStore:
             raise too_large(limit, declared)
         name = uuid.uuid4().hex
         path = self.path(name)
+        part = path.with_name(name + ".part")
         size = 0
         try:
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+            with open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
                 while piece := await request.content.read(_PIECE):
                     size += len(piece)
                     if size > limit:
@@ -55,8 +60,9 @@ class BodyStore:
             if declared is not None and size < declared:
                 raise QuartError(400, f"request body is truncated: Content-Length {declared}, {size} bytes arrived",
                                  "body")
+            part.rename(path)
         except BaseException:
-            path.unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
             raise
         return b"", name
 

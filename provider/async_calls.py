@@ -27,7 +27,7 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from quart_provider.callbacks import CallbackSender
-from quart_provider.headers import forwardable
+from quart_transport.headers import forwardable
 
 from keysmanager.aio import within
 

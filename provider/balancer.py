@@ -1,8 +1,7 @@
 """Load balancing over a function's ready replicas: one pick rule for the proxy and the pipeline router.
 
-- :func:`pick`: the pure rule both use — least in-flight among the ready replicas with a free slot
-  (``com.quart.concurrency`` 0 = unlimited, OpenFaaS's ``max_inflight`` meaning), replicas already
-  tried for this request last;
+- :func:`quart_kernel.picking.pick`: the pure rule both use (least in flight among the ready replicas with a
+  free slot, replicas already tried for this request last);
 - :class:`Balancer`: the proxy's path — ``acquire_nowait / acquire / release`` keep each replica's
   in-flight count exact; ``acquire`` waits (bounded) for a replica, scaling a function up from zero,
   and raises :class:`ServiceUnavailable` (429 / 503) when none comes in time.
@@ -12,37 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Mapping
 
+from quart_kernel.picking import pick
 from quart_provider.config import GatewayConfig
 from quart_provider.types import Endpoint, FunctionState
 from quart_stage.errors import QuartError
 
 from keysmanager.aio import within
-
-
-class Slotted(Protocol):
-    """What the pick rule reads of a replica (the provider's Endpoint, the router's StaticReplica)."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def in_flight(self) -> int: ...
-
-
-R = TypeVar("R", bound=Slotted)
-
-
-def pick(ready: Iterable[R], concurrency: int, tried: Collection[str] = ()) -> R | None:
-    """The ready replica to send the next request to, or None when every one is at ``concurrency``.
-
-    Least in flight first (the first listed on a tie); a replica in ``tried`` only when no untried one
-    has a free slot (a retry goes elsewhere when it can). ``concurrency`` 0 = no per-replica limit."""
-    free = [r for r in ready if not concurrency or r.in_flight < concurrency]
-    fresh = [r for r in free if r.id not in tried] if tried else free
-    return min(fresh or free, key=lambda r: r.in_flight, default=None)
 
 
 class ServiceUnavailable(QuartError):
@@ -58,7 +34,7 @@ class Balancer:
         self.config = config
         self.functions = functions
         self.kick = kick  # ask the reconciler to act now (a replica gone)
-        self.why = why  # why a function has no ready replica (quart_provider.capacity), for the 503
+        self.why = why  # why a function has no ready replica (quart_kernel.capacity), for the 503
         self.scale = scale  # desired replicas, through the registry (Registry.set_desired: saved, reconciled)
 
     def acquire_nowait(self, fn: FunctionState) -> Endpoint | None:

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from aiohttp import web
-from quart_provider.admission import Reservation
+from quart_provider.body_gate import Reservation
 from quart_stage.errors import QuartError
 
 _PIECE = 64 * 1024
@@ -21,7 +21,7 @@ def too_large(limit: int, size: int | None = None) -> QuartError:
 async def read_body(request: web.Request, limit: int, reservation: Reservation | None = None) -> bytes:
     """The whole body of ``request``; a 413 :class:`QuartError` as soon as it passes ``limit`` bytes.
 
-    With a ``reservation`` (:mod:`.admission`), the body's bytes are counted before they are held:
+    With a ``reservation`` (:mod:`.body_gate`), the body's bytes are counted before they are held:
     ``Content-Length`` up front, a chunked body piece by piece (429 or 413 from the gate)."""
     declared = request.content_length
     if declared is not None and declared > limit:

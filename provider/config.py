@@ -37,7 +37,7 @@ class GatewayConfig:
     max_deploy_bytes: int = 1024 * 1024  # largest JSON body on /system/*
     max_inflight_bytes: int = 256 * 1024 * 1024  # request-body bytes held at once by the gateway; more → 429
     max_function_inflight_bytes: int = 64 * 1024 * 1024  # … by one function or pipeline (≥ one max body); one body over → 413
-    placer: str = "cache-aware"  # replica placer: cache-aware (QUART §6.2) | first-fit (quart_provider.scheduling)
+    placer: str = "cache-aware"  # replica placer: cache-aware (QUART §6.2) | first-fit (quart_kernel.scheduling)
     hosts: int = 1  # simulated hosts (one KeysManager each)
     gpus_per_host: int = 4  # replica slots ("GPUs") per host
     host_memory_bytes: int = 8 * 1024**3  # parameter-cache memory per host (KeysManager --memory-limit)

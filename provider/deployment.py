@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from quart_provider.quantities import parse_cpu, parse_memory
 from quart_stage import envpolicy, jsonparse
 from quart_stage import labels as vocab
 from quart_stage.errors import invalid
+from quart_transport.quantities import parse_cpu, parse_memory
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # DNS-1123 label, as faas-netes requires
 

@@ -17,8 +17,8 @@ import socket
 import sys
 import time
 
-from quart_provider.http1 import dechunk
 from quart_stage.logs import format_line, log_settings
+from quart_transport.http1 import dechunk
 
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD = 64 * 1024

@@ -37,13 +37,13 @@ from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
-from quart_provider.admission import Reservation
 from quart_provider.bodies import too_large
+from quart_provider.body_gate import Reservation
 from quart_provider.handlers_invoke import InvokeHandlers
-from quart_provider.responses import Answer, error_answer
-from quart_provider.tracing import Trace
 from quart_provider.types import FunctionState
 from quart_stage.errors import QuartError
+from quart_transport.responses import Answer, error_answer
+from quart_transport.tracing import Trace
 
 log = logging.getLogger("quart.front")
 

@@ -1,11 +1,17 @@
-"""The embedded gateway: one object composing the provider's parts, what the REST API and the plugin use.
+"""The embedded gateway: the composition root of the provider's parts, which its users call directly.
 
-- :class:`.registry.Registry`: ``deploy / update / remove / scale / update_limits / get``, ``pipelines()``
-  (the control plane: desired state);
-- :class:`.reconciler.Reconciler`: polls every host, starts missing replicas where the placer says,
-  stops surplus ones after draining them, rolls replicas over to a new generation on update;
-- :class:`.balancer.Balancer`: ``acquire / release``: a ready replica of a function by the one pick rule
-  (:func:`.balancer.pick`), waiting (bounded) for one when none is ready or all are at their limit;
+- ``gateway.registry`` (:class:`.registry.Registry`): ``deploy / update / remove / scale / update_limits / get``,
+  ``pipelines()`` (the control plane: desired state, its one writer);
+- ``gateway.reconciler`` (:class:`.reconciler.Reconciler`): polls every host, starts missing replicas where its
+  ``placer`` says, stops surplus ones after draining them, rolls replicas over to a new generation on update;
+- ``gateway.balancer`` (:class:`.balancer.Balancer`): ``acquire / release / mark_unreachable``: a ready replica
+  of a function by the one pick rule (:func:`quart_kernel.picking.pick`), waiting (bounded) for one when none is
+  ready or all are at their limit;
+
+What is the gateway's own: its lifecycle (``start``: restore and adopt; ``close``), what spans the parts (the
+replicas' log files on every host, a replica's held layers, invocations counted outside the proxy), and the
+hooks the plugin attaches:
+
 - ``add_invoke_hook``: the plugin's router takes ``/function/<name>`` for names that are not
   deployed functions (a pipeline, ``POST /function/<model>``);
 - ``add_api_hook``: the plugin answers ``/v1/...`` (its OpenAI-compatible generation API).
@@ -21,33 +27,30 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from quart_provider.admission import ByteGate
+from quart_kernel.capacity import not_ready_reason
+from quart_kernel.scheduling.types import Placer
 from quart_provider.adopt import adopt_replicas
 from quart_provider.async_queue import AsyncQueue
 from quart_provider.balancer import Balancer
-from quart_provider.capacity import not_ready_reason
+from quart_provider.body_gate import ByteGate
 from quart_provider.config import GatewayConfig
 from quart_provider.deploy_limits import DeployCaps
-from quart_provider.deployment import FunctionDeployment
-from quart_provider.hosts import Host
+from quart_provider.hosts import Host, poll_replicas
 from quart_provider.images import INDEX_FILE, ImageIndex
 from quart_provider.metrics import GatewayMetrics
 from quart_provider.reconciler import Reconciler
 from quart_provider.registry import Registry
 from quart_provider.replica_users import auto_uids
-from quart_provider.scheduling.metrics import SchedulerCollector, SchedulerMetrics
-from quart_provider.scheduling.types import Placer
+from quart_provider.scheduler_metrics import SchedulerCollector, SchedulerMetrics
 from quart_provider.secrets import SecretStore
 from quart_provider.store import FUNCTIONS_DIR, DeploymentStore
 from quart_provider.types import Endpoint, FunctionState, GenerationRoute, InvokeHook, PipelineRoute, UiHook
-
-from keysmanager.aio import within
 
 log = logging.getLogger("quart.gateway")
 
 
 def default_placer(name: str) -> Placer:
-    from quart_provider.scheduling import make_placer
+    from quart_kernel.scheduling import make_placer
 
     return make_placer(name)
 
@@ -81,21 +84,13 @@ class EmbeddedGateway:
         self.pipeline_route: PipelineRoute | None = None  # POST /function/<model> (the plugin's router)
         # generation bodies on POST /function/<model> of a decoder pipeline (the plugin's generation API)
         self.generation_route: GenerationRoute | None = None
-        # request bodies in flight, per gateway and per function / pipeline (quart_provider.admission)
+        # request bodies in flight, per gateway and per function / pipeline (quart_kernel.admission)
         self.body_gate = ByteGate(config.max_inflight_bytes, config.max_function_inflight_bytes,
                                   fallback_retry_s=config.retry_after_s)
         self.shutdown_callbacks: list[Callable[[], Awaitable[None]]] = []
         self.async_queue: AsyncQueue | None = None  # durable async calls (EmbeddedSystem connects it)
         self.async_unavailable = "no durable async queue was started"  # why, while async_queue is None
         self.keep_replicas = False  # True (`quartctl up --keep-hosts`): close() leaves replicas running (adopt.py)
-
-    @property
-    def placer(self) -> Placer:
-        return self.reconciler.placer
-
-    @placer.setter
-    def placer(self, placer: Placer) -> None:
-        self.reconciler.placer = placer
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -110,10 +105,7 @@ class EmbeddedGateway:
 
     async def _adopt(self) -> None:
         """Track what kept hosts still run for the restored functions (:mod:`.adopt`); stop the rest."""
-        names = list(self.hosts)
-        found = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].replicas()) for n in names),
-                                     return_exceptions=True)
-        for name, running in zip(names, found, strict=True):
+        for name, running in (await poll_replicas(self.hosts, self.config.host_timeout_s)).items():
             if isinstance(running, BaseException):
                 continue  # the reconciler's host health decides about a host that does not answer
             adopted = adopt_replicas(self.functions, name, running, time.monotonic())
@@ -142,50 +134,10 @@ class EmbeddedGateway:
     def _retire(self, fn: FunctionState, endpoint: Endpoint) -> None:
         self.reconciler.retire(fn, endpoint)
 
-    # ---------------------------------------------------------------- control plane (the registry)
-
-    def get(self, name: str) -> FunctionState:
-        return self.registry.get(name)
-
-    async def deploy(self, deployment: FunctionDeployment) -> FunctionState:
-        return await self.registry.deploy(deployment)
-
-    async def update(self, deployment: FunctionDeployment) -> FunctionState:
-        return await self.registry.update(deployment)
-
-    async def remove(self, name: str) -> None:
-        await self.registry.remove(name)
-
-    async def scale(self, name: str, replicas: int, key: bool = False) -> int:
-        return await self.registry.scale(name, replicas, key)
-
-    async def update_limits(self, name: str, cpus: float | None = None, memory_bytes: int | None = None) -> None:
-        await self.registry.update_limits(name, cpus, memory_bytes)
-
     async def log_files(self, name: str) -> list[tuple[str, Path]]:
         """(instance, file) of every replica log of ``name`` on every host; a host that fails to say is skipped."""
         found = await asyncio.gather(*(h.log_files(name) for h in self.hosts.values()), return_exceptions=True)
         return [item for files in found if not isinstance(files, BaseException) for item in files]
-
-    def pipelines(self) -> dict[str, list[str]]:
-        return self.registry.pipelines()
-
-    async def reconcile(self) -> None:
-        await self.reconciler.reconcile()
-
-    # ---------------------------------------------------------------- data plane (the balancer)
-
-    def acquire_nowait(self, fn: FunctionState) -> Endpoint | None:
-        return self.balancer.acquire_nowait(fn)
-
-    async def acquire(self, fn: FunctionState) -> Endpoint:
-        return await self.balancer.acquire(fn)
-
-    def release(self, fn: FunctionState, endpoint: Endpoint) -> None:
-        self.balancer.release(fn, endpoint)
-
-    def mark_unreachable(self, fn: FunctionState, endpoint: Endpoint) -> None:
-        self.balancer.mark_unreachable(fn, endpoint)
 
     # ---------------------------------------------------------------- plugin access
 

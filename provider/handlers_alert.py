@@ -16,12 +16,12 @@ import math
 from typing import Any
 
 from aiohttp import web
-from quart_provider import namespaces
 from quart_provider.bodies import read_body
 from quart_provider.deployment import parse_json_object
 from quart_provider.gateway import EmbeddedGateway
 from quart_stage import labels as vocab
 from quart_stage.errors import QuartError, invalid
+from quart_transport import namespaces
 
 SCALE_FACTOR = "com.openfaas.scale.factor"
 DEFAULT_SCALE_FACTOR = 20  # percent of max replicas per firing alert (OpenFaaS's default)
@@ -75,5 +75,5 @@ class AlertHandler:
             target = next_replicas(status, fn.desired, fn.deployment.max_replicas, fn.deployment.min_replicas,
                                    factor)
             if target != fn.desired:
-                scaled[name] = await self.gateway.scale(name, target)
+                scaled[name] = await self.gateway.registry.scale(name, target)
         return web.json_response({"scaled": scaled})

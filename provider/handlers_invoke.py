@@ -1,13 +1,13 @@
 """Handlers of the data plane: ``/function/{name}`` (the proxy) and ``/async-function/{name}``.
 
 The proxy hands a request to a replica the balancer picks, retrying once elsewhere when a replica
-refuses the connection (it never saw the request: :mod:`.retry`); a pipeline goes to the gateway's
+refuses the connection (it never saw the request: :mod:`quart_transport.retry`); a pipeline goes to the gateway's
 pipeline route (the plugin's router, :meth:`InvokeHandlers.call_pipeline`), other names to the invoke
 hooks. An async call is answered 202 + ``X-Call-Id`` once it is
 stored in the durable queue (:mod:`.async_queue`; 503 while none is connected, or kept in memory with
 ``async_backend=memory``, :mod:`.async_calls`) and run later through this gateway's own ``/function``
 path. Tracing
-headers (:mod:`.tracing`) go upstream here; :mod:`.routes` stamps them on every answer.
+headers (:mod:`quart_transport.tracing`) go upstream here; :mod:`.routes` stamps them on every answer.
 """
 
 from __future__ import annotations
@@ -20,29 +20,29 @@ from typing import TypeVar
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 from multidict import CIMultiDict
-from quart_provider import namespaces
-from quart_provider.admission import (
+from quart_kernel.admission import (
     Admission,
     RateMeter,
-    Reservation,
     StageLoad,
     admit_by_time,
     client_deadline_s,
 )
+from quart_kernel.shedding import SHED_HEADER, replica_wait_s
 from quart_provider.async_calls import AsyncCall, AsyncInvoker
 from quart_provider.async_queue import QueuedCall
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.bodies import read_body
+from quart_provider.body_gate import Reservation
 from quart_provider.callbacks import CALLBACK_HEADER, CallbackPolicy, CallbackSender
 from quart_provider.gateway import EmbeddedGateway
-from quart_provider.headers import forwardable
-from quart_provider.responses import Answer, answer_of, error_answer, error_of, error_response
-from quart_provider.retry import replica_gone
-from quart_provider.shedding import SHED_HEADER, replica_wait_s
-from quart_provider.tracing import Trace, trace_of, with_trace
 from quart_provider.types import FunctionState
-from quart_provider.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 from quart_stage.errors import QuartError
+from quart_transport import namespaces
+from quart_transport.headers import forwardable
+from quart_transport.responses import Answer, answer_of, error_answer, error_of, error_response
+from quart_transport.retry import replica_gone
+from quart_transport.tracing import Trace, trace_of, with_trace
+from quart_transport.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 
 from keysmanager.aio import within
 
@@ -100,7 +100,7 @@ class InvokeHandlers:
             return error_response(405, f"asynchronous invocation takes POST, not {request.method}", "method",
                                   headers={"Allow": "POST"})
         name = namespaces.function_name(request.match_info["name"], self.config.namespace)
-        if name not in self.gateway.functions and name not in self.gateway.pipelines():
+        if name not in self.gateway.functions and name not in self.gateway.registry.pipelines():
             return error_response(404, f"function {name!r} not found", "functionName")
         try:
             callback = await self.callback_policy.check_url(request.headers.get(CALLBACK_HEADER))
@@ -137,7 +137,7 @@ class InvokeHandlers:
         if self.gateway.pipeline_route is None:
             return None
         name = namespaces.function_name(raw_name, self.config.namespace)
-        return name if name in self.gateway.pipelines() and name not in self.gateway.functions else None
+        return name if name in self.gateway.registry.pipelines() and name not in self.gateway.functions else None
 
     def generates(self, model: str) -> bool:
         """Whether ``model``'s calls may be generation (a streamed answer: the aiohttp server takes them)."""
@@ -242,7 +242,7 @@ class InvokeHandlers:
             reservation.close()
 
     def _admission(self, fn: FunctionState, headers: Mapping[str, str], deadline_s: float | None) -> Admission:
-        """Admission by time of a call of ``fn`` (:func:`.admission.admit_by_time`): its body's transfer at the
+        """Admission by time of a call of ``fn`` (:func:`quart_kernel.admission.admit_by_time`): its body's transfer at the
         measured ingest rate, the queue, the p90 service time, × ``admission_safety``; only when the client
         sent a deadline (without one, the upstream timeout bounds the call and the queue cap its wait)."""
         if deadline_s is None:
@@ -324,14 +324,14 @@ class InvokeHandlers:
         payload, wait_s, left = None, 0.0, 0.0
         for attempt in range(2):  # a replica that refuses the connection never saw the request: try another
             try:  # a free ready replica without a wait (the common case), else wait (bounded) for one
-                endpoint = gateway.acquire_nowait(fn)
+                endpoint = gateway.balancer.acquire_nowait(fn)
                 if endpoint is None:
                     if deadline_at is None:
-                        endpoint = await gateway.acquire(fn)
-                    else:  # no later than it can still be served in time (provider/shedding.py)
+                        endpoint = await gateway.balancer.acquire(fn)
+                    else:  # no later than it can still be served in time (kernel/shedding.py)
                         left = deadline_at - time.monotonic()
                         wait_s = replica_wait_s(left, self._load(fn).service_s, self.config.admission_safety)
-                        endpoint = await within(wait_s, gateway.acquire(fn))
+                        endpoint = await within(wait_s, gateway.balancer.acquire(fn))
             except ServiceUnavailable as exc:
                 metrics.invocation_done(metric_name, exc.status, time.perf_counter() - start)
                 return answer_of(exc, self.config.retry_after_s)
@@ -355,8 +355,8 @@ class InvokeHandlers:
                 reservation.hold(len(payload))  # the answer counts in the byte bound too (never refused)
                 break
             except UpstreamError as exc:
-                if replica_gone(exc):  # never saw the request (quart_provider.retry): another one may take it
-                    gateway.mark_unreachable(fn, endpoint)
+                if replica_gone(exc):  # never saw the request (quart_transport.retry): another one may take it
+                    gateway.balancer.mark_unreachable(fn, endpoint)
                     status, message = 502, f"replica {endpoint.id} of {name!r} refused the connection: {exc}"
                     if attempt == 1:
                         break
@@ -365,7 +365,7 @@ class InvokeHandlers:
                 message = f"replica {endpoint.id} of {name!r} failed: {exc.__class__.__name__}: {exc}"
                 break
             finally:
-                gateway.release(fn, endpoint)
+                gateway.balancer.release(fn, endpoint)
         fn.invocations += 1
         elapsed = time.perf_counter() - start
         if payload is not None and 200 <= status < 300:  # the service time admission by time uses

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from aiohttp import web
 from multidict import MultiMapping
-from quart_provider import namespaces
 from quart_provider.gateway import EmbeddedGateway
 from quart_stage.errors import QuartError, invalid
+from quart_transport import namespaces
 
 POLL_S = 0.1
 _TRUE = {"1", "t", "T", "TRUE", "true", "True"}
@@ -98,7 +98,7 @@ class LogHandlers:
     async def logs(self, request: web.Request) -> web.StreamResponse:
         query = LogQuery.parse(request.query)
         namespaces.check(query.namespace, self.config.namespace)
-        fn = self.gateway.get(query.name)  # 404 naming it
+        fn = self.gateway.registry.get(query.name)  # 404 naming it
         tails: dict[Path, _Tail] = {}
         backlog: list[tuple[datetime, str, str]] = []
         for tail in await self._new_tails(fn.name, query.instance, tails):

@@ -14,12 +14,12 @@ import binascii
 from typing import Any
 
 from aiohttp import web
-from quart_provider import namespaces
 from quart_provider.bodies import read_body
 from quart_provider.deployment import parse_json_object
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.secrets import check_name
 from quart_stage.errors import invalid
+from quart_transport import namespaces
 
 
 class SecretHandlers:

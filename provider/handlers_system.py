@@ -17,14 +17,14 @@ import platform
 from typing import Any
 
 from aiohttp import web
-from quart_provider import namespaces
+from quart_kernel.capacity import status_fields
 from quart_provider.bodies import read_body
-from quart_provider.capacity import status_fields
 from quart_provider.deployment import FunctionDeployment, parse_json_object
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.models import model_status, scale_model
 from quart_provider.types import FunctionState
 from quart_stage.errors import invalid
+from quart_transport import namespaces
 
 VERSION = "0.1.0"
 
@@ -74,21 +74,21 @@ class SystemHandlers:
         name = request.match_info["name"]
         if name not in self.gateway.functions and (model := model_status(self.gateway, name)) is not None:
             return web.json_response(model)  # a pipeline, as one function (an OpenFaaS gateway in front asks)
-        return web.json_response(self._status(self.gateway.get(name)))
+        return web.json_response(self._status(self.gateway.registry.get(name)))
 
     def _status(self, fn: FunctionState) -> dict[str, Any]:
-        """A ``FunctionStatus`` plus ``status`` and, when not ready, the ``reason`` (:mod:`.capacity`)."""
+        """A ``FunctionStatus`` plus ``status`` and, when not ready, the ``reason`` (:mod:`quart_kernel.capacity`)."""
         return {**fn.status_json(), **status_fields(fn, self.gateway.functions.values(), self.gateway.hosts)}
 
     async def deploy(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
-        await self.gateway.deploy(FunctionDeployment.from_json(body, self.config.namespace))
+        await self.gateway.registry.deploy(FunctionDeployment.from_json(body, self.config.namespace))
         return web.Response(status=202)
 
     async def update(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
         deployment = FunctionDeployment.from_json(body, self.config.namespace)
-        await self.gateway.update(deployment)
+        await self.gateway.registry.update(deployment)
         return web.Response(status=200)
 
     async def delete(self, request: web.Request) -> web.Response:
@@ -97,7 +97,7 @@ class SystemHandlers:
         if not isinstance(name, str) or not name:
             raise invalid("functionName", "functionName is required")
         self._check_namespace(body.get("namespace") or request.query.get("namespace"))
-        await self.gateway.remove(name)
+        await self.gateway.registry.remove(name)
         return web.Response(status=200)
 
     async def scale(self, request: web.Request) -> web.Response:
@@ -117,10 +117,10 @@ class SystemHandlers:
         key = body.get("key", False)
         if not isinstance(key, bool):
             raise invalid("key", f"key must be a boolean, got {json.dumps(key)}")
-        if name not in self.gateway.functions and name in self.gateway.pipelines():
+        if name not in self.gateway.functions and name in self.gateway.registry.pipelines():
             applied = await scale_model(self.gateway, name, int(replicas))
         else:
-            applied = await self.gateway.scale(name, int(replicas), key=key)
+            applied = await self.gateway.registry.scale(name, int(replicas), key=key)
         return web.json_response({"serviceName": name, "replicas": applied}, status=202)
 
     async def namespaces(self, request: web.Request) -> web.Response:
@@ -134,7 +134,7 @@ class SystemHandlers:
 
     async def replicas(self, request: web.Request) -> web.Response:
         """Extension: the replicas of a function, with host, state and in-flight requests."""
-        fn = self.gateway.get(request.match_info["name"])
+        fn = self.gateway.registry.get(request.match_info["name"])
         return web.json_response({"function": fn.name, "desired": fn.desired, "generation": fn.generation,
                                   "unplaced": fn.unplaced, "lastError": fn.last_error,
                                   "replicas": [e.to_json() for e in fn.replicas.values()]})

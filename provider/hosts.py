@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import aiohttp
-from quart_provider.scheduling.types import HostView
+from quart_kernel.scheduling.types import HostView
 from quart_provider.secrets import SECRETS_DIR_ENV, mount, unmount
 from quart_stage.envpolicy import replica_base_env
 from quart_stage.privdrop import RUN_AS_ENV, drop_privileges, parse_run_as
@@ -95,6 +95,17 @@ class Host(Protocol):
     async def close(self) -> None: ...
 
 
+async def poll_replicas(hosts: dict[str, Host], timeout_s: float) -> dict[str, list[ReplicaStatus] | BaseException]:
+    """Every host's replicas at once, each bounded by ``timeout_s``; a host that fails or is slow maps to its error.
+    Each poll's coroutine is made inside its own task, so a pass cancelled at shutdown leaves none un-awaited."""
+    async def one(host: Host) -> list[ReplicaStatus]:
+        return await within(timeout_s, host.replicas())
+
+    names = list(hosts)
+    found = await asyncio.gather(*(one(hosts[n]) for n in names), return_exceptions=True)
+    return dict(zip(names, found, strict=True))
+
+
 def cpu_set(cpus: float | None, offset: int) -> set[int] | None:
     """The cores a replica limited to ``cpus`` may use (round-robin by ``offset``); None = all."""
     if not cpus:
@@ -129,7 +140,7 @@ class ProcessHost:
     ``<log_dir>/<function>/<replica>.log`` (``/system/logs`` reads them); else they are the gateway's.
     """
 
-    kinds = frozenset({"process"})  # runnables it can start (quart_provider.capacity)
+    kinds = frozenset({"process"})  # runnables it can start (quart_kernel.capacity)
 
     def __init__(self, name: str, gpu_slots: int, memory_limit: int, health_interval_s: float = 0.02,
                  log_dir: Path | None = None) -> None:

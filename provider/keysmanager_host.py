@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from quart_kernel.scheduling.hosts import host_view_from_report
+from quart_kernel.scheduling.types import HostView
 from quart_provider.hosts import ProcessHost, ReplicaSpec, ReplicaStatus
-from quart_provider.scheduling.hosts import host_view_from_report
-from quart_provider.scheduling.types import HostView
 
 from keysmanager.client import AsyncKeysManagerClient
 from keysmanager.types import ReplicaInfo, StageSpec
@@ -31,7 +31,7 @@ def _stage(spec: ReplicaSpec) -> StageSpec:
 
 
 async def multicast(spec: ReplicaSpec, chain: Sequence[KeysManagerHost | None]) -> None:
-    """Start a chain multicast (``quart_provider.scheduling.multicast.plan_chain``'s order: the source, or None
+    """Start a chain multicast (``quart_kernel.scheduling.multicast.plan_chain``'s order: the source, or None
     for the registry, then the receivers): each receiver fetches from its predecessor, which forwards every
     chunk as it writes it, falling back to the source and then the registry. Told in order, so each transfer
     is registered before the next host asks for its bytes; returns once all are told (starts then fork)."""

@@ -21,11 +21,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
-from prometheus_client.openmetrics import exposition as openmetrics
-
-OPENMETRICS = openmetrics.CONTENT_TYPE_LATEST
+from quart_transport.exposition import render_registry
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # prometheus DefBuckets
 
@@ -94,15 +92,3 @@ class GatewayMetrics:
     def exposition(self, accept: str = "") -> tuple[bytes, str]:
         """(body, content type) for a scrape: OpenMetrics unless ``accept`` asks for the text format only."""
         return render_registry(self.registry, accept)
-
-
-def wants_openmetrics(accept: str) -> bool:
-    """OpenMetrics when asked for, or when the scraper names no format (curl, a browser); text 0.0.4 otherwise."""
-    return "application/openmetrics-text" in accept or "text/plain" not in accept
-
-
-def render_registry(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
-    """(body, content type) of ``registry`` in the format ``accept`` picks (:func:`wants_openmetrics`)."""
-    if wants_openmetrics(accept):
-        return openmetrics.generate_latest(registry), OPENMETRICS
-    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -9,7 +9,7 @@ waits until one is. A model is no deployed function, so without this it answers 
   when every stage can), ``replicas`` the fewest desired, ``invocationCount`` the first stage's (every
   request passes it once), labels ``com.quart.model`` / ``com.quart.stages``, the stage functions in the
   annotation ``com.quart.stage-functions``, and ``status`` / ``reason`` naming the stages that hold it
-  back (:mod:`.capacity`).
+  back (:mod:`quart_kernel.capacity`).
 - ``POST /system/scale-function/<model>`` (:func:`scale_model`): ``replicas: 0`` scales every stage to
   zero (the idler); ``n > 0`` raises every stage below ``n`` to ``n`` and leaves larger ones alone (the
   QUART policy's choice stands).
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart_provider.capacity import NOT_READY_ANNOTATION, not_ready_reason
+from quart_kernel.capacity import NOT_READY_ANNOTATION, not_ready_reason
 from quart_provider.gateway import EmbeddedGateway
 from quart_stage import labels as vocab
 
@@ -33,7 +33,7 @@ STAGE_FUNCTIONS_ANNOTATION = "com.quart.stage-functions"
 
 def model_status(gateway: EmbeddedGateway, model: str) -> dict[str, Any] | None:
     """The model's ``FunctionStatus`` (with ``status`` / ``reason``), or None when ``model`` is not one."""
-    names = gateway.pipelines().get(model)
+    names = gateway.registry.pipelines().get(model)
     if not names:
         return None
     stages = [gateway.functions[n] for n in names]
@@ -61,10 +61,10 @@ def model_status(gateway: EmbeddedGateway, model: str) -> dict[str, Any] | None:
 
 async def scale_model(gateway: EmbeddedGateway, model: str, replicas: int) -> int | None:
     """Scale a model's stages (see the module); the replicas asked, or None when ``model`` is not one."""
-    names = gateway.pipelines().get(model)
+    names = gateway.registry.pipelines().get(model)
     if not names:
         return None
     for name in names:
         fn = gateway.functions[name]
-        await gateway.scale(name, 0 if replicas == 0 else max(fn.desired, replicas))
+        await gateway.registry.scale(name, 0 if replicas == 0 else max(fn.desired, replicas))
     return replicas

@@ -3,7 +3,7 @@ and which replicas the surplus rule must leave alone until their group has conso
 
 With ``GatewayConfig.paraserve`` on, a stage that no host holds and that has no replica is *cold*: its P
 (``paraserve_parts``, or the smallest P whose predicted first response meets ``paraserve_slo_ms``,
-`quart_provider.scheduling.paraserve.plan_parallelism`, from the stage's bytes, each host's NIC
+`quart_kernel.scheduling.paraserve.plan_parallelism`, from the stage's bytes, each host's NIC
 ``nic_gbps`` and the registry's ``registry_gbps``) goes to `plan_starts`, which groups the placements into
 sub-pipelines (borrowing helpers on spare hosts). The stage's layers are split into P contiguous parts
 balanced by bytes (`split_parts`); part i starts on the group's i-th host as a KeysManager part start
@@ -23,15 +23,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from quart_provider.config import GatewayConfig
-from quart_provider.scheduling.paraserve import (
+from quart_kernel.scheduling.paraserve import (
     ParaServeCosts,
     hosts_from_rates,
     plan_parallelism,
     split_parts,
 )
-from quart_provider.scheduling.starts import StartPlan
-from quart_provider.scheduling.types import HostView
+from quart_kernel.scheduling.starts import StartPlan
+from quart_kernel.scheduling.types import HostView
+from quart_provider.config import GatewayConfig
 from quart_provider.types import Endpoint, FunctionState
 
 log = logging.getLogger("quart.gateway")
@@ -130,7 +130,7 @@ class ParaServeStarts:
 
     def parts_for(self, views: Sequence[HostView], cold: Mapping[str, StageLayout]) -> dict[str, int]:
         """P per cold function (``cold``: function → layout of stages nobody holds): the gateway's cost model,
-        what `quart_provider.convergence.converge` splits a registry load by."""
+        what `quart_kernel.convergence.converge` splits a registry load by."""
         nic = (self.config.paraserve_fetch_gbps or self.config.nic_gbps) * 1e9 / 8
         costs = ParaServeCosts(registry_bytes_s=self.config.registry_gbps * 1e9 / 8 or math.inf,
                                fixed_s=self.config.paraserve_fixed_s, overlap=True,

@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from quart_provider.async_queue import STREAM, SUBJECT, AsyncQueue, QueuedCall
 from quart_provider.callbacks import CallbackSender
-from quart_provider.headers import forwardable
+from quart_transport.headers import forwardable
 
 log = logging.getLogger("quart.gateway.queue")
 

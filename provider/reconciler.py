@@ -4,9 +4,9 @@ A loop (every ``reconcile_interval_s``, or at once on :meth:`Reconciler.kick`) p
 poll bounded by ``host_timeout_s``; a host silent for ``host_down_after_s`` is down: its replicas are
 dropped as dead and replaced elsewhere, and whatever still runs there is stopped when it answers again),
 drops dead replicas, replaces ones that never became ready, and converges: it builds the platform's view
-(:class:`quart_provider.convergence.PlatformView`: functions, replicas, pending starts, back-off, ParaServe
+(:class:`quart_kernel.convergence.PlatformView`: functions, replicas, pending starts, back-off, ParaServe
 groups, and the hosts' reports when something is missing), asks the one pure convergence
-(:func:`quart_provider.convergence.converge`, the simulator's too) for the actions, and carries them out:
+(:func:`quart_kernel.convergence.converge`, the simulator's too) for the actions, and carries them out:
 replicas that leave are drained and stopped here, starts go to the :class:`quart_provider.starting.Starter`
 (pins, chain multicasts, host starts, readiness probes, ready-time metrics).
 """
@@ -21,9 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from quart_provider.adopt import adopt_replicas
-from quart_provider.config import GatewayConfig
-from quart_provider.convergence import (
+from quart_kernel.convergence import (
     Action,
     Convergence,
     FunctionView,
@@ -33,11 +31,13 @@ from quart_provider.convergence import (
     leaving,
     requests,
 )
+from quart_kernel.scheduling.types import HostView, Placer
+from quart_provider.adopt import adopt_replicas
+from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
-from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus
+from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus, poll_replicas
 from quart_provider.paraserve_start import ParaServeStarts
-from quart_provider.scheduling.metrics import SchedulerMetrics
-from quart_provider.scheduling.types import HostView, Placer
+from quart_provider.scheduler_metrics import SchedulerMetrics
 from quart_provider.starting import Starter
 from quart_provider.types import Endpoint, FunctionState
 
@@ -123,14 +123,12 @@ class Reconciler:
 
     async def reconcile(self) -> None:
         """One pass: poll hosts, drop dead replicas, start missing ones, stop surplus, roll updates."""
-        names = list(self.hosts)
         polled_at = time.monotonic()
-        results = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].replicas()) for n in names),
-                                       return_exceptions=True)
+        results = await poll_replicas(self.hosts, self.config.host_timeout_s)
         seen: dict[str, ReplicaStatus] = {}
         polled_hosts: set[str] = set()
         now = time.monotonic()
-        for name, result in zip(names, results, strict=True):
+        for name, result in results.items():
             if isinstance(result, BaseException):
                 if self.health.failed(name, now):
                     self._host_down(name, result)
@@ -176,7 +174,7 @@ class Reconciler:
 
     def _host_down(self, name: str, why: BaseException) -> None:
         """``name`` stopped answering: its replicas are dead to routing (requests in flight on them fail over
-        by the dead-peer sockets, see ``quart_provider.dead_peer``), starts and stops on it are abandoned,
+        by the dead-peer sockets, see ``quart_transport.dead_peer``), starts and stops on it are abandoned,
         and the next pass places the missing replicas on the hosts that answer."""
         lost: set[str] = set()
         for fn in self.functions.values():
@@ -232,7 +230,7 @@ class Reconciler:
         return PlatformView(now, functions, hosts, dict(self.key_history), frozenset(mechanisms))
 
     async def _converge(self, now: float) -> None:
-        """One convergence of the view (:func:`quart_provider.convergence.converge`): what leaves is let go at
+        """One convergence of the view (:func:`quart_kernel.convergence.converge`): what leaves is let go at
         once (a slow host report must not hold up a drain); the hosts are asked only when something is
         missing, and the starts go to the starter."""
         view = self.view(now)

@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from quart_provider.capacity import deploy_refusal
+from quart_kernel.capacity import deploy_refusal
+from quart_kernel.replicaset import note_key_scale, within_bounds
 from quart_provider.deploy_limits import DeployCaps, check_count, check_labels, check_model, check_name
 from quart_provider.deployment import FunctionDeployment, Resources
 from quart_provider.hosts import Host
 from quart_provider.images import ImageIndex, resolve
-from quart_provider.replicaset import note_key_scale, within_bounds
 from quart_provider.secrets import SecretStore
 from quart_provider.store import DeploymentStore
 from quart_provider.types import Endpoint, FunctionState
@@ -191,7 +191,7 @@ class Registry:
         return self._pipelines
 
     def _check_capacity(self, deployment: FunctionDeployment, kind: str) -> None:
-        """A function that can never run here is refused (:func:`.capacity.deploy_refusal`)."""
+        """A function that can never run here is refused (:func:`quart_kernel.capacity.deploy_refusal`)."""
         refusal = deploy_refusal(kind, deployment.min_replicas, self.hosts)
         if refusal is not None:
             raise invalid(*refusal)

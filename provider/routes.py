@@ -3,7 +3,7 @@
 The OpenFaaS gateway REST API (``api-docs/spec.openapi.yml``) over an :class:`.gateway.EmbeddedGateway`:
 ``/system/*`` (:mod:`.handlers_system`, :mod:`.handlers_secrets`, :mod:`.handlers_logs`, :mod:`.handlers_alert`,
 basic auth) and ``/function``, ``/async-function``
-(:mod:`.handlers_invoke`, their answers stamped with :mod:`.tracing` headers). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
+(:mod:`.handlers_invoke`, their answers stamped with :mod:`quart_transport.tracing` headers). A handler's :class:`~quart_stage.errors.QuartError` becomes JSON
 ``{"error": ..., "field": ...}`` with its status here.
 """
 
@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
-from quart_provider.auth import Credentials
 from quart_provider.front import FrontSite
 from quart_provider.gateway import EmbeddedGateway
 from quart_provider.handlers_alert import AlertHandler
@@ -22,9 +21,10 @@ from quart_provider.handlers_invoke import InvokeHandlers
 from quart_provider.handlers_logs import LogHandlers
 from quart_provider.handlers_secrets import SecretHandlers
 from quart_provider.handlers_system import SystemHandlers
-from quart_provider.responses import error_of, error_response
-from quart_provider.tracing import traced
 from quart_stage.errors import QuartError
+from quart_transport.auth import Credentials
+from quart_transport.responses import error_of, error_response
+from quart_transport.tracing import traced
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INVOKE = web.AppKey("quart.invoke", InvokeHandlers)  # the app's invoke handlers, which the fast front calls too

@@ -1,4 +1,4 @@
-"""Carrying out start actions (:mod:`.convergence`): pin what the placer keeps, order chain multicasts, ask each
+"""Carrying out start actions (:mod:`quart_kernel.convergence`): pin what the placer keeps, order chain multicasts, ask each
 host for its replica as the start plan says (peers, live, a ParaServe part), probe it until it answers, and
 count its ready time in the scheduler metrics once it serves its whole stage. The reconciler decides; the
 :class:`Starter` acts and reports back through the function state (replicas, pending starts, back-off)."""
@@ -12,13 +12,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from quart_provider.convergence import Action as StartAction
-from quart_provider.convergence import Convergence
+from quart_kernel.convergence import Action as StartAction
+from quart_kernel.convergence import Convergence
+from quart_kernel.scheduling.starts import chains_of, peers_of
+from quart_kernel.scheduling.types import HostView, ScheduleResult
 from quart_provider.hosts import ReplicaSpec
 from quart_provider.keysmanager_host import multicast
 from quart_provider.paraserve_start import Group, ParaServeStarts, StageLayout
-from quart_provider.scheduling.starts import chains_of, peers_of
-from quart_provider.scheduling.types import HostView, ScheduleResult
 from quart_provider.types import Endpoint, FunctionState
 from quart_stage.spans import H_LAYERS_HELD, parse_span
 
@@ -28,7 +28,7 @@ from keysmanager.registry import MODEL_URL_ENV
 if TYPE_CHECKING:
     from quart_provider.config import GatewayConfig
     from quart_provider.hosts import Host
-    from quart_provider.scheduling.metrics import SchedulerMetrics
+    from quart_provider.scheduler_metrics import SchedulerMetrics
 
 log = logging.getLogger("quart.gateway")
 

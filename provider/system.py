@@ -23,7 +23,6 @@ from typing import Any
 
 from quart_provider.adopt import AdoptedProcess, live_keysmanager
 from quart_provider.async_service import DurableAsync
-from quart_provider.auth import Credentials, keysmanager_token_file, load_or_create
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
@@ -34,6 +33,7 @@ from quart_provider.routes import create_app, start_site
 from quart_provider.stack import Stack
 from quart_provider.store import write_private
 from quart_provider.supervisor import Backoff, supervise
+from quart_transport.auth import Credentials, keysmanager_token_file, load_or_create
 
 from keysmanager.client import AsyncKeysManagerClient
 from keysmanager.config import KeysManagerConfig
@@ -260,10 +260,10 @@ class EmbeddedSystem:
         for function in stack.functions:
             deployment = FunctionDeployment.from_json(function.request, self.config.namespace)
             if function.name in self.gateway.functions:
-                await self.gateway.update(deployment)
+                await self.gateway.registry.update(deployment)
                 lines.append(f"Updated {function.name}: {self.url}/function/{function.name}")
             else:
-                await self.gateway.deploy(deployment)
+                await self.gateway.registry.deploy(deployment)
                 lines.append(f"Deployed {function.name}: {self.url}/function/{function.name}")
         return lines
 

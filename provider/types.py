@@ -1,7 +1,7 @@
 """The provider's shared state types: a replica the gateway routes to, and one deployed function.
 
 Like faas-provider's ``types`` package: the registry, the balancer and the reconciler all read and
-write these; placement's own inputs (``ReplicaRequest``, ``HostView``) live in :mod:`.scheduling.types`.
+write these; placement's own inputs (``ReplicaRequest``, ``HostView``) live in :mod:`quart_kernel.scheduling.types`.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from quart_provider.admission import ServiceTimes
+from quart_kernel.admission import ServiceTimes
+from quart_kernel.replicaset import StartTimeEstimate
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import ReplicaSpec
 from quart_provider.images import Runnable
-from quart_provider.replicaset import StartTimeEstimate
 from quart_stage.privdrop import RUN_AS_ENV
 
 InvokeHook = Callable[[Any, str, str], Awaitable[Any]]  # (aiohttp request, name, sub-path) → response | None
 UiHook = Callable[[Any, str], Awaitable[Any]]  # (aiohttp request, path under /ui/) → response
-# (model, method, sub-path, headers with the trace's, whole body) → its Answer (quart_provider.responses)
+# (model, method, sub-path, headers with the trace's, whole body) → its Answer (quart_transport.responses)
 PipelineRoute = Callable[[str, str, str, Mapping[str, str], bytes], Awaitable[Any]]
 
 

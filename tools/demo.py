@@ -30,9 +30,9 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from quart_kernel.scheduling import PLACERS
 from quart_provider.config import GatewayConfig
 from quart_provider.routes import start_site
-from quart_provider.scheduling import PLACERS
 from quart_provider.stack import load_stack
 from quart_provider.system import EmbeddedSystem
 from quart_stage import cliargs

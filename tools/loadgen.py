@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -333,6 +334,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=int, default=None, help="connector size (default: the file-descriptor limit; open loop never waits for a socket)")
     p.add_argument("--header", action="append", default=[], help="extra header NAME:VALUE (repeatable)")
     p.add_argument("--out", default="records.jsonl", help="JSONL file of per-request records")
+    p.add_argument("--max-failed", type=float, default=0.0, metavar="FRACTION",
+                   help="exit 1 when more than this fraction of requests failed (default 0: any failure; 1: never)")
     g = p.add_argument_group("generation (streamed /v1/completions or /function/<model> bodies; docs/loadgen.md)")
     g.add_argument("--generate", action="store_true", help="send streamed generation requests, record TTFT/TPOT")
     g.add_argument("--model", default="", help="model name for /v1/completions (default for /function: from the URL)")
@@ -374,7 +377,8 @@ def main(argv: list[str]) -> int:
     err = result.send_error_ms()
     err = err[~np.isnan(err)]
     p99 = float(np.percentile(err, 99)) if len(err) else math.nan
-    summary = {"requests": len(result.records), "ok": ok, "rps": round(result.achieved_rps(), 1),
+    failed = Counter(str(r.status or r.error or "error") for r in result.records if not r.ok)
+    summary = {"requests": len(result.records), "ok": ok, "failed": dict(failed), "rps": round(result.achieved_rps(), 1),
                "send_error_p99_ms": round(p99, 3), "records": str(args.out)}
     if workload is not None:
         stats = generation_stats(*records_generation(result.records))
@@ -384,5 +388,10 @@ def main(argv: list[str]) -> int:
     unanswered = [r for r in result.records if r.status == 0]
     if result.records and len(unanswered) == len(result.records):  # nothing listens there: say so, fail
         print(f"quartctl load: no request got an answer from {args.url}: {unanswered[0].error}", file=sys.stderr)
+        return 1
+    if result.records and len(result.records) - ok > args.max_failed * len(result.records):
+        print(f"quartctl load: {len(result.records) - ok} of {len(result.records)} requests failed "
+              f"({', '.join(f'{n} × {k}' for k, n in failed.most_common())}); --max-failed {args.max_failed}",
+              file=sys.stderr)
         return 1
     return 0

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from quart_kernel.scheduling import PLACERS
 from quart_provider.config import NETWORKS, GatewayConfig
 from quart_provider.network import (
     DEFAULT_NIC_GBPS,
@@ -29,8 +30,6 @@ from quart_provider.network import (
     cleanup_by_prefix,
     unavailable_reason,
 )
-from quart_provider.quantities import parse_memory
-from quart_provider.scheduling import PLACERS
 from quart_provider.stack import StackError, load_stack
 from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
 from quart_stage import cliargs
@@ -38,6 +37,7 @@ from quart_stage.errors import QuartError
 from quart_stage.logs import configure as configure_logs
 from quart_stage.settings import ConfigError
 from quart_tools.readiness import READY_PREFIX, keep_only, readiness_lines, wait_settled
+from quart_transport.quantities import parse_memory
 
 from keysmanager.config import KeysManagerConfig
 from keysmanager.recovery import clean_leftovers
@@ -355,7 +355,7 @@ def _password(args: argparse.Namespace, state_dir: Path) -> tuple[str, str]:
         return args.username, sys.stdin.read().strip()
     if os.environ.get("OPENFAAS_PASSWORD"):
         return args.username, os.environ["OPENFAAS_PASSWORD"]
-    from quart_provider.auth import PASSWORD_FILE, USER_FILE
+    from quart_transport.auth import PASSWORD_FILE, USER_FILE
 
     secrets = state_dir / "secrets"
     try:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from quart_provider.capacity import not_ready_reason
+from quart_kernel.capacity import not_ready_reason
 
 READY_PREFIX = "Function:"  # `up --detach` echoes these lines from the gateway's log
 
@@ -24,7 +24,7 @@ async def keep_only(gateway: Any, wanted: Iterable[str]) -> list[str]:
     keep = set(wanted)
     extra = sorted(name for name in gateway.functions if name not in keep)
     for name in extra:
-        await gateway.remove(name)
+        await gateway.registry.remove(name)
     return extra
 
 

@@ -26,15 +26,16 @@ COPY requirements.txt ./
 RUN sed '/^# tests and lint/,$d' requirements.txt | grep -vE '^(deepspeed|matplotlib|simpy|tqdm)==' > runtime.txt \
     && pip install --no-cache-dir --extra-index-url ${TORCH_INDEX_URL} -r runtime.txt
 
-# The packages, installed as pyproject.toml maps their folders (quart_stage, keysmanager, quart_provider,
-# gateway_plugin, quart_tools).
-COPY pyproject.toml README.md ./
-COPY template/pipeline-stage/quart_stage ./template/pipeline-stage/quart_stage
-COPY keysmanager ./keysmanager
-COPY provider ./provider
-COPY gateway-plugin ./gateway-plugin
-COPY tools ./tools
-RUN pip install --no-cache-dir --no-deps . && rm -rf /opt/quart/build
+# The packages the plugin and the KeysManager run, under their import names (pyproject.toml's package-dir): the
+# stage library, the KeysManager, the shared HTTP transport, the decision kernel and the plugin. Not the
+# embedded gateway (quart_provider) nor the offline tools (quart_tools): tests/test_structure.py keeps the plugin
+# from importing either.
+COPY template/pipeline-stage/quart_stage ./lib/quart_stage
+COPY keysmanager ./lib/keysmanager
+COPY transport ./lib/quart_transport
+COPY kernel ./lib/quart_kernel
+COPY gateway-plugin ./lib/gateway_plugin
+ENV PYTHONPATH=/opt/quart/lib
 
 USER app
 WORKDIR /home/app

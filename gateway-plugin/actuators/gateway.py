@@ -8,10 +8,10 @@ from typing import Any
 
 @dataclass(slots=True)
 class GatewayActuator:
-    gateway: Any  # quart_provider.gateway.EmbeddedGateway
+    gateway: Any  # the embedded gateway (quart_provider.gateway.EmbeddedGateway), duck-typed: no import of it
 
     async def scale(self, function: str, replicas: int, key: bool = False) -> None:
-        await self.gateway.scale(function, replicas, key=key)
+        await self.gateway.registry.scale(function, replicas, key=key)
 
     async def set_cpus(self, function: str, cpus: float) -> None:
-        await self.gateway.update_limits(function, cpus=cpus)
+        await self.gateway.registry.update_limits(function, cpus=cpus)

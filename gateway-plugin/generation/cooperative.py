@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway_plugin import layers
-from quart_provider.balancer import pick
+from quart_kernel.picking import pick
 from quart_stage.spans import kv_charge
 
 log = logging.getLogger("quart.generation")

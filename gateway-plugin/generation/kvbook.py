@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from quart_provider.balancer import pick
+from quart_kernel.picking import pick
 
 KV_HEADER = "X-Quart-KV-Tokens"
 

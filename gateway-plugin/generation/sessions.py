@@ -45,9 +45,9 @@ from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.cooperative import CooperativeSessions, Split
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
 from gateway_plugin.generation.slots import StepSlots
-from quart_provider.dead_peer import dead_peer_connector
-from quart_provider.retry import replica_gone
 from quart_stage.errors import QuartError, unavailable
+from quart_transport.dead_peer import dead_peer_connector
+from quart_transport.retry import replica_gone
 
 log = logging.getLogger("quart.generation")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from gateway_plugin.config import CorrectConfig
 from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
-from quart_provider.replicaset import StartTimeEstimate
+from quart_kernel.replicaset import StartTimeEstimate
 
 
 def stage_target_s(snapshot: PipelineSnapshot, stage: StageSnapshot, default_factor: float) -> float:

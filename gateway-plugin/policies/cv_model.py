@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from gateway_plugin.controller import snapshot_from_json
+    from gateway_plugin.snapshot import snapshot_from_json
 
     p = argparse.ArgumentParser(prog="python -m gateway_plugin.policies.cv_model", description=main.__doc__)
     p.add_argument("--log", required=True, help="controller JSONL log (QUART_CONTROL_LOG)")

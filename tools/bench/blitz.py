@@ -8,14 +8,14 @@ from the registry first; then, timed from the first order to the last receiver h
 - ``one_transfer_s``: one receiver fetches from the source (``peers=[source]``);
 - ``star_last_ready_s``: ``--receivers`` k hosts each fetch from the source at once (the source sends k
   times: bound by its NIC, ≈ k × one transfer);
-- ``chain_last_ready_s``: the planner's chain (``quart_provider.scheduling.multicast.plan_chain``): each
+- ``chain_last_ready_s``: the planner's chain (``quart_kernel.scheduling.multicast.plan_chain``): each
   receiver is told, in chain order, to fetch from its predecessor, which forwards every chunk while it writes
   it (≈ one transfer + (k − 1) chunk times).
 
 Each figure is the median of ``--reps`` rounds (every sample is in ``samples_s``). Every run uses fresh receivers (restarted, state dirs emptied, the registry client warmed: one manifest
 read) and removes its namespaces at the end. Ready times are the KeysManagers' own timestamps
 (``finished_at``: the verified file renamed into place), read every 50 ms.
-:class:`PeerCluster` is also the harness of ``tests/test_peer_fetch.py``.
+:class:`PeerCluster` is also the harness of ``tests/e2e/test_peer_fetch.py``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quart_kernel.scheduling.multicast import plan_chain
 from quart_provider.network import HostNetwork, cleanup_by_prefix, cluster_id
-from quart_provider.scheduling.multicast import plan_chain
 from quart_stage import cliargs
 from quart_tools.bench import free_port, machine_info, wait_tcp, write_random_file, write_report
 

@@ -96,7 +96,7 @@ class Scaled:
         """Ask for the new replicas now; the scale-up's t0."""
         self.taken.clear()
         self.phases.start()
-        await self.gw.scale(FUNCTION, 1 + self.new)
+        await self.gw.registry.scale(FUNCTION, 1 + self.new)
         return self.phases.t0
 
     async def whole(self) -> float:
@@ -123,7 +123,7 @@ async def scaled_gateway(cluster: PeerCluster, hosts: list[str], mode: str, dep)
     from quart_provider.config import GatewayConfig
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_provider.scheduling import make_placer
+    from quart_kernel.scheduling import make_placer
 
     from keysmanager.client import AsyncKeysManagerClient
     from keysmanager.types import StageSpec
@@ -139,7 +139,7 @@ async def scaled_gateway(cluster: PeerCluster, hosts: list[str], mode: str, dep)
         view = GatewayView(gw)
         phases = StartPhases()
         phases.wrap(gw.reconciler, km_hosts)
-        await gw.deploy(dep)
+        await gw.registry.deploy(dep)
         fn = gw.functions[FUNCTION]
         await wait_until(lambda: len(fn.ready) == 1, 300, "the first replica")
         [first] = [e.id for e in fn.ready]  # on h0, which now holds the stage: the peers' source
@@ -165,7 +165,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
     from gateway_plugin.router import Router
 
     async with scaled_gateway(cluster, hosts, mode, deployment(DEFAULT_NAMESPACE, args.service_ms, 1)) as g:
-        router = Router(g.view, g.gw.pipelines, PluginConfig(request_timeout_s=120.0, attempt_timeout_s=60.0,
+        router = Router(g.view, g.gw.registry.pipelines, PluginConfig(request_timeout_s=120.0, attempt_timeout_s=60.0,
                                                              queue_cap=100_000))
         try:
             for _ in range(3):  # warm the path

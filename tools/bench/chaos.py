@@ -38,7 +38,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 import yaml
-from quart_provider.shedding import SHED_HEADER
+from quart_kernel.shedding import SHED_HEADER
 from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.chaos_fuzz import fuzz

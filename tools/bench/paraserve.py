@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from quart_provider.scheduling.paraserve import ParaServeCosts, largest_part, predict
+from quart_kernel.scheduling.paraserve import ParaServeCosts, largest_part, predict
 from quart_stage import cliargs
 from quart_tools.bench import machine_info, wait_until, write_report
 from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
@@ -76,10 +76,10 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.plugin import GatewayView
     from gateway_plugin.router import Router
+    from quart_kernel.scheduling import make_placer
     from quart_provider.config import GatewayConfig
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_provider.scheduling import make_placer
 
     from keysmanager.client import AsyncKeysManagerClient
 
@@ -94,12 +94,12 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
                 for h in hosts]
     gw = EmbeddedGateway(config, km_hosts, make_placer("first-fit"))
     await gw.start()
-    router = Router(GatewayView(gw), gw.pipelines, PluginConfig(request_timeout_s=300.0, attempt_timeout_s=120.0,
+    router = Router(GatewayView(gw), gw.registry.pipelines, PluginConfig(request_timeout_s=300.0, attempt_timeout_s=120.0,
                                                                 queue_cap=100_000))
     try:
         n = max(1, round(args.rate * args.burst_s))
         t0, t0_wall = time.monotonic(), time.time()
-        await gw.deploy(_deployment(config.namespace, args.service_ms))
+        await gw.registry.deploy(_deployment(config.namespace, args.service_ms))
 
         async def one(i: int) -> tuple[int, float, bytes]:
             await asyncio.sleep(max(0.0, t0 + i / args.rate - time.monotonic()))

@@ -111,7 +111,7 @@ class Gateway:
         if not self.url or self.proc.poll() is not None:
             self.close()
             raise RuntimeError(f"quartctl up did not start; see {self.log_path}")
-        from quart_provider.auth import load_or_create
+        from quart_transport.auth import load_or_create
 
         creds = load_or_create(state_dir / "secrets")
         self.auth = (creds.user, creds.password)

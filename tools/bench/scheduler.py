@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from quart_provider.scheduling import make_placer
-from quart_provider.scheduling.hosts import host_view_from_report
-from quart_provider.scheduling.metrics import SchedulerMetrics
-from quart_provider.scheduling.types import HostView, Placer, ReplicaRequest
+from quart_kernel.scheduling import make_placer
+from quart_kernel.scheduling.hosts import host_view_from_report
+from quart_kernel.scheduling.types import HostView, Placer, ReplicaRequest
+from quart_provider.scheduler_metrics import SchedulerMetrics
 from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.scheduler_scenario import Step, scripted_sequence

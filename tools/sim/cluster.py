@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quart_provider.scheduling import HostView
+from quart_kernel.scheduling import HostView
 
 from keysmanager.eviction import CacheEntry, plan_eviction
 

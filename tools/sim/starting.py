@@ -1,17 +1,17 @@
-"""Scale-up sources of the simulator (issues 16, 17): peer fetch, chain multicast, live (BlitzScale) and
-ParaServe starts, beside the KeysManager fork and the cold start. A mixin of `quart_tools.sim.engine.Simulation`.
+"""Replica starts of the simulator (issues 16, 17): placing, starting, readying, stopping and releasing replicas
+by their mechanism — the KeysManager fork, the cold start, peer fetch, chain multicast, live (BlitzScale) and
+ParaServe starts.
 
-Which mechanism a new replica uses is decided by the one convergence (`quart_provider.convergence`, the live
+Which mechanism a new replica uses is decided by the one convergence (`quart_kernel.convergence`, the live
 rule `plan_starts` over the placer's placements); P of a ParaServe start is the live planner's
-(`quart_provider.scheduling.paraserve.plan_parallelism`) over this cluster's costs. This module is the data
-plane of a start: its timing comes from `Calibration`:
+(`quart_kernel.scheduling.paraserve.plan_parallelism`) over this cluster's costs. This module is the timing
+of a start, from `Calibration`:
 
+- gpu / fork / cold: ready after the mechanism's delay (`Calibration.ready_s`);
 - peer / multicast: ready after the transfer (the source's NIC shared by the receivers of a star; one chain
   hop per place in a chain), then a fork and the host → GPU copy (`Calibration.peer_s`);
-- live: layers stream on to the GPU (`Calibration.live_schedule`); from the first layer on, the new replica
-  takes requests from the stage's queue, runs the prefix of layers it holds (the fraction of layers arrived
-  when it starts the request) and hands the rest of the request's compute (plus one hop) to a full replica of
-  the stage, which takes these remainders before new requests; when the last layer is in it is a full replica;
+- live: layers stream on to the GPU (`Calibration.live_schedule`); from the first layer on the data plane
+  (`quart_tools.sim.dataplane`) routes requests to it; when the last layer is in it is a full replica;
 - paraserve: P replicas on P hosts serve as one sub-pipeline once every part is in (each with the service
   time plus (P − 1) hops, so P of them give the sub-pipeline's throughput), and serve alone at the stage's
   service time once each has fetched the rest in the background (`Calibration.paraserve_s`).
@@ -19,22 +19,72 @@ plane of a start: its timing comes from `Calibration`:
 
 from __future__ import annotations
 
-import heapq
-import math
+from collections.abc import Callable
 
-from quart_provider.scheduling import ParaServeCosts, plan_parallelism
-from quart_provider.scheduling.paraserve import FetchHost
+from quart_kernel.scheduling import FetchHost, ParaServeCosts, ReplicaRequest, StartPlan, plan_parallelism
 from quart_tools.sim.calibration import GB
+from quart_tools.sim.cluster import Host
+from quart_tools.sim.dataplane import leave_live_pool
+from quart_tools.sim.events import CONSOLIDATED, LIVE_FIRST, READY, EventLoop
+from quart_tools.sim.state import Replica, SimConfig, Tally, _Stage
 
-_COMPLETE, _READY = 0, 1  # the engine's events
-LIVE_FIRST, PARTIAL_DONE, CONSOLIDATED = 4, 5, 6  # this module's
 
+class ReplicaStarts:
+    """The replicas' lifecycle on the simulated hosts: a start by its mechanism, ready, stop, release.
 
-class StartsMixin:
-    """Start a placed replica by its mechanism; run live replicas' partial requests and their remainders."""
+    ``flow`` (the data plane, whose ``on_ready`` takes a loaded replica) and ``converge`` (the control loop's
+    convergence, run when a rolling update may retire the previous generation) are wired by the engine."""
+
+    def __init__(self, cfg: SimConfig, stages: list[_Stage], hosts: list[Host], loop: EventLoop,
+                 tally: Tally) -> None:
+        self.cfg, self.cal, self.stages, self.hosts, self.loop, self.tally = \
+            cfg, cfg.calibration, stages, hosts, loop, tally
+        self.host_by_name = {h.name: h for h in hosts}
+        self.stage_by_fn = {st.function: st for st in stages}
+        self.next_replica = 0
+        self.groups: dict = {}  # ParaServe groups of this run: (stage, hosts, start time) → members
+        self.flow = None
+        self.converge: Callable[[float], object] = lambda now: None
+
+    # ------------------------------------------------------------------------------ slots
+    def _new_replica(self, stage: _Stage, host: Host, source: str, now: float) -> Replica:
+        slot, resident = host.take_slot(stage.function, now)
+        if resident:
+            source = "gpu"
+        rep = Replica(self.next_replica, stage.index, host, slot, source, now, stage.cpus, stage.generation)
+        rep.factor = self.cal.cpu_factor(stage.cpus)
+        self.next_replica += 1
+        host.occupy(slot, rep, stage.function)
+        return rep
+
+    def place_initial(self, placer) -> None:
+        """``initial_replicas`` per stage, placed by the placer, ready at t = 0 (as after a deploy)."""
+        cfg = self.cfg
+        reqs = [ReplicaRequest(s.function, cfg.initial_replicas, s.spec.param_bytes) for s in self.stages]
+        result = placer.place([h.view() for h in self.hosts], reqs, {})
+        for p in result.placements:
+            stage, host = self.stage_by_fn[p.function], self.host_by_name[p.host]
+            host.cache_stage(stage.function, stage.spec.param_bytes, 0.0)
+            rep = self._new_replica(stage, host, "gpu", 0.0)
+            rep.state = "ready"
+            stage.ready[rep] = None
+            stage.free.append(rep)
+        if result.unplaced:
+            raise ValueError(f"the cluster cannot hold the initial replicas: {result.unplaced}")
+        if cfg.keysmanager:  # deploy-time prefetch: caches as on a cluster that has served the model
+            count = len(self.hosts) if cfg.prewarm_hosts < 0 else cfg.prewarm_hosts
+            for host in self.hosts[:count]:
+                for st in self.stages:
+                    host.cache_stage(st.function, st.spec.param_bytes, 0.0)
+
+    def release(self, rep: Replica, now: float) -> None:
+        """A replica is gone: its slot's time is counted and the slot freed."""
+        rep.state = "gone"
+        self.tally.gpu_seconds += now - rep.requested_at
+        rep.host.release_slot(rep.slot, self.stages[rep.stage].function, now, self.cfg.gpu_keep_s)
 
     # ---------------------------------------------------------------------------- scale-up
-    def _paraserve_parts(self, function: str, hosts) -> int:
+    def paraserve_parts(self, function: str, hosts) -> int:
         """P of a ParaServe start of ``function`` over ``hosts`` (those with a free slot fetch a part each): the
         convergence's ``parallelism``, from this cluster's calibrated costs."""
         stage = self.stage_by_fn[function]
@@ -45,14 +95,14 @@ class StartsMixin:
         slo = cfg.paraserve_slo_s or cfg.slo_s or cfg.slo_factor * sum(s.spec.service_s for s in self.stages)
         fetch = [FetchHost(h.name, cal.disk_gbps * GB) for h in hosts if h.gpu_free > 0]
         plan = plan_parallelism(stage.spec.param_bytes, slo, fetch, costs, max_parts=cfg.paraserve_max_parts)
-        self.paraserve_plans.append((plan.parts, plan.first_response_s, plan.meets_slo))
+        self.tally.paraserve_plans.append((plan.parts, plan.first_response_s, plan.meets_slo))
         return plan.parts
 
-    def _part_hop_s(self, stage) -> float:
+    def _part_hop_s(self, stage: _Stage) -> float:
         """One hop between two parts of a sub-pipeline: the router hop plus the activations over the NIC."""
         return self.cfg.hop_s + stage.spec.activation_bytes / (self.cal.nic_gbytes_s * GB)
 
-    def _launch(self, stage, host, mode: str, now: float, plan=None) -> None:
+    def launch(self, stage: _Stage, host: Host, mode: str, now: float, plan: StartPlan | None = None) -> None:
         """Start one replica of ``stage`` on ``host`` by ``mode`` (its `StartPlan`'s); ready after its delay.
         The host decides what it can do, as a live host reports its start's source: without a KeysManager there
         is no zygote to fork (the placer counts on one for a second replica in a batch), so that start is cold."""
@@ -74,41 +124,81 @@ class StartsMixin:
             first, step, layers = cal.live_schedule(size, plan.sharers, plan.position)
             rep.layer0, rep.layer_dt, rep.layers = now + first, step, layers
             delay = first + (layers - 1) * step
-            self._push(now + first, LIVE_FIRST, rep)
+            self.loop.push(now + first, LIVE_FIRST, rep)
         elif mode == "paraserve":
-            parts = len(plan.group)
-            delay, consolidated = cal.paraserve_s(size, parts)
-            slower = 1.0 + (parts - 1) * self._part_hop_s(stage) / max(stage.spec.service_s, 1e-9)
-            rep.factor *= slower
-            rep.group = self._groups.setdefault((stage.index, plan.group, now), [])
-            rep.group.append(rep)
-            self._push(now + consolidated, CONSOLIDATED, rep)
-            for name in plan.helpers:  # borrowed workers: serve their part until the group has consolidated
-                helper = self._new_replica(stage, self.host_by_name[name], "paraserve", now)
-                helper.helper = True
-                helper.factor *= slower
-                helper.group = rep.group
-                rep.group.append(helper)
-                self.launched.append(helper)
-                self._push(now + delay, _READY, helper)
-                self._push(now + consolidated, CONSOLIDATED, helper)
+            delay = self._launch_group(stage, rep, plan, now)
         else:
             raise ValueError(f"unknown start mode {mode!r}")
-        self.starts_by_source[mode] = self.starts_by_source.get(mode, 0) + 1
-        self.launched.append(rep)
+        tally = self.tally
+        tally.starts_by_source[mode] = tally.starts_by_source.get(mode, 0) + 1
+        tally.launched.append(rep)
         stage.starting.append(rep)
-        self._push(now + delay, _READY, rep)
+        self.loop.push(now + delay, READY, rep)
 
-    def _start_event(self, kind: int, payload, now: float) -> None:
-        if kind == LIVE_FIRST:
-            self._live_first(payload, now)
-        elif kind == PARTIAL_DONE:
-            self._partial_done(*payload, now)
-        elif kind == CONSOLIDATED:
-            self._consolidated(payload, now)
+    def _launch_group(self, stage: _Stage, rep: Replica, plan: StartPlan, now: float) -> float:
+        """A ParaServe part and the group's borrowed helpers; returns the delay until the sub-pipeline serves."""
+        parts = len(plan.group)
+        delay, consolidated = self.cal.paraserve_s(stage.spec.param_bytes, parts)
+        slower = 1.0 + (parts - 1) * self._part_hop_s(stage) / max(stage.spec.service_s, 1e-9)
+        rep.factor *= slower
+        rep.group = self.groups.setdefault((stage.index, plan.group, now), [])
+        rep.group.append(rep)
+        self.loop.push(now + consolidated, CONSOLIDATED, rep)
+        for name in plan.helpers:  # borrowed workers: serve their part until the group has consolidated
+            helper = self._new_replica(stage, self.host_by_name[name], "paraserve", now)
+            helper.helper = True
+            helper.factor *= slower
+            helper.group = rep.group
+            rep.group.append(helper)
+            self.tally.launched.append(helper)
+            self.loop.push(now + delay, READY, helper)
+            self.loop.push(now + consolidated, CONSOLIDATED, helper)
+        return delay
 
-    def _consolidated(self, rep, now: float) -> None:
-        """A ParaServe group holds the whole stage on each kept worker: they serve alone, helpers leave."""
+    def ready(self, rep: Replica, now: float) -> None:
+        """A replica (or a ParaServe helper) is loaded (a `READY` event): it serves from now on."""
+        if rep.state != "starting":
+            return  # cancelled while starting
+        st = self.stages[rep.stage]
+        if rep.helper:
+            rep.state = "ready"
+            rep.ready_at = now
+            self.flow.on_ready(st, rep, now)
+            return
+        st.starting.remove(rep)
+        leave_live_pool(st, rep)
+        rep.state = "ready"
+        rep.ready_at = now
+        if self.cfg.cache_on_ready and rep.source in ("cold", "peer", "multicast", "live"):
+            rep.host.cache_stage(st.function, st.spec.param_bytes, now)
+        took = now - rep.requested_at
+        self.tally.ready_s_by_source.setdefault(rep.source, []).append(took)
+        st.start_time.note(took)
+        st.ready[rep] = None
+        self.flow.on_ready(st, rep, now)
+        if any(r.generation != st.generation for r in st.ready):
+            self.converge(now)  # a rolling update may retire the previous generation now
+
+    # ---------------------------------------------------------------------------- scale-down
+    def stop(self, st: _Stage, rep: Replica, now: float) -> None:
+        """Drain and stop one replica: at once if it serves nothing, after its request otherwise."""
+        if rep.state == "starting":
+            st.starting.remove(rep)
+            leave_live_pool(st, rep)  # a live replica may be running its part of a request
+        else:
+            st.ready.pop(rep, None)
+            if not rep.in_flight:
+                st.free.remove(rep)
+        if rep.in_flight:
+            rep.state = "draining"
+        else:
+            self.release(rep, now)
+        if rep.group is not None:
+            self._group_stopped(st, rep, now)
+
+    def consolidated(self, rep: Replica, now: float) -> None:
+        """A ParaServe group holds the whole stage on each kept worker (a `CONSOLIDATED` event): they serve alone,
+        helpers leave."""
         rep.consolidated_at = now
         rep.factor = self.cal.cpu_factor(rep.cpus)
         stage = self.stages[rep.stage]
@@ -117,11 +207,11 @@ class StartsMixin:
                 rep.state = "draining"
             elif rep.state == "ready":
                 stage.free.remove(rep)
-                self._release(rep, now)
+                self.release(rep, now)
         elif self.cfg.cache_on_ready and rep.state in ("ready", "starting"):
             rep.host.cache_stage(stage.function, stage.spec.param_bytes, now)
 
-    def _group_stopped(self, stage, rep, now: float) -> None:
+    def _group_stopped(self, stage: _Stage, rep: Replica, now: float) -> None:
         """A ParaServe replica was stopped: once no replica of its group is left, its helpers leave too (the
         sub-pipeline's other parts; the simulator lets the remaining replicas cover a stopped one's part)."""
         if any(r.state in ("starting", "ready") for r in rep.group if not r.helper):
@@ -134,69 +224,4 @@ class StartsMixin:
                 continue
             if helper in stage.free:
                 stage.free.remove(helper)
-            self._release(helper, now)
-
-    def _helper_ready(self, stage, rep, now: float) -> None:
-        rep.state = "ready"
-        rep.ready_at = now
-        self._serve_next(stage, rep, now)
-
-    # --------------------------------------------------------------------------------- live
-    def _live_first(self, rep, now: float) -> None:
-        if rep.state != "starting":
-            return
-        rep.live = True
-        self._live_next(self.stages[rep.stage], rep, now)
-
-    def _live_next(self, stage, rep, now: float) -> None:
-        """A live (partly loaded) replica is free: it takes the oldest waiting request, or waits."""
-        if stage.queue:
-            req, enq = stage.queue.popleft()
-            self._partial(req, stage, rep, now, enq)
-        else:
-            stage.live_free.append(rep)
-
-    def _partial(self, req: int, stage, rep, now: float, enqueued: float) -> None:
-        stage.metrics.on_dispatch(now, now - enqueued)
-        stage.busy += 1
-        rep.in_flight += 1
-        held = min(rep.layers, max(1, math.floor((now - rep.layer0) / rep.layer_dt) + 1))
-        fraction = held / rep.layers
-        full = stage.spec.service_s * rep.factor * stage.draws[req]
-        part = fraction * full + self.hop_in_service
-        self.seq += 1
-        heapq.heappush(self.heap, (now + part, self.seq, PARTIAL_DONE, (req, rep, full - fraction * full, part)))
-
-    def _partial_done(self, req: int, rep, remainder: float, part: float, now: float) -> None:
-        stage = self.stages[rep.stage]
-        stage.busy -= 1
-        rep.in_flight -= 1
-        if rep.first_done < 0:
-            rep.first_done = now
-        if remainder <= 0:
-            stage.metrics.on_complete(now, part)
-            self._advance(req, rep.stage, now)
-        else:
-            stage.remainders.append((req, remainder + self.hop_in_service, part))
-            if stage.free:
-                self._serve_next(stage, stage.free.pop(), now)
-        if rep.state == "draining":
-            self._release(rep, now)
-        elif rep.state == "ready":
-            self._serve_next(stage, rep, now)
-        elif rep.live:
-            self._live_next(stage, rep, now)
-
-    def _start_remainder(self, stage, rep, now: float) -> None:
-        """A full replica runs the layers a live replica did not hold, for the oldest such request."""
-        req, remainder, part = stage.remainders.popleft()
-        stage.busy += 1
-        rep.in_flight += 1
-        self.seq += 1
-        heapq.heappush(self.heap, (now + remainder, self.seq, _COMPLETE, (req, rep, remainder + part)))
-
-    def _live_ready(self, stage, rep) -> None:
-        """A live replica holds every layer now: it leaves the live pool (the engine makes it a full one)."""
-        rep.live = False
-        if rep in stage.live_free:
-            stage.live_free.remove(rep)
+            self.release(helper, now)

@@ -1,6 +1,7 @@
 """The simulator's records: a stage's spec, a run's config, replicas, a stage's router state, a run's result.
 
-Shared by `quart_tools.sim.engine` and its mixins (`starting`, `wholemodel`); re-exported by the engine.
+Shared by the engine and its collaborators (`events`, `dataplane`, `wholemodel`, `starting`, `control`);
+re-exported by the engine.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import StageMetrics
-from quart_provider.replicaset import StartTimeEstimate
+from quart_kernel.replicaset import StartTimeEstimate
 from quart_tools.report import StageSample
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.cluster import Host, Slot
@@ -58,7 +59,7 @@ class SimConfig:
     drain_s: float = 120.0  # after the last arrival, keep simulating this long for stragglers
     seed: int = 0
     record_series: bool = True
-    # Scale-up sources beyond fork / cold (quart_provider.scheduling.starts.MECHANISMS): "peer", "multicast",
+    # Scale-up sources beyond fork / cold (quart_kernel.scheduling.starts.MECHANISMS): "peer", "multicast",
     # "live", "paraserve". Empty: the fork-or-cold rule of the QUART paper's runs.
     start_mechanisms: frozenset[str] = frozenset()
     paraserve_slo_s: float = 0.0  # the first-response deadline ParaServe's P is chosen for; 0 = slo_s
@@ -79,14 +80,14 @@ class Replica:
         self.factor = 1.0  # service-time multiplier of its CPUs (Calibration.cpu_factor)
         self.in_flight = 0
         self.generation = generation  # the stage's spec generation it runs (a CPU change starts a new one)
-        self.live = False  # serves the layers it holds while loading (a live start, quart_tools.sim.starting)
+        self.live = False  # serves the layers it holds while loading (a live start, quart_tools.sim.dataplane)
         self.layer0, self.layer_dt, self.layers = 0.0, 1.0, 1  # live: first layer in, between layers, layers
         self.first_done = self.ready_at = self.consolidated_at = -1.0  # first work done, full load, consolidated
         self.helper = False  # a ParaServe helper: serves its part until its group consolidates, not a replica
         self.group: list | None = None  # ParaServe: every replica and helper of its sub-pipeline
 
     @property
-    def started_at(self) -> float:  # quart_provider.replicaset.ReplicaLike
+    def started_at(self) -> float:  # quart_kernel.replicaset.ReplicaLike
         return self.requested_at
 
 
@@ -114,6 +115,24 @@ class _Stage:
     def current(self) -> list[Replica]:
         """Starting and ready replicas (not draining) of every generation."""
         return [*self.ready, *self.starting]
+
+
+class Tally:
+    """What a run counts as it goes, written by the collaborators: each request's latency, refusals, slot time,
+    starts and their ready times, key stages, the replicas launched."""
+
+    def __init__(self, arrival_s: np.ndarray) -> None:
+        self.arrival = arrival_s
+        self.latency = np.full(len(arrival_s), np.nan)  # ms; NaN = refused or unfinished
+        self.rejected = 0
+        self.gpu_seconds = 0.0
+        self.samples: list[StageSample] = []
+        self.starts_by_source: dict[str, int] = {"gpu": 0, "fork": 0, "cold": 0}
+        self.ready_s_by_source: dict[str, list[float]] = {"gpu": [], "fork": [], "cold": []}
+        self.key_counts: dict[int, int] = {}
+        self.decisions: list[tuple[float, tuple[int, ...]]] = []
+        self.launched: list[Replica] = []  # replicas started after t = 0
+        self.paraserve_plans: list[tuple[int, float, bool]] = []  # (P, predicted s, meets SLO)
 
 
 @dataclass

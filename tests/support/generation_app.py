@@ -1,0 +1,96 @@
+"""Test helper: the generation API (``gateway_plugin.generation``) served on its own event-loop thread over
+stage replicas that speak the session protocol (tests/support/fake_session_stage.py), for HTTP clients (the
+``openai`` package, requests) - no stage compute, so hundreds of requests take seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+from pathlib import Path
+
+from aiohttp import web
+from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.openai_api import GenerationAPI
+from gateway_plugin.generation.sessions import SessionEngine
+from gateway_plugin.metrics import MetricsCollector
+from gateway_plugin.router import StaticReplica, StaticReplicas
+from quart_tools.partition import partition
+
+from support.fake_session_stage import FakeStage
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_models(root: Path) -> dict[str, str]:
+    """The ``tiny`` decoder preset (byte-level tokenizer, given a ChatML template) and ``tiny-encoder``,
+    partitioned into ``root``; model name -> folder."""
+    dirs = {"tiny": str(root / "tiny"), "enc": str(root / "enc")}
+    partition("tiny", 2, dirs["tiny"], progress=False)
+    partition("tiny-encoder", 2, dirs["enc"], progress=False)
+    (root / "tiny" / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": None}))
+    return dirs
+
+
+class GenerationServer:
+    """GenerationAPI + fake stages (two stages of ``tiny``) on a background loop; ``url`` serves ``/v1`` and
+    ``/function/<model>``."""
+
+    def __init__(self, dirs: dict[str, str], **config) -> None:
+        self.dirs = dirs
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.fakes: list[FakeStage] = []
+        self.records = io.StringIO()  # the request records (QUART_RECORDS), one JSON line each
+        self.collector = MetricsCollector(10.0, self.records)
+        self.url = self.call(self._start(GenerationConfig(replica_wait_s=0.5, **config)))
+
+    def call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self, config: GenerationConfig) -> str:
+        self.source = StaticReplicas(slots=1)
+        self.runners = []
+        for i in range(2):
+            fake = FakeStage(i, i == 1)
+            self.fakes.append(fake)
+            runner = web.AppRunner(fake.app(), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            self.runners.append(runner)
+            self.source.replicas[f"tiny-stage-{i}"] = [StaticReplica(f"tiny#{i}", f"http://127.0.0.1:{runner.addresses[0][1]}/")]
+        pipelines = {"tiny": ["tiny-stage-0", "tiny-stage-1"], "enc": ["enc-stage-0", "enc-stage-1"]}
+        self.engine = SessionEngine(self.source, config)
+        self.api = GenerationAPI(self.engine, lambda: pipelines, self.dirs.get, config, self.collector)
+
+        async def function(request: web.Request) -> web.StreamResponse:
+            model = request.match_info["model"]
+            answer = await self.api.function(request, model)
+            return answer or web.json_response({"error": "a one-shot body (not served here)"}, status=418)
+
+        app = web.Application()
+        app.router.add_route("*", "/v1/{tail:.*}", self.api.v1)
+        app.router.add_route("*", "/function/{model}", function)
+        app.router.add_get("/metrics", lambda r: web.Response(body=self.collector.prometheus_text()))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        self.runners.append(runner)
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    async def _stop(self) -> None:
+        for runner in reversed(self.runners):
+            await runner.cleanup()
+        await self.engine.close()
+
+    def close(self) -> None:
+        try:
+            self.call(self._stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
