@@ -120,10 +120,10 @@ async def scaled_gateway(cluster: PeerCluster, hosts: list[str], mode: str, dep)
     """The embedded gateway (reconciler, placer) over the hosts, configured for ``mode``, serving ``dep`` from one
     replica on ``h0`` (for ``allcache`` the first receiver holds the stage too); closed at the end."""
     from gateway_plugin.plugin import GatewayView
+    from quart_kernel.scheduling import make_placer
     from quart_provider.config import GatewayConfig
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_kernel.scheduling import make_placer
 
     from keysmanager.client import AsyncKeysManagerClient
     from keysmanager.types import StageSpec
