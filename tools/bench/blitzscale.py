@@ -271,8 +271,9 @@ def main(argv: list[str]) -> int:
     if args.hosts < 5 and "multicast-4" in args.modes:
         p.error("multicast-4 needs --hosts 5 (a holder and four receivers)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, kill: still remove the namespaces
+    load_at_start = round(os.getloadavg()[0], 2)
     doc = measure(args)
-    doc["machine"] = machine_info(load_avg_1m_at_start=round(os.getloadavg()[0], 2), compute="emulated")
+    doc["machine"] = machine_info(load_avg_1m_at_start=load_at_start, compute="emulated")
     doc["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     doc["command"] = "quartctl bench blitzscale " + " ".join(argv)
     print("ratios:", json.dumps(doc["ratios"]), f"(load {doc['machine']['load_avg_1m_at_start']} -> "

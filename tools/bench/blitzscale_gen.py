@@ -95,7 +95,7 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
         try:
             async def one(at: float, burst: bool) -> Stream:
                 await asyncio.sleep(max(0.0, at - time.monotonic()))
-                prompt = [rng.randrange(1, 1000) for _ in range(args.prompt_tokens)]
+                prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)]
                 seed = rng.getrandbits(32)
                 stream = Stream(time.monotonic(), burst, expected_tokens(prompt, args.max_tokens, seed, vocab))
                 deadline = stream.arrived + 120
