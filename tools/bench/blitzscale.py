@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -37,21 +36,17 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from quart_provider.config import DEFAULT_NAMESPACE
 from quart_stage import cliargs
-from quart_tools.bench import machine_info, wait_until, write_report
-from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
-from quart_tools.bench.start_phases import StartPhases
+from quart_tools.bench import blitzscale_gen, machine_info, write_report
+from quart_tools.bench.blitz import MODEL_URL, PeerCluster, fresh_keysmanagers, peer_cluster
+from quart_tools.bench.blitzscale_gateway import deployment, percentile, scaled_gateway
 
 from keysmanager.registry import ModelRegistry
 
 MODES = ("registry-cold", "peer-fetch", "multicast-4", "live", "allcache")
-FUNCTION = "blitzscale-stage-0"
 
 
 def build_stage(work: Path, stage_mb: int, blocks: int, service_ms: float) -> Path:
@@ -63,100 +58,6 @@ def build_stage(work: Path, stage_mb: int, blocks: int, service_ms: float) -> Pa
     partition(config, 1, str(out), weights="random", name="blitzscale", progress=False,
               stack={"compute": "emulated", "emulated_mean_ms": service_ms})
     return out
-
-
-def deployment(namespace: str, service_ms: float, replicas: int, env: dict[str, str] | None = None,
-               concurrency: int = 1):
-    """The bench's one stage function (emulated compute; ``env``: more of the stage's settings)."""
-    from quart_provider.deployment import FunctionDeployment
-
-    return FunctionDeployment.from_json({
-        "service": FUNCTION, "image": "quart/pipeline-stage",
-        "envVars": {"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "emulated",
-                    "QUART_EMULATED_MEAN_MS": str(service_ms), "QUART_EMULATED_CV": "0", **(env or {})},
-        "labels": {"com.quart.model": "blitzscale", "com.quart.stage": "0", "com.quart.stages": "1",
-                   "com.quart.concurrency": str(concurrency), "com.openfaas.scale.min": str(replicas),
-                   "com.openfaas.scale.max": "8"}}, namespace)
-
-
-@dataclass
-class Scaled:
-    """A gateway serving the stage from one replica on ``h0`` (``first``), ready to be scaled up in ``mode``."""
-
-    gw: Any
-    view: Any
-    fn: Any
-    first: str
-    phases: StartPhases
-    km_hosts: list
-    new: int
-    taken: dict[str, float] = field(default_factory=dict)  # replica id -> when it was first given a call
-
-    async def scale_up(self) -> float:
-        """Ask for the new replicas now; the scale-up's t0."""
-        self.taken.clear()
-        self.phases.start()
-        await self.gw.registry.scale(FUNCTION, 1 + self.new)
-        return self.phases.t0
-
-    async def whole(self) -> float:
-        """When every new replica serves the whole stage."""
-        return await wait_until(lambda: sum(e.id != self.first for e in self.fn.ready) >= self.new, 600,
-                                "the new replicas")
-
-    def first_served_ms(self) -> float | None:
-        served = [at for rid, at in self.taken.items() if rid != self.first]
-        return round(1000 * (min(served) - self.phases.t0), 1) if served else None
-
-    async def row(self) -> dict[str, Any]:
-        """The new replicas' sources and each one's start phases."""
-        return {"sources": sorted({e.source for e in self.fn.replicas.values() if e.id != self.first}),
-                "phases": {**self.phases.summary(),
-                           "hosts": await self.phases.rows(self.km_hosts, FUNCTION, {self.first})}}
-
-
-@contextlib.asynccontextmanager
-async def scaled_gateway(cluster: PeerCluster, hosts: list[str], mode: str, dep) -> AsyncIterator[Scaled]:
-    """The embedded gateway (reconciler, placer) over the hosts, configured for ``mode``, serving ``dep`` from one
-    replica on ``h0`` (for ``allcache`` the first receiver holds the stage too); closed at the end."""
-    from gateway_plugin.plugin import GatewayView
-    from quart_kernel.scheduling import make_placer
-    from quart_provider.config import GatewayConfig
-    from quart_provider.gateway import EmbeddedGateway
-    from quart_provider.keysmanager_host import KeysManagerHost
-
-    from keysmanager.client import AsyncKeysManagerClient
-    from keysmanager.types import StageSpec
-
-    config = GatewayConfig(port=0, state_dir=cluster.work / f"gw-{mode}-{time.monotonic_ns()}",
-                           reconcile_interval_s=0.05, host_timeout_s=3.0, host_down_after_s=30.0,
-                           peer_fetch=mode != "registry-cold", live_scaling=mode == "live", ready_probe_s=0.002)
-    km_hosts = [KeysManagerHost(h, AsyncKeysManagerClient(cluster.url(h), token=TOKEN, timeout=120), 1, 64 << 30)
-                for h in hosts]
-    gw = EmbeddedGateway(config, km_hosts, make_placer("first-fit"))
-    await gw.start()
-    try:
-        view = GatewayView(gw)
-        phases = StartPhases()
-        phases.wrap(gw.reconciler, km_hosts)
-        await gw.registry.deploy(dep)
-        fn = gw.functions[FUNCTION]
-        await wait_until(lambda: len(fn.ready) == 1, 300, "the first replica")
-        [first] = [e.id for e in fn.ready]  # on h0, which now holds the stage: the peers' source
-        if mode == "allcache":  # the receiver holds it too: its start is a fork
-            stage = StageSpec(FUNCTION, env=dict(gw.reconciler._spec(fn).env))
-            await km_hosts[1].client.ensure_cached(stage, [cluster.url("h0")])
-        scaled = Scaled(gw, view, fn, first, phases, km_hosts, 4 if mode == "multicast-4" else 1)
-        inner_take = view.take
-
-        def take(function: str, replica) -> None:  # the first call each replica starts
-            scaled.taken.setdefault(replica.id, time.monotonic())
-            inner_take(function, replica)
-
-        view.take = take
-        yield scaled
-    finally:
-        await gw.close()
 
 
 async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argparse.Namespace) -> dict:
@@ -191,17 +92,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
             await router.close()
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile of ``values`` (nearest rank, as every row of this bench reports it), ms rounded."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
-
-
 def measure(args: argparse.Namespace) -> dict:
-    from quart_tools.bench import blitzscale_gen
-
     hosts = [f"h{i}" for i in range(args.hosts)]
     with peer_cluster(hosts, args.nic_gbps, f"bench-bscale-{os.getpid()}", args.registry_gbps) as cluster:
         cluster.preload, cluster.km_args = True, ("--gpus", "1")  # one replica slot a host
@@ -244,8 +135,6 @@ def oneshot_ratios(rows: list[dict]) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    from quart_tools.bench import blitzscale_gen
-
     p = cliargs.ArgumentParser(prog="quartctl bench blitzscale", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the JSON here (default stdout)")
     p.add_argument("--workload", default="oneshot", choices=("oneshot", "generation"),

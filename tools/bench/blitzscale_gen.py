@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from quart_provider.config import DEFAULT_NAMESPACE
 from quart_tools.bench.blitz import PeerCluster
-from quart_tools.bench.blitzscale import FUNCTION, deployment, percentile, scaled_gateway
+from quart_tools.bench.blitzscale_gateway import FUNCTION, deployment, percentile, scaled_gateway
 
 
 @dataclass
