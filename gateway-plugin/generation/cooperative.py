@@ -145,6 +145,7 @@ class CooperativeSessions:
                          generated=[], fed=0)
         self._reserve(shadow)
         split.shadow, split.base = shadow, session.id
+        self.shadows += 1
 
         async def run() -> bool:
             token = await self._step(shadow, sequence[:n], 0, False)

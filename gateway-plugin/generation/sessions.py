@@ -104,6 +104,7 @@ class SessionEngine(CooperativeSessions):
         self.active: dict[str, Session] = {}
         self.moves = 0  # sessions moved off draining replicas since the start
         self.rejoins = 0  # split sessions moved onto their live replica once it was whole
+        self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
 
     async def close(self) -> None:

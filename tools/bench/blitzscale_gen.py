@@ -132,29 +132,34 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
             streams = list(await asyncio.gather(*tasks))
         finally:
             await engine.close()
-        return summarize(mode, streams, start + 1.0, t0, whole_at) | await g.row() | {
+        return summarize(mode, streams, start + 1.0, t0, whole_at, engine.shadows) | await g.row() | {
             "first_served_ms": g.first_served_ms()}
 
 
-def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, whole_at: float) -> dict:
+def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, whole_at: float, shadows: int
+              ) -> dict:
     """The row: TTFT of the sessions that arrived from t0, TBT of every token from t0, steady TBT before t0."""
-    steady_tbt, tbt = [], []
+    steady_tbt, tbt, split_tbt = [], [], []
     for s in streams:
         for a, b in zip(s.times, s.times[1:], strict=False):
             if steady_from <= b < t0:
                 steady_tbt.append(1000 * (b - a))
             elif b >= t0:
                 tbt.append(1000 * (b - a))
+                if s.split:
+                    split_tbt.append(1000 * (b - a))
     ttft = [1000 * (s.times[0] - s.arrived) for s in streams if s.times and s.arrived >= t0]
     done = [s for s in streams if not s.error]
     return {"mode": mode, "ready_ms": round(1000 * (whole_at - t0), 1),
             "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
             "tbt_p50_ms": percentile(tbt, 0.5), "tbt_p99_ms": percentile(tbt, 0.99),
+            "split_tbt_p99_ms": percentile(split_tbt, 0.99),
             "steady_tbt_p50_ms": percentile(steady_tbt, 0.5), "steady_tbt_p99_ms": percentile(steady_tbt, 0.99),
             "sessions": len(streams), "burst_sessions": sum(s.burst for s in streams),
             "completed": len(done), "lost": len(streams) - len(done),
             "wrong": sum(s.tokens != s.expected for s in done),
             "split": sum(s.split for s in streams), "rejoins": sum(s.rejoins for s in streams),
+            "rejoin_replays_started": shadows,
             "retries_429": sum(s.retries for s in streams), "tbt_samples": len(tbt),
             "replays": sum(s.replays for s in streams),
             "errors": sorted({s.error[:200] for s in streams if s.error})[:3]}
