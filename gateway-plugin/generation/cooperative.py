@@ -24,7 +24,6 @@ replica it shared is relieved. How (``QUART_GEN_REJOIN``):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, replace
@@ -131,18 +130,28 @@ class CooperativeSessions:
             if getattr(split.partial, "state", "ready") != "ready" or self.config.rejoin == "keep":
                 continue
             if session.fed == 0 or self.config.rejoin == "replay":  # nothing held yet, or move by replay now
-                self._unsplit(session, k, onto_partial=True)
+                if self.book.room(split.partial.id) + split.part_tokens >= session.need:
+                    self._unsplit(session, k, onto_partial=True)
                 continue
-            self._start_shadow(session, k, split)
+            if all(self.book.room(r.id) >= n for r, n in self._shadow_bookings(session, k)):
+                self._start_shadow(session, k, split)  # else: no room for it yet, try at the next step
+
+    def _shadow_of(self, session: Any, k: int) -> Any:
+        """The session as it will be after the rejoin of stage ``k``: a new id, the now-whole replica there."""
+        replicas = list(session.replicas)
+        replicas[k] = session.splits[k].partial
+        return replace(session, id=uuid.uuid4().hex, replicas=replicas,
+                       splits={j: replace(s, shadow=None, task=None) for j, s in session.splits.items() if j != k},
+                       generated=[], fed=0)
+
+    def _shadow_bookings(self, session: Any, k: int) -> list[tuple[Any, int]]:
+        """What a background replay of the rejoin of stage ``k`` would book (the session's own stay booked)."""
+        return bookings(self._shadow_of(session, k))
 
     def _start_shadow(self, session: Any, k: int, split: Split) -> None:
         n = session.fed
         sequence = session.prompt + session.generated
-        replicas = list(session.replicas)
-        replicas[k] = split.partial
-        shadow = replace(session, id=uuid.uuid4().hex, replicas=replicas,
-                         splits={j: replace(s, shadow=None, task=None) for j, s in session.splits.items() if j != k},
-                         generated=[], fed=0)
+        shadow = self._shadow_of(session, k)
         self._reserve(shadow)
         split.shadow, split.base = shadow, session.id
         self.shadows += 1
@@ -161,8 +170,10 @@ class CooperativeSessions:
     async def _switch(self, session: Any, k: int, split: Split) -> None:
         """The background replay is done: take its id and replicas (the next step catches up), or stay split."""
         ok = False
-        with contextlib.suppress(Exception):
+        try:
             ok = split.task.result() and split.base == session.id
+        except Exception as exc:  # noqa: BLE001 - the replay failed: the session stays split, as it was
+            log.warning("session %s: the rejoin replay failed (%s); staying split", session.id, exc)
         if not ok:
             split.given_up = True
             self._discard_shadow(split)
