@@ -44,8 +44,8 @@ class Served:
     """A real StageRuntime on a loopback port (the session routes of a stage replica); ``held`` is the prefix of
     its stage it says it holds (a live replica still receiving its parameters), widened by :meth:`complete`."""
 
-    def __init__(self, model_dir: str, held: tuple[int, int] | None = None) -> None:
-        self.rt = StageRuntime.load(StageConfig(model_dir=model_dir))
+    def __init__(self, model_dir: str, held: tuple[int, int] | None = None, kv_max_tokens: int = 0) -> None:
+        self.rt = StageRuntime.load(StageConfig(model_dir=model_dir, kv_max_tokens=kv_max_tokens))
         self._held = held or STAGE
         self.rt.held = lambda: self._held
         self.runner: web.AppRunner | None = None
@@ -79,8 +79,8 @@ class Served:
             await self.runner.cleanup()
 
 
-async def _cluster(model_dir: str, cut: int):
-    whole, live = await Served(model_dir).start(), await Served(model_dir, (0, cut)).start()
+async def _cluster(model_dir: str, cut: int, live_kv: int = 0):
+    whole, live = await Served(model_dir).start(), await Served(model_dir, (0, cut), live_kv).start()
     source = StaticReplicas(slots=4)
     source.replicas[FN] = [StaticReplica("whole", whole.url, layers=STAGE, held=STAGE),
                            StaticReplica("live", live.url, layers=STAGE, held=(0, cut))]
@@ -141,6 +141,35 @@ def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(m
     assert all(s.replays == 0 for s in engine.active.values())
     assert engine.rejoins == (0 if rejoin == "keep" else len(PROMPTS))
     assert engine.book.reserved == {}
+
+
+def test_a_rejoin_waits_for_kv_room_on_the_new_replica_and_the_streams_stay_split_meanwhile(model):
+    model_dir, expected = model
+    need = len(PROMPTS[0]) + NEW
+
+    async def main():
+        # the live replica's cache holds the three sessions' parts (13 positions each) but no whole session more
+        whole, live, source = await _cluster(model_dir, cut=3, live_kv=40)
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0))
+
+        async def on_token(i: int, n: int, session) -> None:
+            if n == 2 and i == 0:
+                live.complete()
+            await asyncio.sleep(0.01)
+
+        try:
+            got = await _run(engine, PROMPTS[:1] * 3, on_token)
+            await engine.close()
+            await _drained(whole, live)
+        finally:
+            await whole.stop()
+            await live.stop()
+        return got, engine
+
+    got, engine = asyncio.run(main())
+    assert got == [expected[0]] * 3
+    assert -(-need * 3 // 8) * 3 <= 40 < -(-need * 3 // 8) + need  # the parts fit, a whole session more does not
+    assert engine.shadows == 0 and engine.rejoins == 0 and engine.book.reserved == {}
 
 
 def test_a_live_part_that_dies_is_given_up_and_the_stream_goes_on_on_the_whole_replica(model):
