@@ -89,15 +89,19 @@ class CooperativeSessions:
     """The split and rejoin half of :class:`gateway_plugin.generation.sessions.SessionEngine` (a mixin: it uses the
     engine's ``book``, ``config``, ``source``, ``active``, ``_step`` and ``_drop``)."""
 
-    def _place_split(self, session: Any, k: int) -> None:
-        """At the session's entry: split stage ``k`` with a live replica if one serves its first layers."""
-        fn = session.stages[k]
-        ready = [r for r in self.source.ready(fn) if r.id != session.replicas[k].id]
-        split = split_for(ready, self.book.room, session.need)
-        if split is not None:
-            self._release(session)
-            session.splits[k] = split
-            self._reserve(session)
+    def _split_for(self, fn: str, need: int) -> Split | None:
+        """At a session's entry: the split of stage ``fn`` with a live replica serving its first layers, if any."""
+        return split_for(self.source.ready(fn), self.book.room, need)
+
+    def _reserve_stage(self, replica: Any, need: int, split: Split | None, release: bool = False) -> None:
+        """Book (or release) one stage of a new session: the whole replica ``need`` positions, or its share of a
+        split and the live replica the rest."""
+        change = self.book.release if release else self.book.reserve
+        if split is None:
+            change(replica.id, need)
+        else:
+            change(replica.id, split.rest_tokens)
+            change(split.partial.id, split.part_tokens)
 
     def _reserve(self, session: Any) -> None:
         for replica, n in bookings(session):

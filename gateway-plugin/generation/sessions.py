@@ -147,23 +147,24 @@ class SessionEngine(CooperativeSessions):
         """Place a new session (one replica per stage, its positions booked on each) or raise 429 / 503."""
         need = len(prompt) + max_tokens
         chosen: list[Any] = []
+        splits: dict[int, Split] = {}
         try:
-            for fn in stages:
-                replica = await self._choose(fn, need, set(), wait=True)
-                self.book.reserve(replica.id, need)
+            for k, fn in enumerate(stages):
+                split = self._split_for(fn, need) if self.config.cooperative else None
+                replica = await self._choose(fn, split.rest_tokens if split else need, set(), wait=True)
                 chosen.append(replica)
+                if split is not None:
+                    splits[k] = split
+                self._reserve_stage(replica, need, split)
         except BaseException:
-            for replica in chosen:
-                self.book.release(replica.id, need)
+            for k, replica in enumerate(chosen):
+                self._reserve_stage(replica, need, splits.get(k), release=True)
             raise
         if sample.get("seed") is None:
             sample = {**sample, "seed": random.getrandbits(63)}  # fixed for the session: a replay samples the same
         else:
             sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
-        session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos)
-        if self.config.cooperative:
-            for k in range(len(stages)):
-                self._place_split(session, k)
+        session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos, splits=splits)
         self.active[session.id] = session
         self._generating.update(stages)
         return session
