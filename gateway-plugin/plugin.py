@@ -129,8 +129,8 @@ class GatewayView:
         woken = False
         for name in functions:
             fn = self.gateway.functions.get(name)
-            if fn is not None and fn.desired == 0:
-                fn.desired = max(1, fn.deployment.min_replicas)
+            if fn is not None and fn.desired == 0:  # through the registry: saved, counted, reconciled
+                self.gateway.registry.set_desired(name, max(1, fn.deployment.min_replicas))
                 woken = True
         if woken:
             log.info("scale from zero: %s", ", ".join(functions))

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 AUTO_REPLICA_UIDS = range(200_000, 265_536)  # one uid per function (gid = uid)
-PACKAGES = ("quart_stage", "quart_provider", "keysmanager")  # what a replica imports
+PACKAGES = ("quart_stage", "quart_provider", "quart_transport", "keysmanager")  # what a replica imports (quart/echo: http1)
 
 
 def blocked_path(path: str | os.PathLike) -> Path | None:

@@ -28,7 +28,7 @@ RUN sed '/^# tests and lint/,$d' requirements.txt | grep -vE '^(deepspeed|matplo
 
 # The packages the plugin and the KeysManager run, under their import names (pyproject.toml's package-dir): the
 # stage library, the KeysManager, the shared HTTP transport, the decision kernel and the plugin. Not the
-# embedded gateway (quart_provider) nor the offline tools (quart_tools): tests/test_structure.py keeps the plugin
+# embedded gateway (quart_provider) nor the offline tools (quart_tools): tests/unit/test_structure.py keeps the plugin
 # from importing either.
 COPY template/pipeline-stage/quart_stage ./lib/quart_stage
 COPY keysmanager ./lib/keysmanager

@@ -130,9 +130,8 @@ def test_process_replicas_serve_as_their_functions_user(tmp_path, monkeypatch, r
         packages = Path(tempfile.mkdtemp(prefix="quart-packages-", dir="/tmp"))  # pytest's tmp_path is 0700
         request.addfinalizer(lambda: shutil.rmtree(packages, ignore_errors=True))
         packages.chmod(0o755)
-        for name, module in (("quart_provider", "quart_provider"), ("quart_stage", "quart_stage"),
-                             ("keysmanager", "keysmanager")):
-            (packages / name).symlink_to(Path(importlib.import_module(module).__file__).parent)
+        for name in ("quart_provider", "quart_transport", "quart_stage", "keysmanager"):  # what quart/echo imports
+            (packages / name).symlink_to(Path(importlib.import_module(name).__file__).parent)
         monkeypatch.setenv("PYTHONPATH", str(packages))
         probe = subprocess.run([system_python, "-c", "import quart_provider.echo"], capture_output=True, timeout=60,
                                preexec_fn=lambda: drop_privileges(NOBODY, NOBODY), env={"PYTHONPATH": str(packages)})
