@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway_plugin import layers
@@ -45,12 +45,13 @@ class Split:
     partial: Any
     part: layers.Range
     rest: layers.Range
-    part_tokens: int = 0  # KV positions booked on the partial replica (its share of the layers: spans.kv_charge)
+    part_tokens: int = 0  # KV positions booked on the live replica: its part's share + the whole, for the rejoin
     rest_tokens: int = 0  # ... and on the whole replica
     shadow: Any = None  # the background replay's Session, while it runs or until the switch
     task: asyncio.Task | None = None
     base: str = ""  # the session id the replay was started from (a failover in between makes it stale)
     given_up: bool = False  # the replay failed: the session stays split
+    extra: list = field(default_factory=list)  # (replica, positions) the replay booked beyond the session's own
 
 
 def bookings(session: Any) -> list[tuple[Any, int]]:
@@ -74,7 +75,7 @@ def split_for(ready: list[Any], room: Any, need: int) -> Split | None:
         stage, held = layers.stage_range(r), getattr(r, "held", None)
         if stage is None or held is None or layers.is_whole(r):
             continue
-        if held[0] == stage[0] < held[1] < stage[1] and room(r.id) >= kv_charge(need, (stage[0], held[1]), stage):
+        if held[0] == stage[0] < held[1] < stage[1] and room(r.id) >= need + kv_charge(need, (stage[0], held[1]), stage):
             fits.append(r)
     if not fits:
         return None
@@ -82,7 +83,9 @@ def split_for(ready: list[Any], room: Any, need: int) -> Split | None:
     partial = pick([r for r in fits if layers.held_range(r)[1] == most], 0)
     stage, cut = layers.stage_range(partial), layers.held_range(partial)[1]
     part, rest = (stage[0], cut), (cut, stage[1])
-    return Split(partial, part, rest, kv_charge(need, part, stage), kv_charge(need, rest, stage))
+    # the live replica is booked its part's share (spans.kv_charge) and the whole session beside it: the room its
+    # rejoin's replay takes while the part is still held, which a burst of new sessions can never take
+    return Split(partial, part, rest, need + kv_charge(need, part, stage), kv_charge(need, rest, stage))
 
 
 class CooperativeSessions:
@@ -137,7 +140,7 @@ class CooperativeSessions:
                 if self.book.room(split.partial.id) + split.part_tokens >= session.need:
                     self._unsplit(session, k, onto_partial=True)
                 continue
-            if all(self.book.room(r.id) >= n for r, n in self._shadow_bookings(session, k)):
+            if all(self.book.room(r.id) >= n for r, n in self._extra(session, self._shadow_of(session, k))):
                 self._start_shadow(session, k, split)  # else: no room for it yet, try at the next step
 
     def _shadow_of(self, session: Any, k: int) -> Any:
@@ -148,15 +151,28 @@ class CooperativeSessions:
                        splits={j: replace(s, shadow=None, task=None) for j, s in session.splits.items() if j != k},
                        generated=[], fed=0)
 
-    def _shadow_bookings(self, session: Any, k: int) -> list[tuple[Any, int]]:
-        """What a background replay of the rejoin of stage ``k`` would book (the session's own stay booked)."""
-        return bookings(self._shadow_of(session, k))
+    @staticmethod
+    def _extra(session: Any, shadow: Any) -> list[tuple[Any, int]]:
+        """What the background replay books beyond the session's own bookings, replica by replica (the live
+        replica already holds the room: nothing there)."""
+        have: dict[str, int] = {}
+        for r, n in bookings(session):
+            have[r.id] = have.get(r.id, 0) + n
+        out = []
+        for r, n in bookings(shadow):
+            more = n - have.get(r.id, 0)
+            have[r.id] = max(0, have.get(r.id, 0) - n)
+            if more > 0:
+                out.append((r, more))
+        return out
 
     def _start_shadow(self, session: Any, k: int, split: Split) -> None:
         n = session.fed
         sequence = session.prompt + session.generated
         shadow = self._shadow_of(session, k)
-        self._reserve(shadow)
+        split.extra = self._extra(session, shadow)
+        for r, n in split.extra:
+            self.book.reserve(r.id, n)
         split.shadow, split.base = shadow, session.id
         self.shadows += 1
 
@@ -185,7 +201,10 @@ class CooperativeSessions:
         shadow = split.shadow
         split.task = split.shadow = None
         self._drop(session)  # the old id on every replica, the split's two parts included
+        for r, n in split.extra:  # the replay's extra bookings become the session's: book what it holds now
+            self.book.release(r.id, n)
         self._release(session)
+        self._reserve(shadow)
         self.active.pop(session.id, None)
         session.id, session.replicas, session.splits, session.fed = shadow.id, shadow.replicas, shadow.splits, shadow.fed
         self.active[session.id] = session
@@ -221,7 +240,9 @@ class CooperativeSessions:
             task.cancel()
         if shadow is not None:
             self._drop(shadow)
-            self._release(shadow)
+            for r, n in split.extra:
+                self.book.release(r.id, n)
+        split.extra = []
 
     def _end_splits(self, session: Any) -> None:
         """The session ended: stop its background replays (its own ids are freed by the engine)."""
