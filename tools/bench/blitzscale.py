@@ -160,7 +160,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--service-ms", type=float, default=100.0, help="emulated service time of the whole stage")
     p.add_argument("--rate", type=float, default=16.0, help="burst arrival rate, req/s (default 16)")
     p.add_argument("--burst-s", type=float, default=6.0, help="burst length, s (default 6)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), type=_modes,
+    p.add_argument("--modes", nargs="+", default=[list(MODES)], type=_modes,
                    help=f"modes, space- or comma-separated (default all: {','.join(MODES)})")
     p.add_argument("--runs", type=int, default=1,
                    help="consecutive rounds of the modes on one cluster (one-shot: each round's ratios and how many "
