@@ -38,3 +38,21 @@ def test_generation_rows_split_ttft_and_tbt_at_the_scale_up() -> None:
     peer = dict(row, mode="peer-fetch", ttft_p99_ms=4000.0)
     doc = report([peer, row], args)
     assert doc["ratios"] == {"live_ttft_p99_over_peer_fetch": 0.25, "live_tbt_p99_over_steady": 3.0}
+
+
+def test_modes_default_to_every_mode_and_take_commas(monkeypatch) -> None:
+    from quart_tools.bench import blitzscale
+
+    seen = []
+
+    def measure(args):
+        seen.append(args.modes)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(blitzscale, "measure", measure)
+    for argv in ([], ["--modes", "multicast-4,peer-fetch,live"], ["--modes", "live", "allcache"]):
+        try:
+            blitzscale.main(argv)
+        except SystemExit:
+            pass
+    assert seen == [list(blitzscale.MODES), ["multicast-4", "peer-fetch", "live"], ["live", "allcache"]]
