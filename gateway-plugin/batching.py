@@ -53,15 +53,38 @@ class BatchLimits:
 
     max: int = 1
     wait_s: float = 0.0
+    profile_s: tuple[tuple[int, float], ...] = ()  # profiled (size, service s) of one call (policies' prior)
 
 
 def limits_from_labels(labels: Mapping[str, str], default: BatchLimits) -> BatchLimits:
-    """``com.quart.batch.max`` / ``com.quart.batch.wait-ms`` of a function, ``default`` where absent or malformed."""
+    """``com.quart.batch.max`` / ``wait-ms`` / ``profile-ms`` of a function, ``default`` where absent or malformed."""
     try:
         return BatchLimits(vocab.label_int(labels, vocab.BATCH_MAX, default.max, minimum=1),
-                           vocab.label_float(labels, vocab.BATCH_WAIT_MS, 1000 * default.wait_s) / 1000)
+                           vocab.label_float(labels, vocab.BATCH_WAIT_MS, 1000 * default.wait_s) / 1000,
+                           parse_profile(labels.get(vocab.BATCH_PROFILE_MS, "")) or default.profile_s)
     except QuartError:
         return default
+
+
+def parse_profile(text: str) -> tuple[tuple[int, float], ...]:
+    """``"1:23,4:40,16:100"`` (batch size: ms of one call) as ((size, seconds), …); "" → (). Malformed → QuartError."""
+    out = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        size, _, ms = item.partition(":")
+        try:
+            row = (int(size), float(ms) / 1000)
+        except ValueError:
+            row = (0, 0.0)
+        if row[0] < 1 or not row[1] > 0 or row[1] == float("inf"):
+            raise QuartError(400, f"{vocab.BATCH_PROFILE_MS}: expected 'size:ms,…' with sizes ≥ 1 and ms > 0, "
+                                  f"got {text!r}")
+        out.append(row)
+    return tuple(sorted(out))
+
+
+def batch_state(limits: BatchLimits) -> dict[str, Any]:
+    """The ``StageState`` fields (gateway_plugin.snapshot_builder) a stage's batch limits give the policies."""
+    return {"batch_max": limits.max, "batch_profile_s": limits.profile_s}
 
 
 @dataclass(slots=True)

@@ -77,6 +77,9 @@ class ProvisionConfig:
     # While a stage waits for replicas the cluster cannot place, no stage asks for more than its share of the
     # replicas held (Σ ready, split by service time): the pipeline runs at its slowest stage's capacity.
     fair_share: bool = True
+    # Before a stage has seen peak_window_s of traffic, it is sized for at least the peak the full window is expected
+    # to show (provision.expected_peak_rate: mean rate + z·σ of a window's mean from the observed CV).
+    startup_estimate: bool = True
 
 
 @dataclass(frozen=True, slots=True)

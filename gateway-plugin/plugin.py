@@ -25,7 +25,7 @@ from dataclasses import asdict, replace
 from typing import IO, Any
 
 from aiohttp import web
-from gateway_plugin.batching import BatchLimits, limits_from_labels
+from gateway_plugin.batching import BatchLimits, batch_state, limits_from_labels
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
@@ -57,6 +57,7 @@ class GatewayView:
         self._unplaced: dict[str, int] = {}  # replicas that could not be placed, as last logged
         self._meta: dict[str, tuple[Any, tuple[float, int]]] = {}  # function -> (its deployment, stage_meta)
         self._batch: dict[str, tuple[Any, BatchLimits]] = {}  # function -> (its deployment, its batch labels)
+        self.batch_default = BatchLimits()  # the plugin's QUART_BATCH_MAX / QUART_BATCH_WAIT_MS (Plugin sets it)
 
     def pipelines(self) -> dict[str, list[str]]:
         return self.gateway.registry.pipelines()
@@ -146,6 +147,7 @@ class GatewayView:
             concurrency=dep.concurrency or self.default_concurrency,
             param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
             start_s=fn.start_time.seconds,
+            **batch_state(self.batch_limits(function, self.batch_default)),
         )
 
     def stage_meta(self, function: str) -> tuple[float, int]:
@@ -262,7 +264,7 @@ class Plugin:
         self._files: list[IO[str]] = []
         records = self._open(self.config.records_path)
         self.collector = MetricsCollector(self.config.window_s, records)
-        batching = BatchLimits(self.config.batch_max, self.config.batch_wait_ms / 1000)
+        batching = self.view.batch_default = BatchLimits(self.config.batch_max, self.config.batch_wait_ms / 1000)
         self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta,
                              on_call=getattr(gateway, "record_invocation", None),
                              batch_limits=lambda fn: self.view.batch_limits(fn, batching))

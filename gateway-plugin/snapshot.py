@@ -42,8 +42,10 @@ class StageSnapshot:
     sessions: int = 0  # generation sessions placed on this stage now (each holds a KV cache on one replica)
     kv_tokens: int = 0  # KV-cache positions those sessions booked (prompt + max_tokens each)
     kv_capacity: int = 0  # positions its ready replicas hold at most (0: not a generating stage)
-    # (requests per call, calls, mean service s) by batch size, measured by the router (gateway_plugin.batching)
+    # (requests per call, calls, mean service s) by batch size, measured by the router (gateway_plugin.batching);
+    # a profiled size not measured yet has calls 0. The capacity model: gateway_plugin.policies.batch_capacity
     batch_service_s: tuple[tuple[int, int, float], ...] = ()
+    batch_max: int = 1  # requests the router sends one replica in one call (com.quart.batch.max; 1 = no batching)
 
     @property
     def mean_service_s(self) -> float:

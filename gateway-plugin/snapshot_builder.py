@@ -24,6 +24,15 @@ class StageState:
     param_bytes: int = 0
     profiled_service_s: float = 0.0  # from a profile label; 0 = use the measured service time
     start_s: float = -1.0  # measured ask → ready time of the function's recent replicas; −1 = unknown
+    batch_max: int = 1  # com.quart.batch.max (1: the router does not batch this stage)
+    batch_profile_s: tuple[tuple[int, float], ...] = ()  # profiled (size, service s) (com.quart.batch.profile-ms)
+
+
+def with_profile(measured: tuple[tuple[int, int, float], ...],
+                 profile: tuple[tuple[int, float], ...]) -> tuple[tuple[int, int, float], ...]:
+    """The measured service time by batch size, plus the profiled sizes not measured yet (as 0 calls)."""
+    seen = {size for size, _, _ in measured}
+    return tuple(sorted(measured + tuple((size, 0, s) for size, s in profile if size not in seen)))
 
 
 class Inventory(Protocol):
@@ -90,7 +99,7 @@ def build_snapshot(
             arrival_rate_recent=m.arrival_rate(now, 1.0),
             replica_start_s=state.start_s,
             sessions=sessions, kv_tokens=kv_tokens, kv_capacity=kv_capacity,
-            batch_service_s=m.batch_service_s(),
+            batch_service_s=with_profile(m.batch_service_s(), state.batch_profile_s), batch_max=state.batch_max,
         ))
     slo = (slo_s or {}).get(model, 0.0) or slo_factor * total_service
     return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window)

@@ -132,6 +132,14 @@ def _open(stage: StageFile):
     return open(stage.path, "rb")  # noqa: SIM115
 
 
+def _peer_connection(peer: str, connect_timeout_s: float) -> http.client.HTTPConnection:
+    """An unconnected connection to the KeysManager at ``peer``; TransferError unless it is ``http://HOST:PORT``."""
+    parts = urlsplit(peer)
+    if parts.scheme != "http" or not parts.hostname or not parts.port:
+        raise TransferError(f"peer {peer!r} is not http://HOST:PORT")
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=connect_timeout_s)
+
+
 def stream_from_peer(peer: str, function: str, token: str | None, writer: VerifiedWriter,
                      connect_timeout_s: float = 3.0, read_timeout_s: float = 10.0, receive: str = "copy") -> FetchResult:
     """Stream ``function``'s stage file from the KeysManager at ``peer`` (``http://HOST:PORT``) into ``writer``
@@ -139,10 +147,7 @@ def stream_from_peer(peer: str, function: str, token: str | None, writer: Verifi
 
     Plain ``http.client`` reading into one reused buffer (no per-chunk allocation): at a NIC's rate the
     receiving side's CPU is what a chain of forwarders on a small machine runs out of."""
-    parts = urlsplit(peer)
-    if parts.scheme != "http" or not parts.hostname or not parts.port:
-        raise TransferError(f"peer {peer!r} is not http://HOST:PORT")
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=connect_timeout_s)
+    conn = _peer_connection(peer, connect_timeout_s)
     try:
         conn.connect()
         conn.sock.settimeout(read_timeout_s)
@@ -213,10 +218,7 @@ def read_peer_range(peer: str, function: str, token: str | None, sha256: str | N
     """Bytes ``[start, end)`` of ``function``'s stage file at the KeysManager ``peer`` (``Range``), in chunks;
     TransferError when it answers anything but 206 for that file (``sha256``, when given, must be the one it
     offers). Unverified: the caller checks each layer (a part start, ``keysmanager.parts``)."""
-    parts = urlsplit(peer)
-    if parts.scheme != "http" or not parts.hostname or not parts.port:
-        raise TransferError(f"peer {peer!r} is not http://HOST:PORT")
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=connect_timeout_s)
+    conn = _peer_connection(peer, connect_timeout_s)
     try:
         conn.connect()
         conn.sock.settimeout(read_timeout_s)

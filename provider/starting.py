@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from quart_kernel.convergence import Action as StartAction
 from quart_kernel.convergence import Convergence
+from quart_kernel.scheduling.paraserve_groups import Group, StageLayout
 from quart_kernel.scheduling.starts import chains_of, peers_of
 from quart_kernel.scheduling.types import HostView, ScheduleResult
 from quart_provider.hosts import ReplicaSpec
 from quart_provider.keysmanager_host import multicast
-from quart_provider.paraserve_start import Group, ParaServeStarts, StageLayout
+from quart_provider.paraserve_start import ParaServeStarts
 from quart_provider.types import Endpoint, FunctionState
 from quart_stage.spans import H_LAYERS_HELD, parse_span
 

@@ -244,7 +244,7 @@ def trace_window(trace: Trace, start_s: float, duration_s: float, target_rate: f
         raise ValueError(f"target_rate must be positive, got {target_rate}")
     o = trace.offsets_s
     keep = (o >= start_s) & (o < start_s + duration_s)
-    t, ctx = o[keep] - start_s, trace.context_tokens[keep]
+    t, ctx, gen = o[keep] - start_s, trace.context_tokens[keep], trace.generated_tokens[keep]
     if len(t) < 2:
         raise ValueError(f"the trace holds {len(t)} request(s) in [{start_s}, {start_s + duration_s}) s")
     scale = target_rate * duration_s / len(t)
@@ -259,9 +259,9 @@ def trace_window(trace: Trace, start_s: float, duration_s: float, target_rate: f
     is_copy = np.arange(len(idx)) != np.repeat(first, copies)  # the first copy keeps the trace's time
     times = t[idx] + np.where(is_copy, rng.random(len(idx)) * gaps[idx], 0.0)
     order = np.argsort(times, kind="stable")
-    times, tokens = times[order], ctx[idx][order]
+    times, tokens, generated = times[order], ctx[idx][order], gen[idx][order]
     return Arrivals(times=times.astype(np.float64), sizes=(tokens * int(bytes_per_token)).astype(np.int64),
-                    tokens=tokens.astype(np.int64), kind="trace")
+                    tokens=tokens.astype(np.int64), generated=generated.astype(np.int64), kind="trace")
 
 
 def make_arrivals(

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 
 from gateway_plugin.config import CorrectConfig
-from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
+from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, service_rate_at, work_s
+from gateway_plugin.policies.queueing import servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
 from quart_kernel.replicaset import StartTimeEstimate
 
@@ -24,9 +25,9 @@ def stage_target_s(snapshot: PipelineSnapshot, stage: StageSnapshot, default_fac
     """The stage's delay target: its own if set, else the SLO split by service time, else factor × service."""
     if stage.target_s > 0:
         return stage.target_s
-    service = stage.mean_service_s
+    service = work_s(stage)  # a batching stage: S(1), not the mean call its requests report
     if snapshot.slo_s > 0:
-        total = sum(s.mean_service_s for s in snapshot.stages)
+        total = sum(work_s(s) for s in snapshot.stages)
         if total > 0 and service > 0:
             return snapshot.slo_s * service / total
         return snapshot.slo_s / max(1, len(snapshot.stages))
@@ -38,12 +39,13 @@ def servers_of(stage: StageSnapshot, replicas: int) -> int:
     return replicas * max(1, stage.concurrency)
 
 
-def stability_floor(stage: StageSnapshot, rho_max: float) -> int:
-    """Fewest replicas that keep ρ ≤ rho_max at the larger of the window's and the last second's λ."""
+def stability_floor(stage: StageSnapshot, rho_max: float, target_s: float = math.inf) -> int:
+    """Fewest replicas that keep ρ ≤ rho_max at the larger of the window's and the last second's λ (a batching
+    stage: at the batches that fit ``target_s``, batch_capacity.capacity_rate)."""
     if stage.service_rate <= 0:
         return 0
     rate = max(stage.arrival_rate, stage.recent_rate)
-    return math.ceil(servers_for_utilisation(rate, stage.service_rate, rho_max) / max(1, stage.concurrency))
+    return math.ceil(servers_for_utilisation(rate, capacity_rate(stage, target_s), rho_max) / max(1, stage.concurrency))
 
 
 def estimated_delay_s(
@@ -59,9 +61,9 @@ def estimated_delay_s(
         return 0.0  # nothing measured yet: no evidence of delay
     servers = servers_of(stage, replicas)
     rate = max(stage.arrival_rate, stage.recent_rate) if peak_rate else stage.arrival_rate
-    t = mmc_delay(rate, stage.service_rate, servers)
+    t = delay_s(stage, rate, servers)  # M/M/c, or its batched form (batch_capacity)
     if use_queue_feedback and servers > 0:
-        drain_s = stage.queue_len / (servers * stage.service_rate)
+        drain_s = stage.queue_len / (servers * service_rate_at(stage, rate, servers))
         if drain_s >= min_backlog_s:
             observed = stage.mean_wait_s + stage.mean_service_s if stage.queue_len > 0 else 0.0
             t = max(t, drain_s + stage.mean_service_s, observed)
@@ -132,8 +134,8 @@ class Corrector:
         desired = current + step
         reason = f"T={_fmt(delay)}s target={_fmt(target)}s e={error:+.2f}"
 
-        floor = max(stage.min_replicas, stability_floor(stage, cfg.rho_max))
-        if stage.service_rate > 0 and stage.recent_rate >= servers_of(stage, current) * stage.service_rate:
+        floor = max(stage.min_replicas, stability_floor(stage, cfg.rho_max, target))
+        if stage.service_rate > 0 and stage.recent_rate >= servers_of(stage, current) * capacity_rate(stage):
             desired = max(desired, floor + max(0, step))
             reason += " rho>=1"
         floor = min(floor, stage.max_replicas)

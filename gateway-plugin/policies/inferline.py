@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from gateway_plugin.config import InferLineConfig
+from gateway_plugin.policies.batch_capacity import capacity_rate
 from gateway_plugin.policies.history import SampleWindow
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 
@@ -36,7 +37,7 @@ class InferLinePolicy:
             st = self._state.setdefault(s.index, _TunerState(SampleWindow(horizon)))
             st.rates.add(now, s.recent_rate)
             current = s.replicas + s.pending_replicas
-            capacity = s.service_rate * max(1, s.concurrency) * cfg.utilisation
+            capacity = capacity_rate(s) * max(1, s.concurrency) * cfg.utilisation  # at full batches
             if capacity <= 0:
                 out.append(StageDecision(current, s.cpus, "no profile"))
                 continue

@@ -20,6 +20,10 @@ corrector spends the same budget the way the oracle does:
 5. **Hysteresis sized to the start cost**: up at once; down only once the demand has stayed below the
    current count for ``hold_s`` = max(``hold_min_s``, ``hold_starts`` × the start time), at most
    ``max_step_down`` per step, never below the replicas busy now.
+6. **Start-up**: until a stage has seen traffic for ``peak_window_s``, its observed peak is the largest of
+   fewer windows than the peak window holds (and, in the first seconds, a mean of a few bursty arrivals), so it
+   is sized for at least the peak the full window is expected to show (``expected_peak_rate``), from the mean
+   rate and the inter-arrival CV observed so far.
 
 Pure: state is the policy's own (rate windows, timers); time comes from the snapshot.
 """
@@ -27,23 +31,44 @@ Pure: state is the policy's own (rate windows, timers); time comes from the snap
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 
 from gateway_plugin.config import CorrectConfig, ProvisionConfig
+from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, work_s
 from gateway_plugin.policies.correct import Correction, servers_of, stage_target_s
 from gateway_plugin.policies.history import SampleWindow
 from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
 
 
-def servers_for_target(rate: float, service_rate: float, target_s: float, rho_max: float, limit: int) -> int:
-    """Fewest servers (≤ limit) with ρ ≤ rho_max and the M/M/c delay at ``rate`` within ``target_s``."""
+def servers_for_target(rate: float, service_rate: float, target_s: float, rho_max: float, limit: int,
+                       delay_at: Callable[[int], float] | None = None) -> int:
+    """Fewest servers (≤ limit) with ρ ≤ rho_max and the delay at ``rate`` within ``target_s``: the M/M/c delay,
+    or ``delay_at(c)`` (a batching stage's, gateway_plugin.policies.batch_capacity)."""
     if rate <= 0 or service_rate <= 0:
         return 0
     c = servers_for_utilisation(rate, service_rate, rho_max)
-    while c < limit and mmc_delay(rate, service_rate, c) > target_s:
+    while c < limit and (delay_at(c) if delay_at else mmc_delay(rate, service_rate, c)) > target_s:
         c += 1
     return min(c, limit)
+
+
+def expected_peak_rate(mean_rate: float, cv: float, span_s: float, rate_window_s: float, peak_window_s: float) -> float:
+    """The largest ``rate_window_s`` mean rate a ``peak_window_s`` window is expected to show, from the mean rate
+    and the inter-arrival CV of a renewal process: its count over T seconds has variance λ·T·CV², so a T-second mean
+    has σ = √(λ·CV²/T), and the largest of n = peak / rate windows is ≈ λ + z_n·σ (z_n: Blom's expected maximum of n
+    standard normals). While less than ``rate_window_s`` is observed (``span_s``), σ is that of the span observed:
+    the mean itself is that uncertain."""
+    if mean_rate <= 0 or span_s <= 0:
+        return 0.0
+    n = max(1.0, peak_window_s / rate_window_s)
+    z = NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+    return mean_rate + max(0.0, z) * math.sqrt(mean_rate * max(cv, 0.0) ** 2 / min(span_s, rate_window_s))
+
+
+RECENT_S = 1.0  # the snapshot's recent rate is λ over the last second (metrics.StageMetrics.recent_s)
 
 
 @dataclass(slots=True)
@@ -53,6 +78,9 @@ class _StageState:
     below_since: float | None = None  # when the demand first fell below the current count
     since: float | None = None  # first snapshot with traffic
     last_scale_up: float = -math.inf
+    arrived: float = 0.0  # requests seen since the first traffic (Σ λ over the last second × the step)
+    span_s: float = 0.0  # seconds those requests came in
+    cv: float = 1.0  # inter-arrival CV of the last snapshot
 
 
 @dataclass(slots=True)
@@ -74,6 +102,10 @@ class Provisioner:
         if st.since is None:
             st.since = now
         if not st.rates.samples or now > st.rates.samples[-1][0]:
+            step = min(RECENT_S, now - st.rates.samples[-1][0]) if st.rates.samples else RECENT_S
+            st.arrived += max(0.0, stage.recent_rate) * step
+            st.span_s += step
+            st.cv = stage.cv_arrival
             st.rates.add(now, max(0.0, stage.recent_rate))
             st.means.add(now, st.rates.mean(cfg.rate_window_s))
         return st
@@ -81,8 +113,15 @@ class Provisioner:
     def peak_rate(self, index: int) -> float:
         """λ̂ of a stage: the largest ``rate_window_s`` mean in the last ``peak_window_s`` (0 before any sample;
         samples start with the stage's first traffic, so an idle start does not dilute the first means)."""
+        cfg = self.config
         st = self._state.get(index)
-        return st.means.max(self.config.peak_window_s) if st is not None else 0.0
+        if st is None:
+            return 0.0
+        observed = st.means.max(cfg.peak_window_s)
+        if not cfg.startup_estimate or st.span_s <= 0 or st.span_s >= cfg.peak_window_s:
+            return observed
+        expected = expected_peak_rate(st.arrived / st.span_s, st.cv, st.span_s, cfg.rate_window_s, cfg.peak_window_s)
+        return max(observed, expected)
 
     def last_scale_up(self, index: int) -> float:
         st = self._state.get(index)
@@ -129,22 +168,24 @@ class Provisioner:
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
             return Correction(current, 0.0, target, 0.0, False, reason + " (no service time yet)"), 0.0
         per = max(1, stage.concurrency)
-        servers = servers_for_target(rate, stage.service_rate, target, self.correct.rho_max, stage.max_replicas * per)
+        servers = servers_for_target(rate, capacity_rate(stage, target), target, self.correct.rho_max,
+                                     stage.max_replicas * per, lambda c: delay_s(stage, rate, c))
         if released > 0:
-            upstream = servers_for_utilisation(released, stage.service_rate, self.correct.rho_max)
+            upstream = servers_for_utilisation(released, capacity_rate(stage, target), self.correct.rho_max)
             if upstream > servers:
                 servers, reason = upstream, reason + f" upstream backlog at {released:.0f}/s"
         release = 0.0
         drain_within = cfg.backlog_starts * max(start_s, 1e-3)
-        if stage.queue_len > 0 and stage.queue_len / (max(1, servers_of(stage, current)) * stage.service_rate) > drain_within:
-            backlog = math.ceil((rate + stage.queue_len / drain_within) / stage.service_rate - 1e-9)
+        mu = capacity_rate(stage, target)  # at the batches that fit the target
+        if stage.queue_len > 0 and stage.queue_len / (max(1, servers_of(stage, current)) * mu) > drain_within:
+            backlog = math.ceil((rate + stage.queue_len / drain_within) / mu - 1e-9)
             if backlog > servers:
                 servers, reason = backlog, reason + f" backlog {stage.queue_len}"
                 # it leaves at what this stage will serve once the replicas asked for now are ready: the next
                 # stages' replicas, asked in the same step, are ready then too
-                release = servers * stage.service_rate
+                release = servers * mu
         demand = min(stage.max_replicas, max(stage.min_replicas, math.ceil(servers / per)))
-        delay = mmc_delay(rate, stage.service_rate, servers_of(stage, max(current, 0)))
+        delay = delay_s(stage, rate, servers_of(stage, max(current, 0)))
         error = cfg_error(delay, target, self.correct.error_cap)
         if demand > current:
             st.below_since, st.last_scale_up = None, now
@@ -170,7 +211,7 @@ def fair_shares(stages: tuple[StageSnapshot, ...], demands: list[int], capacity:
     floors = [max(s.min_replicas, math.ceil(s.busy / max(1, s.concurrency))) for s in stages]
     if sum(demands) <= capacity:
         return list(demands)
-    weights = {k: max(s.mean_service_s / max(1, s.concurrency), 1e-9) for k, s in enumerate(stages)}
+    weights = {k: max(work_s(s) / max(1, s.concurrency), 1e-9) for k, s in enumerate(stages)}
     out = list(demands)
     left, open_ = float(capacity), set(weights)
     while open_:

@@ -16,7 +16,14 @@ import math
 from dataclasses import dataclass, field, replace
 
 from gateway_plugin.config import QuartConfig
-from gateway_plugin.policies.correct import Correction, Corrector, estimated_delay_s, servers_of
+from gateway_plugin.policies.batch_capacity import capacity_rate
+from gateway_plugin.policies.correct import (
+    Correction,
+    Corrector,
+    estimated_delay_s,
+    servers_of,
+    stage_target_s,
+)
 from gateway_plugin.policies.cpu_model import CPULatencyModel
 from gateway_plugin.policies.provision import Provisioner
 from gateway_plugin.policies.queueing import servers_for_utilisation
@@ -101,12 +108,13 @@ class QuartPolicy:
             if i > 0:
                 up = snapshot.stages[i - 1]
                 backlog += up.queue_len + up.busy
-                release_rate = min(release_rate, servers_of(up, out[i - 1].replicas) * up.service_rate)
+                release_rate = min(release_rate, servers_of(up, out[i - 1].replicas) * capacity_rate(up))
             if backlog == 0 or not math.isfinite(release_rate) or release_rate <= 0 or stage.service_rate <= 0:
                 continue
             if backlog / release_rate < self.corrector.dead_time_s(stage):
                 continue  # gone before a new replica could serve
-            need = math.ceil(servers_for_utilisation(release_rate, stage.service_rate, rho_max) / max(1, stage.concurrency))
+            mu = capacity_rate(stage, stage_target_s(snapshot, stage, self.config.correct.default_target_factor))
+            need = math.ceil(servers_for_utilisation(release_rate, mu, rho_max) / max(1, stage.concurrency))
             need = min(need, stage.max_replicas)
             current = stage.replicas + stage.pending_replicas
             if need > out[i].replicas:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway_plugin.policies.batch_capacity import capacity_rate
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 
 
@@ -19,7 +20,7 @@ def instance_throughput(snapshot: PipelineSnapshot, pipelined: bool) -> float:
     if not snapshot.stages or any(s.service_rate <= 0 for s in snapshot.stages):
         return 0.0
     if pipelined:
-        return min(s.service_rate * max(1, s.concurrency) for s in snapshot.stages)
+        return min(capacity_rate(s) * max(1, s.concurrency) for s in snapshot.stages)
     return 1.0 / sum(s.mean_service_s for s in snapshot.stages)
 
 

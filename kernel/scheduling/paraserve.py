@@ -112,17 +112,45 @@ def plan_parallelism(stage_bytes: int, slo_s: float, hosts: Sequence[FetchHost],
     busy = busy_receivers(busy_links)
     best: ParaServePlan | None = None
     for parts in range(1, min(max_parts, len(ranked)) + 1):
-        chosen = ranked[:parts]
-        rates = [host_rate(h, h.name in busy, costs, parts) for h in chosen]
-        biggest = largest_part(layer_bytes, parts) if layer_bytes else None
-        first, fetch, consolidated = predict(stage_bytes, rates, costs, biggest)
-        plan = ParaServePlan(parts, tuple(h.name for h in chosen), first, fetch, consolidated, first <= slo_s)
+        plan = _plan_for(parts, ranked, busy, stage_bytes, slo_s, costs, layer_bytes)
         if plan.meets_slo:
             return plan
         if best is None or plan.first_response_s < best.first_response_s:
             best = plan
     assert best is not None
     return best
+
+
+def _plan_for(parts: int, ranked: Sequence[FetchHost], busy: Collection[str], stage_bytes: int, slo_s: float,
+              costs: ParaServeCosts, layer_bytes: Sequence[int] | None) -> ParaServePlan:
+    """The plan of exactly ``parts`` workers on the first ``parts`` of ``ranked``."""
+    chosen = ranked[:parts]
+    rates = [host_rate(h, h.name in busy, costs, parts) for h in chosen]
+    biggest = largest_part(layer_bytes, parts) if layer_bytes else None
+    first, fetch, consolidated = predict(stage_bytes, rates, costs, biggest)
+    return ParaServePlan(parts, tuple(h.name for h in chosen), first, fetch, consolidated, first <= slo_s)
+
+
+def parts_limit(max_parts: int, layer_bytes: Sequence[int] | None, hosts: Sequence[FetchHost]) -> int:
+    """The largest P a cold stage may take: ``max_parts``, its layers (when known), the hosts able to take a
+    part; at least 1."""
+    return max(1, min(max_parts, len(layer_bytes) if layer_bytes else max_parts, len(hosts)))
+
+
+def choose_parts(stage_bytes: int, slo_s: float, hosts: Sequence[FetchHost], costs: ParaServeCosts,
+                 max_parts: int = 8, layer_bytes: Sequence[int] | None = None, fixed_parts: int = 0) -> ParaServePlan:
+    """ParaServe's P for one cold stage, the rule the gateway and the simulator share: P is at most
+    ``max_parts``, the stage's layers (when ``layer_bytes`` is known) and the hosts able to take a part
+    (``hosts``: those with a free GPU slot, at least one); ``fixed_parts`` (> 0) forces P within that limit,
+    otherwise the smallest P meeting ``slo_s`` (`plan_parallelism`)."""
+    limit = parts_limit(max_parts, layer_bytes, hosts)
+    if fixed_parts > 0:
+        ranked = rank_hosts(list({h.name: h for h in hosts}.values()))
+        if not ranked:  # nowhere to fetch yet: P alone (the placer finds the hosts)
+            return ParaServePlan(min(fixed_parts, limit), (), math.inf, math.inf, math.inf, False)
+        return _plan_for(min(fixed_parts, limit, len(ranked)), ranked, frozenset(), stage_bytes, slo_s, costs,
+                         layer_bytes)
+    return plan_parallelism(stage_bytes, slo_s, hosts, costs, max_parts=limit, layer_bytes=layer_bytes)
 
 
 def hosts_from_rates(nic_bytes_s: Mapping[str, float], fetching: Mapping[str, int] | None = None) -> list[FetchHost]:

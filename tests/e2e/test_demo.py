@@ -20,15 +20,10 @@ def _leftovers(marker: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.parametrize("policy", ["quart", "infless"])  # infless undoes the manual scale at once: the pin path
-def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path, policy):
-    state = tmp_path / "demo-state"
-    argv = [sys.executable, "-m", "quart_tools.cli", "demo", "--model", "tiny", "--stages", "2", "--hosts", "1",
-            "--requests", "1", "--state-dir", str(state)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUART_")}
-    env["QUART_POLICY"] = policy  # the autoscaler acts (actuator gateway): the demo must not hang on it
+def _demo(argv: list[str], env: dict[str, str], state, cwd) -> tuple[str, list[psutil.Process]]:
+    """Run the demo; (its stdout, the processes it left behind, killed by then). Fails unless it exits 0."""
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=cwd, env=env)
     finally:
         leftovers = _leftovers(str(state))
         for proc in leftovers:  # never leave processes behind, even when the assertion below fails
@@ -36,8 +31,18 @@ def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path, polic
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
-    out = result.stdout
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout, leftovers
+
+
+@pytest.mark.parametrize("policy", ["quart", "infless"])  # infless undoes the manual scale at once: the pin path
+def test_demo_runs_end_to_end_on_tiny_and_leaves_nothing_running(tmp_path, policy):
+    state = tmp_path / "demo-state"
+    argv = [sys.executable, "-m", "quart_tools.cli", "demo", "--model", "tiny", "--stages", "2", "--hosts", "1",
+            "--requests", "1", "--state-dir", str(state)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUART_")}
+    env["QUART_POLICY"] = policy  # the autoscaler acts (actuator gateway): the demo must not hang on it
+    out, leftovers = _demo(argv, env, state, tmp_path)
     for step in ("[1/6]", "[2/6]", "[3/6]", "[4/6]", "[5/6]", "[6/6]"):
         assert step in out
     assert "-> 200" in out and "next-token id(s)" in out
@@ -61,17 +66,7 @@ def test_demo_default_model_gives_a_real_answer_and_forks_the_scaled_stage(tmp_p
     argv = [sys.executable, "-m", "quart_tools.cli", "demo", "--stages", "2", "--hosts", "1", "--requests", "1",
             "--state-dir", str(state)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUART_")}
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
-    finally:
-        leftovers = _leftovers(str(state))
-        for proc in leftovers:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-    out = result.stdout
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out, leftovers = _demo(argv, env, state, tmp_path)
     assert "+0.667  'A man is playing a guitar.' vs 'Someone plays an instrument.'" in out
     assert "-0.054  'A man is playing a guitar.' vs 'The stock market fell sharply today.'" in out
     assert "second replica ready in" in out and "(placer cache-aware)" in out

@@ -19,6 +19,7 @@ from quart_provider.hosts import ReplicaStatus
 from quart_provider.stack import load_stack
 from quart_provider.system import EmbeddedSystem, _alive, stop_process
 from quart_provider.types import FunctionState
+from support.stacks import partition_emulated
 
 
 def _fn(name: str, generation: int = 3) -> FunctionState:
@@ -84,12 +85,7 @@ def test_the_gateway_process_does_not_import_scikit_learn_or_torch():
 
 @pytest.fixture(scope="module")
 def emulated_stack(tmp_path_factory):
-    from quart_tools.partition import partition
-
-    out = tmp_path_factory.mktemp("model")
-    partition("bert-21b", 2, str(out), weights="none", stack={"compute": "emulated", "scale_min": 1, "scale_max": 1},
-              progress=False)
-    return out / "stack.yml"
+    return partition_emulated(tmp_path_factory, scale_max=1)
 
 
 async def _ready(system: EmbeddedSystem, timeout_s: float) -> float:
@@ -107,9 +103,7 @@ async def _restart(stack_path, state_dir) -> dict:
     second = None
     try:
         stack = load_stack(stack_path)
-        first.gateway.images.register(stack.image_index_entries())
-        for fn in stack.functions:
-            await first.gateway.registry.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
+        await first.deploy_stack(stack)
         await _ready(first, 120)
         before = {n: sorted(f.replicas) for n, f in first.gateway.functions.items()}
         await first.stop()

@@ -22,6 +22,7 @@ from quart_provider.stack import load_stack
 from quart_provider.system import STATE_FILE, EmbeddedSystem
 from quart_stage.settings import ConfigError
 from quart_tools.platform import host as host_command
+from support.stacks import partition_emulated
 
 REASON = netns_unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"host namespaces unavailable: {REASON}")
@@ -30,12 +31,7 @@ BODY = json.dumps({"input_ids": [[1, 2, 3, 4]]}).encode()
 
 @pytest.fixture(scope="module")
 def emulated_stack(tmp_path_factory):
-    from quart_tools.partition import partition
-
-    out = tmp_path_factory.mktemp("model")
-    partition("bert-21b", 2, str(out), weights="none", stack={"compute": "emulated", "scale_min": 1, "scale_max": 4},
-              progress=False)
-    return load_stack(out / "stack.yml")
+    return load_stack(partition_emulated(tmp_path_factory))
 
 
 def netns_config(state_dir, **overrides) -> GatewayConfig:

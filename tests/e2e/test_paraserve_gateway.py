@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 
 import pytest
 from quart_kernel.scheduling.paraserve import split_parts
-from quart_provider.paraserve_start import Group, ParaServeStarts, layout_of_manifest
+from quart_kernel.scheduling.paraserve_groups import Group, layout_of_manifest
+from quart_provider.paraserve_start import ParaServeStarts
 from quart_stage import wire
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime

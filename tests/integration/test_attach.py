@@ -27,8 +27,7 @@ from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from quart_stage.serve import GunicornServer
 from quart_tools.bench.k8s_start import shrinkwrap
-from quart_tools.partition import partition
-from support.keysmanager import Daemon, daemons_in_temp_dir
+from support.keysmanager import Daemon, daemons_in_temp_dir, tiny_model_daemon
 from support.paths import REPO
 
 from keysmanager.types import StageSpec
@@ -42,15 +41,8 @@ HEADERS = {"Content-Type": wire.CONTENT_TYPE}
 @pytest.fixture(scope="module")
 def km():
     """(model folder, running KeysManager, temp root): cleaned up with every process and segment."""
-    with daemons_in_temp_dir() as (root, daemons, _):
-        model = root / "tiny"
-        partition("tiny", 2, str(model), progress=False)
-        d = Daemon(root, "att")
-        daemons.append(d)
-        yield model, d.start(), root
-        assert d.client.shutdown()["stopping"]
-        d.proc.wait(30)
-        assert not d.shm_files(), "the KeysManager removed its segments"
+    with tiny_model_daemon("att") as (root, model, d):
+        yield model, d, root
 
 
 def cfg(model: Path, socket: str | None, stage: int = 0) -> StageConfig:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import requests
@@ -114,6 +115,22 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
 
 
+@contextlib.asynccontextmanager
+async def _jetstream(tmp_path, token: str, cap: int) -> AsyncIterator[AsyncQueue]:
+    """A NATS JetStream server of this test's own and a connected queue on it; both closed after."""
+    server = NatsServer(tmp_path / "nats", token)
+    try:
+        await server.start()
+        queue = AsyncQueue(server.url, token, cap)
+        try:
+            await queue.connect()
+            yield queue
+        finally:
+            await queue.close()
+    finally:
+        server.stop()
+
+
 def test_worker_retries_then_calls_back_and_slow_callbacks_do_not_starve_others(tmp_path):
     asyncio.run(asyncio.wait_for(_worker_scenario(tmp_path), 60))
 
@@ -145,12 +162,9 @@ async def _worker_scenario(tmp_path) -> None:
     slow_app.router.add_post("/cb/{where}", callback)
     runner, base = await _serve(app)
     slow_runner, slow_base = await _serve(slow_app)
-    server = NatsServer(tmp_path / "nats", "test-token")
-    queue = worker = None
+    stack, worker = contextlib.AsyncExitStack(), None
     try:
-        await server.start()
-        queue = AsyncQueue(server.url, "test-token", 100)
-        await queue.connect()
+        queue = await stack.enter_async_context(_jetstream(tmp_path, "test-token", 100))
         sender = CallbackSender(CallbackPolicy.from_text("127.0.0.1/32"), timeout_s=20, per_destination=1)
         worker = QueueWorker(queue, base, sender, workers=2, timeout_s=5, ack_wait_s=5, max_attempts=3,
                              initial_retry_s=0.05, max_retry_wait_s=0.2, retry_codes=frozenset({500, 503}))
@@ -179,9 +193,7 @@ async def _worker_scenario(tmp_path) -> None:
         if worker is not None:
             await worker.stop(1)
             await worker.sender.close()
-        if queue is not None:
-            await queue.close()
-        server.stop()
+        await stack.aclose()
         await runner.cleanup()
         await slow_runner.cleanup()
 
@@ -201,12 +213,9 @@ async def _redelivery_scenario(tmp_path) -> None:
     app = web.Application()
     app.router.add_post("/{tail:.*}", record)
     runner, base = await _serve(app)
-    server = NatsServer(tmp_path / "nats", "t")
-    queue = worker = None
+    stack, worker = contextlib.AsyncExitStack(), None
     try:
-        await server.start()
-        queue = AsyncQueue(server.url, "t", 10)
-        await queue.connect()
+        queue = await stack.enter_async_context(_jetstream(tmp_path, "t", 10))
         seq = await queue.publish(QueuedCall("c1", "fn", "fn", {}, b"x", f"{base}/cb", time.time()))
         await queue.delivered.put(f"seq-{seq}", b"1")  # as the previous worker recorded it before dying
         sender = CallbackSender(CallbackPolicy.from_text("127.0.0.1/32"))
@@ -221,9 +230,7 @@ async def _redelivery_scenario(tmp_path) -> None:
     finally:
         if worker is not None:
             await worker.stop(1)
-        if queue is not None:
-            await queue.close()
-        server.stop()
+        await stack.aclose()
         await runner.cleanup()
 
 

@@ -33,9 +33,7 @@ async def _scale_up_timings(stack_path, state_dir) -> dict:
     try:
         gw = system.gateway
         stack = load_stack(stack_path)
-        gw.images.register(stack.image_index_entries())
-        for fn in stack.functions:
-            await gw.registry.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
+        await system.deploy_stack(stack)
         name = stack.functions[0].name
         fn = gw.functions[name]
         deadline = time.monotonic() + 120  # the first replica also builds the zygote

@@ -9,7 +9,7 @@ import uuid
 import requests
 from aiohttp import web
 from support.faas_cli import faas_cli_deploy_body
-from support.router_cluster import Cluster, make_router, with_cluster
+from support.router_cluster import Cluster, routed, with_cluster
 
 
 def check_trace(res: requests.Response, before_ns: int, call_id: str | None = None) -> str:
@@ -74,22 +74,10 @@ def test_async_keeps_the_client_call_id_through_to_the_callback(gw, callbacks): 
 
 @with_cluster
 async def test_router_answers_carry_the_call_id(cluster: Cluster) -> None:
-    from aiohttp.test_utils import TestClient, TestServer
-
-    await cluster.add("m-stage-0")
-    await cluster.add("m-stage-1")
-    router = make_router(cluster)
-    app = web.Application()
-    app.router.add_route("*", "/function/{model}", lambda r: router.handle(r, r.match_info["model"]))
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
+    async with routed(cluster) as (_router, client):
         ok = await client.post("/function/m", data=b"x", headers={"X-Call-Id": "given"})
         assert ok.status == 200 and ok.headers["X-Call-Id"] == "given"
         missing = await client.post("/function/nope", data=b"x")
         assert missing.status == 404 and uuid.UUID(missing.headers["X-Call-Id"]).version == 4
         wrong = await client.get("/function/m", headers={"X-Call-Id": "g2"})
         assert wrong.status == 405 and wrong.headers["X-Call-Id"] == "g2"
-    finally:
-        await client.close()
-        await router.close()

@@ -28,8 +28,7 @@ from quart_stage.config import StageConfig
 from quart_stage.nodecache import stage_spec
 from quart_stage.proxy import Upstream, serve
 from quart_tools.bench.k8s_start import shrinkwrap
-from quart_tools.partition import partition
-from support.keysmanager import Daemon, daemons_in_temp_dir
+from support.keysmanager import Daemon, tiny_model_daemon
 from werkzeug.serving import ThreadedWSGIServer
 from werkzeug.wrappers import Request, Response
 
@@ -49,15 +48,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def node():
     """(model, KeysManager, shrinkwrapped build folder): the node a stage pod lands on."""
-    with daemons_in_temp_dir() as (root, daemons, _):
-        model = root / "tiny"
-        partition("tiny", 2, str(model), progress=False)
-        d = Daemon(root, "fwd")
-        daemons.append(d)
-        d.start()
+    with tiny_model_daemon("fwd") as (root, model, d):
         yield model, d, shrinkwrap(root / "build")
-        assert d.client.shutdown()["stopping"]
-        d.proc.wait(30)
 
 
 class Pod:

@@ -10,76 +10,50 @@ from the registry (moto's S3 server on an ephemeral port), as in production.
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import requests
 import torch
 from quart_stage import wire
-from quart_stage.config import StageConfig
 from quart_stage.manifest import Manifest
-from quart_stage.runtime import StageRuntime
-from support.keysmanager import Daemon, daemons_in_temp_dir, emulated
-from support.live_registry import IDS, URL
+from support.gated_peer import GatedServer
+from support.keysmanager import preloaded_daemon
+from support.live_registry import IDS, URL, reference_answer
 
 from keysmanager.peers import SHA_HEADER, SIZE_HEADER
 from keysmanager.types import StageSpec
 
 
-class GatedPeer:
+class GatedPeer(GatedServer):
     """A fake peer KeysManager serving the stage file layer by layer, each behind a gate; ``corrupt`` flips a
     byte of that layer, ``die_at`` closes the connection before that layer."""
 
     def __init__(self, data: bytes, sha: str, spans: list[list[int]], corrupt: int | None = None,
                  die_at: int | None = None) -> None:
-        self.data, self.sha, self.spans = bytearray(data), sha, spans
-        if corrupt is not None:
-            self.data[(spans[corrupt][0] + spans[corrupt][1]) // 2] ^= 0xFF
-        self.die_at = die_at
-        self.gates = [threading.Event() for _ in spans]
-        peer = self
+        super().__init__(data, spans, corrupt, die_at)
+        self.sha = sha
+        self.serve(_WholeFile)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                self.send_response(200)
-                self.send_header(SHA_HEADER, peer.sha)
-                self.send_header(SIZE_HEADER, str(len(peer.data)))
-                self.send_header("Content-Length", str(len(peer.data)))
-                self.end_headers()
-                for i, (a, b) in enumerate(peer.spans):
-                    if not peer.gates[i].wait(60) or i == peer.die_at:
-                        self.close_connection = True
-                        return
-                    self.wfile.write(peer.data[a:b])
-                    self.wfile.flush()
 
-            def log_message(self, *args) -> None:
-                pass
+class _WholeFile(BaseHTTPRequestHandler):
+    peer: GatedPeer
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def open(self, *layers: int) -> None:
-        for i in layers:
-            self.gates[i].set()
-
-    def close(self) -> None:
-        for g in self.gates:
-            g.set()
-        self.server.shutdown()
-        self.server.server_close()
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        peer = self.peer
+        self.send_response(200)
+        self.send_header(SHA_HEADER, peer.sha)
+        self.send_header(SIZE_HEADER, str(len(peer.data)))
+        self.send_header("Content-Length", str(len(peer.data)))
+        self.end_headers()
+        peer.send_layers(self, 0, len(peer.data))
 
 
 @pytest.fixture
 def km():
-    with daemons_in_temp_dir() as (root, daemons, _pids):
-        d = Daemon(root, "live").start()
-        daemons.append(d)
-        d.client.ensure_cached(emulated())  # the preloader is up: a live start then forks at once (peers time out at 10 s)
+    with preloaded_daemon("live") as d:  # a live start then forks at once (peers time out at 10 s)
         yield d
 
 
@@ -105,23 +79,15 @@ def _wait_held(url: str, want: str, timeout_s: float = 30) -> None:
         time.sleep(0.02)
 
 
-_RUNTIMES: dict[str, StageRuntime] = {}
-
-
-def _reference(registry, body: bytes, layers: str) -> torch.Tensor:
-    """What the whole stage file, loaded the ordinary way, answers for ``layers``."""
-    _, model, _ = registry
-    rt = _RUNTIMES.get(str(model)) or _RUNTIMES.setdefault(
-        str(model), StageRuntime.load(StageConfig(model_dir=str(model), stage_index=0)))
-    ctype = "application/json" if layers.startswith("0-") else wire.CONTENT_TYPE
-    resp = rt.handle(body, {"Content-Type": ctype, "X-Quart-Layers": layers})
-    assert resp.status == 200, resp.body
-    return _out(resp.body)
-
 
 def _out(body: bytes) -> torch.Tensor:
     t = wire.decode(body).tensors
     return t.get("logits", t.get("hidden_states"))
+
+
+def _reference(registry, body: bytes, layers: str) -> torch.Tensor:
+    """What the whole stage file, loaded the ordinary way, answers for ``layers``."""
+    return _out(reference_answer(registry, body, layers))
 
 
 def test_live_replica_serves_held_layers_503_for_the_rest_and_ends_full(registry, km) -> None:

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import requests
 from quart_stage import wire
-from quart_stage.config import StageConfig
-from quart_stage.runtime import StageRuntime
-from support.keysmanager import Daemon, daemons_in_temp_dir, emulated
-from support.live_registry import IDS, URL
+from support.gated_peer import GatedServer
+from support.keysmanager import preloaded_daemon
+from support.live_registry import IDS, URL, reference_answer
 
 from keysmanager.client import KeysManagerError
 from keysmanager.parts import fetch_order, grow
@@ -31,68 +29,42 @@ from keysmanager.peers import SHA_HEADER, SIZE_HEADER
 from keysmanager.types import StageSpec
 
 
-class RangePeer:
+class RangePeer(GatedServer):
     """A fake peer KeysManager answering ``Range`` reads of the stage file; a range waits for the gates of the
     layers it touches (the header alone is ungated). ``corrupt``: flip a byte of that layer; ``die_at``: close
     the connection instead of sending that layer. ``asked`` records the ranges asked for, in order."""
 
     def __init__(self, data: bytes, sha: str, spans: list[list[int]], header: int, corrupt: int | None = None,
                  die_at: int | None = None) -> None:
-        self.data, self.spans, self.header = bytearray(data), spans, header
-        if corrupt is not None:
-            self.data[(spans[corrupt][0] + spans[corrupt][1]) // 2] ^= 0xFF
-        self.gates = [threading.Event() for _ in spans]
+        super().__init__(data, spans, corrupt, die_at)
+        self.sha, self.header = sha, header
         self.asked: list[tuple[int, int]] = []
-        peer = self
+        self.serve(_Ranges)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                m = re.match(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
-                start, end = int(m.group(1)), int(m.group(2)) + 1
-                peer.asked.append((start, end))
-                self.send_response(206)
-                self.send_header(SHA_HEADER, sha)
-                self.send_header(SIZE_HEADER, str(len(peer.data)))
-                self.send_header("Content-Length", str(end - start))
-                self.end_headers()
-                if end <= peer.header:  # the header alone: ungated
-                    self.wfile.write(peer.data[start:end])
-                    return
-                for i, (a, b) in enumerate(peer.spans):  # layer by layer, each behind its gate
-                    lo, hi = max(a, start), min(b, end)
-                    if lo >= hi:
-                        continue
-                    if not peer.gates[i].wait(60) or i == die_at:
-                        self.close_connection = True
-                        return
-                    self.wfile.write(peer.data[lo:hi])
-                    self.wfile.flush()
 
-            def log_message(self, *args) -> None:
-                pass
+class _Ranges(BaseHTTPRequestHandler):
+    peer: RangePeer
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def open(self, *layers: int) -> None:
-        for i in layers:
-            self.gates[i].set()
-
-    def close(self) -> None:
-        for g in self.gates:
-            g.set()
-        self.server.shutdown()
-        self.server.server_close()
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        peer = self.peer
+        m = re.match(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        start, end = int(m.group(1)), int(m.group(2)) + 1
+        peer.asked.append((start, end))
+        self.send_response(206)
+        self.send_header(SHA_HEADER, peer.sha)
+        self.send_header(SIZE_HEADER, str(len(peer.data)))
+        self.send_header("Content-Length", str(end - start))
+        self.end_headers()
+        if end <= peer.header:  # the header alone: ungated
+            self.wfile.write(peer.data[start:end])
+            return
+        peer.send_layers(self, start, end)  # layer by layer, each behind its gate
 
 
 @pytest.fixture
 def km(monkeypatch):
     monkeypatch.setenv("KM_PART_READ_TIMEOUT_S", "120")  # a gated range waits for the test, not for a timeout
-    with daemons_in_temp_dir() as (root, daemons, _pids):
-        d = Daemon(root, "part").start()
-        daemons.append(d)
-        d.client.ensure_cached(emulated())  # the preloader is up: a part start forks at once
+    with preloaded_daemon("part") as d:  # a part start forks at once
         yield d
 
 
@@ -106,18 +78,9 @@ def _spec(name: str) -> StageSpec:
     return StageSpec(name, env={"QUART_MODEL_URL": URL, "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "cpu"})
 
 
-_RUNTIMES: dict[str, StageRuntime] = {}
-
-
 def _reference(registry, body: bytes, layers: str) -> bytes:  # noqa: F811
     """What the whole stage, loaded the ordinary way, answers for ``layers`` (the wire body)."""
-    _, model, _ = registry
-    rt = _RUNTIMES.get(str(model)) or _RUNTIMES.setdefault(
-        str(model), StageRuntime.load(StageConfig(model_dir=str(model), stage_index=0)))
-    ctype = "application/json" if layers.startswith("0-") else wire.CONTENT_TYPE
-    resp = rt.handle(body, {"Content-Type": ctype, "X-Quart-Layers": layers})
-    assert resp.status == 200, resp.body
-    return resp.body
+    return reference_answer(registry, body, layers)
 
 
 def _ask(url: str, body: bytes, layers: str | None) -> requests.Response:

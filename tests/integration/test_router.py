@@ -7,21 +7,12 @@ import asyncio
 import json
 import random
 
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from support.router_cluster import Cluster, make_router, with_cluster
+from support.router_cluster import Cluster, make_router, routed, with_cluster
 
 
 @with_cluster
 async def test_pipeline_runs_stages_in_order_over_http(cluster: Cluster) -> None:
-    await cluster.add("m-stage-0")
-    await cluster.add("m-stage-1")
-    router = make_router(cluster)
-    app = web.Application()
-    app.router.add_route("*", "/function/{model}", lambda r: router.handle(r, r.match_info["model"]))
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
+    async with routed(cluster) as (router, client):
         resp = await client.post("/function/m", data=b"x")
         assert resp.status == 200
         assert await resp.read() == b"x|m-stage-0#1|m-stage-1#2"
@@ -34,9 +25,6 @@ async def test_pipeline_runs_stages_in_order_over_http(cluster: Cluster) -> None
         assert resp.status == 200
         first, last = cluster.fakes["r1"], cluster.fakes["r2"]
         assert last.accepts[-1] == "application/json" and first.accepts[-1] != "application/json"
-    finally:
-        await client.close()
-        await router.close()
     st = router.collector.stage("m-stage-1")
     assert st.total_arrivals == 2 and st.total_completions == 2
 

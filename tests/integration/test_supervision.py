@@ -11,9 +11,7 @@ import signal
 import time
 
 import aiohttp
-import pytest
 from quart_provider.config import GatewayConfig
-from quart_provider.deployment import FunctionDeployment
 from quart_provider.stack import load_stack
 from quart_provider.supervisor import Backoff
 from quart_provider.system import EmbeddedSystem
@@ -27,16 +25,6 @@ def test_backoff_doubles_to_its_cap_and_resets_after_a_long_run():
     b.started(10.0)
     assert b.restart_at is None
     assert b.exited(75.0) == 0.5  # ran 65 s: starts over
-
-
-@pytest.fixture(scope="module")
-def emulated_stack(tmp_path_factory):
-    from quart_tools.partition import partition
-
-    out = tmp_path_factory.mktemp("model")
-    partition("bert-21b", 2, str(out), weights="none", stack={"compute": "emulated", "scale_min": 1, "scale_max": 4},
-              progress=False)
-    return out / "stack.yml"
 
 
 async def _all_ready(gw, deadline_s: float) -> float:
@@ -55,9 +43,7 @@ async def _kill_a_keysmanager(stack_path, state_dir) -> dict:
     try:
         gw = system.gateway
         stack = load_stack(stack_path)
-        gw.images.register(stack.image_index_entries())
-        for fn in stack.functions:
-            await gw.registry.deploy(FunctionDeployment.from_json(fn.request, cfg.namespace))
+        await system.deploy_stack(stack)
         await _all_ready(gw, 120)
         victim = next(a for a in system.agents if any(e.host == a.name for f in gw.functions.values()
                                                        for e in f.ready))

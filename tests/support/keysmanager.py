@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -100,6 +101,33 @@ def daemons_in_temp_dir():
                 f.unlink(missing_ok=True)
         shutil.rmtree(root, ignore_errors=True)
 
+
+
+@contextlib.contextmanager
+def preloaded_daemon(name: str) -> Iterator[Daemon]:
+    """One KeysManager daemon in a temporary folder with the emulated preloader up (a start forks at once)."""
+    with daemons_in_temp_dir() as (root, daemons, _pids):
+        d = Daemon(root, name).start()
+        daemons.append(d)
+        d.client.ensure_cached(emulated())
+        yield d
+
+
+@contextlib.contextmanager
+def tiny_model_daemon(name: str) -> Iterator[tuple[Path, Path, Daemon]]:
+    """(temp root, the tiny model partitioned into 2 stages there, a started daemon); at exit the daemon is asked
+    to shut down, must stop within 30 s and must have removed its shared-memory segments."""
+    from quart_tools.partition import partition
+
+    with daemons_in_temp_dir() as (root, daemons, _):
+        model = root / "tiny"
+        partition("tiny", 2, str(model), progress=False)
+        d = Daemon(root, name)
+        daemons.append(d)
+        yield root, model, d.start()
+        assert d.client.shutdown()["stopping"]
+        d.proc.wait(30)
+        assert not d.shm_files(), "the KeysManager removed its segments"
 
 
 @pytest.fixture

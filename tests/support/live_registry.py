@@ -47,3 +47,21 @@ def registry(tmp_path_factory):
         server.stop()
         mp.undo()
 
+
+_RUNTIMES: dict[str, object] = {}  # model folder → its stage 0 loaded the ordinary way (once per session)
+
+
+def reference_answer(registry, body: bytes, layers: str) -> bytes:
+    """What the registry model's whole stage 0, loaded the ordinary way, answers for ``layers`` (the wire body;
+    ``0-…`` takes JSON ids, a later range the wire activations)."""
+    from quart_stage import wire
+    from quart_stage.config import StageConfig
+    from quart_stage.runtime import StageRuntime
+
+    _, model, _ = registry
+    rt = _RUNTIMES.get(str(model)) or _RUNTIMES.setdefault(
+        str(model), StageRuntime.load(StageConfig(model_dir=str(model), stage_index=0)))
+    ctype = "application/json" if layers.startswith("0-") else wire.CONTENT_TYPE
+    resp = rt.handle(body, {"Content-Type": ctype, "X-Quart-Layers": layers})
+    assert resp.status == 200, resp.body
+    return resp.body

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.router import Router, StaticReplica, StaticReplicas
@@ -115,3 +119,20 @@ def make_router(cluster: Cluster, stages: int = 2, **cfg) -> Router:
     names = [f"m-stage-{i}" for i in range(stages)]
     return Router(cluster.source, lambda: {"m": names}, PluginConfig(**cfg), MetricsCollector(10.0), dispatch_poll_s=0.005)
 
+
+@asynccontextmanager
+async def routed(cluster: Cluster, stages: int = 2, **cfg) -> AsyncIterator[tuple[Router, TestClient]]:
+    """Two stage replicas ``m-stage-0`` and ``m-stage-1`` of model ``m`` and a router over them serving
+    ``/function/{model}`` on a test client; the client and the router are closed after."""
+    await cluster.add("m-stage-0")
+    await cluster.add("m-stage-1")
+    router = make_router(cluster, stages, **cfg)
+    app = web.Application()
+    app.router.add_route("*", "/function/{model}", lambda r: router.handle(r, r.match_info["model"]))
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        yield router, client
+    finally:
+        await client.close()
+        await router.close()

@@ -155,8 +155,10 @@ def test_frontier_over_seeds_and_trace_windows(tmp_path) -> None:
     trace.write_text("\n".join(rows) + "\n")
     out = tmp_path / "seeds.json"
     rc = cli.main(["--experiment", "frontier", "--quick", "--models", "wideresnet", "--cvs", "", "--only-trace",
-                   "--trace", str(trace), "--seeds", "0,1", "--max-replicas", "2", "--workers", "1", "--out", str(out)])
+                   "--trace", str(trace), "--seeds", "0,1", "--max-replicas", "2", "--workers", "1", "--out", str(out),
+                   "--plots", str(tmp_path / "plots")])
     assert rc == 0
+    assert (tmp_path / "plots" / "frontier-seeds.png").stat().st_size > 0  # QUART / frontier and / oracle by seed
     doc = json.loads(out.read_text())
     assert doc["config"]["seeds"] == [0, 1]
     names = {"wideresnet/trace-busy", "wideresnet/trace-quiet", "wideresnet/trace-step"}

@@ -18,11 +18,11 @@ from gateway_plugin.policies import make_policy
 from quart_kernel.convergence import Action, FunctionView, PlatformView, ReplicaView, converge
 from quart_kernel.replicaset import StartTimeEstimate, choose_surplus
 from quart_kernel.scheduling import MECHANISMS, SchedulerConfig, make_placer
+from quart_kernel.scheduling.paraserve_groups import Group
 from quart_kernel.scheduling.starts import StartPlan
 from quart_kernel.scheduling.types import HostView
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.hosts import ReplicaSpec, ReplicaStatus
-from quart_provider.paraserve_start import Group
 from quart_provider.types import Endpoint
 from quart_stage import labels
 from quart_tools.arrivals import Arrivals

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from gateway_plugin.policies import make_policy
-from gateway_plugin.policies.provision import servers_for_target
+from gateway_plugin.policies.provision import expected_peak_rate, servers_for_target
 from gateway_plugin.policies.queueing import mmc_delay
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
 
@@ -22,6 +22,9 @@ def snap(t: float, *stages: StageSnapshot) -> PipelineSnapshot:
 
 
 def quiet(**config):
+    """QUART without Smooth and (unless ``provision`` says otherwise) without the start-up estimate: the tests of the
+    other rules size for the rates they script."""
+    config["provision"] = {"startup_estimate": False, **config.get("provision", {})}
     return make_policy("quart", smooth={"enabled": False}, **config)
 
 
@@ -31,6 +34,33 @@ def test_servers_for_target_is_the_fewest_that_meet_delay_and_utilisation() -> N
     assert servers_for_target(9.0, 10.0, 10.0, 0.8, 50) == 2  # ρ ≤ 0.8 needs 2 even with a lax target
     assert servers_for_target(1000.0, 10.0, 0.15, 0.95, 12) == 12  # capped
     assert servers_for_target(0.0, 10.0, 0.15, 0.95, 12) == 0
+
+
+def test_the_expected_peak_grows_with_the_cv_and_with_a_shorter_span() -> None:
+    assert expected_peak_rate(100.0, 0.0, 5.0, 5.0, 30.0) == 100.0  # a regular stream: its mean is its peak
+    poisson = expected_peak_rate(100.0, 1.0, 5.0, 5.0, 30.0)
+    assert poisson == pytest.approx(100.0 + 1.27 * (100.0 / 5.0) ** 0.5, rel=0.01)  # z of 6 windows ≈ 1.27
+    assert expected_peak_rate(100.0, 4.0, 5.0, 5.0, 30.0) > poisson
+    assert expected_peak_rate(100.0, 1.0, 1.0, 5.0, 30.0) > poisson  # one second seen: the mean is that uncertain
+    assert expected_peak_rate(100.0, 1.0, 60.0, 5.0, 30.0) == poisson  # never narrower than one rate window
+    assert expected_peak_rate(0.0, 4.0, 1.0, 5.0, 30.0) == 0.0
+
+
+def test_a_new_stage_is_sized_for_the_expected_peak_until_the_peak_window_is_seen() -> None:
+    # the first second shows 40 req/s with inter-arrival CV 4: sized for the expected peak of a full window, more
+    # than 40 req/s needs; once peak_window_s has been seen, the observed peaks alone decide (and the hold applies)
+    cfg = {"rate_window_s": 1.0, "peak_window_s": 4.0, "hold_min_s": 0.0, "hold_starts": 0.0}
+    new = make_policy("quart", smooth={"enabled": False}, provision=cfg)
+    first = new.decide(snap(0.0, stage(0, 40.0, 1, cv_arrival=4.0))).stages[0]
+    need = servers_for_target(40.0, 10.0, 0.2, 0.95, 12)
+    assert first.replicas > need
+    assert first.replicas >= servers_for_target(expected_peak_rate(40.0, 4.0, 1.0, 1.0, 4.0), 10.0, 0.2, 0.95, 12)
+    off = quiet(provision=cfg).decide(snap(0.0, stage(0, 40.0, 1, cv_arrival=4.0))).stages[0]
+    assert off.replicas == need
+    r = first.replicas
+    for t in range(1, 12):
+        r = new.decide(snap(float(t), stage(0, 40.0, r, cv_arrival=4.0))).stages[0].replicas
+    assert r == need
 
 
 def test_provision_is_the_default_mode_and_an_unknown_mode_is_an_error() -> None:

@@ -13,6 +13,7 @@ from quart_tools.arrivals import Arrivals, poisson_arrivals
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
 from quart_tools.sim.scenario import run, system
+from support.scripted import Scripted
 
 GB = 1_000_000_000
 
@@ -44,19 +45,6 @@ def test_same_seed_same_run() -> None:
     assert np.array_equal(ra.latencies_ms, rb.latencies_ms, equal_nan=True)
     assert a["gpu_seconds"] == b["gpu_seconds"] and ra.samples == rb.samples
     assert a["mean_ms"] != c["mean_ms"]  # other service-time draws
-
-
-class Scripted:
-    """Test double: replicas of stage 0 by time, from a list of (from_time, replicas)."""
-
-    name = "scripted"
-
-    def __init__(self, plan: list[tuple[float, int]]):
-        self.plan = plan
-
-    def decide(self, snap):
-        want = [r for t, r in self.plan if snap.time >= t][-1]
-        return Decision(snap.time, tuple(StageDecision(want) for _ in snap.stages))
 
 
 def _ready_times(keysmanager: bool, plan, gpu_keep_s: float = 0.0, prewarm: int = -1):

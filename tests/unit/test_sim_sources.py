@@ -9,24 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gateway_plugin.snapshot import Decision, StageDecision
 from quart_tools.arrivals import Arrivals
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
+from support.scripted import Scripted
 
 GB = 1_000_000_000
 SIZE = 10 * GB
-
-
-class Scripted:
-    name = "scripted"
-
-    def __init__(self, plan: list[tuple[float, int]]):
-        self.plan = plan
-
-    def decide(self, snap):
-        want = [r for t, r in self.plan if snap.time >= t][-1]
-        return Decision(snap.time, tuple(StageDecision(want) for _ in snap.stages))
 
 
 def _run(mechanisms: set[str], replicas: int = 4, rate: float = 40.0, service_s: float = 0.05, **cal_kw):

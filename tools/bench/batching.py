@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 from quart_tools.arrivals import Arrivals, poisson_arrivals
 from quart_tools.bench import machine_info, system_with_plugin, write_report
+from quart_tools.bench.batching_physics import CpuMeter, compute_profile, theory
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch the quiet river flow past "
          "old stone bridges and green fields under a pale autumn sky").split()
@@ -61,11 +62,12 @@ def _arrivals(rate: float, step_s: float, seed: int, lengths: range) -> Arrivals
     return Arrivals(times=arr.times, sizes=sizes, kind="poisson")
 
 
-def _row(batching: str, rate: float, records) -> dict:
+def _row(batching: str, rate: float, records, cpu: list[dict]) -> dict:
     ok = [r.latency_ms for r in records if r.ok]
     lost = sum(1 for r in records if r.status == 0)
     return {"batching": batching, "rate": rate, "p50_ms": _percentile(ok, 50), "p99_ms": _percentile(ok, 99),
-            "ok": len(ok), "lost": lost, "sent": len(records), "refused": len(records) - len(ok) - lost}
+            "ok": len(ok), "lost": lost, "sent": len(records), "refused": len(records) - len(ok) - lost,
+            "cpu_ms_per_request": {k: round(float(np.mean([c[k] for c in cpu])), 2) for k in cpu[0]}}
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict:
@@ -110,25 +112,30 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
             print(f"  unloaded p50 {unloaded_ms:.1f} ms, SLO {slo_ms:.1f} ms", file=sys.stderr)
             rows = []
             over = {"off": 0, "on": 0}
+            meter = CpuMeter()
             for step, rate in enumerate(args.rates):
                 arrivals = _arrivals(rate, args.step_s, seed=100 + step, lengths=lengths)
-                # the lowest rate (the p50 comparison) runs off, on, on, off: drift in the machine's load hits both
-                order = ("off", "on", "on", "off") if step == 0 else ("off", "on")
+                # the lowest rate (the p50 comparison) runs off, on, on, off, the others off, on and on, off in
+                # turn: drift in the machine's load hits both
+                order = ("off", "on", "on", "off") if step == 0 else ("off", "on") if step % 2 else ("on", "off")
                 records: dict[str, list] = {"off": [], "on": []}
+                cpu: dict[str, list] = {"off": [], "on": []}
                 for mode in order:
                     if over[mode] >= 2:  # past its limit twice: no need to load it further
                         continue
                     set_batch(1 if mode == "off" else args.batch_max)
+                    meter.start()
                     result = await run_load(url, arrivals, timeout_s=max(2.0, 4 * slo_ms / 1000),
                                             body=lambda n: (bodies[int(n)], "application/octet-stream"),
                                             headers={"X-Quart-Timeout-Ms": str(int(max(2000, 4 * slo_ms)))},
                                             progress=False)
                     records[mode].extend(result.records)
+                    cpu[mode].append(meter.per_request_ms(len(result.records)))
                     await asyncio.sleep(1.0)  # drain between runs
                 for mode in ("off", "on"):
                     if not records[mode]:
                         continue
-                    row = _row(mode, rate, records[mode])
+                    row = _row(mode, rate, records[mode], cpu[mode])
                     rows.append(row)
                     within = row["ok"] == row["sent"] and row["p99_ms"] <= slo_ms
                     over[mode] = 0 if within else over[mode] + 1
@@ -150,6 +157,15 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
                "batch_max": args.batch_max, "rows": rows, "max_rate_within_slo": {"off": off, "on": on},
                "service_by_batch": {fn: [{"size": s, "calls": n, "mean_ms": round(1000 * m, 2)} for s, n, m in v]
                                     for fn, v in sizes.items()}}
+    # the physics: the same stages in this process, no HTTP (tools/bench/batching_physics.py)
+    mix = [int(n) for n in np.random.default_rng(7).integers(lengths.start, lengths.stop, size=16)]
+    oneshot["profile"] = compute_profile(model_dir, args.stages, args.threads, bodies, mix)
+    oneshot["theory"] = {key: theory(oneshot["profile"], f"{key}_ms", slo_ms, unloaded_ms, args.batch_max)
+                         for key in ("mixed", "uniform")}
+    for key, t in oneshot["theory"].items():
+        print(f"  physics ({key} lengths, in process): max rate off {t['max_rate_off']}, on {t['max_rate_on']} "
+              f"(batch {t['batch_within_slo']}) = {t['ratio']}x; at any batch ≤ {t['ratio_at_any_batch']}x",
+              file=sys.stderr)
     targets = {"max_rate_on_ge_3x_off": off > 0 and on >= 3 * off,
                f"p50_at_{args.rates[0]:g}_on_le_1.1x_off": at1.get("on", 1e9) <= 1.1 * at1.get("off", 0),
                "lost_0": all(r["lost"] == 0 for r in rows)}

@@ -101,6 +101,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _first_health(session: requests.Session, url: str, proc: subprocess.Popen, log, t0: float, timeout_s: float,
+                  what: str) -> tuple[requests.Response, float]:
+    """Poll ``/_/health`` until it answers 200: (that answer, ms since ``t0``); raises with the log's tail when
+    the process exits or ``timeout_s`` passes first."""
+    while True:
+        try:
+            health = session.get(url + "/_/health", timeout=5)
+            if health.status_code == 200:
+                return health, (time.perf_counter() - t0) * 1e3
+        except requests.ConnectionError:
+            pass
+        if proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
+            log.seek(0)
+            raise RuntimeError(f"{what} did not become ready:\n{log.read().decode()[-3000:]}")
+        time.sleep(0.005)
+
+
 def ready_ms(build: Path, env: dict[str, str], source: str, timeout_s: float = 600.0) -> float:
     """Start the stage as a pod does; ms from the process start to its first healthy answer."""
     bind = f"127.0.0.1:{_free_port()}"
@@ -112,18 +129,7 @@ def ready_ms(build: Path, env: dict[str, str], source: str, timeout_s: float = 6
                                 stdout=log, stderr=log, start_new_session=True)
         try:
             with requests.Session() as session:
-                while True:
-                    try:
-                        health = session.get(url + "/_/health", timeout=5)
-                        if health.status_code == 200:
-                            elapsed = (time.perf_counter() - t0) * 1e3
-                            break
-                    except requests.ConnectionError:
-                        pass
-                    if proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
-                        log.seek(0)
-                        raise RuntimeError(f"the stage did not become ready:\n{log.read().decode()[-3000:]}")
-                    time.sleep(0.005)
+                health, elapsed = _first_health(session, url, proc, log, t0, timeout_s, "the stage")
                 if health.json().get("parameters") != source:
                     raise RuntimeError(f"expected parameters from {source}, the stage says {health.json()}")
                 answer = session.post(url, json={"input_ids": [[1, 2, 3]]}, timeout=120)
@@ -151,18 +157,7 @@ def forward_ready_ms(build: Path, env: dict[str, str], daemon: Daemon, timeout_s
                                 env={**env, "QUART_BIND": bind}, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         try:
             with requests.Session() as session:
-                while True:
-                    try:
-                        health = session.get(url + "/_/health", timeout=5)
-                        if health.status_code == 200:
-                            elapsed = (time.perf_counter() - t0) * 1e3
-                            break
-                    except requests.ConnectionError:
-                        pass
-                    if proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
-                        log.seek(0)
-                        raise RuntimeError(f"the forwarder did not become ready:\n{log.read().decode()[-3000:]}")
-                    time.sleep(0.005)
+                health, elapsed = _first_health(session, url, proc, log, t0, timeout_s, "the forwarder")
                 if health.json().get("start") != "fork":
                     raise RuntimeError(f"expected the fork path, the pod says {health.json()}")
                 answer = session.post(url, json={"input_ids": [[1, 2, 3]]}, timeout=120)

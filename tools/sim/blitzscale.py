@@ -58,6 +58,10 @@ MODELS: dict[str, tuple[float, int, int, float, float, int]] = {
     "llama3-8b": (16.1e9, 1, 32, 0.12, 0.45, 2),
     "llama2-70b": (138e9, 4, 20, 0.15, 1.25, 1),
 }
+# generation (--workload generation): fp16 K and V bytes per position of the published architectures (Llama-2-7B
+# 32 layers × 32 KV heads × 128; Llama-3-8B 32 × 8 (GQA) × 128; Llama-2-70B 80 × 8 × 128) and the GPU's memory
+GEN_KV_BYTES = {"llama2-7b": 2 * 32 * 32 * 128 * 2, "llama3-8b": 2 * 32 * 8 * 128 * 2, "llama2-70b": 2 * 80 * 8 * 128 * 2}
+GPU_BYTES = 80e9  # BlitzScale's A100s (80 GB)
 PARASERVE_MAX_PARTS = 4  # ParaServe §8 runs P ≤ 4 (larger P gains little)
 PEAK_FRACTION = 0.75  # the burst's peak needs at most this share of the replicas the cluster can hold per stage
 
@@ -139,22 +143,23 @@ def run_mode(model: str, mode: str, cal: Calibration, arrivals: Arrivals, window
 
 def run_blitzscale(models: list[str], cal: Calibration, seed: int = 0, base: float = 0.5, burst: float = 4.0,
                    warm_s: float = 30.0, burst_s: float = 30.0, cool_s: float = 30.0,
-                   fabric: dict | None = None) -> dict:
+                   fabric: dict | None = None, workload: str = "oneshot", trace_path: str = "") -> dict:
     """Every mode on every model, the same burst per model; rows and the issue's check (live vs allcache).
 
     The burst is ``burst`` × the initial replicas' capacity, lowered where the cluster could not serve it
     (the peak needs at most `PEAK_FRACTION` of the replicas per stage: as BlitzScale scales its traces).
-    ``fabric`` overrides entries of `FABRIC` (e.g. ``{"nic_gbit_s": 200.0}``).
+    ``fabric`` overrides entries of `FABRIC` (e.g. ``{"nic_gbit_s": 200.0}``). ``workload="generation"``: sessions
+    with the trace's lengths, judged on TTFT and TBT (`quart_tools.sim.genburst`).
     """
     unknown = set(fabric or {}) - set(FABRIC)
     if unknown:
         raise ValueError(f"fabric: unknown {sorted(unknown)}; known: {', '.join(FABRIC)}")
     fab = {**FABRIC, **(fabric or {})}
+    if workload == "generation":
+        return run_blitzscale_generation(models, cal, seed, base, burst, (warm_s, burst_s, cool_s), fab, trace_path)
     rows, checks, bursts = [], {}, {}
     for model in models:
-        if model not in MODELS:
-            raise ValueError(f"models: unknown {model!r}; one of {', '.join(MODELS)}")
-        mcal = fabric_calibration(cal, model, fab)
+        mcal = model_calibration(cal, model, fab)
         _, stages, _, service_s, _, initial = MODELS[model]
         capacity = initial / service_s  # requests/s the initial replicas of one stage sustain
         level = min(burst, PEAK_FRACTION * (mcal.hosts // stages) / initial)
@@ -169,16 +174,76 @@ def run_blitzscale(models: list[str], cal: Calibration, seed: int = 0, base: flo
         "fabric": fab,
         "models": {m: {**dict(zip(("param_bytes", "stages", "layers_per_stage", "service_s", "slo_s",
                                    "initial_replicas"), MODELS[m], strict=True)), **bursts[m]} for m in models},
-        "burst": {"base_x_capacity": base, "burst_x_capacity": burst, "warm_s": warm_s, "burst_s": burst_s,
-                  "cool_s": cool_s, "seed": seed, "arrivals": "poisson"},
-        "policy": "quart (the live controller, gateway_plugin.controller)",
+        "burst": burst_doc(base, burst, (warm_s, burst_s, cool_s), seed, "poisson"),
+        "policy": POLICY,
         "rows": rows,
         "check_live_p99_within_1.2x_allcache": checks,
         "simulated": True,
     }
 
 
-def plot_blitzscale(doc: dict, out_dir: str | Path) -> list[Path]:
+POLICY = "quart (the live controller, gateway_plugin.controller)"
+
+
+def burst_doc(base: float, burst: float, spans: tuple[float, float, float], seed: int, arrivals: str) -> dict:
+    warm_s, burst_s, cool_s = spans
+    return {"base_x_capacity": base, "burst_x_capacity": burst, "warm_s": warm_s, "burst_s": burst_s,
+            "cool_s": cool_s, "seed": seed, "arrivals": arrivals}
+
+
+def model_calibration(cal: Calibration, model: str, fab: dict) -> Calibration:
+    if model not in MODELS:
+        raise ValueError(f"models: unknown {model!r}; one of {', '.join(MODELS)}")
+    return fabric_calibration(cal, model, fab)
+
+
+def run_blitzscale_generation(models: list[str], cal: Calibration, seed: int, base: float, burst: float,
+                              spans: tuple[float, float, float], fab: dict, trace_path: str) -> dict:
+    """Every mode on every model under one generation burst: TTFT, TPOT and TBT per mode; the issue's checks
+    (live TTFT p99 ≤ 0.5 × peer-fetch's, live TBT p99 during the scale-up ≤ 1.5 × the steady TBT p99)."""
+    from quart_tools.sim.genburst import capacity_sps, gen_stages, run_gen_mode, session_arrivals
+
+    rows, checks, bursts = [], {}, {}
+    for model in models:
+        mcal = model_calibration(cal, model, fab)
+        size, stages, _, _, _, initial = MODELS[model]
+        probe, _, _ = session_arrivals(1.0, 1.0, 1.0, 100.0, 100.0, 100.0, seed, trace_path)
+        specs = gen_stages(model, size, stages, GEN_KV_BYTES[model], GPU_BYTES, mcal, probe)
+        capacity = initial * capacity_sps(specs, probe)
+        level = min(burst, PEAK_FRACTION * (mcal.hosts // stages) / initial)
+        arrivals, lo, hi = session_arrivals(capacity, base, level, *spans, seed, trace_path)
+        bursts[model] = {"initial_replicas": initial, "burst_x_capacity": level, "capacity_sessions_s": capacity,
+                         "sessions": len(arrivals)}
+        by_mode = {m: run_gen_mode(model, m, specs, mcal, arrivals, (lo, hi), *MODES[m], initial, seed,
+                                   PARASERVE_MAX_PARTS) for m in MODES}
+        rows.extend(by_mode.values())
+        live, peer = by_mode["live"], by_mode["peer-fetch"]
+        steady = by_mode["allcache"]["steady_tbt_p99_ms"]
+        checks[model] = {
+            "live_ttft_p99_over_peer_fetch": _over(live["ttft_p99_ms"], peer["ttft_p99_ms"]), "ttft_target": 0.5,
+            "live_tbt_p99_over_steady": _over(live["tbt_p99_ms"], steady), "tbt_target": 1.5,
+        }
+        checks[model]["met"] = bool(checks[model]["live_ttft_p99_over_peer_fetch"] is not None
+                                    and checks[model]["live_ttft_p99_over_peer_fetch"] <= 0.5
+                                    and checks[model]["live_tbt_p99_over_steady"] is not None
+                                    and checks[model]["live_tbt_p99_over_steady"] <= 1.5)
+    return {
+        "workload": "generation", "fabric": fab, "gpu_bytes": GPU_BYTES,
+        "models": {m: {**dict(zip(("param_bytes", "stages", "layers_per_stage"), MODELS[m][:3], strict=True)),
+                       "kv_bytes_per_token": GEN_KV_BYTES[m], **bursts[m]} for m in models},
+        "burst": burst_doc(base, burst, spans, seed, "poisson sessions, the trace's lengths"),
+        "policy": POLICY,
+        "rows": rows,
+        "checks": checks,
+        "simulated": True,
+    }
+
+
+def _over(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def plot_blitzscale(doc: dict, out_dir: str | Path, fabric: str = "BlitzScale") -> list[Path]:
     """``blitzscale-<model>.png``: burst mean and p99 latency per mode, and ask → ready per mode."""
     import matplotlib
 
@@ -193,21 +258,25 @@ def plot_blitzscale(doc: dict, out_dir: str | Path) -> list[Path]:
         names = [r["mode"] for r in rows]
         x = np.arange(len(rows))
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        a.bar(x - 0.2, [r["burst_mean_ms"] or 0 for r in rows], 0.4, label="burst mean")
-        a.bar(x + 0.2, [r["burst_p99_ms"] or 0 for r in rows], 0.4, label="burst p99")
+        gen = doc.get("workload") == "generation"
+        left = (("ttft_p50_ms", "burst TTFT p50"), ("ttft_p99_ms", "burst TTFT p99")) if gen else \
+            (("burst_mean_ms", "burst mean"), ("burst_p99_ms", "burst p99"))
+        right = (("tbt_p99_ms", "TBT p99 (burst + scale-up)"), ("steady_tbt_p99_ms", "TBT p99 before")) if gen else \
+            (("ready_ms", "ask → ready (median)"), ("first_served_ms", "ask → first served"))
+        for ax, pair in ((a, left), (b, right)):
+            for off, (key, label) in zip((-0.2, 0.2), pair, strict=True):
+                ax.bar(x + off, [r[key] or 0 for r in rows], 0.4, label=label)
         a.set_yscale("log")
         a.set_ylabel("latency (ms)")
         a.legend()
-        b.bar(x - 0.2, [r["ready_ms"] or 0 for r in rows], 0.4, label="ask → ready (median)")
-        b.bar(x + 0.2, [r["first_served_ms"] or 0 for r in rows], 0.4, label="ask → first served")
         b.set_yscale("log")
         b.set_ylabel("ms")
         b.legend()
         for ax in (a, b):
             ax.set_xticks(x, names, rotation=30, ha="right")
-        fig.suptitle(f"{model}: one burst, every start mode (simulated, BlitzScale fabric)")
+        fig.suptitle(f"{model}: one {'generation ' if gen else ''}burst, every start mode (simulated, {fabric} fabric)")
         fig.tight_layout()
-        path = out / f"blitzscale-{model}.png"
+        path = out / f"{fabric.lower()}-{'generation-' if gen else ''}{model}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

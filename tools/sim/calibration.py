@@ -50,6 +50,7 @@ class Calibration:
     registry_gbytes_s: float = 50.0  # the registry's total bandwidth (ParaServe's P fetchers share it)
     live_layers: int = 32  # layers of a stage: the granularity a live replica serves and loads in
     paraserve_overlap: bool = True  # a ParaServe worker's fetch runs while its runtime starts (ParaServe §5)
+    hbm_gbytes_s: float = 1500.0  # GPU memory bandwidth: a batched decode step reads its sessions' KV at it
     # Service time: stage time = exec_ms / stages × (1 − f + f × cpu_ref / cpus) × Gamma(mean 1, cv)
     service_cv: float = 0.1  # per-request variation of a stage's service time
     cpu_fraction: float = 0.2  # f: share of a stage's time that scales with its CPUs
@@ -173,6 +174,7 @@ _PAPER_SOURCES = {
     "chain_hop_bytes": "live: docs/data/blitz.json, chain of 3 = 1.812 s vs one 1.759 s: 26.5 ms per hop at 0.95 Gbit/s",
     "registry_gbytes_s": "assumption: a registry serving 400 Gbit/s in all (ParaServe: the hosts' NICs are the limit)",
     "paraserve_overlap": "ParaServe §5 (prefetch from the start of the worker); not measured in this project",
+    "hbm_gbytes_s": "assumption: ~1.5 TB/s of A100 HBM, the rule of the decoders' profiled decode_ms (presets.py)",
     "live_layers": "assumption: 32 layers per stage (Llama-2-7B's count), the unit a live replica loads and serves",
     "service_cv": "assumption: GPU stage compute varies little per request",
     "cpu_fraction": "assumption: share of stage time in CPU work (serde, copies); QUART §5.3",

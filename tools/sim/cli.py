@@ -7,6 +7,9 @@
     quartctl simulate --experiment frontier --seeds 0,1,2,3,4 [--only-trace] ...  # mean and worst over seeds
     quartctl simulate --experiment ablation --out FILE [--reuse FRONTIER]         # QUART's parts one at a time
     quartctl simulate --experiment blitzscale --out FILE [--plots DIR]            # start modes (issues 16, 17)
+    quartctl simulate --experiment blitzscale --workload generation --out FILE    # ... on TTFT / TBT (issue 29)
+    quartctl simulate --experiment paraserve --out FILE [--plots DIR]             # ParaServe fabric, TTFT / TPOT
+    quartctl simulate --experiment generation --out FILE [--plots DIR]            # TTFT/TPOT SLOs (issue 32)
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from quart_stage import cliargs
 from quart_tools.arrivals import DEFAULT_TRACE, gamma_arrivals, load_trace, replay_trace
 from quart_tools.report import json_safe, plot_arrivals, plot_latency_cdf, plot_stage_series
 from quart_tools.sim import experiments as ex
+from quart_tools.sim.batching import DEFAULT_FIXED
+from quart_tools.sim.batching import DEFAULT_MAX as DEFAULT_BATCH_MAX
 from quart_tools.sim.calibration import PAPER_MODELS, Calibration
 
 DEFAULT_LOAD = 0.4  # mean rate as a fraction of what the whole cluster sustains for the model
 EXPERIMENTS = ("run", "fig2", "fig6", "fig7", "ablations", "frontier", "quart-ablation", "ablation", "blitzscale",
-               "all")
+               "paraserve", "generation", "all")
+OWN_MODELS = ("blitzscale", "paraserve", "generation")  # experiments whose --models default is their own
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,8 +64,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="JSON settings for QUART's make_policy (diagnostics, e.g. a shorter cooldown)")
     p.add_argument("--max-replicas", type=int, default=0,
                    help="per-stage replica cap (com.openfaas.scale.max) of every system; 0 = 2 × GPUs / stages")
+    p.add_argument("--batching", action="store_true",
+                   help="replicas serve batches of what waits (the router's dynamic batching, docs/simulator.md)")
+    p.add_argument("--batch-max", type=int, default=DEFAULT_BATCH_MAX, help="with --batching: requests per call")
+    p.add_argument("--batch-fixed", type=float, default=DEFAULT_FIXED,
+                   help="with --batching: F / S(1) of the profile S(b) = S(1)·(f + (1 − f)·b), in [0, 1)")
     p.add_argument("--nic-gbit", type=float, default=None,
                    help="blitzscale: network Gbit/s per host (default the paper's 100)")
+    p.add_argument("--workload", choices=("oneshot", "generation"), default="oneshot",
+                   help="blitzscale: one-shot requests or generation sessions (TTFT / TBT)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--calibration", default=None, help="calibration JSON (Calibration.to_json format)")
     p.add_argument("--keysmanager-bench", default=None,
@@ -107,7 +120,15 @@ def _single(args, cal: Calibration) -> dict:
 
 def _overrides(args) -> tuple[tuple[str, object], ...]:
     """SimConfig fields set from the command line (only those given)."""
-    return (("max_replicas", args.max_replicas),) if args.max_replicas else ()
+    out = (("max_replicas", args.max_replicas),) if args.max_replicas else ()
+    if args.batching:  # quart_tools.sim.batching
+        out += (("batch_max", args.batch_max), ("batch_fixed", args.batch_fixed))
+    return out
+
+
+def _batching(args) -> dict:
+    """The batching of a run, for its config record ({} without --batching)."""
+    return {"batching": {"max": args.batch_max, "fixed": args.batch_fixed}} if args.batching else {}
 
 
 def _systems(args, default) -> list[str]:
@@ -196,7 +217,7 @@ def _frontier(args, cal: Calibration) -> dict:
     seeds = _seeds(args)
     duration = QUICK_DURATION_S if args.quick else args.duration
     config = {"models": models, "cvs": cvs, "trace": trace, "duration_s": duration, "load": args.load,
-              "seeds": seeds, "max_replicas": args.max_replicas}
+              "seeds": seeds, "max_replicas": args.max_replicas, **_batching(args)}
     reuse = None
     if args.reuse:
         with open(args.reuse, encoding="utf-8") as f:
@@ -206,9 +227,11 @@ def _frontier(args, cal: Calibration) -> dict:
         reuse = earlier["entries"]
     doc = run_frontier(models, cvs, duration, args.load, cal, trace, seeds, args.workers, _overrides(args), reuse)
     if args.plots:
-        from quart_tools.sim.frontier_plots import plot_frontier
+        from quart_tools.sim.frontier_plots import plot_frontier, plot_seeds
 
         plot_frontier(doc["entries"], args.plots)
+        if len(seeds) > 1:
+            plot_seeds(doc["over_seeds"], Path(args.plots) / "frontier-seeds.png")
     return {"experiment": "frontier", "config": config, **doc}
 
 
@@ -235,9 +258,34 @@ def _blitzscale(args, cal: Calibration) -> dict:
 
     models = [m.strip() for m in args.models.split(",")] if args.models else list(MODELS)
     fabric = {"nic_gbit_s": args.nic_gbit} if args.nic_gbit else None
-    doc = {"experiment": "blitzscale", **run_blitzscale(models, cal, seed=args.seed, fabric=fabric)}
+    doc = {"experiment": "blitzscale", **run_blitzscale(models, cal, seed=args.seed, fabric=fabric,
+                                                        workload=args.workload, trace_path=args.trace)}
     if args.plots:
         doc["plots"] = [str(p) for p in plot_blitzscale(doc, args.plots)]
+    return doc
+
+
+def _paraserve(args, cal: Calibration) -> dict:
+    from quart_tools.sim.blitzscale import plot_blitzscale
+    from quart_tools.sim.paraserve import MODELS, run_paraserve
+
+    models = [m.strip() for m in args.models.split(",")] if args.models else list(MODELS)
+    doc = {"experiment": "paraserve", "workload": "generation", **run_paraserve(models, cal, args.trace, args.seed)}
+    if args.plots:
+        doc["plots"] = [str(p) for p in plot_blitzscale(doc, args.plots, "ParaServe")]
+    return doc
+
+
+def _generation(args, cal: Calibration) -> dict:
+    from quart_tools.sim.genexp import GEN_CVS, plot_generation, run_generation
+    from quart_tools.sim.genmodels import GEN_MODELS
+
+    models = [m.strip() for m in args.models.split(",")] if args.models else list(GEN_MODELS)
+    cvs = list(GEN_CVS) if args.cvs == _parser().get_default("cvs") else _floats(args.cvs)
+    doc = run_generation(models, cvs, not args.no_trace, args.duration, args.load, cal, args.trace, _seeds(args),
+                         args.workers)
+    if args.plots:
+        doc["plots"] = [str(p) for p in plot_generation(doc, args.plots)]
     return doc
 
 
@@ -250,30 +298,24 @@ def _cpu_seconds() -> float:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.models is None and args.experiment != "blitzscale":
+    if args.models is None and args.experiment not in OWN_MODELS:
         args.models = ",".join(PAPER_MODELS)
     if args.plots and args.experiment in ("fig2", "quart-ablation"):
         return cliargs.usage_error("quartctl simulate", f"--plots: the {args.experiment} experiment has no plots "
                                    "(run, fig6, fig7, ablations, frontier, blitzscale and all have)")
+    if args.batch_max < 1 or not 0 <= args.batch_fixed < 1:
+        return cliargs.usage_error("quartctl simulate", f"--batch-max must be ≥ 1 (got {args.batch_max}) and "
+                                   f"--batch-fixed in [0, 1) (got {args.batch_fixed})")
     started = time.perf_counter()
     try:
         cal = _calibration(args)
-        if args.experiment == "run":
-            doc = _single(args, cal)
+        experiments = {"run": _single, "fig6": _fig6, "fig7": _fig7, "ablations": _ablations, "frontier": _frontier,
+                       "quart-ablation": _quart_ablation, "ablation": _quart_ablation, "blitzscale": _blitzscale,
+                       "paraserve": _paraserve, "generation": _generation}
+        if args.experiment in experiments:
+            doc = experiments[args.experiment](args, cal)
         elif args.experiment == "fig2":
             doc = {"experiment": "fig2", **ex.fig2(cal, args.duration, seed=args.seed)}
-        elif args.experiment == "fig6":
-            doc = _fig6(args, cal)
-        elif args.experiment == "fig7":
-            doc = _fig7(args, cal)
-        elif args.experiment == "ablations":
-            doc = _ablations(args, cal)
-        elif args.experiment == "frontier":
-            doc = _frontier(args, cal)
-        elif args.experiment in ("quart-ablation", "ablation"):
-            doc = _quart_ablation(args, cal)
-        elif args.experiment == "blitzscale":
-            doc = _blitzscale(args, cal)
         else:
             doc = {"experiment": "all", "fig2": ex.fig2(cal, args.duration, seed=args.seed), "fig6": _fig6(args, cal),
                    "fig7": _fig7(args, cal), "ablations": _ablations(args, cal)}

@@ -20,7 +20,9 @@ from gateway_plugin.snapshot_builder import StageState
 from quart_kernel.convergence import Convergence, FunctionView, PlatformView, ReplicaView, converge
 from quart_kernel.replicaset import note_key_scale, within_bounds
 from quart_kernel.scheduling import Placer
+from quart_kernel.scheduling.paraserve_groups import consolidating
 from quart_tools.report import StageSample
+from quart_tools.sim.batching import profile_s
 from quart_tools.sim.cluster import Host
 from quart_tools.sim.events import RECONCILE, EventLoop
 from quart_tools.sim.starting import ReplicaStarts
@@ -71,11 +73,13 @@ class ControlLoop:
                           min_replicas=self.cfg.min_replicas, max_replicas=self.max_replicas, concurrency=1,
                           param_bytes=st.spec.param_bytes,
                           profiled_service_s=st.spec.service_s if self.cfg.profile_label else 0.0,
-                          start_s=st.start_time.seconds)
+                          start_s=st.start_time.seconds, batch_max=self.cfg.batch_max,
+                          batch_profile_s=profile_s(st.spec.service_s, self.cfg.batch_max, self.cfg.batch_fixed)
+                          if self.cfg.batch_max > 1 and self.cfg.profile_label else ())
 
     def queue_len(self, function: str) -> int:
         st = self.stage_by_fn[function]
-        return len(st.queue) + len(st.remainders)
+        return len(st.queue) + len(st.remainders) + st.waiting
 
     def busy(self, function: str) -> int:
         return self.stage_by_fn[function].busy
@@ -124,8 +128,8 @@ class ControlLoop:
         functions = []
         for st in self.stages:
             current = st.current()
-            protected = frozenset(str(r.id) for r in current if r.group is not None and any(
-                m.consolidated_at < 0 and m.state in ("starting", "ready") for m in r.group))
+            protected = frozenset(str(r.id) for r in current if r.group is not None and consolidating(
+                0, (m.consolidated_at >= 0 for m in r.group if m.state in ("starting", "ready"))))
             functions.append(FunctionView(
                 st.function, st.desired, st.generation,
                 tuple(ReplicaView(str(r.id), r.state, r.generation, r.in_flight, r.started_at) for r in current),

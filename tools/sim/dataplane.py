@@ -16,6 +16,7 @@ import heapq
 import math
 from collections.abc import Callable
 
+from quart_tools.sim.batching import start_batch
 from quart_tools.sim.events import COMPLETE, PARTIAL_DONE, EventLoop
 from quart_tools.sim.state import Replica, SimConfig, Tally, _Stage
 
@@ -73,12 +74,15 @@ class StageFlow:
         loop.seq += 1
         heapq.heappush(loop.heap, (now + service, loop.seq, COMPLETE, (req, rep, service)))
 
-    def complete(self, payload: tuple[int, Replica, float], now: float) -> None:
-        """A request's service on a replica ended (a `COMPLETE` event)."""
+    def complete(self, payload: tuple[int | tuple[int, ...], Replica, float], now: float) -> None:
+        """A call on a replica ended (a `COMPLETE` event): one request's, or a batch's (quart_tools.sim.batching)."""
         req, rep, service = payload
+        reqs = req if isinstance(req, tuple) else (req,)
         stage = self.stages[rep.stage]
-        stage.metrics.on_complete(now, service)
-        stage.busy -= 1
+        for _ in reqs:
+            stage.metrics.on_complete(now, service)
+        stage.metrics.on_batch(len(reqs), service)  # the router's service time by batch size
+        stage.busy -= len(reqs)
         rep.in_flight -= 1
         if rep.first_done < 0:
             rep.first_done = now
@@ -86,7 +90,8 @@ class StageFlow:
             self.release(rep, now)
         else:
             self.serve_next(stage, rep, now)
-        self._advance(req, rep.stage, now)
+        for r in reqs:
+            self._advance(r, rep.stage, now)
 
     def _advance(self, req: int, index: int, now: float) -> None:
         """A request is done with stage ``index``: on to the next stage, or finished."""
@@ -100,6 +105,8 @@ class StageFlow:
         request of its stage, or goes idle."""
         if stage.remainders:
             self._start_remainder(stage, rep, now)
+        elif stage.queue and self.cfg.batch_max > 1:
+            start_batch(self.cfg, self.loop, self.hop_in_service, stage, rep, now)
         elif stage.queue:
             req, enq = stage.queue.popleft()
             self._start(req, stage, rep, now, enq)
@@ -110,6 +117,9 @@ class StageFlow:
         """A replica is loaded: it serves (a live one still running its part of a request takes the next then)."""
         if not rep.in_flight:
             self.serve_next(stage, rep, now)
+
+    def before_consolidated(self, rep: Replica, now: float) -> None:
+        """A ParaServe group consolidates: nothing moves (a one-shot request holds no state between passes)."""
 
     # --------------------------------------------------------------------------------- live
     def live_first(self, rep: Replica, now: float) -> None:

@@ -36,6 +36,7 @@ from quart_tools.sim.events import (
     RECONCILE,
     EventLoop,
 )
+from quart_tools.sim.generation import GenerationFlow, session_lengths
 from quart_tools.sim.starting import ReplicaStarts
 from quart_tools.sim.state import SimConfig, SimResult, StageSpec, Tally, _Stage
 from quart_tools.sim.wholemodel import WholeModelFlow
@@ -47,8 +48,8 @@ class Simulation:
     """One run of one policy over one arrival schedule."""
 
     def __init__(self, cfg: SimConfig, policy, arrivals: Arrivals) -> None:
-        if cfg.start_mechanisms and cfg.whole_model:
-            raise ValueError("start_mechanisms: not with whole_model (a live or split start needs stages)")
+        if cfg.whole_model and (cfg.start_mechanisms or cfg.generation):
+            raise ValueError("whole_model: not with start_mechanisms or generation (they need stages)")
         self.cfg, self.policy, self.arrivals = cfg, policy, arrivals
         cal = cfg.calibration
         self.hosts: list[Host] = make_hosts(cal.hosts, cal.gpus_per_host, cal.host_memory_bytes, cfg.keysmanager,
@@ -68,8 +69,13 @@ class Simulation:
         self.loop = EventLoop()
         self.tally = Tally(arrivals.times.astype(float))
         self.starts = ReplicaStarts(cfg, self.stages, self.hosts, self.loop, self.tally)
-        flow = WholeModelFlow if cfg.whole_model else StageFlow
-        self.flow: StageFlow | WholeModelFlow = flow(cfg, self.stages, self.loop, self.tally, self.starts.release)
+        self.flow: StageFlow | WholeModelFlow | GenerationFlow
+        if cfg.generation:
+            prompt, new = session_lengths(arrivals, cfg.max_context, cfg.max_new_tokens)
+            self.flow = GenerationFlow(cfg, self.stages, self.loop, self.tally, self.starts.release, prompt, new)
+        else:
+            flow = WholeModelFlow if cfg.whole_model else StageFlow
+            self.flow = flow(cfg, self.stages, self.loop, self.tally, self.starts.release)
         self.control = ControlLoop(cfg, policy, self.stages, self.hosts, self.loop, self.tally, self.starts, placer)
         self.starts.flow, self.starts.converge = self.flow, self.control.converge
         for st in self.stages:
@@ -105,7 +111,7 @@ class Simulation:
                     complete(payload, t)
                 elif kind == CONTROL:
                     control.step(t)
-                    if i < n or any(s.busy or s.queue for s in self.stages):
+                    if i < n or any(s.busy or s.queue or s.waiting for s in self.stages):
                         loop.push(t + cfg.control_period_s, CONTROL, None)
                 else:
                     handlers[kind](payload, t)
@@ -145,4 +151,8 @@ class Simulation:
             decisions=tally.decisions,
             launched=tally.launched,
             paraserve_plans=tally.paraserve_plans,
+            ttft_ms=tally.ttft_ms,
+            tpot_ms=tally.tpot_ms,
+            token_gaps=None if tally.token_gaps is None else np.array(tally.token_gaps, dtype=float).reshape(-1, 2),
+            kv_migrations=tally.kv_migrations,
         )

@@ -63,5 +63,36 @@ def plot_frontier(entries: list[dict], out_dir: str | Path) -> list[Path]:
     return written
 
 
+def plot_seeds(rows: list[dict], path: str | Path) -> Path:
+    """QUART over seeds (``over_seeds`` rows of one or more frontier documents): per workload QUART / static frontier
+    and QUART / oracle on every seed (dots), their mean (bar) and issue 32's targets (dashed). Returns the file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = [r["workload"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.1 * len(rows) + 3), 4.2))
+    panels = (("quart_over_frontier", "QUART / static frontier", (1.0, 1.1)), ("quart_over_oracle", "QUART / oracle", (1.15,)))
+    for ax, (key, title, targets) in zip(axes, panels, strict=True):
+        for i, r in enumerate(rows):
+            vals = [v for v in r[f"{key}_by_seed"].values() if _finite(v)]
+            ax.bar(i, r[f"{key}_mean"] or 0.0, color="0.85", width=0.6)
+            ax.plot([i] * len(vals), vals, "o", color="tab:red", ms=4)
+        for t in targets:
+            ax.axhline(t, ls="--", color="0.4", lw=1)
+        lows = [v for r in rows for v in r[f"{key}_by_seed"].values() if _finite(v)]
+        ax.set_ylim(min([0.9, *lows]) * 0.95, max([1.2, *lows]) * 1.03)
+        ax.set_xticks(range(len(rows)), names, rotation=40, ha="right", fontsize=8)
+        ax.set_title(f"{title} (bar: mean over seeds, dots: seeds)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _finite(*xs) -> bool:
     return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)

@@ -29,6 +29,7 @@ import numpy as np
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 from quart_tools.arrivals import Arrivals
 from quart_tools.report import replica_seconds
+from quart_tools.sim.batching import batched_fifo_waits
 from quart_tools.sim.engine import SimConfig, SimResult, Simulation
 from quart_tools.sim.scenario import entry_of
 
@@ -100,11 +101,13 @@ def window_waits(cfg: SimConfig, times: np.ndarray, windows: tuple[float, ...], 
     for i, spec in enumerate(cfg.stages):
         mean_s = spec.service_s * cfg.calibration.cpu_factor(cfg.cpus)
         factor = rng.gamma(1 / cv**2, cv**2, size=len(times)) if cv > 0 else np.ones(len(times))
-        service = (mean_s * factor + hop).tolist()
+        work = (mean_s * factor).tolist()
+        service = [w + hop for w in work]
         arr = times + shift
         bins = {w: np.minimum((arr // w).astype(int), n - 1) for w, n in counts.items()}
         for c in range(1, cap + 1):
-            waits = np.asarray(_fifo_waits(arr.tolist(), service, c))
+            waits = np.asarray(_fifo_waits(arr.tolist(), service, c) if cfg.batch_max <= 1 else
+                               batched_fifo_waits(arr.tolist(), work, hop, c, cfg.batch_max, cfg.batch_fixed))
             for w, n in counts.items():
                 out[w][i, :, c] = np.bincount(bins[w], weights=waits, minlength=n)
             if not waits.any():  # nobody waits: more replicas change nothing

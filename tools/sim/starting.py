@@ -3,8 +3,8 @@ by their mechanism — the KeysManager fork, the cold start, peer fetch, chain m
 ParaServe starts.
 
 Which mechanism a new replica uses is decided by the one convergence (`quart_kernel.convergence`, the live
-rule `plan_starts` over the placer's placements); P of a ParaServe start is the live planner's
-(`quart_kernel.scheduling.paraserve.plan_parallelism`) over this cluster's costs. This module is the timing
+rule `plan_starts` over the placer's placements); P of a ParaServe start is the gateway's rule
+(`quart_kernel.scheduling.paraserve.choose_parts`) over this cluster's costs. This module is the timing
 of a start, from `Calibration`:
 
 - gpu / fork / cold: ready after the mechanism's delay (`Calibration.ready_s`);
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from quart_kernel.scheduling import FetchHost, ParaServeCosts, ReplicaRequest, StartPlan, plan_parallelism
+from quart_kernel.scheduling import FetchHost, ParaServeCosts, ReplicaRequest, StartPlan
+from quart_kernel.scheduling.paraserve import choose_parts
 from quart_tools.sim.calibration import GB
 from quart_tools.sim.cluster import Host
 from quart_tools.sim.dataplane import leave_live_pool
@@ -94,7 +95,7 @@ class ReplicaStarts:
                                service_s=stage.spec.service_s, overlap=cal.paraserve_overlap)
         slo = cfg.paraserve_slo_s or cfg.slo_s or cfg.slo_factor * sum(s.spec.service_s for s in self.stages)
         fetch = [FetchHost(h.name, cal.disk_gbps * GB) for h in hosts if h.gpu_free > 0]
-        plan = plan_parallelism(stage.spec.param_bytes, slo, fetch, costs, max_parts=cfg.paraserve_max_parts)
+        plan = choose_parts(stage.spec.param_bytes, slo, fetch, costs, cfg.paraserve_max_parts)
         self.tally.paraserve_plans.append((plan.parts, plan.first_response_s, plan.meets_slo))
         return plan.parts
 
@@ -198,7 +199,8 @@ class ReplicaStarts:
 
     def consolidated(self, rep: Replica, now: float) -> None:
         """A ParaServe group holds the whole stage on each kept worker (a `CONSOLIDATED` event): they serve alone,
-        helpers leave."""
+        helpers leave (the data plane first moves what it must, a generation session's KV)."""
+        self.flow.before_consolidated(rep, now)
         rep.consolidated_at = now
         rep.factor = self.cal.cpu_factor(rep.cpus)
         stage = self.stages[rep.stage]

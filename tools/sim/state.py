@@ -28,6 +28,11 @@ class StageSpec:
     service_s: float  # mean service time at cpu_ref CPUs
     param_bytes: int
     activation_bytes: float = 0.0
+    # generation (SimConfig.generation): a step's time is max(decode_s, positions × prefill_s_per_token)
+    decode_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    kv_tokens: int = 0  # KV positions one replica of the stage holds
+    kv_bytes_per_token: float = 0.0  # the stage's K and V of one position
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,16 @@ class SimConfig:
     paraserve_slo_s: float = 0.0  # the first-response deadline ParaServe's P is chosen for; 0 = slo_s
     paraserve_max_parts: int = 8
     cache_on_ready: bool = False  # a new replica's host caches the stage once loaded (False: at its start)
+    batch_max: int = 1  # requests one call of a replica carries at most (com.quart.batch.max); 1: no batching
+    batch_fixed: float = 0.0  # F / S(1) of the batch profile S(b) = S(1)·(f + (1 − f)·b) (quart_tools.sim.batching)
+    # Token generation (quart_tools.sim.generation): each arrival is a session, its prompt and output lengths
+    # from the arrivals' tokens / generated (the trace's ContextTokens / GeneratedTokens), capped as
+    # `quartctl load --generate` caps them.
+    generation: bool = False
+    max_context: int = 2048
+    max_new_tokens: int = 256
+    decode_batch: int = 64  # decode steps a replica runs as one batch (continuous batching); 1 = one at a time
+    prefill_chunk: int = 128  # prompt positions per prefill step (chunked prefill); 0 = the whole prompt at once
 
 
 class Replica:
@@ -93,7 +108,7 @@ class Replica:
 
 class _Stage:
     __slots__ = ("index", "spec", "queue", "free", "ready", "starting", "busy", "metrics", "draws", "cpus",
-                 "arrivals", "function", "start_time", "desired", "generation", "live_free", "remainders")
+                 "arrivals", "function", "start_time", "desired", "generation", "live_free", "remainders", "waiting")
 
     def __init__(self, index: int, spec: StageSpec, window_s: float, draws: list[float], cpus: float):
         self.index, self.spec, self.function = index, spec, spec.name
@@ -111,6 +126,7 @@ class _Stage:
         self.generation = 1
         self.live_free: list[Replica] = []  # live replicas (still loading) that wait for a request
         self.remainders: deque = deque()  # (request, seconds, part done): the rest of a live replica's request
+        self.waiting = 0  # generation: steps waiting at this stage's replicas (quart_tools.sim.generation)
 
     def current(self) -> list[Replica]:
         """Starting and ready replicas (not draining) of every generation."""
@@ -133,6 +149,10 @@ class Tally:
         self.decisions: list[tuple[float, tuple[int, ...]]] = []
         self.launched: list[Replica] = []  # replicas started after t = 0
         self.paraserve_plans: list[tuple[int, float, bool]] = []  # (P, predicted s, meets SLO)
+        self.ttft_ms: np.ndarray | None = None  # generation: per session
+        self.tpot_ms: np.ndarray | None = None
+        self.token_gaps: list[tuple[float, float]] | None = None  # generation: (time, ms since the previous token)
+        self.kv_migrations = 0  # generation: sessions whose KV moved to another replica (ParaServe consolidation)
 
 
 @dataclass
@@ -157,3 +177,7 @@ class SimResult:
     decisions: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     launched: list = field(default_factory=list)  # replicas started after t = 0 (Replica: times, source)
     paraserve_plans: list[tuple[int, float, bool]] = field(default_factory=list)  # (P, predicted s, meets SLO)
+    ttft_ms: np.ndarray | None = None  # generation: per session (NaN = refused or unfinished)
+    tpot_ms: np.ndarray | None = None  # generation: per session (NaN also for one-token sessions)
+    token_gaps: np.ndarray | None = None  # generation: [k, 2] (time s, ms since the session's previous token)
+    kv_migrations: int = 0  # generation: sessions moved with their KV cache, never re-prefilled

@@ -24,6 +24,7 @@ PARAM_BYTES = "com.quart.param-bytes"  # parameter bytes of one replica
 PROFILE_MS = "com.quart.profile-ms"  # profiled service time of the stage
 BATCH_MAX = "com.quart.batch.max"  # requests the router sends a replica in one call (1 = no batching)
 BATCH_WAIT_MS = "com.quart.batch.wait-ms"  # how long a short batch waits for more requests (0 = none)
+BATCH_PROFILE_MS = "com.quart.batch.profile-ms"  # profiled ms of one call by batch size, "1:23,16:100" (policies)
 # "off": replicas cold-start like a plain OpenFaaS function (the paper's baselines); "on": fork from the cache
 KEYSMANAGER = "com.quart.keysmanager"
 
