@@ -171,6 +171,14 @@ class GatewayView:
             cached = self._batch[function] = (fn.deployment, limits_from_labels(fn.deployment.labels, default))
         return cached[1]
 
+    def decode_batch_max(self, function: str, default: int) -> int:
+        """Sessions per batched decode step on the function's replicas: its ``com.quart.batch.decode-max`` label
+        (validated at deploy), else ``default`` (``QUART_GEN_DECODE_BATCH_MAX``)."""
+        fn = self.gateway.functions.get(function)
+        if fn is None:
+            return default
+        return vocab.StageLabels.lenient(fn.deployment.labels).decode_batch or default
+
     def model_dir(self, model: str) -> str | None:
         """The partitioned model folder of a pipeline (its stage 0's ``QUART_MODEL_DIR``): the tokenizer."""
         stages = self.pipelines().get(model)
@@ -268,8 +276,9 @@ class Plugin:
         self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta,
                              on_call=getattr(gateway, "record_invocation", None),
                              batch_limits=lambda fn: self.view.batch_limits(fn, batching))
-        self.engine = SessionEngine(self.view, GenerationConfig.from_env(),
-                                    on_call=getattr(gateway, "record_invocation", None))
+        generation = GenerationConfig.from_env()
+        self.engine = SessionEngine(self.view, generation, on_call=getattr(gateway, "record_invocation", None),
+                                    decode_limit=lambda fn: self.view.decode_batch_max(fn, generation.decode_batch_max))
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
                                         self.collector)
         self.controller = Controller(

@@ -246,8 +246,6 @@ def replica_socket_path(api_socket: Path, rid: str) -> Path:
 
 
 def threads_of(spec: StageSpec) -> int:
-    """Torch threads of one replica: ``QUART_THREADS`` when set, else its whole CPUs (at least 1)."""
-    raw = spec.env.get("QUART_THREADS")
-    if raw and raw.isdigit() and int(raw) > 0:
-        return int(raw)
-    return max(1, math.floor(spec.cpus))
+    """Torch threads of one replica: its granted CPUs rounded up (at least 1), as many as the cores it is
+    pinned to (``_take_cores``); nothing in its environment overrides them (QUART's CPU compensation)."""
+    return max(1, math.ceil(spec.cpus))

@@ -66,6 +66,12 @@ class GatewayConfig:
     paraserve_fixed_s: float = 1.0  # a part worker's start besides its fetch (fork, runtime), overlapped with it
     paraserve_tail_s: float = 0.0  # after a part's last byte until the first answer (measured: bench paraserve)
     paraserve_fetch_gbps: float = 0.0  # one part worker's measured fetch rate (CPU, registry); 0: nic_gbps
+    # generation (issue 29): with a TPOT SLO, P is chosen from both SLOs (paraserve_slo_ms is then the TTFT SLO;
+    # quart_provider.scheduling.paraserve_gen.plan_generation) with these calibrated step costs of the whole stage
+    paraserve_tpot_slo_ms: float = 0.0
+    paraserve_decode_ms: float = 0.0  # a decode step of the whole stage
+    paraserve_hop_ms: float = 0.0  # one more part on a step's path
+    paraserve_prefill_ms: float = 0.0  # a typical prompt's prefill on the whole stage
     registry_gbps: float = 0.0  # the registry's total bandwidth shared by a cold start's fetchers; 0: unlimited
     start_timeout_s: float = 120.0  # a replica not ready after this is stopped and replaced
     async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)

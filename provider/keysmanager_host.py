@@ -26,7 +26,10 @@ def _status(info: ReplicaInfo) -> ReplicaStatus:
 
 
 def _stage(spec: ReplicaSpec) -> StageSpec:
-    return StageSpec(function=spec.function, env=dict(spec.env), cpus=spec.cpus or 1.0,
+    """The KeysManager's spec: CPUs are the function's CPU limit, else its ``QUART_THREADS`` (default 1)."""
+    raw = spec.env.get("QUART_THREADS", "")
+    cpus = spec.cpus or (float(raw) if raw.isdigit() and int(raw) > 0 else 1.0)
+    return StageSpec(function=spec.function, env=dict(spec.env), cpus=cpus,
                      memory_bytes=spec.memory_bytes or 0, concurrency=spec.concurrency or 1)
 
 

@@ -25,7 +25,8 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-from quart_kernel.scheduling.paraserve import ParaServeCosts, choose_parts, hosts_from_rates
+from quart_kernel.scheduling.paraserve import ParaServeCosts, choose_parts, hosts_from_rates, parts_limit
+from quart_kernel.scheduling.paraserve_gen import GenerationCosts, plan_generation
 from quart_kernel.scheduling.paraserve_groups import (
     Group,
     StageLayout,
@@ -92,11 +93,23 @@ class ParaServeStarts:
         slo = self.config.paraserve_slo_ms / 1000 if self.config.paraserve_slo_ms > 0 else 0.0
         out: dict[str, int] = {}
         for function, layout in cold.items():
-            plan = choose_parts(layout.stage_bytes, slo, usable, costs, self.config.paraserve_max_parts,
-                                layout.layer_bytes, self.config.paraserve_parts)
+            if self.config.paraserve_tpot_slo_ms > 0 and not self.config.paraserve_parts and usable:
+                plan = plan_generation(layout.stage_bytes, slo or math.inf, self.config.paraserve_tpot_slo_ms / 1000,
+                                       usable, costs, self.generation_costs(), 1,
+                                       parts_limit(self.config.paraserve_max_parts, layout.layer_bytes, usable),
+                                       layout.layer_bytes)
+            else:
+                plan = choose_parts(layout.stage_bytes, slo, usable, costs, self.config.paraserve_max_parts,
+                                    layout.layer_bytes, self.config.paraserve_parts)
             out[function] = plan.parts
             log.info("%s: cold; ParaServe P = %d (stage %d bytes)", function, plan.parts, layout.stage_bytes)
         return out
+
+    def generation_costs(self) -> GenerationCosts:
+        """The whole stage's step costs the generation planner is told (GatewayConfig.paraserve_*_ms)."""
+        c = self.config
+        return GenerationCosts(0.0, c.paraserve_decode_ms / 1000, c.paraserve_hop_ms / 1000,
+                               prefill_min_s=c.paraserve_prefill_ms / 1000)
 
     def plan_groups(self, plans: Sequence[StartPlan], layouts: Mapping[str, StageLayout]) -> dict[int, Group]:
         """The group of each ``paraserve`` plan (by index), one `Group` per sub-pipeline (`group_plans`)."""

@@ -79,7 +79,9 @@ class Registry:
 
         When what a replica runs is unchanged (same image resolution, environment, limits and
         concurrency: only labels such as ``com.openfaas.scale.min/max`` or annotations differ), the
-        running replicas are kept and only the desired count is clamped to the new bounds.
+        running replicas are kept and only the desired count is clamped to the new bounds. When only the CPUs
+        differ (QUART's CPU compensation), the new generation starts from the cached parameters: the hosts'
+        KeysManager zygotes are kept, the new replicas fork with the new cores and threads.
         """
         fn = self.get(deployment.service)
         self._check_limits(deployment)
@@ -89,9 +91,11 @@ class Registry:
         before = fn.replica_spec(self.max_body_bytes)
         fn.deployment, fn.runnable = deployment, runnable
         fn.desired = within_bounds(fn.desired, deployment.max_replicas, deployment.min_replicas)
-        if fn.replica_spec(self.max_body_bytes) != before:
+        after = fn.replica_spec(self.max_body_bytes)
+        if after != before:
             fn.generation += 1
-            await self._invalidate(fn.name)
+            if replace(after, cpus=before.cpus) != before:  # CPUs alone: re-forked from the same parameters
+                await self._invalidate(fn.name)
         self._save(fn)
         self.changed()
         return fn

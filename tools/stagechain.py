@@ -37,6 +37,17 @@ class Generated:
         return sum(rest) / len(rest) if rest else 0.0
 
 
+def whole_tensors(model_dir: str) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The manifest of a partitioned model and every stage's tensors, in memory (for :func:`cut_runtimes`)."""
+    from quart_stage.runtime import read_stage_file
+
+    manifest = Manifest.load(model_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in manifest.stages:
+        tensors.update(read_stage_file(model_dir, entry))
+    return manifest, tensors
+
+
 def cut_runtimes(model_dir: str, manifest: Manifest, tensors: Mapping[str, torch.Tensor], bounds: Sequence[int],
                  **settings) -> list[StageRuntime]:
     """The runtimes of the cut ``bounds`` (layer-list boundaries, e.g. ``[0, 11, 22, 32]``) of the model partitioned
@@ -106,3 +117,60 @@ def generate(runtimes: Sequence[StageRuntime], prompt: Sequence[int], new_tokens
             out.logits.append(torch.tensor(doc["logits"]))
         pending = [doc["token"]]
     return out
+
+
+def batched_step(runtimes: Sequence[StageRuntime], steps: Sequence[tuple[str, int, int]], *,
+                 samples: Mapping[str, Mapping] | None = None, ends: Sequence[str] = ()) -> list[dict]:
+    """One batched decode step (quart_stage.batchwire) of the sessions ``steps`` = ``(session, token, pos)``
+    through every stage, as the gateway sends it: each stage's answer carries the sessions that succeeded on.
+    Each session's result (``status``, and ``token`` / ``pos`` or ``error`` / ``field``), in order."""
+    from quart_stage import batchwire
+
+    samples = samples or {}
+    entries = [batchwire.BatchEntry(sid, pos, sid in ends) for sid, _, pos in steps]
+    results: dict[str, dict] = {}
+    tensor = {"input_ids": torch.tensor([[tok] for _, tok, _ in steps], dtype=torch.int64)}
+    for k, rt in enumerate(runtimes):
+        if not entries:
+            break
+        last = k == len(runtimes) - 1
+        table = [replace(e, sample=samples.get(e.id, {})) if last else e for e in entries]
+        body = wire.encode_bytes(tensor, {batchwire.META_SESSIONS: json.dumps([e.doc() for e in table])})
+        resp = rt.handle(body, {batchwire.H_SESSION_BATCH: str(len(table)), "Content-Type": wire.CONTENT_TYPE})
+        if resp.status != 200:
+            raise RuntimeError(f"batched step at stage {k}: {resp.status} {resp.body[:300]!r}")
+        if last:
+            answers = json.loads(resp.body)[batchwire.META_RESULTS]
+        else:
+            decoded = wire.decode(resp.body)
+            answers = json.loads(decoded.metadata[batchwire.META_RESULTS])
+            tensor = {"hidden_states": decoded.tensors["hidden_states"].clone()}
+        results.update({a["id"]: a for a in answers if a["status"] != 200 or last})
+        entries = [e for e, a in zip(entries, answers, strict=True) if a["status"] == 200]
+    return [results[sid] for sid, _, _ in steps]
+
+
+def generate_batched(runtimes: Sequence[StageRuntime], prompts: Sequence[Sequence[int]], new_tokens: Sequence[int],
+                     *, prefix: str = "b", samples: Sequence[Mapping | None] | None = None) -> list[list[int]]:
+    """Several sessions at once: each prompt prefilled alone, then every decode step of the sessions still
+    running as one batched step (a session leaves the batch after its ``new_tokens``). Each session's tokens."""
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    sample_of = {sid: dict(s) for sid, s in zip(ids, samples or [None] * len(ids), strict=True) if s}
+    tokens: dict[str, list[int]] = {}
+    held: dict[str, int] = {}
+    for sid, prompt, n in zip(ids, prompts, new_tokens, strict=True):
+        resp = session_step(runtimes, prompt, 0, sid, sample=sample_of.get(sid), reserve=len(prompt) + n, end=n == 1)
+        if resp.status != 200:
+            raise RuntimeError(f"prefill of {sid}: {resp.status} {resp.body[:300]!r}")
+        doc = json.loads(resp.body)
+        tokens[sid], held[sid] = [doc["token"]], doc["pos"]
+    want = dict(zip(ids, new_tokens, strict=True))
+    while running := [sid for sid in ids if len(tokens[sid]) < want[sid]]:
+        steps = [(sid, tokens[sid][-1], held[sid]) for sid in running]
+        ends = [sid for sid in running if len(tokens[sid]) + 1 == want[sid]]
+        for (sid, _, _), doc in zip(steps, batched_step(runtimes, steps, samples=sample_of, ends=ends), strict=True):
+            if doc["status"] != 200:
+                raise RuntimeError(f"batched step of {sid}: {doc}")
+            tokens[sid].append(doc["token"])
+            held[sid] = doc["pos"]
+    return [tokens[sid] for sid in ids]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -43,8 +44,17 @@ import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.cooperative import CooperativeSessions, Split
+from gateway_plugin.generation.decodebatch import (
+    DecodeJob,
+    ReplicaLane,
+    Row,
+    batch_answers,
+    batch_request,
+    token_row,
+)
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
 from gateway_plugin.generation.slots import StepSlots
+from quart_stage.batchwire import BatchEntry
 from quart_stage.errors import QuartError, unavailable
 from quart_transport.dead_peer import dead_peer_connector
 from quart_transport.retry import replica_gone
@@ -91,12 +101,15 @@ class SessionEngine(CooperativeSessions):
     """Places sessions, runs their steps, replays them after a failure."""
 
     def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
-                 on_call: Callable[[str, int, float], None] | None = None, poll_s: float = 0.05) -> None:
+                 on_call: Callable[[str, int, float], None] | None = None, poll_s: float = 0.05,
+                 decode_limit: Callable[[str], int] | None = None) -> None:
         self.source = source  # a gateway_plugin.router.ReplicaSource
         self.config = config
         self.clock = clock
         self.on_call = on_call
         self.poll_s = poll_s
+        self.decode_limit = decode_limit  # a stage function's decode batch limit (its label), else the setting
+        self._lanes: dict[str, ReplicaLane] = {}  # replica id -> its batched session calls (decode batching on)
         self.book = KVBook(config.kv_tokens)
         self.http: aiohttp.ClientSession | None = None
         self._slots: dict[str, StepSlots] = {}
@@ -254,6 +267,64 @@ class SessionEngine(CooperativeSessions):
         self.active[session.id] = session
 
     async def _step(self, session: Session, new: list[int], pos: int, last: bool) -> int:
+        """One step: a decode step in its replicas' batches (decode batching on), else one call per stage; a
+        long prompt in chunks of ``prefill_chunk`` positions where decode steps batch (the bound on their stall)."""
+        limit = min(self._decode_max(fn) for fn in session.stages)
+        if limit > 1 and pos > 0 and len(new) == 1 and not session.splits:  # a split session steps on its own
+            return await self._batched_step(session, new[0], pos, last, limit)
+        size = self.config.prefill_chunk if limit > 1 and self.config.prefill_chunk else len(new)
+        token = 0
+        for at in range(0, len(new), size):
+            part = new[at : at + size]
+            token = await self._single_step(session, part, pos + at, last and at + len(part) == len(new), limit)
+        return token
+
+    def _decode_max(self, function: str) -> int:
+        return self.decode_limit(function) if self.decode_limit is not None else self.config.decode_batch_max
+
+    def _lane(self, session: Session, k: int, limit: int) -> ReplicaLane:
+        """The lane of the session's replica at stage ``k`` (made on first use; the limit as the labels say now)."""
+        fn, replica = session.stages[k], session.replicas[k]
+        lane = self._lanes.get(replica.id)
+        if lane is None:
+            send = functools.partial(self._send_batch, k, fn, replica, session.model, k == len(session.stages) - 1)
+            lane = self._lanes[replica.id] = ReplicaLane(self.source.concurrency(fn), limit, send)
+        lane.max_batch = limit
+        return lane
+
+    async def _batched_step(self, session: Session, token: int, pos: int, last: bool, limit: int) -> int:
+        row, final, result = token_row(token), len(session.stages) - 1, {}
+        for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
+            entry = BatchEntry(session.id, pos, last, session.sample if k == final else {})
+            result, row = await self._lane(session, k, limit).decode(entry, row)
+            status = int(result.get("status", 0))
+            if status == 409:
+                raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
+            if status == 429 or status >= 500:
+                raise StepFailed(k, replica, f"HTTP {status}: {str(result.get('error'))[:200]}")
+            if status != 200:
+                raise QuartError(status, str(result.get("error") or f"stage {fn!r} answered {status}"), "stage")
+        try:
+            return int(result["token"])
+        except (KeyError, TypeError, ValueError):
+            raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
+
+    async def _send_batch(self, k: int, fn: str, replica: Any, model: str, last: bool,
+                          jobs: list[DecodeJob]) -> list[tuple[dict, Row | None]]:
+        """One batched decode step on ``replica``; a failed call fails every session of it over (StepFailed)."""
+        body, headers = batch_request(k, model, jobs)
+        status, data, answer = await self._post(k, fn, replica, body, headers)
+        self.book.note(replica.id, answer.get(KV_HEADER))
+        if status == 200:
+            try:
+                return batch_answers(jobs, data, last)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise StepFailed(k, replica, f"a batched step's answer does not fit the batch: {exc}") from None
+        if status == 429 or status >= 500:
+            raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
+        raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status} to a batched step", "stage")
+
+    async def _single_step(self, session: Session, new: list[int], pos: int, last: bool, limit: int) -> int:
         body, ctype = json.dumps({"input_ids": [new]}).encode(), "application/json"
         final = len(session.stages) - 1
         for k, fn in enumerate(session.stages):
@@ -268,7 +339,11 @@ class SessionEngine(CooperativeSessions):
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
                     headers[SESSION_END] = "1"
-                status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0)
+                if limit > 1 and part is None:
+                    status, data, answer = await self._lane(session, k, limit).solo(
+                        functools.partial(self._post, k, fn, replica, body, headers))
+                else:
+                    status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0)
                 self.book.note(replica.id, answer.get(KV_HEADER))
                 held = layers.parse_range(answer.get(layers.HELD))
                 if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
@@ -290,30 +365,39 @@ class SessionEngine(CooperativeSessions):
         gate = self._slots.get(replica.id)
         if gate is None:
             gate = self._slots[replica.id] = StepSlots(max(0, self.source.concurrency(fn)))
+        async with gate.hold(running):
+            return await self._post(k, fn, replica, body, headers)
+
+    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
+                    ) -> tuple[int, bytes, dict[str, str]]:
+        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer."""
         start = self.clock()
         status = 0
-        async with gate.hold(running):
-            self.source.take(fn, replica)
-            try:
-                async with self._client().post(
-                    replica.url, data=body, headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=self.config.step_timeout_s),
-                ) as resp:
-                    data = await resp.read()
-                    status = resp.status
-                    return status, data, dict(resp.headers)
-            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
-                status = 504 if isinstance(exc, TimeoutError) else 502
-                if replica_gone(exc) and hasattr(self.source, "mark_unreachable"):
-                    self.source.mark_unreachable(fn, replica)
-                raise StepFailed(k, replica, f"{type(exc).__name__}: {exc}") from None
-            finally:
-                self.source.give_back(fn, replica)
-                if self.on_call is not None:
-                    with contextlib.suppress(Exception):
-                        self.on_call(fn, status, self.clock() - start)
+        self.source.take(fn, replica)
+        try:
+            async with self._client().post(
+                replica.url, data=body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.config.step_timeout_s),
+            ) as resp:
+                data = await resp.read()
+                status = resp.status
+                return status, data, dict(resp.headers)
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+            status = 504 if isinstance(exc, TimeoutError) else 502
+            if replica_gone(exc) and hasattr(self.source, "mark_unreachable"):
+                self.source.mark_unreachable(fn, replica)
+            raise StepFailed(k, replica, f"{type(exc).__name__}: {exc}") from None
+        finally:
+            self.source.give_back(fn, replica)
+            if self.on_call is not None:
+                with contextlib.suppress(Exception):
+                    self.on_call(fn, status, self.clock() - start)
 
     # ------------------------------------------------------------------ what the controller sees
+
+    def batch_sizes(self) -> dict[str, dict[str, int]]:
+        """Batched decode steps sent per replica, by batch size, since the start."""
+        return {rid: {str(k): v for k, v in sorted(lane.batches.items())} for rid, lane in self._lanes.items()}
 
     def stage_generation(self, function: str) -> tuple[int, int, int]:
         """(sessions, KV positions booked, KV capacity of its ready replicas) of one stage function; capacity

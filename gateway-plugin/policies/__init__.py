@@ -2,8 +2,9 @@
 
 ``make_policy(name, **config)`` builds one by name; ``config`` keys are the fields of the policy's
 config dataclass in ``gateway_plugin.config`` (nested ones accept dicts), plus for ``quart`` the
-objects ``cv_model`` (a trained CVPropagationModel) and ``cpu_model`` (a fitted CPULatencyModel), and
-for ``infless`` the flag ``pipelined``.
+objects ``cv_model`` (a trained CVPropagationModel) and ``cpu_model`` (a fitted CPULatencyModel; left
+out, the one fitted on the product's own profile, ``CPULatencyModel.default``; None: no compensation
+model), and for ``infless`` the flag ``pipelined``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def make_policy(name: str, **config: Any) -> Policy:
 
     if name == "quart":
         cv_model = config.pop("cv_model", None)
-        cpu_model = config.pop("cpu_model", None)
+        from gateway_plugin.policies.cpu_model import default_cpu_model
+
+        cpu_model = config.pop("cpu_model") if "cpu_model" in config else default_cpu_model()
         return QuartPolicy(build_config(QuartConfig, config), cv_model=cv_model, cpu_model=cpu_model)
     if name == "infless":
         pipelined = bool(config.pop("pipelined", False))

@@ -1,28 +1,34 @@
 """QUART's CPU compensator (§5.3, Algorithm 1 `AllocateCPU`): service time ≈ linear regression.
 
-A scikit-learn ``LinearRegression`` maps (CPUs per replica, queue length, parameter bytes, activation
+An ordinary least-squares linear regression (numpy ``lstsq``, intercept included) maps (CPUs per replica, queue length, parameter bytes, activation
 bytes) to one request's service time at a stage. It is fitted on profiling records the router writes
 (one per stage visit: the replica's CPUs, the queue it saw, the stage's parameter and activation
 bytes, the measured service time). Work that parallelises over CPUs scales with 1/CPUs, so the
 regression's features are 1/c, q, P, A and A/c. ``smallest_cpus`` searches c upward from the current
 value in ``cpu_step`` steps and answers the first c whose predicted stage delay meets the target, or
 None when even CPU_max does not (the policy then falls back to Correct).
+
+A profile of one model transfers to another as a *ratio*: ``service_ratio(c0, c1)`` is t(c1)/t(c0) at the
+profile's own mean features, and the policy multiplies a stage's *measured* service time by it (the stage's
+absolute time comes from the live metrics, the CPU scaling from the profile). ``cpu_fraction`` is the share
+of the time at 1 CPU that scales with CPUs (the simulator's ``Calibration.cpu_fraction``). The product's
+default profile, ``cpu_profile.jsonl`` beside this module, was recorded by ``quartctl bench cpu-profile``
+(MiniLM, real weights and real compute at 1 and 2 CPUs; docs/policies.md).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import numpy as np
 from gateway_plugin.policies.queueing import mmc_delay
 
-if TYPE_CHECKING:  # scikit-learn takes ~1 s to import (3 s on a loaded box): only `fit` needs it, so the
-    from sklearn.linear_model import LinearRegression  # gateway's start does not wait for it (issue 14)
-
 RECORD_KEYS = ("cpus", "queue_len", "param_bytes", "activation_bytes", "service_ms")
+DEFAULT_PROFILE = Path(__file__).with_name("cpu_profile.jsonl")
 
 
 def _features(cpus: float, queue_len: float, param_bytes: float, activation_bytes: float) -> list[float]:
@@ -53,9 +59,11 @@ def profiling_rows(lines: Iterable[str]) -> list[dict]:
 class CPULatencyModel:
     """Fitted regression: predicted service seconds of one request at a stage."""
 
-    regression: LinearRegression
+    coef: tuple[float, ...]  # one per feature of _features
+    intercept: float
     records: int
     r2: float
+    reference: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the profile's mean queue, parameter and activation bytes
 
     @classmethod
     def fit(cls, records: Iterable[Mapping[str, float]]) -> CPULatencyModel:
@@ -67,14 +75,32 @@ class CPULatencyModel:
             raise ValueError(f"need at least 3 profiling records to fit the CPU model, got {len(rows)}")
         x = np.array([_features(r["cpus"], r["queue_len"], r["param_bytes"], r["activation_bytes"]) for r in rows])
         y = np.array([r["service_ms"] / 1000.0 for r in rows])
-        from sklearn.linear_model import LinearRegression
+        x_mean, y_mean = x.mean(axis=0), y.mean()
+        coef = np.linalg.lstsq(x - x_mean, y - y_mean, rcond=None)[0]  # minimum norm where features are constant
+        intercept = float(y_mean - x_mean @ coef)
+        residual = float(((y - (x @ coef + intercept)) ** 2).sum())
+        total = float(((y - y_mean) ** 2).sum())
+        ref = tuple(float(np.mean([r[k] for r in rows])) for k in ("queue_len", "param_bytes", "activation_bytes"))
+        return cls(tuple(float(c) for c in coef), intercept, len(rows), 1.0 - residual / total if total > 0 else 0.0, ref)
 
-        reg = LinearRegression().fit(x, y)
-        return cls(reg, len(rows), float(reg.score(x, y)) if len(rows) > 1 else 0.0)
+    @classmethod
+    def default(cls, path: str | Path = DEFAULT_PROFILE) -> CPULatencyModel:
+        """The model fitted on a profiling JSONL (by default the product's own profile)."""
+        with open(path) as fh:
+            return cls.fit(profiling_rows(fh))
+
+    def service_ratio(self, cpus_from: float, cpus_to: float) -> float:
+        """t(cpus_to) / t(cpus_from) at the profile's mean features (≤ 1 when adding CPUs helps)."""
+        q, p, a = self.reference
+        return self.service_s(cpus_to, q, p, a) / self.service_s(cpus_from, q, p, a)
+
+    def cpu_fraction(self) -> float:
+        """Share of the time at 1 CPU that scales as 1/CPUs: 1 − t(∞)/t(1), within [0, 1]."""
+        return min(1.0, max(0.0, 1.0 - self.service_ratio(1.0, 1e9)))
 
     def service_s(self, cpus: float, queue_len: float, param_bytes: float, activation_bytes: float) -> float:
-        x = np.array([_features(cpus, queue_len, param_bytes, activation_bytes)])
-        return max(1e-6, float(self.regression.predict(x)[0]))
+        x = _features(cpus, queue_len, param_bytes, activation_bytes)
+        return max(1e-6, self.intercept + sum(c * v for c, v in zip(self.coef, x, strict=True)))
 
     def smallest_cpus(
         self,
@@ -101,3 +127,9 @@ class CPULatencyModel:
             if delay <= target_s:
                 return round(c, 6)
         return None
+
+
+@functools.cache
+def default_cpu_model() -> CPULatencyModel:
+    """The model fitted on the product's own profile (``DEFAULT_PROFILE``), fitted once per process."""
+    return CPULatencyModel.default()

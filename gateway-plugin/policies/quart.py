@@ -3,9 +3,16 @@
 1. Correct (§5.1) gives every stage its demand ŷ_i (PID on the Erlang-C delay error).
 2. Smooth (§5.2) proposes to reclaim replicas from a stage whose traffic is smooth relative to its
    neighbours (CV̂ from the propagation model, or the observed CV until a model is trained).
-3. CPU compensation (§5.3): a reclaim is kept only if the stage still meets its delay target with
-   fewer replicas, at its current CPUs or with the fewest extra CPUs the regression says suffice
-   (≤ CPU_max). Otherwise Correct's ŷ_i stands (the paper's "SLO may be violated → Correct").
+3. CPU compensation (§5.3, AllocateCPU): a reclaim is kept only if the stage still meets its delay target
+   with fewer replicas, at its current CPUs or with the fewest extra CPUs the regression says suffice
+   (≤ CPU_max). Otherwise Correct's ŷ_i stands (the paper's "SLO may be violated → Correct"). With
+   ``CPUConfig.allocate`` (off by default: docs/policies.md) every other
+   stage whose predicted delay is above the target although Correct adds no replica (its maximum reached, the
+   cluster full) and none is starting (a CPU change is a rolling update: it would void those starts) gets the
+   fewest CPUs that meet it, or CPU_max; a stage whose delay at
+   ``cpu_default`` CPUs is ≤ ``release_margin`` × the target goes back to them. A CPU change is a rolling update, so
+   a stage's CPUs change at most once per ``hold_s``. A stage's service time at c CPUs is its *measured* time × the
+   regression's ratio t(c)/t(now) (gateway_plugin.policies.cpu_model).
 Stages Correct scaled up are the key stages; their history (count of decisions in which each stage
 was key) goes to the scheduler. Pure: no I/O, time from the snapshot.
 """
@@ -28,7 +35,9 @@ from gateway_plugin.policies.cpu_model import CPULatencyModel
 from gateway_plugin.policies.provision import Provisioner
 from gateway_plugin.policies.queueing import servers_for_utilisation
 from gateway_plugin.policies.smooth import beta, reclaim_target
-from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
+from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision, StageSnapshot
+
+MIN_GAIN = 0.05  # CPUs are granted only where the regression predicts at least this much shorter service
 
 
 @dataclass(slots=True)
@@ -39,6 +48,7 @@ class QuartPolicy:
     name: str = "quart"
     corrector: Corrector = field(init=False)
     provisioner: Provisioner | None = field(init=False)
+    cpu_changed_at: dict[int, float] = field(init=False, default_factory=dict)  # stage → time of its last CPU change
 
     def __post_init__(self) -> None:
         if self.config.mode not in ("provision", "pid"):
@@ -94,6 +104,11 @@ class QuartPolicy:
                                 reason += f" cpus {cpus:g}->{new_cpus:g}"
                             replicas, cpus = candidate, new_cpus
                             break
+            steady = stage.pending_replicas == 0 and replicas <= stage.replicas  # no start a CPU roll would void
+            if cpus == stage.cpus and steady and snapshot.time - self.cpu_changed_at.get(stage.index, -math.inf) >= cfg.cpu.hold_s:
+                cpus, reason = self._allocate(stage, replicas, corr.target_s, cpus, reason)
+            if cpus != stage.cpus:
+                self.cpu_changed_at[stage.index] = snapshot.time
             decisions.append(StageDecision(replicas=replicas, cpus=cpus, reason=reason))
         key = tuple(c_i for c_i, corr in enumerate(corrections) if corr.scaled_up)
         return Decision(time=snapshot.time, stages=tuple(decisions), key_stages=key)
@@ -125,23 +140,41 @@ class QuartPolicy:
                                  reason=c.reason + f" backlog {backlog} upstream at {release_rate:.0f}/s")
         return out
 
-    def _compensate(self, stage, replicas: int, target_s: float) -> float | None:
-        """CPUs that let ``replicas`` replicas meet the target, or None (keep Correct's count)."""
-        cpu_cfg = self.config.cpu
+    def _delay_at(self, stage: StageSnapshot, replicas: int, cpus: float) -> float:
+        """Predicted delay of ``stage`` at ``replicas`` replicas of ``cpus`` CPUs each."""
         cfg = self.config.correct
         gate = self.corrector.dead_time_s(stage) if cfg.dead_time_gate else 0.0
-        if estimated_delay_s(stage, replicas, cfg.use_queue_feedback, gate, cfg.peak_rate) <= target_s:
+        if cpus != stage.cpus and self.cpu_model is not None and stage.service_rate > 0:
+            stage = replace(stage, service_rate=stage.service_rate / self.cpu_model.service_ratio(stage.cpus, cpus))
+        return estimated_delay_s(stage, replicas, cfg.use_queue_feedback, gate, cfg.peak_rate)
+
+    def _cpu_steps(self, stage: StageSnapshot) -> list[float]:
+        """CPU counts above the stage's current ones, in ``cpu_step`` steps up to CPU_max."""
+        cpu_cfg = self.config.cpu
+        steps = int(math.floor((cpu_cfg.cpu_max - stage.cpus) / cpu_cfg.cpu_step + 1e-9))
+        return [round(stage.cpus + k * cpu_cfg.cpu_step, 6) for k in range(1, steps + 1)]
+
+    def _compensate(self, stage: StageSnapshot, replicas: int, target_s: float) -> float | None:
+        """CPUs that let ``replicas`` replicas meet the target, or None (keep Correct's count)."""
+        if self._delay_at(stage, replicas, stage.cpus) <= target_s:
             return stage.cpus
-        if not cpu_cfg.enabled or self.cpu_model is None:
+        if not self.config.cpu.enabled or self.cpu_model is None:
             return None
-        return self.cpu_model.smallest_cpus(
-            arrival_rate=stage.arrival_rate,
-            servers=servers_of(stage, replicas),
-            queue_len=stage.queue_len,
-            param_bytes=stage.param_bytes,
-            activation_bytes=stage.activation_bytes,
-            target_s=target_s,
-            cpus_from=stage.cpus,
-            cpu_max=cpu_cfg.cpu_max,
-            cpu_step=cpu_cfg.cpu_step,
-        )
+        return next((c for c in self._cpu_steps(stage) if self._delay_at(stage, replicas, c) <= target_s), None)
+
+    def _allocate(self, stage: StageSnapshot, replicas: int, target_s: float, cpus: float, reason: str
+                  ) -> tuple[float, str]:
+        """AllocateCPU for a stage above its target at its decided count (or back to ``cpu_default``)."""
+        cpu_cfg = self.config.cpu
+        if not (cpu_cfg.enabled and cpu_cfg.allocate) or self.cpu_model is None or stage.service_rate <= 0:
+            return cpus, reason
+        if self._delay_at(stage, replicas, stage.cpus) > target_s:
+            steps = self._cpu_steps(stage)
+            helps = [c for c in steps if self.cpu_model.service_ratio(stage.cpus, c) < 1.0 - MIN_GAIN]
+            if helps:
+                new = next((c for c in helps if self._delay_at(stage, replicas, c) <= target_s), helps[-1])
+                return new, reason + f" allocate cpus {stage.cpus:g}->{new:g}"
+        elif (stage.cpus > cpu_cfg.cpu_default
+              and self._delay_at(stage, replicas, cpu_cfg.cpu_default) <= cpu_cfg.release_margin * target_s):
+            return cpu_cfg.cpu_default, reason + f" cpus {stage.cpus:g}->{cpu_cfg.cpu_default:g} (target met)"
+        return cpus, reason

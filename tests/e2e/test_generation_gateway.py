@@ -17,10 +17,9 @@ import pytest
 import requests
 import torch
 from gateway_plugin.generation.tokens import load_model
-from quart_provider.stack import load_stack
 from quart_stage.verify import reference_model
 from quart_tools.partition import partition
-from support.embedded_system import ThreadedSystem
+from support.embedded_system import deploy_stack, stage_system, wait_available
 from support.generation_app import CHATML
 
 
@@ -31,28 +30,12 @@ def gateway(tmp_path_factory):
     partition("tiny", 3, str(model_dir), stack={"compute": "cpu"}, progress=False)
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                                  "chat_template": CHATML}))
-    os.environ["QUART_POLICY"] = "static"  # nothing rescales the stages under the test
+    system = stage_system(root)
     try:
-        system = ThreadedSystem(root, attach_plugin=True, use_keysmanager=True, hosts=1, gpus_per_host=8)
-    finally:
-        os.environ.pop("QUART_POLICY", None)
-    try:
-        stack = load_stack(model_dir / "stack.yml")
-        system.system.gateway.images.register(stack.image_index_entries())
-        for fn in stack.functions:
-            res = requests.post(f"{system.url}/system/functions", json=fn.request, auth=system.auth, timeout=30)
-            assert res.status_code == 202, res.text
+        deploy_stack(system, model_dir)
         requests.post(f"{system.url}/system/scale-function/tiny-stage-1", json={"serviceName": "tiny-stage-1",
                       "replicas": 2}, auth=system.auth, timeout=10)
-        deadline = time.monotonic() + 180
-        want = {"tiny-stage-0": 1, "tiny-stage-1": 2, "tiny-stage-2": 1}
-        while True:
-            listing = {f["name"]: f["availableReplicas"] for f in
-                       requests.get(f"{system.url}/system/functions", auth=system.auth, timeout=10).json()}
-            if all(listing.get(k, 0) >= v for k, v in want.items()):
-                break
-            assert time.monotonic() < deadline, listing
-            time.sleep(0.2)
+        wait_available(system, {"tiny-stage-0": 1, "tiny-stage-1": 2, "tiny-stage-2": 1})
         yield system, str(model_dir)
     finally:
         system.close()

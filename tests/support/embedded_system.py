@@ -65,3 +65,48 @@ def plugin_system(tmp_path, monkeypatch, period_s: str = "0.2", **config) -> Thr
     monkeypatch.setenv("QUART_CONTROL_PERIOD_S", period_s)
     monkeypatch.setenv("QUART_RECORDS", str(tmp_path / "records.jsonl"))
     return ThreadedSystem(tmp_path, attach_plugin=True, **config)
+
+
+def stage_system(root) -> ThreadedSystem:
+    """A ThreadedSystem with the plugin and one KeysManager host (real stage processes); policy static: nothing
+    rescales the stages under a test."""
+    import os
+
+    os.environ["QUART_POLICY"] = "static"
+    try:
+        return ThreadedSystem(root, attach_plugin=True, use_keysmanager=True, hosts=1, gpus_per_host=8)
+    finally:
+        os.environ.pop("QUART_POLICY", None)
+
+
+def deploy_stack(system: ThreadedSystem, model_dir, labels: dict[str, str] | None = None) -> list[str]:
+    """Deploy a partition's stack.yml through the REST API (its images registered), ``labels`` added to every
+    function; the function names."""
+    from pathlib import Path
+
+    import requests
+    from quart_provider.stack import load_stack
+
+    stack = load_stack(Path(model_dir) / "stack.yml")
+    system.system.gateway.images.register(stack.image_index_entries())
+    for fn in stack.functions:
+        body = {**fn.request, "labels": {**fn.request.get("labels", {}), **(labels or {})}}
+        res = requests.post(f"{system.url}/system/functions", json=body, auth=system.auth, timeout=30)
+        assert res.status_code == 202, res.text
+    return [fn.request["service"] for fn in stack.functions]
+
+
+def wait_available(system: ThreadedSystem, want: dict[str, int], timeout_s: float = 180) -> None:
+    """Until every function in ``want`` has at least that many available replicas."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listing = {f["name"]: f["availableReplicas"] for f in
+                   requests.get(f"{system.url}/system/functions", auth=system.auth, timeout=10).json()}
+        if all(listing.get(k, 0) >= v for k, v in want.items()):
+            return
+        assert time.monotonic() < deadline, listing
+        time.sleep(0.2)

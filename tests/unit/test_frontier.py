@@ -136,7 +136,7 @@ def test_quart_ablation_runs_every_variant(tmp_path) -> None:
                    "--max-replicas", "3", "--workers", "2", "--out", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["quart", "-smooth", "-cpu", "-key-placement", "-keysmanager", "pid"]
+    assert [r["policy"] for r in rows] == ["quart", "-smooth", "-cpu", "+cpu-allocate", "-key-placement", "-keysmanager", "pid"]
     by = {r["policy"]: r for r in rows}
     assert by["-keysmanager"]["mean_ms"] > by["quart"]["mean_ms"]  # cold starts instead of forks
 

@@ -101,7 +101,7 @@ def test_rolling_update_keeps_old_replicas_until_new_ones_are_ready(tmp_path):
         await settle(gw)
         [old] = fn.ready
         await gw.registry.update_limits("f", cpus=4)
-        assert host.invalidated == ["f"] and fn.generation == 2
+        assert host.invalidated == [] and fn.generation == 2  # CPUs alone: re-forked from the cached parameters
         await settle(gw)
         assert [e.id for e in fn.ready] == [old.id]  # new one still starting
         assert host.started[-1].cpus == 4
@@ -287,5 +287,18 @@ def test_a_live_replica_whose_transfer_stalls_is_replaced_after_the_start_timeou
         await settle(gw, rounds=6)
         assert first.id in host.stopped  # replaced, not kept forever holding a slot
         await gw.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_change_beyond_the_cpus_drops_the_cached_parameters(tmp_path):
+    async def scenario():
+        host = FakeHost("h0")
+        gw = make(tmp_path, [host])
+        fn = await gw.registry.deploy(dep())
+        await gw.registry.update_limits("f", cpus=4)  # dep(): 2 CPUs, 1 GiB
+        assert host.invalidated == [] and fn.generation == 2
+        await gw.registry.update_limits("f", memory_bytes=2**31)
+        assert host.invalidated == ["f"] and fn.generation == 3
 
     asyncio.run(scenario())

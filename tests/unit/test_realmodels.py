@@ -18,11 +18,12 @@ import torch
 from quart_stage import families, wire
 from quart_stage.config import StageConfig
 from quart_stage.manifest import Manifest
-from quart_stage.runtime import StageRuntime, read_stage_file
+from quart_stage.runtime import StageRuntime
 from quart_stage.verify import reference_model
 from quart_tools import answers
 from quart_tools.partition import partition, split_layers
 from quart_tools.realmodels import REAL_MODELS, detect, package_path
+from quart_tools.stagechain import whole_tensors
 from support.realmodel_reference import FIXTURE, minilm_reference
 from tokenizers import Tokenizer
 
@@ -37,14 +38,6 @@ def minilm_dir(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("minilm") / "p6")
     partition("minilm", 6, out, progress=False)
     return out
-
-
-def _all_tensors(model_dir: str) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    manifest = Manifest.load(model_dir)
-    tensors: dict[str, torch.Tensor] = {}
-    for entry in manifest.stages:
-        tensors.update(read_stage_file(model_dir, entry))
-    return manifest, tensors
 
 
 def _cut_output(manifest: Manifest, tensors: dict[str, torch.Tensor], stages: int, inputs: dict) -> torch.Tensor:
@@ -90,7 +83,7 @@ def _runtime(model_dir: str, index: int) -> StageRuntime:
 
 @pytest.fixture(scope="session")
 def minilm_whole(minilm_dir):
-    manifest, tensors = _all_tensors(minilm_dir)
+    manifest, tensors = whole_tensors(minilm_dir)
     tok = Tokenizer.from_file(os.path.join(minilm_dir, manifest.tokenizer))
     enc = tok.encode_batch(REFERENCE["minilm"]["sentences"])
     longest = max(len(e.ids) for e in enc)
@@ -162,7 +155,7 @@ def test_minilm_pipeline_gives_the_known_embeddings_and_similarity(minilm_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_whole(smollm2_dir):
-    manifest, tensors = _all_tensors(smollm2_dir)
+    manifest, tensors = whole_tensors(smollm2_dir)
     ids = torch.tensor([REFERENCE["smollm2"]["prompt_ids"]])
     model = reference_model(smollm2_dir)
     with torch.inference_mode():

@@ -43,6 +43,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "MiniLM one-shot passes, router batching off vs on: open-loop Poisson rate steps, max rate within SLO"),
     "chaos": ("quart_tools.bench.chaos:main", "faults (replica/KeysManager kill, SIGSTOP, gateway restart), overload, fuzz"),
     "peer-cpu": ("quart_tools.bench.peer_cpu:main", "CPU-s per GB of a chain hop: source → receiver+forwarder → receiver, loopback"),
+    "cpu-profile": ("quart_tools.bench.cpu_profile:main",
+                    "real MiniLM stages at 1…CPU_max threads + affinity: the CPU regression's profiling records"),
+    "frontier": ("quart_tools.bench.frontier:main",
+                 "live equal-cost frontier: static-k sweep, QUART, baselines; the simulator's figures beside"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 

@@ -11,8 +11,9 @@ two (the lowest rate runs off, on, on, off, its two runs of each pooled). The SL
 
 JSON: ``{"oneshot": {"model", "stages", "slo_ms", "unloaded_ms", "rows": [{"batching", "rate", "p50_ms", "p99_ms",
 "ok", "lost", "sent", "refused"}], "max_rate_within_slo": {"off", "on"}}, "targets", "machine"}``. ``lost``: a
-request without any answer; ``refused``: an explicit non-200 answer (429, 504). The decode half of issue 28
-(continuous batching) is not measured here.
+request without any answer; ``refused``: an explicit non-200 answer (429, 504). The decode half (continuous
+batching of generation steps, SmolLM2): ``quart_tools.bench.decode_batching``, under the key ``decode``;
+``--part`` runs one half.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import numpy as np
 from quart_tools.arrivals import Arrivals, poisson_arrivals
 from quart_tools.bench import machine_info, system_with_plugin, write_report
 from quart_tools.bench.batching_physics import CpuMeter, compute_profile, theory
+from quart_tools.bench.decode_batching import add_arguments as add_decode_arguments
+from quart_tools.bench.decode_batching import run_decode
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch the quiet river flow past "
          "old stone bridges and green fields under a pale autumn sky").split()
@@ -184,10 +187,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES))
     p.add_argument("--step-s", type=float, default=8.0, help="seconds of arrivals per rate (≤ 15)")
     p.add_argument("--unloaded", type=int, default=30, help="sequential requests for the unloaded latency")
+    p.add_argument("--part", choices=("both", "oneshot", "decode"), default="both", help="which half to run")
+    add_decode_arguments(p)
     args = p.parse_args(argv)
     if not 0 < args.step_s <= 15:
         p.error("--step-s must be in (0, 15]")
     with tempfile.TemporaryDirectory(prefix="quart-batching-") as work:
-        report = asyncio.run(run(args, Path(work)))
+        report = asyncio.run(run(args, Path(work))) if args.part in ("both", "oneshot") else {
+            "benchmark": "batching", "targets": {}, "machine": machine_info(torch_threads=1, load=os.getloadavg())}
+        if args.part in ("both", "decode"):
+            decode, targets = asyncio.run(run_decode(args, Path(work)))
+            report["decode"] = decode
+            report["targets"].update(targets)
+            report["machine"]["load_after_decode"] = list(os.getloadavg())
     write_report(report, args.out)
     return 0 if all(report["targets"].values()) else 1

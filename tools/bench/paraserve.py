@@ -42,17 +42,22 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
 
-from quart_kernel.scheduling.paraserve import ParaServeCosts, largest_part, predict
 from quart_stage import cliargs
-from quart_tools.bench import machine_info, wait_until, write_report
+from quart_tools.bench import machine_info, paraserve_gen, wait_until, write_report
 from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
 from quart_tools.bench.blitzscale import build_stage
+from quart_tools.bench.paraserve_calib import (  # noqa: F401 - Calibration, predictions: the tests' names
+    FUNCTION,
+    Calibration,
+    calibrate,
+    part_bytes,
+    predictions,
+    worker_timelines,
+)
 
 from keysmanager.registry import ModelRegistry, parse_model_url
 
-FUNCTION = "paraserve-stage-0"
 MODEL = "blitzscale"  # the model name build_stage gives
 INPUT = b'{"input_ids": [[1, 2, 3, 4]]}'
 
@@ -151,36 +156,6 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
         await gw.close()
 
 
-def part_bytes(paraserve) -> dict[str, int]:
-    """Host → the bytes of the part it started with, in the first ParaServe group (none for P = 1)."""
-    if not paraserve.history:
-        return {}
-    group = paraserve.history[0]
-    layout = paraserve.layouts[group.function][1]
-    return {h: sum(layout.layer_bytes[a - layout.start:b - layout.start]) for h, (a, b) in zip(
-        group.hosts, group.parts, strict=True)}
-
-
-async def worker_timelines(cluster: PeerCluster, hosts: list[str], t0_wall: float, seen: dict[str, dict[str, float]],
-                           parts: dict[str, int]) -> dict[str, dict]:
-    """Per host that started a replica: its KeysManager's part-start marks (``PartJob.marks``: requested,
-    fetch_begin, first_layer, part_held, zygote_built, forked, whole; a whole-stage start: fetch_begin, whole)
-    and the gateway's (answered, routable, whole_routable), ms from the cold start; ``part_bytes``."""
-    out: dict[str, dict] = {}
-    for h in hosts:
-        status = await asyncio.to_thread(cluster.client(h).stage, FUNCTION)
-        marks = dict(status.get("timeline") or {})
-        if "finished_at" in status:  # the fetch's end and length (a part start's own marks come first)
-            marks.setdefault("fetch_begin", status["finished_at"] - status["seconds"])
-            marks.setdefault("whole", status["finished_at"])
-        marks = {k: round(1000 * (v - t0_wall), 1) for k, v in marks.items()}
-        if marks or h in seen:
-            out[h] = dict(sorted({**marks, **seen.get(h, {})}.items(), key=lambda kv: kv[1]))
-            if h in parts:
-                out[h]["part_bytes"] = parts[h]
-    return out
-
-
 def count_wrong(bodies: list[bytes], reference) -> int:
     """Answers that differ from the whole stage's answer to the same input (its tensors: names, shapes, dtypes,
     values; with emulated compute the values are zeros, so a wrong layer range shows as a wrong shape)."""
@@ -203,53 +178,6 @@ def count_wrong(bodies: list[bytes], reference) -> int:
     return sum(1 for body in bodies if not same(body))
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """What the planner is told for the SLO run, measured in this run's rows (seconds, bytes/s)."""
-
-    fetch_bytes_s: float  # the slowest worker's part fetch rate (its NIC, its share of the registry and CPU)
-    fixed_s: float  # the slowest worker's start besides its fetch (asked → routable), overlapped with it
-    tail_s: float  # the largest (first answer − predicted fetch) over the rows: no row is predicted optimistic
-
-    def costs(self, registry_bytes_s: float) -> ParaServeCosts:
-        return ParaServeCosts(registry_bytes_s=registry_bytes_s, fixed_s=self.fixed_s, overlap=True,
-                              tail_s=self.tail_s)
-
-
-def calibrate(rows: list[dict], stage_bytes: int) -> Calibration:
-    """Per-phase figures from the rows' worker timelines (``workers``: ms marks and ``part_bytes``): the fetch
-    rate is the slowest worker's (part bytes / (part_held − fetch_begin); a whole-stage start: stage bytes /
-    (whole − fetch_begin)), the fixed cost the slowest worker's requested → routable, and the tail what each
-    row's first answer took beyond the model's ``max(fixed, part / rate)``, its largest over the rows."""
-    rates, fixed = [], 0.0
-    for row in rows:
-        for w in row["workers"].values():
-            end = w.get("part_held", w.get("whole"))
-            if end is not None and "fetch_begin" in w and end > w["fetch_begin"]:
-                rates.append(w.get("part_bytes", stage_bytes) / ((end - w["fetch_begin"]) / 1000))
-            if row["P"] > 1 and "routable" in w and "requested" in w:
-                fixed = max(fixed, (w["routable"] - w["requested"]) / 1000)
-    if not rates:
-        raise RuntimeError("no worker timeline to calibrate the planner from")
-    rate = min(rates)
-
-    def largest(row: dict) -> float:  # the row's largest part as fetched (layers seldom split evenly)
-        return max((w.get("part_bytes", stage_bytes) for w in row["workers"].values()), default=stage_bytes)
-
-    tail = max(0.0, *(row["first_served_ms"] / 1000 - max(fixed, largest(row) / rate) for row in rows
-                      if row["first_served_ms"] is not None))
-    return Calibration(rate, fixed, tail)
-
-
-def predictions(cal: Calibration, layer_bytes: list[int], registry_bytes_s: float, max_parts: int
-                ) -> dict[int, float]:
-    """The planner's predicted first answer (ms) for each P with this calibration (``predict`` of the largest
-    part, as `plan_parallelism` does)."""
-    costs, stage_bytes = cal.costs(registry_bytes_s), sum(layer_bytes)
-    return {p: round(1000 * predict(stage_bytes, [min(cal.fetch_bytes_s, registry_bytes_s / p)] * p, costs,
-                                    largest_part(layer_bytes, p))[0], 1) for p in range(1, max_parts + 1)}
-
-
 def measure(args: argparse.Namespace) -> dict:
     hosts = [f"h{i}" for i in range(args.hosts)]
     args.registry_gbps = args.registry_gbps or args.nic_gbps * max(args.parts)
@@ -259,7 +187,9 @@ def measure(args: argparse.Namespace) -> dict:
         cluster.preload, cluster.km_args = True, ("--gpus", "1")  # one replica slot a host
         model = build_stage(cluster.work, args.stage_mb, args.blocks, args.service_ms)
         stage_bytes = (model / "stage-0.safetensors").stat().st_size
-        layer_bytes = [b - a for a, b in json.loads((model / "manifest.json").read_text())["stages"][0]["layer_bytes"]]
+        manifest = json.loads((model / "manifest.json").read_text())
+        layer_bytes = [b - a for a, b in manifest["stages"][0]["layer_bytes"]]
+        args.vocab = int(manifest["config"].get("vocab_size") or 32000)
         if args.registry == "files":
             bucket, prefix = parse_model_url(MODEL_URL)
             (cluster.registry_root / bucket).mkdir()
@@ -268,6 +198,12 @@ def measure(args: argparse.Namespace) -> dict:
             ModelRegistry(MODEL_URL, endpoint_url=cluster.endpoint).upload(model)
             shutil.rmtree(model)
         os.environ["QUART_REGISTRY_ENDPOINT"] = cluster.endpoint  # the gateway reads the manifest (the layout)
+        if args.workload == "generation":  # quart_tools.bench.paraserve_gen: sessions, KV migration, both SLOs
+            return {**paraserve_gen.measure(args, cluster, hosts, layer_bytes), "stage_bytes": stage_bytes,
+                    "nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "hosts": args.hosts,
+                    "emulated": {"decode_ms": args.decode_ms, "prefill_ms_per_token": args.prefill_ms_per_token},
+                    "sessions": args.sessions, "rate": args.rate, "prompt": args.prompt,
+                    "max_tokens": args.max_tokens}
         rows = []
         for parts in args.parts:
             fresh_keysmanagers(cluster, hosts, preloader=True)
@@ -318,6 +254,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slo-ms", type=float, default=0.0, help="first-answer SLO (default: 0.5 x single-host cold)")
     p.add_argument("--slo-runs", type=int, default=4, help="cold starts of the SLO run (default 4)")
     p.add_argument("--verbose", action="store_true", help="log the gateway's decisions")
+    paraserve_gen.add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -325,8 +262,10 @@ def main(argv: list[str]) -> int:
     if max(args.parts) > args.hosts:
         p.error("--hosts must be at least the largest of --parts")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, kill: still remove the namespaces
+    load = round(os.getloadavg()[0], 2)
     doc = measure(args)
-    doc["machine"] = machine_info(load_avg_1m_at_start=round(os.getloadavg()[0], 2), compute="emulated")
+    doc["machine"] = machine_info(load_avg_1m_at_start=load, load_avg_1m_at_end=round(os.getloadavg()[0], 2),
+                                  compute="emulated")
     doc["command"] = "quartctl bench paraserve " + " ".join(argv)
     write_report(doc, args.out)
     return 0

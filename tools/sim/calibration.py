@@ -53,7 +53,7 @@ class Calibration:
     hbm_gbytes_s: float = 1500.0  # GPU memory bandwidth: a batched decode step reads its sessions' KV at it
     # Service time: stage time = exec_ms / stages × (1 − f + f × cpu_ref / cpus) × Gamma(mean 1, cv)
     service_cv: float = 0.1  # per-request variation of a stage's service time
-    cpu_fraction: float = 0.2  # f: share of a stage's time that scales with its CPUs
+    cpu_fraction: float = 0.795  # f: share of a stage's time that scales with its CPUs
     cpu_ref: float = 1.0  # CPUs the profiled time was measured with
     # Cluster (paper §8.1: 12 GPU servers, 4 GPUs, 108 cores, 1 TB RAM each).
     hosts: int = 12
@@ -123,7 +123,29 @@ class Calibration:
         cpus = max(cpus, 1e-3)
         return 1.0 - self.cpu_fraction + self.cpu_fraction * self.cpu_ref / cpus
 
+    def cpu_profile(self, cpu_max: int = 8, service_ms: float = 100.0) -> list[dict]:
+        """Profiling records of a simulated replica at 1…``cpu_max`` CPUs: what `quartctl bench cpu-profile`
+        records of a live one, so the simulated QUART fits its CPU regression on its own replicas."""
+        return [{"cpus": c, "queue_len": 0, "param_bytes": 0, "activation_bytes": 0,
+                 "service_ms": service_ms * self.cpu_factor(c)} for c in range(1, max(2, cpu_max) + 1)]
+
+    def cpu_model(self, cpu_max: int = 8):
+        """QUART's CPU regression fitted on this calibration's replicas (``cpu_profile``)."""
+        from gateway_plugin.policies.cpu_model import CPULatencyModel
+
+        return CPULatencyModel.fit(self.cpu_profile(cpu_max))
+
     # ------------------------------------------------------------------------------ live data
+    def with_cpu_profile(self, path: str | Path) -> Calibration:
+        """``cpu_fraction`` from profiling records (`quartctl bench cpu-profile --records`, QUART_CPU_PROFILE):
+        the share of a replica's time at 1 CPU that the fitted regression scales with 1/CPUs."""
+        from gateway_plugin.policies.cpu_model import CPULatencyModel
+
+        model = CPULatencyModel.default(path)
+        src = dict(self.sources)
+        src["cpu_fraction"] = f"live: 1 - t(inf)/t(1) of the CPU regression fitted on {path}"
+        return replace(self, cpu_fraction=model.cpu_fraction(), cpu_ref=1.0, sources=src)
+
     def with_keysmanager_bench(self, path: str | Path) -> Calibration:
         """Fixed fork/cold start costs from `quartctl bench keysmanager` JSON (rows of stage_mb,
         fork_ready_ms, cold_ready_ms): the intercept of a straight-line fit over stage size.
@@ -177,7 +199,8 @@ _PAPER_SOURCES = {
     "hbm_gbytes_s": "assumption: ~1.5 TB/s of A100 HBM, the rule of the decoders' profiled decode_ms (presets.py)",
     "live_layers": "assumption: 32 layers per stage (Llama-2-7B's count), the unit a live replica loads and serves",
     "service_cv": "assumption: GPU stage compute varies little per request",
-    "cpu_fraction": "assumption: share of stage time in CPU work (serde, copies); QUART §5.3",
+    "cpu_fraction": "QUART Fig. 3b: 4 CPUs cut the median pipeline latency of 2 CPUs by 33 %, "
+                    "(1-f+f/4)/(1-f+f/2) = 0.67 → f = 0.795 (or a live `quartctl bench cpu-profile`, with_cpu_profile)",
     "hosts": "QUART §8.1: 12 GPU servers",
     "gpus_per_host": "QUART §8.1: 4 GPUs per server",
     "cpus_per_host": "QUART §8.1: 108 cores per server",

@@ -113,8 +113,8 @@ class Host:
             self.cache[function].last_used = now
 
     def invalidate(self, function: str) -> None:
-        """A new spec of ``function`` (e.g. CPUs): its zygote and GPU-resident parameters are dropped, as the
-        live gateway's rolling update makes every KeysManager do."""
+        """A new spec of ``function`` (other than its CPUs): its zygote and GPU-resident parameters are dropped,
+        as the live gateway's rolling update makes every KeysManager do."""
         self.cache.pop(function, None)
         for slot in self.slots:
             if slot.resident == function:

@@ -7,7 +7,7 @@ sliding-window metrics, the same policy, the same bounds (`replicaset.within_bou
 is the live reconciler's one convergence (`quart_kernel.convergence.converge`) over this platform's view
 (functions, replicas, ParaServe groups, hosts): the shortfall goes to the placer, each placement starts by the
 live start rule (`plan_starts`), the surplus choice stops the same replicas, a rolling update retires the
-previous generation. A CPU change drops the stage's cached zygotes; the ask → ready estimate is the same
+previous generation. A CPU change re-forks the stage's replicas from its cached zygotes; the ask → ready estimate is the same
 moving average.
 """
 
@@ -115,12 +115,11 @@ class ControlLoop:
         st.desired = applied
 
     def set_cpus(self, function: str, cpus: float) -> None:
-        """A CPU change is a rolling update: a new generation starts, the hosts drop the stage's zygotes."""
+        """A CPU change is a rolling update: a new generation starts; the hosts keep the stage's zygotes and
+        resident parameters (only the replicas' cores and threads change; the live registry does the same)."""
         st = self.stage_by_fn[function]
         st.cpus = cpus
         st.generation += 1
-        for host in self.hosts:
-            host.invalidate(function)
 
     # ---------------------------------------------------------------------------- converge
     def view(self, now: float) -> PlatformView:

@@ -131,6 +131,7 @@ class Simulation:
             for slot in h.slots:
                 if slot.replica is not None:
                     tally.gpu_seconds += end - slot.replica.requested_at
+                    tally.cpu_seconds += (end - slot.replica.requested_at) * slot.replica.cpus
         n = len(tally.arrival)
         return SimResult(
             model=cfg.model,
@@ -146,6 +147,7 @@ class Simulation:
             rejected=tally.rejected,
             key_stage_counts=tally.key_counts,
             gpu_seconds=tally.gpu_seconds,
+            cpu_seconds=tally.cpu_seconds,
             evictions=sum(h.evictions for h in self.hosts),
             events=events,
             decisions=tally.decisions,

@@ -28,7 +28,7 @@ QUICK_DURATION_S = 30.0
 TARGETS = {"frontier": 1.0, "oracle": 1.3}  # the issue's: QUART ≤ 1.0× the frontier, ≤ 1.3× the oracle
 SEED_TARGETS = {"frontier_mean": 1.0, "frontier_worst": 1.1, "oracle_worst": 1.15}  # issue 32, over ≥ 5 seeds
 ENTRY_KEYS = ("workload", "seed", "policy", "table", "model", "mean_ms", "p99_ms", "slo_attainment", "replica_seconds",
-              "gpu_seconds", "rejected")
+              "gpu_seconds", "cpu_seconds", "rejected")
 
 
 @dataclass(frozen=True)

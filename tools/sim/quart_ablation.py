@@ -7,7 +7,8 @@ placer, provisioning corrector):
 |---|---|
 | `quart` | nothing |
 | `-smooth` | Smooth (§5.2): no reclaiming by CV-weighted neighbour demand |
-| `-cpu` | CPU compensation (§5.3); inert in the simulator unless a CPU model is fitted (none is, as live) |
+| `-cpu` | CPU compensation (§5.3): QUART's CPU regression is fitted on the simulated replicas (`cpu_seconds` shows what it spends) |
+| `+cpu-allocate` | (added, not removed) AllocateCPU also on stages over target that Correct cannot grow (`CPUConfig.allocate`) |
 | `-key-placement` | key-stage placement: the cache-blind first-fit placer instead of the cache-aware one |
 | `-keysmanager` | the KeysManager: every new replica is a cold start |
 | `pid` | the provisioning corrector: the paper's PID Correct instead (QUART before issue 15) |
@@ -28,6 +29,7 @@ VARIANTS: dict[str, tuple[str, dict, tuple[tuple[str, object], ...]]] = {
     "quart": ("quart", {}, ()),
     "-smooth": ("quart", {"smooth": {"enabled": False}}, ()),
     "-cpu": ("quart", {"cpu": {"enabled": False}}, ()),
+    "+cpu-allocate": ("quart", {"cpu": {"allocate": True}}, ()),
     "-key-placement": ("quart", {}, (("placer", "first-fit"),)),
     "-keysmanager": ("quart-no-km", {}, ()),
     "pid": ("quart", {"mode": "pid"}, ()),
@@ -50,7 +52,7 @@ def run_ablation(models: list[str], cvs: list[float], duration_s: float, load: f
     entries = _pool(_run_job, jobs, workers, "quart ablation", lambda j: j[2].rate * j[2].duration_s)
     rows = []
     for e in entries:
-        row = {k: e[k] for k in ("workload", "seed", "policy", "mean_ms", "p99_ms", "replica_seconds")}
+        row = {k: e.get(k) for k in ("workload", "seed", "policy", "mean_ms", "p99_ms", "replica_seconds", "cpu_seconds")}
         if frontier:
             mine = [f for f in frontier if f["workload"] == e["workload"] and f["table"] == "km"
                     and f.get("seed", 0) == e["seed"]]

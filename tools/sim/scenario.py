@@ -88,10 +88,13 @@ def sim_config(model: str, sys_: System, calibration: Calibration | None = None,
     return replace(cfg, **overrides)
 
 
-def make_system_policy(sys_: System, policy_config: dict | None = None):
+def make_system_policy(sys_: System, policy_config: dict | None = None, calibration: Calibration | None = None):
+    """The system's policy; QUART's CPU regression is fitted on the simulated replicas (``Calibration.cpu_model``)."""
     config = dict(policy_config or {})
     if sys_.whole_model:
         config.setdefault("pipelined", False)
+    if sys_.policy == "quart" and "cpu_model" not in config:
+        config["cpu_model"] = (calibration or Calibration()).cpu_model()
     return make_policy(sys_.policy, **config)
 
 
@@ -100,7 +103,7 @@ def run(model: str, system_name: str, arrivals: Arrivals, calibration: Calibrati
     """Simulate one system on one model and arrival schedule; return (report entry, raw result)."""
     sys_ = system(system_name)
     cfg = sim_config(model, sys_, calibration, **overrides)
-    policy = make_system_policy(sys_, policy_config)
+    policy = make_system_policy(sys_, policy_config, calibration)
     started = time.perf_counter()
     result = Simulation(cfg, policy, arrivals).run()
     wall = time.perf_counter() - started
@@ -127,6 +130,7 @@ def entry_of(result: SimResult, name: str, model: str, arrivals: Arrivals, wall_
         rate_rps=round(arrivals.rate(), 3),
         cv=round(arrivals.cv(), 3),
         gpu_seconds=result.gpu_seconds,
+        cpu_seconds=result.cpu_seconds,
         rejected=result.rejected,
         starts_by_source=result.starts_by_source,
         mean_ready_s_by_source=ready,

@@ -82,6 +82,7 @@ class ReplicaStarts:
         """A replica is gone: its slot's time is counted and the slot freed."""
         rep.state = "gone"
         self.tally.gpu_seconds += now - rep.requested_at
+        self.tally.cpu_seconds += (now - rep.requested_at) * rep.cpus
         rep.host.release_slot(rep.slot, self.stages[rep.stage].function, now, self.cfg.gpu_keep_s)
 
     # ---------------------------------------------------------------------------- scale-up

@@ -142,6 +142,7 @@ class Tally:
         self.latency = np.full(len(arrival_s), np.nan)  # ms; NaN = refused or unfinished
         self.rejected = 0
         self.gpu_seconds = 0.0
+        self.cpu_seconds = 0.0  # Σ CPUs × slot time: what CPU compensation spends beside the GPUs
         self.samples: list[StageSample] = []
         self.starts_by_source: dict[str, int] = {"gpu": 0, "fork": 0, "cold": 0}
         self.ready_s_by_source: dict[str, list[float]] = {"gpu": [], "fork": [], "cold": []}
@@ -177,6 +178,7 @@ class SimResult:
     decisions: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     launched: list = field(default_factory=list)  # replicas started after t = 0 (Replica: times, source)
     paraserve_plans: list[tuple[int, float, bool]] = field(default_factory=list)  # (P, predicted s, meets SLO)
+    cpu_seconds: float = 0.0  # Σ over replicas of CPUs × (release or end − request time)
     ttft_ms: np.ndarray | None = None  # generation: per session (NaN = refused or unfinished)
     tpot_ms: np.ndarray | None = None  # generation: per session (NaN also for one-token sessions)
     token_gaps: np.ndarray | None = None  # generation: [k, 2] (time s, ms since the session's previous token)

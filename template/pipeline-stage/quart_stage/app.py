@@ -2,7 +2,8 @@
 
 ``POST /`` (any path) invokes the stage; ``GET /_/health`` is 200 once the runtime is ready (the path
 of-watchdog uses). ``GET /_/sessions`` lists the generation sessions (KV caches) the replica holds,
-``DELETE /_/sessions/<id>`` frees one (docs/generation.md). The body limit is enforced from Content-Length before a byte is read; more than
+``DELETE /_/sessions/<id>`` frees one, ``GET``/``PUT /_/sessions/<id>/kv`` export and install its KV cache
+(docs/generation.md). The body limit is enforced from Content-Length before a byte is read; more than
 ``QUART_MAX_INFLIGHT`` concurrent requests get 429 with Retry-After.
 
 gunicorn: ``gunicorn 'quart_stage.app:create_app_from_env()'`` serves the stage named by the QUART_*
@@ -19,6 +20,7 @@ import threading
 
 from flask import Flask, Response, request
 
+from quart_stage import kvroutes
 from quart_stage.attach import load_stage
 from quart_stage.config import StageConfig
 from quart_stage.errors import QuartError, invalid
@@ -100,6 +102,19 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
     def end_session(session_id: str):
         status, doc = runtime.generation.free(session_id)
         return (doc or ""), status
+
+    @app.get("/_/sessions/<session_id>/kv")
+    def export_kv(session_id: str):
+        """A session's KV cache, for a consolidating ParaServe group (quart_stage.kvroutes)."""
+        return to_flask(kvroutes.export_response(runtime, session_id, request.args.get("layers")))
+
+    @app.put("/_/sessions/<session_id>/kv")
+    def import_kv(session_id: str):
+        try:
+            body = read_body_limited(max_body)
+        except QuartError as exc:
+            return to_flask(StageResponse.error(exc, {"Connection": "close"}))
+        return to_flask(kvroutes.import_response(runtime, session_id, body, request.headers))
 
     @app.post("/", defaults={"path": ""})
     @app.post("/<path:path>")

@@ -13,6 +13,7 @@ never copied.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -175,7 +176,13 @@ class StageModule(nn.Module):
 
     def __init__(self, cfg, start: int, end: int, tensors: Mapping[str, torch.Tensor]):
         super().__init__()
-        self.cfg, self.plan = cfg, plan_for(cfg)
+        self.plan = plan_for(cfg)
+        if self.plan.family == "decoder":  # SDPA, and per session in a batched decode step (quart_stage.ragged)
+            from quart_stage import ragged
+
+            cfg = copy.deepcopy(cfg)
+            cfg._attn_implementation = ragged.register()
+        self.cfg = cfg
         self.start, self.end = start, end
         blocks = num_blocks(cfg)
         if not 0 <= start < end <= blocks + 2:
@@ -233,7 +240,7 @@ class StageModule(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: Mapping[str, torch.Tensor], start: int | None = None,
-                end: int | None = None, *, cache=None, past: int = 0) -> torch.Tensor:
+                end: int | None = None, *, cache=None, past: int | torch.Tensor = 0) -> torch.Tensor:
         """Run layers ``[start, end)`` (absolute, inside this stage's range; default: all of them).
 
         A sub-range runs the stage's own modules (no copy, no new module): input ``input_ids`` when it starts
@@ -243,7 +250,8 @@ class StageModule(nn.Module):
         With ``cache`` (a transformers ``Cache`` from :meth:`new_cache`, holding ``past`` positions of one
         sequence): the inputs are the sequence's next positions only; positions, rotary tables and masks
         continue from ``past``, the blocks append their keys and values to the cache, and the head (if held)
-        runs on the last position only.
+        runs on the last position only. A batched decode step (one new position per session): ``cache`` a
+        :class:`quart_stage.ragged.RaggedCache` and ``past`` a 1-D tensor, each row's positions held.
         """
         lo = self.start if start is None else start
         hi = self.end if end is None else end
@@ -282,24 +290,27 @@ class StageModule(nn.Module):
         return self.embed["model_embed_tokens"](ids)
 
     @staticmethod
-    def _opt_positions(ids: torch.Tensor, mask: torch.Tensor | None, past: int = 0) -> torch.Tensor:
+    def _opt_positions(ids: torch.Tensor, mask: torch.Tensor | None, past: int | torch.Tensor = 0) -> torch.Tensor:
         """OPT's learned positions count the tokens before each one (padding skipped), as OPTDecoder does;
         a cached sequence's new positions continue from ``past``."""
         if mask is None:
-            return torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
+            return _positions(past, ids.shape[1], ids.device)
         return (torch.cumsum(mask, dim=1) * mask - 1).long()
 
     def _blocks(self, hidden: torch.Tensor, mask: torch.Tensor | None, lo: int, hi: int, cache=None,
-                past: int = 0) -> torch.Tensor:
+                past: int | torch.Tensor = 0) -> torch.Tensor:
         """Blocks ``self.blocks[lo:hi]`` (indices into this stage's blocks)."""
-        positions = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = _positions(past, hidden.shape[1], hidden.device)
         kwargs: dict = {"position_ids": positions}
         if self.plan.family == "decoder" and self.plan.model_type != "opt":
             kwargs["position_embeddings"] = self.rotary(hidden, positions)
         if cache is not None:
             kwargs.update(past_key_values=cache, use_cache=True)
         blocks = self.blocks[lo:hi]
-        masks = self._attention_masks(hidden, mask, positions, len(blocks), self.block_offset + lo, cache)
+        if isinstance(past, torch.Tensor):  # a batched decode step: one position per session, no mask
+            masks = [None] * len(blocks)
+        else:
+            masks = self._attention_masks(hidden, mask, positions, len(blocks), self.block_offset + lo, cache)
         for block, block_mask in zip(blocks, masks, strict=True):
             out = block(hidden, attention_mask=block_mask, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
@@ -335,6 +346,13 @@ class StageModule(nn.Module):
         for module in self.head.values():  # a pooling head (takes_mask) needs the padding mask
             hidden = module(hidden, mask) if getattr(module, "takes_mask", False) else module(hidden)
         return hidden
+
+
+def _positions(past: int | torch.Tensor, count: int, device) -> torch.Tensor:
+    """Position ids ``[rows, count]`` continuing from ``past``: one int (a sequence), or one per row (a batch)."""
+    if isinstance(past, torch.Tensor):
+        return past.to(device).view(-1, 1) + torch.arange(count, device=device).view(1, -1)
+    return torch.arange(past, past + count, device=device).unsqueeze(0)
 
 
 def _get(root: nn.Module, dotted: str, default=...):

@@ -205,3 +205,47 @@ class SessionTable:
             used = self._used
         return {"sessions": [r.__dict__ for r in rows], "kv_tokens": used, "kv_tokens_max": self.max_tokens,
                 "idle_timeout_s": self.idle_s}
+
+    # -- migration (quart_stage.kvmigrate) -------------------------------------------------------
+    @contextmanager
+    def holding(self, session_id: str) -> Iterator[Session]:
+        """Session ``session_id`` under its lock (no step runs meanwhile), to read its cache; 404 if unknown."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.dead:
+                raise QuartError(404, f"this replica holds no session {session_id[:140]!r}", FIELD)
+            s.busy += 1
+        try:
+            with s.lock:
+                yield s
+        finally:
+            with self._lock:
+                s.busy -= 1
+                s.last_used = self.clock()
+
+    def adopt(self, session_id: str, tokens: int, reserve: int, make_state: Callable[[], object],
+              fill: Callable[[object], None]) -> None:
+        """Install migrated cache into session ``session_id`` at ``tokens`` positions: a new session is made
+        (charged ``max(tokens, reserve)``; 429 when full), an existing one must hold exactly ``tokens``
+        (409). ``fill(state)`` puts the layers in, under the session's lock."""
+        if max(tokens, reserve) > self.max_tokens:
+            raise invalid(KV_FIELD, f"the session needs {max(tokens, reserve)} positions; this replica holds at "
+                                    f"most {self.max_tokens} (QUART_KV_MAX_TOKENS)")
+        with self._lock:
+            self._sweep_locked(self.clock())
+            s = self._sessions.get(session_id)
+            if s is None or s.dead:
+                s = Session(session_id, make_state(), tokens=tokens, reserved=reserve, last_used=self.clock())
+                self._charge(s, tokens)
+                self._sessions[session_id] = s
+                self._start_sweeper()
+            s.busy += 1
+        try:
+            with s.lock:
+                if s.dead or s.tokens != tokens:
+                    raise self._mismatch(session_id, tokens, 0 if s.dead else s.tokens)
+                fill(s.state)
+        finally:
+            with self._lock:
+                s.busy -= 1
+                s.last_used = self.clock()

@@ -24,6 +24,8 @@ PARAM_BYTES = "com.quart.param-bytes"  # parameter bytes of one replica
 PROFILE_MS = "com.quart.profile-ms"  # profiled service time of the stage
 BATCH_MAX = "com.quart.batch.max"  # requests the router sends a replica in one call (1 = no batching)
 BATCH_WAIT_MS = "com.quart.batch.wait-ms"  # how long a short batch waits for more requests (0 = none)
+DECODE_BATCH_MAX = "com.quart.batch.decode-max"  # generation sessions in one batched decode step (1 = no batching)
+MAX_DECODE_BATCH = 256  # the largest decode batch a label or setting may ask for
 BATCH_PROFILE_MS = "com.quart.batch.profile-ms"  # profiled ms of one call by batch size, "1:23,16:100" (policies)
 # "off": replicas cold-start like a plain OpenFaaS function (the paper's baselines); "on": fork from the cache
 KEYSMANAGER = "com.quart.keysmanager"
@@ -87,6 +89,7 @@ class StageLabels:
     param_bytes: int = 0
     profile_ms: float = 0.0
     param_cache: bool = True
+    decode_batch: int = 0  # 0 = the gateway's QUART_GEN_DECODE_BATCH_MAX
 
     @classmethod
     def parse(cls, labels: Mapping[str, str]) -> StageLabels:
@@ -101,7 +104,10 @@ class StageLabels:
             param_bytes=label_int(labels, PARAM_BYTES, 0),
             profile_ms=label_float(labels, PROFILE_MS, 0.0),
             param_cache=label_switch(labels, KEYSMANAGER, True),
+            decode_batch=label_int(labels, DECODE_BATCH_MAX, 0, minimum=1),
         )
+        if out.decode_batch > MAX_DECODE_BATCH:
+            raise _error(DECODE_BATCH_MAX, f"must be at most {MAX_DECODE_BATCH}, got {out.decode_batch}")
         if out.min_replicas > out.max_replicas:
             raise _error(SCALE_MIN, f"({out.min_replicas}) is above {SCALE_MAX} ({out.max_replicas})")
         if out.stages and out.stage >= out.stages:

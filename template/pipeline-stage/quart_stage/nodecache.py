@@ -17,6 +17,7 @@ from quart_stage.config import StageConfig
 from quart_stage.unixhttp import UnixHTTPConnection
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: this container's CPU quota
 _NOT_SENT = ("QUART_KEYSMANAGER_SOCKET",)  # where the KeysManager is, not what the stage is
 
 
@@ -28,13 +29,27 @@ class NodeCacheError(RuntimeError):
         self.status = status
 
 
-def stage_spec(cfg: StageConfig) -> dict:
-    """The KeysManager's ``StageSpec`` of this stage: its function name and ``QUART_*`` environment."""
+def cgroup_cpus(cpu_max: str = CGROUP_CPU_MAX) -> float | None:
+    """This container's CPU limit from its cgroup (v2 ``cpu.max``: "quota period", or "max" for none)."""
+    try:
+        with open(cpu_max) as fh:
+            quota, period = fh.read().split()[:2]
+        return None if quota == "max" else max(0.01, int(quota) / int(period))
+    except (OSError, ValueError):
+        return None
+
+
+def stage_spec(cfg: StageConfig, cpu_max: str = CGROUP_CPU_MAX) -> dict:
+    """The KeysManager's ``StageSpec`` of this stage: its function name and ``QUART_*`` environment. Its CPUs
+    are the pod's CPU limit (what the gateway's CPU compensation grants, ``faas-cli --cpu-limit``), so the
+    replica the node's KeysManager forks outside the pod's cgroup gets that many cores and torch threads;
+    ``QUART_THREADS`` without a limit."""
     env = {k: v for k, v in sorted(cfg.to_env().items()) if k not in _NOT_SENT}
     source = (cfg.model_dir or cfg.model_url or "stage").rstrip("/")
     base = _NAME_CHARS.sub("-", os.path.basename(source)).strip("-.")[:80] or "stage"
     digest = hashlib.sha256(json.dumps(env).encode()).hexdigest()[:8]
-    return {"function": f"{base}-stage-{cfg.stage_index}-{digest}", "env": env, "cpus": float(cfg.threads)}
+    return {"function": f"{base}-stage-{cfg.stage_index}-{digest}", "env": env,
+            "cpus": cgroup_cpus(cpu_max) or float(cfg.threads)}
 
 
 def km_call(socket_path: str, method: str, route: str, body: Any, timeout_s: float) -> dict:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from quart_stage import jsonparse, wire
+from quart_stage.batchwire import H_SESSION_BATCH
 from quart_stage.config import ConfigError, StageConfig
 from quart_stage.device_copy import move_module
 from quart_stage.emulated import ServiceTime, StepTime, service_time_for, step_time_for
@@ -40,6 +41,7 @@ from quart_stage.inputs import (
     int_matrix,
     validate,
 )
+from quart_stage.kvcache import H_KV_TOKENS
 from quart_stage.layers import (
     H_LAYERS,
     H_LAYERS_HELD,
@@ -68,6 +70,7 @@ from quart_stage.response import (  # noqa: F401 - StageResponse and the header 
 from quart_stage.sessions import H_SESSION, Generation, parse_session
 
 JSON_DATA_LIMIT = 1 << 16
+_THREAD = threading.local()  # per thread: the torch thread count it set (StageRuntime.prepare_device)
 """JSON responses carry the output values only up to this many elements (always shape, dtype, argmax)."""
 
 
@@ -181,13 +184,14 @@ class StageRuntime:
 
     # -- after fork ------------------------------------------------------------------------------
     def prepare_device(self) -> None:
-        """Pick the device, build computed buffers, copy parameters for cuda, set torch threads."""
+        """Bound this thread's torch threads; once: pick the device, build computed buffers, copy parameters for
+        cuda."""
+        self.bound_threads()
         if self.prepared:
             return
         with self._prepare_lock:  # gthread workers may race here on their first requests
             if self.prepared:
                 return
-            torch.set_num_threads(max(1, self.cfg.threads))
             if self.cfg.seed is None:
                 self._rng = random.Random()  # fresh entropy per replica: forked siblings must not draw alike
             if self.module is not None and self.cfg.compute != "emulated":
@@ -200,6 +204,17 @@ class StageRuntime:
             if self.shape.takes_ids and self.manifest is not None and self.manifest.tokenizer:
                 self._load_tokenizer(self.manifest.tokenizer)  # read while the model folder is readable
             self.prepared = True
+
+    def bound_threads(self) -> None:
+        """``torch.set_num_threads(QUART_THREADS)`` in this thread, once, before its first torch op.
+
+        It bounds OpenMP in the calling thread only: a request thread (a gthread worker, the KeysManager's
+        threaded server) that never called it computes with an OpenMP pool of every core (measured: threads set
+        to 1 in the main thread, a new thread's matmuls spawned OpenMP workers and ran 3.6x slower on the loaded
+        2-core machine). So every thread that serves a request sets it first (``handle``)."""
+        if getattr(_THREAD, "threads", None) != self.cfg.threads:
+            torch.set_num_threads(max(1, self.cfg.threads))
+            _THREAD.threads = self.cfg.threads
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -218,10 +233,13 @@ class StageRuntime:
     def handle(self, body: bytes | bytearray | memoryview, headers: Mapping[str, str]) -> StageResponse:
         """Run one request. Bad input -> 4xx JSON naming the field; a failure inside compute -> 500 JSON."""
         t0 = time.perf_counter()
+        self.bound_threads()
         headers = {k.lower(): v for k, v in headers.items()}
         request_id = headers.get(H_REQUEST_ID.lower()) or uuid.uuid4().hex
         base = self.response_headers(request_id)
         session = None
+        if H_SESSION_BATCH.lower() in headers:
+            return self._batched_step(body, headers, base, t0)
         try:
             self._check_route(headers)
             session = parse_session(headers) if H_SESSION.lower() in headers else None
@@ -263,6 +281,16 @@ class StageRuntime:
         base.update({"Content-Type": ctype, H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1, t2),
                      H_SER: elapsed_ms(t2, t3)})
         return StageResponse(200, chunks, base)
+
+    def _batched_step(self, body, headers: Mapping[str, str], base: dict[str, str], t0: float) -> StageResponse:
+        """A batched decode step of several sessions (quart_stage.sessionbatch); 400 for the batch as a whole."""
+        try:
+            self._check_route(headers)
+            entries, rows = self.generation.batched.parse(body, headers)
+        except QuartError as exc:
+            base.update({H_DESER: elapsed_ms(t0), H_KV_TOKENS: self.generation.table.occupancy()})
+            return StageResponse.error(exc, {**base, **exc.headers})
+        return self.generation.batched.step(entries, rows, base, t0)
 
     def next_hop_meta(self, request_id: str, more: bool) -> dict[str, str]:
         """The safetensors metadata of an output: the stage it goes to (this one again when ``more`` of its layers

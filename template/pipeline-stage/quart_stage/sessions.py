@@ -9,7 +9,6 @@ time (:class:`quart_stage.emulated.StepTime`) and answers tokens that are a hash
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -30,10 +29,11 @@ from quart_stage.kvcache import (
     H_SESSION_RESERVE,
     SessionTable,
 )
-from quart_stage.layers import range_share
+from quart_stage.kvmigrate import EmulatedKV, block_layers
+from quart_stage.layers import H_LAYERS, fmt, range_share
 from quart_stage.response import H_COMPUTE, H_DESER, H_REQUEST_ID, H_SER, JSON_TYPE, StageResponse, elapsed_ms
 from quart_stage.sampling import H_SAMPLE, SampleParams, choose, parse_sample
-from quart_stage.spans import H_LAYERS, fmt
+from quart_stage.sessionbatch import BatchedSteps
 
 H_RETURN_LOGITS = "X-Quart-Return-Logits"
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -63,14 +63,14 @@ def parse_session(headers: Mapping[str, str]) -> SessionRequest:
     if not SESSION_ID.fullmatch(sid):
         raise invalid(FIELD, f"{H_SESSION} must be 1..128 characters of A-Z a-z 0-9 . _ : -, got {sid[:140]!r}")
     return SessionRequest(
-        id=sid, pos=_count(headers.get(H_SESSION_POS.lower()), H_SESSION_POS, required=True),
-        reserve=_count(headers.get(H_SESSION_RESERVE.lower()), H_SESSION_RESERVE),
+        id=sid, pos=count_header(headers.get(H_SESSION_POS.lower()), H_SESSION_POS, required=True),
+        reserve=count_header(headers.get(H_SESSION_RESERVE.lower()), H_SESSION_RESERVE),
         end=_flag(headers.get(H_SESSION_END.lower()), H_SESSION_END),
         sample=parse_sample(headers.get(H_SAMPLE.lower())),
         return_logits=_flag(headers.get(H_RETURN_LOGITS.lower()), H_RETURN_LOGITS))
 
 
-def _count(raw: str | None, name: str, required: bool = False) -> int:
+def count_header(raw: str | None, name: str, required: bool = False) -> int:
     if raw is None:
         if required:
             raise invalid(FIELD, f"{name} is required with {H_SESSION} (0 for a new session)")
@@ -100,17 +100,6 @@ def auto_kv_tokens(config: Mapping | None, blocks: int, itemsize: int) -> int:
     return max(KV_AUTO_MIN, min(KV_AUTO_MAX, KV_BUDGET_BYTES // per_token))
 
 
-class EmulatedState:
-    """An emulated session's stand-in for a KV cache: a running hash of the session's token ids."""
-
-    def __init__(self, seed: int):
-        self.digest = hashlib.blake2b(f"{seed}:".encode(), digest_size=8)
-
-    def token(self, ids: list[int], vocab: int) -> int:
-        self.digest.update(b"".join(i.to_bytes(8, "big") for i in ids))
-        return int.from_bytes(self.digest.copy().digest(), "big") % vocab
-
-
 class Generation:
     """The sessions of one StageRuntime and the step that serves them."""
 
@@ -130,6 +119,7 @@ class Generation:
             self.vocab = EMULATED_VOCAB
             auto = KV_AUTO_UNKNOWN
         self.table = SessionTable(cfg.kv_max_tokens or auto, cfg.kv_idle_s)
+        self.batched = BatchedSteps(self)
 
     def free(self, session_id: str) -> tuple[int, dict | None]:
         """``DELETE /_/sessions/<id>``: 204, or 404 naming the session this replica does not hold."""
@@ -151,35 +141,45 @@ class Generation:
         if first.shape[0] != 1:
             raise invalid(FIELD, f"a session request carries one sequence (batch 1), got batch {first.shape[0]}")
         new = int(first.shape[1])
-        limit = rt.shape.max_seq
-        if limit is not None and max(req.pos + new, req.reserve) > limit:
-            raise invalid(FIELD, f"the session would reach {max(req.pos + new, req.reserve)} positions; "
-                                 f"model {rt.model!r} has {limit}")
+        self.check_reach(max(req.pos + new, req.reserve))
         return new
 
-    def part(self, span: tuple[int, int] | None) -> tuple[int, int] | None:
-        """The layers of a session request: None for the whole stage, else the part ``X-Quart-Layers`` names
-        (cooperative execution: this replica keeps the session's KV cache for those layers only)."""
+    def new_state(self, seed: int):
+        """An empty cache for a session: transformers' ``DynamicCache``, or the emulated stand-in."""
+        rt = self.rt
+        if rt.cfg.compute != "emulated":
+            return rt.module.new_cache()
+        cfg = rt.manifest.config if rt.manifest is not None else {}
+        heads = int(cfg.get("num_attention_heads") or 1)
+        head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size") or 64 * heads) // heads)
+        return EmulatedKV(seed, int(cfg.get("num_key_value_heads") or heads) * head_dim, rt.shape.dtype)
+
+    def span_of(self, span: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The layers a session request runs: a sub-range (a ParaServe part), or None for the whole stage."""
         return None if span is None or span == self.rt.stage_range else span
+
+    def check_reach(self, positions: int) -> None:
+        """400 when a session would reach more positions than the model has."""
+        limit = self.rt.shape.max_seq
+        if limit is not None and positions > limit:
+            raise invalid(FIELD, f"the session would reach {positions} positions; model {self.rt.model!r} has {limit}")
 
     def step(self, req: SessionRequest, inputs: dict[str, torch.Tensor], new: int, base: dict[str, str],
              timing: tuple[float, float], span: tuple[int, int] | None = None):
-        """Run one step of session ``req.id`` over layers ``span`` (None: the whole stage) and answer it
-        (409/429/500 as JSON, nothing changed). A session keeps the layers of its first step: a later step
-        for other layers gets 409 (the gateway replays)."""
+        """Run one step of session ``req.id`` and answer it (409/429/500 as JSON, nothing changed)."""
         t0, t1 = timing
         rt = self.rt
-        part = self.part(span)
-        last = self.last if part is None else part[1] == rt.total_layers
         try:
             rt.prepare_device()
             emulated = rt.cfg.compute == "emulated"
-            make = (lambda: EmulatedState(req.sample.seed)) if emulated else rt.module.new_cache
-            with self.table.step(req.id, req.pos, new, req.reserve, make, part, rt.stage_range) as session:
+            span = self.span_of(span)
+            last = self.last if span is None else span[1] == rt.total_layers
+            with self.table.step(req.id, req.pos, new, req.reserve, lambda: self.new_state(req.sample.seed), span,
+                                 rt.stage_range) as session:
                 if emulated:
-                    output = self._emulate(session.state, inputs, req, new, part, last)
+                    output = self._emulate(session.state, inputs, req, new, span, last)
                 else:
-                    output = self._compute(session.state, inputs, req, new, part, last)
+                    output = self._compute(session.state, inputs, req, new, span, last)
         except QuartError as exc:
             return StageResponse.error(exc, {**base, **self.headers(req.id), **exc.headers,
                                              H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1)})
@@ -190,49 +190,64 @@ class Generation:
         if req.end:
             self.table.drop(req.id)
         held = req.pos + new
+        if span is not None:
+            base = {**base, H_LAYERS: fmt(span)}
         if last:
             doc = {"token": output[0], "pos": held}
             if req.return_logits and output[1] is not None:
                 doc["logits"] = output[1].tolist()
             chunks, ctype = [json.dumps(doc).encode()], JSON_TYPE
         else:
-            more = part is not None and part[1] < rt.stage_range[1]  # the rest of this stage runs elsewhere
+            more = span is not None and span[1] < rt.stage_range[1]  # this stage again, for its next part
             chunks = wire.encode_chunks({HIDDEN: output}, rt.next_hop_meta(base[H_REQUEST_ID], more))
             ctype = wire.CONTENT_TYPE
-        if part is not None:
-            base = {**base, H_LAYERS: fmt(part)}
         headers = {**base, H_SESSION_POS: str(held), H_KV_TOKENS: self.table.occupancy(), "Content-Type": ctype,
                    H_DESER: elapsed_ms(t0, t1), H_COMPUTE: elapsed_ms(t1, t2), H_SER: elapsed_ms(t2)}
         return StageResponse(200, chunks, headers)
 
     def _compute(self, cache, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
-                 part: tuple[int, int] | None, last: bool):
+                 span: tuple[int, int] | None, last: bool):
         rt = self.rt
         if rt._device.type != "cpu":
             inputs = {k: v.to(rt._device, non_blocking=True) for k, v in inputs.items()}
-        out = rt.module(inputs, *(part or ()), cache=cache, past=req.pos)
+        out = rt.module(inputs, *(span or ()), cache=cache, past=req.pos)
         if not last:
             return out.cpu() if out.device.type != "cpu" else out
         logits = out[0, -1]
         token = choose(logits, req.sample, req.pos + new)
         return token, (logits.float().cpu() if req.return_logits else None)
 
-    def _emulate(self, state: EmulatedState, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
-                 part: tuple[int, int] | None, last: bool):
+    def _emulate(self, state: EmulatedKV, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
+                 span: tuple[int, int] | None, last: bool):
         rt = self.rt
-        if INPUT_IDS in inputs:
-            ids = inputs[INPUT_IDS][0].tolist()
-        else:
-            digits = inputs[HIDDEN][0, :, :_DIGITS].long()
-            ids = [sum(int(d) << (8 * k) for k, d in enumerate(row)) for row in digits.tolist()]
-        share = 1.0 if part is None else range_share(rt.manifest.layer_parameter_counts, part, rt.stage_range)
+        share = 1.0 if span is None else range_share(rt.manifest.layer_parameter_counts, span, rt.stage_range)
+        [ids] = self.emulated_ids(inputs)
         time.sleep(rt.step_time.sample_ms(new, rt._rng) * share / 1000.0)
+        self.emulated_append(state, ids, span)
         if last:
-            return state.token(ids, self.vocab), None
-        shape = rt.shape if part is None else rt.shape_for(part)
-        out = torch.zeros((1, new, shape.out_width), dtype=shape.dtype)
+            return state.token(self.vocab), None
+        return self.emulated_activation([ids], span)
+
+    def emulated_append(self, state: EmulatedKV, ids: list[int], span: tuple[int, int] | None = None) -> None:
+        """An emulated step's cache update: the keys and values of ``ids`` in the blocks it ran."""
+        ran = span or self.rt.stage_range
+        state.append(ids, block_layers(ran, self.rt.total_layers) if ran else range(0))
+
+    @staticmethod
+    def emulated_ids(inputs: dict[str, torch.Tensor]) -> list[list[int]]:
+        """Each row's token ids: stage 0's input, or the digits an emulated activation carries."""
+        if INPUT_IDS in inputs:
+            return inputs[INPUT_IDS].tolist()
+        digits = inputs[HIDDEN][:, :, :_DIGITS].long()
+        return [[sum(int(d) << (8 * k) for k, d in enumerate(pos)) for pos in row] for row in digits.tolist()]
+
+    def emulated_activation(self, ids: list[list[int]], span: tuple[int, int] | None = None) -> torch.Tensor:
+        """A zero activation ``[rows, positions, width]`` (of ``span``'s output, default the stage's) carrying each
+        position's token id in its first columns."""
+        shape = self.rt.shape if span is None else self.rt.shape_for(span)
+        out = torch.zeros((len(ids), len(ids[0]), shape.out_width), dtype=self.rt.shape.dtype)
         if shape.out_width >= _DIGITS:
             ids_t = torch.tensor(ids, dtype=torch.long)
             for k in range(_DIGITS):
-                out[0, :, k] = ((ids_t >> (8 * k)) & 0xFF).to(out.dtype)
+                out[:, :, k] = ((ids_t >> (8 * k)) & 0xFF).to(out.dtype)
         return out

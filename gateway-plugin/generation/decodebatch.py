@@ -1,0 +1,196 @@
+"""Continuous batching of decode steps, where the steps wait: one lane per stage replica (docs/batching.md#decode).
+
+Every session call to a replica goes through its :class:`ReplicaLane`. Decode steps (one position each) wait
+in the decode queue; prefill chunks (and any other single-session call) in the solo queue. Whenever the replica
+has a free slot (its ``com.quart.concurrency``, 1 when unlimited: the stage runs a batch with all its cores)
+the lane sends either **every decode step waiting** (up to the stage's decode batch limit) as one batched step,
+or **one** prefill chunk; when both wait they alternate. So a session joins the batch at the first step
+boundary after it arrives, leaves it when its step is answered, and a decode step waits at a replica for at
+most one batch before it and one prefill chunk (``QUART_GEN_PREFILL_CHUNK`` positions) — the bound on how long a
+long prompt stalls the streams already running. Nothing waits for a batch to fill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import struct
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from quart_stage.batchwire import (
+    H_SESSION_BATCH,
+    META_RESULTS,
+    META_SESSIONS,
+    BatchEntry,
+    pack_rows,
+    split_rows,
+)
+
+OCTET = "application/octet-stream"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One session's activation row at a stage: raw bytes of ``dtype`` and shape ``[1, *shape]``; a token id
+    (``dtype`` I64, shape ``[1]``) at stage 0."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class DecodeJob:
+    """One session's decode step waiting for a replica."""
+
+    entry: BatchEntry
+    row: Row
+    future: asyncio.Future = field(repr=False)
+
+
+SendBatch = Callable[[list[DecodeJob]], Awaitable[list[tuple[dict, Row | None]]]]
+
+
+class ReplicaLane:
+    """The session calls of one stage replica: decode steps batched, prefill chunks one at a time, alternating."""
+
+    def __init__(self, slots: int, max_batch: int, send: SendBatch) -> None:
+        self.slots, self.max_batch, self.send = max(1, slots), max(1, max_batch), send
+        self.decodes: deque[DecodeJob] = deque()
+        self.solos: deque[tuple[Callable[[], Awaitable[Any]], asyncio.Future]] = deque()
+        self.busy = 0
+        self.last_solo = False
+        self.batches: dict[int, int] = {}  # batch size -> batched calls sent (what /sessions reports)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def decode(self, entry: BatchEntry, row: Row) -> tuple[dict, Row | None]:
+        """Run this decode step in the next batch: the session's result (``status`` …) and its output row."""
+        job = DecodeJob(entry, row, asyncio.get_running_loop().create_future())
+        self.decodes.append(job)
+        self._pump()
+        return await _wait(job.future, lambda: self.decodes.remove(job))
+
+    async def solo(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``call`` (one single-session request: a prefill chunk) when its turn comes."""
+        item = (call, asyncio.get_running_loop().create_future())
+        self.solos.append(item)
+        self._pump()
+        return await _wait(item[1], lambda: self.solos.remove(item))
+
+    def _pump(self) -> None:
+        while self.busy < self.slots and (self.decodes or self.solos):
+            if self.solos and (not self.decodes or not self.last_solo):
+                call, future = self.solos.popleft()
+                self.last_solo = True
+                self._start(self._run_solo(call, future))
+            else:
+                self.last_solo = False
+                self._start(self._run_batch(self._take()))
+
+    def _take(self) -> list[DecodeJob]:
+        """The waiting decode steps that share the head's row shape, up to the limit (the others stay, in order)."""
+        head = self.decodes[0].row
+        batch, keep = [], deque()
+        while self.decodes:
+            job = self.decodes.popleft()
+            if len(batch) < self.max_batch and (job.row.dtype, job.row.shape) == (head.dtype, head.shape):
+                batch.append(job)
+            else:
+                keep.append(job)
+        self.decodes = keep
+        return batch
+
+    def _start(self, coro: Awaitable[None]) -> None:
+        self.busy += 1
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self.busy -= 1
+        self._pump()
+
+    async def _run_solo(self, call: Callable[[], Awaitable[Any]], future: asyncio.Future) -> None:
+        try:
+            result = await call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting session
+            _settle(future, exc=exc)
+        else:
+            _settle(future, result)
+
+    async def _run_batch(self, jobs: list[DecodeJob]) -> None:
+        live = [j for j in jobs if not j.future.done()]
+        if not live:
+            return
+        self.batches[len(live)] = self.batches.get(len(live), 0) + 1
+        try:
+            answers = await self.send(live)
+        except BaseException as exc:  # noqa: BLE001 - every session of the batch sees the failure
+            for job in live:
+                _settle(job.future, exc=exc)
+            return
+        for job, answer in zip(live, answers, strict=True):
+            _settle(job.future, answer)
+
+
+def _settle(future: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+async def _wait(future: asyncio.Future, unqueue: Callable[[], None]) -> Any:
+    """The job's answer; a session that goes away (cancelled) while queued leaves the queue."""
+    try:
+        return await future
+    except asyncio.CancelledError:
+        with contextlib.suppress(ValueError):
+            unqueue()
+        raise
+
+
+def batch_request(stage: int, model: str, jobs: list[DecodeJob]) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of one batched step at ``stage`` (quart_stage.batchwire)."""
+    head = jobs[0].row
+    name = "input_ids" if stage == 0 else "hidden_states"
+    meta = {"model": model, "stage": str(stage), META_SESSIONS: json.dumps([j.entry.doc() for j in jobs])}
+    body = pack_rows(name, head.dtype, head.shape, [j.row.data for j in jobs], meta)
+    return body, {"Content-Type": OCTET, H_SESSION_BATCH: str(len(jobs)), "X-Quart-Model": model,
+                  "X-Quart-Stage": str(stage), "Accept": f"{OCTET}, application/json"}
+
+
+def batch_answers(jobs: list[DecodeJob], data: bytes, last: bool) -> list[tuple[dict, Row | None]]:
+    """Each job's result and output row from a 200 answer; ValueError when it does not match the batch."""
+    if last:
+        results, rows, dtype, shape = json.loads(data)[META_RESULTS], [], "", ()
+    else:
+        rows, dtype, row_shape, meta = split_rows(data, "hidden_states")
+        results, shape = json.loads(meta[META_RESULTS]), tuple(row_shape)
+    if not isinstance(results, list) or len(results) != len(jobs):
+        raise ValueError(f"the stage answered {len(results) if isinstance(results, list) else 'no'} results "
+                         f"for {len(jobs)} sessions")
+    out, ok = [], iter(rows)
+    for job, result in zip(jobs, results, strict=True):
+        if not isinstance(result, dict) or result.get("id") != job.entry.id:
+            raise ValueError("the stage's results are not in the batch's order")
+        row = None
+        if result.get("status") == 200 and not last:
+            data_row = next(ok, None)
+            if data_row is None:
+                raise ValueError("the stage answered fewer rows than sessions that succeeded")
+            row = Row(bytes(data_row), dtype, shape)
+        out.append((result, row))
+    return out
+
+
+def token_row(token: int) -> Row:
+    """Stage 0's row of a decode step: the session's last token."""
+    return Row(struct.pack("<q", token), "I64", (1,))

@@ -1,0 +1,125 @@
+"""The gateway's decode lanes (gateway_plugin.generation.decodebatch): every waiting decode step goes in the next
+batch up to the limit, prefill chunks alternate with batches (the stall bound), a session that leaves while
+queued leaves the queue, a failed batch call fails each of its sessions; the label and settings are validated."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.decodebatch import ReplicaLane, batch_answers, batch_request, token_row
+from quart_stage import batchwire
+from quart_stage.errors import QuartError
+from quart_stage.labels import StageLabels
+from quart_stage.settings import ConfigError
+
+
+class Stage:
+    """A fake replica behind a lane: records what ran, in order; each call takes ``delay_s``."""
+
+    def __init__(self, delay_s: float = 0.01) -> None:
+        self.log: list[str] = []
+        self.delay_s = delay_s
+        self.fail = False
+
+    async def send(self, jobs):
+        self.log.append(f"batch{len(jobs)}")
+        await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise RuntimeError("connection refused")
+        return [({"id": j.entry.id, "status": 200, "pos": j.entry.pos + 1}, None) for j in jobs]
+
+    def chunk(self, name: str):
+        async def call():
+            self.log.append(name)
+            await asyncio.sleep(self.delay_s)
+            return name
+        return call
+
+
+def _step(lane: ReplicaLane, sid: str, pos: int = 5):
+    return asyncio.ensure_future(lane.decode(batchwire.BatchEntry(sid, pos), token_row(7)))
+
+
+def test_waiting_decode_steps_go_as_one_batch_up_to_the_limit():
+    async def run():
+        stage = Stage()
+        lane = ReplicaLane(1, 4, stage.send)
+        tasks = [_step(lane, f"s{i}") for i in range(7)]
+        answers = await asyncio.gather(*tasks)
+        return stage.log, answers
+
+    log, answers = asyncio.run(run())
+    assert log == ["batch1", "batch4", "batch2"]  # the first alone (the replica was free), then what waited
+    assert [a[0]["id"] for a in answers] == [f"s{i}" for i in range(7)]
+
+
+def test_prefill_chunks_alternate_with_decode_batches():
+    async def run():
+        stage = Stage()
+        lane = ReplicaLane(1, 16, stage.send)
+        first = _step(lane, "s0")
+        chunks = [asyncio.ensure_future(lane.solo(stage.chunk(f"chunk{k}"))) for k in range(3)]
+        await asyncio.sleep(0)
+        steps = [_step(lane, f"s{i}") for i in range(1, 4)]
+        await asyncio.gather(first, *chunks, *steps)
+        more = [_step(lane, f"t{i}") for i in range(2)]
+        await asyncio.gather(*more)
+        return stage.log
+
+    # each decode batch waits for at most one chunk: chunk, batch, chunk, ... never two chunks in a row while
+    # decode steps wait
+    assert asyncio.run(run()) == ["batch1", "chunk0", "batch3", "chunk1", "chunk2", "batch1", "batch1"]
+
+
+def test_a_session_that_leaves_while_queued_leaves_the_queue_and_a_failed_call_fails_each():
+    async def run():
+        stage = Stage(delay_s=0.05)
+        lane = ReplicaLane(1, 16, stage.send)
+        busy = _step(lane, "s0")
+        gone = _step(lane, "gone")
+        stay = _step(lane, "stay")
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.gather(busy, stay)
+        stage.fail = True
+        failed = await asyncio.gather(_step(lane, "a"), _step(lane, "b"), return_exceptions=True)
+        return stage.log, failed
+
+    log, failed = asyncio.run(run())
+    assert log[:2] == ["batch1", "batch1"]  # "stay" went alone: "gone" left the queue, it never reached the stage
+    assert all(isinstance(f, RuntimeError) for f in failed)
+
+
+def test_the_batch_wire_round_trips_without_torch():
+    jobs = [type("J", (), {"entry": batchwire.BatchEntry(f"s{i}", 3 + i, i == 1, {"seed": 2} if i else {}),
+                           "row": token_row(10 + i)})() for i in range(3)]
+    body, headers = batch_request(0, "m", jobs)
+    rows, dtype, shape, meta = batchwire.split_rows(body, "input_ids")
+    assert headers[batchwire.H_SESSION_BATCH] == "3" and dtype == "I64" and shape == [1]
+    assert [int.from_bytes(r, "little") for r in rows] == [10, 11, 12]
+    table = batchwire.parse_table(meta[batchwire.META_SESSIONS], 3)
+    assert table == [j.entry for j in jobs]
+    answer = b'{"results": [{"id": "s0", "status": 200, "token": 4, "pos": 4}, {"id": "s1", "status": 409, "held": 0}' \
+             b', {"id": "s2", "status": 200, "token": 9, "pos": 6}]}'
+    got = batch_answers(jobs, answer, last=True)
+    assert [r["status"] for r, _ in got] == [200, 409, 200] and got[2][0]["token"] == 9
+    with pytest.raises(ValueError):
+        batch_answers(jobs[:2], answer, last=True)
+
+
+@pytest.mark.parametrize("value", ["0", "257", "x"])
+def test_the_decode_batch_label_is_validated(value):
+    with pytest.raises(QuartError) as err:
+        StageLabels.parse({"com.quart.batch.decode-max": value})
+    assert err.value.status == 400 and err.value.field == "labels.com.quart.batch.decode-max"
+    assert StageLabels.parse({"com.quart.batch.decode-max": "16"}).decode_batch == 16
+
+
+def test_the_decode_batch_settings_are_validated():
+    assert GenerationConfig.from_env({"QUART_GEN_DECODE_BATCH_MAX": "32"}).decode_batch_max == 32
+    for env in ({"QUART_GEN_DECODE_BATCH_MAX": "0"}, {"QUART_GEN_DECODE_BATCH_MAX": "1000"},
+                {"QUART_GEN_PREFILL_CHUNK": "-1"}):
+        with pytest.raises(ConfigError):
+            GenerationConfig.from_env(env)
