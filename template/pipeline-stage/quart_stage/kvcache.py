@@ -245,6 +245,7 @@ class SessionTable:
                 if s.dead or s.tokens != tokens:
                     raise self._mismatch(session_id, tokens, 0 if s.dead else s.tokens)
                 fill(s.state)
+                s.span = s.stage = None  # installed layers join its own: its steps may run any range it holds now
         finally:
             with self._lock:
                 s.busy -= 1
