@@ -266,7 +266,8 @@ class SessionEngine:
         lane = self._lanes.get(replica.id)
         if lane is None:
             send = functools.partial(self._send_batch, k, fn, replica, session.model, k == len(session.stages) - 1)
-            lane = self._lanes[replica.id] = ReplicaLane(self.source.concurrency(fn), limit, send)
+            lane = self._lanes[replica.id] = ReplicaLane(self.source.concurrency(fn), limit, send,
+                                                         self.config.decode_hold_ms / 1000)
         lane.max_batch = limit
         return lane
 
@@ -388,6 +389,7 @@ class SessionEngine:
         """Release the session's bookings and free its caches (unless its last step already did)."""
         if self.active.pop(session.id, None) is None:
             return
+        self._leave_lanes(session.id)
         if not session.freed:
             self._drop(session)
         for replica in session.replicas:
@@ -396,11 +398,17 @@ class SessionEngine:
 
     def _drop(self, session: Session) -> None:
         """``DELETE /_/sessions/<id>`` on every replica of the session, in the background."""
+        self._leave_lanes(session.id)
         for replica in session.replicas:
             if replica is not None:
                 task = asyncio.get_running_loop().create_task(self._delete(replica, session.id))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
+
+    def _leave_lanes(self, session_id: str) -> None:
+        """No lane holds its batch for this session id any more (decodebatch.hold_for)."""
+        for lane in self._lanes.values():
+            lane.leave(session_id)
 
     async def _delete(self, replica: Any, session_id: str) -> None:
         url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"
