@@ -261,14 +261,14 @@ class SessionEngine:
         return self.decode_limit(function) if self.decode_limit is not None else self.config.decode_batch_max
 
     def _lane(self, session: Session, k: int, limit: int) -> ReplicaLane:
-        """The lane of the session's replica at stage ``k`` (made on first use; the limit as the labels say now)."""
+        """The lane of the session's replica at stage ``k`` (made on first use; the limit as the labels say now,
+        the hold as the settings say)."""
         fn, replica = session.stages[k], session.replicas[k]
         lane = self._lanes.get(replica.id)
         if lane is None:
             send = functools.partial(self._send_batch, k, fn, replica, session.model, k == len(session.stages) - 1)
-            lane = self._lanes[replica.id] = ReplicaLane(self.source.concurrency(fn), limit, send,
-                                                         self.config.decode_hold_ms / 1000)
-        lane.max_batch = limit
+            lane = self._lanes[replica.id] = ReplicaLane(self.source.concurrency(fn), limit, send)
+        lane.max_batch, lane.hold_s = limit, self.config.decode_hold_ms / 1000
         return lane
 
     async def _batched_step(self, session: Session, token: int, pos: int, last: bool, limit: int) -> int:
