@@ -20,11 +20,15 @@ class GenerationConfig:
     replica_wait_s: float = 30.0  # [QUART_GEN_REPLICA_WAIT_S] wait for a ready replica (scale from zero, a replacement)
     step_timeout_s: float = 60.0  # [QUART_GEN_STEP_TIMEOUT_S] one stage call of a session before failing over
     retry_after_s: int = 1  # [QUART_GEN_RETRY_AFTER_S] Retry-After of a session refused for lack of KV room
+    cooperative: bool = True  # [QUART_GEN_COOPERATIVE] split new sessions with a live replica's held layers
+    rejoin: str = "shadow"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: shadow | replay | keep
     decode_batch_max: int = 1  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
     prefill_chunk: int = 128  # [QUART_GEN_PREFILL_CHUNK] prompt positions per prefill call where decode batches (0 = whole prompt)
     decode_hold_ms: float = 250.0  # [QUART_GEN_DECODE_HOLD_MS] most a free replica holds its decode batch for its sessions' steps on their way (0 = never)
 
     def __post_init__(self) -> None:
+        if self.rejoin not in ("shadow", "replay", "keep"):
+            raise ConfigError(f"QUART_GEN_REJOIN must be shadow, replay or keep, got {self.rejoin!r}")
         if not 1 <= self.decode_batch_max <= MAX_DECODE_BATCH:
             raise ConfigError(f"QUART_GEN_DECODE_BATCH_MAX must be in [1, {MAX_DECODE_BATCH}], got {self.decode_batch_max}")
         if self.prefill_chunk < 0:

@@ -17,6 +17,11 @@
   (scale-down, rolling update) moves by the same replay to another ready replica of that stage with room
   (not counted against ``max_replays``); one that finds no room stays, and the replica's drain waits for
   it (bounded by the gateway's drain timeout; if it stops first, the next step fails over as above).
+- **Live scale-ups** (:mod:`.cooperative`): a session opened while a new replica of a stage holds only its
+  first layers is split there (that replica runs those layers, a whole one the rest, each keeping the KV
+  cache of its layers) and rejoins the new replica once it is whole.
+- **Slots**: a replica's steps beyond its concurrency wait in :class:`.slots.StepSlots`, running sessions'
+  steps before new sessions' prefills.
 - **Freeing**: the step that yields the last allowed token carries ``X-Quart-Session-End``; a session
   that ends otherwise (EOS, a stop string, the client gone, an error) is deleted on every replica.
 """
@@ -38,6 +43,7 @@ from typing import Any
 import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.cooperative import CooperativeSessions, Split
 from gateway_plugin.generation.decodebatch import (
     DecodeJob,
     ReplicaLane,
@@ -47,6 +53,7 @@ from gateway_plugin.generation.decodebatch import (
     token_row,
 )
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
+from gateway_plugin.generation.slots import StepSlots
 from quart_stage.batchwire import BatchEntry
 from quart_stage.errors import QuartError, unavailable
 from quart_transport.dead_peer import dead_peer_connector
@@ -84,11 +91,13 @@ class Session:
     fed: int = 0  # positions every replica holds
     replays: int = 0
     moves: int = 0  # replays that moved it off a draining replica
+    rejoins: int = 0  # splits ended onto a live replica that became whole
+    splits: dict[int, Split] = field(default_factory=dict)  # stage index -> its cooperative split
     freed: bool = False
     finish_reason: str = ""
 
 
-class SessionEngine:
+class SessionEngine(CooperativeSessions):
     """Places sessions, runs their steps, replays them after a failure."""
 
     def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
@@ -103,10 +112,12 @@ class SessionEngine:
         self._lanes: dict[str, ReplicaLane] = {}  # replica id -> its batched session calls (decode batching on)
         self.book = KVBook(config.kv_tokens)
         self.http: aiohttp.ClientSession | None = None
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._slots: dict[str, StepSlots] = {}
         self._background: set[asyncio.Task] = set()
         self.active: dict[str, Session] = {}
         self.moves = 0  # sessions moved off draining replicas since the start
+        self.rejoins = 0  # split sessions moved onto their live replica once it was whole
+        self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
 
     async def close(self) -> None:
@@ -149,20 +160,24 @@ class SessionEngine:
         """Place a new session (one replica per stage, its positions booked on each) or raise 429 / 503."""
         need = len(prompt) + max_tokens
         chosen: list[Any] = []
+        splits: dict[int, Split] = {}
         try:
-            for fn in stages:
-                replica = await self._choose(fn, need, set(), wait=True)
-                self.book.reserve(replica.id, need)
+            for k, fn in enumerate(stages):
+                split = self._split_for(fn, need) if self.config.cooperative else None
+                replica = await self._choose(fn, split.rest_tokens if split else need, set(), wait=True)
                 chosen.append(replica)
+                if split is not None:
+                    splits[k] = split
+                self._reserve_stage(replica, need, split)
         except BaseException:
-            for replica in chosen:
-                self.book.release(replica.id, need)
+            for k, replica in enumerate(chosen):
+                self._reserve_stage(replica, need, splits.get(k), release=True)
             raise
         if sample.get("seed") is None:
             sample = {**sample, "seed": random.getrandbits(63)}  # fixed for the session: a replay samples the same
         else:
             sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
-        session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos)
+        session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos, splits=splits)
         self.active[session.id] = session
         self._generating.update(stages)
         return session
@@ -188,6 +203,7 @@ class SessionEngine:
     async def _advance(self, session: Session) -> int:
         """One step (or, after a failure, the replay that rebuilds the caches) and its token."""
         while True:
+            await self._rejoin(session)
             self._move_off_leaving(session)
             sequence = session.prompt + session.generated
             last = len(session.generated) + 1 == session.max_tokens
@@ -208,6 +224,11 @@ class SessionEngine:
         if session.replays > self.config.max_replays:
             raise QuartError(502, f"stage {fn!r} failed {session.replays} time(s) for this generation; last: "
                                   f"{failed.why}", "stage")
+        split = session.splits.get(failed.stage)
+        if split is not None:  # the stage runs whole on the whole replica again (the live part is given up)
+            self._unsplit(session, failed.stage, onto_partial=False)
+            if split.partial is failed.replica:
+                return
         self._drop(session)  # the old session id on every replica
         self.book.release(failed.replica.id, session.need)
         session.replicas[failed.stage] = None
@@ -225,6 +246,7 @@ class SessionEngine:
         for k, replica in enumerate(session.replicas):
             if getattr(replica, "state", "ready") != "draining":
                 continue
+            self._unsplit(session, k, onto_partial=False)
             target = self.book.choose(self._ready(session.stages[k]), session.need, excluded={replica.id})
             if target is None:
                 continue
@@ -248,7 +270,7 @@ class SessionEngine:
         """One step: a decode step in its replicas' batches (decode batching on), else one call per stage; a
         long prompt in chunks of ``prefill_chunk`` positions where decode steps batch (the bound on their stall)."""
         limit = min(self._decode_max(fn) for fn in session.stages)
-        if limit > 1 and pos > 0 and len(new) == 1:
+        if limit > 1 and pos > 0 and len(new) == 1 and not session.splits:  # a split session steps on its own
             return await self._batched_step(session, new[0], pos, last, limit)
         size = self.config.prefill_chunk if limit > 1 and self.config.prefill_chunk else len(new)
         token = 0
@@ -306,40 +328,45 @@ class SessionEngine:
     async def _single_step(self, session: Session, new: list[int], pos: int, last: bool, limit: int) -> int:
         body, ctype = json.dumps({"input_ids": [new]}).encode(), "application/json"
         final = len(session.stages) - 1
-        for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
-            headers = {"Content-Type": ctype, SESSION: session.id, SESSION_POS: str(pos),
-                       "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
-            if k == final:
-                headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
-            if pos == 0:
-                headers[SESSION_RESERVE] = str(session.need)
-            if last:
-                headers[SESSION_END] = "1"
-            if limit > 1:
-                status, data, answer = await self._lane(session, k, limit).solo(
-                    functools.partial(self._post, k, fn, replica, body, headers))
-            else:
-                status, data, answer = await self._call(k, fn, replica, body, headers)
-            self.book.note(replica.id, answer.get(KV_HEADER))
-            if status == 409:
-                raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
-            if status == 429 or status >= 500:
-                raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
-            if status != 200:
-                raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
-            body, ctype = data, answer.get("Content-Type", "application/octet-stream")
+        for k, fn in enumerate(session.stages):
+            for replica, part in self.calls(session, k):  # the whole stage, or a split's two parts in order
+                headers = {"Content-Type": ctype, SESSION: session.id, SESSION_POS: str(pos),
+                           "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
+                if part is not None:
+                    headers[layers.LAYERS] = layers.format_range(part)
+                if k == final and (part is None or part[1] == layers.stage_range(replica)[1]):
+                    headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
+                if pos == 0:
+                    headers[SESSION_RESERVE] = str(session.need)
+                if last:
+                    headers[SESSION_END] = "1"
+                if limit > 1 and part is None:
+                    status, data, answer = await self._lane(session, k, limit).solo(
+                        functools.partial(self._post, k, fn, replica, body, headers))
+                else:
+                    status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0)
+                self.book.note(replica.id, answer.get(KV_HEADER))
+                held = layers.parse_range(answer.get(layers.HELD))
+                if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
+                    self.source.note_held(fn, replica, held)  # a live replica's layers grow; whole, it joins ready
+                if status == 409:
+                    raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
+                if status == 429 or status >= 500:
+                    raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
+                if status != 200:
+                    raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
+                body, ctype = data, answer.get("Content-Type", "application/octet-stream")
         try:
             return int(json.loads(body)["token"])
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
-    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
+    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool
                     ) -> tuple[int, bytes, dict[str, str]]:
-        slots = self.source.concurrency(fn)
         gate = self._slots.get(replica.id)
         if gate is None:
-            gate = self._slots[replica.id] = asyncio.Semaphore(slots if slots > 0 else 1 << 30)
-        async with gate:
+            gate = self._slots[replica.id] = StepSlots(max(0, self.source.concurrency(fn)))
+        async with gate.hold(running):
             return await self._post(k, fn, replica, body, headers)
 
     async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
@@ -390,16 +417,16 @@ class SessionEngine:
         if self.active.pop(session.id, None) is None:
             return
         self._leave_lanes(session.id)
+        self._end_splits(session)
         if not session.freed:
             self._drop(session)
-        for replica in session.replicas:
-            if replica is not None:
-                self.book.release(replica.id, session.need)
+        self._release(session)
 
     def _drop(self, session: Session) -> None:
-        """``DELETE /_/sessions/<id>`` on every replica of the session, in the background."""
+        """``DELETE /_/sessions/<id>`` on every replica of the session (its splits' live parts too), in the
+        background."""
         self._leave_lanes(session.id)
-        for replica in session.replicas:
+        for replica in [*session.replicas, *self.partials(session)]:
             if replica is not None:
                 task = asyncio.get_running_loop().create_task(self._delete(replica, session.id))
                 self._background.add(task)

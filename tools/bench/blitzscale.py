@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -37,15 +38,15 @@ import sys
 import time
 from pathlib import Path
 
+from quart_provider.config import DEFAULT_NAMESPACE
 from quart_stage import cliargs
-from quart_tools.bench import machine_info, wait_until, write_report
-from quart_tools.bench.blitz import MODEL_URL, TOKEN, PeerCluster, fresh_keysmanagers, peer_cluster
-from quart_tools.bench.start_phases import StartPhases
+from quart_tools.bench import blitzscale_gen, machine_info, write_report
+from quart_tools.bench.blitz import MODEL_URL, PeerCluster, fresh_keysmanagers, peer_cluster
+from quart_tools.bench.blitzscale_gateway import deployment, percentile, scaled_gateway
 
 from keysmanager.registry import ModelRegistry
 
 MODES = ("registry-cold", "peer-fetch", "multicast-4", "live", "allcache")
-FUNCTION = "blitzscale-stage-0"
 
 
 def build_stage(work: Path, stage_mb: int, blocks: int, service_ms: float) -> Path:
@@ -59,91 +60,36 @@ def build_stage(work: Path, stage_mb: int, blocks: int, service_ms: float) -> Pa
     return out
 
 
-def _deployment(namespace: str, service_ms: float, replicas: int):
-    from quart_provider.deployment import FunctionDeployment
-
-    return FunctionDeployment.from_json({
-        "service": FUNCTION, "image": "quart/pipeline-stage",
-        "envVars": {"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "0", "QUART_COMPUTE": "emulated",
-                    "QUART_EMULATED_MEAN_MS": str(service_ms), "QUART_EMULATED_CV": "0"},
-        "labels": {"com.quart.model": "blitzscale", "com.quart.stage": "0", "com.quart.stages": "1",
-                   "com.quart.concurrency": "1", "com.openfaas.scale.min": str(replicas),
-                   "com.openfaas.scale.max": "8"}}, namespace)
-
-
 async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argparse.Namespace) -> dict:
-    """One scale-up with its burst; the gateway and its replicas are stopped at the end."""
+    """One scale-up with its burst of one-shot requests; the gateway and its replicas are stopped at the end."""
     from gateway_plugin.config import PluginConfig
-    from gateway_plugin.plugin import GatewayView
     from gateway_plugin.router import Router
-    from quart_kernel.scheduling import make_placer
-    from quart_provider.config import GatewayConfig
-    from quart_provider.gateway import EmbeddedGateway
-    from quart_provider.keysmanager_host import KeysManagerHost
 
-    from keysmanager.client import AsyncKeysManagerClient
-    from keysmanager.types import StageSpec
+    async with scaled_gateway(cluster, hosts, mode, deployment(DEFAULT_NAMESPACE, args.service_ms, 1)) as g:
+        router = Router(g.view, g.gw.registry.pipelines, PluginConfig(request_timeout_s=120.0, attempt_timeout_s=60.0,
+                                                             queue_cap=100_000))
+        try:
+            for _ in range(3):  # warm the path
+                reply = await router.invoke("blitzscale", b'{"input_ids": [[1, 2, 3, 4]]}', "application/json")
+                assert reply.status == 200, reply.body[:300]
+            n = max(1, round(args.rate * args.burst_s))
+            t0 = await g.scale_up()
 
-    new = 4 if mode == "multicast-4" else 1
-    config = GatewayConfig(port=0, state_dir=cluster.work / f"gw-{mode}", reconcile_interval_s=0.05,
-                           host_timeout_s=3.0, host_down_after_s=30.0, peer_fetch=mode != "registry-cold",
-                           live_scaling=mode == "live", ready_probe_s=0.002)
-    km_hosts = [KeysManagerHost(h, AsyncKeysManagerClient(cluster.url(h), token=TOKEN, timeout=120), 1, 64 << 30)
-                for h in hosts]
-    gw = EmbeddedGateway(config, km_hosts, make_placer("first-fit"))
-    await gw.start()
-    view = GatewayView(gw)
-    router = Router(view, gw.registry.pipelines, PluginConfig(request_timeout_s=120.0, attempt_timeout_s=60.0,
-                                                     queue_cap=100_000))
-    taken: dict[str, float] = {}
-    inner_take = view.take
+            async def one(i: int) -> tuple[int, float]:
+                await asyncio.sleep(max(0.0, t0 + i / args.rate - time.monotonic()))
+                start = time.monotonic()
+                reply = await router.invoke("blitzscale", b'{"input_ids": [[1, 2, 3, 4]]}', "application/json")
+                return reply.status, 1000 * (time.monotonic() - start)
 
-    def take(function: str, replica) -> None:  # first request each replica starts
-        taken.setdefault(replica.id, time.monotonic())
-        inner_take(function, replica)
-
-    view.take = take
-    phases = StartPhases()
-    phases.wrap(gw.reconciler, km_hosts)
-    try:
-        await gw.registry.deploy(_deployment(config.namespace, args.service_ms, 1))
-        fn = gw.functions[FUNCTION]
-        await wait_until(lambda: len(fn.ready) == 1, 300, "the first replica")
-        [first] = [e.id for e in fn.ready]  # on h0, which now holds the stage: the peers' source
-        if mode == "allcache":  # the receiver holds it too: its start is a fork
-            stage = StageSpec(FUNCTION, env=dict(gw.reconciler._spec(fn).env))
-            await km_hosts[1].client.ensure_cached(stage, [cluster.url("h0")])
-        for _ in range(3):  # warm the path
-            reply = await router.invoke("blitzscale", b'{"input_ids": [[1, 2, 3, 4]]}', "application/json")
-            assert reply.status == 200, reply.body[:300]
-        taken.clear()
-        n = max(1, round(args.rate * args.burst_s))
-        phases.start()
-        t0 = phases.t0
-        await gw.registry.scale(FUNCTION, 1 + new)
-
-        async def one(i: int) -> tuple[int, float]:
-            await asyncio.sleep(max(0.0, t0 + i / args.rate - time.monotonic()))
-            start = time.monotonic()
-            reply = await router.invoke("blitzscale", b'{"input_ids": [[1, 2, 3, 4]]}', "application/json")
-            return reply.status, 1000 * (time.monotonic() - start)
-
-        burst = asyncio.gather(*(one(i) for i in range(n)))
-        whole_at = await wait_until(lambda: sum(e.id != first for e in fn.ready) >= new, 600, "the new replicas")
-        results = await burst
-        served = [at for rid, at in taken.items() if rid != first]
-        latencies = sorted(ms for status, ms in results if status == 200)
-        return {"mode": mode, "ready_ms": round(1000 * (whole_at - t0), 1),
-                "first_served_ms": round(1000 * (min(served) - t0), 1) if served else None,
-                "burst_mean_ms": round(statistics.fmean(latencies), 1) if latencies else None,
-                "burst_p99_ms": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 1)
-                if latencies else None,
-                "sent": n, "ok": len(latencies),
-                "sources": sorted({e.source for e in fn.replicas.values() if e.id != first}),
-                "phases": {**phases.summary(), "hosts": await phases.rows(km_hosts, FUNCTION, {first})}}
-    finally:
-        await router.close()
-        await gw.close()
+            burst = asyncio.gather(*(one(i) for i in range(n)))
+            whole_at = await g.whole()
+            results = await burst
+            latencies = sorted(ms for status, ms in results if status == 200)
+            return {"mode": mode, "ready_ms": round(1000 * (whole_at - t0), 1), "first_served_ms": g.first_served_ms(),
+                    "burst_mean_ms": round(statistics.fmean(latencies), 1) if latencies else None,
+                    "burst_p99_ms": percentile(latencies, 0.99), "sent": n, "ok": len(latencies), **await g.row()}
+        finally:
+            await router.close()
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -153,22 +99,58 @@ def measure(args: argparse.Namespace) -> dict:
         model = build_stage(cluster.work, args.stage_mb, args.blocks, args.service_ms)
         ModelRegistry(MODEL_URL, endpoint_url=cluster.endpoint).upload(model)
         stage_bytes = (model / "stage-0.safetensors").stat().st_size
+        vocab = int(json.loads((model / "manifest.json").read_text())["config"]["vocab_size"])
         shutil.rmtree(model)  # the registry holds it now; keep host memory for the hosts' copies
         rows = []
         fresh_keysmanagers(cluster, hosts, warm=True)
-        for mode in [m for m in MODES if m in args.modes]:
+        for run, mode in [(r, m) for r in range(args.runs) for m in MODES if m in args.modes]:
             # h0 keeps the stage it cached in the first mode: every mode's source. Nothing held on the others, but
             # their preloaders warm (torch and the model code imported), as on hosts that have been up a while
             fresh_keysmanagers(cluster, hosts[1:], warm=True)
-            rows.append(asyncio.run(run_mode(cluster, hosts, mode, args)))
-            print(rows[-1], flush=True)
-    return {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "stage_bytes": stage_bytes, "service_ms": args.service_ms,
-            "rate": args.rate, "burst_s": args.burst_s, "hosts": args.hosts, "blocks": args.blocks, "rows": rows}
+            if args.workload == "generation":
+                rows.append(asyncio.run(blitzscale_gen.run_generation(cluster, hosts, mode, args, vocab)))
+            else:
+                rows.append(asyncio.run(run_mode(cluster, hosts, mode, args)))
+            rows[-1]["run"] = run
+            print({k: v for k, v in rows[-1].items() if k != "phases"}, flush=True)
+    doc = {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "stage_bytes": stage_bytes,
+           "hosts": args.hosts, "blocks": args.blocks}
+    if args.workload == "generation":
+        return doc | blitzscale_gen.report(rows, args)
+    return doc | {"service_ms": args.service_ms, "rate": args.rate, "burst_s": args.burst_s, "rows": rows,
+                  **runs_report(rows, args.runs)}
+
+
+def runs_report(rows: list[dict], runs: int) -> dict:
+    """The ratios of each run (consecutive rounds of the modes) and how many met both one-shot targets."""
+    per_run = [oneshot_ratios([r for r in rows if r["run"] == i]) for i in range(runs)]
+    met = [x.get("multicast4_ready_over_peer_fetch", 0) <= 1.3 and x.get("live_burst_p99_over_peer_fetch", 0) <= 0.6
+           for x in per_run]
+    out = {"ratios": per_run[0] if runs == 1 else per_run}
+    if runs > 1:
+        out["runs_meeting_targets"] = f"{sum(met)} of {runs}"
+    return out
+
+
+def oneshot_ratios(rows: list[dict]) -> dict[str, float]:
+    """The acceptance ratios of a one-shot run: multicast-4 ready and live burst p99 over peer-fetch's."""
+    by = {r["mode"]: r for r in rows}
+    peer = by.get("peer-fetch")
+    out = {}
+    if peer and "multicast-4" in by:
+        out["multicast4_ready_over_peer_fetch"] = round(by["multicast-4"]["ready_ms"] / peer["ready_ms"], 3)
+    if peer and "live" in by and peer["burst_p99_ms"]:
+        out["live_burst_p99_over_peer_fetch"] = round(by["live"]["burst_p99_ms"] / peer["burst_p99_ms"], 3)
+    if peer and "registry-cold" in by:
+        out["peer_fetch_ready_over_registry_cold"] = round(peer["ready_ms"] / by["registry-cold"]["ready_ms"], 3)
+    return out
 
 
 def main(argv: list[str]) -> int:
     p = cliargs.ArgumentParser(prog="quartctl bench blitzscale", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the JSON here (default stdout)")
+    p.add_argument("--workload", default="oneshot", choices=("oneshot", "generation"),
+                   help="one-shot requests (default) or generation sessions (TTFT, TBT: blitzscale_gen)")
     p.add_argument("--stage-mb", type=int, default=1024, help="stage size, MB (default 1024)")
     p.add_argument("--blocks", type=int, default=16, help="transformer blocks in the stage (default 16)")
     p.add_argument("--nic-gbps", type=float, default=2.0, help="each host's NIC limit (default 2)")
@@ -178,17 +160,35 @@ def main(argv: list[str]) -> int:
     p.add_argument("--service-ms", type=float, default=100.0, help="emulated service time of the whole stage")
     p.add_argument("--rate", type=float, default=16.0, help="burst arrival rate, req/s (default 16)")
     p.add_argument("--burst-s", type=float, default=6.0, help="burst length, s (default 6)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=[list(MODES)], type=_modes,
+                   help=f"modes, space- or comma-separated (default all: {','.join(MODES)})")
+    p.add_argument("--runs", type=int, default=1,
+                   help="consecutive rounds of the modes on one cluster (one-shot: each round's ratios and how many "
+                        "met multicast-4 <= 1.3 x and live burst p99 <= 0.6 x peer-fetch's)")
     p.add_argument("--verbose", action="store_true", help="log the gateway's decisions")
+    blitzscale_gen.add_arguments(p)
     args = p.parse_args(argv)
+    args.modes = [m for group in args.modes for m in group]
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the registry's access log
     if args.hosts < 5 and "multicast-4" in args.modes:
         p.error("multicast-4 needs --hosts 5 (a holder and four receivers)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, kill: still remove the namespaces
+    load_at_start = round(os.getloadavg()[0], 2)
     doc = measure(args)
-    doc["machine"] = machine_info(load_avg_1m_at_start=round(os.getloadavg()[0], 2), compute="emulated")
+    doc["machine"] = machine_info(load_avg_1m_at_start=load_at_start, compute="emulated")
+    doc["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     doc["command"] = "quartctl bench blitzscale " + " ".join(argv)
+    print("ratios:", json.dumps(doc["ratios"]), doc.get("runs_meeting_targets", ""), f"(load {doc['machine']['load_avg_1m_at_start']} -> "
+          f"{doc['machine']['load_avg_1m_at_end']})", file=sys.stderr, flush=True)
     write_report(doc, args.out)
     return 0
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad)}: choose from {', '.join(MODES)}")
+    return modes

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from quart_stage.errors import QuartError, invalid
+from quart_stage.spans import kv_charge
 
 H_SESSION, H_SESSION_POS, H_SESSION_RESERVE = "X-Quart-Session", "X-Quart-Session-Pos", "X-Quart-Session-Reserve"
 H_SESSION_END, H_KV_TOKENS = "X-Quart-Session-End", "X-Quart-KV-Tokens"
@@ -39,6 +40,8 @@ class Session:
     last_used: float = 0.0
     busy: int = 0
     dead: bool = False
+    span: tuple[int, int] | None = None  # the layers this replica runs for it (a cooperative part), fixed at Pos 0
+    stage: tuple[int, int] | None = None  # the stage's layers: a part is charged its share (spans.kv_charge)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -79,7 +82,7 @@ class SessionTable:
 
     def _charge(self, s: Session, positions: int) -> None:
         """Charge ``s`` for ``positions`` (tokens or reserve, whichever is larger); 429 if the table is full."""
-        want = max(positions, s.reserved)
+        want = kv_charge(max(positions, s.reserved), s.span, s.stage)
         delta = want - s.charged
         if delta > 0 and self._used + delta > self.max_tokens:
             self._sweep_locked(self.clock())
@@ -101,23 +104,25 @@ class SessionTable:
     # -- a step ---------------------------------------------------------------------------------
     @contextmanager
     def step(self, session_id: str, pos: int, new: int, reserve: int,
-             make_state: Callable[[], object]) -> Iterator[Session]:
+             make_state: Callable[[], object], span: tuple[int, int] | None = None,
+             stage: tuple[int, int] | None = None) -> Iterator[Session]:
         """Hold session ``session_id`` for one step of ``new`` positions after ``pos``.
 
         Pos 0 (re)starts the session (what the replica held under that id is freed). Otherwise the session must
-        hold exactly ``pos`` positions (409 naming what it holds). Capacity is charged before the body runs
-        (429 when full); on success the session holds ``pos + new``; if the body raises, the session is freed
+        hold exactly ``pos`` positions of the same layers ``span`` of ``stage`` (409 naming what it holds); a part
+        is charged its share of the positions (:func:`quart_stage.spans.kv_charge`). Capacity is charged before the
+        body runs (429 when full); on success the session holds ``pos + new``; if the body raises, the session is freed
         (its cache may be half-updated) and the gateway replays.
         """
-        need = max(pos + new, reserve)
+        need = kv_charge(max(pos + new, reserve), span, stage)
         if need > self.max_tokens:
             raise invalid(KV_FIELD, f"the session needs {need} positions; this replica holds at most "
                                     f"{self.max_tokens} (QUART_KV_MAX_TOKENS)")
-        s = self._enter(session_id, pos, reserve, make_state)
+        s = self._enter(session_id, pos, reserve, make_state, span, stage)
         try:
             with s.lock:
-                if s.dead or s.tokens != pos:
-                    raise self._mismatch(session_id, pos, 0 if s.dead else s.tokens)
+                if s.dead or s.tokens != pos or s.span != span:
+                    raise self._mismatch(session_id, pos, 0 if s.dead or s.span != span else s.tokens)
                 with self._lock:
                     self._charge(s, pos + new)
                 try:
@@ -132,14 +137,16 @@ class SessionTable:
                 s.busy -= 1
                 s.last_used = self.clock()
 
-    def _enter(self, session_id: str, pos: int, reserve: int, make_state: Callable[[], object]) -> Session:
+    def _enter(self, session_id: str, pos: int, reserve: int, make_state: Callable[[], object],
+               span: tuple[int, int] | None, stage: tuple[int, int] | None) -> Session:
         with self._lock:
             self._sweep_locked(self.clock())
             s = self._sessions.get(session_id)
             if pos == 0:
                 if s is not None:
                     self._remove_locked(s)
-                s = Session(session_id, make_state(), reserved=reserve, last_used=self.clock())
+                s = Session(session_id, make_state(), reserved=reserve, last_used=self.clock(), span=span,
+                            stage=stage)
                 self._charge(s, 0)  # the reserve, or nothing
                 self._sessions[session_id] = s
                 self._start_sweeper()
@@ -238,6 +245,7 @@ class SessionTable:
                 if s.dead or s.tokens != tokens:
                     raise self._mismatch(session_id, tokens, 0 if s.dead else s.tokens)
                 fill(s.state)
+                s.span = s.stage = None  # installed layers join its own: its steps may run any range it holds now
         finally:
             with self._lock:
                 s.busy -= 1

@@ -26,3 +26,12 @@ def parse_span(text: str | None) -> Span | None:
 
 def fmt(span: Span) -> str:
     return f"{span[0]}-{span[1]}"
+
+
+def kv_charge(positions: int, part: Span | None, stage: Span | None) -> int:
+    """The KV-cache positions a session holding ``positions`` is charged for on a replica that runs ``part`` of a
+    stage's layers ``stage`` (None: all of them): its share of the stage's layers, rounded up. The stage's session
+    table and the gateway's booking use this one rule, so they agree to the position."""
+    if part is None or stage is None or part == stage:
+        return positions
+    return -(-positions * (part[1] - part[0]) // max(1, stage[1] - stage[0]))

@@ -1,0 +1,58 @@
+"""`quartctl bench blitzscale`'s arithmetic: one-shot ratios per run and the runs meeting both targets; the
+generation rows' TTFT (sessions from t0 on), TBT (tokens from t0 on), steady TBT (before t0), wrong and lost."""
+
+from __future__ import annotations
+
+import argparse
+
+from quart_tools.bench.blitzscale import runs_report
+from quart_tools.bench.blitzscale_gen import Stream, report, summarize
+
+
+def test_runs_report_counts_the_runs_meeting_both_targets() -> None:
+    rows = []
+    for run, (mc, live) in enumerate([(1.2, 0.5), (1.4, 0.5), (1.25, 0.7)]):
+        rows += [{"run": run, "mode": "peer-fetch", "ready_ms": 1000.0, "burst_p99_ms": 100.0},
+                 {"run": run, "mode": "multicast-4", "ready_ms": 1000.0 * mc, "burst_p99_ms": 1.0},
+                 {"run": run, "mode": "live", "ready_ms": 900.0, "burst_p99_ms": 100.0 * live}]
+    out = runs_report(rows, 3)
+    assert out["runs_meeting_targets"] == "1 of 3"
+    assert out["ratios"][1] == {"multicast4_ready_over_peer_fetch": 1.4, "live_burst_p99_over_peer_fetch": 0.5}
+    assert runs_report(rows[:3], 1)["ratios"]["multicast4_ready_over_peer_fetch"] == 1.2
+
+
+def test_generation_rows_split_ttft_and_tbt_at_the_scale_up() -> None:
+    t0 = 10.0
+    steady = Stream(arrived=8.0, burst=False, expected=[1, 2, 3], times=[8.5, 8.6, 8.7], tokens=[1, 2, 3])
+    across = Stream(arrived=9.8, burst=False, expected=[4, 5, 6], times=[9.9, 10.0, 10.3], tokens=[4, 5, 6])
+    late = Stream(arrived=10.0, burst=True, expected=[7, 8], times=[11.0, 11.1], tokens=[7, 9], split=True)
+    lost = Stream(arrived=10.5, burst=True, expected=[1], error="502: stage failed")
+    row = summarize("live", [steady, across, late, lost], steady_from=8.0, t0=t0, whole_at=12.0, shadows=1)
+    assert row["ttft_p99_ms"] == 1000.0  # only sessions that arrived from t0 on (the lost one has no first token)
+    assert row["tbt_samples"] == 3 and row["tbt_p99_ms"] == 300.0 and row["split_tbt_p99_ms"] == 100.0
+    assert row["steady_tbt_p99_ms"] == 100.0
+    assert (row["completed"], row["lost"], row["wrong"], row["ready_ms"]) == (3, 1, 1, 2000.0)
+    args = argparse.Namespace(decode_ms=80, prefill_ms_per_token=1, prompt_tokens=64, max_tokens=16, kv_sessions=6,
+                              slots=32, steady_rate=2, steady_s=5, gen_rate=5, gen_burst_s=8, retry_ms=20,
+                              rejoin="shadow")
+    peer = dict(row, mode="peer-fetch", ttft_p99_ms=4000.0)
+    doc = report([peer, row], args)
+    assert doc["ratios"] == {"live_ttft_p99_over_peer_fetch": 0.25, "live_tbt_p99_over_steady": 3.0}
+
+
+def test_modes_default_to_every_mode_and_take_commas(monkeypatch) -> None:
+    from quart_tools.bench import blitzscale
+
+    seen = []
+
+    def measure(args):
+        seen.append(args.modes)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(blitzscale, "measure", measure)
+    for argv in ([], ["--modes", "multicast-4,peer-fetch,live"], ["--modes", "live", "allcache"]):
+        try:
+            blitzscale.main(argv)
+        except SystemExit:
+            pass
+    assert seen == [list(blitzscale.MODES), ["multicast-4", "peer-fetch", "live"], ["live", "allcache"]]

@@ -1,0 +1,182 @@
+"""`quartctl bench blitzscale --workload generation`: the scale-up of ``quartctl bench blitzscale`` under a burst
+of generation sessions, judged on BlitzScale's own metrics: time to first token (TTFT) and time between tokens
+(TBT).
+
+The stage is the same 1 GB one-stage decoder on the same netns hosts, with *emulated* compute for generation
+steps (``--decode-ms`` per decode step of the whole stage, ``--prefill-ms-per-token`` per prompt position; a
+part of the stage costs its share of the layers) and a KV cache of ``--kv-sessions`` sessions per replica
+(``QUART_KV_MAX_TOKENS`` = that many sessions of prompt + max tokens; a part of the stage is charged its share).
+A replica whose KV cache is full refuses new sessions at the gateway's entry (429); the bench's clients retry
+every ``--retry-ms`` (TTFT counts from the first try). The gateway's session engine
+(``gateway_plugin.generation``) runs in this process.
+
+Timeline: sessions arrive at ``--steady-rate`` per second on ``h0``'s one replica for ``--steady-s`` s (the
+steady TBT: tokens in that window after its first second), then the scale-up is asked for (t0) and
+``--rate`` more sessions per second arrive for ``--burst-s`` s on top of the steady ones. The row's TTFT is
+over the sessions that arrived from t0 on; its TBT over every token produced from t0 until the last session
+ended (the scale-up and the rejoins included). Every token is checked against the emulated model's own
+(``wrong``: sessions whose tokens differ; ``lost``: sessions that ended in an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from quart_provider.config import DEFAULT_NAMESPACE
+from quart_tools.bench.blitz import PeerCluster
+from quart_tools.bench.blitzscale_gateway import FUNCTION, deployment, percentile, scaled_gateway
+
+
+@dataclass
+class Stream:
+    """One session as its client saw it."""
+
+    arrived: float
+    burst: bool
+    expected: list[int]
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    error: str = ""
+    retries: int = 0
+    rejoins: int = 0
+    replays: int = 0
+    split: bool = False
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--workload generation")
+    g.add_argument("--decode-ms", type=float, default=80.0, help="emulated decode step of the whole stage (80)")
+    g.add_argument("--prefill-ms-per-token", type=float, default=1.0, help="emulated prefill per position (1)")
+    g.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (64)")
+    g.add_argument("--max-tokens", type=int, default=16, help="tokens generated per session (16)")
+    g.add_argument("--kv-sessions", type=int, default=6, help="sessions a replica's KV cache holds (6)")
+    g.add_argument("--steady-rate", type=float, default=2.0, help="steady sessions/s on h0, all along (2)")
+    g.add_argument("--steady-s", type=float, default=5.0, help="steady phase before the scale-up, s (5)")
+    g.add_argument("--gen-rate", type=float, default=5.0, help="burst sessions/s on top, from t0 (5)")
+    g.add_argument("--gen-burst-s", type=float, default=8.0, help="burst length, s (8)")
+    g.add_argument("--retry-ms", type=float, default=20.0, help="a client's retry after a 429 at the entry (20)")
+    g.add_argument("--rejoin", default="shadow", choices=("shadow", "replay", "keep"),
+                   help="QUART_GEN_REJOIN of the engine (default shadow)")
+    g.add_argument("--slots", type=int, default=32, help="steps a replica runs at once (com.quart.concurrency)")
+
+
+def expected_tokens(prompt: list[int], n: int, seed: int, vocab: int) -> list[int]:
+    """The emulated model's tokens (quart_stage.sessions.EmulatedState: a hash of the session's ids)."""
+    from quart_stage.sessions import EmulatedState
+
+    state = EmulatedState(seed)
+    out = [state.token(prompt, vocab)]
+    while len(out) < n:
+        out.append(state.token([out[-1]], vocab))
+    return out
+
+
+async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args: argparse.Namespace,
+                         vocab: int) -> dict:
+    """One scale-up under a generation burst; the gateway and its replicas are stopped at the end."""
+    from gateway_plugin.generation.config import GenerationConfig
+    from gateway_plugin.generation.sessions import SessionEngine
+    from quart_stage.errors import QuartError
+
+    need = args.prompt_tokens + args.max_tokens
+    env = {"QUART_EMULATED_DECODE_MS": str(args.decode_ms),
+           "QUART_EMULATED_PREFILL_MS_PER_TOKEN": str(args.prefill_ms_per_token),
+           "QUART_KV_MAX_TOKENS": str(args.kv_sessions * need)}
+    dep = deployment(DEFAULT_NAMESPACE, args.service_ms, 1, env, concurrency=args.slots)
+    rng = random.Random(7)
+    async with scaled_gateway(cluster, hosts, mode, dep) as g:
+        engine = SessionEngine(g.view, GenerationConfig(kv_tokens=args.kv_sessions * need, replica_wait_s=120.0,
+                                                        max_replays=5, rejoin=args.rejoin))
+        try:
+            async def one(at: float, burst: bool) -> Stream:
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)]
+                seed = rng.getrandbits(32)
+                stream = Stream(time.monotonic(), burst, expected_tokens(prompt, args.max_tokens, seed, vocab))
+                deadline = stream.arrived + 120
+                try:
+                    while True:
+                        try:
+                            session = await engine.open("blitzscale", [FUNCTION], prompt, args.max_tokens,
+                                                        {"temperature": 0.0, "seed": seed}, frozenset())
+                            break
+                        except QuartError as exc:
+                            if exc.status != 429 or time.monotonic() > deadline:
+                                raise
+                            stream.retries += 1
+                            await asyncio.sleep(args.retry_ms / 1000)
+                    stream.split = bool(session.splits)
+                    async for token in engine.tokens(session):
+                        stream.times.append(time.monotonic())
+                        stream.tokens.append(token)
+                    stream.rejoins, stream.replays = session.rejoins, session.replays
+                except QuartError as exc:
+                    stream.error = exc.message
+                return stream
+
+            await one(time.monotonic(), False)  # warm the path
+            start = time.monotonic()
+            t0 = start + args.steady_s
+            steady_n = int(args.steady_rate * (args.steady_s + args.gen_burst_s))
+            tasks = [asyncio.create_task(one(start + i / args.steady_rate, False)) for i in range(steady_n)]
+            await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+            t0 = await g.scale_up()
+            tasks += [asyncio.create_task(one(t0 + i / args.gen_rate, True))
+                      for i in range(int(args.gen_rate * args.gen_burst_s))]
+            whole_at = await g.whole()
+            streams = list(await asyncio.gather(*tasks))
+        finally:
+            await engine.close()
+        return summarize(mode, streams, start + 1.0, t0, whole_at, engine.shadows) | await g.row() | {
+            "first_served_ms": g.first_served_ms()}
+
+
+def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, whole_at: float, shadows: int
+              ) -> dict:
+    """The row: TTFT of the sessions that arrived from t0, TBT of every token from t0, steady TBT before t0."""
+    steady_tbt, tbt, split_tbt = [], [], []
+    for s in streams:
+        for a, b in zip(s.times, s.times[1:], strict=False):
+            if steady_from <= b < t0:
+                steady_tbt.append(1000 * (b - a))
+            elif b >= t0:
+                tbt.append(1000 * (b - a))
+                if s.split:
+                    split_tbt.append(1000 * (b - a))
+    ttft = [1000 * (s.times[0] - s.arrived) for s in streams if s.times and s.arrived >= t0]
+    done = [s for s in streams if not s.error]
+    return {"mode": mode, "ready_ms": round(1000 * (whole_at - t0), 1),
+            "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+            "tbt_p50_ms": percentile(tbt, 0.5), "tbt_p99_ms": percentile(tbt, 0.99),
+            "split_tbt_p99_ms": percentile(split_tbt, 0.99),
+            "steady_tbt_p50_ms": percentile(steady_tbt, 0.5), "steady_tbt_p99_ms": percentile(steady_tbt, 0.99),
+            "sessions": len(streams), "burst_sessions": sum(s.burst for s in streams),
+            "completed": len(done), "lost": len(streams) - len(done),
+            "wrong": sum(s.tokens != s.expected for s in done),
+            "split": sum(s.split for s in streams), "rejoins": sum(s.rejoins for s in streams),
+            "rejoin_replays_started": shadows,
+            "retries_429": sum(s.retries for s in streams), "tbt_samples": len(tbt),
+            "replays": sum(s.replays for s in streams),
+            "errors": sorted({s.error[:200] for s in streams if s.error})[:3]}
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> dict:
+    """The document: the rows, the steady TBT (median of the rows' own), and the two ratios the issue asks."""
+    steady = statistics.median([r["steady_tbt_p99_ms"] for r in rows if r["steady_tbt_p99_ms"]] or [0.0])
+    by = {r["mode"]: r for r in rows}
+    ratios = {}
+    if "live" in by and "peer-fetch" in by and by["peer-fetch"]["ttft_p99_ms"]:
+        ratios["live_ttft_p99_over_peer_fetch"] = round(by["live"]["ttft_p99_ms"] / by["peer-fetch"]["ttft_p99_ms"], 3)
+    if "live" in by and steady and by["live"]["tbt_p99_ms"]:
+        ratios["live_tbt_p99_over_steady"] = round(by["live"]["tbt_p99_ms"] / steady, 3)
+    return {"workload": "generation", "steady_tbt_p99_ms": steady, "ratios": ratios, "rows": rows,
+            "emulated": {"decode_ms": args.decode_ms, "prefill_ms_per_token": args.prefill_ms_per_token,
+                         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                         "kv_sessions": args.kv_sessions, "slots": args.slots},
+            "load": {"steady_rate": args.steady_rate, "steady_s": args.steady_s, "rate": args.gen_rate,
+                     "burst_s": args.gen_burst_s, "retry_ms": args.retry_ms, "rejoin": args.rejoin}}
