@@ -24,6 +24,7 @@ class GenerationConfig:
     rejoin: str = "shadow"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: shadow | replay | keep
     decode_batch_max: int = 1  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
     prefill_chunk: int = 128  # [QUART_GEN_PREFILL_CHUNK] prompt positions per prefill call where decode batches (0 = whole prompt)
+    decode_hold_ms: float = 250.0  # [QUART_GEN_DECODE_HOLD_MS] most a free replica holds its decode batch for its sessions' steps on their way (0 = never)
 
     def __post_init__(self) -> None:
         if self.rejoin not in ("shadow", "replay", "keep"):
@@ -32,6 +33,8 @@ class GenerationConfig:
             raise ConfigError(f"QUART_GEN_DECODE_BATCH_MAX must be in [1, {MAX_DECODE_BATCH}], got {self.decode_batch_max}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"QUART_GEN_PREFILL_CHUNK must be >= 0, got {self.prefill_chunk}")
+        if not 0 <= self.decode_hold_ms <= 10_000:
+            raise ConfigError(f"QUART_GEN_DECODE_HOLD_MS must be in [0, 10000], got {self.decode_hold_ms}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GenerationConfig:

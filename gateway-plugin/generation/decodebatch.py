@@ -7,7 +7,15 @@ the lane sends either **every decode step waiting** (up to the stage's decode ba
 or **one** prefill chunk; when both wait they alternate. So a session joins the batch at the first step
 boundary after it arrives, leaves it when its step is answered, and a decode step waits at a replica for at
 most one batch before it and one prefill chunk (``QUART_GEN_PREFILL_CHUNK`` positions) — the bound on how long a
-long prompt stalls the streams already running. Nothing waits for a batch to fill.
+long prompt stalls the streams already running.
+
+**Holding for the group** (``hold_s`` > 0, :func:`hold_for`): the lane knows its *members*, the sessions whose
+decode steps it has run and that have not left (their last step, a failover, the end). When the replica frees
+and some members are neither waiting nor in service here, their step is on its way (at another stage, or
+between tokens at the gateway): the lane holds the waiting steps until those arrive, at most ``hold_s`` after the
+oldest came and never past the batch limit. So a replica's sessions move through the stages as one batch instead
+of scattering into small groups over the pipelined stages. It never waits for a batch to fill otherwise: with
+nothing else coming, what waits goes at once.
 """
 
 from __future__ import annotations
@@ -50,6 +58,15 @@ class DecodeJob:
     entry: BatchEntry
     row: Row
     future: asyncio.Future = field(repr=False)
+    since: float = 0.0  # the loop's time it arrived
+
+
+def hold_for(waiting: int, coming: int, max_batch: int, waited_s: float, hold_s: float) -> float:
+    """Seconds a free lane holds its ``waiting`` decode steps for the ``coming`` members on their way (0: send now):
+    never when none is coming, the batch is full, or the oldest has waited ``hold_s`` already."""
+    if hold_s <= 0 or coming <= 0 or waiting >= max_batch or waited_s >= hold_s:
+        return 0.0
+    return hold_s - waited_s
 
 
 SendBatch = Callable[[list[DecodeJob]], Awaitable[list[tuple[dict, Row | None]]]]
@@ -58,8 +75,11 @@ SendBatch = Callable[[list[DecodeJob]], Awaitable[list[tuple[dict, Row | None]]]
 class ReplicaLane:
     """The session calls of one stage replica: decode steps batched, prefill chunks one at a time, alternating."""
 
-    def __init__(self, slots: int, max_batch: int, send: SendBatch) -> None:
-        self.slots, self.max_batch, self.send = max(1, slots), max(1, max_batch), send
+    def __init__(self, slots: int, max_batch: int, send: SendBatch, hold_s: float = 0.0) -> None:
+        self.slots, self.max_batch, self.send, self.hold_s = max(1, slots), max(1, max_batch), send, hold_s
+        self.members: set[str] = set()  # sessions decoding here that will come back (hold_for)
+        self.serving: set[str] = set()  # sessions in a batch in service here
+        self._timer: asyncio.TimerHandle | None = None
         self.decodes: deque[DecodeJob] = deque()
         self.solos: deque[tuple[Callable[[], Awaitable[Any]], asyncio.Future]] = deque()
         self.busy = 0
@@ -69,10 +89,21 @@ class ReplicaLane:
 
     async def decode(self, entry: BatchEntry, row: Row) -> tuple[dict, Row | None]:
         """Run this decode step in the next batch: the session's result (``status`` …) and its output row."""
-        job = DecodeJob(entry, row, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        job = DecodeJob(entry, row, loop.create_future(), loop.time())
+        if entry.end:
+            self.members.discard(entry.id)
+        else:
+            self.members.add(entry.id)
         self.decodes.append(job)
         self._pump()
         return await _wait(job.future, lambda: self.decodes.remove(job))
+
+    def leave(self, session_id: str) -> None:
+        """The session decodes here no more (it ended, failed over, moved): nothing holds for it."""
+        if session_id in self.members:
+            self.members.discard(session_id)
+            self._pump()
 
     async def solo(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``call`` (one single-session request: a prefill chunk) when its turn comes."""
@@ -82,14 +113,27 @@ class ReplicaLane:
         return await _wait(item[1], lambda: self.solos.remove(item))
 
     def _pump(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         while self.busy < self.slots and (self.decodes or self.solos):
-            if self.solos and (not self.decodes or not self.last_solo):
+            hold = self._hold() if self.decodes else 0.0
+            if self.solos and (not self.decodes or not self.last_solo or hold > 0):
                 call, future = self.solos.popleft()
                 self.last_solo = True
                 self._start(self._run_solo(call, future))
+            elif hold > 0:
+                self._timer = asyncio.get_running_loop().call_later(hold, self._pump)
+                return
             else:
                 self.last_solo = False
                 self._start(self._run_batch(self._take()))
+
+    def _hold(self) -> float:
+        waiting = {j.entry.id for j in self.decodes}
+        coming = len(self.members - waiting - self.serving)
+        waited = asyncio.get_running_loop().time() - self.decodes[0].since
+        return hold_for(len(waiting), coming, self.max_batch, waited, self.hold_s)
 
     def _take(self) -> list[DecodeJob]:
         """The waiting decode steps that share the head's row shape, up to the limit (the others stay, in order)."""
@@ -128,12 +172,16 @@ class ReplicaLane:
         if not live:
             return
         self.batches[len(live)] = self.batches.get(len(live), 0) + 1
+        ids = {j.entry.id for j in live}
+        self.serving |= ids
         try:
             answers = await self.send(live)
         except BaseException as exc:  # noqa: BLE001 - every session of the batch sees the failure
             for job in live:
                 _settle(job.future, exc=exc)
             return
+        finally:
+            self.serving -= ids
         for job, answer in zip(live, answers, strict=True):
             _settle(job.future, answer)
 

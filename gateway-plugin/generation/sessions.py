@@ -283,13 +283,14 @@ class SessionEngine(CooperativeSessions):
         return self.decode_limit(function) if self.decode_limit is not None else self.config.decode_batch_max
 
     def _lane(self, session: Session, k: int, limit: int) -> ReplicaLane:
-        """The lane of the session's replica at stage ``k`` (made on first use; the limit as the labels say now)."""
+        """The lane of the session's replica at stage ``k`` (made on first use; the limit as the labels say now,
+        the hold as the settings say)."""
         fn, replica = session.stages[k], session.replicas[k]
         lane = self._lanes.get(replica.id)
         if lane is None:
             send = functools.partial(self._send_batch, k, fn, replica, session.model, k == len(session.stages) - 1)
             lane = self._lanes[replica.id] = ReplicaLane(self.source.concurrency(fn), limit, send)
-        lane.max_batch = limit
+        lane.max_batch, lane.hold_s = limit, self.config.decode_hold_ms / 1000
         return lane
 
     async def _batched_step(self, session: Session, token: int, pos: int, last: bool, limit: int) -> int:
@@ -415,6 +416,7 @@ class SessionEngine(CooperativeSessions):
         """Release the session's bookings and free its caches (unless its last step already did)."""
         if self.active.pop(session.id, None) is None:
             return
+        self._leave_lanes(session.id)
         self._end_splits(session)
         if not session.freed:
             self._drop(session)
@@ -423,11 +425,17 @@ class SessionEngine(CooperativeSessions):
     def _drop(self, session: Session) -> None:
         """``DELETE /_/sessions/<id>`` on every replica of the session (its splits' live parts too), in the
         background."""
+        self._leave_lanes(session.id)
         for replica in [*session.replicas, *self.partials(session)]:
             if replica is not None:
                 task = asyncio.get_running_loop().create_task(self._delete(replica, session.id))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
+
+    def _leave_lanes(self, session_id: str) -> None:
+        """No lane holds its batch for this session id any more (decodebatch.hold_for)."""
+        for lane in self._lanes.values():
+            lane.leave(session_id)
 
     async def _delete(self, replica: Any, session_id: str) -> None:
         url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"

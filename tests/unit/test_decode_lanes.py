@@ -1,6 +1,7 @@
 """The gateway's decode lanes (gateway_plugin.generation.decodebatch): every waiting decode step goes in the next
 batch up to the limit, prefill chunks alternate with batches (the stall bound), a session that leaves while
-queued leaves the queue, a failed batch call fails each of its sessions; the label and settings are validated."""
+queued leaves the queue, a failed batch call fails each of its sessions, a free lane holds (bounded) for the steps
+on their way so the sessions move through the stages as one batch; the label and settings are validated."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import asyncio
 
 import pytest
 from gateway_plugin.generation.config import GenerationConfig
-from gateway_plugin.generation.decodebatch import ReplicaLane, batch_answers, batch_request, token_row
+from gateway_plugin.generation.decodebatch import (
+    ReplicaLane,
+    batch_answers,
+    batch_request,
+    hold_for,
+    token_row,
+)
 from quart_stage import batchwire
 from quart_stage.errors import QuartError
 from quart_stage.labels import StageLabels
@@ -92,6 +99,70 @@ def test_a_session_that_leaves_while_queued_leaves_the_queue_and_a_failed_call_f
     assert all(isinstance(f, RuntimeError) for f in failed)
 
 
+def test_hold_for_waits_only_for_steps_on_their_way_and_within_the_bound():
+    assert hold_for(waiting=3, coming=2, max_batch=16, waited_s=0.01, hold_s=0.1) == pytest.approx(0.09)
+    assert hold_for(waiting=3, coming=0, max_batch=16, waited_s=0.0, hold_s=0.1) == 0  # nothing else coming
+    assert hold_for(waiting=4, coming=2, max_batch=4, waited_s=0.0, hold_s=0.1) == 0  # the batch is full
+    assert hold_for(waiting=3, coming=2, max_batch=16, waited_s=0.1, hold_s=0.1) == 0  # waited the bound
+    assert hold_for(waiting=3, coming=2, max_batch=16, waited_s=0.0, hold_s=0.0) == 0  # hold off
+
+
+async def _sessions_through(lanes: list[ReplicaLane], count: int, steps: int, start_gap_s: float) -> None:
+    """``count`` sessions, started ``start_gap_s`` apart, each running ``steps`` decode steps through the lanes."""
+    async def session(sid: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        for pos in range(steps):
+            for lane in lanes:
+                await lane.decode(batchwire.BatchEntry(sid, pos, pos == steps - 1), token_row(pos))
+            await asyncio.sleep(0)  # the gateway between tokens
+
+    await asyncio.gather(*(session(f"s{i}", i * start_gap_s) for i in range(count)))
+
+
+def _pipeline_batches(hold_s: float) -> list[list[str]]:
+    async def run():
+        stages = [Stage(delay_s=0.01) for _ in range(3)]
+        lanes = [ReplicaLane(1, 16, stage.send, hold_s) for stage in stages]
+        await _sessions_through(lanes, 6, 12, start_gap_s=0.004)
+        return [stage.log for stage in stages]
+    return asyncio.run(run())
+
+
+def test_holding_for_the_group_moves_the_sessions_through_the_stages_as_one_batch():
+    held = _pipeline_batches(hold_s=0.2)
+    # sessions arriving scattered are gathered: after the first rounds every stage runs all six at once
+    # (s0's first step went alone: nothing else was decoding yet; it ends one step before the others)
+    assert held == [["batch1"] + ["batch6"] * 11 + ["batch5"]] * 3, held
+    scattered = _pipeline_batches(hold_s=0.0)  # without the hold they stay split over the pipelined stages
+    assert all(len(log) > 2 * 13 for log in scattered), scattered
+
+
+def test_the_hold_is_bounded_and_ends_when_the_awaited_session_leaves():
+    async def run():
+        stage = Stage(delay_s=0.0)
+        lane = ReplicaLane(1, 16, stage.send, hold_s=0.15)
+        await _step(lane, "away")  # a member: the lane expects its next step
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await _step(lane, "a")  # "away" never comes: "a" goes after the bound
+        bounded = loop.time() - t0
+        t0 = loop.time()
+        waiting = _step(lane, "a", pos=6)
+        await asyncio.sleep(0.02)
+        lane.leave("away")  # "away" ended: nothing else is coming, "a" goes at once
+        await waiting
+        released = loop.time() - t0
+        await lane.decode(batchwire.BatchEntry("a", 7, True), token_row(1))  # its last step: no longer awaited
+        t0 = loop.time()
+        lane.leave("away")
+        await _step(lane, "b")
+        return bounded, released, loop.time() - t0, lane.members
+
+    bounded, released, alone, members = asyncio.run(run())
+    assert 0.14 <= bounded < 0.5 and 0.015 <= released < 0.1 and alone < 0.05  # "b": the only member left
+    assert members == {"b"}
+
+
 def test_the_batch_wire_round_trips_without_torch():
     jobs = [type("J", (), {"entry": batchwire.BatchEntry(f"s{i}", 3 + i, i == 1, {"seed": 2} if i else {}),
                            "row": token_row(10 + i)})() for i in range(3)]
@@ -120,6 +191,6 @@ def test_the_decode_batch_label_is_validated(value):
 def test_the_decode_batch_settings_are_validated():
     assert GenerationConfig.from_env({"QUART_GEN_DECODE_BATCH_MAX": "32"}).decode_batch_max == 32
     for env in ({"QUART_GEN_DECODE_BATCH_MAX": "0"}, {"QUART_GEN_DECODE_BATCH_MAX": "1000"},
-                {"QUART_GEN_PREFILL_CHUNK": "-1"}):
+                {"QUART_GEN_PREFILL_CHUNK": "-1"}, {"QUART_GEN_DECODE_HOLD_MS": "-5"}):
         with pytest.raises(ConfigError):
             GenerationConfig.from_env(env)
