@@ -93,9 +93,11 @@ def test_cli_generation_run_and_bad_requests(server, tmp_path, capsys) -> None:
                       "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["ok"] == summary["requests"] > 0 and summary["ttft_p50_ms"] > 0
-    # an unknown model: each request ends with the gateway's 404, recorded as a failure
+    # an unknown model: each request ends with the gateway's 404, recorded as a failure, and the run exits 1
+    capsys.readouterr()
     assert load_main([server.url + "/v1/completions", "--generate", "--model", "nope", "--rate", "10",
-                      "--duration", "0.3", "--out", str(out)]) == 0
+                      "--duration", "0.3", "--out", str(out)]) == 1
+    assert "requests failed" in capsys.readouterr().err
     recs = read_records(out)
     assert recs and all(r.status == 404 and not r.ok and r.ttft_ms is None for r in recs)
     assert load_main([server.url + "/v1/completions", "--generate", "--duration", "0.3"]) == 2  # no --model
