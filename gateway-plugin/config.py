@@ -87,6 +87,14 @@ class ProvisionConfig:
     # Before a stage has seen peak_window_s of traffic, it is sized for at least the peak the full window is expected
     # to show (provision.expected_peak_rate: mean rate + z·σ of a window's mean from the observed CV).
     startup_estimate: bool = True
+    # A stage after the entry is sized for the entry's peak, not its own (load_floor rule 8; issue 32). Opt-in:
+    # measured on the gamma workloads only, not yet on the trace windows (docs/benchmarks.md, issue 32).
+    entry_sizes_pipeline: bool = False
+    # Each stage sized for at least mean + floor_z·σ of its 5 s mean rates over floor_horizon_s (load_floor rule 9;
+    # issue 32): the peak rule's average level, so the count stays on two adjacent levels. 0 s: off (opt-in, as
+    # above; with 300 s WideResNet CV 8 went 0.998 → 1.001 × the frontier on seeds 0–4).
+    floor_horizon_s: float = 0.0
+    floor_z: float = 1.75
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,8 @@ corrector spends the same budget the way the oracle does:
    is sized for at least the peak the full window is expected to show (``expected_peak_rate``), from the mean
    rate and the inter-arrival CV observed so far.
 
+8–9. **Entry sizes the pipeline**, **long-run floor** (docs/policies.md numbering): gateway_plugin.policies.load_floor.
+
 Pure: state is the policy's own (rate windows, timers); time comes from the snapshot.
 """
 
@@ -39,6 +41,7 @@ from gateway_plugin.config import CorrectConfig, ProvisionConfig
 from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, work_s
 from gateway_plugin.policies.correct import Correction, servers_of, stage_target_s
 from gateway_plugin.policies.history import SampleWindow
+from gateway_plugin.policies.load_floor import LoadFloor, sizing_rate
 from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
 
@@ -81,6 +84,7 @@ class _StageState:
     arrived: float = 0.0  # requests seen since the first traffic (Σ λ over the last second × the step)
     span_s: float = 0.0  # seconds those requests came in
     cv: float = 1.0  # inter-arrival CV of the last snapshot
+    floor: LoadFloor | None = None  # rule 9 (gateway_plugin.policies.load_floor)
 
 
 @dataclass(slots=True)
@@ -96,7 +100,8 @@ class Provisioner:
         cfg = self.config
         st = self._state.get(stage.index)
         if st is None:
-            st = self._state[stage.index] = _StageState(SampleWindow(cfg.rate_window_s), SampleWindow(cfg.peak_window_s))
+            st = self._state[stage.index] = _StageState(SampleWindow(cfg.rate_window_s), SampleWindow(cfg.peak_window_s),
+                                                        floor=LoadFloor(cfg.floor_horizon_s, cfg.floor_z))
         if st.since is None and stage.recent_rate <= 0 and stage.arrival_rate <= 0:
             return st  # no traffic yet: an idle start is no sample of the load
         if st.since is None:
@@ -108,6 +113,8 @@ class Provisioner:
             st.cv = stage.cv_arrival
             st.rates.add(now, max(0.0, stage.recent_rate))
             st.means.add(now, st.rates.mean(cfg.rate_window_s))
+            if st.floor is not None and st.span_s >= cfg.rate_window_s:  # whole windows only
+                st.floor.add(now, st.means.samples[-1][1])
         return st
 
     def peak_rate(self, index: int) -> float:
@@ -118,6 +125,8 @@ class Provisioner:
         if st is None:
             return 0.0
         observed = st.means.max(cfg.peak_window_s)
+        if st.floor is not None:
+            observed = max(observed, st.floor.rate())
         if not cfg.startup_estimate or st.span_s <= 0 or st.span_s >= cfg.peak_window_s:
             return observed
         expected = expected_peak_rate(st.arrived / st.span_s, st.cv, st.span_s, cfg.rate_window_s, cfg.peak_window_s)
@@ -163,7 +172,8 @@ class Provisioner:
         st = self._state[stage.index]
         current = stage.replicas + stage.pending_replicas
         target = stage_target_s(snapshot, stage, self.correct.default_target_factor)
-        rate = max(self.peak_rate(stage.index), entry_rate, stage.arrival_rate)
+        first = stage.index == snapshot.stages[0].index
+        rate = sizing_rate(self.peak_rate(stage.index), entry_rate, stage.arrival_rate, first, cfg.entry_sizes_pipeline)
         reason = f"peak={rate:.1f}/s"
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
             return Correction(current, 0.0, target, 0.0, False, reason + " (no service time yet)"), 0.0

@@ -22,9 +22,9 @@ def snap(t: float, *stages: StageSnapshot) -> PipelineSnapshot:
 
 
 def quiet(**config):
-    """QUART without Smooth and (unless ``provision`` says otherwise) without the start-up estimate: the tests of the
-    other rules size for the rates they script."""
-    config["provision"] = {"startup_estimate": False, **config.get("provision", {})}
+    """QUART without Smooth and (unless ``provision`` says otherwise) without the start-up estimate and the long-run
+    floor: the tests of the other rules size for the rates they script (tests/unit/test_load_floor.py: the floor)."""
+    config["provision"] = {"startup_estimate": False, "floor_horizon_s": 0.0, **config.get("provision", {})}
     return make_policy("quart", smooth={"enabled": False}, **config)
 
 
