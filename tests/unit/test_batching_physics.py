@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from quart_tools.bench.batching_physics import CpuMeter, theory
+from quart_tools.bench.batching_physics import CpuMeter, gain, machine_ceiling, theory
 
 
 def _profile(fixed_ms: float, per_ms: float) -> list[dict]:
@@ -28,3 +28,24 @@ def test_cpu_meter_counts_this_process() -> None:
     sum(i * i for i in range(300_000))
     cost = meter.per_request_ms(10)
     assert cost["gateway_client"] > 0 and cost["stages"] >= 0
+
+
+def test_gain_is_the_same_requests_alone_over_batched_within_the_slo() -> None:
+    # alone: 10 ms a request; batched: 6 + 4·b (stage 1 the slowest)
+    profile = [{"size": b, "mixed_ms": [0.5, 6.0 + 4.0 * b], "alone_ms": [0.4 * b, 10.0 * b]} for b in (1, 2, 4, 8, 16)]
+    g = gain(profile, "mixed_ms", "alone_ms", slo_ms=60.0, unloaded_ms=12.0)
+    assert g["stage"] == 1 and g["by_size"][1] == 1.0 and g["by_size"][16] == pytest.approx(160 / 70, abs=0.01)
+    # 2·S(b) + (12 − 10) ≤ 60 → S(b) ≤ 29 → b = 4 (22 ms) fits, 8 (38 ms) does not
+    assert g["batch_within_slo"] == 4 and g["ratio_within_slo"] == pytest.approx(40 / 22, abs=0.01)
+    assert g["ratio_at_largest"] == g["by_size"][16]
+
+
+def test_machine_ceiling_is_the_cores_over_a_requests_cpu() -> None:
+    rows = [{"batching": "off", "rate": 200, "cpu_ms_per_request": {"gateway_client": 2.0, "stages": 12.0}},
+            {"batching": "on", "rate": 100, "cpu_ms_per_request": {"gateway_client": 2.0, "stages": 12.0}},
+            {"batching": "on", "rate": 200, "cpu_ms_per_request": {"gateway_client": 2.0, "stages": 8.0}}]
+    m = machine_ceiling(rows, cpus=2, rate_off=100.0)
+    # the busiest batched row: 10 ms of CPU a request on 2 cores → 200 req/s, 2× the 100 reached off
+    assert m["rate"] == 200 and m["cpu_ms_per_request"] == 10.0 and m["ceiling_rate"] == 200.0
+    assert m["ceiling_over_off"] == 2.0 and m["cpu_ms_stages"] == 8.0
+    assert machine_ceiling(rows[:1], cpus=2, rate_off=100.0) == {}
