@@ -49,3 +49,20 @@ def test_machine_ceiling_is_the_cores_over_a_requests_cpu() -> None:
     assert m["rate"] == 200 and m["cpu_ms_per_request"] == 10.0 and m["ceiling_rate"] == 200.0
     assert m["ceiling_over_off"] == 2.0 and m["cpu_ms_stages"] == 8.0
     assert machine_ceiling(rows[:1], cpus=2, rate_off=100.0) == {}
+
+
+def test_the_bench_states_the_bound_its_own_figures_set() -> None:
+    from quart_tools.bench.batching import physics
+
+    profile = [{"size": b, "mixed_ms": [0.5, 6.0 + 4.0 * b], "uniform_ms": [0.5, 6.0 + 4.0 * b],
+                "alone_ms": [0.4 * b, 10.0 * b], "transformers_ms": [8.0 + 5.0 * b],
+                "transformers_alone_ms": [13.0 * b]} for b in (1, 2, 4, 8, 16)]
+    rows = [{"batching": "on", "rate": 150, "cpu_ms_per_request": {"gateway_client": 2.0, "stages": 9.0}}]
+    oneshot = {"profile": profile, "slo_ms": 60.0, "unloaded_ms": 12.0}
+    t = physics(oneshot, rows, off=100.0, batch_max=16, cpus=2)
+    assert t["gain_ours"]["ratio_within_slo"] == pytest.approx(1.82, abs=0.01)
+    assert t["gain_transformers"]["batch_within_slo"] == 4 and t["gain_transformers"]["ratio_at_largest"] > 2
+    # the fit allows 4 / 22 ms against 1 / 10 ms = 1.82; the machine 2 cores / 11 ms = 181.8 req/s = 1.82 × off
+    assert t["bound"]["limits"] == {"fit_within_slo": t["mixed"]["ratio"], "measured_gain_within_slo": 1.82,
+                                    "machine_cpu": 1.82}
+    assert t["bound"]["ratio"] == min(t["bound"]["limits"].values())

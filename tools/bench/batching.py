@@ -181,7 +181,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
                       f"{args.step_s:g} s per rate, same arrivals off and on, 6-30 tokens per request"}
 
 
-def physics(oneshot: dict, rows: list[dict], off: float, batch_max: int) -> dict:
+def physics(oneshot: dict, rows: list[dict], off: float, batch_max: int, cpus: int | None = None) -> dict:
     """What this machine allows, from the bench's own measurements: the fitted profile's rates (:func:`theory`), the
     measured batching gain of our stage path and of transformers' own model within the SLO (:func:`gain`), the
     whole machine's CPU ceiling (:func:`machine_ceiling`), and the bound they set together on on / off."""
@@ -190,7 +190,7 @@ def physics(oneshot: dict, rows: list[dict], off: float, batch_max: int) -> dict
     out["gain_ours"] = gain(profile, "mixed_ms", "alone_ms", slo_ms, unloaded_ms)
     if "transformers_ms" in profile[0]:
         out["gain_transformers"] = gain(profile, "transformers_ms", "transformers_alone_ms", slo_ms, unloaded_ms)
-    out["machine"] = machine_ceiling(rows, os.cpu_count() or 1, off)
+    out["machine"] = machine_ceiling(rows, cpus or os.cpu_count() or 1, off)
     limits = {"fit_within_slo": out["mixed"]["ratio"], "measured_gain_within_slo": out["gain_ours"]["ratio_within_slo"]}
     if out["machine"].get("ceiling_over_off"):
         limits["machine_cpu"] = out["machine"]["ceiling_over_off"]
