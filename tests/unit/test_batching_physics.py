@@ -66,3 +66,12 @@ def test_the_bench_states_the_bound_its_own_figures_set() -> None:
     assert t["bound"]["limits"] == {"fit_within_slo": t["mixed"]["ratio"], "measured_gain_within_slo": 1.82,
                                     "machine_cpu": 1.82}
     assert t["bound"]["ratio"] == min(t["bound"]["limits"].values())
+
+
+def test_the_fit_takes_one_request_of_the_mix_alone_on_average() -> None:
+    # the mix's first request is long (20 ms alone); its 16 requests average 10 ms alone
+    profile = _profile(10.0, 10.0)
+    for r in profile:
+        r["alone_ms"] = [0.5, 10.0 * r["size"]]
+    t = theory(profile, "mixed_ms", slo_ms=1000.0, unloaded_ms=25.0, batch_max=16)
+    assert t["max_rate_off"] == 100.0  # 1 / 10 ms, not 1 / 20 ms

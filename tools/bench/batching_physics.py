@@ -10,7 +10,8 @@
 * :func:`theory`: the rates that profile allows. A call of b requests takes S(b) = F + P·b at the slowest stage
   (``gateway_plugin.policies.batch_capacity.fit``); one replica per stage serves at most 1/S(1) req/s one at a time
   and b/S(b) batched; a request waits up to one call and rides the next, so within the SLO only batches with
-  2·S(b) + (unloaded − S(1)) ≤ SLO count. Batching can never give more than S(1)/P (all of F shared).
+  2·S(b) + (unloaded − S(1)) ≤ SLO count. Batching can never give more than S(1)/P (all of F shared). For the
+  mix, S(1) is its requests' mean time alone (the largest batch's requests, each alone), not its first request's.
 * :func:`gain`: measured, not fitted: by batch size, the same b requests alone over batched (the req/s a batch of b
   gives over one at a time), and that gain at the largest profiled batch within the SLO by the same rule.
 * :func:`machine_ceiling`: the whole machine's bound: ``cpus`` cores over the CPU ms a request cost (gateway,
@@ -109,9 +110,14 @@ def theory(profile: list[dict], key: str, slo_ms: float, unloaded_ms: float, bat
     from gateway_plugin.policies.batch_capacity import fit
 
     bottleneck = max(range(len(profile[0][key])), key=lambda i: profile[-1][key][i])
-    table = tuple((r["size"], 1, r[key][bottleneck] / 1000) for r in profile)
-    p = fit(table, batch_max)
-    one = p.service_s(1)
+    table = [(r["size"], 1, r[key][bottleneck] / 1000) for r in profile]
+    if key == "mixed_ms" and "alone_ms" in profile[-1] and profile[0]["size"] == 1:
+        # one request of the mix alone on average (the largest batch's requests alone / its size), not the mix's
+        # first request: a fit through one long request would overstate S(1), hence every ratio
+        last = profile[-1]
+        table[0] = (1, 1, last["alone_ms"][bottleneck] / last["size"] / 1000)
+    p = fit(tuple(table), batch_max)
+    one = table[0][2] if table[0][0] == 1 else p.service_s(1)  # measured alone, else the fit's
     rest_s = max(0.0, unloaded_ms / 1000 - one)
     fits = [b for b in range(1, batch_max + 1) if 2 * p.service_s(b) + rest_s <= slo_ms / 1000]
     best = max(fits, default=1)
