@@ -54,6 +54,7 @@ from gateway_plugin.generation.decodebatch import (
 )
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
 from gateway_plugin.generation.slots import StepSlots
+from gateway_plugin.metrics import BatchTimes
 from quart_stage.batchwire import BatchEntry
 from quart_stage.errors import QuartError, unavailable
 from quart_transport.dead_peer import dead_peer_connector
@@ -119,6 +120,7 @@ class SessionEngine(CooperativeSessions):
         self.rejoins = 0  # split sessions moved onto their live replica once it was whole
         self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
+        self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -314,7 +316,7 @@ class SessionEngine(CooperativeSessions):
                           jobs: list[DecodeJob]) -> list[tuple[dict, Row | None]]:
         """One batched decode step on ``replica``; a failed call fails every session of it over (StepFailed)."""
         body, headers = batch_request(k, model, jobs)
-        status, data, answer = await self._post(k, fn, replica, body, headers)
+        status, data, answer = await self._post(k, fn, replica, body, headers, steps=len(jobs))
         self.book.note(replica.id, answer.get(KV_HEADER))
         if status == 200:
             try:
@@ -340,11 +342,13 @@ class SessionEngine(CooperativeSessions):
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
                     headers[SESSION_END] = "1"
+                steps = 1 if pos > 0 and len(new) == 1 and part is None else 0  # one decode step, the whole stage
                 if limit > 1 and part is None:
                     status, data, answer = await self._lane(session, k, limit).solo(
-                        functools.partial(self._post, k, fn, replica, body, headers))
+                        functools.partial(self._post, k, fn, replica, body, headers, steps=steps))
                 else:
-                    status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0)
+                    status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0,
+                                                            steps=steps)
                 self.book.note(replica.id, answer.get(KV_HEADER))
                 held = layers.parse_range(answer.get(layers.HELD))
                 if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
@@ -361,17 +365,18 @@ class SessionEngine(CooperativeSessions):
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
-    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool
-                    ) -> tuple[int, bytes, dict[str, str]]:
+    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool,
+                    steps: int = 0) -> tuple[int, bytes, dict[str, str]]:
         gate = self._slots.get(replica.id)
         if gate is None:
             gate = self._slots[replica.id] = StepSlots(max(0, self.source.concurrency(fn)))
         async with gate.hold(running):
-            return await self._post(k, fn, replica, body, headers)
+            return await self._post(k, fn, replica, body, headers, steps=steps)
 
-    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
+    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], steps: int = 0
                     ) -> tuple[int, bytes, dict[str, str]]:
-        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer."""
+        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer. A call of
+        ``steps`` decode steps that succeeds goes into the stage's table of decode service time by batch size."""
         start = self.clock()
         status = 0
         self.source.take(fn, replica)
@@ -382,6 +387,8 @@ class SessionEngine(CooperativeSessions):
             ) as resp:
                 data = await resp.read()
                 status = resp.status
+                if steps and status == 200:
+                    self.decode_steps.setdefault(fn, BatchTimes()).record(steps, self.clock() - start)
                 return status, data, dict(resp.headers)
         except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
             status = 504 if isinstance(exc, TimeoutError) else 502
@@ -409,6 +416,11 @@ class SessionEngine(CooperativeSessions):
         if function not in self._generating:
             return len(mine), booked, 0
         return len(mine), booked, sum(self.book.cap(r.id) for r in self._ready(function))
+
+    def stage_decode(self, function: str) -> tuple[tuple[tuple[int, int, float], ...], int]:
+        """(sessions per step, steps, mean s) of the stage's decode steps by batch size, and its decode batch limit."""
+        times = self.decode_steps.get(function)
+        return (times.table() if times is not None else ()), max(1, self._decode_max(function))
 
     # ------------------------------------------------------------------ freeing
 
