@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.sessions import SessionEngine
+from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.router import StaticReplica, StaticReplicas
 from quart_stage import batchwire
 from quart_stage.config import StageConfig
@@ -113,6 +114,7 @@ DELAYS = [0.0, 0.0, 0.02, 0.04, 0.06, 0.1]  # ... and join it at different steps
 def test_concurrent_sessions_joining_and_leaving_batches_give_the_unbatched_tokens(tiny):
     async def run(batch: int) -> tuple[list[list[int]], list[int]]:
         engine, stages = await _engine([{"model_dir": tiny}] * STAGES, decode_batch_max=batch)
+        engine.collector = collectors[batch] = MetricsCollector(window_s=600.0)
         try:
             out = await asyncio.gather(*(_generate(engine, p, n, d) for p, n, d in zip(PROMPTS, LENGTHS, DELAYS,
                                                                                         strict=True)))
@@ -122,6 +124,7 @@ def test_concurrent_sessions_joining_and_leaving_batches_give_the_unbatched_toke
             await _close(engine, stages)
 
     tables: dict[int, dict] = {}
+    collectors: dict[int, MetricsCollector] = {}
     alone, sizes_off = asyncio.run(run(1))
     batched, sizes = asyncio.run(run(8))
     assert sizes_off == []  # batching off: the one-session protocol only
@@ -136,6 +139,11 @@ def test_concurrent_sessions_joining_and_leaving_batches_give_the_unbatched_toke
             else:
                 assert sum(size * calls for size, calls, _ in table) == sum(n - 1 for n in LENGTHS)
                 assert max(size for size, _, _ in table) >= 2
+        # every step (a prefill, then one per further token) reached each stage as an arrival and was served, as
+        # the simulator counts them: what the policies' rates see of generation
+        for fn in (f"m-{i}" for i in range(STAGES)):
+            stats = collectors[batch].stage(fn)
+            assert stats.total_arrivals == stats.total_completions == sum(LENGTHS)
     assert max(sizes) >= 2 and len(set(sizes)) >= 2  # batches formed, and their size changed as sessions came and went
     assert sum(sizes) == STAGES * sum(n - 1 for n in LENGTHS)  # every decode step ran in a batch, once per stage
 
