@@ -57,7 +57,8 @@ def test_the_bench_states_the_bound_its_own_figures_set() -> None:
     profile = [{"size": b, "mixed_ms": [0.5, 6.0 + 4.0 * b], "uniform_ms": [0.5, 6.0 + 4.0 * b],
                 "alone_ms": [0.4 * b, 10.0 * b], "transformers_ms": [8.0 + 5.0 * b],
                 "transformers_alone_ms": [13.0 * b]} for b in (1, 2, 4, 8, 16)]
-    rows = [{"batching": "on", "rate": 150, "cpu_ms_per_request": {"gateway_client": 2.0, "stages": 9.0}}]
+    rows = [{"batching": "on", "rate": 1, "cpu_ms_per_request": {"gateway_client": 20.0, "stages": 30.0}},
+            {"batching": "on", "rate": 150, "cpu_ms_per_request": {"gateway_client": 2.0, "stages": 9.0}}]
     oneshot = {"profile": profile, "slo_ms": 60.0, "unloaded_ms": 12.0}
     t = physics(oneshot, rows, off=100.0, batch_max=16, cpus=2)
     assert t["gain_ours"]["ratio_within_slo"] == pytest.approx(1.82, abs=0.01)
@@ -75,3 +76,5 @@ def test_the_fit_takes_one_request_of_the_mix_alone_on_average() -> None:
         r["alone_ms"] = [0.5, 10.0 * r["size"]]
     t = theory(profile, "mixed_ms", slo_ms=1000.0, unloaded_ms=25.0, batch_max=16)
     assert t["max_rate_off"] == 100.0  # 1 / 10 ms, not 1 / 20 ms
+    # off within the SLO only at the idle step: the machine's ceiling over it bounds nothing
+    assert "machine_cpu" not in physics(oneshot, rows, off=1.0, batch_max=16, cpus=2)["bound"]["limits"]

@@ -192,7 +192,7 @@ def physics(oneshot: dict, rows: list[dict], off: float, batch_max: int, cpus: i
         out["gain_transformers"] = gain(profile, "transformers_ms", "transformers_alone_ms", slo_ms, unloaded_ms)
     out["machine"] = machine_ceiling(rows, cpus or os.cpu_count() or 1, off)
     limits = {"fit_within_slo": out["mixed"]["ratio"], "measured_gain_within_slo": out["gain_ours"]["ratio_within_slo"]}
-    if out["machine"].get("ceiling_over_off"):
+    if out["machine"].get("ceiling_over_off") and off > min(r["rate"] for r in rows):  # off past the idle step
         limits["machine_cpu"] = out["machine"]["ceiling_over_off"]
     out["bound"] = {"ratio": min(limits.values()), "by": min(limits, key=limits.get), "limits": limits}
     return out
