@@ -67,6 +67,8 @@ def test_the_bench_states_the_bound_its_own_figures_set() -> None:
     assert t["bound"]["limits"] == {"fit_within_slo": t["mixed"]["ratio"], "measured_gain_within_slo": 1.82,
                                     "machine_cpu": 1.82}
     assert t["bound"]["ratio"] == min(t["bound"]["limits"].values())
+    # off within the SLO only at the idle step: the machine's ceiling over it bounds nothing
+    assert "machine_cpu" not in physics(oneshot, rows, off=1.0, batch_max=16, cpus=2)["bound"]["limits"]
 
 
 def test_the_fit_takes_one_request_of_the_mix_alone_on_average() -> None:
@@ -76,5 +78,3 @@ def test_the_fit_takes_one_request_of_the_mix_alone_on_average() -> None:
         r["alone_ms"] = [0.5, 10.0 * r["size"]]
     t = theory(profile, "mixed_ms", slo_ms=1000.0, unloaded_ms=25.0, batch_max=16)
     assert t["max_rate_off"] == 100.0  # 1 / 10 ms, not 1 / 20 ms
-    # off within the SLO only at the idle step: the machine's ceiling over it bounds nothing
-    assert "machine_cpu" not in physics(oneshot, rows, off=1.0, batch_max=16, cpus=2)["bound"]["limits"]
