@@ -31,6 +31,7 @@ from quart_kernel.convergence import (
     leaving,
     requests,
 )
+from quart_kernel.scheduling.paraserve_gen import GroupDemand
 from quart_kernel.scheduling.types import HostView, Placer
 from quart_provider.adopt import adopt_replicas
 from quart_provider.config import GatewayConfig
@@ -59,6 +60,8 @@ class Reconciler:
         self.functions = functions
         self.key_history = key_history
         self.kv_tokens: Callable[[str], int] = _no_sessions  # replica id -> KV positions its sessions hold
+        self.demand: Callable[[str], GroupDemand] = _no_demand  # function -> its sessions (the sliding window)
+        self.set_desired: Callable[[str, int], int] | None = None  # the registry's (EmbeddedGateway sets it)
         self.scheduler_metrics = scheduler_metrics
         self._param_bytes: dict[str, tuple[int, int]] = {}  # function → (generation, stage parameter bytes)
         self._kick = asyncio.Event()
@@ -214,12 +217,16 @@ class Reconciler:
         self.kick()
 
     def view(self, now: float, hosts: tuple[HostView, ...] = ()) -> PlatformView:
-        """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed)."""
+        """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed). A
+        ParaServe group that became whole raises its function's desired count first (`_keep_group`)."""
+        protected = {name: frozenset(self.paraserve.protected(fn)) for name, fn in self.functions.items()}
+        for fn in self.functions.values():
+            self._keep_group(fn, now)
         functions = tuple(FunctionView(
             fn.name, fn.desired, fn.generation,
             tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at, self.kv_tokens(e.id))
                   for e in fn.replicas.values()),
-            fn.pending_starts, fn.retry_at, frozenset(self.paraserve.protected(fn)), self._stage_param_bytes(fn),
+            fn.pending_starts, fn.retry_at, protected[fn.name], self._stage_param_bytes(fn),
             fn.name in self.key_history, len(fn.ready)) for fn in self.functions.values())
         mechanisms = {"peer", "multicast"} if self.config.peer_fetch else set()
         live = self.config.live_scaling
@@ -228,6 +235,16 @@ class Reconciler:
         if self.config.paraserve:
             mechanisms.add("paraserve")
         return PlatformView(now, functions, hosts, dict(self.key_history), frozenset(mechanisms))
+
+    def _keep_group(self, fn: FunctionState, now: float) -> None:
+        """The sliding-window rule for a group of ``fn`` that became whole: its desired count through the registry
+        (saved, clamped to its bounds) when it must keep more workers than desired."""
+        desired = self.paraserve.desired_after(fn, self.demand(fn.name), now)
+        if desired is not None and desired > fn.desired:
+            if self.set_desired is not None:
+                self.set_desired(fn.name, desired)
+            else:
+                fn.desired = desired
 
     async def _converge(self, now: float) -> None:
         """One convergence of the view (:func:`quart_kernel.convergence.converge`): what leaves is let go at
@@ -320,6 +337,11 @@ class Reconciler:
             except Exception as exc:
                 log.warning("stopping replica %s failed: %s", endpoint.id, exc)
         endpoint.state = "dead"
+
+
+def _no_demand(function: str) -> GroupDemand:
+    """No generation engine attached: no sessions arrive (a whole group scales down to one worker)."""
+    return GroupDemand()
 
 
 def _no_sessions(replica_id: str) -> int:

@@ -214,7 +214,7 @@ class Starter:
         for status in statuses:
             endpoint = Endpoint(status.id, fn.name, host, status.url, status.state if status.state != "dead"
                                 else "starting", status.source, generation, now, layers=status.layers,
-                                held=status.held, partial_ok=partial_ok)
+                                held=status.held, partial_ok=partial_ok, part=layers)
             if self.functions.get(fn.name) is not fn:  # removed meanwhile
                 self._spawn(self._stop_now(endpoint), f"stop:{endpoint.id}")
                 continue

@@ -23,7 +23,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -173,23 +173,11 @@ class GroupGenerator:
 
     async def _copy(self, s: GroupSession, part: Hop, whole: Hop) -> int:
         """One part's cache of ``s`` → ``whole``; the bytes moved."""
-        base = f"{part.url.rstrip('/')}/_/sessions/{s.id}/kv"
-        query = {} if part.span is None else {"layers": layers.format_range(part.span)}
-        async with self.http.get(base, params=query, timeout=self.timeout) as resp:
-            data = await resp.read()
-            if resp.status != 200:
-                raise StepError(f"export from {part.url} answered {resp.status}: {data[:200]!r}")
-        await self.install(s, whole, data)
-        return len(data)
+        return await move_kv(self.http, s.id, s.fed, len(s.prompt) + s.max_tokens, part, whole, self.timeout,
+                             self.install)
 
-    async def install(self, s: GroupSession, whole: Hop, data: bytes) -> None:
-        headers = {"Content-Type": "application/octet-stream", SESSION_POS: str(s.fed),
-                   SESSION_RESERVE: str(len(s.prompt) + s.max_tokens)}
-        async with self.http.put(f"{whole.url.rstrip('/')}/_/sessions/{s.id}/kv", data=data, headers=headers,
-                                 timeout=self.timeout) as resp:
-            answer = await resp.read()
-            if resp.status != 204:
-                raise StepError(f"install on {whole.url} answered {resp.status}: {answer[:200]!r}")
+    async def install(self, session_id: str, fed: int, reserve: int, whole: Hop, data: bytes) -> None:
+        await install_kv(self.http, session_id, fed, reserve, whole, data, self.timeout)
 
     async def _delete(self, url: str, session_id: str) -> None:
         async with self.http.delete(f"{url.rstrip('/')}/_/sessions/{session_id}",
@@ -202,3 +190,35 @@ def chain_of(replicas: Sequence) -> list[Hop]:
     sees them), ordered by the layers they hold; each runs its held range (None when it holds the whole stage)."""
     ordered = sorted(replicas, key=lambda r: (layers.held_range(r) or (0, 0))[0])
     return [Hop(r.url, None if layers.is_whole(r) else layers.held_range(r)) for r in ordered]
+
+
+Install = Callable[[str, int, int, Hop, bytes], Awaitable[None]]
+
+
+async def move_kv(http: aiohttp.ClientSession, session_id: str, fed: int, reserve: int, part: Hop, whole: Hop,
+                  timeout: aiohttp.ClientTimeout, install: Install | None = None) -> int:
+    """Move one part's KV cache of a session (``fed`` positions held, ``reserve`` booked) onto ``whole``: export
+    (``GET /_/sessions/<id>/kv``, the part's layers), install there (verified before anything changes); the bytes
+    moved. `StepError` when either side refuses. Both the group driver and the gateway's session engine use it."""
+    base = f"{part.url.rstrip('/')}/_/sessions/{session_id}/kv"
+    query = {} if part.span is None else {"layers": layers.format_range(part.span)}
+    async with http.get(base, params=query, timeout=timeout) as resp:
+        data = await resp.read()
+        if resp.status != 200:
+            raise StepError(f"export from {part.url} answered {resp.status}: {data[:200]!r}")
+    if install is None:
+        await install_kv(http, session_id, fed, reserve, whole, data, timeout)
+    else:
+        await install(session_id, fed, reserve, whole, data)
+    return len(data)
+
+
+async def install_kv(http: aiohttp.ClientSession, session_id: str, fed: int, reserve: int, whole: Hop, data: bytes,
+                     timeout: aiohttp.ClientTimeout) -> None:
+    """``PUT /_/sessions/<id>/kv`` of one exported part on ``whole``; `StepError` unless it answers 204."""
+    headers = {"Content-Type": "application/octet-stream", SESSION_POS: str(fed), SESSION_RESERVE: str(reserve)}
+    async with http.put(f"{whole.url.rstrip('/')}/_/sessions/{session_id}/kv", data=data, headers=headers,
+                        timeout=timeout) as resp:
+        answer = await resp.read()
+        if resp.status != 204:
+            raise StepError(f"install on {whole.url} answered {resp.status}: {answer[:200]!r}")

@@ -55,8 +55,8 @@ def _run(urls, spans, corrupt: bool = False):
             if corrupt:
                 real = gen.install
 
-                async def flipped(s, whole, data):  # one bit of the last tensor's bytes flips in transit
-                    await real(s, whole, data[:-1] + bytes([data[-1] ^ 1]))
+                async def flipped(session_id, fed, reserve, whole, data):  # one bit of the last tensor flips
+                    await real(session_id, fed, reserve, whole, data[:-1] + bytes([data[-1] ^ 1]))
 
                 gen.install = flipped
             s = GroupSession(list(PROMPT), NEW, seed=0, hops=[Hop(u, span) for u, span in zip(urls, spans, strict=True)])
