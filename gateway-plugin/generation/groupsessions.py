@@ -103,6 +103,7 @@ class GroupSessions:
         self.migrations = 0  # sessions whose KV caches moved from a group's parts onto a whole replica
         self.reprefills = 0  # ... whose move failed and that replayed there instead
         self.kv_moved_bytes = 0
+        self.migration_s = 0.0  # seconds the moves took, summed over sessions
         self._moving = asyncio.Semaphore(MIGRATING_AT_ONCE)
         self._arrivals: dict[str, deque[float]] = {}  # stage function -> session arrival times
         self._waiting: dict[str, int] = {}  # stage function -> sessions waiting for a replica of it
@@ -200,7 +201,7 @@ class GroupSessions:
         chain = session.chains[k]
         moves = [Hop(r.url, span) for r, span in chain.hops if r is not target]
         whole, timeout = Hop(target.url), aiohttp.ClientTimeout(total=self.config.step_timeout_s)
-        moved, failure = 0, None
+        moved, failure, t0 = 0, None, self.clock()
         try:
             if session.fed > 0:
                 if target not in chain.members():  # the first install makes the session there; the rest add layers
@@ -211,6 +212,7 @@ class GroupSessions:
                 moved += sum(sizes)
         except (StepError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
+        self.migration_s += self.clock() - t0
         if failure is None:
             self._unchain(session, k, keep=target)
             self._pin(session, k, target)
