@@ -9,7 +9,7 @@ session's positions (`quart_stage.spans.kv_charge`, the rule the stage's own tab
 
 **Consolidation.** Before each step of a chained session, the engine looks for a ready whole replica of the
 stage with room (a member of the chain first: it holds a part of the cache already). When there is one, the
-session's caches of the other parts are gathered onto it (`quart_gateway_plugin.generation.paragroup.move_kv`:
+session's caches of the other parts are gathered onto it (`gateway_plugin.generation.kvmove.move_kv`:
 ``GET /_/sessions/<id>/kv`` from each part, ``PUT`` on the whole replica, every tensor's sha256 and length
 checked before anything changes there), the parts free their copies, and the stream's next step runs the whole
 stage there from the positions it holds: no re-prefill. A few sessions move at once (each stream pauses for its
@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 from gateway_plugin import layers
-from gateway_plugin.generation.paragroup import Hop, StepError, install_kv, move_kv
+from gateway_plugin.generation.kvmove import Hop, StepError, install_kv, move_kv
 from quart_kernel.picking import pick
 from quart_kernel.scheduling.paraserve_gen import GroupDemand
 from quart_stage.spans import kv_charge
@@ -180,9 +180,11 @@ class GroupSessions:
     async def _consolidate(self, session: Any) -> None:
         """Before a step: move each chained stage of ``session`` whose stage has a whole replica with room onto it."""
         for k in list(session.chains):
-            target = self._whole_for(session, k)
-            if target is not None:
-                async with self._moving:
+            if self._whole_for(session, k) is None:
+                continue
+            async with self._moving:  # chosen when its turn comes, with the bookings of the moves before it
+                target = self._whole_for(session, k)
+                if target is not None:
                     await self._migrate(session, k, target)
 
     def _whole_for(self, session: Any, k: int) -> Any:
@@ -191,9 +193,9 @@ class GroupSessions:
         chain = session.chains[k]
         whole = [r for r in self._ready(session.stages[k]) if getattr(r, "state", "ready") == "ready"]
         held = {r.id: n for r, n in chain.bookings()}
-        for r in whole:
-            if r.id in held and self.book.room(r.id) + held[r.id] >= session.need:
-                return r
+        members = [r for r in whole if r.id in held and self.book.room(r.id) + held[r.id] >= session.need]
+        if members:  # the least booked: a group that became several whole workers shares its sessions out
+            return min(members, key=lambda r: self.book.booked(r.id) - held[r.id])
         return self.book.choose([r for r in whole if r.id not in held], session.need)
 
     async def _migrate(self, session: Any, k: int, target: Any) -> None:
@@ -202,6 +204,7 @@ class GroupSessions:
         moves = [Hop(r.url, span) for r, span in chain.hops if r is not target]
         whole, timeout = Hop(target.url), aiohttp.ClientTimeout(total=self.config.step_timeout_s)
         moved, failure, t0 = 0, None, self.clock()
+        self.book.reserve(target.id, session.need)  # now: a move beside it sees this one's booking
         try:
             if session.fed > 0:
                 if target not in chain.members():  # the first install makes the session there; the rest add layers
@@ -215,7 +218,7 @@ class GroupSessions:
         self.migration_s += self.clock() - t0
         if failure is None:
             self._unchain(session, k, keep=target)
-            self._pin(session, k, target)
+            session.replicas[k] = target
             self.migrations += 1
             self.kv_moved_bytes += moved
             log.info("session %s: stage %s consolidated onto %s (%d KV bytes moved)", session.id,
@@ -223,6 +226,7 @@ class GroupSessions:
             return
         log.warning("session %s: moving its KV cache onto %s failed (%s); replaying there", session.id, target.id,
                     failure)
+        self.book.release(target.id, session.need)
         self._drop(session)  # the old id everywhere, the chain's parts included
         if target not in chain.members():
             self._delete_later(target, session.id)  # what of the move arrived there

@@ -354,6 +354,8 @@ class SessionEngine(CooperativeSessions, GroupSessions):
                     headers[layers.LAYERS] = layers.format_range(part)
                 if k == final and (part is None or part[1] == layers.stage_range(replica)[1]):
                     headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
+                elif k == final and k in session.chains:  # a part the session's head may move to (its seed)
+                    headers[SAMPLE] = json.dumps(session.sample)
                 if pos == 0:
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
