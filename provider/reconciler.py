@@ -239,6 +239,8 @@ class Reconciler:
     def _keep_group(self, fn: FunctionState, now: float) -> None:
         """The sliding-window rule for a group of ``fn`` that became whole: its desired count through the registry
         (saved, clamped to its bounds) when it must keep more workers than desired."""
+        if not self.paraserve.whole.get(fn.name):
+            return
         desired = self.paraserve.desired_after(fn, self.demand(fn.name), now)
         if desired is not None and desired > fn.desired:
             if self.set_desired is not None:
