@@ -5,7 +5,8 @@ A cold stage started by ParaServe is served at first by P part replicas on P hos
 serves them) and fetching the rest of the stage until it is whole. While the stage has no whole replica, a new
 session at that stage opens on a **chain** of parts that tiles the stage (`chain_for`): every step passes
 through the parts in order, each keeping the session's KV cache of its own layers, booked its share of the
-session's positions (`quart_stage.spans.kv_charge`, the rule the stage's own table charges).
+session's positions (`quart_stage.spans.kv_charge`, the rule the stage's own table charges). Every part of a chain
+at the session's last stage gets its sample (a part the head's layers may move onto keeps the session's seed).
 
 **Consolidation.** Before each step of a chained session, the engine looks for a ready whole replica of the
 stage with room (a member of the chain first: it holds a part of the cache already). When there is one, the
@@ -94,6 +95,12 @@ def chain_for(ready: Iterable[Any], need: int, room: Callable[[str], int], exclu
     return Chain(hops, charges)
 
 
+def unchained(placed: list[Any]) -> tuple[list[Any], dict[int, Chain]]:
+    """A new session's stages as placed: (the replica of each stage, None where a `Chain` runs it; the chains)."""
+    chains = {k: c for k, c in enumerate(placed) if isinstance(c, Chain)}
+    return [None if k in chains else r for k, r in enumerate(placed)], chains
+
+
 class GroupSessions:
     """The ParaServe half of :class:`gateway_plugin.generation.sessions.SessionEngine` (a mixin: it uses the
     engine's ``book``, ``config``, ``source``, ``clock``, ``active``, ``_call``, ``_client``, ``_ready``,
@@ -164,13 +171,13 @@ class GroupSessions:
 
     # ------------------------------------------------------------------ steps on a chain
 
-    async def _part_call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool
-                         ) -> tuple[int, bytes, dict[str, str]]:
+    async def _part_call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool,
+                         **step: Any) -> tuple[int, bytes, dict[str, str]]:
         """A step's call to one part of a chain; a part that does not hold its layers yet answers 503 (nothing
         changed there) and is asked again, for up to ``replica_wait_s``."""
         deadline = self.clock() + self.config.replica_wait_s
         while True:
-            status, data, answer = await self._call(k, fn, replica, body, headers, running)
+            status, data, answer = await self._call(k, fn, replica, body, headers, running, **step)
             if status != 503 or self.clock() >= deadline:
                 return status, data, answer
             await asyncio.sleep(0.02)

@@ -17,9 +17,8 @@
   (scale-down, rolling update) moves by the same replay to another ready replica of that stage with room
   (not counted against ``max_replays``); one that finds no room stays, and the replica's drain waits for
   it (bounded by the gateway's drain timeout; if it stops first, the next step fails over as above).
-- **ParaServe groups** (:mod:`.groupsessions`): while a cold stage is served only by a group's part replicas,
-  a session opens on a chain of them (each keeping the KV cache of its layers); when a whole replica of the stage
-  is ready, its caches are gathered there (verified) and it goes on without a re-prefill.
+- **ParaServe groups** (:mod:`.groupsessions`): while a stage has only a group's parts, a session runs on a chain
+  of them; once a replica is whole, its KV caches move there (verified) and it goes on with no re-prefill.
 - **Live scale-ups** (:mod:`.cooperative`): a session opened while a new replica of a stage holds only its
   first layers is split there (that replica runs those layers, a whole one the rest, each keeping the KV
   cache of its layers) and rejoins the new replica once it is whole.
@@ -55,9 +54,10 @@ from gateway_plugin.generation.decodebatch import (
     batch_request,
     token_row,
 )
-from gateway_plugin.generation.groupsessions import Chain, GroupSessions
+from gateway_plugin.generation.groupsessions import Chain, GroupSessions, unchained
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
 from gateway_plugin.generation.slots import StepSlots
+from gateway_plugin.metrics import BatchTimes, MetricsCollector
 from quart_stage.batchwire import BatchEntry
 from quart_stage.errors import QuartError, unavailable
 from quart_transport.dead_peer import dead_peer_connector
@@ -108,8 +108,9 @@ class SessionEngine(CooperativeSessions, GroupSessions):
 
     def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, int, float], None] | None = None, poll_s: float = 0.05,
-                 decode_limit: Callable[[str], int] | None = None) -> None:
+                 decode_limit: Callable[[str], int] | None = None, collector: MetricsCollector | None = None) -> None:
         self.source = source  # a gateway_plugin.router.ReplicaSource
+        self.collector = collector  # each step at a stage: an arrival, its wait and its service, as the router's calls
         self.config = config
         self.clock = clock
         self.on_call = on_call
@@ -125,6 +126,7 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         self.rejoins = 0  # split sessions moved onto their live replica once it was whole
         self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
+        self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
         self._group_state()
 
     async def close(self) -> None:
@@ -148,13 +150,9 @@ class SessionEngine(CooperativeSessions, GroupSessions):
 
     async def _choose(self, function: str, need: int, excluded: set[str], wait: bool) -> Any:
         """A replica of ``function`` with room for ``need`` positions, or while the stage has no whole replica a
-        `Chain` of a ParaServe group's parts; waits (bounded) while it has neither; 429 when ready replicas have no
-        room."""
-        with self.waiting_for(function):
-            return await self._choose_now(function, need, excluded, self.clock() + (
-                self.config.replica_wait_s if wait else 0.0))
-
-    async def _choose_now(self, function: str, need: int, excluded: set[str], deadline: float) -> Any:
+        `Chain` of a ParaServe group's parts; waits (bounded, counted) while it has neither; 429 when ready
+        replicas have no room."""
+        deadline = self.clock() + (self.config.replica_wait_s if wait else 0.0)
         while True:
             ready = [r for r in self._ready(function) if r.id not in excluded]
             chosen = self.book.choose(ready, need) or (None if ready else self._chain_for(function, need, excluded))
@@ -165,7 +163,8 @@ class SessionEngine(CooperativeSessions, GroupSessions):
                                        "now (every one holds other sessions); retry later", self.config.retry_after_s)
             if self.clock() >= deadline:
                 raise unavailable(503, f"stage {function!r} has no ready replica", self.config.retry_after_s)
-            await asyncio.sleep(self.poll_s)
+            with self.waiting_for(function):
+                await asyncio.sleep(self.poll_s)
 
     async def open(self, model: str, stages: list[str], prompt: list[int], max_tokens: int,
                    sample: dict[str, Any], eos: frozenset[int]) -> Session:
@@ -190,9 +189,9 @@ class SessionEngine(CooperativeSessions, GroupSessions):
             sample = {**sample, "seed": random.getrandbits(63)}  # fixed for the session: a replay samples the same
         else:
             sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
-        chains = {k: c for k, c in enumerate(chosen) if isinstance(c, Chain)}
-        session = Session(model, list(stages), [None if k in chains else r for k, r in enumerate(chosen)], need,
-                          list(prompt), max_tokens, sample, eos, splits=splits, chains=chains)
+        replicas, chains = unchained(chosen)
+        session = Session(model, list(stages), replicas, need, list(prompt), max_tokens, sample, eos, splits=splits,
+                          chains=chains)
         self.active[session.id] = session
         self._generating.update(stages)
         return session
@@ -315,6 +314,7 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         row, final, result = token_row(token), len(session.stages) - 1, {}
         for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
             entry = BatchEntry(session.id, pos, last, session.sample if k == final else {})
+            self._arrived(fn)
             result, row = await self._lane(session, k, limit).decode(entry, row)
             status = int(result.get("status", 0))
             if status == 409:
@@ -332,7 +332,9 @@ class SessionEngine(CooperativeSessions, GroupSessions):
                           jobs: list[DecodeJob]) -> list[tuple[dict, Row | None]]:
         """One batched decode step on ``replica``; a failed call fails every session of it over (StepFailed)."""
         body, headers = batch_request(k, model, jobs)
-        status, data, answer = await self._post(k, fn, replica, body, headers)
+        now, loop_now = self.clock(), asyncio.get_running_loop().time()
+        arrived = tuple(now - (loop_now - job.since) for job in jobs)  # each step's arrival, on the engine's clock
+        status, data, answer = await self._post(k, fn, replica, body, headers, arrived=arrived, decode=True)
         self.book.note(replica.id, answer.get(KV_HEADER))
         if status == 200:
             try:
@@ -352,20 +354,20 @@ class SessionEngine(CooperativeSessions, GroupSessions):
                            "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
                 if part is not None:
                     headers[layers.LAYERS] = layers.format_range(part)
-                if k == final and (part is None or part[1] == layers.stage_range(replica)[1]):
+                if k == final and (part is None or k in session.chains or part[1] == layers.stage_range(replica)[1]):
                     headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
-                elif k == final and k in session.chains:  # a part the session's head may move to (its seed)
-                    headers[SAMPLE] = json.dumps(session.sample)
                 if pos == 0:
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
                     headers[SESSION_END] = "1"
+                arrived = (self._arrived(fn),) if part is None else ()  # a split's parts are not the stage's steps
+                step = {"arrived": arrived, "decode": pos > 0 and len(new) == 1}
                 if limit > 1 and part is None:
                     status, data, answer = await self._lane(session, k, limit).solo(
-                        functools.partial(self._post, k, fn, replica, body, headers))
+                        functools.partial(self._post, k, fn, replica, body, headers, **step))
                 else:
                     call = self._part_call if k in session.chains else self._call
-                    status, data, answer = await call(k, fn, replica, body, headers, running=pos > 0)
+                    status, data, answer = await call(k, fn, replica, body, headers, running=pos > 0, **step)
                 self.book.note(replica.id, answer.get(KV_HEADER))
                 held = layers.parse_range(answer.get(layers.HELD))
                 if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
@@ -382,17 +384,36 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
-    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool
-                    ) -> tuple[int, bytes, dict[str, str]]:
+    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool,
+                    arrived: tuple[float, ...] = (), decode: bool = False) -> tuple[int, bytes, dict[str, str]]:
         gate = self._slots.get(replica.id)
         if gate is None:
             gate = self._slots[replica.id] = StepSlots(max(0, self.source.concurrency(fn)))
         async with gate.hold(running):
-            return await self._post(k, fn, replica, body, headers)
+            return await self._post(k, fn, replica, body, headers, arrived=arrived, decode=decode)
 
-    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
-                    ) -> tuple[int, bytes, dict[str, str]]:
-        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer."""
+    def _arrived(self, fn: str) -> float:
+        """A step reaches stage ``fn`` now (the collector's arrival, as the router counts a request's)."""
+        now = self.clock()
+        if self.collector is not None:
+            self.collector.stage(fn).on_arrival(now, 0.0)
+        return now
+
+    def _served(self, fn: str, arrived: tuple[float, ...], start: float, end: float, decode: bool) -> None:
+        """A call of ``len(arrived)`` steps answered: each step's wait and its share of the call (the simulator's
+        rule), and a decode call's time in the stage's table by batch size."""
+        if decode:
+            self.decode_steps.setdefault(fn, BatchTimes()).record(len(arrived), end - start)
+        if self.collector is not None:
+            stats = self.collector.stage(fn)
+            for at in arrived:
+                stats.on_dispatch(start, max(0.0, start - at))
+                stats.on_complete(end, (end - start) / len(arrived))
+
+    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str],
+                    arrived: tuple[float, ...] = (), decode: bool = False) -> tuple[int, bytes, dict[str, str]]:
+        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer. A call that
+        carried steps (``arrived``: when each reached the stage) and succeeded is counted (``_served``)."""
         start = self.clock()
         status = 0
         self.source.take(fn, replica)
@@ -403,6 +424,8 @@ class SessionEngine(CooperativeSessions, GroupSessions):
             ) as resp:
                 data = await resp.read()
                 status = resp.status
+                if arrived and status == 200:
+                    self._served(fn, arrived, start, self.clock(), decode)
                 return status, data, dict(resp.headers)
         except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
             status = 504 if isinstance(exc, TimeoutError) else 502
@@ -430,6 +453,11 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         if function not in self._generating:
             return len(mine), booked, 0
         return len(mine), booked, sum(self.book.cap(r.id) for r in self._ready(function))
+
+    def stage_decode(self, function: str) -> tuple[tuple[tuple[int, int, float], ...], int]:
+        """(sessions per step, steps, mean s) of the stage's decode steps by batch size, and its decode batch limit."""
+        times = self.decode_steps.get(function)
+        return (times.table() if times is not None else ()), max(1, self._decode_max(function))
 
     # ------------------------------------------------------------------ freeing
 
