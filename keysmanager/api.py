@@ -93,7 +93,8 @@ class _Api:
 
     async def h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.km.name, "pid": os.getpid(), "recovered": self.km.recovered,
-                                  "preloader": self.km.zygotes.preloader_state()})
+                                  "preloader": self.km.zygotes.preloader_state(),
+                                  "landing": self.km.landing.summary()})
 
     async def h_cache(self, request: web.Request) -> web.Response:
         body = await _json(request)
