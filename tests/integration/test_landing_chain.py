@@ -5,6 +5,7 @@ arrives and verifies, by copy and by splice, and the pre-sized file never leaks 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import threading
@@ -40,27 +41,27 @@ def test_a_chain_hop_lands_in_reserves_and_forwards_only_arrived_bytes(tmp_path:
     assert mid.pretouched == len(data) and mid.partial.stat().st_size == len(data)  # pre-sized: zeros ahead
     seen: dict[str, object] = {}
 
+    def hop(port: int) -> None:
+        seen["mid"] = stream_from_peer(f"http://127.0.0.1:{port}", "f", None, mid, receive=receive)
+
+    def tail(port: int) -> None:
+        with VerifiedWriter(tmp_path / "tail.bin", sha, len(data), landing=tail_reserve) as writer:
+            seen["tail_pretouched"] = writer.pretouched
+            seen["tail"] = stream_from_peer(f"http://127.0.0.1:{port}", "f", None, writer, receive=receive)
+
     async def main() -> None:
-        src_runner, src_port = await serve_stage(source)
-        mid_runner, mid_port = await serve_stage(StageFile("f", mid.dest, sha, len(data), mid))
-
-        def hop() -> None:
-            seen["mid"] = stream_from_peer(f"http://127.0.0.1:{src_port}", "f", None, mid, receive=receive)
-
-        def tail() -> None:
-            with VerifiedWriter(tmp_path / "tail.bin", sha, len(data), landing=tail_reserve) as writer:
-                seen["tail_pretouched"] = writer.pretouched
-                seen["tail"] = stream_from_peer(f"http://127.0.0.1:{mid_port}", "f", None, writer, receive=receive)
-
-        threads = [threading.Thread(target=tail, daemon=True), threading.Thread(target=hop, daemon=True)]
-        try:
+        async with contextlib.AsyncExitStack() as stack:  # the servers stop after the hops (in reverse order)
+            ports = []
+            for stage in (source, StageFile("f", mid.dest, sha, len(data), mid)):
+                runner, port = await serve_stage(stage)
+                stack.push_async_callback(runner.cleanup)
+                ports.append(port)
+            threads = [threading.Thread(target=tail, args=(ports[1],), daemon=True),
+                       threading.Thread(target=hop, args=(ports[0],), daemon=True)]
             for t in threads:  # the tail asks first: it follows the middle hop's file as it grows from nothing
                 t.start()
             for t in threads:
                 await asyncio.to_thread(t.join, 30.0)
-        finally:
-            await mid_runner.cleanup()
-            await src_runner.cleanup()
 
     asyncio.run(main())
     assert seen["mid"].nbytes == seen["tail"].nbytes == len(data)
