@@ -236,7 +236,10 @@ class _Api:
         stage = self.km.stage_file(function) or await self.km.localizer.wait_file(function)
         if stage is None:
             raise NotFound(f"this host holds no stage file of {function!r}", "function")
-        return await serve_file(request, stage)
+        try:
+            return await serve_file(request, stage)
+        except FileNotFoundError:  # removed meanwhile (a failed transfer, an eviction): asked before any header
+            raise NotFound(f"this host holds no stage file of {function!r} any more", "function") from None
 
     def function(self, request: web.Request) -> str:
         function = request.match_info["function"]

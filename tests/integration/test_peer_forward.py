@@ -1,5 +1,6 @@
 """Forwarding a stage file still arriving (a chain hop, ``keysmanager.peers``): sent in pieces of FORWARD_BYTES,
-but a few bytes whose upstream stalls still go on within the hold time, and the receiver gets every byte."""
+but a few bytes whose upstream stalls still go on within the hold time, and the receiver gets every byte; a reader
+asking while the hop's writer opens waits for its file; a hop whose own transfer fails cuts its reader off at once."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import threading
 import time
 from pathlib import Path
 
+from aiohttp import web
 from quart_tools.bench.peer_cpu import serve_stage
 
-from keysmanager.peers import FORWARD_BYTES, StageFile, stream_from_peer
-from keysmanager.transfer import VerifiedWriter
+from keysmanager.peers import FORWARD_BYTES, StageFile, serve_file, stream_from_peer
+from keysmanager.transfer import TransferError, VerifiedWriter
 
 
 def test_a_stalled_upstream_still_forwards_what_arrived_and_the_rest_follows(tmp_path: Path) -> None:
@@ -52,3 +54,79 @@ def test_a_stalled_upstream_still_forwards_what_arrived_and_the_rest_follows(tmp
     asyncio.run(main())
     assert seen["result"].nbytes == len(data)
     assert (tmp_path / "out.bin").read_bytes() == data
+
+
+async def _serve_behind_the_api_middleware(stage: StageFile) -> tuple[web.AppRunner, int]:
+    """``stage`` served as a KeysManager's API serves it (its error middleware around the handler)."""
+    from keysmanager.api import _errors_as_json
+
+    app = web.Application(middlewares=[_errors_as_json])
+    app.router.add_get("/v1/stages/{function}/file", lambda request: serve_file(request, stage))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+def _fetch_from(port: int, dest: Path, sha: str, size: int, seen: dict) -> None:
+    started = time.monotonic()
+    try:
+        with VerifiedWriter(dest, sha, size) as writer:
+            seen["result"] = stream_from_peer(f"http://127.0.0.1:{port}", "f", None, writer, read_timeout_s=8)
+    except TransferError as exc:
+        seen["error"] = str(exc)
+    seen["seconds"] = time.monotonic() - started
+
+
+def test_a_reader_that_asks_while_the_writer_opens_waits_for_the_file(tmp_path: Path) -> None:
+    """A transfer is registered as its writer opens, a moment before its partial file exists (a landing reserve is
+    renamed into place then): the next hop asking in that moment gets every byte, not an error mid-answer."""
+    data = os.urandom(6 << 20)
+    sha = hashlib.sha256(data).hexdigest()
+    upstream = VerifiedWriter(tmp_path / "mid.bin", sha, len(data))  # registered, not opened: no file yet
+    seen: dict = {}
+
+    async def main() -> None:
+        runner, port = await _serve_behind_the_api_middleware(StageFile("f", upstream.dest, sha, len(data), upstream))
+        thread = threading.Thread(target=_fetch_from, args=(port, tmp_path / "out.bin", sha, len(data), seen))
+        try:
+            thread.start()
+            await asyncio.sleep(0.3)
+            upstream.__enter__()
+            for at in range(0, len(data), 1 << 20):
+                upstream.write(data[at:at + (1 << 20)])
+                await asyncio.sleep(0)
+            upstream.commit()
+            await asyncio.to_thread(thread.join, 20.0)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert "error" not in seen and seen["result"].nbytes == len(data)
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_a_transfer_that_fails_upstream_cuts_the_next_hop_off_at_once(tmp_path: Path) -> None:
+    """The hop's own transfer fails after its answer's headers went out: the connection is cut, so the next hop
+    tries its next source at once (not after its read timeout, reading an error answer as body bytes)."""
+    data = os.urandom(8 << 20)
+    sha = hashlib.sha256(data).hexdigest()
+    upstream = VerifiedWriter(tmp_path / "mid.bin", sha, len(data)).__enter__()
+    seen: dict = {}
+
+    async def main() -> None:
+        runner, port = await _serve_behind_the_api_middleware(StageFile("f", upstream.dest, sha, len(data), upstream))
+        thread = threading.Thread(target=_fetch_from, args=(port, tmp_path / "out.bin", sha, len(data), seen))
+        try:
+            upstream.write(data[:FORWARD_BYTES])
+            thread.start()
+            await asyncio.sleep(0.5)
+            upstream.abort()
+            await asyncio.to_thread(thread.join, 20.0)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert "error" in seen and seen["seconds"] < 3.0, seen
+    assert not (tmp_path / "out.bin").exists()
