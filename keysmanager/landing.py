@@ -6,8 +6,8 @@ returns its free memory to the hypervisor (free page reporting, a balloon) each 
 in the hypervisor. On the 2-core benchmark VM that made a receiver of a chain multicast several times slower
 in a fresh cluster than once its pages had been used (docs/benchmarks.md, BlitzScale one-shot).
 
-The reserve is one file in ``<state_dir>/landing`` filled with zeros by a background thread at the lowest
-priority (nice 19), off the critical path: when the agent starts, and again once no transfer has run for
+The reserve is one file in ``<state_dir>/landing`` whose pages a background thread faults in (zeroed), off the
+critical path: when the agent starts, and again, at the lowest priority (nice 19), once no transfer has run for
 :data:`REFILL_AFTER_S`. A transfer that opens a new stage file takes it (:meth:`LandingReserve.take`): the file
 is renamed to the transfer's partial file and cut to the stage's size, so its bytes overwrite pages already
 there (a plain copy). Without a reserve (``landing_mb`` 0, or taken and not refilled yet) a transfer opens a
@@ -17,12 +17,14 @@ new file as before.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 import time
 from pathlib import Path
 
-FILL_CHUNK = 4 << 20  # bytes written per step; stopping for a take waits at most one step
+FILL_CHUNK = 4 << 20  # bytes touched per step; stopping for a take waits at most one step
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14: fault pages in writable, no copy
 REFILL_AFTER_S = 10.0  # a taken reserve is refilled once no transfer has run for this long (not during a burst)
 
 
@@ -58,24 +60,24 @@ class LandingReserve:
         if self._thread is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.path.unlink(missing_ok=True)
-        self._spawn(delay_s=0.0)
+        self._spawn(delay_s=0.0, refill=False)
 
-    def _spawn(self, delay_s: float) -> None:
+    def _spawn(self, delay_s: float, refill: bool = True) -> None:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
         self._busy_until = max(self._busy_until, time.monotonic() + delay_s)
-        self._thread = threading.Thread(target=self._fill, name="landing-reserve", daemon=True)
+        self._thread = threading.Thread(target=self._fill, args=(refill,), name="landing-reserve", daemon=True)
         self._thread.start()
 
-    def _fill(self) -> None:
-        with contextlib.suppress(OSError):  # the lowest priority: only spare CPU fills it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    def _fill(self, refill: bool) -> None:
+        if refill:  # after a transfer: the lowest priority, only spare CPU (the agent's start has nothing to disturb)
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while not self._stop.is_set() and time.monotonic() < self._busy_until:
             self._stop.wait(min(0.5, self._busy_until - time.monotonic()))
-        zeros = bytes(FILL_CHUNK)
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError:
             return
         try:
@@ -83,7 +85,7 @@ class LandingReserve:
                 with self._lock:
                     if self.filled >= self.nbytes or not self.path.exists():
                         return
-                    self.filled += os.pwrite(fd, zeros[:self.nbytes - self.filled], self.filled)
+                    self.filled += _touch(fd, self.filled, min(FILL_CHUNK, self.nbytes - self.filled))
         except OSError:  # the file system is full: what was touched stays usable
             return
         finally:
@@ -123,3 +125,16 @@ class LandingReserve:
         with self._lock:
             self.path.unlink(missing_ok=True)
             self.filled = 0
+
+
+def _touch(fd: int, offset: int, count: int) -> int:
+    """Make the pages of ``[offset, offset + count)`` of the file exist, zeroed and touched: faulted in writable
+    through a mapping (the kernel allocates and clears each page, nothing is copied), else by writing zeros."""
+    if os.fstat(fd).st_size < offset + count:
+        os.ftruncate(fd, offset + count)
+    try:
+        with mmap.mmap(fd, count, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset) as mapped:
+            mapped.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):  # an older kernel: write the zeros
+        os.pwrite(fd, bytes(count), offset)
+    return count
