@@ -11,10 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-from aiohttp import web
 from quart_tools.bench.peer_cpu import serve_stage
 
-from keysmanager.peers import FORWARD_BYTES, StageFile, serve_file, stream_from_peer
+from keysmanager.peers import FORWARD_BYTES, StageFile, stream_from_peer
 from keysmanager.transfer import TransferError, VerifiedWriter
 
 
@@ -56,19 +55,6 @@ def test_a_stalled_upstream_still_forwards_what_arrived_and_the_rest_follows(tmp
     assert (tmp_path / "out.bin").read_bytes() == data
 
 
-async def _serve_behind_the_api_middleware(stage: StageFile) -> tuple[web.AppRunner, int]:
-    """``stage`` served as a KeysManager's API serves it (its error middleware around the handler)."""
-    from keysmanager.api import _errors_as_json
-
-    app = web.Application(middlewares=[_errors_as_json])
-    app.router.add_get("/v1/stages/{function}/file", lambda request: serve_file(request, stage))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
-
-
 def _fetch_from(port: int, dest: Path, sha: str, size: int, seen: dict) -> None:
     started = time.monotonic()
     try:
@@ -79,6 +65,19 @@ def _fetch_from(port: int, dest: Path, sha: str, size: int, seen: dict) -> None:
     seen["seconds"] = time.monotonic() - started
 
 
+async def _hop_feeding(stage: StageFile, dest: Path, seen: dict, feed) -> None:
+    """Serve ``stage`` as a KeysManager's API does (its error middleware), fetch it into ``dest`` in a thread while
+    ``feed()`` (a coroutine) drives the hop's own transfer; then stop serving."""
+    from keysmanager.api import _errors_as_json
+
+    runner, port = await serve_stage(stage, (_errors_as_json,))
+    thread = threading.Thread(target=_fetch_from, args=(port, dest, stage.sha256, stage.size, seen))
+    thread.start()
+    await feed()
+    await asyncio.to_thread(thread.join, 20.0)
+    await runner.cleanup()
+
+
 def test_a_reader_that_asks_while_the_writer_opens_waits_for_the_file(tmp_path: Path) -> None:
     """A transfer is registered as its writer opens, a moment before its partial file exists (a landing reserve is
     renamed into place then): the next hop asking in that moment gets every byte, not an error mid-answer."""
@@ -87,22 +86,15 @@ def test_a_reader_that_asks_while_the_writer_opens_waits_for_the_file(tmp_path: 
     upstream = VerifiedWriter(tmp_path / "mid.bin", sha, len(data))  # registered, not opened: no file yet
     seen: dict = {}
 
-    async def main() -> None:
-        runner, port = await _serve_behind_the_api_middleware(StageFile("f", upstream.dest, sha, len(data), upstream))
-        thread = threading.Thread(target=_fetch_from, args=(port, tmp_path / "out.bin", sha, len(data), seen))
-        try:
-            thread.start()
-            await asyncio.sleep(0.3)
-            upstream.__enter__()
-            for at in range(0, len(data), 1 << 20):
-                upstream.write(data[at:at + (1 << 20)])
-                await asyncio.sleep(0)
-            upstream.commit()
-            await asyncio.to_thread(thread.join, 20.0)
-        finally:
-            await runner.cleanup()
+    async def feed() -> None:
+        await asyncio.sleep(0.3)
+        upstream.__enter__()
+        for at in range(0, len(data), 1 << 20):
+            upstream.write(data[at:at + (1 << 20)])
+            await asyncio.sleep(0)
+        upstream.commit()
 
-    asyncio.run(main())
+    asyncio.run(_hop_feeding(StageFile("f", upstream.dest, sha, len(data), upstream), tmp_path / "out.bin", seen, feed))
     assert "error" not in seen and seen["result"].nbytes == len(data)
     assert (tmp_path / "out.bin").read_bytes() == data
 
@@ -113,20 +105,13 @@ def test_a_transfer_that_fails_upstream_cuts_the_next_hop_off_at_once(tmp_path: 
     data = os.urandom(8 << 20)
     sha = hashlib.sha256(data).hexdigest()
     upstream = VerifiedWriter(tmp_path / "mid.bin", sha, len(data)).__enter__()
+    upstream.write(data[:FORWARD_BYTES])
     seen: dict = {}
 
-    async def main() -> None:
-        runner, port = await _serve_behind_the_api_middleware(StageFile("f", upstream.dest, sha, len(data), upstream))
-        thread = threading.Thread(target=_fetch_from, args=(port, tmp_path / "out.bin", sha, len(data), seen))
-        try:
-            upstream.write(data[:FORWARD_BYTES])
-            thread.start()
-            await asyncio.sleep(0.5)
-            upstream.abort()
-            await asyncio.to_thread(thread.join, 20.0)
-        finally:
-            await runner.cleanup()
+    async def feed() -> None:
+        await asyncio.sleep(0.5)
+        upstream.abort()
 
-    asyncio.run(main())
+    asyncio.run(_hop_feeding(StageFile("f", upstream.dest, sha, len(data), upstream), tmp_path / "out.bin", seen, feed))
     assert "error" in seen and seen["seconds"] < 3.0, seen
     assert not (tmp_path / "out.bin").exists()

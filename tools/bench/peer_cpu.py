@@ -42,9 +42,9 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def serve_stage(stage: StageFile) -> tuple[web.AppRunner, int]:
+async def serve_stage(stage: StageFile, middlewares: tuple = ()) -> tuple[web.AppRunner, int]:
     """``stage`` served on ``GET /v1/stages/{function}/file`` at an ephemeral loopback port: (runner, port)."""
-    app = web.Application()
+    app = web.Application(middlewares=middlewares)
     app.router.add_get("/v1/stages/{function}/file", lambda request: serve_file(request, stage))
     runner = web.AppRunner(app)
     await runner.setup()
