@@ -93,7 +93,8 @@ class _Api:
 
     async def h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.km.name, "pid": os.getpid(), "recovered": self.km.recovered,
-                                  "preloader": self.km.zygotes.preloader_state()})
+                                  "preloader": self.km.zygotes.preloader_state(),
+                                  "landing": self.km.landing.summary()})
 
     async def h_cache(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -235,7 +236,10 @@ class _Api:
         stage = self.km.stage_file(function) or await self.km.localizer.wait_file(function)
         if stage is None:
             raise NotFound(f"this host holds no stage file of {function!r}", "function")
-        return await serve_file(request, stage)
+        try:
+            return await serve_file(request, stage)
+        except FileNotFoundError:  # removed meanwhile (a failed transfer, an eviction): asked before any header
+            raise NotFound(f"this host holds no stage file of {function!r} any more", "function") from None
 
     def function(self, request: web.Request) -> str:
         function = request.match_info["function"]
