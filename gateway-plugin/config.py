@@ -68,6 +68,9 @@ class CPUConfig:
     # change is a rolling update, and on a full cluster (where it would act) the roll's new replicas find no slot.
     allocate: bool = False
     release_margin: float = 0.5
+    # While a stage's new replicas start, its ready ones get the CPUs that carry the asked capacity, back to
+    # cpu_default once they serve (gateway_plugin.policies.cpu_bridge; an in-place resize, no roll).
+    bridge: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -240,6 +240,9 @@ class AsyncKeysManagerClient:
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
         return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain}))
 
+    async def resize(self, replica_id: str, cpus: float) -> ReplicaInfo:
+        return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/cpus", {"cpus": cpus}))
+
     async def replicas(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
         path = _replicas_path(function, memory)
         return [ReplicaInfo.from_dict(r) for r in (await self._call("GET", path))["replicas"]]
