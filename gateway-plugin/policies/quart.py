@@ -8,11 +8,13 @@
    (≤ CPU_max). Otherwise Correct's ŷ_i stands (the paper's "SLO may be violated → Correct"). With
    ``CPUConfig.allocate`` (off by default: docs/policies.md) every other
    stage whose predicted delay is above the target although Correct adds no replica (its maximum reached, the
-   cluster full) and none is starting (a CPU change is a rolling update: it would void those starts) gets the
+   cluster full) and none is starting (the bridge has those) gets the
    fewest CPUs that meet it, or CPU_max; a stage whose delay at
-   ``cpu_default`` CPUs is ≤ ``release_margin`` × the target goes back to them. A CPU change is a rolling update, so
-   a stage's CPUs change at most once per ``hold_s``. A stage's service time at c CPUs is its *measured* time × the
-   regression's ratio t(c)/t(now) (gateway_plugin.policies.cpu_model).
+   ``cpu_default`` CPUs is ≤ ``release_margin`` × the target goes back to them, at most once per ``hold_s``. The
+   bridge (``CPUConfig.bridge``, on; gateway_plugin.policies.cpu_bridge): while a stage has fewer ready replicas than
+   decided (its new ones start), the ready ones get the CPUs that carry the decided capacity, back to
+   ``cpu_default`` once they serve. A CPU change is an in-place resize (quart_kernel.resize). A stage's service time
+   at c CPUs is its *measured* time × the regression's ratio t(c)/t(now) (gateway_plugin.policies.cpu_model).
 Stages Correct scaled up are the key stages; their history (count of decisions in which each stage
 was key) goes to the scheduler. Pure: no I/O, time from the snapshot.
 """
