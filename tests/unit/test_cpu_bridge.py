@@ -84,3 +84,20 @@ def test_simulated_bridge_resizes_in_place_and_charges_cpu_seconds() -> None:
     assert on.cpu_seconds > 1.2 * on.gpu_seconds  # CPUs granted while the cold starts run ...
     assert np.nanmean(on.latencies_ms) < 0.8 * np.nanmean(off.latencies_ms)  # ... and they shorten the queue
     assert len(on.launched) <= len(off.launched)  # in place: no replica restarted for a CPU change
+
+
+def test_live_cpu_ablation_counts_cpu_seconds_and_fits_the_emulated_law() -> None:
+    import argparse
+
+    from gateway_plugin.policies.cpu_model import CPULatencyModel
+    from quart_tools.bench.cpu_ablation import _args, cpu_profile_records, cpu_seconds
+
+    timeline = [{"time": 0.0, "replicas": [1, 2], "cpus": [1.0, 1.0]},
+                {"time": 1.0, "replicas": [1, 2], "cpus": [2.0, 1.0]},
+                {"time": 3.0, "replicas": [2, 2], "cpus": [1.0, 1.0]}]
+    assert cpu_seconds(timeline) == (3.0 * 1 + 4.0 * 2, 1)  # 3 CPU-s in the first second, 4 × 2 s after
+    model = CPULatencyModel.fit(cpu_profile_records(0.795, 2.0))
+    assert model.service_ratio(1, 2) == pytest.approx(AMDAHL.cpu_factor(2), rel=1e-6)  # 1 − f + f/2
+    ns = argparse.Namespace(cpu_max=2.0, start_replicas=1)
+    assert '"enabled": false' in _args(ns, "-cpu").policy_config[0]
+    assert "enabled" not in _args(ns, "quart").policy_config[0] and '"cpu_max": 2.0' in _args(ns, "quart").policy_config[0]

@@ -24,16 +24,8 @@ from pathlib import Path
 
 from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
-from quart_tools.bench.policies import (
-    MODEL,
-    WORKLOADS,
-    Gateway,
-    aggregate,
-    make_workload,
-    one_run,
-    partition,
-    profile,
-)
+from quart_tools.bench.frontier import add_live_args, profile_stages
+from quart_tools.bench.policies import MODEL, WORKLOADS, Gateway, aggregate, make_workload, one_run, partition
 
 VARIANTS = {"quart": {}, "-cpu": {"cpu": {"enabled": False}}}
 
@@ -44,22 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="gamma-cv8", choices=WORKLOADS)
     p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per run (issue 32: >= 120)")
     p.add_argument("--repeats", type=int, default=1, help="runs per variant, in rotated order")
-    p.add_argument("--rate", type=float, default=20.0, help="mean requests/s")
     p.add_argument("--cpu-fraction", type=float, default=0.795,
                    help="share of the emulated time that parallelises over a replica's cores (QUART Fig. 3b: 0.795)")
     p.add_argument("--cpu-max", type=float, default=float(len(os.sched_getaffinity(0))),
                    help="CPU_max per replica (default: this machine's cores: a grant beyond them cannot be pinned)")
-    p.add_argument("--activation-bytes", type=int, default=32 * 1024, help="emulated output bytes per stage")
-    p.add_argument("--stages", type=int, default=8)
-    p.add_argument("--start-replicas", type=int, default=1)
-    p.add_argument("--max-replicas", type=int, default=6)
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--gpus-per-host", type=int, default=24)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout (s)")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds between the reset and the load")
-    p.add_argument("--profile-requests", type=int, default=15)
-    p.add_argument("--no-sim", action="store_true", help="live figures only")
+    add_live_args(p)
     return p
 
 
@@ -113,12 +94,9 @@ def run(args: argparse.Namespace) -> dict:
                     "machine": machine_info(loadavg_start=[round(x, 2) for x in os.getloadavg()]), "entries": []}
     try:
         stages = gw.stages(MODEL)
-        gw.switch("static", {"replicas": args.start_replicas})
-        gw.wait_reset(stages, args.start_replicas, timeout_s=600)
-        profiled_ms, service_ms = profile(gw, args.profile_requests)
-        stage_ms = statistics.fmean(service_ms) if service_ms else profiled_ms / args.stages
-        hop_s = max(0.0, (profiled_ms - sum(service_ms)) / 1000.0 / args.stages) if service_ms else 0.0
-        report.update(profiled_ms=profiled_ms, measured_stage_service_ms=service_ms, sim_hop_s=hop_s)
+        measured = profile_stages(gw, args)
+        report.update(measured)
+        profiled_ms, stage_ms, hop_s = measured["profiled_ms"], measured["sim_stage_ms"], measured["sim_hop_s"]
         arrivals = make_workload(args.workload, args.rate, args.duration, args.seed)
         names = list(VARIANTS)
         done: dict[str, list[dict]] = {v: [] for v in names}
