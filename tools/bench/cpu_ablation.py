@@ -45,10 +45,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cpu_profile_records(fraction: float, cpu_max: float) -> list[dict]:
-    """Profiling records of the emulated law at 1…⌈cpu_max⌉ CPUs (what the regression is fitted on)."""
+    """Profiling records of the emulated law at 1…max(4, ⌈cpu_max⌉) CPUs (what the regression is fitted on; the
+    fit needs 3 records at least)."""
     from quart_tools.sim.calibration import Calibration
 
-    return Calibration(cpu_fraction=fraction).cpu_profile(max(2, int(cpu_max + 0.999)))
+    return Calibration(cpu_fraction=fraction).cpu_profile(max(4, int(cpu_max + 0.999)))
 
 
 def cpu_seconds(timeline: list[dict]) -> tuple[float, int]:
