@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the emulated time that parallelises over a replica's cores (QUART Fig. 3b: 0.795)")
     p.add_argument("--cpu-max", type=float, default=float(len(os.sched_getaffinity(0))),
                    help="CPU_max per replica (default: this machine's cores: a grant beyond them cannot be pinned)")
+    p.add_argument("--cold-starts", action="store_true",
+                   help="QUART's stages without the KeysManager cache (every new replica a cold start of seconds: "
+                        "the long starts the bridge covers)")
     add_live_args(p)
     return p
 
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> dict:
     report: dict = {"benchmark": "cpu-ablation", "compute": "emulated", "model": MODEL, "workload": args.workload,
                     "stages": args.stages, "rate_rps": args.rate, "duration_s": args.duration, "repeats": args.repeats,
                     "seed": args.seed, "cpu_fraction": args.cpu_fraction, "cpu_max": args.cpu_max,
+                    "cold_starts": args.cold_starts,
                     "machine": machine_info(loadavg_start=[round(x, 2) for x in os.getloadavg()]), "entries": []}
     try:
         stages = gw.stages(MODEL)
