@@ -48,3 +48,28 @@ def test_a_resized_replica_keeps_serving_on_its_new_cores_at_their_speed():
             d.client.resize("no-such-replica", 2.0)
         with pytest.raises(Exception, match="cpus"):
             d.client.resize(rep.id, 0)
+
+
+def test_a_process_host_resizes_its_child_in_place():
+    import asyncio
+    import sys
+
+    from quart_provider.hosts import ProcessHost, ReplicaSpec
+
+    async def scenario() -> None:
+        host = ProcessHost("ph", gpu_slots=2, memory_limit=1 << 30)
+        try:
+            spec = ReplicaSpec(function="echo", kind="process", cpus=1.0,
+                               argv=(sys.executable, "-m", "quart_provider.echo"))
+            [status] = await host.start(spec, 1)
+            proc = psutil.Process(host._children[status.id].process.pid)
+            assert len(proc.cpu_affinity()) == 1
+            await host.resize(status.id, 2.0)
+            assert all(len(os.sched_getaffinity(t.id)) == 2 for t in proc.threads())
+            assert [r.id for r in await host.replicas() if r.state != "dead"] == [status.id]  # same replica
+            with pytest.raises(LookupError):
+                await host.resize("ph-echo-99", 2.0)
+        finally:
+            await host.close()
+
+    asyncio.run(scenario())
