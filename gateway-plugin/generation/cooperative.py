@@ -7,18 +7,29 @@ the layers it ran (the stage protocol's ``X-Quart-Layers`` with ``X-Quart-Sessio
 decode included — goes the same two ways, so the new replica takes its share of the burst from its first layers
 on. The cut is fixed for the session's life (a replica's cache covers the layers it ran, no others).
 
+**Booking** (``quart_kernel.scheduling.live_split``): each part is booked its share of the session's positions;
+the live replica also holds the room the session's rejoin will need there, but only for a session predicted to
+still run when the replica is whole (its steps left × the step time seen, against the layers left at the rate
+they have been arriving). So the splits that end during the loading use the new replica's whole cache, and the
+ones that outlive it are sure of their rejoin.
+
 When the partial replica is whole, the session **rejoins** it: it runs the whole stage there and the whole
 replica it shared is relieved. How (``QUART_GEN_REJOIN``):
 
-- ``shadow`` (default): a background replay. The session's tokens so far are prefilled under a new session id
-  through the stages, with the now-whole replica at the split stage, while the session keeps decoding split;
-  the replay's answer must equal the token the session already has (checked). At the next step the session
-  switches to the new id: that step carries the tokens generated meanwhile (a short catch-up at the position
-  the replay reached), the old id is deleted everywhere. No KV bytes cross the network and the stream never
-  waits for a re-prefill.
+- ``migrate`` (default): between two steps, the whole replica's part of the cache (``GET /_/sessions/<id>/kv
+  ?layers=cut-E``, safetensors with each tensor's sha256) is installed into the session on the now-whole replica
+  (``PUT``, verified before anything changes), under the same id; the whole replica drops it. The stream waits
+  for one move (the bytes of the rest's layers), never for a prefill; a refused move leaves the session split.
+- ``shadow``: a background replay. The session's tokens so far are prefilled under a new session id through the
+  stages, with the now-whole replica at the split stage, while the session keeps decoding split; the replay's
+  answer must equal the token the session already has (checked). At the next step the session switches to the
+  new id with a short catch-up. No KV bytes cross the network, but the replay holds the whole session beside its
+  part on the new replica and costs a prefill there.
 - ``replay``: the session moves at once by the engine's replay (a new id, prompt + tokens at Pos 0): simple,
-  but that step waits for a whole prefill of the context (measured in docs/benchmarks.md).
+  but that step waits for a whole prefill of the context.
 - ``keep``: the session stays split until it ends.
+
+Measured against each other in docs/benchmarks.md (BlitzScale, generation).
 """
 
 from __future__ import annotations
@@ -26,16 +37,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
 from gateway_plugin import layers
 from quart_kernel.picking import pick
-from quart_stage.spans import kv_charge
+from quart_kernel.scheduling.live_split import (
+    REJOIN_MODES,
+    loading_left_s,
+    outlives_loading,
+    split_booking,
+)
 
 log = logging.getLogger("quart.generation")
 
-REJOIN_MODES = ("shadow", "replay", "keep")
+__all__ = ["REJOIN_MODES", "CooperativeSessions", "Split", "bookings", "split_for"]
+KV_TYPE = "application/vnd.quart.kv+safetensors"
 
 
 @dataclass
@@ -45,8 +64,9 @@ class Split:
     partial: Any
     part: layers.Range
     rest: layers.Range
-    part_tokens: int = 0  # KV positions booked on the live replica: its part's share + the whole, for the rejoin
+    part_tokens: int = 0  # KV positions booked on the live replica: its part's share + ``reserve``
     rest_tokens: int = 0  # ... and on the whole replica
+    reserve: int = 0  # the part of ``part_tokens`` held for the rejoin (live_split.split_booking)
     shadow: Any = None  # the background replay's Session, while it runs or until the switch
     task: asyncio.Task | None = None
     base: str = ""  # the session id the replay was started from (a failover in between makes it stale)
@@ -66,35 +86,75 @@ def bookings(session: Any) -> list[tuple[Any, int]]:
     return [(r, n) for r, n in out if r is not None]
 
 
-def split_for(ready: list[Any], room: Any, need: int) -> Split | None:
+def split_for(ready: list[Any], room: Callable[[str], int], need: int, rejoin: str,
+              outlives: Callable[[Any], bool]) -> Split | None:
     """The split a new session takes at a stage: on a live replica that holds the stage's first layers (not yet
-    all) and has room for ``need`` positions (``room(replica_id)``); the one holding most, then the provider's
-    pick rule. None when there is none."""
+    all) and has room for its booking (``room(replica_id)``; the rejoin's room too when ``outlives(replica)``);
+    the one holding most, then the provider's pick rule. None when there is none."""
     fits = []
     for r in ready:
         stage, held = layers.stage_range(r), getattr(r, "held", None)
         if stage is None or held is None or layers.is_whole(r):
             continue
-        if held[0] == stage[0] < held[1] < stage[1] and room(r.id) >= need + kv_charge(need, (stage[0], held[1]), stage):
-            fits.append(r)
+        if held[0] == stage[0] < held[1] < stage[1]:
+            booking = split_booking(need, (stage[0], held[1]), stage, rejoin, outlives(r))
+            if room(r.id) >= booking.live:
+                fits.append((r, booking))
     if not fits:
         return None
-    most = max(layers.held_range(r)[1] for r in fits)
-    partial = pick([r for r in fits if layers.held_range(r)[1] == most], 0)
+    most = max(layers.held_range(r)[1] for r, _ in fits)
+    partial = pick([r for r, _ in fits if layers.held_range(r)[1] == most], 0)
+    booking = next(b for r, b in fits if r is partial)
     stage, cut = layers.stage_range(partial), layers.held_range(partial)[1]
-    part, rest = (stage[0], cut), (cut, stage[1])
-    # the live replica is booked its part's share (spans.kv_charge) and the whole session beside it: the room its
-    # rejoin's replay takes while the part is still held, which a burst of new sessions can never take
-    return Split(partial, part, rest, need + kv_charge(need, part, stage), kv_charge(need, rest, stage))
+    return Split(partial, (stage[0], cut), (cut, stage[1]), booking.live, booking.rest, booking.reserve)
+
+
+@dataclass
+class LayerArrivals:
+    """When a live replica's held layers were first and last seen to grow (the rate they arrive at)."""
+
+    first_at: float
+    first_held: int
+    last_at: float
+    last_held: int
+
+    def see(self, now: float, held: int) -> None:
+        if held > self.last_held:
+            self.last_at, self.last_held = now, held
+
+    def rate(self) -> float | None:
+        """Layers per second so far; None before a second observation of growth."""
+        span = self.last_at - self.first_at
+        return (self.last_held - self.first_held) / span if span > 0 and self.last_held > self.first_held else None
 
 
 class CooperativeSessions:
     """The split and rejoin half of :class:`gateway_plugin.generation.sessions.SessionEngine` (a mixin: it uses the
-    engine's ``book``, ``config``, ``source``, ``active``, ``_step`` and ``_drop``)."""
+    engine's ``book``, ``config``, ``source``, ``clock``, ``active``, ``_client``, ``_step``, ``_drop`` and
+    ``_forget``)."""
 
-    def _split_for(self, fn: str, need: int) -> Split | None:
-        """At a session's entry: the split of stage ``fn`` with a live replica serving its first layers, if any."""
-        return split_for(self.source.ready(fn), self.book.room, need)
+    arrivals: dict[str, LayerArrivals]  # live replica id -> how its layers arrive
+    step_s: float | None  # the decode steps' moving average, seconds
+    moved: list[tuple[int, float]]  # each migrate rejoin: (KV bytes moved, seconds the stream waited)
+
+    def _split_for(self, fn: str, need: int, steps: int) -> Split | None:
+        """At a session's entry (``steps`` steps to run): the split of stage ``fn`` with a live replica serving its
+        first layers, if any."""
+        return split_for(self.source.ready(fn), self.book.room, need, self.config.rejoin,
+                         lambda r: self._outlives(r, steps))
+
+    def _outlives(self, replica: Any, steps: int) -> bool:
+        """Whether a session of ``steps`` steps opened now will still run when ``replica`` is whole."""
+        stage, held = layers.stage_range(replica), layers.held_range(replica)
+        now = self.clock()
+        seen = self.arrivals.setdefault(replica.id, LayerArrivals(now, held[1], now, held[1]))
+        seen.see(now, held[1])
+        left = loading_left_s(held[1] - stage[0], stage[1] - stage[0], seen.rate())
+        return outlives_loading(steps, self.step_s, left)
+
+    def _note_step(self, seconds: float) -> None:
+        """A decode step's duration, into the moving average the outlive prediction uses."""
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
 
     def _reserve_stage(self, replica: Any, need: int, split: Split | None, release: bool = False) -> None:
         """Book (or release) one stage of a new session: the whole replica ``need`` positions, or its share of a
@@ -140,8 +200,51 @@ class CooperativeSessions:
                 if self.book.room(split.partial.id) + split.part_tokens >= session.need:
                     self._unsplit(session, k, onto_partial=True)
                 continue
+            if self.config.rejoin == "migrate":
+                if self.book.room(split.partial.id) + split.part_tokens >= session.need:
+                    await self._migrate(session, k, split)  # else: no room for it yet, try at the next step
+                continue
             if all(self.book.room(r.id) >= n for r, n in self._extra(session, self._shadow_of(session, k))):
                 self._start_shadow(session, k, split)  # else: no room for it yet, try at the next step
+
+    async def _migrate(self, session: Any, k: int, split: Split) -> None:
+        """Rejoin by moving the whole replica's part of the cache into the session on the now-whole live replica
+        (same id, verified there before anything changes); a refused move leaves the session split (a full
+        cache: tried again at the next step)."""
+        whole, partial, start = session.replicas[k], split.partial, self.clock()
+        url = f"{whole.url.rstrip('/')}/_/sessions/{session.id}/kv"
+        timeout = aiohttp.ClientTimeout(total=self.config.step_timeout_s)
+        headers = {"Content-Type": KV_TYPE, "X-Quart-Session-Pos": str(session.fed),
+                   "X-Quart-Session-Reserve": str(session.need)}
+        try:
+            async with self._client().get(url, params={"layers": layers.format_range(split.rest)},
+                                          timeout=timeout) as resp:
+                data = await resp.read()
+                status = resp.status
+            if status == 200:
+                async with self._client().put(f"{partial.url.rstrip('/')}/_/sessions/{session.id}/kv", data=data,
+                                              headers=headers, timeout=timeout) as resp:
+                    answer = await resp.read()
+                    status = 204 if resp.status == 204 else resp.status
+                    data = data if status == 204 else answer
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            status, data = 0, f"{type(exc).__name__}: {exc}".encode()
+        if status != 204:
+            split.given_up = status != 429
+            log.warning("session %s: moving its KV cache onto %s failed (%s %s); staying split", session.id,
+                        partial.id, status, data[:200])
+            return
+        self.book.release(whole.id, split.rest_tokens)
+        self.book.release(partial.id, split.part_tokens)
+        self.book.reserve(partial.id, session.need)
+        del session.splits[k]
+        session.replicas[k] = partial
+        self._forget(whole, session.id)
+        session.rejoins += 1
+        self.rejoins += 1
+        self.moved.append((len(data), self.clock() - start))
+        log.info("session %s: rejoined stage %s on %s (%d KV bytes moved)", session.id, session.stages[k],
+                 partial.id, len(data))
 
     def _shadow_of(self, session: Any, k: int) -> Any:
         """The session as it will be after the rejoin of stage ``k``: a new id, the now-whole replica there."""

@@ -119,6 +119,9 @@ class SessionEngine(CooperativeSessions):
         self.rejoins = 0  # split sessions moved onto their live replica once it was whole
         self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
+        self.arrivals = {}
+        self.step_s = None
+        self.moved = []
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -163,7 +166,7 @@ class SessionEngine(CooperativeSessions):
         splits: dict[int, Split] = {}
         try:
             for k, fn in enumerate(stages):
-                split = self._split_for(fn, need) if self.config.cooperative else None
+                split = self._split_for(fn, need, max_tokens) if self.config.cooperative else None
                 replica = await self._choose(fn, split.rest_tokens if split else need, set(), wait=True)
                 chosen.append(replica)
                 if split is not None:
@@ -207,11 +210,14 @@ class SessionEngine(CooperativeSessions):
             self._move_off_leaving(session)
             sequence = session.prompt + session.generated
             last = len(session.generated) + 1 == session.max_tokens
+            start = self.clock()
             try:
                 token = await self._step(session, sequence[session.fed:], session.fed, last)
             except StepFailed as failed:
                 await self._replace(session, failed)
                 continue
+            if len(sequence) - session.fed == 1:
+                self._note_step(self.clock() - start)
             session.fed = len(sequence)
             session.freed = last
             return token
@@ -428,9 +434,13 @@ class SessionEngine(CooperativeSessions):
         self._leave_lanes(session.id)
         for replica in [*session.replicas, *self.partials(session)]:
             if replica is not None:
-                task = asyncio.get_running_loop().create_task(self._delete(replica, session.id))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._forget(replica, session.id)
+
+    def _forget(self, replica: Any, session_id: str) -> None:
+        """``DELETE /_/sessions/<id>`` on one replica, in the background."""
+        task = asyncio.get_running_loop().create_task(self._delete(replica, session_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _leave_lanes(self, session_id: str) -> None:
         """No lane holds its batch for this session id any more (decodebatch.hold_for)."""

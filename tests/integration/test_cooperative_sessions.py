@@ -1,8 +1,9 @@
 """Generation sessions during a live scale-up (docs/generation.md, "Live scale-ups"): a session opened while a new
 replica holds only its stage's first layers runs those layers there and the rest on a whole replica, each
-keeping the KV cache of its own layers; once the new replica is whole the session rejoins it (a background
-replay, or a replay) — every stream's tokens equal transformers' greedy ``generate`` (a real tiny llama), every
-cache is freed at the end, and a live part that dies is given up without losing the stream."""
+keeping the KV cache of its own layers; once the new replica is whole the session rejoins it (its KV cache
+moved over, a background replay, or a replay) — every stream's tokens equal transformers' greedy ``generate`` (a
+real tiny llama), every cache is freed at the end, and a live part that dies is given up without losing the
+stream."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from aiohttp import web
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.router import StaticReplica, StaticReplicas
+from quart_stage import kvroutes
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from quart_stage.verify import reference_model
@@ -50,6 +52,7 @@ class Served:
         self.rt.held = lambda: self._held
         self.runner: web.AppRunner | None = None
         self.url = ""
+        self.exports = 0  # KV-cache exports served (a migrate rejoin)
 
     def complete(self) -> None:
         self._held = STAGE
@@ -64,9 +67,23 @@ class Served:
             status, doc = self.rt.generation.free(request.match_info["sid"])
             return web.json_response(doc, status=status) if doc else web.Response(status=status)
 
+        async def export(request: web.Request) -> web.Response:
+            resp = await asyncio.to_thread(kvroutes.export_response, self.rt, request.match_info["sid"],
+                                           request.query.get("layers"))
+            self.exports += 1
+            return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
+
+        async def install(request: web.Request) -> web.Response:
+            body = await request.read()
+            resp = await asyncio.to_thread(kvroutes.import_response, self.rt, request.match_info["sid"], body,
+                                           dict(request.headers))
+            return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
+
         app = web.Application()
         app.router.add_post("/", invoke)
         app.router.add_delete("/_/sessions/{sid}", delete)
+        app.router.add_get("/_/sessions/{sid}/kv", export)
+        app.router.add_put("/_/sessions/{sid}/kv", install)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -108,7 +125,7 @@ async def _drained(*served: Served) -> None:
     raise AssertionError({s.url: s.rt.generation.table.snapshot() for s in served})
 
 
-@pytest.mark.parametrize("rejoin", ["shadow", "replay", "keep"])
+@pytest.mark.parametrize("rejoin", ["migrate", "shadow", "replay", "keep"])
 def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(model, rejoin):
     model_dir, expected = model
 
@@ -132,26 +149,31 @@ def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(m
         finally:
             await whole.stop()
             await live.stop()
-        return got, seen, engine
+        return got, seen, engine, whole.exports
 
-    got, seen, engine = asyncio.run(main())
+    got, seen, engine, exports = asyncio.run(main())
     assert got == expected
     need = len(PROMPTS[0]) + NEW
-    share = -(-need * 3 // 8)  # the live part's charge; the rejoin's replay will need the whole beside it
-    assert seen["split0"] == ((0, 3), (3, 8), share + need, -(-need * 5 // 8))
+    share, rest = -(-need * 3 // 8), -(-need * 5 // 8)  # each part's charge
+    # beside its part, the live replica holds the rejoin's room: the rest moving in, or the whole replayed there
+    room = {"migrate": rest, "shadow": need, "replay": need, "keep": 0}[rejoin]
+    assert seen["split0"] == ((0, 3), (3, 8), share + room, rest)
     assert all(s.replays == 0 for s in engine.active.values())
     assert engine.rejoins == (0 if rejoin == "keep" else len(PROMPTS))
+    assert (len(engine.moved), exports) == ((len(PROMPTS),) * 2 if rejoin == "migrate" else (0, 0))
     assert engine.book.reserved == {}
 
 
-def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_live_replica_is_full(model):
+@pytest.mark.parametrize("rejoin", ["migrate", "shadow"])
+def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_live_replica_is_full(model, rejoin):
     model_dir, expected = model
     need = len(PROMPTS[0]) + NEW
-    cap = need + -(-need * 3 // 8)  # one split session's part and its rejoin's replay, nothing more
+    share, rest = -(-need * 3 // 8), -(-need * 5 // 8)
+    cap = share + (rest if rejoin == "migrate" else need)  # one split session's part and its rejoin's room, no more
 
     async def main():
         whole, live, source = await _cluster(model_dir, cut=3, live_kv=cap)
-        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0))
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin=rejoin))
         engine.book.caps.update({"live": cap, "whole": 10_000})  # as the replicas report them
 
         async def on_token(i: int, n: int, session) -> None:
@@ -170,7 +192,8 @@ def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_li
 
     got, engine = asyncio.run(main())
     assert got == [expected[0]] * 3
-    assert engine.shadows == 1 and engine.rejoins == 1 and engine.book.reserved == {}  # no 429 at the live replica
+    assert engine.rejoins == 1 and engine.book.reserved == {}  # no 429 at the live replica
+    assert (engine.shadows, len(engine.moved)) == ((0, 1) if rejoin == "migrate" else (1, 0))
 
 
 def test_a_live_part_that_dies_is_given_up_and_the_stream_goes_on_on_the_whole_replica(model):

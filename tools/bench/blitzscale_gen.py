@@ -27,6 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from quart_kernel.scheduling.live_split import REJOIN_MODES
 from quart_provider.config import DEFAULT_NAMESPACE
 from quart_tools.bench.blitz import PeerCluster
 from quart_tools.bench.blitzscale_gateway import FUNCTION, deployment, percentile, scaled_gateway
@@ -39,6 +40,7 @@ class Stream:
     arrived: float
     burst: bool
     expected: list[int]
+    opened: float = 0.0  # when the engine placed it (after any 429s at the entry)
     times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     error: str = ""
@@ -60,19 +62,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-rate", type=float, default=5.0, help="burst sessions/s on top, from t0 (5)")
     g.add_argument("--gen-burst-s", type=float, default=8.0, help="burst length, s (8)")
     g.add_argument("--retry-ms", type=float, default=20.0, help="a client's retry after a 429 at the entry (20)")
-    g.add_argument("--rejoin", default="shadow", choices=("shadow", "replay", "keep"),
-                   help="QUART_GEN_REJOIN of the engine (default shadow)")
+    g.add_argument("--rejoin", default="migrate", choices=REJOIN_MODES,
+                   help="QUART_GEN_REJOIN of the engine (default migrate)")
     g.add_argument("--slots", type=int, default=32, help="steps a replica runs at once (com.quart.concurrency)")
 
 
 def expected_tokens(prompt: list[int], n: int, seed: int, vocab: int) -> list[int]:
-    """The emulated model's tokens (quart_stage.sessions.EmulatedState: a hash of the session's ids)."""
-    from quart_stage.sessions import EmulatedState
+    """The emulated model's tokens (quart_stage.kvmigrate.EmulatedKV: a hash of the seed and the session's ids)."""
+    from quart_stage.kvmigrate import EmulatedKV
 
-    state = EmulatedState(seed)
-    out = [state.token(prompt, vocab)]
+    state = EmulatedKV(seed, 1)
+    state.ids = list(prompt)
+    out = [state.token(vocab)]
     while len(out) < n:
-        out.append(state.token([out[-1]], vocab))
+        state.ids.append(out[-1])
+        out.append(state.token(vocab))
     return out
 
 
@@ -110,7 +114,7 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
                                 raise
                             stream.retries += 1
                             await asyncio.sleep(args.retry_ms / 1000)
-                    stream.split = bool(session.splits)
+                    stream.opened, stream.split = time.monotonic(), bool(session.splits)
                     async for token in engine.tokens(session):
                         stream.times.append(time.monotonic())
                         stream.tokens.append(token)
@@ -133,13 +137,13 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
         finally:
             await engine.close()
         return summarize(mode, streams, start + 1.0, t0, whole_at, engine.shadows) | await g.row() | {
-            "first_served_ms": g.first_served_ms()}
+            "first_served_ms": g.first_served_ms(), "rejoin_moves": moves(engine.moved)}
 
 
 def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, whole_at: float, shadows: int
               ) -> dict:
     """The row: TTFT of the sessions that arrived from t0, TBT of every token from t0, steady TBT before t0."""
-    steady_tbt, tbt, split_tbt = [], [], []
+    steady_tbt, tbt, split_tbt, loading_tbt = [], [], [], []
     for s in streams:
         for a, b in zip(s.times, s.times[1:], strict=False):
             if steady_from <= b < t0:
@@ -148,12 +152,17 @@ def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, w
                 tbt.append(1000 * (b - a))
                 if s.split:
                     split_tbt.append(1000 * (b - a))
-    ttft = [1000 * (s.times[0] - s.arrived) for s in streams if s.times and s.arrived >= t0]
+                if b < whole_at:
+                    loading_tbt.append(1000 * (b - a))
+    late = [s for s in streams if s.times and s.arrived >= t0]
+    ttft = [1000 * (s.times[0] - s.arrived) for s in late]
+    waits = [1000 * (s.opened - s.arrived) for s in late]  # TTFT's part spent waiting for KV room at the entry
     done = [s for s in streams if not s.error]
     return {"mode": mode, "ready_ms": round(1000 * (whole_at - t0), 1),
             "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
             "tbt_p50_ms": percentile(tbt, 0.5), "tbt_p99_ms": percentile(tbt, 0.99),
-            "split_tbt_p99_ms": percentile(split_tbt, 0.99),
+            "entry_wait_p50_ms": percentile(waits, 0.5), "entry_wait_p99_ms": percentile(waits, 0.99),
+            "split_tbt_p99_ms": percentile(split_tbt, 0.99), "loading_tbt_p99_ms": percentile(loading_tbt, 0.99),
             "steady_tbt_p50_ms": percentile(steady_tbt, 0.5), "steady_tbt_p99_ms": percentile(steady_tbt, 0.99),
             "sessions": len(streams), "burst_sessions": sum(s.burst for s in streams),
             "completed": len(done), "lost": len(streams) - len(done),
@@ -163,6 +172,13 @@ def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, w
             "retries_429": sum(s.retries for s in streams), "tbt_samples": len(tbt),
             "replays": sum(s.replays for s in streams),
             "errors": sorted({s.error[:200] for s in streams if s.error})[:3]}
+
+
+def moves(moved: list[tuple[int, float]]) -> dict:
+    """The migrate rejoins: how many, the KV bytes each moved, and how long each stream waited for its move."""
+    return {"count": len(moved), "kv_bytes_p50": percentile([b for b, _ in moved], 0.5),
+            "wait_ms_p50": percentile([1000 * s for _, s in moved], 0.5),
+            "wait_ms_max": percentile([1000 * s for _, s in moved], 1.0)}
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> dict:
