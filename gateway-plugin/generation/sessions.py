@@ -346,7 +346,7 @@ class SessionEngine(CooperativeSessions):
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
                     headers[SESSION_END] = "1"
-                if limit > 1 and part is None:
+                if limit > 1 and replica is session.replicas[k]:  # a split's rest too: between the lane's batches
                     status, data, answer = await self._lane(session, k, limit).solo(
                         functools.partial(self._post, k, fn, replica, body, headers))
                 else:

@@ -125,13 +125,14 @@ async def _drained(*served: Served) -> None:
     raise AssertionError({s.url: s.rt.generation.table.snapshot() for s in served})
 
 
-@pytest.mark.parametrize("rejoin", ["migrate", "shadow", "replay", "keep"])
-def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(model, rejoin):
+@pytest.mark.parametrize(("rejoin", "batch"), [("migrate", 1), ("shadow", 1), ("replay", 1), ("keep", 1), ("migrate", 4)])
+def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(model, rejoin, batch):
+    """``batch`` > 1: decode batching on, a split's rest steps between the whole replica's batches (its lane)."""
     model_dir, expected = model
 
     async def main():
         whole, live, source = await _cluster(model_dir, cut=3)
-        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin=rejoin))
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin=rejoin, decode_batch_max=batch))
         seen: dict[str, tuple] = {}
 
         async def on_token(i: int, n: int, session) -> None:
@@ -162,6 +163,7 @@ def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(m
     assert engine.rejoins == (0 if rejoin == "keep" else len(PROMPTS))
     assert (len(engine.moved), exports) == ((len(PROMPTS),) * 2 if rejoin == "migrate" else (0, 0))
     assert engine.book.reserved == {}
+    assert sorted(engine._lanes) == ([] if batch == 1 else ["live", "whole"])  # rejoined: batched on the new one
 
 
 @pytest.mark.parametrize("rejoin", ["migrate", "shadow"])
