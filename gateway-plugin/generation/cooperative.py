@@ -136,6 +136,7 @@ class CooperativeSessions:
     arrivals: dict[str, LayerArrivals]  # live replica id -> how its layers arrive
     step_s: float | None  # the decode steps' moving average, seconds
     moved: list[tuple[int, float]]  # each migrate rejoin: (KV bytes moved, seconds the stream waited)
+    replayed: list[tuple[int, float]]  # each shadow rejoin's replay: (positions, seconds it ran beside the stream)
 
     def _split_for(self, fn: str, need: int, steps: int) -> Split | None:
         """At a session's entry (``steps`` steps to run): the split of stage ``fn`` with a live replica serving its
@@ -280,7 +281,9 @@ class CooperativeSessions:
         self.shadows += 1
 
         async def run() -> bool:
+            start = self.clock()
             token = await self._step(shadow, sequence[:n], 0, False)
+            self.replayed.append((n, self.clock() - start))
             if token != sequence[n]:
                 log.warning("session %s: the rejoin replay answered token %d, the session has %d: staying split",
                             session.id, token, sequence[n])

@@ -122,6 +122,7 @@ class SessionEngine(CooperativeSessions):
         self.arrivals = {}
         self.step_s = None
         self.moved = []
+        self.replayed = []
 
     async def close(self) -> None:
         for task in list(self._background):
