@@ -92,8 +92,16 @@ def test_controller_step_scales_the_congested_stage_as_key() -> None:
 class FakeGeneration:
     """The session engine's per-stage view (``SessionEngine.stage_generation``)."""
 
+    def __init__(self, sessions: int = 3) -> None:
+        self.sessions = sessions
+
     def stage_generation(self, function: str) -> tuple[int, int, int]:
-        return {"m-0": (3, 96, 8192)}.get(function, (0, 0, 0))
+        return {"m-0": (self.sessions, 32 * self.sessions, 8192)}.get(function, (0, 0, 0))
+
+    def stage_decode(self, function: str) -> tuple[tuple[tuple[int, int, float], ...], int]:
+        if function != "m-0":
+            return (), 1
+        return ((1, 40, 0.030), (2, 30, 0.040), (4, 20, 0.060)), 4  # S(b) = 20 ms + 10 ms a session, B = 4
 
 
 def test_the_snapshot_carries_each_stages_sessions_and_kv_occupancy() -> None:
@@ -106,6 +114,7 @@ def test_the_snapshot_carries_each_stages_sessions_and_kv_occupancy() -> None:
     ctl.decide()
     snap = ctl.last_snapshots["m"]
     assert [(s.sessions, s.kv_tokens, s.kv_capacity) for s in snap.stages] == [(3, 96, 8192), (0, 0, 0)]
+    assert snap.stages[0].decode_service_s[-1] == (4, 20, 0.060) and snap.stages[0].decode_batch_max == 4
     text = collector.prometheus_text().decode()
     assert 'quart_stage_kv_tokens{function="m-0",model="m",stage="0"} 96.0' in text
     assert 'quart_stage_sessions{function="m-0",model="m",stage="0"} 3.0' in text
@@ -128,6 +137,23 @@ def test_the_snapshot_carries_each_stages_sessions_and_kv_occupancy() -> None:
                       lambda: make_policy("static"), clock=lambda: 5.0)  # no engine (the simulator): zeros
     bare.decide()
     assert all(s.sessions == s.kv_tokens == s.kv_capacity == 0 for s in bare.last_snapshots["m"].stages)
+
+
+def test_a_generating_stage_is_raised_to_what_its_sessions_need_within_the_tpot_target() -> None:
+    """12 sessions on m-0, whose decode step takes 20 ms + 10 ms a session (batches of 4): with a 100 ms TPOT
+    target (all of it m-0's share: m-1 decodes nothing) a replica carries 4 × ⌊100 / 60⌋ = 4 sessions, so the
+    static policy's 2 replicas become 3; without a target only the KV room counts and 2 stay."""
+    inventory = FakeInventory({"m-0": StageState(2, 2), "m-1": StageState(2, 2)})
+
+    def decided(tpot_ms: float) -> list[tuple[int, str]]:
+        ctl = Controller(inventory, FakeQueues({}), MetricsCollector(window_s=10.0), RecordingActuator(),
+                         lambda: make_policy("static", replicas=2), PluginConfig(tpot_slo_ms=tpot_ms),
+                         clock=lambda: 5.0, generation=FakeGeneration(sessions=12))
+        return [(s.replicas, s.reason) for s in ctl.decide()[0]["m"].stages]
+
+    (raised, why), (other, _) = decided(100.0)
+    assert (raised, other) == (3, 2) and "12 sessions at <= 4 a replica" in why
+    assert [r for r, _ in decided(0.0)] == [2, 2]
 
 
 # ---------------------------------------------------------------- integration with the embedded gateway
