@@ -35,6 +35,7 @@ Measured against each other in docs/benchmarks.md (BlitzScale, generation).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import Callable
@@ -235,12 +236,12 @@ class CooperativeSessions:
             log.warning("session %s: moving its KV cache onto %s failed (%s %s); staying split", session.id,
                         partial.id, status, data[:200])
             return
-        self.book.release(whole.id, split.rest_tokens)
         self.book.release(partial.id, split.part_tokens)
         self.book.reserve(partial.id, session.need)
         del session.splits[k]
         session.replicas[k] = partial
-        self._forget(whole, session.id)
+        # the whole replica's share is free once its DELETE is answered (a new session there before would be a 429)
+        self._forget(whole, session.id, then=functools.partial(self.book.release, whole.id, split.rest_tokens))
         session.rejoins += 1
         self.rejoins += 1
         self.moved.append((len(data), self.clock() - start))

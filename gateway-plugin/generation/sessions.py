@@ -347,8 +347,10 @@ class SessionEngine(CooperativeSessions):
                            "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
                 if part is not None:
                     headers[layers.LAYERS] = layers.format_range(part)
-                if k == final and (part is None or part[1] == layers.stage_range(replica)[1]):
-                    headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
+                if k == final:  # every part of the last stage: either may come to run it whole (a rejoin)
+                    headers[SAMPLE] = json.dumps(session.sample)
+                    if part is None or part[1] == layers.stage_range(replica)[1]:
+                        headers["Accept"] = "application/json"
                 if pos == 0:
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
@@ -471,11 +473,13 @@ class SessionEngine(CooperativeSessions):
             if replica is not None:
                 self._forget(replica, session.id)
 
-    def _forget(self, replica: Any, session_id: str) -> None:
-        """``DELETE /_/sessions/<id>`` on one replica, in the background."""
+    def _forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
+        """``DELETE /_/sessions/<id>`` on one replica, in the background; ``then()`` once it is answered (or failed)."""
         task = asyncio.get_running_loop().create_task(self._delete(replica, session_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        if then is not None:
+            task.add_done_callback(lambda _: then())
 
     def _leave_lanes(self, session_id: str) -> None:
         """No lane holds its batch for this session id any more (decodebatch.hold_for)."""

@@ -223,3 +223,64 @@ def test_a_live_part_that_dies_is_given_up_and_the_stream_goes_on_on_the_whole_r
     got, engine = asyncio.run(main())
     assert got == expected
     assert engine.book.reserved == {}
+
+
+def test_emulated_split_sessions_rejoin_by_migration_with_the_emulations_own_tokens(tmp_path):
+    """The bench's emulated decoder (real stage bytes, emulated steps, a token that hashes the session's seed and
+    ids): split sessions rejoin the live replica by a KV move and answer exactly the emulation's tokens — the part
+    that comes to run the whole stage has the session's sampling seed too."""
+    import threading
+
+    from quart_stage.app import create_app
+    from quart_stage.manifest import Manifest
+    from quart_stage.runtime import read_stage_file
+    from quart_tools.bench.blitzscale import build_stage
+    from quart_tools.bench.blitzscale_gen import expected_tokens
+    from quart_tools.stagechain import cut_runtimes
+    from werkzeug.serving import make_server
+
+    root = str(build_stage(tmp_path, 40, 8, 10.0))
+    manifest = Manifest.load(root)
+    tensors, end = read_stage_file(root, manifest.stages[0]), manifest.stages[0].end
+    vocab, held = int(manifest.config["vocab_size"]), [(0, 4)]
+    servers, urls = [], []
+    for i in range(2):
+        (rt,) = cut_runtimes(root, manifest, tensors, [0, end], compute="emulated", emulated_mean_ms=5.0,
+                             emulated_decode_ms=5.0, emulated_prefill_ms_per_token=0.1, emulated_cv=0.0)
+        if i == 1:
+            rt.held = lambda: held[0]  # the live replica: its first layers until it says it is whole
+        server = make_server("127.0.0.1", 0, create_app(rt), threaded=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        urls.append(f"http://127.0.0.1:{server.server_port}/")
+    source = StaticReplicas(slots=8)
+    source.replicas[FN] = [StaticReplica("whole", urls[0], layers=(0, end), held=(0, end)),
+                           StaticReplica("live", urls[1], layers=(0, end), held=(0, 4))]
+    prompts = [list(range(3 + i, 23 + i)) for i in range(3)]
+
+    async def main():
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin="migrate"))
+
+        async def one(i: int) -> list[int]:
+            session = await engine.open(manifest.model, [FN], prompts[i], 12, {"temperature": 0.0, "seed": 77 + i},
+                                        frozenset())
+            assert session.splits
+            out = []
+            async for token in engine.tokens(session):
+                out.append(token)
+                if len(out) == 4 and i == 0:
+                    held[0] = (0, end)  # whole: its next answer says so
+            return out
+
+        got = await asyncio.gather(*(one(i) for i in range(3)))
+        await engine.close()
+        return got, engine
+
+    try:
+        got, engine = asyncio.run(main())
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert got == [expected_tokens(prompts[i], 12, 77 + i, vocab) for i in range(3)]
+    assert len(engine.moved) == engine.rejoins == 3 and all(b > 0 for b, _ in engine.moved)
+    assert engine.book.reserved == {}
