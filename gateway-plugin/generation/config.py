@@ -22,7 +22,7 @@ class GenerationConfig:
     step_timeout_s: float = 60.0  # [QUART_GEN_STEP_TIMEOUT_S] one stage call of a session before failing over
     retry_after_s: int = 1  # [QUART_GEN_RETRY_AFTER_S] Retry-After of a session refused for lack of KV room
     cooperative: bool = True  # [QUART_GEN_COOPERATIVE] split new sessions with a live replica's held layers
-    rejoin: str = "migrate"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: migrate | shadow | replay | keep
+    rejoin: str = "auto"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: auto | migrate | shadow | replay | keep
     decode_batch_max: int = 1  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
     prefill_chunk: int = 128  # [QUART_GEN_PREFILL_CHUNK] prompt positions per prefill call where decode batches (0 = whole prompt)
     decode_hold_ms: float = 250.0  # [QUART_GEN_DECODE_HOLD_MS] most a free replica holds its decode batch for its sessions' steps on their way (0 = never)

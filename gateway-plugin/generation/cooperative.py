@@ -202,17 +202,18 @@ class CooperativeSessions:
                 if self.book.room(split.partial.id) + split.part_tokens >= session.need:
                     self._unsplit(session, k, onto_partial=True)
                 continue
-            if self.config.rejoin == "migrate":
-                if self.book.room(split.partial.id) + split.part_tokens >= session.need:
-                    await self._migrate(session, k, split)  # else: no room for it yet, try at the next step
-                continue
-            if all(self.book.room(r.id) >= n for r, n in self._extra(session, self._shadow_of(session, k))):
-                self._start_shadow(session, k, split)  # else: no room for it yet, try at the next step
+            shadow_fits = self.config.rejoin in ("shadow", "auto") and all(
+                self.book.room(r.id) >= n for r, n in self._extra(session, k, self._shadow_of(session, k)))
+            if shadow_fits:  # the background replay: the stream never waits
+                self._start_shadow(session, k, split)
+            elif self.config.rejoin in ("migrate", "auto") and (
+                    self.book.room(split.partial.id) + split.part_tokens >= session.need):
+                await self._migrate(session, k, split)  # the move: the room it needs is the rest's share
+            # else: no room for it yet, try at the next step
 
     async def _migrate(self, session: Any, k: int, split: Split) -> None:
         """Rejoin by moving the whole replica's part of the cache into the session on the now-whole live replica
-        (same id, verified there before anything changes); a refused move leaves the session split (a full
-        cache: tried again at the next step)."""
+        (same id, verified there before anything changes); a refused move leaves the session split."""
         whole, partial, start = session.replicas[k], split.partial, self.clock()
         url = f"{whole.url.rstrip('/')}/_/sessions/{session.id}/kv"
         timeout = aiohttp.ClientTimeout(total=self.config.step_timeout_s)
@@ -231,8 +232,8 @@ class CooperativeSessions:
                     data = data if status == 204 else answer
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             status, data = 0, f"{type(exc).__name__}: {exc}".encode()
-        if status != 204:
-            split.given_up = status != 429
+        if status != 204:  # nothing changed on either replica (the import verifies first): it stays split
+            split.given_up = True
             log.warning("session %s: moving its KV cache onto %s failed (%s %s); staying split", session.id,
                         partial.id, status, data[:200])
             return
@@ -257,25 +258,23 @@ class CooperativeSessions:
                        generated=[], fed=0)
 
     @staticmethod
-    def _extra(session: Any, shadow: Any) -> list[tuple[Any, int]]:
-        """What the background replay books beyond the session's own bookings, replica by replica (the live
-        replica already holds the room: nothing there)."""
-        have: dict[str, int] = {}
-        for r, n in bookings(session):
-            have[r.id] = have.get(r.id, 0) + n
-        out = []
+    def _extra(session: Any, k: int, shadow: Any) -> list[tuple[Any, int]]:
+        """What the background replay of stage ``k``'s rejoin books beyond the session's own bookings, replica by
+        replica: the replay's whole bookings (its new id is held beside the session's own parts until the switch),
+        less the room the split already holds for it on the live replica."""
+        split, out = session.splits[k], []
         for r, n in bookings(shadow):
-            more = n - have.get(r.id, 0)
-            have[r.id] = max(0, have.get(r.id, 0) - n)
-            if more > 0:
-                out.append((r, more))
+            if r is split.partial:
+                n -= split.reserve
+            if n > 0:
+                out.append((r, n))
         return out
 
     def _start_shadow(self, session: Any, k: int, split: Split) -> None:
         n = session.fed
         sequence = session.prompt + session.generated
         shadow = self._shadow_of(session, k)
-        split.extra = self._extra(session, shadow)
+        split.extra = self._extra(session, k, shadow)
         for r, n in split.extra:
             self.book.reserve(r.id, n)
         split.shadow, split.base = shadow, session.id

@@ -243,6 +243,8 @@ class SessionEngine(CooperativeSessions):
         self.book.release(failed.replica.id, session.need)
         session.replicas[failed.stage] = None
         excluded = set() if failed.keep else {failed.replica.id}
+        if failed.why.startswith("HTTP 429"):  # a full cache (a DELETE on its way frees it): not at once
+            await asyncio.sleep(self.poll_s)
         try:
             replacement = await self._choose(fn, session.need, excluded, wait=True)
         except QuartError as exc:
@@ -313,7 +315,7 @@ class SessionEngine(CooperativeSessions):
             if status == 409:
                 raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
             if status == 429 or status >= 500:
-                raise StepFailed(k, replica, f"HTTP {status}: {str(result.get('error'))[:200]}")
+                raise StepFailed(k, replica, f"HTTP {status}: {str(result.get('error'))[:200]}", keep=status == 429)
             if status != 200:
                 raise QuartError(status, str(result.get("error") or f"stage {fn!r} answered {status}"), "stage")
         try:
@@ -368,8 +370,9 @@ class SessionEngine(CooperativeSessions):
                     self.source.note_held(fn, replica, held)  # a live replica's layers grow; whole, it joins ready
                 if status == 409:
                     raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
-                if status == 429 or status >= 500:
-                    raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
+                if status == 429 or status >= 500:  # a full cache: the replica may take the replay once room frees
+                    raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}",
+                                     keep=status == 429)
                 if status != 200:
                     raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
                 body, ctype = data, answer.get("Content-Type", "application/octet-stream")

@@ -8,6 +8,8 @@ rejoin will need once it is whole, and only for a session still running then:
 
 - ``migrate``: the whole replica's part of the cache moves in (its share of the positions), under the same id;
 - ``shadow`` / ``replay``: the session is prefilled again there, the whole session beside the part it holds;
+- ``auto``: the move's room, the least any rejoin needs (a background replay is taken where more room is free:
+  the stream then never waits);
 - ``keep``: nothing (it stays split until it ends).
 
 A session predicted to end before the replica is whole is booked its share only: the room of the splits that end
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from quart_stage.spans import kv_charge
 
-REJOIN_MODES = ("migrate", "shadow", "replay", "keep")
+REJOIN_MODES = ("auto", "migrate", "shadow", "replay", "keep")
 OUTLIVE_MARGIN = 1.25  # a session is taken to outlive the loading unless it ends this much before (estimates err)
 
 Span = tuple[int, int]
@@ -45,7 +47,7 @@ class SplitBooking:
 
 def rejoin_room(need: int, rest: int, rejoin: str) -> int:
     """What the rejoin of a session needing ``need`` positions takes on the live replica beside its part."""
-    if rejoin == "migrate":
+    if rejoin in ("migrate", "auto"):
         return rest
     if rejoin in ("shadow", "replay"):
         return need

@@ -125,7 +125,8 @@ async def _drained(*served: Served) -> None:
     raise AssertionError({s.url: s.rt.generation.table.snapshot() for s in served})
 
 
-@pytest.mark.parametrize(("rejoin", "batch"), [("migrate", 1), ("shadow", 1), ("replay", 1), ("keep", 1), ("migrate", 4)])
+@pytest.mark.parametrize(("rejoin", "batch"), [("auto", 1), ("migrate", 1), ("shadow", 1), ("replay", 1), ("keep", 1),
+                                               ("migrate", 4)])
 def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(model, rejoin, batch):
     """``batch`` > 1: decode batching on, a split's rest steps between the whole replica's batches (its lane)."""
     model_dir, expected = model
@@ -157,21 +158,22 @@ def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(m
     need = len(PROMPTS[0]) + NEW
     share, rest = -(-need * 3 // 8), -(-need * 5 // 8)  # each part's charge
     # beside its part, the live replica holds the rejoin's room: the rest moving in, or the whole replayed there
-    room = {"migrate": rest, "shadow": need, "replay": need, "keep": 0}[rejoin]
+    room = {"auto": rest, "migrate": rest, "shadow": need, "replay": need, "keep": 0}[rejoin]
     assert seen["split0"] == ((0, 3), (3, 8), share + room, rest)
     assert all(s.replays == 0 for s in engine.active.values())
     assert engine.rejoins == (0 if rejoin == "keep" else len(PROMPTS))
     assert (len(engine.moved), exports) == ((len(PROMPTS),) * 2 if rejoin == "migrate" else (0, 0))
+    assert engine.shadows == (len(PROMPTS) if rejoin in ("auto", "shadow") else 0)  # auto: room for the replay
     assert engine.book.reserved == {}
     assert sorted(engine._lanes) == ([] if batch == 1 else ["live", "whole"])  # rejoined: batched on the new one
 
 
-@pytest.mark.parametrize("rejoin", ["migrate", "shadow"])
+@pytest.mark.parametrize("rejoin", ["auto", "migrate", "shadow"])
 def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_live_replica_is_full(model, rejoin):
     model_dir, expected = model
     need = len(PROMPTS[0]) + NEW
     share, rest = -(-need * 3 // 8), -(-need * 5 // 8)
-    cap = share + (rest if rejoin == "migrate" else need)  # one split session's part and its rejoin's room, no more
+    cap = share + (need if rejoin == "shadow" else rest)  # one split session's part and its rejoin's room, no more
 
     async def main():
         whole, live, source = await _cluster(model_dir, cut=3, live_kv=cap)
@@ -195,7 +197,7 @@ def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_li
     got, engine = asyncio.run(main())
     assert got == [expected[0]] * 3
     assert engine.rejoins == 1 and engine.book.reserved == {}  # no 429 at the live replica
-    assert (engine.shadows, len(engine.moved)) == ((0, 1) if rejoin == "migrate" else (1, 0))
+    assert (engine.shadows, len(engine.moved)) == ((1, 0) if rejoin == "shadow" else (0, 1))  # auto: only a move fits
 
 
 def test_a_live_part_that_dies_is_given_up_and_the_stream_goes_on_on_the_whole_replica(model):
