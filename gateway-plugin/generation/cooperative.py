@@ -139,6 +139,9 @@ class CooperativeSessions:
     moved: list[tuple[int, float]]  # each migrate rejoin: (KV bytes moved, seconds the stream waited)
     replayed: list[tuple[int, float]]  # each shadow rejoin's replay: (positions, seconds it ran beside the stream)
 
+    def _init_cooperative(self) -> None:
+        self.arrivals, self.step_s, self.moved, self.replayed = {}, None, [], []
+
     def _split_for(self, fn: str, need: int, steps: int) -> Split | None:
         """At a session's entry (``steps`` steps to run): the split of stage ``fn`` with a live replica serving its
         first layers, if any."""

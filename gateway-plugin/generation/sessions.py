@@ -122,10 +122,7 @@ class SessionEngine(CooperativeSessions):
         self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
         self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
-        self.arrivals = {}
-        self.step_s = None
-        self.moved = []
-        self.replayed = []
+        self._init_cooperative()
 
     async def close(self) -> None:
         for task in list(self._background):

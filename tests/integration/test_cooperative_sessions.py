@@ -274,15 +274,14 @@ def test_emulated_split_sessions_rejoin_by_migration_with_the_emulations_own_tok
                     held[0] = (0, end)  # whole: its next answer says so
             return out
 
-        got = await asyncio.gather(*(one(i) for i in range(3)))
-        await engine.close()
+        try:
+            got = await asyncio.gather(*(one(i) for i in range(3)))
+            await engine.close()
+        finally:
+            await asyncio.gather(*(asyncio.to_thread(server.shutdown) for server in servers))
         return got, engine
 
-    try:
-        got, engine = asyncio.run(main())
-    finally:
-        for server in servers:
-            server.shutdown()
+    got, engine = asyncio.run(main())
     assert got == [expected_tokens(prompts[i], 12, 77 + i, vocab) for i in range(3)]
     assert len(engine.moved) == engine.rejoins == 3 and all(b > 0 for b, _ in engine.moved)
     assert engine.book.reserved == {}
