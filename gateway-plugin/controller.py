@@ -105,7 +105,9 @@ class Controller:
             if self.cv_trainer is not None:
                 self.cv_trainer.install(model, policy)
             desired_now = [self.inventory.stage_state(stage.name).desired for stage in snap.stages]
-            wanted = with_session_floor(snap, policy.decide(snap), self.config.tpot_slo_ms / 1000)
+            wanted = policy.decide(snap)
+            if getattr(policy, "sessions_floor", True):  # static-k and a precomputed schedule hold what they say
+                wanted = with_session_floor(snap, wanted, self.config.tpot_slo_ms / 1000)
             decision = held_at_zero(snap, bounded(snap, wanted), desired_now)
             if self.cv_trainer is not None and hasattr(policy, "cv_model"):  # only QUART reads a CV model
                 self.cv_trainer.observe(snap)

@@ -96,7 +96,9 @@ class Decision:
 
 
 class Policy(Protocol):
-    """A scaling policy: pure apart from its own state."""
+    """A scaling policy: pure apart from its own state. One that holds fixed counts (static-k, the oracle's
+    schedule) says ``sessions_floor = False``: the controller then does not raise it for generation sessions
+    (``policies.decode_capacity``)."""
 
     name: str
 

@@ -35,6 +35,7 @@ Measured against each other in docs/benchmarks.md (BlitzScale, generation).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
@@ -44,6 +45,7 @@ from typing import Any
 
 import aiohttp
 from gateway_plugin import layers
+from gateway_plugin.generation.kvmove import Hop, StepError, move_kv
 from quart_kernel.picking import pick
 from quart_kernel.scheduling.live_split import (
     REJOIN_MODES,
@@ -55,7 +57,6 @@ from quart_kernel.scheduling.live_split import (
 log = logging.getLogger("quart.generation")
 
 __all__ = ["REJOIN_MODES", "CooperativeSessions", "Split", "bookings", "split_for"]
-KV_TYPE = "application/vnd.quart.kv+safetensors"
 
 
 @dataclass
@@ -79,8 +80,10 @@ def bookings(session: Any) -> list[tuple[Any, int]]:
     """What the session holds booked: (replica, positions) for every stage, a split's two parts each their share."""
     out = []
     for k, replica in enumerate(session.replicas):
-        split = session.splits.get(k)
-        if split is None:
+        split, chain = session.splits.get(k), session.chains.get(k)
+        if chain is not None:
+            out += chain.bookings()
+        elif split is None:
             out.append((replica, session.need))
         else:
             out += [(replica, split.rest_tokens), (split.partial, split.part_tokens)]
@@ -131,8 +134,8 @@ class LayerArrivals:
 
 class CooperativeSessions:
     """The split and rejoin half of :class:`gateway_plugin.generation.sessions.SessionEngine` (a mixin: it uses the
-    engine's ``book``, ``config``, ``source``, ``clock``, ``active``, ``_client``, ``_step``, ``_drop`` and
-    ``_forget``)."""
+    engine's ``book``, ``config``, ``source``, ``clock``, ``active``, ``_background``, ``_client``, ``_step`` and
+    ``_drop``)."""
 
     arrivals: dict[str, LayerArrivals]  # live replica id -> how its layers arrive
     step_s: float | None  # the decode steps' moving average, seconds
@@ -141,6 +144,21 @@ class CooperativeSessions:
 
     def _init_cooperative(self) -> None:
         self.arrivals, self.step_s, self.moved, self.replayed = {}, None, [], []
+
+    def _forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
+        """``DELETE /_/sessions/<id>`` on one replica, in the background (the engine's freeing uses it too);
+        ``then()`` once it is answered (or failed)."""
+        task = asyncio.get_running_loop().create_task(self._delete(replica, session_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if then is not None:
+            task.add_done_callback(lambda _: then())
+
+    async def _delete(self, replica: Any, session_id: str) -> None:
+        url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            async with self._client().delete(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                await resp.read()
 
     def _split_for(self, fn: str, need: int, steps: int) -> Split | None:
         """At a session's entry (``steps`` steps to run): the split of stage ``fn`` with a live replica serving its
@@ -157,15 +175,19 @@ class CooperativeSessions:
         left = loading_left_s(held[1] - stage[0], stage[1] - stage[0], seen.rate())
         return outlives_loading(steps, self.step_s, left)
 
-    def _note_step(self, seconds: float) -> None:
-        """A decode step's duration, into the moving average the outlive prediction uses."""
-        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+    def _note_step(self, seconds: float, decode: bool) -> None:
+        """A step's duration; a decode step's goes into the moving average the outlive prediction uses."""
+        if decode:
+            self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
 
     def _reserve_stage(self, replica: Any, need: int, split: Split | None, release: bool = False) -> None:
         """Book (or release) one stage of a new session: the whole replica ``need`` positions, or its share of a
         split and the live replica the rest."""
         change = self.book.release if release else self.book.reserve
-        if split is None:
+        if hasattr(replica, "bookings"):  # a ParaServe chain (groupsessions.Chain): each part its share
+            for r, n in replica.bookings():
+                change(r.id, n)
+        elif split is None:
             change(replica.id, need)
         else:
             change(replica.id, split.rest_tokens)
@@ -181,13 +203,16 @@ class CooperativeSessions:
 
     def calls(self, session: Any, k: int) -> list[tuple[Any, layers.Range | None]]:
         """The replica calls of stage ``k`` of a step: (replica, its layers or None for the whole stage)."""
-        split = session.splits.get(k)
+        split, chain = session.splits.get(k), session.chains.get(k)
+        if chain is not None:
+            return list(chain.hops)
         if split is None:
             return [(session.replicas[k], None)]
         return [(split.partial, split.part), (session.replicas[k], split.rest)]
 
     def partials(self, session: Any) -> list[Any]:
-        return [s.partial for s in session.splits.values()]
+        """The part replicas a session holds caches on besides its whole ones (splits' live parts, chains' parts)."""
+        return [s.partial for s in session.splits.values()] + [r for c in session.chains.values() for r in c.members()]
 
     # ------------------------------------------------------------------ rejoin
 
@@ -211,34 +236,20 @@ class CooperativeSessions:
                 self._start_shadow(session, k, split)
             elif self.config.rejoin in ("migrate", "auto") and (
                     self.book.room(split.partial.id) + split.part_tokens >= session.need):
-                await self._migrate(session, k, split)  # the move: the room it needs is the rest's share
+                await self._move_rest(session, k, split)  # the move: the room it needs is the rest's share
             # else: no room for it yet, try at the next step
 
-    async def _migrate(self, session: Any, k: int, split: Split) -> None:
+    async def _move_rest(self, session: Any, k: int, split: Split) -> None:
         """Rejoin by moving the whole replica's part of the cache into the session on the now-whole live replica
         (same id, verified there before anything changes); a refused move leaves the session split."""
         whole, partial, start = session.replicas[k], split.partial, self.clock()
-        url = f"{whole.url.rstrip('/')}/_/sessions/{session.id}/kv"
-        timeout = aiohttp.ClientTimeout(total=self.config.step_timeout_s)
-        headers = {"Content-Type": KV_TYPE, "X-Quart-Session-Pos": str(session.fed),
-                   "X-Quart-Session-Reserve": str(session.need)}
         try:
-            async with self._client().get(url, params={"layers": layers.format_range(split.rest)},
-                                          timeout=timeout) as resp:
-                data = await resp.read()
-                status = resp.status
-            if status == 200:
-                async with self._client().put(f"{partial.url.rstrip('/')}/_/sessions/{session.id}/kv", data=data,
-                                              headers=headers, timeout=timeout) as resp:
-                    answer = await resp.read()
-                    status = 204 if resp.status == 204 else resp.status
-                    data = data if status == 204 else answer
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            status, data = 0, f"{type(exc).__name__}: {exc}".encode()
-        if status != 204:  # nothing changed on either replica (the import verifies first): it stays split
+            moved = await move_kv(self._client(), session.id, session.fed, session.need, Hop(whole.url, split.rest),
+                                  Hop(partial.url), aiohttp.ClientTimeout(total=self.config.step_timeout_s))
+        except (StepError, aiohttp.ClientError, OSError, TimeoutError) as exc:  # nothing changed (verified first)
             split.given_up = True
-            log.warning("session %s: moving its KV cache onto %s failed (%s %s); staying split", session.id,
-                        partial.id, status, data[:200])
+            log.warning("session %s: moving its KV cache onto %s failed (%s); staying split", session.id, partial.id,
+                        exc)
             return
         self.book.release(partial.id, split.part_tokens)
         self.book.reserve(partial.id, session.need)
@@ -248,9 +259,9 @@ class CooperativeSessions:
         self._forget(whole, session.id, then=functools.partial(self.book.release, whole.id, split.rest_tokens))
         session.rejoins += 1
         self.rejoins += 1
-        self.moved.append((len(data), self.clock() - start))
+        self.moved.append((moved, self.clock() - start))
         log.info("session %s: rejoined stage %s on %s (%d KV bytes moved)", session.id, session.stages[k],
-                 partial.id, len(data))
+                 partial.id, moved)
 
     def _shadow_of(self, session: Any, k: int) -> Any:
         """The session as it will be after the rejoin of stage ``k``: a new id, the now-whole replica there."""
@@ -258,6 +269,7 @@ class CooperativeSessions:
         replicas[k] = session.splits[k].partial
         return replace(session, id=uuid.uuid4().hex, replicas=replicas,
                        splits={j: replace(s, shadow=None, task=None) for j, s in session.splits.items() if j != k},
+                       chains=dict(session.chains),
                        generated=[], fed=0)
 
     @staticmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gateway_plugin.policies import make_policy
+from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 from quart_tools.arrivals import Arrivals
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
@@ -99,11 +100,20 @@ def test_the_sessions_floor_adds_replicas_when_decode_steps_miss_the_tpot_share(
     stages = _stages((0.01, 0.01, 0.01), prefill_s=0.0)
     times = np.arange(60) * 0.25
 
-    def run(**cfg):
-        return _run(stages, times, prompt=8, new=200, decode_batch=4, cal=Calibration(hosts=2, gpus_per_host=16), **cfg)
+    class HoldOne:  # one replica per stage, as static-1, but a policy the floor may raise
+        name = "hold-one"
+
+        def decide(self, snap: PipelineSnapshot) -> Decision:
+            return Decision(snap.time, tuple(StageDecision(1, s.cpus, "one") for s in snap.stages))
+
+    def run(policy=None, **cfg):
+        return _run(stages, times, prompt=8, new=200, decode_batch=4, cal=Calibration(hosts=2, gpus_per_host=16),
+                    policy=policy or HoldOne(), **cfg)
 
     plain, floor = run(), run(tpot_slo_s=0.045)
     assert floor.gpu_seconds > 1.5 * plain.gpu_seconds
     late = slice(40, None)  # arrived after 10 s: the new replicas are up
     assert np.median(floor.tpot_ms[late]) < 0.7 * np.median(plain.tpot_ms[late])
     assert run(tpot_slo_s=0.0).gpu_seconds == plain.gpu_seconds
+    static = run(make_policy("static", replicas=1), tpot_slo_s=0.045)  # the frontier's yardstick holds its k
+    assert static.gpu_seconds == run(make_policy("static", replicas=1)).gpu_seconds == plain.gpu_seconds
