@@ -16,10 +16,13 @@ ones that outlive it are sure of their rejoin.
 When the partial replica is whole, the session **rejoins** it: it runs the whole stage there and the whole
 replica it shared is relieved. How (``QUART_GEN_REJOIN``):
 
-- ``migrate`` (default): between two steps, the whole replica's part of the cache (``GET /_/sessions/<id>/kv
+- ``auto`` (default): ``shadow`` where the live replica has room for the replay beside what the split holds, else
+  ``migrate`` (whose room the booking holds): the stream waits for a move only when nothing else fits.
+- ``migrate``: between two steps, the whole replica's part of the cache (``GET /_/sessions/<id>/kv
   ?layers=cut-E``, safetensors with each tensor's sha256) is installed into the session on the now-whole replica
-  (``PUT``, verified before anything changes), under the same id; the whole replica drops it. The stream waits
-  for one move (the bytes of the rest's layers), never for a prefill; a refused move leaves the session split.
+  (``PUT``, verified before anything changes), under the same id; the whole replica drops it (its share is
+  released once that DELETE is answered). The stream waits for one move (the bytes of the rest's layers), never
+  for a prefill; a refused move leaves the session split.
 - ``shadow``: a background replay. The session's tokens so far are prefilled under a new session id through the
   stages, with the now-whole replica at the split stage, while the session keeps decoding split; the replay's
   answer must equal the token the session already has (checked). At the next step the session switches to the
