@@ -47,6 +47,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                     "real MiniLM stages at 1…CPU_max threads + affinity: the CPU regression's profiling records"),
     "frontier": ("quart_tools.bench.frontier:main",
                  "live equal-cost frontier: static-k sweep, QUART, baselines; the simulator's figures beside"),
+    "hop-costs": ("quart_tools.bench.hop_costs:main",
+                  "the live frontier setup's per-stage costs outside emulated compute (router records); calibration"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 

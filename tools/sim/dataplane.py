@@ -46,7 +46,7 @@ class StageFlow:
         # A hop either holds the replica (added to each stage visit, measured as service time, as the live
         # router times its whole call) or is a constant added to the end-to-end latency.
         self.hop_in_service = cfg.hop_s if cfg.hop_holds_replica else 0.0
-        self.hops_after = 0.0 if cfg.hop_holds_replica else cfg.hop_s * len(stages)
+        self.hops_after = (0.0 if cfg.hop_holds_replica else cfg.hop_s * len(stages)) + cfg.outside_s
 
     # ------------------------------------------------------------------------- whole replicas
     def arrive(self, req: int, now: float) -> None:

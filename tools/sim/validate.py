@@ -33,7 +33,7 @@ import numpy as np
 from quart_stage import cliargs
 from quart_tools.arrivals import gamma_arrivals, poisson_arrivals
 from quart_tools.bench import machine_info, write_report
-from quart_tools.report import latency_stats
+from quart_tools.report import latency_stats, replica_seconds
 from quart_tools.sim.calibration import Calibration
 
 MODEL = "bert-21b"
@@ -70,8 +70,12 @@ def _stats(lat_ms: np.ndarray) -> dict:
             "completed": int(np.count_nonzero(~np.isnan(lat_ms))), "requests": len(lat_ms)}
 
 
-def simulate(args, arrivals, hop_s: float, start_s: float | None = None) -> dict:
+def simulate(args, arrivals, hop_s: float, start_s: float | None = None, outside_s: float = 0.0,
+             service_cv: float = EMULATED_CV) -> dict:
     """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy.
+
+    ``hop_s`` holds the replica (each stage call's time beyond compute), ``outside_s`` is added to every
+    request's latency outside the replicas (the router between stages, the front).
 
     The live stages are emulated and hold no parameters, so a scale-up costs the live ask → ready time
     (``start_s``, measured by the gateway; the calibration's fork cost when not measured), not the paper's
@@ -82,7 +86,7 @@ def simulate(args, arrivals, hop_s: float, start_s: float | None = None) -> dict
     from quart_tools.sim.engine import SimConfig, Simulation
     from quart_tools.sim.scenario import model_stages
 
-    cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=EMULATED_CV)
+    cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=service_cv)
     if start_s is not None and start_s >= 0:
         cal = replace(cal, fork_fixed_s=start_s)
     stages = tuple(replace(s, service_s=args.stage_ms / 1000.0, param_bytes=0)
@@ -92,11 +96,12 @@ def simulate(args, arrivals, hop_s: float, start_s: float | None = None) -> dict
         model=MODEL, stages=stages, slo_s=0.0, slo_factor=PluginConfig().slo_factor, profile_label=False,
         calibration=cal,
         keysmanager=True, placer="cache-aware", initial_replicas=args.replicas, max_replicas=args.max_replicas,
-        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, seed=args.seed,
+        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, outside_s=outside_s, seed=args.seed,
     )
     config = {"replicas": args.replicas} if args.policy == "static" else {}
     result = Simulation(cfg, make_policy(args.policy, **config), arrivals).run()
     stats = _stats(result.latencies_ms)
+    stats["replica_seconds"] = replica_seconds(result.samples, result.end_s) if result.samples else None
     stats["series"] = {"latency_ms": result.latencies_ms.tolist(),
                        "samples": [[s.t, s.stage, s.replicas, s.queue] for s in result.samples],
                        "ready_s_by_source": result.ready_s_by_source}
