@@ -150,14 +150,14 @@ def measure(gw, stages: list[str], records_path: Path, *, rate: float, duration:
     arrivals = poisson_arrivals(rate, duration, seed=seed, input_bytes=4 * SEQ_TOKENS)
     meter = CpuMeter()
     meter.start()
-    started = time.perf_counter()
+    started, started_unix = time.perf_counter(), time.time()
     res = generate_load(url, arrivals, timeout_s=30.0, body=make, progress=False)
     wall = time.perf_counter() - started
     cpu = meter.per_request_ms(len(arrivals))
     lat, _, _ = records_latencies(res.records)
     time.sleep(0.5)
     loaded = decompose(_read_records(records_path, mark), list(lat), len(stages), nominal)
-    loaded.update(rate_rps=rate, duration_s=duration, replicas=replicas,
+    loaded.update(rate_rps=rate, duration_s=duration, replicas=replicas, started_unix=started_unix,
                   cpu_ms_per_request=cpu, cpu_cores_busy=round(sum(cpu.values()) * len(arrivals) / 1000 / wall, 3))
     return {"nominal_stage_ms": nominal, "idle": decompose(idle_records, idle_ms, len(stages), nominal),
             "loaded": loaded}
