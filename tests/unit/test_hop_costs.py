@@ -50,3 +50,20 @@ def test_a_measurement_written_to_a_calibration_file_reads_back_with_its_sources
     cal = Calibration.load(path)
     assert costs_of(cal) == pytest.approx(loaded)
     assert "test run" in cal.sources["live_stage_hold_s"] and cal.hosts == Calibration().hosts
+
+
+def test_the_simulators_outside_time_adds_to_every_latency_and_holds_no_replica() -> None:
+    from argparse import Namespace
+
+    from quart_tools.arrivals import poisson_arrivals
+    from quart_tools.sim.validate import simulate
+
+    args = Namespace(hosts=1, gpus_per_host=8, stage_ms=10.0, stages=4, replicas=1, max_replicas=1, seed=0,
+                     policy="static")
+    arrivals = poisson_arrivals(20.0, 10.0, seed=3)
+    base = simulate(args, arrivals, 0.002)
+    more = simulate(args, arrivals, 0.002, outside_s=0.005)
+    a, b = base["series"]["latency_ms"], more["series"]["latency_ms"]
+    assert len(a) == len(b) == len(arrivals)
+    assert all(y - x == pytest.approx(5.0) for x, y in zip(a, b, strict=True))  # queueing unchanged
+    assert more["replica_seconds"] == pytest.approx(base["replica_seconds"], rel=0.01)
