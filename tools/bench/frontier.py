@@ -94,7 +94,7 @@ def simulated(args, policy: str, replicas: int, arrivals, costs: dict, start_s: 
 
     t = sim_terms(costs, args.stages)
     sim = simulate(_sim_args(args, policy, replicas, t["stage_ms"]), arrivals, t["hop_s"], start_s,
-                   outside_s=t["outside_s"], service_cv=t["service_cv"])
+                   outside_s=t["outside_s"], service_cv=t["service_cv"], hop_per_call_s=t["hop_per_call_s"])
     sim.pop("series", None)
     return sim
 

@@ -12,7 +12,11 @@ compute time) and the load generator's latencies, per request:
 - ``stage_gap_ms``: router latency − Σ (round trips), per stage: the router's dispatch and its hand-over between
   stages (a free replica was waiting), time outside any replica;
 - ``entry_ms``: client latency − router latency: the gateway front and the client's own HTTP;
-- ``service_cv``: CV of the round trip (the spread the simulator's service times get).
+- ``service_cv``: CV of the round trip (the spread the simulator's service times get);
+- ``hold_per_call_ms``: how much a call's hold grows per stage call in flight beside it (least squares of hold on
+  the calls in flight at its midpoint, itself included; ``hold_at_one_ms`` the line at one call): the 2-core
+  host's CPU shared by the calls' HTTP and serialisation work. The loaded phase has bursty (gamma, ``--cv``)
+  arrivals so that the calls in flight span a range.
 
 ``--calibration FILE`` writes the loaded phase's figures into a calibration JSON (`quart_tools.sim.calibration`)
 with their sources; `quartctl bench frontier` measures the same before its runs and gives them to the simulator.
@@ -42,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="calibration JSON to update with the loaded phase's figures (e.g. tools/sim/calibration.live.json)")
     p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="requests/s of the loaded phase (the frontier's)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals of the loaded phase")
+    p.add_argument("--cv", type=float, default=4.0, help="gamma inter-arrival CV of the loaded phase (bursts)")
     p.add_argument("--replicas", type=int, default=6, help="replicas per stage (enough that nothing queues)")
     p.add_argument("--idle-requests", type=int, default=30, help="sequential requests of the idle phase")
     p.add_argument("--activation-bytes", type=int, default=32 * 1024)
@@ -59,6 +64,34 @@ def nominal_stage_ms(stages: int) -> float:
     return PROFILED_MS / stages
 
 
+def calls_in_flight(records: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(hold ms, stage calls in flight at the call's midpoint, itself included) of every stage call of the
+    records, its start placed at the router's arrival + the earlier waits and round trips + its own wait."""
+    spans, holds = [], []
+    for r in records:
+        t = r["arrival"]
+        for v in r["stages"]:
+            t += v["wait_ms"] / 1000.0
+            spans.append((t, t + v["service_ms"] / 1000.0))
+            holds.append(v["service_ms"] - v["compute_ms"])
+            t += v["service_ms"] / 1000.0
+    if not spans:
+        return np.array([]), np.array([])
+    starts, ends = np.sort([a for a, _ in spans]), np.sort([b for _, b in spans])
+    mids = np.array([(a + b) / 2 for a, b in spans])
+    return np.array(holds), np.searchsorted(starts, mids, side="right") - np.searchsorted(ends, mids, side="right")
+
+
+def hold_fit(holds: np.ndarray, calls: np.ndarray) -> tuple[float, float]:
+    """(hold at one call in flight, growth per call) of a least-squares line; no growth when the calls in flight
+    do not vary, and never a negative one."""
+    if len(holds) < 3 or np.ptp(calls) == 0:
+        return (float(holds.mean()) if len(holds) else 0.0), 0.0
+    slope, intercept = np.polyfit(calls.astype(float), holds, 1)
+    slope = max(0.0, float(slope))
+    return (float(intercept) + slope if slope > 0 else float(holds.mean())), slope
+
+
 def decompose(records: list[dict], client_ms: list[float], stages: int, nominal_ms: float) -> dict:
     """Means per stage call (ms) of the router's successful records and the client's latencies (see the module)."""
     ok = [r for r in records if 200 <= r.get("status", 0) < 300 and len(r.get("stages", [])) == stages]
@@ -72,6 +105,8 @@ def decompose(records: list[dict], client_ms: list[float], stages: int, nominal_
     inside = np.array([sum(v["service_ms"] for v in r["stages"]) for r in ok])
     client = np.array([x for x in client_ms if np.isfinite(x)])
     per_stage = [float(np.mean([r["stages"][i]["service_ms"] for r in ok])) for i in range(stages)]
+    holds, calls = calls_in_flight(ok)
+    at_one, per_call = hold_fit(holds, calls)
     return {
         "requests": len(ok),
         "client_mean_ms": float(client.mean()) if client.size else None,
@@ -87,16 +122,21 @@ def decompose(records: list[dict], client_ms: list[float], stages: int, nominal_
         "stage_hold_ms": float((service - compute).mean()),
         "stage_gap_ms": float((router - inside).mean() / stages),
         "entry_ms": float(client.mean() - router.mean()) if client.size else 0.0,
+        "calls_in_flight_mean": float(calls.mean()),
+        "hold_at_one_ms": at_one,
+        "hold_per_call_ms": per_call,
     }
 
 
 def calibration_fields(loaded: dict, source: str) -> tuple[dict, dict]:
     """(Calibration fields, their sources) of a loaded-phase decomposition."""
-    values = {"live_compute_factor": loaded["compute_factor"], "live_stage_hold_s": loaded["stage_hold_ms"] / 1000.0,
+    values = {"live_compute_factor": loaded["compute_factor"], "live_stage_hold_s": loaded["hold_at_one_ms"] / 1000.0,
+              "live_hold_per_call_s": loaded["hold_per_call_ms"] / 1000.0,
               "live_stage_gap_s": loaded["stage_gap_ms"] / 1000.0, "live_entry_s": loaded["entry_ms"] / 1000.0,
               "live_service_cv": loaded["service_cv"]}
     what = {"live_compute_factor": "replica compute ms / nominal emulated ms",
-            "live_stage_hold_s": "router round trip - replica compute, per stage call",
+            "live_stage_hold_s": "router round trip - replica compute, per stage call, at one call in flight",
+            "live_hold_per_call_s": "growth of that hold per stage call in flight (least squares)",
             "live_stage_gap_s": "(router latency - sum of round trips) / stages",
             "live_entry_s": "client latency - router latency",
             "live_service_cv": "CV of the router's round trips"}
@@ -119,10 +159,10 @@ def _read_records(path: Path, skip: int) -> list[dict]:
 
 
 def measure(gw, stages: list[str], records_path: Path, *, rate: float, duration: float, replicas: int,
-            idle_requests: int, seed: int) -> dict:
+            idle_requests: int, seed: int, cv: float = 4.0) -> dict:
     """Both phases on a running gateway that writes router records to ``records_path``: {"idle", "loaded"}."""
     import requests
-    from quart_tools.arrivals import poisson_arrivals
+    from quart_tools.arrivals import gamma_arrivals
     from quart_tools.bench.batching_physics import CpuMeter
     from quart_tools.bench.policies import SEQ_TOKENS
     from quart_tools.loadgen import body_maker, generate_load
@@ -147,7 +187,7 @@ def measure(gw, stages: list[str], records_path: Path, *, rate: float, duration:
     time.sleep(0.5)
     idle_records = _read_records(records_path, mark)
     mark += len(idle_records)
-    arrivals = poisson_arrivals(rate, duration, seed=seed, input_bytes=4 * SEQ_TOKENS)
+    arrivals = gamma_arrivals(rate, cv, duration, seed=seed, input_bytes=4 * SEQ_TOKENS)
     meter = CpuMeter()
     meter.start()
     started, started_unix = time.perf_counter(), time.time()
@@ -157,7 +197,7 @@ def measure(gw, stages: list[str], records_path: Path, *, rate: float, duration:
     lat, _, _ = records_latencies(res.records)
     time.sleep(0.5)
     loaded = decompose(_read_records(records_path, mark), list(lat), len(stages), nominal)
-    loaded.update(rate_rps=rate, duration_s=duration, replicas=replicas, started_unix=started_unix,
+    loaded.update(rate_rps=rate, cv=cv, duration_s=duration, replicas=replicas, started_unix=started_unix,
                   cpu_ms_per_request=cpu, cpu_cores_busy=round(sum(cpu.values()) * len(arrivals) / 1000 / wall, 3))
     return {"nominal_stage_ms": nominal, "idle": decompose(idle_records, idle_ms, len(stages), nominal),
             "loaded": loaded}
@@ -182,7 +222,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         stages = gw.stages(MODEL)
         costs = measure(gw, stages, records_path, rate=args.rate, duration=args.duration, replicas=args.replicas,
-                        idle_requests=args.idle_requests, seed=args.seed)
+                        idle_requests=args.idle_requests, seed=args.seed, cv=args.cv)
     finally:
         gw.close()
     return {"benchmark": "hop-costs", "model": MODEL, "compute": "emulated", "stages": args.stages,
@@ -212,11 +252,15 @@ def main(argv: list[str]) -> int:
 
 def sim_terms(costs: dict, stages: int) -> dict:
     """The simulator's inputs for the live setup from measured costs (``decompose``'s loaded phase, or
-    ``costs_of(calibration)``): the stage's mean compute (nominal × overshoot), the hold per call, the time outside
-    the replicas, and the compute's CV that gives the round trip its measured CV."""
+    ``costs_of(calibration)``): the stage's mean compute (nominal × overshoot), the hold per call (a fixed part and
+    its growth per call in flight), the time outside the replicas, and the compute's CV that gives the round trip
+    its measured CV."""
     compute_ms = nominal_stage_ms(stages) * costs["compute_factor"]
     round_trip_ms = compute_ms + costs["stage_hold_ms"]
-    return {"stage_ms": compute_ms, "hop_s": costs["stage_hold_ms"] / 1000.0,
+    per_call = costs.get("hold_per_call_ms", 0.0)
+    at_one = costs.get("hold_at_one_ms", costs["stage_hold_ms"])
+    return {"stage_ms": compute_ms, "hop_s": (at_one - per_call) / 1000.0 if per_call else costs["stage_hold_ms"] / 1000.0,
+            "hop_per_call_s": per_call / 1000.0,
             "outside_s": (stages * costs["stage_gap_ms"] + costs["entry_ms"]) / 1000.0,
             "service_cv": costs["service_cv"] * round_trip_ms / compute_ms}
 
@@ -224,5 +268,6 @@ def sim_terms(costs: dict, stages: int) -> dict:
 def costs_of(cal) -> dict:
     """A calibration's recorded live costs (``Calibration.live_*``) in ``decompose``'s keys."""
     return {"compute_factor": cal.live_compute_factor, "stage_hold_ms": 1000.0 * cal.live_stage_hold_s,
+            "hold_at_one_ms": 1000.0 * cal.live_stage_hold_s, "hold_per_call_ms": 1000.0 * cal.live_hold_per_call_s,
             "stage_gap_ms": 1000.0 * cal.live_stage_gap_s, "entry_ms": 1000.0 * cal.live_entry_s,
             "service_cv": cal.live_service_cv}

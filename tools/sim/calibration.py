@@ -59,6 +59,7 @@ class Calibration:
     # overshoot, the time a stage call holds its replica beyond compute, the router between stages, the front.
     live_compute_factor: float = 1.0
     live_stage_hold_s: float = 0.0
+    live_hold_per_call_s: float = 0.0
     live_stage_gap_s: float = 0.0
     live_entry_s: float = 0.0
     live_service_cv: float = 0.1
@@ -210,6 +211,7 @@ _PAPER_SOURCES = {
                     "(1-f+f/4)/(1-f+f/2) = 0.67 → f = 0.795 (or a live `quartctl bench cpu-profile`, with_cpu_profile)",
     "live_compute_factor": "default 1 (no overshoot); `quartctl bench hop-costs --calibration` measures it",
     "live_stage_hold_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
+    "live_hold_per_call_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
     "live_stage_gap_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
     "live_entry_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
     "live_service_cv": "default QUART_EMULATED_CV; `quartctl bench hop-costs --calibration` measures it",

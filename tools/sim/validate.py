@@ -71,7 +71,7 @@ def _stats(lat_ms: np.ndarray) -> dict:
 
 
 def simulate(args, arrivals, hop_s: float, start_s: float | None = None, outside_s: float = 0.0,
-             service_cv: float = EMULATED_CV) -> dict:
+             service_cv: float = EMULATED_CV, hop_per_call_s: float = 0.0) -> dict:
     """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy.
 
     ``hop_s`` holds the replica (each stage call's time beyond compute), ``outside_s`` is added to every
@@ -96,7 +96,8 @@ def simulate(args, arrivals, hop_s: float, start_s: float | None = None, outside
         model=MODEL, stages=stages, slo_s=0.0, slo_factor=PluginConfig().slo_factor, profile_label=False,
         calibration=cal,
         keysmanager=True, placer="cache-aware", initial_replicas=args.replicas, max_replicas=args.max_replicas,
-        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, outside_s=outside_s, seed=args.seed,
+        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, outside_s=outside_s,
+        hop_per_call_s=hop_per_call_s, seed=args.seed,
     )
     config = {"replicas": args.replicas} if args.policy == "static" else {}
     result = Simulation(cfg, make_policy(args.policy, **config), arrivals).run()
