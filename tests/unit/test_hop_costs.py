@@ -29,7 +29,8 @@ def test_decompose_splits_latency_into_compute_hold_gap_and_entry() -> None:
     assert out["requests"] == 2
     assert out["compute_factor"] == pytest.approx(1.1)
     assert out["stage_hold_ms"] == pytest.approx(2.0)
-    assert out["stage_gap_ms"] == pytest.approx(0.75)  # the router's time between stages, waits included
+    assert out["stage_gap_ms"] == pytest.approx(0.5)  # the router's time between stages, waits apart
+    assert out["wait_ms"] == pytest.approx(0.25)
     assert out["entry_ms"] == pytest.approx(64.0 - 4 * 13.75)
     assert out["service_cv"] == pytest.approx(1.0 / 13.0)
     assert out["calls_in_flight_mean"] == 1.0 and out["hold_per_call_ms"] == 0.0 and out["hold_at_one_ms"] == 2.0

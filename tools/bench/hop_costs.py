@@ -9,8 +9,8 @@ compute time) and the load generator's latencies, per request:
 - ``compute_factor``: the replica's measured compute ÷ its nominal emulated time (the sleep's timer overshoot);
 - ``stage_hold_ms``: round trip − compute, per stage call: HTTP, (de)serialisation, the replica's framework —
   time the replica is held beyond its compute;
-- ``stage_gap_ms``: router latency − Σ (round trips), per stage: the router's dispatch and its hand-over between
-  stages (a free replica was waiting), time outside any replica;
+- ``stage_gap_ms``: router latency − Σ (waits + round trips), per stage: the router's hand-over between stages,
+  time outside any replica and any queue (``wait_ms``: the queue, and the dispatch when a replica is free);
 - ``entry_ms``: client latency − router latency: the gateway front and the client's own HTTP;
 - ``service_cv``: CV of the round trip (the spread the simulator's service times get);
 - ``hold_per_call_ms``: how much a call's hold grows per stage call in flight beside it (least squares of hold on
@@ -102,7 +102,7 @@ def decompose(records: list[dict], client_ms: list[float], stages: int, nominal_
     compute = np.array([v["compute_ms"] for v in visits])
     wait = np.array([v["wait_ms"] for v in visits])
     router = np.array([r["latency_ms"] for r in ok])
-    inside = np.array([sum(v["service_ms"] for v in r["stages"]) for r in ok])
+    inside = np.array([sum(v["service_ms"] + v["wait_ms"] for v in r["stages"]) for r in ok])
     client = np.array([x for x in client_ms if np.isfinite(x)])
     per_stage = [float(np.mean([r["stages"][i]["service_ms"] for r in ok])) for i in range(stages)]
     holds, calls = calls_in_flight(ok)
@@ -137,7 +137,7 @@ def calibration_fields(loaded: dict, source: str) -> tuple[dict, dict]:
     what = {"live_compute_factor": "replica compute ms / nominal emulated ms",
             "live_stage_hold_s": "router round trip - replica compute, per stage call, at one call in flight",
             "live_hold_per_call_s": "growth of that hold per stage call in flight (least squares)",
-            "live_stage_gap_s": "(router latency - sum of round trips) / stages",
+            "live_stage_gap_s": "(router latency - sum of waits and round trips) / stages",
             "live_entry_s": "client latency - router latency",
             "live_service_cv": "CV of the router's round trips"}
     return values, {k: f"live: {v} ({source})" for k, v in what.items()}
