@@ -54,3 +54,11 @@ def test_format_plan_states_runs_arrivals_and_total() -> None:
     text = format_plan(runs, 120.0, Overheads(per_run_s=20.0, gateway_start_s=40.0, calibration_s=60.0))
     assert text.splitlines()[0] == "gamma-cv4 round 1: 3 runs: quart, static-1, static-2"
     assert "3 runs x 120 s = 360 s of arrivals" in text and "= 520 s (9 min" in text
+
+
+def test_format_plan_bounds_the_baselines_slow_drains() -> None:
+    runs = plan_runs(["trace"], ["quart", "infless"], {"trace": [2]}, repeats=2)
+    o = Overheads(per_run_s=5.0, gateway_start_s=20.0, calibration_s=45.0, drain_bound_s=30.0)
+    text = format_plan(runs, 120.0, o)
+    assert "= 815 s (14 min" in text  # 6 × 125 + 65
+    assert "at most 875 s (15 min) if each of the 2 baseline runs drains for 30 s" in text
