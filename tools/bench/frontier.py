@@ -33,7 +33,17 @@ from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
 from quart_tools.bench.frontier_plan import Overheads, PlannedRun, bracket_k, format_plan, plan_runs
 from quart_tools.bench.hop_costs import costs_of, decompose, measure, nominal_stage_ms, records_env, sim_terms
-from quart_tools.bench.policies import MODEL, WORKLOADS, Gateway, aggregate, make_workload, one_run, partition
+from quart_tools.bench.policies import (
+    MODEL,
+    PROFILED_MS,
+    WORKLOADS,
+    Gateway,
+    aggregate,
+    make_workload,
+    one_run,
+    partition,
+    profile,
+)
 from quart_tools.sim.frontier import ENTRY_KEYS, summarise
 
 SIM_TARGETS = {"mean": 0.05, "p99": 0.10}  # issue 32: |sim − live| / live
@@ -54,6 +64,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="baselines without the KeysManager (as the paper ran them), with it (label +km), or both")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per run (issue 32: >= 120)")
     p.add_argument("--repeats", type=int, default=1, help="runs per policy and workload, in rotated order")
+    add_live_args(p)
+    p.add_argument("--costs", default="measure",
+                   help="the simulator's live costs: 'measure' (bench hop-costs' phases on this gateway before "
+                        "the runs) or a calibration JSON with live_* fields")
+    p.add_argument("--calibration", default=CALIBRATION, help="calibration JSON whose live_* costs plan --static-k auto")
+    p.add_argument("--costs-duration", type=float, default=30.0, help="seconds of the loaded cost phase")
+    p.add_argument("--trace", default=None, help="trace CSV of the trace workload (default: the shared Azure code trace)")
+    p.add_argument("--dry-run", action="store_true", help="print the run list and the wall-time estimate; run nothing")
+    return p
+
+
+def add_live_args(p: argparse.ArgumentParser) -> None:
+    """The live emulated system's options (shared with `quartctl bench cpu-ablation`)."""
     p.add_argument("--rate", type=float, default=20.0, help="mean requests/s of every workload")
     p.add_argument("--activation-bytes", type=int, default=32 * 1024, help="emulated output bytes per stage")
     p.add_argument("--stages", type=int, default=8)
@@ -64,15 +87,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout (s)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds between the reset and the load")
-    p.add_argument("--costs", default="measure",
-                   help="the simulator's live costs: 'measure' (bench hop-costs' phases on this gateway before "
-                        "the runs) or a calibration JSON with live_* fields")
-    p.add_argument("--calibration", default=CALIBRATION, help="calibration JSON whose live_* costs plan --static-k auto")
-    p.add_argument("--costs-duration", type=float, default=30.0, help="seconds of the loaded cost phase")
-    p.add_argument("--trace", default=None, help="trace CSV of the trace workload (default: the shared Azure code trace)")
-    p.add_argument("--dry-run", action="store_true", help="print the run list and the wall-time estimate; run nothing")
+    p.add_argument("--profile-requests", type=int, default=15)
     p.add_argument("--no-sim", action="store_true", help="live figures only")
-    return p
+
+
+def profile_stages(gw: Gateway, args: argparse.Namespace) -> dict:
+    """Reset to the start replicas and profile: the pipeline's and stages' measured times, and the simulator's
+    stage time and hop (``profiled_ms, measured_stage_service_ms, sim_stage_ms, sim_hop_s``)."""
+    gw.switch("static", {"replicas": args.start_replicas})
+    gw.wait_reset(gw.stages(MODEL), args.start_replicas, timeout_s=600)
+    profiled_ms, service_ms = profile(gw, args.profile_requests)
+    stage_ms = statistics.fmean(service_ms) if service_ms else PROFILED_MS / args.stages
+    hop_s = max(0.0, (profiled_ms - sum(service_ms)) / 1000.0 / args.stages) if service_ms else 0.0
+    return {"profiled_ms": profiled_ms, "measured_stage_service_ms": service_ms, "sim_stage_ms": stage_ms,
+            "sim_hop_s": hop_s}
 
 
 def _policies_args(args: argparse.Namespace, run: PlannedRun) -> argparse.Namespace:
