@@ -284,6 +284,9 @@ class KeysManager:
     async def stop(self, rid: str, drain: bool) -> Replica:
         return await self.replicas.stop(rid, drain)
 
+    def resize(self, rid: str, cpus: float) -> Replica:
+        return self.replicas.resize(rid, cpus)
+
     def pin(self, functions: list[str], sole: list[str] | None = None) -> list[str]:
         """Replace the set of pinned stages (the scheduler's ``keep_cached`` for this host); returns it sorted.
         A pin stops a key stage's zygote from being traded for another zygote; it does not stop the host
