@@ -31,10 +31,10 @@ def release_horizon_s(hold_s: float) -> float:
 def released_share(idle_s: float, hold_s: float) -> float:
     """F(s): the share of the reserve released ``idle_s`` seconds after the demand fell (0 → 1 over the horizon)."""
     horizon = release_horizon_s(hold_s)
+    if idle_s >= horizon:  # also no hold at all: nothing kept
+        return 1.0
     if idle_s <= 0:
         return 0.0
-    if idle_s >= horizon:
-        return 1.0
     return (math.exp(idle_s / horizon) - 1.0) / E_MINUS_1
 
 
