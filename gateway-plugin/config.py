@@ -209,6 +209,7 @@ class PluginConfig:
     control_period_s: float = 1.0  # [QUART_CONTROL_PERIOD_S]
     policy: str = "quart"  # [QUART_POLICY]
     slo_factor: float = 2.0  # [QUART_SLO_FACTOR] SLO = factor × profiled pipeline time
+    tpot_slo_ms: float = 0.0  # [QUART_TPOT_SLO_MS] generation's time per output token target: sizes decode stages (0 = KV room only)
     actuator: str = "gateway"  # [QUART_ACTUATOR] gateway (in-process) | rest | faas-cli | none
     control_log_path: str = ""  # [QUART_CONTROL_LOG] JSONL of snapshots + decisions ("" = none)
     cv_model_path: str = ""  # [QUART_CV_MODEL] trained CV-propagation model (safetensors)
@@ -238,6 +239,7 @@ class PluginConfig:
             "control_period_s": "QUART_CONTROL_PERIOD_S",
             "policy": "QUART_POLICY",
             "slo_factor": "QUART_SLO_FACTOR",
+            "tpot_slo_ms": "QUART_TPOT_SLO_MS",
             "actuator": "QUART_ACTUATOR",
             "control_log_path": "QUART_CONTROL_LOG",
             "cv_model_path": "QUART_CV_MODEL",

@@ -54,6 +54,7 @@ from gateway_plugin.generation.decodebatch import (
 )
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
 from gateway_plugin.generation.slots import StepSlots
+from gateway_plugin.metrics import BatchTimes, MetricsCollector
 from quart_stage.batchwire import BatchEntry
 from quart_stage.errors import QuartError, unavailable
 from quart_transport.dead_peer import dead_peer_connector
@@ -102,8 +103,9 @@ class SessionEngine(CooperativeSessions):
 
     def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, int, float], None] | None = None, poll_s: float = 0.05,
-                 decode_limit: Callable[[str], int] | None = None) -> None:
+                 decode_limit: Callable[[str], int] | None = None, collector: MetricsCollector | None = None) -> None:
         self.source = source  # a gateway_plugin.router.ReplicaSource
+        self.collector = collector  # each step at a stage: an arrival, its wait and its service, as the router's calls
         self.config = config
         self.clock = clock
         self.on_call = on_call
@@ -119,6 +121,7 @@ class SessionEngine(CooperativeSessions):
         self.rejoins = 0  # split sessions moved onto their live replica once it was whole
         self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
+        self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -297,6 +300,7 @@ class SessionEngine(CooperativeSessions):
         row, final, result = token_row(token), len(session.stages) - 1, {}
         for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
             entry = BatchEntry(session.id, pos, last, session.sample if k == final else {})
+            self._arrived(fn)
             result, row = await self._lane(session, k, limit).decode(entry, row)
             status = int(result.get("status", 0))
             if status == 409:
@@ -314,7 +318,9 @@ class SessionEngine(CooperativeSessions):
                           jobs: list[DecodeJob]) -> list[tuple[dict, Row | None]]:
         """One batched decode step on ``replica``; a failed call fails every session of it over (StepFailed)."""
         body, headers = batch_request(k, model, jobs)
-        status, data, answer = await self._post(k, fn, replica, body, headers)
+        now, loop_now = self.clock(), asyncio.get_running_loop().time()
+        arrived = tuple(now - (loop_now - job.since) for job in jobs)  # each step's arrival, on the engine's clock
+        status, data, answer = await self._post(k, fn, replica, body, headers, arrived=arrived, decode=True)
         self.book.note(replica.id, answer.get(KV_HEADER))
         if status == 200:
             try:
@@ -340,11 +346,13 @@ class SessionEngine(CooperativeSessions):
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
                     headers[SESSION_END] = "1"
+                arrived = (self._arrived(fn),) if part is None else ()  # a split's parts are not the stage's steps
+                step = {"arrived": arrived, "decode": pos > 0 and len(new) == 1}
                 if limit > 1 and part is None:
                     status, data, answer = await self._lane(session, k, limit).solo(
-                        functools.partial(self._post, k, fn, replica, body, headers))
+                        functools.partial(self._post, k, fn, replica, body, headers, **step))
                 else:
-                    status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0)
+                    status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0, **step)
                 self.book.note(replica.id, answer.get(KV_HEADER))
                 held = layers.parse_range(answer.get(layers.HELD))
                 if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
@@ -361,17 +369,36 @@ class SessionEngine(CooperativeSessions):
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
-    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool
-                    ) -> tuple[int, bytes, dict[str, str]]:
+    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool,
+                    arrived: tuple[float, ...] = (), decode: bool = False) -> tuple[int, bytes, dict[str, str]]:
         gate = self._slots.get(replica.id)
         if gate is None:
             gate = self._slots[replica.id] = StepSlots(max(0, self.source.concurrency(fn)))
         async with gate.hold(running):
-            return await self._post(k, fn, replica, body, headers)
+            return await self._post(k, fn, replica, body, headers, arrived=arrived, decode=decode)
 
-    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
-                    ) -> tuple[int, bytes, dict[str, str]]:
-        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer."""
+    def _arrived(self, fn: str) -> float:
+        """A step reaches stage ``fn`` now (the collector's arrival, as the router counts a request's)."""
+        now = self.clock()
+        if self.collector is not None:
+            self.collector.stage(fn).on_arrival(now, 0.0)
+        return now
+
+    def _served(self, fn: str, arrived: tuple[float, ...], start: float, end: float, decode: bool) -> None:
+        """A call of ``len(arrived)`` steps answered: each step's wait and its share of the call (the simulator's
+        rule), and a decode call's time in the stage's table by batch size."""
+        if decode:
+            self.decode_steps.setdefault(fn, BatchTimes()).record(len(arrived), end - start)
+        if self.collector is not None:
+            stats = self.collector.stage(fn)
+            for at in arrived:
+                stats.on_dispatch(start, max(0.0, start - at))
+                stats.on_complete(end, (end - start) / len(arrived))
+
+    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str],
+                    arrived: tuple[float, ...] = (), decode: bool = False) -> tuple[int, bytes, dict[str, str]]:
+        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer. A call that
+        carried steps (``arrived``: when each reached the stage) and succeeded is counted (``_served``)."""
         start = self.clock()
         status = 0
         self.source.take(fn, replica)
@@ -382,6 +409,8 @@ class SessionEngine(CooperativeSessions):
             ) as resp:
                 data = await resp.read()
                 status = resp.status
+                if arrived and status == 200:
+                    self._served(fn, arrived, start, self.clock(), decode)
                 return status, data, dict(resp.headers)
         except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
             status = 504 if isinstance(exc, TimeoutError) else 502
@@ -409,6 +438,11 @@ class SessionEngine(CooperativeSessions):
         if function not in self._generating:
             return len(mine), booked, 0
         return len(mine), booked, sum(self.book.cap(r.id) for r in self._ready(function))
+
+    def stage_decode(self, function: str) -> tuple[tuple[tuple[int, int, float], ...], int]:
+        """(sessions per step, steps, mean s) of the stage's decode steps by batch size, and its decode batch limit."""
+        times = self.decode_steps.get(function)
+        return (times.table() if times is not None else ()), max(1, self._decode_max(function))
 
     # ------------------------------------------------------------------ freeing
 

@@ -59,7 +59,7 @@ class ControlLoop:
         self.collector = MetricsCollector(cfg.window_s)
         self.collector.stages.update({st.function: st.metrics for st in stages})
         plugin = PluginConfig(queue_cap=cfg.queue_cap, window_s=cfg.window_s, control_period_s=cfg.control_period_s,
-                              slo_factor=cfg.slo_factor)
+                              slo_factor=cfg.slo_factor, tpot_slo_ms=1000 * cfg.tpot_slo_s)
         self.controller = Controller(self, self, self.collector, SimActuator(self), lambda: policy, plugin,
                                      slo_s={cfg.model: cfg.slo_s}, clock=lambda: loop.now, keep_timeline=False)
 

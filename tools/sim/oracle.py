@@ -24,6 +24,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
@@ -60,6 +61,7 @@ class ScheduledPolicy:
     schedule: Schedule
     lead_s: float = 0.0
     name: str = "oracle"
+    sessions_floor: ClassVar[bool] = False  # the schedule is the decision: nothing raises it
 
     def decide(self, snapshot: PipelineSnapshot) -> Decision:
         t = snapshot.time

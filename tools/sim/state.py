@@ -80,6 +80,7 @@ class SimConfig:
     max_new_tokens: int = 256
     decode_batch: int = 64  # decode steps a replica runs as one batch (continuous batching); 1 = one at a time
     prefill_chunk: int = 128  # prompt positions per prefill step (chunked prefill); 0 = the whole prompt at once
+    tpot_slo_s: float = 0.0  # the controller's TPOT target for the sessions' floor (QUART_TPOT_SLO_MS); 0 = KV room only
 
 
 class Replica:
