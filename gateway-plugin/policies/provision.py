@@ -19,9 +19,9 @@ corrector spends the same budget the way the oracle does:
    time to drain at the current count gets the servers that drain it within that time.
 5. **Hysteresis sized to the start cost**: up at once; down only once the demand has stayed below the
    current count, at most ``max_step_down`` per step, never below the replicas busy now. The reserve (the count
-   then − the demand) is released as fractional ski rental (``gateway_plugin.policies.keepalive``) at the spend of
-   holding it for ``hold_s`` = max(``hold_min_s``, ``hold_starts`` × the start time): part of it early, part of it
-   kept up to (e − 1) × ``hold_s`` against a burst that returns (``ski_rental_release``; off: all of it at ``hold_s``).
+   then − the demand) is kept whole for ``hold_s`` = max(``hold_min_s``, ``hold_starts`` × the start time), then
+   tapered off over (e − 1) × ``hold_s`` as fractional ski rental (``gateway_plugin.policies.keepalive``) against a
+   burst that returns (``ski_rental_tail``; off: all of it at ``hold_s``).
 6. **Start-up**: until a stage has seen traffic for ``peak_window_s``, its observed peak is the largest of
    fewer windows than the peak window holds (and, in the first seconds, a mean of a few bursty arrivals), so it
    is sized for at least the peak the full window is expected to show (``expected_peak_rate``), from the mean
@@ -201,7 +201,7 @@ class Provisioner:
             st.below_since, st.top = now, current
         hold = max(cfg.hold_min_s, cfg.hold_starts * start_s)
         idle = now - st.below_since
-        if cfg.ski_rental_release:  # the reserve released as fractional ski rental (policies.keepalive)
+        if cfg.ski_rental_tail:  # hold, then taper as fractional ski rental (policies.keepalive)
             keep = replicas_kept(st.top, demand, idle, hold)
         else:
             keep = current if idle < hold else demand

@@ -72,7 +72,7 @@ def _after_a_burst(**provision) -> list[int]:
 
 
 def test_the_provisioner_releases_the_reserve_as_ski_rental() -> None:
-    ski, step = _after_a_burst(), _after_a_burst(ski_rental_release=False)
+    ski, step = _after_a_burst(), _after_a_burst(ski_rental_tail=False)
     top, low = ski[0], ski[-1]
     assert top == step[0] and low == step[-1] and top - low >= 4
     assert step[1:11] == [top] * 10 and step[12] == low  # the step: all held 10 s, then gone (two per second)

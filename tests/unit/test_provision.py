@@ -71,9 +71,9 @@ def test_provision_is_the_default_mode_and_an_unknown_mode_is_an_error() -> None
 
 
 def test_a_peak_is_provisioned_at_once_and_held_for_the_peak_window_and_the_hold() -> None:
-    # the step rule (ski_rental_release off): all of the reserve held for the hold, then released
+    # the step rule (ski_rental_tail off): all of the reserve held for the hold, then released
     policy = quiet(provision={"rate_window_s": 0.5, "peak_window_s": 9.5, "hold_min_s": 5.0, "hold_starts": 0.0,
-                              "ski_rental_release": False})
+                              "ski_rental_tail": False})
     low = policy.decide(snap(0.0, stage(0, 5.0, 1))).stages[0].replicas
     peak = policy.decide(snap(1.0, stage(0, 40.0, low)))
     high = peak.stages[0].replicas
