@@ -100,10 +100,11 @@ def test_the_hold_is_sized_to_the_replica_start_time() -> None:
             r = policy.decide(snap(float(t), stage(0, 5.0, r, replica_start_s=start_s))).stages[0].replicas
         return r
 
-    # a 30 ms fork: the 2 s minimum hold, the reserve gone by (e − 1) × 2 s (ski rental, policies.keepalive)
-    assert replicas_after(0.03, 5) == replicas_after(0.03, 40) < replicas_after(0.03, 1)
-    # a 1 s start: a 10 s hold, part of the reserve still kept after 5 s, all of it gone by 17.2 s
-    assert replicas_after(1.0, 5) > replicas_after(1.0, 18) == replicas_after(1.0, 40)
+    # a 30 ms fork: the 2 s minimum hold, the reserve gone after its taper of (e − 1) × 2 s (policies.keepalive)
+    assert replicas_after(0.03, 9) == replicas_after(0.03, 40) < replicas_after(0.03, 1)
+    # a 1 s start: all of it held 10 s, then tapered off over 17.2 s
+    assert replicas_after(1.0, 5) == replicas_after(1.0, 1)
+    assert replicas_after(1.0, 12) > replicas_after(1.0, 30) == replicas_after(1.0, 40)
 
 
 def test_every_stage_is_sized_for_the_entry_stages_peak() -> None:
