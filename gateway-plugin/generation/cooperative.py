@@ -58,8 +58,10 @@ def bookings(session: Any) -> list[tuple[Any, int]]:
     """What the session holds booked: (replica, positions) for every stage, a split's two parts each their share."""
     out = []
     for k, replica in enumerate(session.replicas):
-        split = session.splits.get(k)
-        if split is None:
+        split, chain = session.splits.get(k), session.chains.get(k)
+        if chain is not None:
+            out += chain.bookings()
+        elif split is None:
             out.append((replica, session.need))
         else:
             out += [(replica, split.rest_tokens), (split.partial, split.part_tokens)]
@@ -100,7 +102,10 @@ class CooperativeSessions:
         """Book (or release) one stage of a new session: the whole replica ``need`` positions, or its share of a
         split and the live replica the rest."""
         change = self.book.release if release else self.book.reserve
-        if split is None:
+        if hasattr(replica, "bookings"):  # a ParaServe chain (groupsessions.Chain): each part its share
+            for r, n in replica.bookings():
+                change(r.id, n)
+        elif split is None:
             change(replica.id, need)
         else:
             change(replica.id, split.rest_tokens)
@@ -116,13 +121,16 @@ class CooperativeSessions:
 
     def calls(self, session: Any, k: int) -> list[tuple[Any, layers.Range | None]]:
         """The replica calls of stage ``k`` of a step: (replica, its layers or None for the whole stage)."""
-        split = session.splits.get(k)
+        split, chain = session.splits.get(k), session.chains.get(k)
+        if chain is not None:
+            return list(chain.hops)
         if split is None:
             return [(session.replicas[k], None)]
         return [(split.partial, split.part), (session.replicas[k], split.rest)]
 
     def partials(self, session: Any) -> list[Any]:
-        return [s.partial for s in session.splits.values()]
+        """The part replicas a session holds caches on besides its whole ones (splits' live parts, chains' parts)."""
+        return [s.partial for s in session.splits.values()] + [r for c in session.chains.values() for r in c.members()]
 
     # ------------------------------------------------------------------ rejoin
 
@@ -149,6 +157,7 @@ class CooperativeSessions:
         replicas[k] = session.splits[k].partial
         return replace(session, id=uuid.uuid4().hex, replicas=replicas,
                        splits={j: replace(s, shadow=None, task=None) for j, s in session.splits.items() if j != k},
+                       chains=dict(session.chains),
                        generated=[], fed=0)
 
     @staticmethod

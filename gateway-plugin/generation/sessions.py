@@ -17,6 +17,8 @@
   (scale-down, rolling update) moves by the same replay to another ready replica of that stage with room
   (not counted against ``max_replays``); one that finds no room stays, and the replica's drain waits for
   it (bounded by the gateway's drain timeout; if it stops first, the next step fails over as above).
+- **ParaServe groups** (:mod:`.groupsessions`): while a stage has only a group's parts, a session runs on a chain
+  of them; once a replica is whole, its KV caches move there (verified) and it goes on with no re-prefill.
 - **Live scale-ups** (:mod:`.cooperative`): a session opened while a new replica of a stage holds only its
   first layers is split there (that replica runs those layers, a whole one the rest, each keeping the KV
   cache of its layers) and rejoins the new replica once it is whole.
@@ -52,6 +54,7 @@ from gateway_plugin.generation.decodebatch import (
     batch_request,
     token_row,
 )
+from gateway_plugin.generation.groupsessions import Chain, GroupSessions, unchained
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
 from gateway_plugin.generation.slots import StepSlots
 from gateway_plugin.metrics import BatchTimes, MetricsCollector
@@ -94,11 +97,13 @@ class Session:
     moves: int = 0  # replays that moved it off a draining replica
     rejoins: int = 0  # splits ended onto a live replica that became whole
     splits: dict[int, Split] = field(default_factory=dict)  # stage index -> its cooperative split
+    chains: dict[int, Chain] = field(default_factory=dict)  # stage index -> the ParaServe parts that run it
+    reprefills: int = 0  # KV migrations that failed and replayed
     freed: bool = False
     finish_reason: str = ""
 
 
-class SessionEngine(CooperativeSessions):
+class SessionEngine(CooperativeSessions, GroupSessions):
     """Places sessions, runs their steps, replays them after a failure."""
 
     def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
@@ -122,6 +127,7 @@ class SessionEngine(CooperativeSessions):
         self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
         self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
+        self._group_state()
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -143,12 +149,13 @@ class SessionEngine(CooperativeSessions):
         return [r for r in self.source.ready(function) if layers.is_whole(r)]
 
     async def _choose(self, function: str, need: int, excluded: set[str], wait: bool) -> Any:
-        """A replica of ``function`` with room for ``need`` positions; waits (bounded) while the stage has no
-        ready replica at all; 429 when ready replicas have no room."""
+        """A replica of ``function`` with room for ``need`` positions, or while the stage has no whole replica a
+        `Chain` of a ParaServe group's parts; waits (bounded, counted) while it has neither; 429 when ready
+        replicas have no room."""
         deadline = self.clock() + (self.config.replica_wait_s if wait else 0.0)
         while True:
             ready = [r for r in self._ready(function) if r.id not in excluded]
-            chosen = self.book.choose(ready, need)
+            chosen = self.book.choose(ready, need) or (None if ready else self._chain_for(function, need, excluded))
             if chosen is not None:
                 return chosen
             if ready:
@@ -156,7 +163,8 @@ class SessionEngine(CooperativeSessions):
                                        "now (every one holds other sessions); retry later", self.config.retry_after_s)
             if self.clock() >= deadline:
                 raise unavailable(503, f"stage {function!r} has no ready replica", self.config.retry_after_s)
-            await asyncio.sleep(self.poll_s)
+            with self.waiting_for(function):
+                await asyncio.sleep(self.poll_s)
 
     async def open(self, model: str, stages: list[str], prompt: list[int], max_tokens: int,
                    sample: dict[str, Any], eos: frozenset[int]) -> Session:
@@ -164,9 +172,10 @@ class SessionEngine(CooperativeSessions):
         need = len(prompt) + max_tokens
         chosen: list[Any] = []
         splits: dict[int, Split] = {}
+        self.noted(stages, need)
         try:
             for k, fn in enumerate(stages):
-                split = self._split_for(fn, need) if self.config.cooperative else None
+                split = self._split_for(fn, need) if self.config.cooperative and self._ready(fn) else None
                 replica = await self._choose(fn, split.rest_tokens if split else need, set(), wait=True)
                 chosen.append(replica)
                 if split is not None:
@@ -180,7 +189,9 @@ class SessionEngine(CooperativeSessions):
             sample = {**sample, "seed": random.getrandbits(63)}  # fixed for the session: a replay samples the same
         else:
             sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
-        session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos, splits=splits)
+        replicas, chains = unchained(chosen)
+        session = Session(model, list(stages), replicas, need, list(prompt), max_tokens, sample, eos, splits=splits,
+                          chains=chains)
         self.active[session.id] = session
         self._generating.update(stages)
         return session
@@ -207,6 +218,7 @@ class SessionEngine(CooperativeSessions):
         """One step (or, after a failure, the replay that rebuilds the caches) and its token."""
         while True:
             await self._rejoin(session)
+            await self._consolidate(session)
             self._move_off_leaving(session)
             sequence = session.prompt + session.generated
             last = len(session.generated) + 1 == session.max_tokens
@@ -233,7 +245,10 @@ class SessionEngine(CooperativeSessions):
             if split.partial is failed.replica:
                 return
         self._drop(session)  # the old session id on every replica
-        self.book.release(failed.replica.id, session.need)
+        if failed.stage in session.chains:
+            self._unchain(session, failed.stage, free=False)
+        else:
+            self.book.release(failed.replica.id, session.need)
         session.replicas[failed.stage] = None
         excluded = set() if failed.keep else {failed.replica.id}
         try:
@@ -263,8 +278,7 @@ class SessionEngine(CooperativeSessions):
 
     def _rehome(self, session: Session, stage: int, replacement: Any) -> None:
         """Pin ``stage`` of the session to ``replacement`` (booked) under a new id; the next step replays from 0."""
-        self.book.reserve(replacement.id, session.need)
-        session.replicas[stage] = replacement
+        self._pin(session, stage, replacement)
         self.active.pop(session.id, None)
         session.id, session.fed = uuid.uuid4().hex, 0
         self.active[session.id] = session
@@ -273,7 +287,7 @@ class SessionEngine(CooperativeSessions):
         """One step: a decode step in its replicas' batches (decode batching on), else one call per stage; a
         long prompt in chunks of ``prefill_chunk`` positions where decode steps batch (the bound on their stall)."""
         limit = min(self._decode_max(fn) for fn in session.stages)
-        if limit > 1 and pos > 0 and len(new) == 1 and not session.splits:  # a split session steps on its own
+        if limit > 1 and pos > 0 and len(new) == 1 and not session.splits and not session.chains:  # steps alone
             return await self._batched_step(session, new[0], pos, last, limit)
         size = self.config.prefill_chunk if limit > 1 and self.config.prefill_chunk else len(new)
         token = 0
@@ -340,7 +354,7 @@ class SessionEngine(CooperativeSessions):
                            "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
                 if part is not None:
                     headers[layers.LAYERS] = layers.format_range(part)
-                if k == final and (part is None or part[1] == layers.stage_range(replica)[1]):
+                if k == final and (part is None or k in session.chains or part[1] == layers.stage_range(replica)[1]):
                     headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
                 if pos == 0:
                     headers[SESSION_RESERVE] = str(session.need)
@@ -352,7 +366,8 @@ class SessionEngine(CooperativeSessions):
                     status, data, answer = await self._lane(session, k, limit).solo(
                         functools.partial(self._post, k, fn, replica, body, headers, **step))
                 else:
-                    status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0, **step)
+                    call = self._part_call if k in session.chains else self._call
+                    status, data, answer = await call(k, fn, replica, body, headers, running=pos > 0, **step)
                 self.book.note(replica.id, answer.get(KV_HEADER))
                 held = layers.parse_range(answer.get(layers.HELD))
                 if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):

@@ -10,34 +10,23 @@ import asyncio
 import contextlib
 
 import pytest
-import torch
 from aiohttp import web
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.router import StaticReplica, StaticReplicas
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
-from quart_stage.verify import reference_model
-from quart_tools.partition import partition
+from support.tiny_llama import STAGE, prompts, tiny_llama
 
-CONFIG = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=96, tie_word_embeddings=True)
-PROMPTS = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 5, 13)]
+PROMPTS = prompts(9, 5, 13)
 NEW = 24
 FN = "t-stage-0"
-STAGE = (0, 8)  # embeddings, 6 blocks, head
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("coop") / "llama")
-    partition({**CONFIG, "_name": "coop"}, 1, d, progress=False, seed=3, std=0.5)
-    ref = reference_model(d)
-    with torch.inference_mode():
-        tokens = [ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, use_cache=True,
-                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    assert all(len(set(t)) >= 3 for t in tokens), "the random weights must give non-degenerate sequences"
-    return d, tokens
+    return d, tiny_llama(d, "coop", 3, PROMPTS, NEW)
 
 
 class Served:
