@@ -61,13 +61,16 @@ class CPUConfig:
     cpu_max: float = 8.0  # CPU_max per replica
     cpu_step: float = 0.5  # granularity of the CPU search
     cpu_default: float = 1.0  # CPUs a replica gets when nothing needs compensating
-    # A CPU change is a rolling update of the stage (its replicas re-fork): at most one per stage per hold_s, and
+    # AllocateCPU changes a stage's CPUs at most once per hold_s, and
     # CPUs go back to cpu_default only when the delay there is ≤ release_margin × the target (no flapping).
     hold_s: float = 30.0
-    # AllocateCPU beyond Smooth's reclaims (stages over target that Correct cannot grow). Off by default: a CPU
-    # change is a rolling update, and on a full cluster (where it would act) the roll's new replicas find no slot.
+    # AllocateCPU beyond Smooth's reclaims (stages over target that Correct cannot grow). Off by default (measured
+    # when a CPU change was a rolling update: mixed; docs/policies.md).
     allocate: bool = False
     release_margin: float = 0.5
+    # While a stage's new replicas start, its ready ones get the CPUs that carry the asked capacity, back to
+    # cpu_default once they serve (gateway_plugin.policies.cpu_bridge; an in-place resize, no roll).
+    bridge: bool = True
 
 
 @dataclass(frozen=True, slots=True)

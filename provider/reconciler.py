@@ -30,13 +30,14 @@ from quart_kernel.convergence import (
     converge,
     leaving,
     requests,
+    resizing,
 )
 from quart_kernel.scheduling.paraserve_gen import GroupDemand
 from quart_kernel.scheduling.types import HostView, Placer
 from quart_provider.adopt import adopt_replicas
 from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
-from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus, poll_replicas
+from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus, poll_replicas, replica_cpus
 from quart_provider.paraserve_start import ParaServeStarts
 from quart_provider.scheduler_metrics import SchedulerMetrics
 from quart_provider.starting import Starter
@@ -224,10 +225,10 @@ class Reconciler:
             self._keep_group(fn, now)
         functions = tuple(FunctionView(
             fn.name, fn.desired, fn.generation,
-            tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at, self.kv_tokens(e.id))
+            tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at, self.kv_tokens(e.id), e.cpus)
                   for e in fn.replicas.values()),
             fn.pending_starts, fn.retry_at, protected[fn.name], self._stage_param_bytes(fn),
-            fn.name in self.key_history, len(fn.ready)) for fn in self.functions.values())
+            fn.name in self.key_history, len(fn.ready), replica_cpus(self._spec(fn))) for fn in self.functions.values())
         mechanisms = {"peer", "multicast"} if self.config.peer_fetch else set()
         live = self.config.live_scaling
         if live or (live is None and self.config.network == "netns"):  # default: on where hosts have addresses
@@ -253,7 +254,9 @@ class Reconciler:
         once (a slow host report must not hold up a drain); the hosts are asked only when something is
         missing, and the starts go to the starter."""
         view = self.view(now)
-        self._let_go(leaving(view))
+        leave = leaving(view)
+        self._let_go(leave)
+        self._resize(resizing(view, leave))
         self.starter.forget_gone()
         layouts: dict = {}
         parts: dict[str, int] = {}
@@ -277,6 +280,24 @@ class Reconciler:
             endpoint = fn.replicas.get(action.replica) if fn is not None else None
             if endpoint is not None:
                 self.retire(fn, endpoint)
+
+    def _resize(self, actions: list[Action]) -> None:
+        """Carry out ``resize``: the replica's host changes its CPUs in place (its book entry at once, so the next
+        pass does not ask again; back to what it was if the host refuses)."""
+        for action in actions:
+            fn = self.functions.get(action.function)
+            endpoint = fn.replicas.get(action.replica) if fn is not None else None
+            if endpoint is not None and endpoint.host in self.hosts:
+                self._spawn(self._resize_one(endpoint, endpoint.cpus, action.cpus), f"resize:{endpoint.id}")
+                endpoint.cpus = action.cpus
+
+    async def _resize_one(self, endpoint: Endpoint, before: float, cpus: float) -> None:
+        try:
+            await within(self.config.host_timeout_s, self.hosts[endpoint.host].resize(endpoint.id, cpus))
+        except Exception as exc:  # the host is down or the replica gone: the next pass sees it
+            log.warning("resizing %s to %g CPUs failed: %s", endpoint.id, cpus, exc)
+            if endpoint.cpus == cpus:
+                endpoint.cpus = before
 
     async def _host_views(self) -> list[HostView]:
         """Each answering host's report, with the slots its starts under way will take."""

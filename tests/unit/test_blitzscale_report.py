@@ -1,11 +1,11 @@
 """`quartctl bench blitzscale`'s arithmetic: one-shot ratios per run and the runs meeting both targets; the
-generation rows' TTFT (sessions from t0 on), TBT (tokens from t0 on), steady TBT (before t0), wrong and lost."""
+rounds' alternating mode order; the receivers' CPU per GB; the generation rows' TTFT (sessions from t0 on), TBT (tokens from t0 on), steady TBT (before t0), wrong and lost."""
 
 from __future__ import annotations
 
 import argparse
 
-from quart_tools.bench.blitzscale import runs_report
+from quart_tools.bench.blitzscale import receiver_cpu, round_order, runs_report
 from quart_tools.bench.blitzscale_gen import Stream, report, summarize
 
 
@@ -19,6 +19,21 @@ def test_runs_report_counts_the_runs_meeting_both_targets() -> None:
     assert out["runs_meeting_targets"] == "1 of 3"
     assert out["ratios"][1] == {"multicast4_ready_over_peer_fetch": 1.4, "live_burst_p99_over_peer_fetch": 0.5}
     assert runs_report(rows[:3], 1)["ratios"]["multicast4_ready_over_peer_fetch"] == 1.2
+
+
+def test_rounds_alternate_the_order_of_the_modes() -> None:
+    modes = ["live", "multicast-4", "peer-fetch"]  # as given: the rounds follow the bench's own order
+    assert round_order(modes, 0) == ["peer-fetch", "multicast-4", "live"]
+    assert round_order(modes, 1) == ["live", "multicast-4", "peer-fetch"]
+    assert round_order(modes, 2) == round_order(modes, 0)
+
+
+def test_receiver_cpu_counts_the_hosts_that_worked_per_gb() -> None:
+    before = {"h1": 10.0, "h2": 5.0, "h3": 7.0}
+    after = {"h1": 12.0, "h2": 5.1, "h3": 8.0, "h4": 3.0}  # h2 idled; h4 restarted meanwhile (not counted)
+    out = receiver_cpu(before, after, 2_000_000_000)
+    assert out == {"receiver_cpu_s": {"h1": 2.0, "h3": 1.0}, "receiver_cpu_s_per_gb": 0.75}
+    assert receiver_cpu(before, before, 10) == {"receiver_cpu_s": {}, "receiver_cpu_s_per_gb": None}
 
 
 def test_generation_rows_split_ttft_and_tbt_at_the_scale_up() -> None:

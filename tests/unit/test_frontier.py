@@ -138,7 +138,10 @@ def test_quart_ablation_runs_every_variant(tmp_path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["policy"] for r in rows] == ["quart", "-smooth", "-cpu", "+cpu-allocate", "-key-placement", "-keysmanager", "pid"]
     by = {r["policy"]: r for r in rows}
-    assert by["-keysmanager"]["mean_ms"] > by["quart"]["mean_ms"]  # cold starts instead of forks
+    # cold starts instead of forks: seconds, not tens of ms, for the CPU bridge to cover (CPU-seconds, not replicas)
+    assert by["-keysmanager"]["cpu_seconds"] - by["-keysmanager"]["replica_seconds"] > \
+        by["quart"]["cpu_seconds"] - by["quart"]["replica_seconds"] > 0
+    assert by["-cpu"]["cpu_seconds"] < by["quart"]["cpu_seconds"]  # no compensation: 1 CPU per replica
 
 
 def test_frontier_over_seeds_and_trace_windows(tmp_path) -> None:

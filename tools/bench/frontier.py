@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--static-k", default="1,2,3,4,5,6", help="replicas per stage of the static sweep (comma-separated)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per run (issue 32: >= 120)")
     p.add_argument("--repeats", type=int, default=1, help="runs per policy and workload, in rotated order")
+    add_live_args(p)
+    return p
+
+
+def add_live_args(p: argparse.ArgumentParser) -> None:
+    """The live emulated system's options (shared with `quartctl bench cpu-ablation`)."""
     p.add_argument("--rate", type=float, default=20.0, help="mean requests/s of every workload")
     p.add_argument("--activation-bytes", type=int, default=32 * 1024, help="emulated output bytes per stage")
     p.add_argument("--stages", type=int, default=8)
@@ -59,7 +65,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=2.0, help="seconds between the reset and the load")
     p.add_argument("--profile-requests", type=int, default=15)
     p.add_argument("--no-sim", action="store_true", help="live figures only")
-    return p
+
+
+def profile_stages(gw: Gateway, args: argparse.Namespace) -> dict:
+    """Reset to the start replicas and profile: the pipeline's and stages' measured times, and the simulator's
+    stage time and hop (``profiled_ms, measured_stage_service_ms, sim_stage_ms, sim_hop_s``)."""
+    gw.switch("static", {"replicas": args.start_replicas})
+    gw.wait_reset(gw.stages(MODEL), args.start_replicas, timeout_s=600)
+    profiled_ms, service_ms = profile(gw, args.profile_requests)
+    stage_ms = statistics.fmean(service_ms) if service_ms else PROFILED_MS / args.stages
+    hop_s = max(0.0, (profiled_ms - sum(service_ms)) / 1000.0 / args.stages) if service_ms else 0.0
+    return {"profiled_ms": profiled_ms, "measured_stage_service_ms": service_ms, "sim_stage_ms": stage_ms,
+            "sim_hop_s": hop_s}
 
 
 def _policies_args(args: argparse.Namespace, static_k: int) -> argparse.Namespace:
@@ -99,12 +116,9 @@ def run(args: argparse.Namespace) -> dict:
                     "static_k": ks, "policies": policies, "machine": machine_info(), "entries": []}
     try:
         stages = gw.stages(MODEL)
-        gw.switch("static", {"replicas": args.start_replicas})
-        gw.wait_reset(stages, args.start_replicas, timeout_s=600)
-        profiled_ms, service_ms = profile(gw, args.profile_requests)
-        stage_ms = statistics.fmean(service_ms) if service_ms else PROFILED_MS / args.stages
-        hop_s = max(0.0, (profiled_ms - sum(service_ms)) / 1000.0 / args.stages) if service_ms else 0.0
-        report.update(profiled_ms=profiled_ms, measured_stage_service_ms=service_ms, sim_hop_s=hop_s)
+        measured = profile_stages(gw, args)
+        report.update(measured)
+        profiled_ms, stage_ms, hop_s = measured["profiled_ms"], measured["sim_stage_ms"], measured["sim_hop_s"]
         for workload in workloads:
             arrivals = make_workload(workload, args.rate, args.duration, args.seed)
             done: dict[str, list[dict]] = {label: [] for label, _, _ in runs}

@@ -332,7 +332,7 @@ def one_run(gw: Gateway, stages: list[str], workload: str, policy: str, arrivals
     from quart_tools.loadgen import body_maker, generate_load
     from quart_tools.report import build_report, records_latencies
 
-    cache_on = policy == "quart" or args.baselines_keysmanager == "on"
+    cache_on = (policy == "quart" and not getattr(args, "cold_starts", False)) or args.baselines_keysmanager == "on"
     if gw.param_cache is not cache_on:
         gw.set_param_cache(stages, cache_on)
         gw.param_cache = cache_on
@@ -360,7 +360,7 @@ def one_run(gw: Gateway, stages: list[str], workload: str, policy: str, arrivals
           f"errors {errors}, send-lag p99 {send_lag:.0f} ms", file=sys.stderr)
     return {"lat": lat, "n": n, "entry": entry, "samples": samples, "errors": errors, "lags": lags,
             "keysmanager": "on" if cache_on else "off",
-            "timeline": [{k: row[k] for k in ("time", "replicas", "desired", "queue")} for row in rows]}
+            "timeline": [{k: row.get(k) for k in ("time", "replicas", "desired", "queue", "cpus")} for row in rows]}
 
 
 def _concat(arrays: list) -> Any:

@@ -133,7 +133,7 @@ class Simulation:
             for slot in h.slots:
                 if slot.replica is not None:
                     tally.gpu_seconds += end - slot.replica.requested_at
-                    tally.cpu_seconds += (end - slot.replica.requested_at) * slot.replica.cpus
+                    tally.cpu_seconds += (end - slot.replica.requested_at) * slot.replica.cpus + slot.replica.cpu_extra_s
         n = len(tally.arrival)
         return SimResult(
             model=cfg.model,

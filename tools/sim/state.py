@@ -86,7 +86,7 @@ class SimConfig:
 class Replica:
     __slots__ = ("id", "stage", "host", "slot", "state", "cpus", "source", "requested_at", "factor", "in_flight",
                  "generation", "live", "layer0", "layer_dt", "layers", "first_done", "ready_at", "consolidated_at",
-                 "helper", "group")
+                 "helper", "group", "cpu_extra_s")
 
     def __init__(self, rid: int, stage: int, host: Host, slot: Slot, source: str, now: float, cpus: float,
                  generation: int = 1):
@@ -101,6 +101,7 @@ class Replica:
         self.first_done = self.ready_at = self.consolidated_at = -1.0  # first work done, full load, consolidated
         self.helper = False  # a ParaServe helper: serves its part until its group consolidates, not a replica
         self.group: list | None = None  # ParaServe: every replica and helper of its sub-pipeline
+        self.cpu_extra_s = 0.0  # CPU-seconds beyond (end − start) × cpus, from in-place resizes
 
     @property
     def started_at(self) -> float:  # quart_kernel.replicaset.ReplicaLike
