@@ -84,6 +84,10 @@ class ProvisionConfig:
     propagate_backlog: bool = True  # ... and the stages after it are sized (ρ ≤ rho_max) for the rate it leaves at
     hold_min_s: float = 30.0  # scale down only after the demand stayed lower this long ...
     hold_starts: float = 10.0  # ... or this many replica start times, whichever is longer
+    # Hold, then taper (policies.keepalive): the reserve (the count when the demand fell − the demand) is kept whole for
+    # the hold, then released over (e − 1) × the hold as fractional ski rental (share (e^{s/T} − 1)/(e − 1) by s) at
+    # the spend of one more hold. Off: all of it at once after the hold (the step rule).
+    ski_rental_tail: bool = True
     # While a stage waits for replicas the cluster cannot place, no stage asks for more than its share of the
     # replicas held (Σ ready, split by service time): the pipeline runs at its slowest stage's capacity.
     fair_share: bool = True

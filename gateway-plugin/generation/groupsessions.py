@@ -138,12 +138,7 @@ class GroupSessions:
             self.book.release(r.id, n)
         for r in chain.members() if free else ():
             if r is not keep:
-                self._delete_later(r, session.id)
-
-    def _delete_later(self, replica: Any, session_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._delete(replica, session_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+                self._forget(r, session.id)
 
     def noted(self, stages: Iterable[str], need: int) -> None:
         """A session arrived for ``stages`` (the sliding window counts it)."""
@@ -236,7 +231,7 @@ class GroupSessions:
         self.book.release(target.id, session.need)
         self._drop(session)  # the old id everywhere, the chain's parts included
         if target not in chain.members():
-            self._delete_later(target, session.id)  # what of the move arrived there
+            self._forget(target, session.id)  # what of the move arrived there
         self._unchain(session, k, free=False)
         self._rehome(session, k, target)
         session.reprefills += 1

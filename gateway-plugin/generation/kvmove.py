@@ -2,7 +2,8 @@
 
 The stage side is `quart_stage.kvmigrate` (``GET``/``PUT /_/sessions/<id>/kv``: safetensors with each tensor's
 sha256 and length, verified before anything changes). The bytes go part → gateway → whole replica. The session
-engine's consolidation (`gateway_plugin.generation.groupsessions`) is the one caller.
+engine's consolidation (`gateway_plugin.generation.groupsessions`) and a split session's rejoin of a live replica
+that became whole (`gateway_plugin.generation.cooperative`) call it.
 """
 
 from __future__ import annotations

@@ -128,6 +128,7 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
         self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
         self._group_state()
+        self._init_cooperative()
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -175,7 +176,7 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         self.noted(stages, need)
         try:
             for k, fn in enumerate(stages):
-                split = self._split_for(fn, need) if self.config.cooperative and self._ready(fn) else None
+                split = self._split_for(fn, need, max_tokens) if self.config.cooperative and self._ready(fn) else None
                 replica = await self._choose(fn, split.rest_tokens if split else need, set(), wait=True)
                 chosen.append(replica)
                 if split is not None:
@@ -222,11 +223,13 @@ class SessionEngine(CooperativeSessions, GroupSessions):
             self._move_off_leaving(session)
             sequence = session.prompt + session.generated
             last = len(session.generated) + 1 == session.max_tokens
+            start = self.clock()
             try:
                 token = await self._step(session, sequence[session.fed:], session.fed, last)
             except StepFailed as failed:
                 await self._replace(session, failed)
                 continue
+            self._note_step(self.clock() - start, decode=len(sequence) - session.fed == 1)
             session.fed = len(sequence)
             session.freed = last
             return token
@@ -251,6 +254,8 @@ class SessionEngine(CooperativeSessions, GroupSessions):
             self.book.release(failed.replica.id, session.need)
         session.replicas[failed.stage] = None
         excluded = set() if failed.keep else {failed.replica.id}
+        if failed.why.startswith("HTTP 429"):  # a full cache (a DELETE on its way frees it): not at once
+            await asyncio.sleep(self.poll_s)
         try:
             replacement = await self._choose(fn, session.need, excluded, wait=True)
         except QuartError as exc:
@@ -320,7 +325,7 @@ class SessionEngine(CooperativeSessions, GroupSessions):
             if status == 409:
                 raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
             if status == 429 or status >= 500:
-                raise StepFailed(k, replica, f"HTTP {status}: {str(result.get('error'))[:200]}")
+                raise StepFailed(k, replica, f"HTTP {status}: {str(result.get('error'))[:200]}", keep=status == 429)
             if status != 200:
                 raise QuartError(status, str(result.get("error") or f"stage {fn!r} answered {status}"), "stage")
         try:
@@ -354,15 +359,17 @@ class SessionEngine(CooperativeSessions, GroupSessions):
                            "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
                 if part is not None:
                     headers[layers.LAYERS] = layers.format_range(part)
-                if k == final and (part is None or k in session.chains or part[1] == layers.stage_range(replica)[1]):
-                    headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
+                if k == final:  # every part of the last stage: either may come to run it whole (a rejoin)
+                    headers[SAMPLE] = json.dumps(session.sample)
+                    if part is None or k in session.chains or part[1] == layers.stage_range(replica)[1]:
+                        headers["Accept"] = "application/json"
                 if pos == 0:
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
                     headers[SESSION_END] = "1"
                 arrived = (self._arrived(fn),) if part is None else ()  # a split's parts are not the stage's steps
                 step = {"arrived": arrived, "decode": pos > 0 and len(new) == 1}
-                if limit > 1 and part is None:
+                if limit > 1 and replica is session.replicas[k]:  # a split's rest too: between the lane's batches
                     status, data, answer = await self._lane(session, k, limit).solo(
                         functools.partial(self._post, k, fn, replica, body, headers, **step))
                 else:
@@ -374,8 +381,9 @@ class SessionEngine(CooperativeSessions, GroupSessions):
                     self.source.note_held(fn, replica, held)  # a live replica's layers grow; whole, it joins ready
                 if status == 409:
                     raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
-                if status == 429 or status >= 500:
-                    raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
+                if status == 429 or status >= 500:  # a full cache: the replica may take the replay once room frees
+                    raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}",
+                                     keep=status == 429)
                 if status != 200:
                     raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
                 body, ctype = data, answer.get("Content-Type", "application/octet-stream")
@@ -477,20 +485,12 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         self._leave_lanes(session.id)
         for replica in [*session.replicas, *self.partials(session)]:
             if replica is not None:
-                task = asyncio.get_running_loop().create_task(self._delete(replica, session.id))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._forget(replica, session.id)
 
     def _leave_lanes(self, session_id: str) -> None:
         """No lane holds its batch for this session id any more (decodebatch.hold_for)."""
         for lane in self._lanes.values():
             lane.leave(session_id)
-
-    async def _delete(self, replica: Any, session_id: str) -> None:
-        url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"
-        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-            async with self._client().delete(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                await resp.read()
 
 
 def _error_text(data: bytes) -> str:

@@ -71,3 +71,31 @@ def test_modes_default_to_every_mode_and_take_commas(monkeypatch) -> None:
         except SystemExit:
             pass
     assert seen == [list(blitzscale.MODES), ["multicast-4", "peer-fetch", "live"], ["live", "allcache"]]
+
+
+def test_generation_rounds_each_get_their_ratios_and_the_rounds_meeting_both_targets_are_counted() -> None:
+    args = argparse.Namespace(decode_ms=80, prefill_ms_per_token=1, prompt_tokens=64, max_tokens=16, kv_sessions=6,
+                              slots=32, steady_rate=2, steady_s=5, gen_rate=5, gen_burst_s=8, retry_ms=20,
+                              rejoin="migrate")
+    rows = []
+    for run, (live_ttft, live_tbt) in enumerate([(1000.0, 120.0), (2500.0, 110.0), (900.0, 160.0)]):
+        rows += [{"mode": "peer-fetch", "run": run, "ttft_p99_ms": 4000.0, "tbt_p99_ms": 90.0, "steady_tbt_p99_ms": 100.0},
+                 {"mode": "live", "run": run, "ttft_p99_ms": live_ttft, "tbt_p99_ms": live_tbt,
+                  "steady_tbt_p99_ms": 100.0}]
+    doc = report(rows, args)
+    assert [r["live_ttft_p99_over_peer_fetch"] for r in doc["ratios"]] == [0.25, 0.625, 0.225]
+    assert [r["live_tbt_p99_over_steady"] for r in doc["ratios"]] == [1.2, 1.1, 1.6]
+    assert doc["runs_meeting_targets"] == "1 of 3"
+
+
+def test_the_benchs_expected_tokens_are_the_emulated_stages_own() -> None:
+    from quart_stage.kvmigrate import EmulatedKV
+    from quart_tools.bench.blitzscale_gen import expected_tokens
+
+    prompt, seed, vocab = [5, 9, 2, 7], 1234, 1000
+    state, got = EmulatedKV(seed, 4), []  # as a stage replica steps an emulated session: append the ids, then answer
+    state.append(prompt, range(1, 3))
+    while len(got) < 6:
+        got.append(state.token(vocab))
+        state.append([got[-1]], range(1, 3))
+    assert expected_tokens(prompt, 6, seed, vocab) == got and len(set(got)) > 1

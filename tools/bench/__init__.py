@@ -49,6 +49,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                      "live QUART with and without CPU compensation, same arrivals (emulated CPU law); the sim beside"),
     "frontier": ("quart_tools.bench.frontier:main",
                  "live equal-cost frontier: static-k sweep, QUART, baselines; the simulator's figures beside"),
+    "hop-costs": ("quart_tools.bench.hop_costs:main",
+                  "the live frontier setup's per-stage costs outside emulated compute (router records); calibration"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 

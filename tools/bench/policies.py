@@ -199,24 +199,24 @@ def profile(gw: Gateway, count: int) -> tuple[float, list[float]]:
     return float(sorted(lat)[len(lat) // 2]), service
 
 
-def make_workload(name: str, rate: float, duration: float, seed: int):
+def make_workload(name: str, rate: float, duration: float, seed: int, trace: str | None = None):
     from quart_tools.arrivals import make_arrivals
 
     if name.startswith("gamma-cv"):
         return make_arrivals("gamma", rate, duration, cv=float(name.removeprefix("gamma-cv")), seed=seed,
                              input_bytes=512)
     if name == "trace":
-        return trace_window(rate, duration)
+        return trace_window(rate, duration, trace)
     raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
 
 
-def trace_window(rate: float, duration: float):
+def trace_window(rate: float, duration: float, path: str | None = None):
     """The trace's first ``rate × duration`` requests, compressed in time to fill ``duration``: the replayed
     window has the target mean rate. (Scaling by the whole trace's mean rate would replay its sparse start:
     63 requests in the first 20 s at 20 req/s.) The trace's own gaps, bursts included, are kept in shape."""
     from quart_tools.arrivals import load_trace, replay_trace
 
-    trace = load_trace()
+    trace = load_trace(path) if path else load_trace()
     n = max(1, round(rate * duration))
     if n >= len(trace.offsets_s) or trace.offsets_s[n] <= 0:
         raise ValueError(f"the trace has too few requests for {rate} req/s over {duration} s")

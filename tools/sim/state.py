@@ -57,6 +57,9 @@ class SimConfig:
     queue_cap: int = _LIVE.queue_cap  # waiting requests per stage before the router answers 429
     hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway)
     hop_holds_replica: bool = True  # the hop is part of the replica's busy time (the live router's call)
+    hop_per_call_s: float = 0.0  # a stage call's hold grows by this per stage call in flight when it starts, itself
+    # included (the live host's CPU shared by the calls' HTTP and serialisation work; measured live)
+    outside_s: float = 0.0  # per request, outside every replica: the router between stages, the front (measured live)
     slo_factor: float = _LIVE.slo_factor  # with slo_s = 0: SLO = slo_factor × Σ profiled stage times
     profile_label: bool = True  # stages carry their profiled time (com.quart.profile-ms); False: measured
     gpu_keep_s: float = 0.0  # a released replica's parameters stay on its GPU this long

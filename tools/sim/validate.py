@@ -71,9 +71,13 @@ def _stats(lat_ms: np.ndarray) -> dict:
 
 
 def simulate(args, arrivals, hop_s: float, start_s: float | None = None, policy_config: dict | None = None,
-             cpu_fraction: float | None = None) -> dict:
+             cpu_fraction: float | None = None, *, outside_s: float = 0.0, service_cv: float = EMULATED_CV,
+             hop_per_call_s: float = 0.0) -> dict:
     """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy (and its
     ``policy_config``).
+
+    ``hop_s`` holds the replica (each stage call's time beyond compute), ``outside_s`` is added to every
+    request's latency outside the replicas (the router between stages, the front).
 
     The live stages are emulated and hold no parameters, so a scale-up costs the live ask → ready time
     (``start_s``, measured by the gateway; the calibration's fork cost when not measured), not the paper's
@@ -85,7 +89,7 @@ def simulate(args, arrivals, hop_s: float, start_s: float | None = None, policy_
     from quart_tools.sim.engine import SimConfig, Simulation
     from quart_tools.sim.scenario import model_stages
 
-    cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=EMULATED_CV)
+    cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=service_cv)
     if start_s is not None and start_s >= 0:
         cal = replace(cal, fork_fixed_s=start_s)
     stages = tuple(replace(s, service_s=args.stage_ms / 1000.0, param_bytes=0)
@@ -95,7 +99,8 @@ def simulate(args, arrivals, hop_s: float, start_s: float | None = None, policy_
         model=MODEL, stages=stages, slo_s=0.0, slo_factor=PluginConfig().slo_factor, profile_label=False,
         calibration=cal,
         keysmanager=True, placer="cache-aware", initial_replicas=args.replicas, max_replicas=args.max_replicas,
-        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, seed=args.seed,
+        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, outside_s=outside_s,
+        hop_per_call_s=hop_per_call_s, seed=args.seed,
     )
     config = {"replicas": args.replicas} if args.policy == "static" else {}
     config.update(policy_config or {})
