@@ -186,8 +186,8 @@ class ReplicaStarts:
         under way keeps its end: the live replica's threads change between requests); CPU-seconds are counted at
         each CPU count for the time it held it."""
         rep.cpu_extra_s += (now - rep.requested_at) * (rep.cpus - cpus)  # so (end − start) × cpus adds up
+        rep.factor *= self.cal.cpu_factor(cpus) / self.cal.cpu_factor(rep.cpus)  # a ParaServe part keeps its share
         rep.cpus = cpus
-        rep.factor = self.cal.cpu_factor(cpus)
 
     # ---------------------------------------------------------------------------- scale-down
     def stop(self, st: _Stage, rep: Replica, now: float) -> None:
