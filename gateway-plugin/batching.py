@@ -143,6 +143,17 @@ def member_of(body: bytes, content_type: str) -> Member | None:
     return Member(tensors, mask, int(rows), int(length))
 
 
+def member_for(job: Job) -> Member | None:
+    """:func:`member_of` the job's body at its current stage, parsed once: a waiting request is looked at by every
+    batch formed while it waits (up to 4 × max of the queue each time), its body does not change until it moves on."""
+    memo = job.member
+    if memo is not None and memo[0] is job.body:
+        return memo[1]
+    member = member_of(job.body, job.content_type)
+    job.member = (job.body, member)
+    return member
+
+
 def packable(members: list[Member]) -> bool:
     """Whether a batch goes packed (every member one sequence without a mask of its own) rather than padded."""
     return all(m.rows == 1 and m.mask is None for m in members)
@@ -234,7 +245,7 @@ class Batcher:
         limits = self.limits(q.function)
         if limits.max <= 1 or not self.eligible(job, replica):
             return []
-        head = member_of(job.body, job.content_type)
+        head = member_for(job)
         if head is None:
             return []
         chosen = [(job, head)]
@@ -253,7 +264,7 @@ class Batcher:
         for other in itertools.islice(q.jobs, 4 * most):
             if other.done or other.solo or other.layer_at is not None or now >= other.deadline or json_answer(other):
                 continue
-            member = member_of(other.body, other.content_type)
+            member = member_for(other)
             if member is not None and member.key == head.key:
                 found.append((abs(member.length - head.length) if nearest else 0, len(found), other, member))
         for _, _, other, member in sorted(found)[: most - len(chosen)]:

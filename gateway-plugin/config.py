@@ -61,13 +61,16 @@ class CPUConfig:
     cpu_max: float = 8.0  # CPU_max per replica
     cpu_step: float = 0.5  # granularity of the CPU search
     cpu_default: float = 1.0  # CPUs a replica gets when nothing needs compensating
-    # A CPU change is a rolling update of the stage (its replicas re-fork): at most one per stage per hold_s, and
+    # AllocateCPU changes a stage's CPUs at most once per hold_s, and
     # CPUs go back to cpu_default only when the delay there is ≤ release_margin × the target (no flapping).
     hold_s: float = 30.0
-    # AllocateCPU beyond Smooth's reclaims (stages over target that Correct cannot grow). Off by default: a CPU
-    # change is a rolling update, and on a full cluster (where it would act) the roll's new replicas find no slot.
+    # AllocateCPU beyond Smooth's reclaims (stages over target that Correct cannot grow). Off by default (measured
+    # when a CPU change was a rolling update: mixed; docs/policies.md).
     allocate: bool = False
     release_margin: float = 0.5
+    # While a stage's new replicas start, its ready ones get the CPUs that carry the asked capacity, back to
+    # cpu_default once they serve (gateway_plugin.policies.cpu_bridge; an in-place resize, no roll).
+    bridge: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,10 @@ class ProvisionConfig:
     propagate_backlog: bool = True  # ... and the stages after it are sized (ρ ≤ rho_max) for the rate it leaves at
     hold_min_s: float = 30.0  # scale down only after the demand stayed lower this long ...
     hold_starts: float = 10.0  # ... or this many replica start times, whichever is longer
+    # Hold, then taper (policies.keepalive): the reserve (the count when the demand fell − the demand) is kept whole for
+    # the hold, then released over (e − 1) × the hold as fractional ski rental (share (e^{s/T} − 1)/(e − 1) by s) at
+    # the spend of one more hold. Off: all of it at once after the hold (the step rule).
+    ski_rental_tail: bool = True
     # While a stage waits for replicas the cluster cannot place, no stage asks for more than its share of the
     # replicas held (Σ ready, split by service time): the pipeline runs at its slowest stage's capacity.
     fair_share: bool = True
@@ -213,6 +220,7 @@ class PluginConfig:
     control_period_s: float = 1.0  # [QUART_CONTROL_PERIOD_S]
     policy: str = "quart"  # [QUART_POLICY]
     slo_factor: float = 2.0  # [QUART_SLO_FACTOR] SLO = factor × profiled pipeline time
+    tpot_slo_ms: float = 0.0  # [QUART_TPOT_SLO_MS] generation's time per output token target: sizes decode stages (0 = KV room only)
     actuator: str = "gateway"  # [QUART_ACTUATOR] gateway (in-process) | rest | faas-cli | none
     control_log_path: str = ""  # [QUART_CONTROL_LOG] JSONL of snapshots + decisions ("" = none)
     cv_model_path: str = ""  # [QUART_CV_MODEL] trained CV-propagation model (safetensors)
@@ -242,6 +250,7 @@ class PluginConfig:
             "control_period_s": "QUART_CONTROL_PERIOD_S",
             "policy": "QUART_POLICY",
             "slo_factor": "QUART_SLO_FACTOR",
+            "tpot_slo_ms": "QUART_TPOT_SLO_MS",
             "actuator": "QUART_ACTUATOR",
             "control_log_path": "QUART_CONTROL_LOG",
             "cv_model_path": "QUART_CV_MODEL",

@@ -1,8 +1,9 @@
-"""The control loop: every period, snapshot → policy → bounds → desired {replicas, CPUs} → actuator.
+"""The control loop: every period, snapshot → policy → sessions' floor → bounds → desired {replicas, CPUs} → actuator.
 
 The one path from a decision to an action, for every policy and for the simulator alike
 (``quart_tools.sim`` calls :meth:`Controller.decide` over a simulated inventory and applies its changes on
-simulated time; :meth:`Controller.step` hands them to the actuator): the policy decides,
+simulated time; :meth:`Controller.step` hands them to the actuator): the policy decides, a generating stage is
+raised to what its sessions need (``policies.decode_capacity``: KV room, decode steps within the TPOT target),
 ``bounded`` applies ``com.openfaas.scale.min/max`` once, and the actuator is told only what changed.
 One policy object per pipeline (policies keep state). Scale-ups of the stages the policy names as
 key stages are flagged ``key`` so the placer (the cache-aware scheduler behind the gateway's scale
@@ -24,6 +25,7 @@ from typing import IO, Any
 from gateway_plugin.actuators import Actuator
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
+from gateway_plugin.policies.decode_capacity import with_session_floor
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import GenerationView, Inventory, QueueView, build_snapshot
 from gateway_plugin.zero import held_at_zero
@@ -103,7 +105,10 @@ class Controller:
             if self.cv_trainer is not None:
                 self.cv_trainer.install(model, policy)
             desired_now = [self.inventory.stage_state(stage.name).desired for stage in snap.stages]
-            decision = held_at_zero(snap, bounded(snap, policy.decide(snap)), desired_now)
+            wanted = policy.decide(snap)
+            if getattr(policy, "sessions_floor", True):  # static-k and a precomputed schedule hold what they say
+                wanted = with_session_floor(snap, wanted, self.config.tpot_slo_ms / 1000)
+            decision = held_at_zero(snap, bounded(snap, wanted), desired_now)
             if self.cv_trainer is not None and hasattr(policy, "cv_model"):  # only QUART reads a CV model
                 self.cv_trainer.observe(snap)
             decisions[model] = decision

@@ -65,6 +65,26 @@ class RequestRecord:
         return json.dumps(asdict(self), separators=(",", ":"))
 
 
+class BatchTimes:
+    """Service time of a stage's calls by how many requests (or decode steps) each carried, since the start."""
+
+    __slots__ = ("_by_size",)
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, list[float]] = {}  # size → [calls, Σ service s]
+
+    def record(self, size: int, service_s: float) -> None:
+        entry = self._by_size.get(size)
+        if entry is None:
+            entry = self._by_size[size] = [0, 0.0]
+        entry[0] += 1
+        entry[1] += service_s
+
+    def table(self) -> tuple[tuple[int, int, float], ...]:
+        """(size, calls, mean service s of such a call), by size."""
+        return tuple((size, int(n), total / n) for size, (n, total) in sorted(self._by_size.items()) if n)
+
+
 class StageMetrics:
     """Sliding windows of one stage with running sums. Times are the caller's clock in seconds.
 
@@ -99,7 +119,7 @@ class StageMetrics:
         self._act_sum = 0.0
         self._gap_sq_sum = 0.0  # Σ (a[k+1] − a[k])² over consecutive arrivals in the window
         self._removed = 0  # entries trimmed since the sums were last rebuilt
-        self.batches: dict[int, list[float]] = {}  # requests per call → [calls, Σ service s] since the start
+        self.batches = BatchTimes()  # service time of its calls by requests per call, since the start
 
     # ------------------------------------------------------------------------------ events
     def on_arrival(self, now: float, activation_bytes: float) -> None:
@@ -130,15 +150,11 @@ class StageMetrics:
 
     def on_batch(self, size: int, service_s: float) -> None:
         """One successful stage call that carried ``size`` requests (gateway_plugin.batching) and took ``service_s``."""
-        entry = self.batches.get(size)
-        if entry is None:
-            entry = self.batches[size] = [0, 0.0]
-        entry[0] += 1
-        entry[1] += service_s
+        self.batches.record(size, service_s)
 
     def batch_service_s(self) -> tuple[tuple[int, int, float], ...]:
         """(requests per call, calls, mean service s of such a call), by size: the stage's service time by batch."""
-        return tuple((size, int(n), total / n) for size, (n, total) in sorted(self.batches.items()) if n)
+        return self.batches.table()
 
     # ------------------------------------------------------------------------------ window
     def _trim(self, now: float) -> None:

@@ -278,7 +278,8 @@ class Plugin:
                              batch_limits=lambda fn: self.view.batch_limits(fn, batching))
         generation = GenerationConfig.from_env()
         self.engine = SessionEngine(self.view, generation, on_call=getattr(gateway, "record_invocation", None),
-                                    decode_limit=lambda fn: self.view.decode_batch_max(fn, generation.decode_batch_max))
+                                    decode_limit=lambda fn: self.view.decode_batch_max(fn, generation.decode_batch_max),
+                                    collector=self.collector)
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
                                         self.collector)
         self.controller = Controller(
@@ -288,6 +289,8 @@ class Plugin:
         )
         if hasattr(gateway, "watch_sessions"):  # its scale-down keeps replicas with sessions, drains them
             gateway.watch_sessions(self.engine.book.booked)
+        if hasattr(gateway, "watch_demand"):  # a whole ParaServe group keeps the workers its sessions need
+            gateway.watch_demand(self.engine.demand)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
 

@@ -46,6 +46,7 @@ class StaticReplica:
     in_flight: int = 0
     layers: layers.Range | None = None  # its stage's layers, when it reports them (see gateway_plugin.layers)
     held: layers.Range | None = None  # the layers it can run now (None: all of its stage)
+    part: layers.Range | None = None  # a ParaServe part: the layers it serves a group's sessions for
 
 
 class Waiters:

@@ -87,6 +87,7 @@ class Job:
     task: asyncio.Task | None = None
     done: bool = False
     solo: bool = False  # sent alone, never in a batch (its batch's answer did not split: gateway_plugin.batching)
+    member: Any = None  # (body, its batch member) memo of gateway_plugin.batching.member_for: a body parsed once
 
 
 @dataclass(slots=True)

@@ -46,6 +46,10 @@ class StageSnapshot:
     # a profiled size not measured yet has calls 0. The capacity model: gateway_plugin.policies.batch_capacity
     batch_service_s: tuple[tuple[int, int, float], ...] = ()
     batch_max: int = 1  # requests the router sends one replica in one call (com.quart.batch.max; 1 = no batching)
+    # (sessions per step, steps, mean service s) of its decode steps by batch size, measured by the session engine
+    # (gateway_plugin.generation); the sessions' floor: gateway_plugin.policies.decode_capacity
+    decode_service_s: tuple[tuple[int, int, float], ...] = ()
+    decode_batch_max: int = 1  # sessions per batched decode step (com.quart.batch.decode-max; 1 = no batching)
 
     @property
     def mean_service_s(self) -> float:
@@ -92,7 +96,9 @@ class Decision:
 
 
 class Policy(Protocol):
-    """A scaling policy: pure apart from its own state."""
+    """A scaling policy: pure apart from its own state. One that holds fixed counts (static-k, the oracle's
+    schedule) says ``sessions_floor = False``: the controller then does not raise it for generation sessions
+    (``policies.decode_capacity``)."""
 
     name: str
 
@@ -101,7 +107,8 @@ class Policy(Protocol):
 
 def snapshot_from_json(data: Mapping[str, Any]) -> PipelineSnapshot:
     """A PipelineSnapshot back from the controller's JSONL log (to train the CV model: :mod:`.policies.cv_model`)."""
-    stages = tuple(StageSnapshot(**{**s, "batch_service_s": tuple(tuple(row) for row in s.get("batch_service_s", ()))})
+    tables = ("batch_service_s", "decode_service_s")
+    stages = tuple(StageSnapshot(**{**s, **{t: tuple(tuple(row) for row in s.get(t, ())) for t in tables}})
                    for s in data["stages"])  # JSON gave lists: the snapshot holds tuples
     return PipelineSnapshot(time=data["time"], model=data["model"], stages=stages,
                             slo_s=data.get("slo_s", 0.0), window_s=data.get("window_s", 10.0))

@@ -48,6 +48,8 @@ class GenerationView(Protocol):
 
     def stage_generation(self, function: str) -> tuple[int, int, int]: ...  # sessions, kv booked, kv capacity
 
+    def stage_decode(self, function: str) -> tuple[tuple[tuple[int, int, float], ...], int]: ...  # table, batch max
+
 
 class QueueView(Protocol):
     def queue_len(self, function: str) -> int: ...
@@ -67,7 +69,7 @@ def build_snapshot(
     generation: GenerationView | None = None,
 ) -> PipelineSnapshot:
     """One model's snapshot. The SLO is ``slo_s[model]`` when given, else slo_factor × Σ service times;
-    ``generation`` adds each stage's sessions and KV-cache occupancy."""
+    ``generation`` adds each stage's sessions, KV-cache occupancy and decode steps by batch size."""
     window = collector.window_s
     stages = []
     total_service = 0.0
@@ -79,6 +81,7 @@ def build_snapshot(
         ready = max(0, state.ready)
         util = m.busy_s(now) / (max(1, ready) * max(1, state.concurrency) * window)
         sessions, kv_tokens, kv_capacity = generation.stage_generation(fn) if generation is not None else (0, 0, 0)
+        decode_table, decode_max = generation.stage_decode(fn) if generation is not None else ((), 1)
         stages.append(StageSnapshot(
             name=fn, index=index,
             arrival_rate=m.arrival_rate(now),
@@ -100,6 +103,7 @@ def build_snapshot(
             replica_start_s=state.start_s,
             sessions=sessions, kv_tokens=kv_tokens, kv_capacity=kv_capacity,
             batch_service_s=with_profile(m.batch_service_s(), state.batch_profile_s), batch_max=state.batch_max,
+            decode_service_s=decode_table, decode_batch_max=decode_max,
         ))
     slo = (slo_s or {}).get(model, 0.0) or slo_factor * total_service
     return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window)

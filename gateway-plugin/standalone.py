@@ -142,7 +142,8 @@ class StandalonePlugin:
         self.router = Router(self.view, self.view.pipelines, config, self.collector, self.view.stage_meta)
         generation = GenerationConfig.from_env()
         self.engine = SessionEngine(self.view, generation, decode_limit=lambda fn: vocab.StageLabels.lenient(
-            (self.view.status.get(fn) or {}).get("labels") or {}).decode_batch or generation.decode_batch_max)
+            (self.view.status.get(fn) or {}).get("labels") or {}).decode_batch or generation.decode_batch_max,
+            collector=self.collector)
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
                                         self.collector)
         self.controller = Controller(self.view, self.router, self.collector, make_actuator(config, password=password),

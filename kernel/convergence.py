@@ -16,10 +16,12 @@ The rules (:mod:`.replicaset`, :mod:`.scheduling`):
   consolidated yet are never surplus (the group leaves only whole); a replica holding generation sessions
   (``kv_tokens``) leaves after every one without, the fewest positions first: ``stop`` for a replica that
   serves nothing, ``drain`` for one with requests in flight or sessions;
-- a rolling update ``retire`` s the previous generation once the new one has its desired ready replicas.
+- a rolling update ``retire`` s the previous generation once the new one has its desired ready replicas;
+- a ready replica whose CPUs differ from its function's is ``resize`` d in place (:mod:`.resize`: a CPU-only
+  change is no rolling update).
 
 ``stop``, ``drain`` and ``retire`` are all carried out as drain-then-stop (nothing is cut off); the kind
-says why the replica leaves.
+says why the replica leaves; ``resize`` leaves it serving.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from quart_kernel.replicaset import choose_surplus, rollover_done, shortfall
+from quart_kernel.resize import resizes
 from quart_kernel.scheduling.starts import StartPlan, plan_starts
 from quart_kernel.scheduling.types import HostView, Placer, ReplicaRequest, ScheduleResult
 
-ActionKind = Literal["start", "stop", "drain", "retire"]
+ActionKind = Literal["start", "stop", "drain", "retire", "resize"]
 Parallelism = Callable[[str, Sequence[HostView]], int]  # (function, hosts) → P of a ParaServe cold start
 
 
@@ -46,6 +49,7 @@ class ReplicaView:
     in_flight: int = 0
     started_at: float = 0.0
     kv_tokens: int = 0  # KV-cache positions its generation sessions hold (the gateway's book; 0 without)
+    cpus: float = 0.0  # CPUs it runs with (0: not reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ class FunctionView:
     param_bytes: int = 0  # what a host caches of it (placement)
     key: bool = False  # a key stage scaled up before (the placer's key-stage history)
     serving: int = 0  # replicas serving their whole stage now (a live start needs one)
+    cpus: float = 0.0  # CPUs per replica it should run with (0: not managed; a change resizes in place)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +82,8 @@ class PlatformView:
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One thing to do: ``start`` a replica (``plan`` says where and how) or let ``replica`` go."""
+    """One thing to do: ``start`` a replica (``plan`` says where and how), let ``replica`` go, or ``resize`` it
+    to ``cpus``."""
 
     kind: ActionKind
     function: str
@@ -85,19 +91,21 @@ class Action:
     plan: StartPlan | None = None  # start
     key: bool = False  # start: placed as a key stage
     placed: str = ""  # start: where the placer found the parameters (gpu / fork / peer / cold)
+    cpus: float = 0.0  # resize: the CPUs it gets
 
     def shape(self) -> tuple:
         """What the action does, without the replica id (ids differ between the platform and the simulator)."""
         plan = self.plan
         if plan is None:
-            return (self.kind, self.function)
+            return (self.kind, self.function, self.cpus) if self.kind == "resize" else (self.kind, self.function)
         return (self.kind, self.function, plan.host, plan.mode, plan.source, plan.position, plan.sharers,
                 plan.group, plan.helpers)
 
 
 @dataclass(frozen=True, slots=True)
 class Convergence:
-    """What :func:`converge` decided: the actions in order (stops first), and the placer's answer."""
+    """What :func:`converge` decided: the actions in order (stops first, then resizes, then starts), and the
+    placer's answer."""
 
     actions: tuple[Action, ...]
     schedule: ScheduleResult | None = None  # None when nothing was missing
@@ -133,9 +141,16 @@ def leaving(view: PlatformView) -> list[Action]:
     return actions
 
 
+def resizing(view: PlatformView, leave: Sequence[Action] = ()) -> list[Action]:
+    """The replicas to resize in place (:func:`quart_kernel.resize.resizes`), none of those in ``leave``."""
+    gone = {a.replica for a in leave}
+    return [Action("resize", fn, rep, cpus=cpus) for fn, rep, cpus in resizes(view.functions) if rep not in gone]
+
+
 def converge(view: PlatformView, placer: Placer, parallelism: Parallelism | None = None) -> Convergence:
     """The actions that move ``view`` towards every function's desired state (see the module's doc)."""
     actions = leaving(view)
+    actions += resizing(view, actions)
     wanted = requests(view)
     if not wanted:
         return Convergence(tuple(actions))

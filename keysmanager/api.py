@@ -64,9 +64,7 @@ class _Api:
         env = raw.get("env", {})
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise invalid("spec.env", "spec.env must be an object of string values")
-        cpus = raw.get("cpus", 1.0)
-        if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not 0 < cpus <= 1024:
-            raise invalid("spec.cpus", "spec.cpus must be a number in (0, 1024]")
+        _check_cpus(raw.get("cpus", 1.0), "spec.cpus")
         for name in ("memory_bytes", "concurrency"):
             value = raw.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -80,6 +78,7 @@ class _Api:
         app.router.add_post("/v1/replicas", self.h_start)
         app.router.add_get("/v1/replicas", self.h_replicas)
         app.router.add_post("/v1/replicas/{rid}/stop", self.h_stop)
+        app.router.add_post("/v1/replicas/{rid}/cpus", self.h_resize)
         app.router.add_post("/v1/replicas/{rid}/lease", self.h_lease)
         app.router.add_get("/v1/zygotes", self.h_zygotes)
         app.router.add_post("/v1/invalidate", self.h_invalidate)
@@ -93,7 +92,8 @@ class _Api:
 
     async def h_health(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.km.name, "pid": os.getpid(), "recovered": self.km.recovered,
-                                  "preloader": self.km.zygotes.preloader_state()})
+                                  "preloader": self.km.zygotes.preloader_state(),
+                                  "landing": self.km.landing.summary()})
 
     async def h_cache(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -153,6 +153,14 @@ class _Api:
             raise invalid("drain", "drain must be true or false")
         rep = await self.km.stop(request.match_info["rid"], drain)
         return web.json_response(self.km.replica_info(rep).to_dict())
+
+    async def h_resize(self, request: web.Request) -> web.Response:
+        """An in-place CPU change of one replica (``{"cpus": c}``): its threads get ⌈c⌉ cores."""
+        body = await _json(request)
+        cpus = body.get("cpus") if isinstance(body, dict) else None
+        _check_cpus(cpus, "cpus")
+        rep = self.km.resize(request.match_info["rid"], float(cpus))
+        return web.json_response(self.km.replica_info(rep, memory=False).to_dict())
 
     async def _stop_unleased(self, rid: str, within_s: float) -> None:
         await asyncio.sleep(within_s)
@@ -235,7 +243,10 @@ class _Api:
         stage = self.km.stage_file(function) or await self.km.localizer.wait_file(function)
         if stage is None:
             raise NotFound(f"this host holds no stage file of {function!r}", "function")
-        return await serve_file(request, stage)
+        try:
+            return await serve_file(request, stage)
+        except FileNotFoundError:  # removed meanwhile (a failed transfer, an eviction): asked before any header
+            raise NotFound(f"this host holds no stage file of {function!r} any more", "function") from None
 
     def function(self, request: web.Request) -> str:
         function = request.match_info["function"]
@@ -301,3 +312,6 @@ def _answer(exc: QuartError) -> web.Response:
     return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers)
 
 
+def _check_cpus(cpus: Any, field: str) -> None:
+    if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not 0 < cpus <= 1024:
+        raise invalid(field, f"{field} must be a number in (0, 1024]")

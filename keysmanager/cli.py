@@ -24,6 +24,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus", type=int, help="GPU slots of this host (0 = CPU host)")
     parser.add_argument("--fork-mode", choices=FORK_MODES, help="default replica mode (cow)")
     parser.add_argument("--shm-dir", help="parameter segments folder (default /dev/shm)")
+    parser.add_argument("--landing-mb", type=int,
+                        help="MiB of pages kept touched in the state dir for the next stage file to land in (default 0)")
     parser.add_argument("--listen", metavar="HOST:PORT",
                         help="also serve the API on TCP, only to clients sending the bearer token of --token-file")
     parser.add_argument("--token-file", help="file holding the bearer token (mode 0600; required with --listen)")
@@ -34,7 +36,7 @@ def main(argv: list[str]) -> int:
         config = KeysManagerConfig.from_env(
             name=args.name, socket=args.socket, state_dir=args.state_dir, memory_limit=args.memory_limit,
             memory_threshold=args.memory_threshold, gpus=args.gpus, fork_mode=args.fork_mode,
-            shm_dir=args.shm_dir, listen=args.listen, token_file=args.token_file, host_address=args.host_address)
+            shm_dir=args.shm_dir, landing_mb=args.landing_mb, listen=args.listen, token_file=args.token_file, host_address=args.host_address)
         asyncio.run(serve(config))
     except (ValueError, RuntimeError) as exc:
         print(f"quartctl keysmanager: {exc}", file=sys.stderr)

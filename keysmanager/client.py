@@ -152,6 +152,9 @@ class KeysManagerClient:
         data = self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain})
         return ReplicaInfo.from_dict(data)
 
+    def resize(self, replica_id: str, cpus: float) -> ReplicaInfo:
+        return ReplicaInfo.from_dict(self._call("POST", f"/v1/replicas/{replica_id}/cpus", {"cpus": cpus}))
+
     def replicas(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
         path = _replicas_path(function, memory)
         return [ReplicaInfo.from_dict(r) for r in self._call("GET", path)["replicas"]]
@@ -239,6 +242,9 @@ class AsyncKeysManagerClient:
 
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
         return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain}))
+
+    async def resize(self, replica_id: str, cpus: float) -> ReplicaInfo:
+        return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/cpus", {"cpus": cpus}))
 
     async def replicas(self, function: str | None = None, memory: bool = True) -> list[ReplicaInfo]:
         path = _replicas_path(function, memory)

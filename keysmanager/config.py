@@ -40,6 +40,7 @@ class KeysManagerConfig:
     ready_timeout_s: float = 180.0  # a replica not healthy by then is killed and reported dead
     zygote_timeout_s: float = 600.0  # loading parameters into a zygote
     drain_timeout_s: float = 30.0  # stop: wait this long for in-flight requests, then SIGKILL
+    landing_mb: int = 0  # MiB of pages kept touched in the state dir for the next stage file (keysmanager.landing)
     part_read_timeout_s: float = 10.0  # a part start's ranged read from a peer: silent this long, try the next source
     monitor_interval_s: float = 0.1  # reaping and memory-pressure checks
     max_replicas_per_call: int = 256
@@ -53,8 +54,8 @@ class KeysManagerConfig:
             raise ValueError(f"host name {self.name!r} must be 1-63 letters, digits, '_', '.', '-'")
         if not 0.0 < self.memory_threshold <= 1.0:
             raise ValueError("memory_threshold must be in (0, 1]")
-        if self.memory_limit < 0 or self.gpus < 0:
-            raise ValueError("memory_limit and gpus must be >= 0")
+        if self.memory_limit < 0 or self.gpus < 0 or self.landing_mb < 0:
+            raise ValueError("memory_limit, gpus and landing_mb must be >= 0")
         if self.fork_mode not in ("cow", "isolated"):
             raise ValueError("fork_mode must be 'cow' or 'isolated'")
         if self.listen:

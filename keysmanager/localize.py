@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from keysmanager.errors import InvalidSpec, RegistryUnavailable
+from keysmanager.landing import LandingReserve
 from keysmanager.parts import HeaderFailed, PartError, PartJob, fetch_part
 from keysmanager.peers import StageFile, read_peer_range, stream_from_peer
 from keysmanager.registry import LIVE_MANIFEST, MANIFEST, MODEL_URL_ENV, ModelRegistry, RegistryError
@@ -43,8 +44,9 @@ class LiveTarget:
 class Localizer:
     """Local folders of registry stages, the transfers in flight, and what this host can serve to peers."""
 
-    def __init__(self, state_dir: Path, token: str | None) -> None:
+    def __init__(self, state_dir: Path, token: str | None, landing: LandingReserve | None = None) -> None:
         self.root = Path(state_dir) / "registry"
+        self.landing = landing  # pre-touched pages the next new stage file lands in (keysmanager.landing)
         self.token = token  # the cluster's bearer token, to fetch from peers
         self.files: dict[str, StageFile] = {}  # function → its stage file here (complete or arriving)
         self.fetched: dict[str, FetchResult] = {}  # function → how its last transfer went
@@ -180,10 +182,13 @@ class Localizer:
         self.files.pop(function, None)
         try:
             result = await asyncio.to_thread(registry.materialize, stage_index, folder, peers=sources,
-                                             on_writer=on_writer, live=live)
+                                             on_writer=on_writer, live=live, landing=self.landing)
         except RegistryError as exc:
             self.files.pop(function, None)
             raise RegistryUnavailable(f"stage {function!r}: {exc}", "spec.env." + MODEL_URL_ENV) from None
+        finally:
+            if self.landing is not None:
+                self.landing.refill_later()
         self.fetched[function] = result
         done = self.files.get(function)
         if done is not None:

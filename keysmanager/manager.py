@@ -35,6 +35,7 @@ from keysmanager.auth import read_token
 from keysmanager.config import KeysManagerConfig
 from keysmanager.errors import InvalidSpec, ManagerError, NoRoom, NotFound
 from keysmanager.eviction import CacheEntry, plan_eviction
+from keysmanager.landing import LandingReserve
 from keysmanager.launcher import Launcher
 from keysmanager.live import held_of, start_live
 from keysmanager.localize import Localizer
@@ -65,7 +66,9 @@ class KeysManager:
         self.zygotes = Zygotes(config, self._launcher, self._segments, self.spawn_task, self._reap,
                                self.replicas.exited, self._state.touch)
         self._cache_locks: dict[str, asyncio.Lock] = {}
-        self.localizer = Localizer(self.state_dir, read_token(config.token_file) if config.token_file else None)
+        self.landing = LandingReserve(self.state_dir / "landing", config.landing_mb << 20)
+        self.localizer = Localizer(self.state_dir, read_token(config.token_file) if config.token_file else None,
+                                   self.landing)
         self.localizer.part_read_timeout_s = config.part_read_timeout_s
         self._caching: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -87,6 +90,7 @@ class KeysManager:
         self._monitor = asyncio.create_task(self._monitor_loop())
         if self.config.preload:
             await self.zygotes.start_preloader()
+        self.landing.start()  # after the preloader: its imports come first; the reserve fills with spare CPU
         self._write_state()
 
     async def close(self) -> None:
@@ -108,6 +112,7 @@ class KeysManager:
         self.zygotes.stop_preloader()
         await self._reap_until(lambda: all(r.state == "dead" for r in victims) and not self.zygotes.running(), 3.0)
         self._segments.unlink_all()
+        await asyncio.to_thread(self.landing.stop)
         for t in list(self._tasks):
             t.cancel()
         await self.replicas.close()
@@ -278,6 +283,9 @@ class KeysManager:
 
     async def stop(self, rid: str, drain: bool) -> Replica:
         return await self.replicas.stop(rid, drain)
+
+    def resize(self, rid: str, cpus: float) -> Replica:
+        return self.replicas.resize(rid, cpus)
 
     def pin(self, functions: list[str], sole: list[str] | None = None) -> list[str]:
         """Replace the set of pinned stages (the scheduler's ``keep_cached`` for this host); returns it sorted.

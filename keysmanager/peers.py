@@ -88,9 +88,9 @@ async def serve_file(request: web.Request, stage: StageFile) -> web.StreamRespon
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{stage.size}"
     response = web.StreamResponse(status=206 if span else 200, headers=headers)
     response.content_length = end - start
-    await response.prepare(request)
     loop = asyncio.get_running_loop()
-    with _open(stage) as f:
+    with await _open_when_there(stage) as f:  # before any header: a file that is not there is an error answer
+        await response.prepare(request)
         pos, held_since = start, None
         while pos < end:
             available = end if stage.complete else min(end, stage.writer.written)
@@ -101,13 +101,37 @@ async def serve_file(request: web.Request, stage: StageFile) -> web.StreamRespon
                 # a file still arriving goes on in FORWARD_BYTES pieces: a sendfile per 2 ms poll (a few hundred kB)
                 # cost the forwarding host as much CPU as its own receiving (a chain of 4 on 2 cores, half the NIC)
                 if stage.writer is not None and stage.writer.state == "failed":
-                    raise ConnectionAbortedError(f"the transfer of {stage.function} here failed")  # cut it short
+                    return _cut(request, response)  # the transfer here failed: the reader tries its next source
                 await asyncio.sleep(_POLL_S)
                 continue
             held_since = None
             pos += await _send(request, response, f, pos, min(available, pos + PEER_CHUNK_BYTES * 16) - pos)
     await response.write_eof()
     return response
+
+
+def _cut(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """End an answer whose headers (the whole length) are out: only a cut connection tells the reader at once
+    (an error answer written after them would reach it as body bytes, and it would wait for the rest)."""
+    if request.transport is not None:
+        request.transport.abort()
+    return response
+
+
+async def _open_when_there(stage: StageFile, timeout_s: float = 10.0):
+    """The file to serve. A transfer is registered here as its writer opens, a moment before the partial file is
+    there (a landing reserve renamed, ``keysmanager.landing``): a reader asking in between waits for it.
+    FileNotFoundError when neither the partial nor the final file is there and the transfer is not opening."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return _open(stage)
+        except FileNotFoundError:
+            writer = stage.writer
+            if writer is None or writer.state != "writing" or writer.written or loop.time() > deadline:
+                raise
+        await asyncio.sleep(_POLL_S)
 
 
 async def _send(request: web.Request, response: web.StreamResponse, f, offset: int, count: int) -> int:

@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from keysmanager.transfer import (
@@ -33,6 +33,9 @@ from keysmanager.transfer import (
     fetch_first,
     sha256_file,
 )
+
+if TYPE_CHECKING:
+    from keysmanager.landing import LandingReserve
 
 MODEL_URL_ENV = "QUART_MODEL_URL"  # s3://bucket/prefix of a partitioned model (stack.yml environment)
 ENDPOINT_ENV = "QUART_REGISTRY_ENDPOINT"  # S3 endpoint URL when not AWS (MinIO, a local server)
@@ -183,7 +186,8 @@ class ModelRegistry:
 
     def materialize(self, stage_index: int, dest_dir: Path, on_progress: Progress | None = None,
                     peers: Sequence[tuple[str, StreamInto]] = (),
-                    on_writer: Callable[[VerifiedWriter], None] | None = None, live: bool = False) -> FetchResult:
+                    on_writer: Callable[[VerifiedWriter], None] | None = None, live: bool = False,
+                    landing: LandingReserve | None = None) -> FetchResult:
         """A local model folder holding the manifest, the tokenizer and stage ``stage_index`` (fetched,
         verified), usable as ``QUART_MODEL_DIR``. A stage file already there with the right checksum is kept.
 
@@ -192,7 +196,8 @@ class ModelRegistry:
         ``on_writer`` sees each writer as it opens (a KeysManager serves a transfer in flight on to peers).
         ``live``: when the manifest has per-layer hashes, write the manifest to ``LIVE_MANIFEST`` first and check
         the stage file layer by layer as it arrives (``keysmanager.transfer.LayerCheck``): a live replica serves
-        the layers verified so far (``keysmanager.live``)."""
+        the layers verified so far (``keysmanager.live``). ``landing``: a new stage file lands in its pre-touched
+        pages (``keysmanager.landing``)."""
         dest_dir = Path(dest_dir)
         dest_dir.mkdir(parents=True, exist_ok=True)
         manifest = self.manifest()
@@ -213,7 +218,8 @@ class ModelRegistry:
 
                 def open_writer() -> VerifiedWriter:
                     writer = VerifiedWriter(target, entry.get("sha256"), entry.get("file_bytes"),
-                                            f"stage {stage_index} of {self.url}", on_progress, layers=check)
+                                            f"stage {stage_index} of {self.url}", on_progress, layers=check,
+                                            landing=landing)
                     if on_writer is not None:
                         on_writer(writer)
                     return writer

@@ -80,8 +80,10 @@ class Replicas:
         raise NoFreeSlot(f"host {self.config.name} has no free GPU slot ({self.config.gpus} in use)", "count")
 
     def _take_cores(self, cpus: float) -> list[int]:
-        if not self.config.pin_cpus:
-            return []
+        return self._next_cores(cpus) if self.config.pin_cpus else []
+
+    def _next_cores(self, cpus: float) -> list[int]:
+        """⌈cpus⌉ cores (at most this host's), round robin over the host's cores."""
         n = min(len(self._cores), max(1, math.ceil(cpus)))
         cores = [self._cores[(self._next_core + i) % len(self._cores)] for i in range(n)]
         self._next_core = (self._next_core + n) % len(self._cores)
@@ -197,6 +199,19 @@ class Replicas:
             self.signal(rep, signal.SIGKILL)
             with contextlib.suppress(TimeoutError):
                 await within(5.0, rep.died.wait())
+        return rep
+
+    def resize(self, rid: str, cpus: float) -> Replica:
+        """An in-place CPU change (QUART's CPU compensation, `quart_kernel.resize`): every thread of the replica gets
+        ⌈cpus⌉ cores (pinned even where starts are not); the replica sizes its torch threads to them at its next
+        request. Nothing restarts."""
+        rep = self.by_id.get(rid)
+        if rep is None or rep.state == "dead":
+            raise NotFound(f"no live replica with id {rid!r}", "replica_id")
+        if len(rep.cores) != min(len(self._cores), max(1, math.ceil(cpus))):
+            cores = self._next_cores(cpus)
+            sysutil.set_process_cores(rep.pid, cores)
+            rep.cores = cores
         return rep
 
     # ---------------------------------------------------------------- death

@@ -101,6 +101,17 @@ def create_time(pid: int) -> float:
         return 0.0
 
 
+def set_process_cores(pid: int, cores: list[int]) -> None:
+    """Pin every thread of process ``pid`` to ``cores`` (threads it starts later inherit them)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return  # gone: its death is reported elsewhere
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cores)
+
+
 def set_cpu_budget(cores: list[int] | None, threads: int) -> None:
     """Pin the calling process to ``cores`` (when given) and cap torch/OpenMP threads at ``threads``."""
     if cores:

@@ -25,8 +25,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quart_stage.progress import read_progress, write_progress
+
+if TYPE_CHECKING:
+    from keysmanager.landing import LandingReserve
 
 CHUNK_BYTES = 4 << 20
 
@@ -69,7 +73,8 @@ class VerifiedWriter:
     """
 
     def __init__(self, dest: Path, sha256: str | None = None, size: int | None = None, what: str = "",
-                 on_progress: Progress | None = None, layers: LayerCheck | None = None) -> None:
+                 on_progress: Progress | None = None, layers: LayerCheck | None = None,
+                 landing: LandingReserve | None = None) -> None:
         self.dest = Path(dest)
         self.partial = self.dest.with_name(self.dest.name + ".partial")
         self.sha256, self.size, self.what = sha256, size, what or str(dest)
@@ -89,14 +94,20 @@ class VerifiedWriter:
                                                   and layers.spans[-1][1] == size)
         self._pipe: tuple[int, int] | None = None  # splice_from: socket → pipe → file
         self._map: mmap.mmap | None = None  # ... and the file mapped read-only, to hash what landed in place
+        self.landing = landing  # pre-touched pages a new partial file takes (keysmanager.landing)
+        self.pretouched = 0  # bytes of the partial file that were touched before this transfer (the reserve's)
 
     def __enter__(self) -> VerifiedWriter:
         self.dest.parent.mkdir(parents=True, exist_ok=True)
         if self.layers is None:
             # a new file, never a truncated one: a live replica of an earlier attempt may still map the old one
             self.partial.unlink(missing_ok=True)
-            self._file = open(self.partial, "w+b")  # noqa: SIM115 - closed in commit/abort; readable: splice_from maps it
+            self.pretouched = self._take_landing()
+            # closed in commit/abort; readable: splice_from maps it; a taken reserve is overwritten from its start
+            self._file = open(self.partial, "r+b" if self.pretouched else "w+b")  # noqa: SIM115
             return self
+        if not self.partial.exists():  # an earlier attempt's file is kept (a live replica maps it)
+            self.pretouched = self._take_landing()
         fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)  # never truncated: a live replica maps it
         self._file = os.fdopen(fd, "r+b")
         if self.size is not None and os.fstat(fd).st_size < self.size:
@@ -104,6 +115,9 @@ class VerifiedWriter:
         done = read_progress(str(self.layers.progress))
         self._keep = self.layers.spans[done - 1][1] if done else 0
         return self
+
+    def _take_landing(self) -> int:
+        return self.landing.take(self.partial, self.size) if self.landing is not None and self.size else 0
 
     def __exit__(self, *exc: object) -> None:
         if self.state == "writing":

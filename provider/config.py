@@ -72,6 +72,9 @@ class GatewayConfig:
     paraserve_decode_ms: float = 0.0  # a decode step of the whole stage
     paraserve_hop_ms: float = 0.0  # one more part on a step's path
     paraserve_prefill_ms: float = 0.0  # a typical prompt's prefill on the whole stage
+    # once a group is whole it keeps as many workers as the sessions that arrived in the last window (and those
+    # waiting) need (paraserve_gen.workers_to_keep): the function's desired count is raised to that
+    paraserve_window_s: float = 10.0
     registry_gbps: float = 0.0  # the registry's total bandwidth shared by a cold start's fetchers; 0: unlimited
     start_timeout_s: float = 120.0  # a replica not ready after this is stopped and replaced
     async_workers: int = 16  # /async-function calls run at once (OpenFaaS queue-worker's max_inflight)

@@ -73,6 +73,7 @@ class EmbeddedGateway:
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
                                      self.key_history, self.scheduler_metrics)
+        self.reconciler.set_desired = self.registry.set_desired  # a whole ParaServe group's sliding-window count
         self.balancer = Balancer(config, self.functions, self.kick,
                                  lambda fn: not_ready_reason(fn, self.functions.values(), self.hosts),
                                  self.registry.set_desired)
@@ -175,6 +176,11 @@ class EmbeddedGateway:
         """Let the reconciler read how many KV positions generation sessions hold on a replica (replica id → n):
         scale-down keeps replicas with sessions over those without, and drains one until its sessions are gone."""
         self.reconciler.kv_tokens = kv_tokens
+
+    def watch_demand(self, demand: Callable[[str], Any]) -> None:
+        """Let the reconciler read a function's generation demand (function → ``GroupDemand``: session arrivals,
+        waiting, sessions per worker): a ParaServe group that becomes whole keeps the workers it needs."""
+        self.reconciler.demand = demand
 
     def note_held(self, name: str, endpoint: Endpoint, held: tuple[int, int]) -> None:
         """A replica's answer said which layers it holds now; a live replica holding all of them joins ``ready``."""

@@ -34,7 +34,7 @@ from quart_stage.envpolicy import replica_base_env
 from quart_stage.privdrop import RUN_AS_ENV, drop_privileges, parse_run_as
 
 from keysmanager.aio import within
-from keysmanager.sysutil import set_parent_death_signal
+from keysmanager.sysutil import set_parent_death_signal, set_process_cores
 
 ReplicaState = Literal["starting", "ready", "draining", "dead"]
 LISTEN_FD_ENV = "QUART_LISTEN_FD"  # a process runnable serves HTTP on this inherited socket
@@ -86,6 +86,8 @@ class Host(Protocol):
 
     async def stop(self, replica_id: str) -> None: ...
 
+    async def resize(self, replica_id: str, cpus: float) -> None: ...  # in place: its cores (quart_kernel.resize)
+
     async def replicas(self) -> list[ReplicaStatus]: ...
 
     async def invalidate(self, function: str) -> None: ...
@@ -93,6 +95,17 @@ class Host(Protocol):
     async def log_files(self, function: str) -> list[tuple[str, Path]]: ...  # (instance, file) of its replicas
 
     async def close(self) -> None: ...
+
+
+def replica_cpus(spec: ReplicaSpec) -> float:
+    """The CPUs a replica of ``spec`` runs with: its function's CPU limit, else a stage's ``QUART_THREADS``
+    (default 1; the KeysManager's), else 0 (a process without a limit: not managed)."""
+    if spec.cpus:
+        return spec.cpus
+    raw = spec.env.get("QUART_THREADS", "")
+    if spec.kind == "stage":
+        return float(raw) if raw.isdigit() and int(raw) > 0 else 1.0
+    return 0.0
 
 
 async def poll_replicas(hosts: dict[str, Host], timeout_s: float) -> dict[str, list[ReplicaStatus] | BaseException]:
@@ -230,6 +243,15 @@ class ProcessHost:
             except (TimeoutError, aiohttp.ClientError, OSError):
                 pass
             await asyncio.sleep(self._health_interval_s)
+
+    async def resize(self, replica_id: str, cpus: float) -> None:
+        """An in-place CPU change: the child's threads get ``cpus`` cores (round robin by its number, as at start)."""
+        child = self._children.get(replica_id)
+        if child is None or child.process.returncode is not None:
+            raise LookupError(f"host {self.name} runs no replica {replica_id!r}")
+        cores = cpu_set(cpus, int(replica_id.rsplit("-", 1)[1]))
+        if cores:
+            set_process_cores(child.process.pid, sorted(cores))
 
     async def stop(self, replica_id: str) -> None:
         child = self._children.pop(replica_id, None)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from quart_kernel.scheduling.hosts import host_view_from_report
 from quart_kernel.scheduling.types import HostView
-from quart_provider.hosts import ProcessHost, ReplicaSpec, ReplicaStatus
+from quart_provider.hosts import ProcessHost, ReplicaSpec, ReplicaStatus, replica_cpus
 
 from keysmanager.client import AsyncKeysManagerClient
 from keysmanager.types import ReplicaInfo, StageSpec
@@ -27,9 +27,7 @@ def _status(info: ReplicaInfo) -> ReplicaStatus:
 
 def _stage(spec: ReplicaSpec) -> StageSpec:
     """The KeysManager's spec: CPUs are the function's CPU limit, else its ``QUART_THREADS`` (default 1)."""
-    raw = spec.env.get("QUART_THREADS", "")
-    cpus = spec.cpus or (float(raw) if raw.isdigit() and int(raw) > 0 else 1.0)
-    return StageSpec(function=spec.function, env=dict(spec.env), cpus=cpus,
+    return StageSpec(function=spec.function, env=dict(spec.env), cpus=replica_cpus(spec),
                      memory_bytes=spec.memory_bytes or 0, concurrency=spec.concurrency or 1)
 
 
@@ -118,6 +116,12 @@ class KeysManagerHost:
             await self._processes.stop(replica_id)
             return
         await self.client.stop(replica_id, drain=True)
+
+    async def resize(self, replica_id: str, cpus: float) -> None:
+        if replica_id.startswith(f"{self.name}-") and replica_id in {r.id for r in await self._processes.replicas()}:
+            await self._processes.resize(replica_id, cpus)
+            return
+        await self.client.resize(replica_id, cpus)
 
     async def replicas(self) -> list[ReplicaStatus]:
         stage = [_status(r) for r in await self.client.replicas(memory=False)]

@@ -12,7 +12,10 @@ sub-pipelines (borrowing helpers on spare hosts). The stage's layers are split i
 balanced by bytes (`split_parts`); part i starts on the group's i-th host as a KeysManager part start
 (``layers``, ``keysmanager.parts``): it serves its part at once, fetches the rest, and becomes whole. Until
 every member of a group is whole (or gone) the group is *protected*: the surplus rule (`choose_surplus`)
-sees none of its members, so helpers leave only after consolidation, by draining (no request lost).
+sees none of its members, so helpers leave only after consolidation, by draining (no request lost). When a
+group is whole, the function's desired count becomes at least the workers the sliding-window rule keeps
+(`paraserve_gen.desired_after_consolidation`, from the session engine's demand, ``paraserve_window_s``): the
+group scales down to one worker, or up to several, through the registry and the one convergence.
 
 The stage's layout (layer range, per-layer bytes) comes from its manifest in the registry (one GET, cached
 per function generation); a stage whose layout cannot be read starts the ordinary way.
@@ -26,7 +29,12 @@ import math
 from collections.abc import Mapping, Sequence
 
 from quart_kernel.scheduling.paraserve import ParaServeCosts, choose_parts, hosts_from_rates, parts_limit
-from quart_kernel.scheduling.paraserve_gen import GenerationCosts, plan_generation
+from quart_kernel.scheduling.paraserve_gen import (
+    GenerationCosts,
+    GroupDemand,
+    desired_after_consolidation,
+    plan_generation,
+)
 from quart_kernel.scheduling.paraserve_groups import (
     Group,
     StageLayout,
@@ -51,6 +59,8 @@ class ParaServeStarts:
         self.groups: dict[str, list[Group]] = {}  # function → groups not yet consolidated
         self.chosen: list[tuple[str, int]] = []  # (function, P) of every ParaServe start, in order
         self.history: list[Group] = []  # every group started (benchmarks and tests read it)
+        self.whole: dict[str, list[Group]] = {}  # function → groups that became whole since `desired_after` looked
+        self.kept: list[tuple[str, int]] = []  # (function, desired count) set after each group became whole
 
     async def layout(self, fn: FunctionState, env: Mapping[str, str]) -> StageLayout | None:
         known = self.layouts.get(fn.name)
@@ -129,9 +139,26 @@ class ParaServeStarts:
             alive = [fn.replicas[r] for r in group.members if r in fn.replicas]
             if not consolidating(group.pending, (_whole(e) for e in alive)):
                 groups.remove(group)
+                self.whole.setdefault(fn.name, []).append(group)
                 continue
             keep.update(e.id for e in alive)
         return keep
+
+
+    def desired_after(self, fn: FunctionState, demand: GroupDemand, now: float) -> int | None:
+        """The desired count of ``fn`` once its groups that became whole since the last call are whole
+        (`desired_after_consolidation`); None when none did."""
+        done = self.whole.pop(fn.name, [])
+        if not done:
+            return None
+        size = max(len(g.hosts) for g in done)
+        desired = desired_after_consolidation(fn.desired, demand, now, self.config.paraserve_window_s, size)
+        self.kept.append((fn.name, desired))
+        log.info("%s: ParaServe group of %d whole; desired %d -> %d (%d sessions in the last %.0f s, %d waiting, "
+                 "%d per worker)", fn.name, size, fn.desired, desired,
+                 sum(1 for t in demand.arrivals if now - self.config.paraserve_window_s < t <= now), demand.waiting,
+                 demand.per_worker)
+        return desired
 
 
 def _whole(endpoint: Endpoint) -> bool:

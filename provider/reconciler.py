@@ -30,12 +30,14 @@ from quart_kernel.convergence import (
     converge,
     leaving,
     requests,
+    resizing,
 )
+from quart_kernel.scheduling.paraserve_gen import GroupDemand
 from quart_kernel.scheduling.types import HostView, Placer
 from quart_provider.adopt import adopt_replicas
 from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
-from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus, poll_replicas
+from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus, poll_replicas, replica_cpus
 from quart_provider.paraserve_start import ParaServeStarts
 from quart_provider.scheduler_metrics import SchedulerMetrics
 from quart_provider.starting import Starter
@@ -59,6 +61,8 @@ class Reconciler:
         self.functions = functions
         self.key_history = key_history
         self.kv_tokens: Callable[[str], int] = _no_sessions  # replica id -> KV positions its sessions hold
+        self.demand: Callable[[str], GroupDemand] = _no_demand  # function -> its sessions (the sliding window)
+        self.set_desired: Callable[[str, int], int] | None = None  # the registry's (EmbeddedGateway sets it)
         self.scheduler_metrics = scheduler_metrics
         self._param_bytes: dict[str, tuple[int, int]] = {}  # function → (generation, stage parameter bytes)
         self._kick = asyncio.Event()
@@ -214,13 +218,17 @@ class Reconciler:
         self.kick()
 
     def view(self, now: float, hosts: tuple[HostView, ...] = ()) -> PlatformView:
-        """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed)."""
+        """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed). A
+        ParaServe group that became whole raises its function's desired count first (`_keep_group`)."""
+        protected = {name: frozenset(self.paraserve.protected(fn)) for name, fn in self.functions.items()}
+        for fn in self.functions.values():
+            self._keep_group(fn, now)
         functions = tuple(FunctionView(
             fn.name, fn.desired, fn.generation,
-            tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at, self.kv_tokens(e.id))
+            tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at, self.kv_tokens(e.id), e.cpus)
                   for e in fn.replicas.values()),
-            fn.pending_starts, fn.retry_at, frozenset(self.paraserve.protected(fn)), self._stage_param_bytes(fn),
-            fn.name in self.key_history, len(fn.ready)) for fn in self.functions.values())
+            fn.pending_starts, fn.retry_at, protected[fn.name], self._stage_param_bytes(fn),
+            fn.name in self.key_history, len(fn.ready), replica_cpus(self._spec(fn))) for fn in self.functions.values())
         mechanisms = {"peer", "multicast"} if self.config.peer_fetch else set()
         live = self.config.live_scaling
         if live or (live is None and self.config.network == "netns"):  # default: on where hosts have addresses
@@ -229,12 +237,26 @@ class Reconciler:
             mechanisms.add("paraserve")
         return PlatformView(now, functions, hosts, dict(self.key_history), frozenset(mechanisms))
 
+    def _keep_group(self, fn: FunctionState, now: float) -> None:
+        """The sliding-window rule for a group of ``fn`` that became whole: its desired count through the registry
+        (saved, clamped to its bounds) when it must keep more workers than desired."""
+        if not self.paraserve.whole.get(fn.name):
+            return
+        desired = self.paraserve.desired_after(fn, self.demand(fn.name), now)
+        if desired is not None and desired > fn.desired:
+            if self.set_desired is not None:
+                self.set_desired(fn.name, desired)
+            else:
+                fn.desired = desired
+
     async def _converge(self, now: float) -> None:
         """One convergence of the view (:func:`quart_kernel.convergence.converge`): what leaves is let go at
         once (a slow host report must not hold up a drain); the hosts are asked only when something is
         missing, and the starts go to the starter."""
         view = self.view(now)
-        self._let_go(leaving(view))
+        leave = leaving(view)
+        self._let_go(leave)
+        self._resize(resizing(view, leave))
         self.starter.forget_gone()
         layouts: dict = {}
         parts: dict[str, int] = {}
@@ -258,6 +280,24 @@ class Reconciler:
             endpoint = fn.replicas.get(action.replica) if fn is not None else None
             if endpoint is not None:
                 self.retire(fn, endpoint)
+
+    def _resize(self, actions: list[Action]) -> None:
+        """Carry out ``resize``: the replica's host changes its CPUs in place (its book entry at once, so the next
+        pass does not ask again; back to what it was if the host refuses)."""
+        for action in actions:
+            fn = self.functions.get(action.function)
+            endpoint = fn.replicas.get(action.replica) if fn is not None else None
+            if endpoint is not None and endpoint.host in self.hosts:
+                self._spawn(self._resize_one(endpoint, endpoint.cpus, action.cpus), f"resize:{endpoint.id}")
+                endpoint.cpus = action.cpus
+
+    async def _resize_one(self, endpoint: Endpoint, before: float, cpus: float) -> None:
+        try:
+            await within(self.config.host_timeout_s, self.hosts[endpoint.host].resize(endpoint.id, cpus))
+        except Exception as exc:  # the host is down or the replica gone: the next pass sees it
+            log.warning("resizing %s to %g CPUs failed: %s", endpoint.id, cpus, exc)
+            if endpoint.cpus == cpus:
+                endpoint.cpus = before
 
     async def _host_views(self) -> list[HostView]:
         """Each answering host's report, with the slots its starts under way will take."""
@@ -320,6 +360,11 @@ class Reconciler:
             except Exception as exc:
                 log.warning("stopping replica %s failed: %s", endpoint.id, exc)
         endpoint.state = "dead"
+
+
+def _no_demand(function: str) -> GroupDemand:
+    """No generation engine attached: no sessions arrive (a whole group scales down to one worker)."""
+    return GroupDemand()
 
 
 def _no_sessions(replica_id: str) -> int:

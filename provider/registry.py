@@ -80,8 +80,8 @@ class Registry:
         When what a replica runs is unchanged (same image resolution, environment, limits and
         concurrency: only labels such as ``com.openfaas.scale.min/max`` or annotations differ), the
         running replicas are kept and only the desired count is clamped to the new bounds. When only the CPUs
-        differ (QUART's CPU compensation), the new generation starts from the cached parameters: the hosts'
-        KeysManager zygotes are kept, the new replicas fork with the new cores and threads.
+        differ (QUART's CPU compensation), nothing rolls: the generation stays, and the
+        reconciler resizes the running replicas in place (``resize`` actions of `quart_kernel.convergence`).
         """
         fn = self.get(deployment.service)
         self._check_limits(deployment)
@@ -92,10 +92,9 @@ class Registry:
         fn.deployment, fn.runnable = deployment, runnable
         fn.desired = within_bounds(fn.desired, deployment.max_replicas, deployment.min_replicas)
         after = fn.replica_spec(self.max_body_bytes)
-        if after != before:
+        if replace(after, cpus=before.cpus) != before:  # more than the CPUs: a new generation
             fn.generation += 1
-            if replace(after, cpus=before.cpus) != before:  # CPUs alone: re-forked from the same parameters
-                await self._invalidate(fn.name)
+            await self._invalidate(fn.name)
         self._save(fn)
         self.changed()
         return fn
@@ -170,7 +169,8 @@ class Registry:
         return restored
 
     async def update_limits(self, name: str, cpus: float | None = None, memory_bytes: int | None = None) -> None:
-        """Change a function's CPU / memory limits (the CPU compensator's actuator): rolling update."""
+        """Change a function's CPU / memory limits (the CPU compensator's actuator): CPUs alone in place, memory by
+        a rolling update."""
         fn = self.get(name)
         old = fn.deployment.limits or Resources()
         limits = Resources(

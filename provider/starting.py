@@ -17,7 +17,7 @@ from quart_kernel.convergence import Convergence
 from quart_kernel.scheduling.paraserve_groups import Group, StageLayout
 from quart_kernel.scheduling.starts import chains_of, peers_of
 from quart_kernel.scheduling.types import HostView, ScheduleResult
-from quart_provider.hosts import ReplicaSpec
+from quart_provider.hosts import ReplicaSpec, replica_cpus
 from quart_provider.keysmanager_host import multicast
 from quart_provider.paraserve_start import ParaServeStarts
 from quart_provider.types import Endpoint, FunctionState
@@ -199,7 +199,8 @@ class Starter:
                 extra["live"] = True
             if layers is not None:  # a ParaServe part start (keysmanager.parts)
                 extra["layers"] = layers
-            statuses = await self.hosts[host].start(self._spec(fn), 1, **extra)
+            spec = self._spec(fn)
+            statuses = await self.hosts[host].start(spec, 1, **extra)
         except Exception as exc:
             fn.start_failures += 1
             backoff = min(30.0, 0.5 * 2 ** (fn.start_failures - 1))
@@ -214,7 +215,7 @@ class Starter:
         for status in statuses:
             endpoint = Endpoint(status.id, fn.name, host, status.url, status.state if status.state != "dead"
                                 else "starting", status.source, generation, now, layers=status.layers,
-                                held=status.held, partial_ok=partial_ok)
+                                held=status.held, partial_ok=partial_ok, part=layers, cpus=replica_cpus(spec))
             if self.functions.get(fn.name) is not fn:  # removed meanwhile
                 self._spawn(self._stop_now(endpoint), f"stop:{endpoint.id}")
                 continue

@@ -53,6 +53,8 @@ class Endpoint:
     held: tuple[int, int] | None = None  # the layers it can run now; short of ``layers`` while it loads (live)
     ready_ms: float | None = None  # placement asked -> ready (the reconciler's replica-ready hook), once ready
     partial_ok: bool = True  # routed while it holds part of its stage (a live start); else only once whole
+    part: tuple[int, int] | None = None  # a ParaServe part start: the layers it serves first (generation chains)
+    cpus: float = 0.0  # CPUs it runs with (its start's spec, then each in-place resize; 0: not limited)
 
     @property
     def whole(self) -> bool:

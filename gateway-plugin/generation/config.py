@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from quart_kernel.scheduling.live_split import REJOIN_MODES
 from quart_stage.labels import MAX_DECODE_BATCH
 from quart_stage.settings import ConfigError, settings_from_env
 
@@ -21,14 +22,14 @@ class GenerationConfig:
     step_timeout_s: float = 60.0  # [QUART_GEN_STEP_TIMEOUT_S] one stage call of a session before failing over
     retry_after_s: int = 1  # [QUART_GEN_RETRY_AFTER_S] Retry-After of a session refused for lack of KV room
     cooperative: bool = True  # [QUART_GEN_COOPERATIVE] split new sessions with a live replica's held layers
-    rejoin: str = "shadow"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: shadow | replay | keep
+    rejoin: str = "auto"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: auto | migrate | shadow | replay | keep
     decode_batch_max: int = 1  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
     prefill_chunk: int = 128  # [QUART_GEN_PREFILL_CHUNK] prompt positions per prefill call where decode batches (0 = whole prompt)
     decode_hold_ms: float = 250.0  # [QUART_GEN_DECODE_HOLD_MS] most a free replica holds its decode batch for its sessions' steps on their way (0 = never)
 
     def __post_init__(self) -> None:
-        if self.rejoin not in ("shadow", "replay", "keep"):
-            raise ConfigError(f"QUART_GEN_REJOIN must be shadow, replay or keep, got {self.rejoin!r}")
+        if self.rejoin not in REJOIN_MODES:
+            raise ConfigError(f"QUART_GEN_REJOIN must be one of {', '.join(REJOIN_MODES)}, got {self.rejoin!r}")
         if not 1 <= self.decode_batch_max <= MAX_DECODE_BATCH:
             raise ConfigError(f"QUART_GEN_DECODE_BATCH_MAX must be in [1, {MAX_DECODE_BATCH}], got {self.decode_batch_max}")
         if self.prefill_chunk < 0:

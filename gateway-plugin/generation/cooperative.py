@@ -7,35 +7,59 @@ the layers it ran (the stage protocol's ``X-Quart-Layers`` with ``X-Quart-Sessio
 decode included — goes the same two ways, so the new replica takes its share of the burst from its first layers
 on. The cut is fixed for the session's life (a replica's cache covers the layers it ran, no others).
 
+**Booking** (``quart_kernel.scheduling.live_split``): each part is booked its share of the session's positions;
+the live replica also holds the room the session's rejoin will need there, but only for a session predicted to
+still run when the replica is whole (its steps left × the step time seen, against the layers left at the rate
+they have been arriving). So the splits that end during the loading use the new replica's whole cache, and the
+ones that outlive it are sure of their rejoin.
+
 When the partial replica is whole, the session **rejoins** it: it runs the whole stage there and the whole
 replica it shared is relieved. How (``QUART_GEN_REJOIN``):
 
-- ``shadow`` (default): a background replay. The session's tokens so far are prefilled under a new session id
-  through the stages, with the now-whole replica at the split stage, while the session keeps decoding split;
-  the replay's answer must equal the token the session already has (checked). At the next step the session
-  switches to the new id: that step carries the tokens generated meanwhile (a short catch-up at the position
-  the replay reached), the old id is deleted everywhere. No KV bytes cross the network and the stream never
-  waits for a re-prefill.
+- ``auto`` (default): ``shadow`` where the live replica has room for the replay beside what the split holds, else
+  ``migrate`` (whose room the booking holds): the stream waits for a move only when nothing else fits.
+- ``migrate``: between two steps, the whole replica's part of the cache (``GET /_/sessions/<id>/kv
+  ?layers=cut-E``, safetensors with each tensor's sha256) is installed into the session on the now-whole replica
+  (``PUT``, verified before anything changes), under the same id; the whole replica drops it (its share is
+  released once that DELETE is answered). The stream waits for one move (the bytes of the rest's layers), never
+  for a prefill; a refused move leaves the session split.
+- ``shadow``: a background replay. The session's tokens so far are prefilled under a new session id through the
+  stages, with the now-whole replica at the split stage, while the session keeps decoding split; the replay's
+  answer must equal the token the session already has (checked). At the next step the session switches to the
+  new id with a short catch-up. No KV bytes cross the network, but the replay holds the whole session beside its
+  part on the new replica and costs a prefill there.
 - ``replay``: the session moves at once by the engine's replay (a new id, prompt + tokens at Pos 0): simple,
-  but that step waits for a whole prefill of the context (measured in docs/benchmarks.md).
+  but that step waits for a whole prefill of the context.
 - ``keep``: the session stays split until it ends.
+
+Measured against each other in docs/benchmarks.md (BlitzScale, generation).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
 from gateway_plugin import layers
+from gateway_plugin.generation.kvmove import Hop, StepError, move_kv
 from quart_kernel.picking import pick
-from quart_stage.spans import kv_charge
+from quart_kernel.scheduling.live_split import (
+    REJOIN_MODES,
+    loading_left_s,
+    outlives_loading,
+    split_booking,
+)
 
 log = logging.getLogger("quart.generation")
 
-REJOIN_MODES = ("shadow", "replay", "keep")
+__all__ = ["REJOIN_MODES", "CooperativeSessions", "Split", "bookings", "split_for"]
 
 
 @dataclass
@@ -45,8 +69,9 @@ class Split:
     partial: Any
     part: layers.Range
     rest: layers.Range
-    part_tokens: int = 0  # KV positions booked on the live replica: its part's share + the whole, for the rejoin
+    part_tokens: int = 0  # KV positions booked on the live replica: its part's share + ``reserve``
     rest_tokens: int = 0  # ... and on the whole replica
+    reserve: int = 0  # the part of ``part_tokens`` held for the rejoin (live_split.split_booking)
     shadow: Any = None  # the background replay's Session, while it runs or until the switch
     task: asyncio.Task | None = None
     base: str = ""  # the session id the replay was started from (a failover in between makes it stale)
@@ -58,49 +83,114 @@ def bookings(session: Any) -> list[tuple[Any, int]]:
     """What the session holds booked: (replica, positions) for every stage, a split's two parts each their share."""
     out = []
     for k, replica in enumerate(session.replicas):
-        split = session.splits.get(k)
-        if split is None:
+        split, chain = session.splits.get(k), session.chains.get(k)
+        if chain is not None:
+            out += chain.bookings()
+        elif split is None:
             out.append((replica, session.need))
         else:
             out += [(replica, split.rest_tokens), (split.partial, split.part_tokens)]
     return [(r, n) for r, n in out if r is not None]
 
 
-def split_for(ready: list[Any], room: Any, need: int) -> Split | None:
+def split_for(ready: list[Any], room: Callable[[str], int], need: int, rejoin: str,
+              outlives: Callable[[Any], bool]) -> Split | None:
     """The split a new session takes at a stage: on a live replica that holds the stage's first layers (not yet
-    all) and has room for ``need`` positions (``room(replica_id)``); the one holding most, then the provider's
-    pick rule. None when there is none."""
+    all) and has room for its booking (``room(replica_id)``; the rejoin's room too when ``outlives(replica)``);
+    the one holding most, then the provider's pick rule. None when there is none."""
     fits = []
     for r in ready:
         stage, held = layers.stage_range(r), getattr(r, "held", None)
         if stage is None or held is None or layers.is_whole(r):
             continue
-        if held[0] == stage[0] < held[1] < stage[1] and room(r.id) >= need + kv_charge(need, (stage[0], held[1]), stage):
-            fits.append(r)
+        if held[0] == stage[0] < held[1] < stage[1]:
+            booking = split_booking(need, (stage[0], held[1]), stage, rejoin, outlives(r))
+            if room(r.id) >= booking.live:
+                fits.append((r, booking))
     if not fits:
         return None
-    most = max(layers.held_range(r)[1] for r in fits)
-    partial = pick([r for r in fits if layers.held_range(r)[1] == most], 0)
+    most = max(layers.held_range(r)[1] for r, _ in fits)
+    partial = pick([r for r, _ in fits if layers.held_range(r)[1] == most], 0)
+    booking = next(b for r, b in fits if r is partial)
     stage, cut = layers.stage_range(partial), layers.held_range(partial)[1]
-    part, rest = (stage[0], cut), (cut, stage[1])
-    # the live replica is booked its part's share (spans.kv_charge) and the whole session beside it: the room its
-    # rejoin's replay takes while the part is still held, which a burst of new sessions can never take
-    return Split(partial, part, rest, need + kv_charge(need, part, stage), kv_charge(need, rest, stage))
+    return Split(partial, (stage[0], cut), (cut, stage[1]), booking.live, booking.rest, booking.reserve)
+
+
+@dataclass
+class LayerArrivals:
+    """When a live replica's held layers were first and last seen to grow (the rate they arrive at)."""
+
+    first_at: float
+    first_held: int
+    last_at: float
+    last_held: int
+
+    def see(self, now: float, held: int) -> None:
+        if held > self.last_held:
+            self.last_at, self.last_held = now, held
+
+    def rate(self) -> float | None:
+        """Layers per second so far; None before a second observation of growth."""
+        span = self.last_at - self.first_at
+        return (self.last_held - self.first_held) / span if span > 0 and self.last_held > self.first_held else None
 
 
 class CooperativeSessions:
     """The split and rejoin half of :class:`gateway_plugin.generation.sessions.SessionEngine` (a mixin: it uses the
-    engine's ``book``, ``config``, ``source``, ``active``, ``_step`` and ``_drop``)."""
+    engine's ``book``, ``config``, ``source``, ``clock``, ``active``, ``_background``, ``_client``, ``_step`` and
+    ``_drop``)."""
 
-    def _split_for(self, fn: str, need: int) -> Split | None:
-        """At a session's entry: the split of stage ``fn`` with a live replica serving its first layers, if any."""
-        return split_for(self.source.ready(fn), self.book.room, need)
+    arrivals: dict[str, LayerArrivals]  # live replica id -> how its layers arrive
+    step_s: float | None  # the decode steps' moving average, seconds
+    moved: list[tuple[int, float]]  # each migrate rejoin: (KV bytes moved, seconds the stream waited)
+    replayed: list[tuple[int, float]]  # each shadow rejoin's replay: (positions, seconds it ran beside the stream)
+
+    def _init_cooperative(self) -> None:
+        self.arrivals, self.step_s, self.moved, self.replayed = {}, None, [], []
+
+    def _forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
+        """``DELETE /_/sessions/<id>`` on one replica, in the background (the engine's freeing uses it too);
+        ``then()`` once it is answered (or failed)."""
+        task = asyncio.get_running_loop().create_task(self._delete(replica, session_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if then is not None:
+            task.add_done_callback(lambda _: then())
+
+    async def _delete(self, replica: Any, session_id: str) -> None:
+        url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            async with self._client().delete(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                await resp.read()
+
+    def _split_for(self, fn: str, need: int, steps: int) -> Split | None:
+        """At a session's entry (``steps`` steps to run): the split of stage ``fn`` with a live replica serving its
+        first layers, if any."""
+        return split_for(self.source.ready(fn), self.book.room, need, self.config.rejoin,
+                         lambda r: self._outlives(r, steps))
+
+    def _outlives(self, replica: Any, steps: int) -> bool:
+        """Whether a session of ``steps`` steps opened now will still run when ``replica`` is whole."""
+        stage, held = layers.stage_range(replica), layers.held_range(replica)
+        now = self.clock()
+        seen = self.arrivals.setdefault(replica.id, LayerArrivals(now, held[1], now, held[1]))
+        seen.see(now, held[1])
+        left = loading_left_s(held[1] - stage[0], stage[1] - stage[0], seen.rate())
+        return outlives_loading(steps, self.step_s, left)
+
+    def _note_step(self, seconds: float, decode: bool) -> None:
+        """A step's duration; a decode step's goes into the moving average the outlive prediction uses."""
+        if decode:
+            self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
 
     def _reserve_stage(self, replica: Any, need: int, split: Split | None, release: bool = False) -> None:
         """Book (or release) one stage of a new session: the whole replica ``need`` positions, or its share of a
         split and the live replica the rest."""
         change = self.book.release if release else self.book.reserve
-        if split is None:
+        if hasattr(replica, "bookings"):  # a ParaServe chain (groupsessions.Chain): each part its share
+            for r, n in replica.bookings():
+                change(r.id, n)
+        elif split is None:
             change(replica.id, need)
         else:
             change(replica.id, split.rest_tokens)
@@ -116,13 +206,16 @@ class CooperativeSessions:
 
     def calls(self, session: Any, k: int) -> list[tuple[Any, layers.Range | None]]:
         """The replica calls of stage ``k`` of a step: (replica, its layers or None for the whole stage)."""
-        split = session.splits.get(k)
+        split, chain = session.splits.get(k), session.chains.get(k)
+        if chain is not None:
+            return list(chain.hops)
         if split is None:
             return [(session.replicas[k], None)]
         return [(split.partial, split.part), (session.replicas[k], split.rest)]
 
     def partials(self, session: Any) -> list[Any]:
-        return [s.partial for s in session.splits.values()]
+        """The part replicas a session holds caches on besides its whole ones (splits' live parts, chains' parts)."""
+        return [s.partial for s in session.splits.values()] + [r for c in session.chains.values() for r in c.members()]
 
     # ------------------------------------------------------------------ rejoin
 
@@ -140,8 +233,38 @@ class CooperativeSessions:
                 if self.book.room(split.partial.id) + split.part_tokens >= session.need:
                     self._unsplit(session, k, onto_partial=True)
                 continue
-            if all(self.book.room(r.id) >= n for r, n in self._extra(session, self._shadow_of(session, k))):
-                self._start_shadow(session, k, split)  # else: no room for it yet, try at the next step
+            shadow_fits = self.config.rejoin in ("shadow", "auto") and all(
+                self.book.room(r.id) >= n for r, n in self._extra(session, k, self._shadow_of(session, k)))
+            if shadow_fits:  # the background replay: the stream never waits
+                self._start_shadow(session, k, split)
+            elif self.config.rejoin in ("migrate", "auto") and (
+                    self.book.room(split.partial.id) + split.part_tokens >= session.need):
+                await self._move_rest(session, k, split)  # the move: the room it needs is the rest's share
+            # else: no room for it yet, try at the next step
+
+    async def _move_rest(self, session: Any, k: int, split: Split) -> None:
+        """Rejoin by moving the whole replica's part of the cache into the session on the now-whole live replica
+        (same id, verified there before anything changes); a refused move leaves the session split."""
+        whole, partial, start = session.replicas[k], split.partial, self.clock()
+        try:
+            moved = await move_kv(self._client(), session.id, session.fed, session.need, Hop(whole.url, split.rest),
+                                  Hop(partial.url), aiohttp.ClientTimeout(total=self.config.step_timeout_s))
+        except (StepError, aiohttp.ClientError, OSError, TimeoutError) as exc:  # nothing changed (verified first)
+            split.given_up = True
+            log.warning("session %s: moving its KV cache onto %s failed (%s); staying split", session.id, partial.id,
+                        exc)
+            return
+        self.book.release(partial.id, split.part_tokens)
+        self.book.reserve(partial.id, session.need)
+        del session.splits[k]
+        session.replicas[k] = partial
+        # the whole replica's share is free once its DELETE is answered (a new session there before would be a 429)
+        self._forget(whole, session.id, then=functools.partial(self.book.release, whole.id, split.rest_tokens))
+        session.rejoins += 1
+        self.rejoins += 1
+        self.moved.append((moved, self.clock() - start))
+        log.info("session %s: rejoined stage %s on %s (%d KV bytes moved)", session.id, session.stages[k],
+                 partial.id, moved)
 
     def _shadow_of(self, session: Any, k: int) -> Any:
         """The session as it will be after the rejoin of stage ``k``: a new id, the now-whole replica there."""
@@ -149,35 +272,36 @@ class CooperativeSessions:
         replicas[k] = session.splits[k].partial
         return replace(session, id=uuid.uuid4().hex, replicas=replicas,
                        splits={j: replace(s, shadow=None, task=None) for j, s in session.splits.items() if j != k},
+                       chains=dict(session.chains),
                        generated=[], fed=0)
 
     @staticmethod
-    def _extra(session: Any, shadow: Any) -> list[tuple[Any, int]]:
-        """What the background replay books beyond the session's own bookings, replica by replica (the live
-        replica already holds the room: nothing there)."""
-        have: dict[str, int] = {}
-        for r, n in bookings(session):
-            have[r.id] = have.get(r.id, 0) + n
-        out = []
+    def _extra(session: Any, k: int, shadow: Any) -> list[tuple[Any, int]]:
+        """What the background replay of stage ``k``'s rejoin books beyond the session's own bookings, replica by
+        replica: the replay's whole bookings (its new id is held beside the session's own parts until the switch),
+        less the room the split already holds for it on the live replica."""
+        split, out = session.splits[k], []
         for r, n in bookings(shadow):
-            more = n - have.get(r.id, 0)
-            have[r.id] = max(0, have.get(r.id, 0) - n)
-            if more > 0:
-                out.append((r, more))
+            if r is split.partial:
+                n -= split.reserve
+            if n > 0:
+                out.append((r, n))
         return out
 
     def _start_shadow(self, session: Any, k: int, split: Split) -> None:
         n = session.fed
         sequence = session.prompt + session.generated
         shadow = self._shadow_of(session, k)
-        split.extra = self._extra(session, shadow)
+        split.extra = self._extra(session, k, shadow)
         for r, n in split.extra:
             self.book.reserve(r.id, n)
         split.shadow, split.base = shadow, session.id
         self.shadows += 1
 
         async def run() -> bool:
+            start = self.clock()
             token = await self._step(shadow, sequence[:n], 0, False)
+            self.replayed.append((n, self.clock() - start))
             if token != sequence[n]:
                 log.warning("session %s: the rejoin replay answered token %d, the session has %d: staying split",
                             session.id, token, sequence[n])

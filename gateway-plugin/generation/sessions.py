@@ -17,6 +17,8 @@
   (scale-down, rolling update) moves by the same replay to another ready replica of that stage with room
   (not counted against ``max_replays``); one that finds no room stays, and the replica's drain waits for
   it (bounded by the gateway's drain timeout; if it stops first, the next step fails over as above).
+- **ParaServe groups** (:mod:`.groupsessions`): while a stage has only a group's parts, a session runs on a chain
+  of them; once a replica is whole, its KV caches move there (verified) and it goes on with no re-prefill.
 - **Live scale-ups** (:mod:`.cooperative`): a session opened while a new replica of a stage holds only its
   first layers is split there (that replica runs those layers, a whole one the rest, each keeping the KV
   cache of its layers) and rejoins the new replica once it is whole.
@@ -52,8 +54,10 @@ from gateway_plugin.generation.decodebatch import (
     batch_request,
     token_row,
 )
+from gateway_plugin.generation.groupsessions import Chain, GroupSessions, unchained
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
 from gateway_plugin.generation.slots import StepSlots
+from gateway_plugin.metrics import BatchTimes, MetricsCollector
 from quart_stage.batchwire import BatchEntry
 from quart_stage.errors import QuartError, unavailable
 from quart_transport.dead_peer import dead_peer_connector
@@ -93,17 +97,20 @@ class Session:
     moves: int = 0  # replays that moved it off a draining replica
     rejoins: int = 0  # splits ended onto a live replica that became whole
     splits: dict[int, Split] = field(default_factory=dict)  # stage index -> its cooperative split
+    chains: dict[int, Chain] = field(default_factory=dict)  # stage index -> the ParaServe parts that run it
+    reprefills: int = 0  # KV migrations that failed and replayed
     freed: bool = False
     finish_reason: str = ""
 
 
-class SessionEngine(CooperativeSessions):
+class SessionEngine(CooperativeSessions, GroupSessions):
     """Places sessions, runs their steps, replays them after a failure."""
 
     def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, int, float], None] | None = None, poll_s: float = 0.05,
-                 decode_limit: Callable[[str], int] | None = None) -> None:
+                 decode_limit: Callable[[str], int] | None = None, collector: MetricsCollector | None = None) -> None:
         self.source = source  # a gateway_plugin.router.ReplicaSource
+        self.collector = collector  # each step at a stage: an arrival, its wait and its service, as the router's calls
         self.config = config
         self.clock = clock
         self.on_call = on_call
@@ -119,6 +126,9 @@ class SessionEngine(CooperativeSessions):
         self.rejoins = 0  # split sessions moved onto their live replica once it was whole
         self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
+        self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
+        self._group_state()
+        self._init_cooperative()
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -140,12 +150,13 @@ class SessionEngine(CooperativeSessions):
         return [r for r in self.source.ready(function) if layers.is_whole(r)]
 
     async def _choose(self, function: str, need: int, excluded: set[str], wait: bool) -> Any:
-        """A replica of ``function`` with room for ``need`` positions; waits (bounded) while the stage has no
-        ready replica at all; 429 when ready replicas have no room."""
+        """A replica of ``function`` with room for ``need`` positions, or while the stage has no whole replica a
+        `Chain` of a ParaServe group's parts; waits (bounded, counted) while it has neither; 429 when ready
+        replicas have no room."""
         deadline = self.clock() + (self.config.replica_wait_s if wait else 0.0)
         while True:
             ready = [r for r in self._ready(function) if r.id not in excluded]
-            chosen = self.book.choose(ready, need)
+            chosen = self.book.choose(ready, need) or (None if ready else self._chain_for(function, need, excluded))
             if chosen is not None:
                 return chosen
             if ready:
@@ -153,7 +164,8 @@ class SessionEngine(CooperativeSessions):
                                        "now (every one holds other sessions); retry later", self.config.retry_after_s)
             if self.clock() >= deadline:
                 raise unavailable(503, f"stage {function!r} has no ready replica", self.config.retry_after_s)
-            await asyncio.sleep(self.poll_s)
+            with self.waiting_for(function):
+                await asyncio.sleep(self.poll_s)
 
     async def open(self, model: str, stages: list[str], prompt: list[int], max_tokens: int,
                    sample: dict[str, Any], eos: frozenset[int]) -> Session:
@@ -161,9 +173,10 @@ class SessionEngine(CooperativeSessions):
         need = len(prompt) + max_tokens
         chosen: list[Any] = []
         splits: dict[int, Split] = {}
+        self.noted(stages, need)
         try:
             for k, fn in enumerate(stages):
-                split = self._split_for(fn, need) if self.config.cooperative else None
+                split = self._split_for(fn, need, max_tokens) if self.config.cooperative and self._ready(fn) else None
                 replica = await self._choose(fn, split.rest_tokens if split else need, set(), wait=True)
                 chosen.append(replica)
                 if split is not None:
@@ -177,7 +190,9 @@ class SessionEngine(CooperativeSessions):
             sample = {**sample, "seed": random.getrandbits(63)}  # fixed for the session: a replay samples the same
         else:
             sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
-        session = Session(model, list(stages), chosen, need, list(prompt), max_tokens, sample, eos, splits=splits)
+        replicas, chains = unchained(chosen)
+        session = Session(model, list(stages), replicas, need, list(prompt), max_tokens, sample, eos, splits=splits,
+                          chains=chains)
         self.active[session.id] = session
         self._generating.update(stages)
         return session
@@ -204,14 +219,17 @@ class SessionEngine(CooperativeSessions):
         """One step (or, after a failure, the replay that rebuilds the caches) and its token."""
         while True:
             await self._rejoin(session)
+            await self._consolidate(session)
             self._move_off_leaving(session)
             sequence = session.prompt + session.generated
             last = len(session.generated) + 1 == session.max_tokens
+            start = self.clock()
             try:
                 token = await self._step(session, sequence[session.fed:], session.fed, last)
             except StepFailed as failed:
                 await self._replace(session, failed)
                 continue
+            self._note_step(self.clock() - start, decode=len(sequence) - session.fed == 1)
             session.fed = len(sequence)
             session.freed = last
             return token
@@ -230,9 +248,14 @@ class SessionEngine(CooperativeSessions):
             if split.partial is failed.replica:
                 return
         self._drop(session)  # the old session id on every replica
-        self.book.release(failed.replica.id, session.need)
+        if failed.stage in session.chains:
+            self._unchain(session, failed.stage, free=False)
+        else:
+            self.book.release(failed.replica.id, session.need)
         session.replicas[failed.stage] = None
         excluded = set() if failed.keep else {failed.replica.id}
+        if failed.why.startswith("HTTP 429"):  # a full cache (a DELETE on its way frees it): not at once
+            await asyncio.sleep(self.poll_s)
         try:
             replacement = await self._choose(fn, session.need, excluded, wait=True)
         except QuartError as exc:
@@ -260,8 +283,7 @@ class SessionEngine(CooperativeSessions):
 
     def _rehome(self, session: Session, stage: int, replacement: Any) -> None:
         """Pin ``stage`` of the session to ``replacement`` (booked) under a new id; the next step replays from 0."""
-        self.book.reserve(replacement.id, session.need)
-        session.replicas[stage] = replacement
+        self._pin(session, stage, replacement)
         self.active.pop(session.id, None)
         session.id, session.fed = uuid.uuid4().hex, 0
         self.active[session.id] = session
@@ -270,7 +292,7 @@ class SessionEngine(CooperativeSessions):
         """One step: a decode step in its replicas' batches (decode batching on), else one call per stage; a
         long prompt in chunks of ``prefill_chunk`` positions where decode steps batch (the bound on their stall)."""
         limit = min(self._decode_max(fn) for fn in session.stages)
-        if limit > 1 and pos > 0 and len(new) == 1 and not session.splits:  # a split session steps on its own
+        if limit > 1 and pos > 0 and len(new) == 1 and not session.splits and not session.chains:  # steps alone
             return await self._batched_step(session, new[0], pos, last, limit)
         size = self.config.prefill_chunk if limit > 1 and self.config.prefill_chunk else len(new)
         token = 0
@@ -297,12 +319,13 @@ class SessionEngine(CooperativeSessions):
         row, final, result = token_row(token), len(session.stages) - 1, {}
         for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
             entry = BatchEntry(session.id, pos, last, session.sample if k == final else {})
+            self._arrived(fn)
             result, row = await self._lane(session, k, limit).decode(entry, row)
             status = int(result.get("status", 0))
             if status == 409:
                 raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
             if status == 429 or status >= 500:
-                raise StepFailed(k, replica, f"HTTP {status}: {str(result.get('error'))[:200]}")
+                raise StepFailed(k, replica, f"HTTP {status}: {str(result.get('error'))[:200]}", keep=status == 429)
             if status != 200:
                 raise QuartError(status, str(result.get("error") or f"stage {fn!r} answered {status}"), "stage")
         try:
@@ -314,7 +337,9 @@ class SessionEngine(CooperativeSessions):
                           jobs: list[DecodeJob]) -> list[tuple[dict, Row | None]]:
         """One batched decode step on ``replica``; a failed call fails every session of it over (StepFailed)."""
         body, headers = batch_request(k, model, jobs)
-        status, data, answer = await self._post(k, fn, replica, body, headers)
+        now, loop_now = self.clock(), asyncio.get_running_loop().time()
+        arrived = tuple(now - (loop_now - job.since) for job in jobs)  # each step's arrival, on the engine's clock
+        status, data, answer = await self._post(k, fn, replica, body, headers, arrived=arrived, decode=True)
         self.book.note(replica.id, answer.get(KV_HEADER))
         if status == 200:
             try:
@@ -334,25 +359,31 @@ class SessionEngine(CooperativeSessions):
                            "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
                 if part is not None:
                     headers[layers.LAYERS] = layers.format_range(part)
-                if k == final and (part is None or part[1] == layers.stage_range(replica)[1]):
-                    headers.update({SAMPLE: json.dumps(session.sample), "Accept": "application/json"})
+                if k == final:  # every part of the last stage: either may come to run it whole (a rejoin)
+                    headers[SAMPLE] = json.dumps(session.sample)
+                    if part is None or k in session.chains or part[1] == layers.stage_range(replica)[1]:
+                        headers["Accept"] = "application/json"
                 if pos == 0:
                     headers[SESSION_RESERVE] = str(session.need)
                 if last:
                     headers[SESSION_END] = "1"
-                if limit > 1 and part is None:
+                arrived = (self._arrived(fn),) if part is None else ()  # a split's parts are not the stage's steps
+                step = {"arrived": arrived, "decode": pos > 0 and len(new) == 1}
+                if limit > 1 and replica is session.replicas[k]:  # a split's rest too: between the lane's batches
                     status, data, answer = await self._lane(session, k, limit).solo(
-                        functools.partial(self._post, k, fn, replica, body, headers))
+                        functools.partial(self._post, k, fn, replica, body, headers, **step))
                 else:
-                    status, data, answer = await self._call(k, fn, replica, body, headers, running=pos > 0)
+                    call = self._part_call if k in session.chains else self._call
+                    status, data, answer = await call(k, fn, replica, body, headers, running=pos > 0, **step)
                 self.book.note(replica.id, answer.get(KV_HEADER))
                 held = layers.parse_range(answer.get(layers.HELD))
                 if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
                     self.source.note_held(fn, replica, held)  # a live replica's layers grow; whole, it joins ready
                 if status == 409:
                     raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
-                if status == 429 or status >= 500:
-                    raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}")
+                if status == 429 or status >= 500:  # a full cache: the replica may take the replay once room frees
+                    raise StepFailed(k, replica, f"HTTP {status}: {data[:200].decode(errors='replace')}",
+                                     keep=status == 429)
                 if status != 200:
                     raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
                 body, ctype = data, answer.get("Content-Type", "application/octet-stream")
@@ -361,17 +392,36 @@ class SessionEngine(CooperativeSessions):
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
-    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool
-                    ) -> tuple[int, bytes, dict[str, str]]:
+    async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool,
+                    arrived: tuple[float, ...] = (), decode: bool = False) -> tuple[int, bytes, dict[str, str]]:
         gate = self._slots.get(replica.id)
         if gate is None:
             gate = self._slots[replica.id] = StepSlots(max(0, self.source.concurrency(fn)))
         async with gate.hold(running):
-            return await self._post(k, fn, replica, body, headers)
+            return await self._post(k, fn, replica, body, headers, arrived=arrived, decode=decode)
 
-    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str]
-                    ) -> tuple[int, bytes, dict[str, str]]:
-        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer."""
+    def _arrived(self, fn: str) -> float:
+        """A step reaches stage ``fn`` now (the collector's arrival, as the router counts a request's)."""
+        now = self.clock()
+        if self.collector is not None:
+            self.collector.stage(fn).on_arrival(now, 0.0)
+        return now
+
+    def _served(self, fn: str, arrived: tuple[float, ...], start: float, end: float, decode: bool) -> None:
+        """A call of ``len(arrived)`` steps answered: each step's wait and its share of the call (the simulator's
+        rule), and a decode call's time in the stage's table by batch size."""
+        if decode:
+            self.decode_steps.setdefault(fn, BatchTimes()).record(len(arrived), end - start)
+        if self.collector is not None:
+            stats = self.collector.stage(fn)
+            for at in arrived:
+                stats.on_dispatch(start, max(0.0, start - at))
+                stats.on_complete(end, (end - start) / len(arrived))
+
+    async def _post(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str],
+                    arrived: tuple[float, ...] = (), decode: bool = False) -> tuple[int, bytes, dict[str, str]]:
+        """One call to a stage replica (the caller holds its slot); StepFailed when it gives no answer. A call that
+        carried steps (``arrived``: when each reached the stage) and succeeded is counted (``_served``)."""
         start = self.clock()
         status = 0
         self.source.take(fn, replica)
@@ -382,6 +432,8 @@ class SessionEngine(CooperativeSessions):
             ) as resp:
                 data = await resp.read()
                 status = resp.status
+                if arrived and status == 200:
+                    self._served(fn, arrived, start, self.clock(), decode)
                 return status, data, dict(resp.headers)
         except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
             status = 504 if isinstance(exc, TimeoutError) else 502
@@ -410,6 +462,11 @@ class SessionEngine(CooperativeSessions):
             return len(mine), booked, 0
         return len(mine), booked, sum(self.book.cap(r.id) for r in self._ready(function))
 
+    def stage_decode(self, function: str) -> tuple[tuple[tuple[int, int, float], ...], int]:
+        """(sessions per step, steps, mean s) of the stage's decode steps by batch size, and its decode batch limit."""
+        times = self.decode_steps.get(function)
+        return (times.table() if times is not None else ()), max(1, self._decode_max(function))
+
     # ------------------------------------------------------------------ freeing
 
     def finish(self, session: Session) -> None:
@@ -428,20 +485,12 @@ class SessionEngine(CooperativeSessions):
         self._leave_lanes(session.id)
         for replica in [*session.replicas, *self.partials(session)]:
             if replica is not None:
-                task = asyncio.get_running_loop().create_task(self._delete(replica, session.id))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._forget(replica, session.id)
 
     def _leave_lanes(self, session_id: str) -> None:
         """No lane holds its batch for this session id any more (decodebatch.hold_for)."""
         for lane in self._lanes.values():
             lane.leave(session_id)
-
-    async def _delete(self, replica: Any, session_id: str) -> None:
-        url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"
-        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-            async with self._client().delete(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                await resp.read()
 
 
 def _error_text(data: bytes) -> str:

@@ -18,8 +18,10 @@ corrector spends the same budget the way the oracle does:
 4. **Backlog** (dead-time gated): a queue that needs longer than ``backlog_starts`` × a replica's start
    time to drain at the current count gets the servers that drain it within that time.
 5. **Hysteresis sized to the start cost**: up at once; down only once the demand has stayed below the
-   current count for ``hold_s`` = max(``hold_min_s``, ``hold_starts`` × the start time), at most
-   ``max_step_down`` per step, never below the replicas busy now.
+   current count, at most ``max_step_down`` per step, never below the replicas busy now. The reserve (the count
+   then − the demand) is kept whole for ``hold_s`` = max(``hold_min_s``, ``hold_starts`` × the start time), then
+   tapered off over (e − 1) × ``hold_s`` as fractional ski rental (``gateway_plugin.policies.keepalive``) against a
+   burst that returns (``ski_rental_tail``; off: all of it at ``hold_s``).
 6. **Start-up**: until a stage has seen traffic for ``peak_window_s``, its observed peak is the largest of
    fewer windows than the peak window holds (and, in the first seconds, a mean of a few bursty arrivals), so it
    is sized for at least the peak the full window is expected to show (``expected_peak_rate``), from the mean
@@ -41,6 +43,7 @@ from gateway_plugin.config import CorrectConfig, ProvisionConfig
 from gateway_plugin.policies.batch_capacity import capacity_rate, delay_s, work_s
 from gateway_plugin.policies.correct import Correction, servers_of, stage_target_s
 from gateway_plugin.policies.history import SampleWindow
+from gateway_plugin.policies.keepalive import replicas_kept
 from gateway_plugin.policies.load_floor import LoadFloor, sizing_rate
 from gateway_plugin.policies.queueing import mmc_delay, servers_for_utilisation
 from gateway_plugin.snapshot import PipelineSnapshot, StageSnapshot
@@ -85,6 +88,7 @@ class _StageState:
     span_s: float = 0.0  # seconds those requests came in
     cv: float = 1.0  # inter-arrival CV of the last snapshot
     floor: LoadFloor | None = None  # rule 9 (gateway_plugin.policies.load_floor)
+    top: int = 0  # the count when the demand fell below it (the burst reserve is top − demand)
 
 
 @dataclass(slots=True)
@@ -204,12 +208,17 @@ class Provisioner:
             st.below_since = None
             return Correction(current, delay, target, error, False, reason), release
         if st.below_since is None:
-            st.below_since = now
+            st.below_since, st.top = now, current
         hold = max(cfg.hold_min_s, cfg.hold_starts * start_s)
-        if now - st.below_since < hold:
+        idle = now - st.below_since
+        if cfg.ski_rental_tail:  # hold, then taper as fractional ski rental (policies.keepalive)
+            keep = replicas_kept(st.top, demand, idle, hold)
+        else:
+            keep = current if idle < hold else demand
+        if keep >= current:
             return Correction(current, delay, target, error, False, reason + f" (hold {hold:.1f}s)"), release
         busy = math.ceil(stage.busy / per)
-        down = max(demand, busy, current - self.correct.max_step_down)
+        down = max(keep, busy, current - self.correct.max_step_down)
         return Correction(down, delay, target, error, False, reason + f" {current}->{down}"), release
 
 

@@ -8,11 +8,13 @@
    (≤ CPU_max). Otherwise Correct's ŷ_i stands (the paper's "SLO may be violated → Correct"). With
    ``CPUConfig.allocate`` (off by default: docs/policies.md) every other
    stage whose predicted delay is above the target although Correct adds no replica (its maximum reached, the
-   cluster full) and none is starting (a CPU change is a rolling update: it would void those starts) gets the
+   cluster full) and none is starting (the bridge has those) gets the
    fewest CPUs that meet it, or CPU_max; a stage whose delay at
-   ``cpu_default`` CPUs is ≤ ``release_margin`` × the target goes back to them. A CPU change is a rolling update, so
-   a stage's CPUs change at most once per ``hold_s``. A stage's service time at c CPUs is its *measured* time × the
-   regression's ratio t(c)/t(now) (gateway_plugin.policies.cpu_model).
+   ``cpu_default`` CPUs is ≤ ``release_margin`` × the target goes back to them, at most once per ``hold_s``. The
+   bridge (``CPUConfig.bridge``, on; gateway_plugin.policies.cpu_bridge): while a stage has fewer ready replicas than
+   decided (its new ones start), the ready ones get the CPUs that carry the decided capacity, back to
+   ``cpu_default`` once they serve. A CPU change is an in-place resize (quart_kernel.resize). A stage's service time
+   at c CPUs is its *measured* time × the regression's ratio t(c)/t(now) (gateway_plugin.policies.cpu_model).
 Stages Correct scaled up are the key stages; their history (count of decisions in which each stage
 was key) goes to the scheduler. Pure: no I/O, time from the snapshot.
 """
@@ -31,13 +33,12 @@ from gateway_plugin.policies.correct import (
     servers_of,
     stage_target_s,
 )
+from gateway_plugin.policies.cpu_bridge import MIN_GAIN, bridge_cpus, cpu_steps
 from gateway_plugin.policies.cpu_model import CPULatencyModel
 from gateway_plugin.policies.provision import Provisioner
 from gateway_plugin.policies.queueing import servers_for_utilisation
 from gateway_plugin.policies.smooth import beta, reclaim_target
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision, StageSnapshot
-
-MIN_GAIN = 0.05  # CPUs are granted only where the regression predicts at least this much shorter service
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class QuartPolicy:
     corrector: Corrector = field(init=False)
     provisioner: Provisioner | None = field(init=False)
     cpu_changed_at: dict[int, float] = field(init=False, default_factory=dict)  # stage → time of its last CPU change
+    bridged: set[int] = field(init=False, default_factory=set)  # stages whose CPUs the bridge raised
 
     def __post_init__(self) -> None:
         if self.config.mode not in ("provision", "pid"):
@@ -104,6 +106,8 @@ class QuartPolicy:
                                 reason += f" cpus {cpus:g}->{new_cpus:g}"
                             replicas, cpus = candidate, new_cpus
                             break
+            if cpus == stage.cpus:
+                cpus, reason = self._bridge(stage, replicas, cpus, reason)
             steady = stage.pending_replicas == 0 and replicas <= stage.replicas  # no start a CPU roll would void
             if cpus == stage.cpus and steady and snapshot.time - self.cpu_changed_at.get(stage.index, -math.inf) >= cfg.cpu.hold_s:
                 cpus, reason = self._allocate(stage, replicas, corr.target_s, cpus, reason)
@@ -150,9 +154,23 @@ class QuartPolicy:
 
     def _cpu_steps(self, stage: StageSnapshot) -> list[float]:
         """CPU counts above the stage's current ones, in ``cpu_step`` steps up to CPU_max."""
+        return cpu_steps(self.config.cpu, stage.cpus)
+
+    def _bridge(self, stage: StageSnapshot, replicas: int, cpus: float, reason: str) -> tuple[float, str]:
+        """CPUs of a stage whose new replicas start (`cpu_bridge.bridge_cpus`), back to ``cpu_default`` after."""
         cpu_cfg = self.config.cpu
-        steps = int(math.floor((cpu_cfg.cpu_max - stage.cpus) / cpu_cfg.cpu_step + 1e-9))
-        return [round(stage.cpus + k * cpu_cfg.cpu_step, 6) for k in range(1, steps + 1)]
+        if not (cpu_cfg.enabled and cpu_cfg.bridge) or self.cpu_model is None:
+            return cpus, reason
+        new = bridge_cpus(stage.replicas, replicas, cpu_cfg, self.cpu_model.service_ratio)
+        if new == cpu_cfg.cpu_default and stage.index not in self.bridged:
+            return cpus, reason  # not bridging: CPUs Smooth or AllocateCPU gave stay
+        if new > cpu_cfg.cpu_default:
+            self.bridged.add(stage.index)
+        else:
+            self.bridged.discard(stage.index)
+        if new != cpus:
+            reason += f" bridge cpus {cpus:g}->{new:g} ({stage.replicas} of {replicas} ready)"
+        return new, reason
 
     def _compensate(self, stage: StageSnapshot, replicas: int, target_s: float) -> float | None:
         """CPUs that let ``replicas`` replicas meet the target, or None (keep Correct's count)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from gateway_plugin.config import StaticConfig
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
@@ -12,6 +13,7 @@ from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 class StaticPolicy:
     config: StaticConfig = field(default_factory=StaticConfig)
     name: str = "static"
+    sessions_floor: ClassVar[bool] = False  # it holds its k replicas whatever the sessions (the frontier's yardstick)
 
     def decide(self, snapshot: PipelineSnapshot) -> Decision:
         stages = tuple(

@@ -11,7 +11,8 @@ earliest TTFT; else, when no P meets the TPOT SLO, P = 1's plan, flagged).
 Consolidation (§6.1): by default the group scales down to one whole worker (the sessions' KV caches migrate to
 it). Under a burst it scales up instead — the group becomes several whole workers — by the paper's sliding
 window: the requests that arrived in the last window predict the most that may arrive in the next; the workers
-to keep serve those plus the ones waiting now (`workers_to_keep`).
+to keep serve those plus the ones waiting now (`workers_to_keep`); once a group is whole, the gateway raises the
+function's desired count to that many (`desired_after_consolidation`) and the one convergence keeps them.
 """
 
 from __future__ import annotations
@@ -99,3 +100,20 @@ def workers_to_keep(arrivals: Sequence[float], now: float, window_s: float, wait
         raise ValueError("window_s > 0, per_worker ≥ 1 and group_size ≥ 1 are required")
     predicted = sum(1 for t in arrivals if now - window_s < t <= now)
     return max(1, min(group_size, math.ceil((waiting + predicted) / per_worker)))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDemand:
+    """What the sliding-window rule reads of a model's sessions (the gateway's session engine reports it)."""
+
+    arrivals: tuple[float, ...] = ()  # session arrival times (monotonic)
+    waiting: int = 0  # sessions waiting for a replica now
+    per_worker: int = 1  # sessions one whole worker holds
+
+
+def desired_after_consolidation(desired: int, demand: GroupDemand, now: float, window_s: float, group_size: int
+                                ) -> int:
+    """The desired count once a group of ``group_size`` workers is whole: at least the workers the sliding window
+    keeps (`workers_to_keep`; the others leave by the surplus rule), never below what was desired already."""
+    keep = workers_to_keep(demand.arrivals, now, window_s, demand.waiting, demand.per_worker, group_size)
+    return max(desired, keep)

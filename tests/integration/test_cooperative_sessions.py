@@ -1,8 +1,9 @@
 """Generation sessions during a live scale-up (docs/generation.md, "Live scale-ups"): a session opened while a new
 replica holds only its stage's first layers runs those layers there and the rest on a whole replica, each
-keeping the KV cache of its own layers; once the new replica is whole the session rejoins it (a background
-replay, or a replay) — every stream's tokens equal transformers' greedy ``generate`` (a real tiny llama), every
-cache is freed at the end, and a live part that dies is given up without losing the stream."""
+keeping the KV cache of its own layers; once the new replica is whole the session rejoins it (its KV cache
+moved over, a background replay, or a replay) — every stream's tokens equal transformers' greedy ``generate`` (a
+real tiny llama), every cache is freed at the end, and a live part that dies is given up without losing the
+stream."""
 
 from __future__ import annotations
 
@@ -10,34 +11,24 @@ import asyncio
 import contextlib
 
 import pytest
-import torch
 from aiohttp import web
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.router import StaticReplica, StaticReplicas
+from quart_stage import kvroutes
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
-from quart_stage.verify import reference_model
-from quart_tools.partition import partition
+from support.tiny_llama import STAGE, prompts, tiny_llama
 
-CONFIG = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=96, tie_word_embeddings=True)
-PROMPTS = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 5, 13)]
+PROMPTS = prompts(9, 5, 13)
 NEW = 24
 FN = "t-stage-0"
-STAGE = (0, 8)  # embeddings, 6 blocks, head
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("coop") / "llama")
-    partition({**CONFIG, "_name": "coop"}, 1, d, progress=False, seed=3, std=0.5)
-    ref = reference_model(d)
-    with torch.inference_mode():
-        tokens = [ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, use_cache=True,
-                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    assert all(len(set(t)) >= 3 for t in tokens), "the random weights must give non-degenerate sequences"
-    return d, tokens
+    return d, tiny_llama(d, "coop", 3, PROMPTS, NEW)
 
 
 class Served:
@@ -50,6 +41,7 @@ class Served:
         self.rt.held = lambda: self._held
         self.runner: web.AppRunner | None = None
         self.url = ""
+        self.exports = 0  # KV-cache exports served (a migrate rejoin)
 
     def complete(self) -> None:
         self._held = STAGE
@@ -64,9 +56,23 @@ class Served:
             status, doc = self.rt.generation.free(request.match_info["sid"])
             return web.json_response(doc, status=status) if doc else web.Response(status=status)
 
+        async def export(request: web.Request) -> web.Response:
+            resp = await asyncio.to_thread(kvroutes.export_response, self.rt, request.match_info["sid"],
+                                           request.query.get("layers"))
+            self.exports += 1
+            return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
+
+        async def install(request: web.Request) -> web.Response:
+            body = await request.read()
+            resp = await asyncio.to_thread(kvroutes.import_response, self.rt, request.match_info["sid"], body,
+                                           dict(request.headers))
+            return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
+
         app = web.Application()
         app.router.add_post("/", invoke)
         app.router.add_delete("/_/sessions/{sid}", delete)
+        app.router.add_get("/_/sessions/{sid}/kv", export)
+        app.router.add_put("/_/sessions/{sid}/kv", install)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -108,13 +114,15 @@ async def _drained(*served: Served) -> None:
     raise AssertionError({s.url: s.rt.generation.table.snapshot() for s in served})
 
 
-@pytest.mark.parametrize("rejoin", ["shadow", "replay", "keep"])
-def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(model, rejoin):
+@pytest.mark.parametrize(("rejoin", "batch"), [("auto", 1), ("migrate", 1), ("shadow", 1), ("replay", 1), ("keep", 1),
+                                               ("migrate", 4)])
+def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(model, rejoin, batch):
+    """``batch`` > 1: decode batching on, a split's rest steps between the whole replica's batches (its lane)."""
     model_dir, expected = model
 
     async def main():
         whole, live, source = await _cluster(model_dir, cut=3)
-        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin=rejoin))
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin=rejoin, decode_batch_max=batch))
         seen: dict[str, tuple] = {}
 
         async def on_token(i: int, n: int, session) -> None:
@@ -132,26 +140,33 @@ def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(m
         finally:
             await whole.stop()
             await live.stop()
-        return got, seen, engine
+        return got, seen, engine, whole.exports
 
-    got, seen, engine = asyncio.run(main())
+    got, seen, engine, exports = asyncio.run(main())
     assert got == expected
     need = len(PROMPTS[0]) + NEW
-    share = -(-need * 3 // 8)  # the live part's charge; the rejoin's replay will need the whole beside it
-    assert seen["split0"] == ((0, 3), (3, 8), share + need, -(-need * 5 // 8))
+    share, rest = -(-need * 3 // 8), -(-need * 5 // 8)  # each part's charge
+    # beside its part, the live replica holds the rejoin's room: the rest moving in, or the whole replayed there
+    room = {"auto": rest, "migrate": rest, "shadow": need, "replay": need, "keep": 0}[rejoin]
+    assert seen["split0"] == ((0, 3), (3, 8), share + room, rest)
     assert all(s.replays == 0 for s in engine.active.values())
     assert engine.rejoins == (0 if rejoin == "keep" else len(PROMPTS))
+    assert (len(engine.moved), exports) == ((len(PROMPTS),) * 2 if rejoin == "migrate" else (0, 0))
+    assert engine.shadows == (len(PROMPTS) if rejoin in ("auto", "shadow") else 0)  # auto: room for the replay
     assert engine.book.reserved == {}
+    assert sorted(engine._lanes) == ([] if batch == 1 else ["live", "whole"])  # rejoined: batched on the new one
 
 
-def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_live_replica_is_full(model):
+@pytest.mark.parametrize("rejoin", ["auto", "migrate", "shadow"])
+def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_live_replica_is_full(model, rejoin):
     model_dir, expected = model
     need = len(PROMPTS[0]) + NEW
-    cap = need + -(-need * 3 // 8)  # one split session's part and its rejoin's replay, nothing more
+    share, rest = -(-need * 3 // 8), -(-need * 5 // 8)
+    cap = share + (need if rejoin == "shadow" else rest)  # one split session's part and its rejoin's room, no more
 
     async def main():
         whole, live, source = await _cluster(model_dir, cut=3, live_kv=cap)
-        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0))
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin=rejoin))
         engine.book.caps.update({"live": cap, "whole": 10_000})  # as the replicas report them
 
         async def on_token(i: int, n: int, session) -> None:
@@ -170,7 +185,8 @@ def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_li
 
     got, engine = asyncio.run(main())
     assert got == [expected[0]] * 3
-    assert engine.shadows == 1 and engine.rejoins == 1 and engine.book.reserved == {}  # no 429 at the live replica
+    assert engine.rejoins == 1 and engine.book.reserved == {}  # no 429 at the live replica
+    assert (engine.shadows, len(engine.moved)) == ((1, 0) if rejoin == "shadow" else (0, 1))  # auto: only a move fits
 
 
 def test_a_live_part_that_dies_is_given_up_and_the_stream_goes_on_on_the_whole_replica(model):
@@ -197,4 +213,64 @@ def test_a_live_part_that_dies_is_given_up_and_the_stream_goes_on_on_the_whole_r
 
     got, engine = asyncio.run(main())
     assert got == expected
+    assert engine.book.reserved == {}
+
+
+def test_emulated_split_sessions_rejoin_by_migration_with_the_emulations_own_tokens(tmp_path):
+    """The bench's emulated decoder (real stage bytes, emulated steps, a token that hashes the session's seed and
+    ids): split sessions rejoin the live replica by a KV move and answer exactly the emulation's tokens — the part
+    that comes to run the whole stage has the session's sampling seed too."""
+    import threading
+
+    from quart_stage.app import create_app
+    from quart_stage.manifest import Manifest
+    from quart_stage.runtime import read_stage_file
+    from quart_tools.bench.blitzscale import build_stage
+    from quart_tools.bench.blitzscale_gen import expected_tokens
+    from quart_tools.stagechain import cut_runtimes
+    from werkzeug.serving import make_server
+
+    root = str(build_stage(tmp_path, 40, 8, 10.0))
+    manifest = Manifest.load(root)
+    tensors, end = read_stage_file(root, manifest.stages[0]), manifest.stages[0].end
+    vocab, held = int(manifest.config["vocab_size"]), [(0, 4)]
+    servers, urls = [], []
+    for i in range(2):
+        (rt,) = cut_runtimes(root, manifest, tensors, [0, end], compute="emulated", emulated_mean_ms=5.0,
+                             emulated_decode_ms=5.0, emulated_prefill_ms_per_token=0.1, emulated_cv=0.0)
+        if i == 1:
+            rt.held = lambda: held[0]  # the live replica: its first layers until it says it is whole
+        server = make_server("127.0.0.1", 0, create_app(rt), threaded=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        urls.append(f"http://127.0.0.1:{server.server_port}/")
+    source = StaticReplicas(slots=8)
+    source.replicas[FN] = [StaticReplica("whole", urls[0], layers=(0, end), held=(0, end)),
+                           StaticReplica("live", urls[1], layers=(0, end), held=(0, 4))]
+    prompts = [list(range(3 + i, 23 + i)) for i in range(3)]
+
+    async def main():
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin="migrate"))
+
+        async def one(i: int) -> list[int]:
+            session = await engine.open(manifest.model, [FN], prompts[i], 12, {"temperature": 0.0, "seed": 77 + i},
+                                        frozenset())
+            assert session.splits
+            out = []
+            async for token in engine.tokens(session):
+                out.append(token)
+                if len(out) == 4 and i == 0:
+                    held[0] = (0, end)  # whole: its next answer says so
+            return out
+
+        try:
+            got = await asyncio.gather(*(one(i) for i in range(3)))
+            await engine.close()
+        finally:
+            await asyncio.gather(*(asyncio.to_thread(server.shutdown) for server in servers))
+        return got, engine
+
+    got, engine = asyncio.run(main())
+    assert got == [expected_tokens(prompts[i], 12, 77 + i, vocab) for i in range(3)]
+    assert len(engine.moved) == engine.rejoins == 3 and all(b > 0 for b, _ in engine.moved)
     assert engine.book.reserved == {}

@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.sessions import SessionEngine
+from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.router import StaticReplica, StaticReplicas
 from quart_stage import batchwire
 from quart_stage.config import StageConfig
@@ -113,17 +114,36 @@ DELAYS = [0.0, 0.0, 0.02, 0.04, 0.06, 0.1]  # ... and join it at different steps
 def test_concurrent_sessions_joining_and_leaving_batches_give_the_unbatched_tokens(tiny):
     async def run(batch: int) -> tuple[list[list[int]], list[int]]:
         engine, stages = await _engine([{"model_dir": tiny}] * STAGES, decode_batch_max=batch)
+        engine.collector = collectors[batch] = MetricsCollector(window_s=600.0)
         try:
             out = await asyncio.gather(*(_generate(engine, p, n, d) for p, n, d in zip(PROMPTS, LENGTHS, DELAYS,
                                                                                         strict=True)))
+            tables[batch] = {fn: engine.stage_decode(fn) for fn in (f"m-{i}" for i in range(STAGES))}
             return out, [b for s in stages for b in s.batches]
         finally:
             await _close(engine, stages)
 
+    tables: dict[int, dict] = {}
+    collectors: dict[int, MetricsCollector] = {}
     alone, sizes_off = asyncio.run(run(1))
     batched, sizes = asyncio.run(run(8))
     assert sizes_off == []  # batching off: the one-session protocol only
     assert batched == alone
+    # the engine's table of decode steps by batch size (what the policies' sessions floor reads), per stage
+    for batch in (1, 8):
+        for table, limit in tables[batch].values():
+            assert limit == batch
+            assert all(mean_s > 0 for _, _, mean_s in table)
+            if batch == 1:
+                assert [size for size, _, _ in table] == [1] and table[0][1] == sum(n - 1 for n in LENGTHS)
+            else:
+                assert sum(size * calls for size, calls, _ in table) == sum(n - 1 for n in LENGTHS)
+                assert max(size for size, _, _ in table) >= 2
+        # every step (a prefill, then one per further token) reached each stage as an arrival and was served, as
+        # the simulator counts them: what the policies' rates see of generation
+        for fn in (f"m-{i}" for i in range(STAGES)):
+            stats = collectors[batch].stage(fn)
+            assert stats.total_arrivals == stats.total_completions == sum(LENGTHS)
     assert max(sizes) >= 2 and len(set(sizes)) >= 2  # batches formed, and their size changed as sessions came and went
     assert sum(sizes) == STAGES * sum(n - 1 for n in LENGTHS)  # every decode step ran in a batch, once per stage
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,32 @@ def test_a_keysmanager_starts_a_stage_from_the_registry_and_forks_it_after(endpo
             d.client.start(missing)
         assert err.value.status == 502 and "no such object" in err.value.message
         assert d.client.health()  # and it keeps serving
+
+
+def test_a_keysmanager_lands_a_fetched_stage_in_its_landing_reserve(endpoint, tiny, monkeypatch) -> None:
+    """``--landing-mb``: the agent fills its reserve after it starts (health says so), the first stage it fetches
+    lands in the reserve's pages (the same inode, renamed), verified; the reserve is refilled later, not at once."""
+    from support.keysmanager import Daemon, daemons_in_temp_dir
+
+    from keysmanager.types import StageSpec
+
+    monkeypatch.setenv("QUART_REGISTRY_ENDPOINT", endpoint)
+    remote = StageSpec("tiny-stage-1", env={"QUART_MODEL_URL": "s3://models/cli/tiny", "QUART_STAGE_INDEX": "1",
+                                            "QUART_COMPUTE": "cpu"})
+    with daemons_in_temp_dir() as (root, daemons, _):
+        d = Daemon(root, "land", "--landing-mb", "2")
+        daemons.append(d)
+        d.start()
+        deadline = time.monotonic() + 30
+        while (landing := d.client.health()["landing"])["state"] != "ready":
+            assert time.monotonic() < deadline, landing
+            time.sleep(0.05)
+        assert landing == {"state": "ready", "bytes": 2 << 20, "target_bytes": 2 << 20, "taken": 0}
+        reserve = d.state_dir / "landing" / "reserve"
+        inode = reserve.stat().st_ino
+        d.client.ensure_cached(remote)
+        [fetched] = (d.state_dir / "registry").glob("*-1/stage-1.safetensors")
+        assert fetched.stat().st_ino == inode and not reserve.exists()
+        assert fetched.read_bytes() == (tiny / "stage-1.safetensors").read_bytes()
+        after = d.client.health()["landing"]
+        assert after["taken"] == 1 and after["state"] == "filling" and after["bytes"] == 0

@@ -20,6 +20,7 @@ class FakeHost:
         self.started: list[ReplicaSpec] = []
         self.stopped: list[str] = []
         self.invalidated: list[str] = []
+        self.resized: list[tuple[str, float]] = []  # (replica, cpus) of each in-place resize
         self.n = 0
 
     async def report(self) -> HostView:
@@ -45,6 +46,11 @@ class FakeHost:
     async def stop(self, replica_id: str) -> None:
         self.stopped.append(replica_id)
         self.replicas_.pop(replica_id, None)
+
+    async def resize(self, replica_id: str, cpus: float) -> None:
+        if replica_id not in self.replicas_:
+            raise LookupError(f"no replica {replica_id!r}")
+        self.resized.append((replica_id, cpus))
 
     async def replicas(self) -> list[ReplicaStatus]:
         return list(self.replicas_.values())

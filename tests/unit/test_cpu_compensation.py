@@ -72,8 +72,9 @@ def test_allocate_grants_cpus_to_a_stage_over_target_that_cannot_grow() -> None:
 
 def test_no_cpu_roll_while_replicas_start_and_one_change_per_hold() -> None:
     model = CPULatencyModel.fit(_records(0.1, 0.3))
-    policy = QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, hold_s=30.0, allocate=True)), cpu_model=model)
-    assert _decide(policy, _stage(pending_replicas=1)).cpus == 1.0  # a CPU roll would void the start
+    policy = QuartPolicy(QuartConfig(cpu=CPUConfig(cpu_max=4.0, hold_s=30.0, allocate=True, bridge=False)),
+                         cpu_model=model)
+    assert _decide(policy, _stage(pending_replicas=1)).cpus == 1.0  # AllocateCPU waits for the start (the bridge acts)
     assert _decide(policy, _stage()).cpus > 1.0  # t = 100: granted
     calm = _stage(arrival_rate=0.5, cpus=4.0, service_rate=10.0 / model.service_ratio(1, 4))
     held = policy.decide(PipelineSnapshot(time=110.0, model="m", stages=(calm,), window_s=10.0)).stages[0]

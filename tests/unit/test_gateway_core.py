@@ -100,15 +100,37 @@ def test_rolling_update_keeps_old_replicas_until_new_ones_are_ready(tmp_path):
         host.make_ready()
         await settle(gw)
         [old] = fn.ready
-        await gw.registry.update_limits("f", cpus=4)
-        assert host.invalidated == [] and fn.generation == 2  # CPUs alone: re-forked from the cached parameters
+        await gw.registry.update_limits("f", memory_bytes=2**31)
+        assert host.invalidated == ["f"] and fn.generation == 2
         await settle(gw)
         assert [e.id for e in fn.ready] == [old.id]  # new one still starting
-        assert host.started[-1].cpus == 4
+        assert host.started[-1].memory_bytes == 2**31
         host.make_ready()
         await settle(gw)
         await asyncio.sleep(0.05)
         assert [e.generation for e in fn.ready] == [2] and old.id in host.stopped
+        await gw.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_cpu_change_resizes_the_replicas_in_place(tmp_path):
+    async def scenario():
+        host = FakeHost("h0")
+        gw = make(tmp_path, [host])
+        fn = await gw.registry.deploy(dep())  # dep(): 2 CPUs
+        await settle(gw)
+        host.make_ready()
+        await settle(gw)
+        [rep] = fn.ready
+        assert rep.cpus == 2.0
+        await gw.registry.update_limits("f", cpus=4)  # QUART's CPU compensation: no roll, no new replica
+        await settle(gw)
+        assert fn.generation == 1 and host.invalidated == [] and len(host.started) == 1
+        assert host.resized == [(rep.id, 4.0)] and fn.ready == [rep] and rep.cpus == 4.0
+        await gw.registry.update_limits("f", cpus=2)
+        await settle(gw)
+        assert host.resized[-1] == (rep.id, 2.0) and len(host.resized) == 2  # once per change
         await gw.close()
 
     asyncio.run(scenario())
@@ -297,8 +319,8 @@ def test_a_change_beyond_the_cpus_drops_the_cached_parameters(tmp_path):
         gw = make(tmp_path, [host])
         fn = await gw.registry.deploy(dep())
         await gw.registry.update_limits("f", cpus=4)  # dep(): 2 CPUs, 1 GiB
-        assert host.invalidated == [] and fn.generation == 2
+        assert host.invalidated == [] and fn.generation == 1  # CPUs alone: resized in place
         await gw.registry.update_limits("f", memory_bytes=2**31)
-        assert host.invalidated == ["f"] and fn.generation == 3
+        assert host.invalidated == ["f"] and fn.generation == 2
 
     asyncio.run(scenario())

@@ -229,7 +229,8 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
             for st in sim.stages:
                 body = {labels.MODEL: "m", labels.STAGE: str(st.index), labels.SCALE_MAX: str(sim.control.max_replicas)}
                 fn = await gw.registry.deploy(FunctionDeployment.from_json({"service": st.function, "image": "quart/echo",
-                                                                   "labels": body}, "openfaas-fn"))
+                                                                   "labels": body, "limits": {"cpu": f"{st.cpus:g}"}},
+                                                                  "openfaas-fn"))
                 gw.reconciler._param_bytes[st.function] = (fn.generation, st.spec.param_bytes)
                 for rep in st.current():
                     if str(rep.id) == pending_id:
@@ -238,7 +239,7 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
                     fn.replicas[str(rep.id)] = Endpoint(str(rep.id), st.function, rep.host.name, "http://127.0.0.1:1/",
                                                         rep.state, rep.source, 1,
                                                         rep.requested_at, layers=(0, 4),
-                                                        held=(0, 4) if whole else (0, 2))
+                                                        held=(0, 4) if whole else (0, 2), cpus=rep.cpus)
                 fn.refresh_ready()
                 await gw.registry.scale(st.function, st.desired)
             members = {str(r.id) for r in sim.stages[1].current() if r.group is not None}

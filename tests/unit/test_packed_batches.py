@@ -94,3 +94,22 @@ def test_requests_with_several_rows_or_their_own_mask_are_padded():
     one = member_of(wire.encode_bytes({"input_ids": _ids(3)}, {}), wire.CONTENT_TYPE)
     assert not packable([rows, one])
     assert "attention_mask" in dict(wire.decode(pack([rows, one], {})).tensors)
+
+
+def test_a_waiting_requests_body_is_parsed_once_per_stage(monkeypatch):
+    """Every batch formed while a request waits looks at it; its body is decoded once, again only at its next stage."""
+    from gateway_plugin import batching
+    from gateway_plugin.router import Job
+
+    calls = []
+    real = batching.member_of
+    monkeypatch.setattr(batching, "member_of", lambda body, ctype: calls.append(body) or real(body, ctype))
+    body = wire.encode_bytes({"hidden_states": torch.ones((1, 3, 4))})
+    job = Job(id="a", model="m", stages=["s0", "s1"], body=body, content_type="application/octet-stream",
+              arrival=0.0, deadline=1.0, future=None)
+    first = batching.member_for(job)
+    assert batching.member_for(job) is first and first.length == 3 and len(calls) == 1
+    job.body = wire.encode_bytes({"hidden_states": torch.ones((1, 5, 4))})  # its next stage's input
+    assert batching.member_for(job).length == 5 and len(calls) == 2
+    job.body = b"not safetensors"
+    assert batching.member_for(job) is None and batching.member_for(job) is None and len(calls) == 3

@@ -71,7 +71,9 @@ def test_provision_is_the_default_mode_and_an_unknown_mode_is_an_error() -> None
 
 
 def test_a_peak_is_provisioned_at_once_and_held_for_the_peak_window_and_the_hold() -> None:
-    policy = quiet(provision={"rate_window_s": 0.5, "peak_window_s": 9.5, "hold_min_s": 5.0, "hold_starts": 0.0})
+    # the step rule (ski_rental_tail off): all of the reserve held for the hold, then released
+    policy = quiet(provision={"rate_window_s": 0.5, "peak_window_s": 9.5, "hold_min_s": 5.0, "hold_starts": 0.0,
+                              "ski_rental_tail": False})
     low = policy.decide(snap(0.0, stage(0, 5.0, 1))).stages[0].replicas
     peak = policy.decide(snap(1.0, stage(0, 40.0, low)))
     high = peak.stages[0].replicas
@@ -98,8 +100,11 @@ def test_the_hold_is_sized_to_the_replica_start_time() -> None:
             r = policy.decide(snap(float(t), stage(0, 5.0, r, replica_start_s=start_s))).stages[0].replicas
         return r
 
-    assert replicas_after(0.03, 5) < replicas_after(0.03, 1)  # a 30 ms fork: the 2 s minimum hold
-    assert replicas_after(1.0, 5) == replicas_after(1.0, 1)  # a 1 s start: held 10 s
+    # a 30 ms fork: the 2 s minimum hold, the reserve gone after its taper of (e − 1) × 2 s (policies.keepalive)
+    assert replicas_after(0.03, 9) == replicas_after(0.03, 40) < replicas_after(0.03, 1)
+    # a 1 s start: all of it held 10 s, then tapered off over 17.2 s
+    assert replicas_after(1.0, 5) == replicas_after(1.0, 1)
+    assert replicas_after(1.0, 12) > replicas_after(1.0, 30) == replicas_after(1.0, 40)
 
 
 def test_every_stage_is_sized_for_the_entry_stages_peak() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gateway_plugin.policies import make_policy
+from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision
 from quart_tools.arrivals import Arrivals
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
@@ -18,8 +19,8 @@ def _stages(decode_s: tuple[float, ...], prefill_s: float = 0.001, kv_tokens: in
                  for i, d in enumerate(decode_s))
 
 
-def _run(stages, times, prompt, new, cv=0.0, seed=0, policy=None, **cfg):
-    cal = Calibration(hosts=1, gpus_per_host=8, service_cv=cv)
+def _run(stages, times, prompt, new, cv=0.0, seed=0, policy=None, cal=None, **cfg):
+    cal = cal or Calibration(hosts=1, gpus_per_host=8, service_cv=cv)
     config = SimConfig(model="g", stages=stages, slo_s=1.0, calibration=cal, generation=True, hop_s=0.0,
                        placer="first-fit", keysmanager=False, queue_cap=10**6, drain_s=600.0, seed=seed, **cfg)
     n = len(times)
@@ -89,3 +90,30 @@ def test_generation_runs_are_deterministic_per_seed() -> None:
     assert a.gpu_seconds == b.gpu_seconds
     assert not np.array_equal(a.tpot_ms, c.tpot_ms)
     assert not np.isnan(a.ttft_ms).any() and not np.isnan(a.latencies_ms).any()
+
+
+def test_the_sessions_floor_adds_replicas_when_decode_steps_miss_the_tpot_share() -> None:
+    """The controller's sessions' floor (gateway_plugin.policies.decode_capacity) runs in the simulator as live:
+    sessions keep arriving at one replica per stage of a static policy; with a TPOT target the measured decode
+    batches say how many sessions a replica carries within its share, the stages grow to that, and the sessions
+    that arrive once the new replicas are up decode faster. Without a target nothing changes."""
+    stages = _stages((0.01, 0.01, 0.01), prefill_s=0.0)
+    times = np.arange(60) * 0.25
+
+    class HoldOne:  # one replica per stage, as static-1, but a policy the floor may raise
+        name = "hold-one"
+
+        def decide(self, snap: PipelineSnapshot) -> Decision:
+            return Decision(snap.time, tuple(StageDecision(1, s.cpus, "one") for s in snap.stages))
+
+    def run(policy=None, **cfg):
+        return _run(stages, times, prompt=8, new=200, decode_batch=4, cal=Calibration(hosts=2, gpus_per_host=16),
+                    policy=policy or HoldOne(), **cfg)
+
+    plain, floor = run(), run(tpot_slo_s=0.045)
+    assert floor.gpu_seconds > 1.5 * plain.gpu_seconds
+    late = slice(40, None)  # arrived after 10 s: the new replicas are up
+    assert np.median(floor.tpot_ms[late]) < 0.7 * np.median(plain.tpot_ms[late])
+    assert run(tpot_slo_s=0.0).gpu_seconds == plain.gpu_seconds
+    static = run(make_policy("static", replicas=1), tpot_slo_s=0.045)  # the frontier's yardstick holds its k
+    assert static.gpu_seconds == run(make_policy("static", replicas=1)).gpu_seconds == plain.gpu_seconds

@@ -45,8 +45,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "peer-cpu": ("quart_tools.bench.peer_cpu:main", "CPU-s per GB of a chain hop: source → receiver+forwarder → receiver, loopback"),
     "cpu-profile": ("quart_tools.bench.cpu_profile:main",
                     "real MiniLM stages at 1…CPU_max threads + affinity: the CPU regression's profiling records"),
+    "cpu-ablation": ("quart_tools.bench.cpu_ablation:main",
+                     "live QUART with and without CPU compensation, same arrivals (emulated CPU law); the sim beside"),
     "frontier": ("quart_tools.bench.frontier:main",
                  "live equal-cost frontier: static-k sweep, QUART, baselines; the simulator's figures beside"),
+    "hop-costs": ("quart_tools.bench.hop_costs:main",
+                  "the live frontier setup's per-stage costs outside emulated compute (router records); calibration"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 

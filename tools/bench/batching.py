@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 from quart_tools.arrivals import Arrivals, poisson_arrivals
 from quart_tools.bench import machine_info, system_with_plugin, write_report
-from quart_tools.bench.batching_physics import CpuMeter, compute_profile, theory
+from quart_tools.bench.batching_physics import CpuMeter, compute_profile, gain, machine_ceiling, theory
 from quart_tools.bench.decode_batching import add_arguments as add_decode_arguments
 from quart_tools.bench.decode_batching import run_decode
+from quart_tools.realmodels import REAL_MODELS, package_path
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch the quiet river flow past "
          "old stone bridges and green fields under a pale autumn sky").split()
@@ -160,15 +161,17 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
                "batch_max": args.batch_max, "rows": rows, "max_rate_within_slo": {"off": off, "on": on},
                "service_by_batch": {fn: [{"size": s, "calls": n, "mean_ms": round(1000 * m, 2)} for s, n, m in v]
                                     for fn, v in sizes.items()}}
-    # the physics: the same stages in this process, no HTTP (tools/bench/batching_physics.py)
+    # the physics: the same stages in this process, no HTTP, and transformers' own model (tools/bench/batching_physics.py)
     mix = [int(n) for n in np.random.default_rng(7).integers(lengths.start, lengths.stop, size=16)]
-    oneshot["profile"] = compute_profile(model_dir, args.stages, args.threads, bodies, mix)
-    oneshot["theory"] = {key: theory(oneshot["profile"], f"{key}_ms", slo_ms, unloaded_ms, args.batch_max)
-                         for key in ("mixed", "uniform")}
-    for key, t in oneshot["theory"].items():
+    oneshot["profile"] = compute_profile(model_dir, args.stages, args.threads, bodies, mix,
+                                         reference=package_path(REAL_MODELS["minilm"]))
+    oneshot["theory"] = physics(oneshot, rows, off, args.batch_max)
+    for key in ("mixed", "uniform"):
+        t = oneshot["theory"][key]
         print(f"  physics ({key} lengths, in process): max rate off {t['max_rate_off']}, on {t['max_rate_on']} "
               f"(batch {t['batch_within_slo']}) = {t['ratio']}x; at any batch ≤ {t['ratio_at_any_batch']}x",
               file=sys.stderr)
+    print(f"  bound: {oneshot['theory']['bound']}", file=sys.stderr)
     targets = {"max_rate_on_ge_3x_off": off > 0 and on >= 3 * off,
                f"p50_at_{args.rates[0]:g}_on_le_1.1x_off": at1.get("on", 1e9) <= 1.1 * at1.get("off", 0),
                "lost_0": all(r["lost"] == 0 for r in rows)}
@@ -176,6 +179,23 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
             "machine": machine_info(torch_threads=args.threads, load=os.getloadavg()),
             "method": f"embedded gateway + one stage process per stage (concurrency 1), open-loop Poisson, "
                       f"{args.step_s:g} s per rate, same arrivals off and on, 6-30 tokens per request"}
+
+
+def physics(oneshot: dict, rows: list[dict], off: float, batch_max: int, cpus: int | None = None) -> dict:
+    """What this machine allows, from the bench's own measurements: the fitted profile's rates (:func:`theory`), the
+    measured batching gain of our stage path and of transformers' own model within the SLO (:func:`gain`), the
+    whole machine's CPU ceiling (:func:`machine_ceiling`), and the bound they set together on on / off."""
+    profile, slo_ms, unloaded_ms = oneshot["profile"], oneshot["slo_ms"], oneshot["unloaded_ms"]
+    out = {key: theory(profile, f"{key}_ms", slo_ms, unloaded_ms, batch_max) for key in ("mixed", "uniform")}
+    out["gain_ours"] = gain(profile, "mixed_ms", "alone_ms", slo_ms, unloaded_ms)
+    if "transformers_ms" in profile[0]:
+        out["gain_transformers"] = gain(profile, "transformers_ms", "transformers_alone_ms", slo_ms, unloaded_ms)
+    out["machine"] = machine_ceiling(rows, cpus or os.cpu_count() or 1, off)
+    limits = {"fit_within_slo": out["mixed"]["ratio"], "measured_gain_within_slo": out["gain_ours"]["ratio_within_slo"]}
+    if out["machine"].get("ceiling_over_off") and off > min(r["rate"] for r in rows):  # off past the idle step
+        limits["machine_cpu"] = out["machine"]["ceiling_over_off"]
+    out["bound"] = {"ratio": min(limits.values()), "by": min(limits, key=limits.get), "limits": limits}
+    return out
 
 
 def main(argv: list[str]) -> int:

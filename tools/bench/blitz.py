@@ -117,6 +117,17 @@ class PeerCluster:
                                        f"{(self.work / f'{host}.log').read_text()[-2000:]}") from None
                 time.sleep(0.1)
 
+    def cpu_s(self, hosts: list[str]) -> dict[str, float]:
+        """CPU seconds (user + system, every thread) each host's KeysManager process has used so far: a receiver's
+        transfer and its forwarding run there (replicas and zygotes are processes of their own)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for h in hosts:
+            with contextlib.suppress(OSError, KeyError, IndexError, ValueError):
+                fields = Path(f"/proc/{self.procs[h].pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[h] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of stat)
+        return out
+
     def kill(self, host: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(host, None)
         if proc is not None and proc.poll() is None:
@@ -223,7 +234,8 @@ def fresh_keysmanagers(cluster: PeerCluster, hosts: list[str], preloader: bool =
     registry client made) through a start of a stage index the model lacks, answered 502; with ``preloader``,
     each has its preloader up too (a parameter-free zygote cached: torch imported once, as on a host that
     serves stages, before any cold start); with ``warm``, each preloader has imported every family's model code
-    as well (``GET /v1/health``: ``preloader`` is ``warm``), as on a host that has been up a while."""
+    as well (``GET /v1/health``: ``preloader`` is ``warm``), as on a host that has been up a while; a KeysManager
+    with a landing reserve (``--landing-mb``) has filled it, as it does after it starts."""
     warm = StageSpec("warm-up", env={"QUART_MODEL_URL": MODEL_URL, "QUART_STAGE_INDEX": "9"})
     for h in hosts:
         cluster.kill(h, signal.SIGTERM)
@@ -235,10 +247,16 @@ def fresh_keysmanagers(cluster: PeerCluster, hosts: list[str], preloader: bool =
         if preloader:
             client.ensure_cached(StageSpec("warm-zygote", env=WARM_ZYGOTE))
     deadline = time.monotonic() + 300
-    while warm and any(cluster.client(h).health().get("preloader") != "warm" for h in hosts):
+    while any(_starting(cluster.client(h).health(), warm) for h in hosts):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the preloaders of {hosts} did not import the model code within 300 s")
+            raise RuntimeError(f"the preloaders of {hosts} did not import the model code (or the landing reserves "
+                               "did not fill) within 300 s")
         time.sleep(0.5)
+
+
+def _starting(health: dict, warm: bool) -> bool:
+    """Whether a KeysManager is still doing its start-up work: the preloader's imports (``warm``), the reserve."""
+    return (warm and health.get("preloader") != "warm") or health.get("landing", {}).get("state") == "filling"
 
 
 def measure(stage_mb: int, nic_gbps: float, receivers: int, reps: int = 3) -> dict:

@@ -73,6 +73,7 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
                 reply = await router.invoke("blitzscale", b'{"input_ids": [[1, 2, 3, 4]]}', "application/json")
                 assert reply.status == 200, reply.body[:300]
             n = max(1, round(args.rate * args.burst_s))
+            cpu_before = cluster.cpu_s(hosts[1:])
             t0 = await g.scale_up()
 
             async def one(i: int) -> tuple[int, float]:
@@ -83,27 +84,46 @@ async def run_mode(cluster: PeerCluster, hosts: list[str], mode: str, args: argp
 
             burst = asyncio.gather(*(one(i) for i in range(n)))
             whole_at = await g.whole()
+            cpu = receiver_cpu(cpu_before, cluster.cpu_s(hosts[1:]), args.stage_bytes)
             results = await burst
             latencies = sorted(ms for status, ms in results if status == 200)
             return {"mode": mode, "ready_ms": round(1000 * (whole_at - t0), 1), "first_served_ms": g.first_served_ms(),
                     "burst_mean_ms": round(statistics.fmean(latencies), 1) if latencies else None,
-                    "burst_p99_ms": percentile(latencies, 0.99), "sent": n, "ok": len(latencies), **await g.row()}
+                    "burst_p99_ms": percentile(latencies, 0.99), "sent": n, "ok": len(latencies), **cpu,
+                    **await g.row()}
         finally:
             await router.close()
+
+
+def receiver_cpu(before: dict[str, float], after: dict[str, float], stage_bytes: int) -> dict:
+    """The KeysManager CPU seconds of each host that received the stage (used > 0.2 s between scale-up and whole:
+    the others idled), and per GB received: a receiver's transfer, hashing and, inside a chain, forwarding."""
+    used = {h: round(after[h] - before[h], 2) for h in after if h in before and after[h] - before[h] > 0.2}
+    per_gb = [v / (stage_bytes / 1e9) for v in used.values()]
+    return {"receiver_cpu_s": used, "receiver_cpu_s_per_gb": round(statistics.fmean(per_gb), 2) if per_gb else None}
+
+
+def round_order(modes: list[str], run: int) -> list[str]:
+    """The modes of round ``run``: in order on even rounds, reversed on odd ones (no mode always runs first, on
+    the coldest hosts, or always right after another)."""
+    ordered = [m for m in MODES if m in modes]
+    return ordered if run % 2 == 0 else ordered[::-1]
 
 
 def measure(args: argparse.Namespace) -> dict:
     hosts = [f"h{i}" for i in range(args.hosts)]
     with peer_cluster(hosts, args.nic_gbps, f"bench-bscale-{os.getpid()}", args.registry_gbps) as cluster:
-        cluster.preload, cluster.km_args = True, ("--gpus", "1")  # one replica slot a host
         model = build_stage(cluster.work, args.stage_mb, args.blocks, args.service_ms)
+        stage_bytes = args.stage_bytes = (model / "stage-0.safetensors").stat().st_size
+        landing_mb = -(-stage_bytes >> 20) if args.landing_mb is None else args.landing_mb  # default: the stage
+        # one replica slot a host; a landing reserve as large as the stage (keysmanager.landing)
+        cluster.preload, cluster.km_args = True, ("--gpus", "1", "--landing-mb", str(landing_mb))
         ModelRegistry(MODEL_URL, endpoint_url=cluster.endpoint).upload(model)
-        stage_bytes = (model / "stage-0.safetensors").stat().st_size
         vocab = int(json.loads((model / "manifest.json").read_text())["config"]["vocab_size"])
         shutil.rmtree(model)  # the registry holds it now; keep host memory for the hosts' copies
         rows = []
         fresh_keysmanagers(cluster, hosts, warm=True)
-        for run, mode in [(r, m) for r in range(args.runs) for m in MODES if m in args.modes]:
+        for run, mode in [(r, m) for r in range(args.runs) for m in round_order(args.modes, r)]:
             # h0 keeps the stage it cached in the first mode: every mode's source. Nothing held on the others, but
             # their preloaders warm (torch and the model code imported), as on hosts that have been up a while
             fresh_keysmanagers(cluster, hosts[1:], warm=True)
@@ -114,7 +134,7 @@ def measure(args: argparse.Namespace) -> dict:
             rows[-1]["run"] = run
             print({k: v for k, v in rows[-1].items() if k != "phases"}, flush=True)
     doc = {"nic_gbps": args.nic_gbps, "registry_gbps": args.registry_gbps, "stage_bytes": stage_bytes,
-           "hosts": args.hosts, "blocks": args.blocks}
+           "hosts": args.hosts, "blocks": args.blocks, "landing_mb": landing_mb}
     if args.workload == "generation":
         return doc | blitzscale_gen.report(rows, args)
     return doc | {"service_ms": args.service_ms, "rate": args.rate, "burst_s": args.burst_s, "rows": rows,
@@ -165,6 +185,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--runs", type=int, default=1,
                    help="consecutive rounds of the modes on one cluster (one-shot: each round's ratios and how many "
                         "met multicast-4 <= 1.3 x and live burst p99 <= 0.6 x peer-fetch's)")
+    p.add_argument("--landing-mb", type=int, default=None,
+                   help="each KeysManager's landing reserve, MiB (default: the stage's size; 0 = none)")
     p.add_argument("--verbose", action="store_true", help="log the gateway's decisions")
     blitzscale_gen.add_arguments(p)
     args = p.parse_args(argv)

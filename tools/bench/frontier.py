@@ -7,8 +7,16 @@ static-k sweep (``--static-k``), QUART and every baseline (``--policies``) repla
 (``--duration`` s each, ``--repeats`` times in rotated order). Entries carry the keys of the simulated
 frontier (`quart_tools.sim.frontier`, table ``km``), and the summary is its `summarise`: QUART's mean ÷ the
 live static frontier at QUART's replica-seconds. Beside every live entry, the simulator's figures for the
-same run (same arrivals, stages, measured service times, hosts, slots, start replicas, policy:
-`quart_tools.sim.validate.simulate`) and sim ÷ live of mean and p99 (issue 32: ≤ 5 % / 10 %).
+same run (same arrivals, stages, hosts, slots, start replicas, policy: `quart_tools.sim.validate.simulate`) and
+sim ÷ live of mean and p99 (issue 32: ≤ 5 % / 10 %). The simulator gets the costs outside the emulated compute
+that `quart_tools.bench.hop_costs` measures on this gateway before the runs (the sleep's overshoot, each stage
+call's hold, the router and the front: ``--costs measure``) or that a calibration file records; each entry
+also carries the same decomposition of its own run (``live_costs``).
+
+``--dry-run`` prints the run list and the wall-time arithmetic (`quart_tools.bench.frontier_plan`) and runs
+nothing; ``--static-k auto`` runs, per workload, only the static-k that bracket QUART's replica-seconds as the
+simulator predicts them (with the calibration file's costs) — the only static points QUART's frontier value
+interpolates between.
 """
 
 from __future__ import annotations
@@ -17,11 +25,14 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from gateway_plugin.policies import POLICY_NAMES
 from quart_stage import cliargs
 from quart_tools.bench import machine_info, write_report
+from quart_tools.bench.frontier_plan import Overheads, PlannedRun, bracket_k, format_plan, plan_runs
+from quart_tools.bench.hop_costs import costs_of, decompose, measure, nominal_stage_ms, records_env, sim_terms
 from quart_tools.bench.policies import (
     MODEL,
     PROFILED_MS,
@@ -36,6 +47,8 @@ from quart_tools.bench.policies import (
 from quart_tools.sim.frontier import ENTRY_KEYS, summarise
 
 SIM_TARGETS = {"mean": 0.05, "p99": 0.10}  # issue 32: |sim − live| / live
+CALIBRATION = str(Path(__file__).resolve().parent.parent / "sim" / "calibration.live.json")
+PLAN_START_S = 1.0  # the live ask → ready lag the planning simulation assumes (measured: docs/benchmarks.md)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,9 +57,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     p.add_argument("--policies", default=",".join(p for p in POLICY_NAMES if p != "static"),
                    help="scaling policies besides the static sweep (comma-separated; '' = QUART's sweep only)")
-    p.add_argument("--static-k", default="1,2,3,4,5,6", help="replicas per stage of the static sweep (comma-separated)")
+    p.add_argument("--static-k", default="1,2,3,4,5,6",
+                   help="replicas per stage of the static sweep (comma-separated), or 'auto': the k that bracket "
+                        "QUART's simulated replica-seconds, per workload")
+    p.add_argument("--baselines-keysmanager", choices=("off", "on", "both"), default="off",
+                   help="baselines without the KeysManager (as the paper ran them), with it (label +km), or both")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per run (issue 32: >= 120)")
     p.add_argument("--repeats", type=int, default=1, help="runs per policy and workload, in rotated order")
+    add_live_args(p)
+    p.add_argument("--costs", default="measure",
+                   help="the simulator's live costs: 'measure' (bench hop-costs' phases on this gateway before "
+                        "the runs) or a calibration JSON with live_* fields")
+    p.add_argument("--calibration", default=CALIBRATION, help="calibration JSON whose live_* costs plan --static-k auto")
+    p.add_argument("--costs-duration", type=float, default=30.0, help="seconds of the loaded cost phase")
+    p.add_argument("--trace", default=None, help="trace CSV of the trace workload (default: the shared Azure code trace)")
+    p.add_argument("--dry-run", action="store_true", help="print the run list and the wall-time estimate; run nothing")
+    return p
+
+
+def add_live_args(p: argparse.ArgumentParser) -> None:
+    """The live emulated system's options (shared with `quartctl bench cpu-ablation`)."""
     p.add_argument("--rate", type=float, default=20.0, help="mean requests/s of every workload")
     p.add_argument("--activation-bytes", type=int, default=32 * 1024, help="emulated output bytes per stage")
     p.add_argument("--stages", type=int, default=8)
@@ -59,85 +89,174 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=2.0, help="seconds between the reset and the load")
     p.add_argument("--profile-requests", type=int, default=15)
     p.add_argument("--no-sim", action="store_true", help="live figures only")
-    return p
 
 
-def _policies_args(args: argparse.Namespace, static_k: int) -> argparse.Namespace:
-    """The namespace `quart_tools.bench.policies.one_run` reads, with static's count ``static_k``."""
-    return argparse.Namespace(**{**vars(args), "static_replicas": static_k, "baselines_keysmanager": "off",
+def profile_stages(gw: Gateway, args: argparse.Namespace) -> dict:
+    """Reset to the start replicas and profile: the pipeline's and stages' measured times, and the simulator's
+    stage time and hop (``profiled_ms, measured_stage_service_ms, sim_stage_ms, sim_hop_s``)."""
+    gw.switch("static", {"replicas": args.start_replicas})
+    gw.wait_reset(gw.stages(MODEL), args.start_replicas, timeout_s=600)
+    profiled_ms, service_ms = profile(gw, args.profile_requests)
+    stage_ms = statistics.fmean(service_ms) if service_ms else PROFILED_MS / args.stages
+    hop_s = max(0.0, (profiled_ms - sum(service_ms)) / 1000.0 / args.stages) if service_ms else 0.0
+    return {"profiled_ms": profiled_ms, "measured_stage_service_ms": service_ms, "sim_stage_ms": stage_ms,
+            "sim_hop_s": hop_s}
+
+
+def _policies_args(args: argparse.Namespace, run: PlannedRun) -> argparse.Namespace:
+    """The namespace `quart_tools.bench.policies.one_run` reads, for one planned run."""
+    return argparse.Namespace(**{**vars(args), "static_replicas": run.replicas, "start_replicas": run.replicas,
+                                 "baselines_keysmanager": "on" if run.keysmanager else "off",
                                  "policy_config": [], "model": MODEL, "control_period": 1.0})
 
 
-def _simulated(args, policy: str, replicas: int, arrivals, stage_ms: float, hop_s: float, start_s: float | None) -> dict:
+def _sim_args(args, policy: str, replicas: int, stage_ms: float) -> argparse.Namespace:
+    return argparse.Namespace(hosts=args.hosts, gpus_per_host=args.gpus_per_host, stage_ms=stage_ms,
+                              stages=args.stages, replicas=replicas, max_replicas=args.max_replicas, seed=args.seed,
+                              policy=policy)
+
+
+def simulated(args, policy: str, replicas: int, arrivals, costs: dict, start_s: float | None) -> dict:
+    """The simulator's figures for one run, with the live costs ``costs`` (`hop_costs.sim_terms`)."""
     from quart_tools.sim.validate import simulate
 
-    ns = argparse.Namespace(hosts=args.hosts, gpus_per_host=args.gpus_per_host, stage_ms=stage_ms, stages=args.stages,
-                            replicas=replicas, max_replicas=args.max_replicas, seed=args.seed, policy=policy)
-    sim = simulate(ns, arrivals, hop_s, start_s)
+    t = sim_terms(costs, args.stages)
+    sim = simulate(_sim_args(args, policy, replicas, t["stage_ms"]), arrivals, t["hop_s"], start_s,
+                   outside_s=t["outside_s"], service_cv=t["service_cv"], hop_per_call_s=t["hop_per_call_s"])
     sim.pop("series", None)
     return sim
 
 
-def run(args: argparse.Namespace) -> dict:
+def static_ks(args, workloads: list[str]) -> dict[str, list[int]]:
+    """Per workload, the static sweep: ``--static-k``'s list, or (auto) the k around QUART's simulated cost."""
+    if args.static_k != "auto":
+        ks = [int(k) for k in args.static_k.split(",") if k]
+        if not ks or min(ks) < 1 or max(ks) > args.max_replicas:
+            raise ValueError(f"--static-k: integers in 1..{args.max_replicas}, or auto")
+        return {w: ks for w in workloads}
+    from quart_tools.sim.calibration import Calibration
+
+    costs = costs_of(Calibration.load(args.calibration))
+    out = {}
+    for w in workloads:
+        sim = simulated(args, "quart", args.start_replicas, make_workload(w, args.rate, args.duration, args.seed, args.trace),
+                        costs, PLAN_START_S)
+        out[w] = bracket_k(sim["replica_seconds"], args.stages, args.duration, args.max_replicas)
+    return out
+
+
+def planned(args) -> tuple[list[PlannedRun], dict[str, list[int]]]:
     workloads = [w for w in args.workloads.split(",") if w]
     policies = [p for p in args.policies.split(",") if p]
-    ks = [int(k) for k in args.static_k.split(",") if k]
     if "quart" not in policies:
         policies.insert(0, "quart")
     unknown = [p for p in policies if p not in POLICY_NAMES or p == "static"]
-    if unknown or not ks or min(ks) < 1 or max(ks) > args.max_replicas:
-        raise ValueError(f"--policies: unknown {unknown} (static is --static-k); --static-k in 1..{args.max_replicas}")
+    if unknown:
+        raise ValueError(f"--policies: unknown {unknown} (static is --static-k)")
+    ks = static_ks(args, workloads)
+    return plan_runs(workloads, policies, ks, args.repeats, args.baselines_keysmanager, args.start_replicas), ks
+
+
+def _new_records(path: Path, seen: int) -> tuple[list[dict], int]:
+    import json
+
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(x) for x in lines[seen:] if x.strip()], len(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    runs, ks = planned(args)
     tmp = Path(tempfile.mkdtemp(prefix="quart-bench-frontier-"))
     stack = partition(tmp / "model", args.stages, args.max_replicas, args.activation_bytes, MODEL)
-    env = {"QUART_POLICY": "static", "QUART_CONTROL_PERIOD_S": "1.0", "QUART_WINDOW_S": "5",
-           "QUART_REQUEST_TIMEOUT_S": str(args.timeout), "QUART_QUEUE_CAP": "4096"}
-    gw = Gateway(stack, tmp / "state", args.hosts, args.gpus_per_host, env)
+    records_path = tmp / "records.jsonl"
+    gw = Gateway(stack, tmp / "state", args.hosts, args.gpus_per_host, records_env(records_path))
     gw.model = MODEL
-    runs = [(p, args.start_replicas, p) for p in policies] + [(f"static-{k}", k, "static") for k in ks]
     report: dict = {"benchmark": "frontier", "compute": "emulated", "model": MODEL, "stages": args.stages,
                     "rate_rps": args.rate, "duration_s": args.duration, "repeats": args.repeats, "seed": args.seed,
-                    "static_k": ks, "policies": policies, "machine": machine_info(), "entries": []}
+                    "static_k": ks, "baselines_keysmanager": args.baselines_keysmanager,
+                    "runs_planned": len(runs), "machine": machine_info(), "entries": []}
+    started = time.monotonic()
     try:
         stages = gw.stages(MODEL)
-        gw.switch("static", {"replicas": args.start_replicas})
-        gw.wait_reset(stages, args.start_replicas, timeout_s=600)
-        profiled_ms, service_ms = profile(gw, args.profile_requests)
-        stage_ms = statistics.fmean(service_ms) if service_ms else PROFILED_MS / args.stages
-        hop_s = max(0.0, (profiled_ms - sum(service_ms)) / 1000.0 / args.stages) if service_ms else 0.0
-        report.update(profiled_ms=profiled_ms, measured_stage_service_ms=service_ms, sim_hop_s=hop_s)
-        for workload in workloads:
-            arrivals = make_workload(workload, args.rate, args.duration, args.seed)
-            done: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
-            for rep in range(args.repeats):
-                for label, k, policy in runs[rep % len(runs):] + runs[:rep % len(runs)]:
-                    done[label].append(one_run(gw, stages, workload, policy, arrivals, profiled_ms,
-                                               _policies_args(args, k)))
-            for label, k, policy in runs:
-                live = aggregate(policy, done[label], profiled_ms, _policies_args(args, k))
-                entry = {key: live.get(key) for key in ENTRY_KEYS}
-                entry.update(workload=workload, seed=args.seed, policy=label, table="km", model=MODEL,
-                             repeats=args.repeats, errors=live.get("errors"))
-                if not args.no_sim:
-                    lags = [x for r in done[label] for x in r["lags"]]
-                    sim = _simulated(args, policy, k, arrivals, stage_ms, hop_s, statistics.median(lags) if lags else None)
-                    entry["sim"] = sim
-                    entry["sim_over_live"] = {m: sim[f"{m}_ms"] / entry[f"{m}_ms"] - 1.0 if entry[f"{m}_ms"] else None
-                                              for m in ("mean", "p99")}
-                report["entries"].append(entry)
-                print(f"[{workload}] {label}: mean {entry['mean_ms']:.0f} ms, p99 {entry['p99_ms']:.0f} ms, "
-                      f"replica-s {entry['replica_seconds']:.0f}"
-                      + (f"; sim mean {entry['sim']['mean_ms']:.0f} p99 {entry['sim']['p99_ms']:.0f}" if "sim" in entry else ""),
-                      file=sys.stderr)
+        measured = measure(gw, stages, records_path, rate=args.rate, duration=args.costs_duration,
+                           replicas=args.max_replicas, idle_requests=30, seed=args.seed + 1000)
+        report["costs_measured"] = measured
+        if args.costs == "measure":
+            costs = measured["loaded"]
+        else:
+            from quart_tools.sim.calibration import Calibration
+
+            costs = costs_of(Calibration.load(args.costs))
+        report["sim_costs"] = {"source": args.costs, **sim_terms(costs, args.stages)}
+        profiled_ms = measured["idle"]["client_median_ms"]
+        report["profiled_ms"] = profiled_ms
+        report["setup_s"] = round(time.monotonic() - started, 1)
+        seen = _new_records(records_path, 0)[1]
+        done: dict[tuple[str, str], list[dict]] = {}
+        for r in runs:
+            t0 = time.monotonic()
+            res = one_run(gw, stages, r.workload, r.policy, make_workload(r.workload, args.rate, args.duration,
+                                                                          args.seed, args.trace), profiled_ms, _policies_args(args, r))
+            time.sleep(0.5)
+            res["records"], seen = _new_records(records_path, seen)
+            res["wall_s"] = time.monotonic() - t0
+            done.setdefault((r.workload, r.label), []).append(res)
+        for (workload, label), results in done.items():
+            r = next(x for x in runs if (x.workload, x.label) == (workload, label))
+            report["entries"].append(_entry(args, r, results, profiled_ms, costs))
     finally:
         gw.close()
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    report["run_wall_s"] = {"mean": statistics.fmean(e["run_wall_s"] for e in report["entries"]) if runs else None}
     report["summary"] = summarise(report["entries"])
     report["sim_targets"] = SIM_TARGETS
     return report
+
+
+def _entry(args, r: PlannedRun, results: list[dict], profiled_ms: float, costs: dict) -> dict:
+    """One report entry over a label's repeats: live figures, the run's own costs, the simulator's figures."""
+    live = aggregate(r.policy, results, profiled_ms, _policies_args(args, r))
+    entry = {key: live.get(key) for key in ENTRY_KEYS}
+    entry.update(workload=r.workload, seed=args.seed, policy=r.label, table="km", model=MODEL, repeats=len(results),
+                 errors=live.get("errors"), keysmanager=r.keysmanager,
+                 run_wall_s=statistics.fmean(x["wall_s"] for x in results),
+                 replica_ready_lag_s=live.get("replica_ready_lag_s"))
+    try:
+        entry["live_costs"] = decompose([x for res in results for x in res["records"]],
+                                        [v for res in results for v in res["lat"]], args.stages,
+                                        nominal_stage_ms(args.stages))
+    except ValueError:
+        entry["live_costs"] = None
+    if not args.no_sim:
+        lags = [x for res in results for x in res["lags"]]
+        sim = simulated(args, r.policy, r.replicas, make_workload(r.workload, args.rate, args.duration, args.seed, args.trace),
+                        costs, statistics.median(lags) if lags else None)
+        entry["sim"] = sim
+        entry["sim_over_live"] = {m: sim[f"{m}_ms"] / entry[f"{m}_ms"] - 1.0 if entry[f"{m}_ms"] else None
+                                  for m in ("mean", "p99")}
+    print(f"[{r.workload}] {r.label}: mean {entry['mean_ms']:.0f} ms, p99 {entry['p99_ms']:.0f} ms, "
+          f"replica-s {entry['replica_seconds']:.0f}"
+          + (f"; sim mean {entry['sim']['mean_ms']:.0f} p99 {entry['sim']['p99_ms']:.0f}" if "sim" in entry else ""),
+          file=sys.stderr)
+    return entry
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from quart_tools.report import json_safe
 
-    write_report(json_safe(run(args)), args.out)
+    try:
+        if args.dry_run:
+            runs, _ = planned(args)
+            print(format_plan(runs, args.duration, Overheads()))
+            return 0
+        import signal
+
+        from quart_tools.bench.policies import _terminate
+
+        signal.signal(signal.SIGTERM, _terminate)  # a killed bench unwinds through run()'s finally: the gateway stops
+        write_report(json_safe(run(args)), args.out)
+    except (RuntimeError, ValueError) as exc:
+        print(f"quartctl bench frontier: {exc}", file=sys.stderr)
+        return 1
     return 0

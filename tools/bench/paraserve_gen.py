@@ -5,16 +5,18 @@ ranged-read registry, one decoder stage of ``--stage-mb`` real bytes with *emula
 start of the stage by the embedded gateway with P parts (P = 1: the ordinary cold start) while ``--sessions``
 generation sessions arrive at ``--rate``/s from the cold start (prompt ``--prompt`` tokens, ``--max-tokens`` new
 tokens, emulated steps: ``--decode-ms`` per decode step and ``--prefill-ms-per-token`` of the whole stage, each
-part taking its share of the parameters). A session opens on the group's P parts once all of them serve
-(`gateway_plugin.generation.paragroup`: each part holds the KV cache of its own layers), or on a whole worker.
+part taking its share of the parameters). Every session goes through the gateway's own session engine
+(`gateway_plugin.generation.sessions.SessionEngine`, what the ``/v1`` and ``/function`` doors call, wired to the
+embedded gateway as the plugin wires it): while the stage has no whole replica it opens on the group's P parts
+(`gateway_plugin.generation.groupsessions`: each part holds the KV cache of its own layers), else on a whole one.
 
-When the group's first worker holds the whole stage, the group consolidates ("scale down", ParaServe §6.2): every
-session's KV cache is gathered onto that worker (verified) and its stream goes on there; the helpers leave
-(the bench holds a request slot on each group member until then, so the gateway drains them after it). Then
-the same prompts run again as fresh sessions on the consolidated worker, all at once: their tokens are the
-reference (``identical``) and their TPOT is ``tpot_whole_ms``; ``tpot_after_ms`` is the migrated sessions'
-time per token after the move (p50 over sessions). ``wrong``: tokens that differ from the emulation's own
-function of (seed, ids) (`quart_stage.kvmigrate.EmulatedKV`). The SLO run: ``--slo-runs`` cold starts with P
+When one worker of the group holds the whole stage, the engine consolidates every session onto it at its next
+step (ParaServe §6.2): its KV caches are gathered there (verified) and the stream goes on with no re-prefill. Once
+every worker is whole, the gateway keeps as many as the sliding-window rule says (its desired count; ``kept``)
+and drains the others. Then the same prompts run again as fresh sessions on whole workers, all at once: their
+tokens are the reference (``identical``) and their TPOT is ``tpot_whole_ms``; ``tpot_after_ms`` is the moved
+sessions' time per token after their first token on the whole worker (p50 over sessions). ``wrong``: tokens that
+differ from the emulation's own function of (seed, ids) (`quart_stage.kvmigrate.EmulatedKV`). The SLO run: ``--slo-runs`` cold starts with P
 chosen by the gateway's generation planner (`plan_generation`, TTFT SLO ``--ttft-slo-ms``, default 0.5 ×
 single-host cold TTFT; TPOT SLO ``--tpot-slo-ms``, default 2 × P = 1's TPOT) calibrated from the rows.
 """
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import random
 import time
+from dataclasses import dataclass, field
 
 from quart_tools.bench.blitz import PeerCluster, fresh_keysmanagers
 from quart_tools.bench.paraserve_calib import FUNCTION
@@ -88,16 +91,44 @@ def _tpot_ms(times: list[float], since: float | None = None) -> float | None:
     return round(1000 * (times[-1] - times[0]) / (len(times) - 1), 2) if len(times) > 1 else None
 
 
+@dataclass
+class Stream:
+    """One session as the bench sees it: its tokens and when each came."""
+
+    prompt: list[int]
+    seed: int
+    arrived: float
+    tokens: list[int] = field(default_factory=list)
+    token_at: list[float] = field(default_factory=list)
+    consolidated_at: float | None = None  # the first token answered by a whole worker after a move off the group
+    reprefills: int = 0
+
+
+async def run_stream(engine, prompt: list[int], seed: int, max_tokens: int) -> Stream:
+    """One session through the gateway's session engine (the ``/v1`` and ``/function`` doors' own path)."""
+    stream = Stream(prompt, seed, time.monotonic())
+    session = await engine.open(MODEL, [FUNCTION], prompt, max_tokens, {"seed": seed}, frozenset())
+    chained = False  # whether the session ran on the group's parts at its last token
+    async for token in engine.tokens(session):
+        stream.tokens.append(token)
+        stream.token_at.append(time.monotonic())
+        if chained and not session.chains and stream.consolidated_at is None:
+            stream.consolidated_at = stream.token_at[-1]
+        chained = bool(session.chains)
+    stream.reprefills = session.reprefills
+    return stream
+
+
 async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: argparse.Namespace,
                      gen_config: dict | None = None) -> dict:
     """One cold start with its sessions; ``parts`` 0: the gateway's generation planner chooses P."""
-    import aiohttp
-    from gateway_plugin.generation.paragroup import GroupGenerator, GroupSession, Hop
+    from gateway_plugin.generation.config import GenerationConfig
+    from gateway_plugin.generation.sessions import SessionEngine
+    from gateway_plugin.plugin import GatewayView
     from quart_kernel.scheduling import make_placer
     from quart_provider.config import GatewayConfig
     from quart_provider.gateway import EmbeddedGateway
     from quart_provider.keysmanager_host import KeysManagerHost
-    from quart_tools.bench import wait_until
     from quart_tools.bench.blitz import TOKEN
     from quart_tools.bench.paraserve_calib import part_bytes, worker_timelines
 
@@ -112,72 +143,27 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
                 for h in hosts]
     gw = EmbeddedGateway(config, km_hosts, make_placer("first-fit"))
     await gw.start()
+    engine = SessionEngine(GatewayView(gw), GenerationConfig(replica_wait_s=600.0, step_timeout_s=120.0))
+    gw.watch_sessions(engine.book.booked)  # as the plugin wires it: drains wait for sessions, groups keep workers
+    gw.watch_demand(engine.demand)
     rng = random.Random(parts)
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     try:
-        gen = GroupGenerator(http, step_timeout_s=120)
-        fn, paraserve = None, gw.reconciler.paraserve
+        paraserve = gw.reconciler.paraserve
         t0, t0_wall = time.monotonic(), time.time()
         await gw.registry.deploy(_deployment(config.namespace, args))
         fn = gw.functions[FUNCTION]
-        held: list = []  # group members the bench holds a request slot on until consolidation
-        consolidating = migrated = False
 
-        def route() -> list[Hop] | None:
-            if consolidating:
-                return None
-            whole = [e for e in fn.ready if e.whole]
-            if whole and (not held or migrated):
-                return [Hop(whole[0].url)]
-            group = paraserve.history[0] if paraserve.history else None
-            if group is None:
-                return None
-            on = {e.host: e for e in [*fn.ready, *fn.partial]}
-            if not all(h in on for h in group.hosts):
-                return None  # every part routable; a step waits at a part until it holds its range (503, retried)
-            if not held:
-                for h in group.hosts:  # the surplus rule drains them only after the bench lets go
-                    on[h].in_flight += 1
-                    held.append(on[h])
-            return [Hop(on[h].url, part) for h, part in zip(group.hosts, group.parts, strict=True)]
-
-        sessions: list[GroupSession] = []
-
-        async def one(i: int) -> GroupSession:
+        async def one(i: int) -> Stream:
             await asyncio.sleep(max(0.0, t0 + i / args.rate - time.monotonic()))
-            arrived_at = time.monotonic()
-            hops = None
-            while hops is None:
-                hops = route()
-                if hops is None:
-                    await asyncio.sleep(0.005)
-            s = GroupSession([rng.randrange(args.vocab) for _ in range(args.prompt)], args.max_tokens,
-                             rng.getrandbits(62), hops)
-            sessions.append(s)
-            s.arrived = arrived_at  # noqa: B010 - the bench's own mark
-            await gen.run(s)
-            return s
+            prompt = [rng.randrange(args.vocab) for _ in range(args.prompt)]
+            return await run_stream(engine, prompt, rng.getrandbits(62), args.max_tokens)
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(args.sessions)]
-        migration = None
-        await wait_until(lambda: paraserve.history or any(e.whole for e in fn.ready), 600, "a group or a replica")
-        if paraserve.history and len(paraserve.history[0].hosts) > 1:  # P > 1: consolidate when worker 0 is whole
-            group = paraserve.history[0]
-            await wait_until(lambda: any(e.host == group.hosts[0] and e.whole and e.state == "ready"
-                                         for e in fn.ready), 600, "the group's first worker whole")
-            target = next(e for e in fn.ready if e.host == group.hosts[0])
-            consolidating = True
-            migration = await gen.consolidate(list(sessions), Hop(target.url))
-            for e in held:  # the helpers may leave now; the consolidated worker is held until the end
-                if e is not target:
-                    gw.balancer.release(fn, e)
-            held[:] = [target]
-            consolidating, migrated = False, True
-        done = await asyncio.gather(*tasks, return_exceptions=True)
-        ok = [s for s in done if isinstance(s, GroupSession)]
+        done = await asyncio.gather(*(one(i) for i in range(args.sessions)), return_exceptions=True)
+        ok = [s for s in done if isinstance(s, Stream)]
         row = {"P": (paraserve.chosen[0][1] if paraserve.chosen else 1),
                "sessions": args.sessions, "lost": args.sessions - len(ok),
-               "wrong": sum(1 for s in ok if s.generated != expected_tokens(s.prompt, s.seed, s.max_tokens, args.vocab)),
+               "errors": sorted({f"{type(e).__name__}: {e}"[:200] for e in done if not isinstance(e, Stream)}),
+               "wrong": sum(1 for s in ok if s.tokens != expected_tokens(s.prompt, s.seed, args.max_tokens, args.vocab)),
                "first_token_ms": round(1000 * (min(s.token_at[0] for s in ok) - t0), 1) if ok else None}
         ttft = [1000 * (s.token_at[0] - s.arrived) for s in ok]
         row.update(ttft_p50_ms=_pct(ttft, 0.5), ttft_p99_ms=_pct(ttft, 0.99), ttft_ms=[round(x, 1) for x in ttft],
@@ -185,31 +171,28 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
         row["session_tpot_ms"] = [_tpot_ms(s.token_at) for s in ok]
         row["first_served_ms"] = row["first_token_ms"]
         row["workers"] = await worker_timelines(cluster, hosts, t0_wall, {}, part_bytes(paraserve))
-        if migration is not None:
-            row["consolidation"] = await _after(gen, fn, ok, migration, args)
+        row["kept"] = [n for f, n in paraserve.kept if f == FUNCTION]
+        if row["P"] > 1:
+            row["consolidation"] = await _after(engine, fn, ok, args)
         return row
     finally:
-        for e in held:
-            gw.balancer.release(fn, e)
-        await http.close()
+        await engine.close()
         await gw.close()
 
 
-async def _after(gen, fn, ok: list, migration, args: argparse.Namespace) -> dict:
-    """The consolidation's figures: the migrated streams and the same prompts again on the whole worker."""
-    from gateway_plugin.generation.paragroup import GroupSession, Hop
-
-    moved = [s for s in ok if s.consolidated_at is not None and s.token_at and s.token_at[0] < s.consolidated_at]
-    whole = Hop(next(e for e in fn.ready if e.whole).url)
-    again = [GroupSession(list(s.prompt), s.max_tokens, s.seed, [whole]) for s in moved]
-    await asyncio.gather(*(gen.run(s) for s in again))
+async def _after(engine, fn, ok: list[Stream], args: argparse.Namespace) -> dict:
+    """The consolidation's figures: the streams that moved off the group, and the same prompts again as fresh
+    sessions on whole workers (the reference tokens, ``tpot_whole_ms``)."""
+    moved = [s for s in ok if s.consolidated_at is not None]
+    again = await asyncio.gather(*(run_stream(engine, s.prompt, s.seed, args.max_tokens) for s in moved))
     after = [_tpot_ms(s.token_at, s.consolidated_at) for s in moved]
-    return {"streams": len(moved), "completed": sum(1 for s in moved if len(s.generated) == s.max_tokens),
-            "identical": sum(1 for s, r in zip(moved, again, strict=True) if s.generated == r.generated),
-            "reprefills": migration.reprefills, "migrated": migration.migrated, "kv_bytes": migration.bytes,
-            "migration_ms": round(1000 * migration.seconds, 1),
+    return {"streams": len(moved), "completed": sum(1 for s in moved if len(s.tokens) == args.max_tokens),
+            "identical": sum(1 for s, r in zip(moved, again, strict=True) if s.tokens == r.tokens),
+            "reprefills": sum(s.reprefills for s in ok), "migrated": engine.migrations,
+            "kv_bytes": engine.kv_moved_bytes, "migration_ms": round(1000 * engine.migration_s, 1),
             "tpot_after_ms": _pct([x for x in after if x is not None], 0.5),
-            "tpot_whole_ms": _pct([_tpot_ms(s.token_at) for s in again], 0.5), "failures": migration.failures}
+            "tpot_whole_ms": _pct([_tpot_ms(s.token_at) for s in again], 0.5),
+            "whole_workers_at_end": len(fn.ready)}
 
 
 def measure(args: argparse.Namespace, cluster: PeerCluster, hosts: list[str], layer_bytes: list[int]) -> dict:

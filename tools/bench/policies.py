@@ -199,24 +199,24 @@ def profile(gw: Gateway, count: int) -> tuple[float, list[float]]:
     return float(sorted(lat)[len(lat) // 2]), service
 
 
-def make_workload(name: str, rate: float, duration: float, seed: int):
+def make_workload(name: str, rate: float, duration: float, seed: int, trace: str | None = None):
     from quart_tools.arrivals import make_arrivals
 
     if name.startswith("gamma-cv"):
         return make_arrivals("gamma", rate, duration, cv=float(name.removeprefix("gamma-cv")), seed=seed,
                              input_bytes=512)
     if name == "trace":
-        return trace_window(rate, duration)
+        return trace_window(rate, duration, trace)
     raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
 
 
-def trace_window(rate: float, duration: float):
+def trace_window(rate: float, duration: float, path: str | None = None):
     """The trace's first ``rate × duration`` requests, compressed in time to fill ``duration``: the replayed
     window has the target mean rate. (Scaling by the whole trace's mean rate would replay its sparse start:
     63 requests in the first 20 s at 20 req/s.) The trace's own gaps, bursts included, are kept in shape."""
     from quart_tools.arrivals import load_trace, replay_trace
 
-    trace = load_trace()
+    trace = load_trace(path) if path else load_trace()
     n = max(1, round(rate * duration))
     if n >= len(trace.offsets_s) or trace.offsets_s[n] <= 0:
         raise ValueError(f"the trace has too few requests for {rate} req/s over {duration} s")
@@ -332,7 +332,7 @@ def one_run(gw: Gateway, stages: list[str], workload: str, policy: str, arrivals
     from quart_tools.loadgen import body_maker, generate_load
     from quart_tools.report import build_report, records_latencies
 
-    cache_on = policy == "quart" or args.baselines_keysmanager == "on"
+    cache_on = (policy == "quart" and not getattr(args, "cold_starts", False)) or args.baselines_keysmanager == "on"
     if gw.param_cache is not cache_on:
         gw.set_param_cache(stages, cache_on)
         gw.param_cache = cache_on
@@ -360,7 +360,7 @@ def one_run(gw: Gateway, stages: list[str], workload: str, policy: str, arrivals
           f"errors {errors}, send-lag p99 {send_lag:.0f} ms", file=sys.stderr)
     return {"lat": lat, "n": n, "entry": entry, "samples": samples, "errors": errors, "lags": lags,
             "keysmanager": "on" if cache_on else "off",
-            "timeline": [{k: row[k] for k in ("time", "replicas", "desired", "queue")} for row in rows]}
+            "timeline": [{k: row.get(k) for k in ("time", "replicas", "desired", "queue", "cpus")} for row in rows]}
 
 
 def _concat(arrays: list) -> Any:

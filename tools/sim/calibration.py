@@ -55,6 +55,14 @@ class Calibration:
     service_cv: float = 0.1  # per-request variation of a stage's service time
     cpu_fraction: float = 0.795  # f: share of a stage's time that scales with its CPUs
     cpu_ref: float = 1.0  # CPUs the profiled time was measured with
+    # The live emulated setup's costs outside the compute (`quartctl bench hop-costs`; 0 / 1 = none): the sleep's
+    # overshoot, the time a stage call holds its replica beyond compute, the router between stages, the front.
+    live_compute_factor: float = 1.0
+    live_stage_hold_s: float = 0.0
+    live_hold_per_call_s: float = 0.0
+    live_stage_gap_s: float = 0.0
+    live_entry_s: float = 0.0
+    live_service_cv: float = 0.1
     # Cluster (paper §8.1: 12 GPU servers, 4 GPUs, 108 cores, 1 TB RAM each).
     hosts: int = 12
     gpus_per_host: int = 4
@@ -201,6 +209,12 @@ _PAPER_SOURCES = {
     "service_cv": "assumption: GPU stage compute varies little per request",
     "cpu_fraction": "QUART Fig. 3b: 4 CPUs cut the median pipeline latency of 2 CPUs by 33 %, "
                     "(1-f+f/4)/(1-f+f/2) = 0.67 → f = 0.795 (or a live `quartctl bench cpu-profile`, with_cpu_profile)",
+    "live_compute_factor": "default 1 (no overshoot); `quartctl bench hop-costs --calibration` measures it",
+    "live_stage_hold_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
+    "live_hold_per_call_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
+    "live_stage_gap_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
+    "live_entry_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
+    "live_service_cv": "default QUART_EMULATED_CV; `quartctl bench hop-costs --calibration` measures it",
     "hosts": "QUART §8.1: 12 GPU servers",
     "gpus_per_host": "QUART §8.1: 4 GPUs per server",
     "cpus_per_host": "QUART §8.1: 108 cores per server",

@@ -59,7 +59,7 @@ class ControlLoop:
         self.collector = MetricsCollector(cfg.window_s)
         self.collector.stages.update({st.function: st.metrics for st in stages})
         plugin = PluginConfig(queue_cap=cfg.queue_cap, window_s=cfg.window_s, control_period_s=cfg.control_period_s,
-                              slo_factor=cfg.slo_factor)
+                              slo_factor=cfg.slo_factor, tpot_slo_ms=1000 * cfg.tpot_slo_s)
         self.controller = Controller(self, self, self.collector, SimActuator(self), lambda: policy, plugin,
                                      slo_s={cfg.model: cfg.slo_s}, clock=lambda: loop.now, keep_timeline=False)
 
@@ -115,11 +115,9 @@ class ControlLoop:
         st.desired = applied
 
     def set_cpus(self, function: str, cpus: float) -> None:
-        """A CPU change is a rolling update: a new generation starts; the hosts keep the stage's zygotes and
-        resident parameters (only the replicas' cores and threads change; the live registry does the same)."""
-        st = self.stage_by_fn[function]
-        st.cpus = cpus
-        st.generation += 1
+        """A CPU change is no rolling update: the stage's CPUs change, and the one convergence resizes its ready
+        replicas in place (``resize`` actions, `quart_kernel.resize`; the live registry does the same)."""
+        self.stage_by_fn[function].cpus = cpus
 
     # ---------------------------------------------------------------------------- converge
     def view(self, now: float) -> PlatformView:
@@ -131,8 +129,9 @@ class ControlLoop:
                 0, (m.consolidated_at >= 0 for m in r.group if m.state in ("starting", "ready"))))
             functions.append(FunctionView(
                 st.function, st.desired, st.generation,
-                tuple(ReplicaView(str(r.id), r.state, r.generation, r.in_flight, r.started_at) for r in current),
-                0, 0.0, protected, st.spec.param_bytes, st.function in self.key_history, len(st.ready)))
+                tuple(ReplicaView(str(r.id), r.state, r.generation, r.in_flight, r.started_at, cpus=r.cpus)
+                      for r in current),
+                0, 0.0, protected, st.spec.param_bytes, st.function in self.key_history, len(st.ready), st.cpus))
         return PlatformView(now, tuple(functions), tuple(h.view() for h in self.hosts), dict(self.key_history),
                             self.cfg.start_mechanisms)
 
@@ -143,7 +142,9 @@ class ControlLoop:
         by_id = {str(r.id): r for st in self.stages for r in st.current()}
         for action in plan.actions:
             rep = by_id.get(action.replica) if action.replica else None
-            if rep is not None:  # stop / drain / retire
+            if rep is not None and action.kind == "resize":
+                starts.resize(rep, action.cpus, now)
+            elif rep is not None:  # stop / drain / retire
                 starts.stop(self.stage_by_fn[action.function], rep, now)
         if plan.schedule is not None:
             self._scale_up(plan, now)

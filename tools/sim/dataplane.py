@@ -46,7 +46,8 @@ class StageFlow:
         # A hop either holds the replica (added to each stage visit, measured as service time, as the live
         # router times its whole call) or is a constant added to the end-to-end latency.
         self.hop_in_service = cfg.hop_s if cfg.hop_holds_replica else 0.0
-        self.hops_after = 0.0 if cfg.hop_holds_replica else cfg.hop_s * len(stages)
+        self.hops_after = (0.0 if cfg.hop_holds_replica else cfg.hop_s * len(stages)) + cfg.outside_s
+        self.hop_per_call = cfg.hop_per_call_s  # + this per stage call in flight (the host's CPU contention)
 
     # ------------------------------------------------------------------------- whole replicas
     def arrive(self, req: int, now: float) -> None:
@@ -70,6 +71,8 @@ class StageFlow:
         stage.busy += 1
         rep.in_flight += 1
         service = stage.spec.service_s * rep.factor * stage.draws[req] + self.hop_in_service
+        if self.hop_per_call:
+            service += self.hop_per_call * sum(st.busy for st in self.stages)
         loop = self.loop
         loop.seq += 1
         heapq.heappush(loop.heap, (now + service, loop.seq, COMPLETE, (req, rep, service)))

@@ -77,6 +77,8 @@ class Simulation:
             flow = WholeModelFlow if cfg.whole_model else StageFlow
             self.flow = flow(cfg, self.stages, self.loop, self.tally, self.starts.release)
         self.control = ControlLoop(cfg, policy, self.stages, self.hosts, self.loop, self.tally, self.starts, placer)
+        if cfg.generation:  # the sessions' floor reads the sessions and decode steps, as the live engine's
+            self.control.controller.generation = self.flow
         self.starts.flow, self.starts.converge = self.flow, self.control.converge
         for st in self.stages:
             st.desired = cfg.initial_replicas
@@ -131,7 +133,7 @@ class Simulation:
             for slot in h.slots:
                 if slot.replica is not None:
                     tally.gpu_seconds += end - slot.replica.requested_at
-                    tally.cpu_seconds += (end - slot.replica.requested_at) * slot.replica.cpus
+                    tally.cpu_seconds += (end - slot.replica.requested_at) * slot.replica.cpus + slot.replica.cpu_extra_s
         n = len(tally.arrival)
         return SimResult(
             model=cfg.model,

@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Callable
 
 import numpy as np
+from gateway_plugin.metrics import BatchTimes
 from quart_tools.genload import token_lengths
 from quart_tools.sim.calibration import GB
 from quart_tools.sim.events import COMPLETE, EventLoop
@@ -80,6 +81,8 @@ class GenerationFlow:
         self.active: set[Replica] = set()  # replicas running a step
         self.extra: list[list[Replica]] = [[] for _ in stages]  # live replicas and ParaServe helpers taking sessions
         self.sessions: dict[Replica, dict[int, Session]] = {}  # sessions pinned per replica
+        self.decode_times = [BatchTimes() for _ in stages]  # decode-only batches' service by size (stage_decode)
+        self.index = {st.function: st.index for st in stages}
         tally.ttft_ms = np.full(len(prompt), np.nan)
         tally.tpot_ms = np.full(len(prompt), np.nan)
         tally.token_gaps = []
@@ -212,6 +215,8 @@ class GenerationFlow:
         rep, items, service, rest = payload
         st = self.stages[rep.stage]
         per_step = service / len(items)  # what the controller's window sees: the batch's time per step
+        if all(kind == DECODE for _, kind in items) and rest == 0:
+            self.decode_times[st.index].record(len(items), service)
         for _ in items:
             st.metrics.on_complete(now, per_step)
         st.busy -= 1
@@ -274,6 +279,18 @@ class GenerationFlow:
         for st, rep in zip(self.stages, s.reps, strict=True):
             self._detach(st, rep, s, now)
         self._admit_waiting(now)
+
+    # ------------------------------------------------------------------------------ the controller's view
+    def stage_generation(self, function: str) -> tuple[int, int, int]:
+        """(sessions, KV positions booked, KV positions its ready replicas hold), as ``SessionEngine`` reports."""
+        st = self.stages[self.index[function]]
+        mine = [rep for rep in self.sessions if rep.stage == st.index]
+        return (sum(len(self.sessions[rep]) for rep in mine), sum(self.booked.get(rep, 0) for rep in mine),
+                st.spec.kv_tokens * len(st.ready))
+
+    def stage_decode(self, function: str) -> tuple[tuple[tuple[int, int, float], ...], int]:
+        """The stage's decode-only batches by size and the decode batch limit."""
+        return self.decode_times[self.index[function]].table(), max(1, self.cfg.decode_batch)
 
     # ------------------------------------------------------------------------------ replicas
     def on_ready(self, stage: _Stage, rep: Replica, now: float) -> None:

@@ -78,7 +78,8 @@ def workload_arrivals(w: GenWorkload, duration_s: float, load: float, cal: Calib
 
 
 def gen_config(dm: DecoderModel, cal: Calibration, seed: int, **overrides) -> SimConfig:
-    return replace(SimConfig(model=dm.name, stages=dm.stages, slo_s=dm.tpot_slo_s, calibration=cal, generation=True,
+    return replace(SimConfig(model=dm.name, stages=dm.stages, slo_s=dm.tpot_slo_s, tpot_slo_s=dm.tpot_slo_s,
+                             calibration=cal, generation=True,
                              max_context=MAX_CONTEXT, max_new_tokens=MAX_NEW_TOKENS, seed=seed,
                              record_series=True), **overrides)
 

@@ -82,7 +82,7 @@ class ReplicaStarts:
         """A replica is gone: its slot's time is counted and the slot freed."""
         rep.state = "gone"
         self.tally.gpu_seconds += now - rep.requested_at
-        self.tally.cpu_seconds += (now - rep.requested_at) * rep.cpus
+        self.tally.cpu_seconds += (now - rep.requested_at) * rep.cpus + rep.cpu_extra_s
         rep.host.release_slot(rep.slot, self.stages[rep.stage].function, now, self.cfg.gpu_keep_s)
 
     # ---------------------------------------------------------------------------- scale-up
@@ -180,6 +180,14 @@ class ReplicaStarts:
         self.flow.on_ready(st, rep, now)
         if any(r.generation != st.generation for r in st.ready):
             self.converge(now)  # a rolling update may retire the previous generation now
+
+    def resize(self, rep: Replica, cpus: float, now: float) -> None:
+        """An in-place CPU change (a ``resize`` action): from now on the replica serves at ``cpus``' speed (work
+        under way keeps its end: the live replica's threads change between requests); CPU-seconds are counted at
+        each CPU count for the time it held it."""
+        rep.cpu_extra_s += (now - rep.requested_at) * (rep.cpus - cpus)  # so (end − start) × cpus adds up
+        rep.factor *= self.cal.cpu_factor(cpus) / self.cal.cpu_factor(rep.cpus)  # a ParaServe part keeps its share
+        rep.cpus = cpus
 
     # ---------------------------------------------------------------------------- scale-down
     def stop(self, st: _Stage, rep: Replica, now: float) -> None:

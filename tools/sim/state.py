@@ -57,6 +57,9 @@ class SimConfig:
     queue_cap: int = _LIVE.queue_cap  # waiting requests per stage before the router answers 429
     hop_s: float = 0.001  # router hop per stage (gateway → replica → gateway)
     hop_holds_replica: bool = True  # the hop is part of the replica's busy time (the live router's call)
+    hop_per_call_s: float = 0.0  # a stage call's hold grows by this per stage call in flight when it starts, itself
+    # included (the live host's CPU shared by the calls' HTTP and serialisation work; measured live)
+    outside_s: float = 0.0  # per request, outside every replica: the router between stages, the front (measured live)
     slo_factor: float = _LIVE.slo_factor  # with slo_s = 0: SLO = slo_factor × Σ profiled stage times
     profile_label: bool = True  # stages carry their profiled time (com.quart.profile-ms); False: measured
     gpu_keep_s: float = 0.0  # a released replica's parameters stay on its GPU this long
@@ -80,12 +83,13 @@ class SimConfig:
     max_new_tokens: int = 256
     decode_batch: int = 64  # decode steps a replica runs as one batch (continuous batching); 1 = one at a time
     prefill_chunk: int = 128  # prompt positions per prefill step (chunked prefill); 0 = the whole prompt at once
+    tpot_slo_s: float = 0.0  # the controller's TPOT target for the sessions' floor (QUART_TPOT_SLO_MS); 0 = KV room only
 
 
 class Replica:
     __slots__ = ("id", "stage", "host", "slot", "state", "cpus", "source", "requested_at", "factor", "in_flight",
                  "generation", "live", "layer0", "layer_dt", "layers", "first_done", "ready_at", "consolidated_at",
-                 "helper", "group")
+                 "helper", "group", "cpu_extra_s")
 
     def __init__(self, rid: int, stage: int, host: Host, slot: Slot, source: str, now: float, cpus: float,
                  generation: int = 1):
@@ -100,6 +104,7 @@ class Replica:
         self.first_done = self.ready_at = self.consolidated_at = -1.0  # first work done, full load, consolidated
         self.helper = False  # a ParaServe helper: serves its part until its group consolidates, not a replica
         self.group: list | None = None  # ParaServe: every replica and helper of its sub-pipeline
+        self.cpu_extra_s = 0.0  # CPU-seconds beyond (end − start) × cpus, from in-place resizes
 
     @property
     def started_at(self) -> float:  # quart_kernel.replicaset.ReplicaLike

@@ -70,19 +70,26 @@ def _stats(lat_ms: np.ndarray) -> dict:
             "completed": int(np.count_nonzero(~np.isnan(lat_ms))), "requests": len(lat_ms)}
 
 
-def simulate(args, arrivals, hop_s: float, start_s: float | None = None) -> dict:
-    """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy.
+def simulate(args, arrivals, hop_s: float, start_s: float | None = None, policy_config: dict | None = None,
+             cpu_fraction: float | None = None, *, outside_s: float = 0.0, service_cv: float = EMULATED_CV,
+             hop_per_call_s: float = 0.0) -> dict:
+    """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy (and its
+    ``policy_config``).
+
+    ``hop_s`` holds the replica (each stage call's time beyond compute), ``outside_s`` is added to every
+    request's latency outside the replicas (the router between stages, the front).
 
     The live stages are emulated and hold no parameters, so a scale-up costs the live ask → ready time
     (``start_s``, measured by the gateway; the calibration's fork cost when not measured), not the paper's
-    host → GPU copy of a BERT-21B stage.
+    host → GPU copy of a BERT-21B stage. ``cpu_fraction``: the live stages' ``QUART_EMULATED_CPU_FRACTION``
+    (their time at c cores × (1 − f + f/c)); QUART then fits its CPU regression on the same law.
     """
     from gateway_plugin.config import PluginConfig
     from gateway_plugin.policies import make_policy
     from quart_tools.sim.engine import SimConfig, Simulation
     from quart_tools.sim.scenario import model_stages
 
-    cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=EMULATED_CV)
+    cal = replace(Calibration(), hosts=args.hosts, gpus_per_host=args.gpus_per_host, service_cv=service_cv)
     if start_s is not None and start_s >= 0:
         cal = replace(cal, fork_fixed_s=start_s)
     stages = tuple(replace(s, service_s=args.stage_ms / 1000.0, param_bytes=0)
@@ -92,11 +99,18 @@ def simulate(args, arrivals, hop_s: float, start_s: float | None = None) -> dict
         model=MODEL, stages=stages, slo_s=0.0, slo_factor=PluginConfig().slo_factor, profile_label=False,
         calibration=cal,
         keysmanager=True, placer="cache-aware", initial_replicas=args.replicas, max_replicas=args.max_replicas,
-        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, seed=args.seed,
+        window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, outside_s=outside_s,
+        hop_per_call_s=hop_per_call_s, seed=args.seed,
     )
     config = {"replicas": args.replicas} if args.policy == "static" else {}
+    config.update(policy_config or {})
+    if cpu_fraction is not None:
+        cfg = replace(cfg, calibration=replace(cal, cpu_fraction=cpu_fraction))
+        if args.policy == "quart":
+            config["cpu_model"] = cfg.calibration.cpu_model()
     result = Simulation(cfg, make_policy(args.policy, **config), arrivals).run()
     stats = _stats(result.latencies_ms)
+    stats.update(replica_seconds=result.gpu_seconds, cpu_seconds=result.cpu_seconds)
     stats["series"] = {"latency_ms": result.latencies_ms.tolist(),
                        "samples": [[s.t, s.stage, s.replicas, s.queue] for s in result.samples],
                        "ready_s_by_source": result.ready_s_by_source}

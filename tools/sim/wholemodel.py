@@ -52,7 +52,7 @@ class WholeModelFlow:
                 self.release(rep, now)
             else:
                 st.free.append(rep)
-        self.tally.latency[req] = (now - self.tally.arrival[req]) * 1000.0
+        self.tally.latency[req] = (now - self.tally.arrival[req] + self.cfg.outside_s) * 1000.0
         self._dispatch(now)
 
     def on_ready(self, stage: _Stage, rep: Replica, now: float) -> None:

@@ -33,6 +33,8 @@ class StageConfig:
     profile         [QUART_PROFILE]          paper profile for emulated service times, e.g. bert-21b
     emulated_mean_ms [QUART_EMULATED_MEAN_MS] mean emulated service time of this stage (overrides the profile)
     emulated_cv     [QUART_EMULATED_CV]      coefficient of variation of emulated service time (default 0.1)
+    emulated_cpu_fraction [QUART_EMULATED_CPU_FRACTION] share f of the emulated time that parallelises over the
+                                             replica's cores c (its CPU affinity): time × (1 − f + f/c) (default 0)
     emulated_activation_bytes [QUART_EMULATED_ACTIVATION_BYTES] per-request output size override (emulated)
     emulated_decode_ms [QUART_EMULATED_DECODE_MS] emulated time of one generation decode step of this stage
                                              (default: the profile's decode time x the stage's share, else the mean)
@@ -74,6 +76,7 @@ class StageConfig:
     profile: str | None = None
     emulated_mean_ms: float | None = None
     emulated_cv: float = 0.1
+    emulated_cpu_fraction: float = 0.0
     emulated_activation_bytes: int | None = None
     emulated_decode_ms: float | None = None
     emulated_prefill_ms_per_token: float | None = None
@@ -111,6 +114,8 @@ class StageConfig:
             raise ConfigError("QUART_MAX_BODY_BYTES must be positive")
         if self.emulated_cv < 0:
             raise ConfigError("QUART_EMULATED_CV must be >= 0")
+        if not 0.0 <= self.emulated_cpu_fraction <= 1.0:
+            raise ConfigError(f"QUART_EMULATED_CPU_FRACTION must be within [0, 1], got {self.emulated_cpu_fraction}")
         if self.device_copy not in DEVICE_COPY_METHODS:
             raise ConfigError(f"QUART_DEVICE_COPY must be one of {', '.join(DEVICE_COPY_METHODS)}, "
                               f"got {self.device_copy!r}")
@@ -148,6 +153,7 @@ class StageConfig:
             "QUART_MODEL": self.model,
             "QUART_PROFILE": self.profile,
             "QUART_EMULATED_MEAN_MS": self.emulated_mean_ms,
+            "QUART_EMULATED_CPU_FRACTION": self.emulated_cpu_fraction or None,
             "QUART_EMULATED_ACTIVATION_BYTES": self.emulated_activation_bytes,
             "QUART_EMULATED_DECODE_MS": self.emulated_decode_ms,
             "QUART_EMULATED_PREFILL_MS_PER_TOKEN": self.emulated_prefill_ms_per_token,

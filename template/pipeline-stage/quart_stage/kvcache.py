@@ -244,8 +244,22 @@ class SessionTable:
             with s.lock:
                 if s.dead or s.tokens != tokens:
                     raise self._mismatch(session_id, tokens, 0 if s.dead else s.tokens)
-                fill(s.state)
-                s.span = s.stage = None  # installed layers join its own: its steps may run any range it holds now
+                part = s.span, s.stage
+                with self._lock:  # installed layers join its own: charged the whole stage now (429 when full)
+                    s.reserved = max(s.reserved, reserve)
+                    s.span = s.stage = None
+                    try:
+                        self._charge(s, tokens)
+                    except QuartError:
+                        s.span, s.stage = part
+                        raise
+                try:
+                    fill(s.state)
+                except BaseException:
+                    with self._lock:
+                        s.span, s.stage = part
+                        self._charge(s, tokens)  # back to the part's share
+                    raise
         finally:
             with self._lock:
                 s.busy -= 1

@@ -127,6 +127,7 @@ class StageRuntime:
         self._device = torch.device("cpu")
         self._prepare_lock = threading.Lock()  # a lock object, not a thread: safe to fork while unlocked
         self.prepared = False
+        self._cores_seen: int | None = None  # cores at its first request (bound_threads: a resize changes them)
         self.generation = Generation(self)  # generation sessions (KV caches); its sweeper starts with the first
 
     # -- construction ----------------------------------------------------------------------------
@@ -213,9 +214,21 @@ class StageRuntime:
         threaded server) that never called it computes with an OpenMP pool of every core (measured: threads set
         to 1 in the main thread, a new thread's matmuls spawned OpenMP workers and ran 3.6x slower on the loaded
         2-core machine). So every thread that serves a request sets it first (``handle``)."""
-        if getattr(_THREAD, "threads", None) != self.cfg.threads:
-            torch.set_num_threads(max(1, self.cfg.threads))
-            _THREAD.threads = self.cfg.threads
+        threads = self.cfg.threads
+        cores = len(os.sched_getaffinity(0))
+        if self._cores_seen is None:
+            self._cores_seen = cores
+        elif cores != self._cores_seen:  # resized in place (quart_kernel.resize): the threads follow its cores
+            threads = cores
+        if getattr(_THREAD, "threads", None) != threads:
+            torch.set_num_threads(max(1, threads))
+            _THREAD.threads = threads
+
+    def cpu_factor(self) -> float:
+        """Emulated compute's time multiplier on this replica's cores c (its CPU affinity): 1 − f + f/c with f =
+        ``QUART_EMULATED_CPU_FRACTION`` (1 at one core; the simulator's ``Calibration.cpu_factor``)."""
+        f = self.cfg.emulated_cpu_fraction
+        return 1.0 - f + f / len(os.sched_getaffinity(0)) if f > 0 else 1.0
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -413,7 +426,7 @@ class StageRuntime:
         share = 1.0
         if span is not None and span != self.stage_range:
             share = range_share(self.manifest.layer_parameter_counts, span, self.stage_range)
-        time.sleep(self.service_time.sample_ms(self._rng) * share / 1000.0)
+        time.sleep(self.service_time.sample_ms(self._rng) * share * self.cpu_factor() / 1000.0)
         return out
 
     def _json_output(self, name: str, output: torch.Tensor, request_id: str, mask: torch.Tensor | None) -> dict:

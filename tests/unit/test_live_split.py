@@ -1,0 +1,89 @@
+"""The booking of a split generation session during a live scale-up (quart_kernel.scheduling.live_split and
+gateway_plugin.generation.cooperative.split_for): each part its share, the live replica the rejoin's room only
+for a session that outlives the loading, and no split where that does not fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from gateway_plugin.generation.cooperative import LayerArrivals, split_for
+from quart_kernel.scheduling.live_split import (
+    loading_left_s,
+    outlives_loading,
+    rejoin_room,
+    split_booking,
+)
+
+STAGE = (0, 18)  # embeddings, 16 blocks, head
+
+
+@dataclass
+class Replica:
+    id: str
+    held: tuple[int, int]
+    layers: tuple[int, int] = STAGE
+    in_flight: int = 0
+    state: str = "ready"
+
+
+@pytest.mark.parametrize(("rejoin", "room"), [("auto", 54), ("migrate", 54), ("shadow", 80), ("replay", 80), ("keep", 0)])
+def test_a_session_outliving_the_loading_books_its_rejoins_room_beside_its_share(rejoin, room):
+    b = split_booking(80, (0, 6), STAGE, rejoin, outlives=True)
+    assert (b.part, b.rest) == (-(-80 * 6 // 18), -(-80 * 12 // 18)) == (27, 54)
+    assert b.reserve == rejoin_room(80, 54, rejoin) == room  # auto: the move's room, the least a rejoin needs
+    assert b.live == b.part + b.reserve
+
+
+def test_a_session_ending_before_the_replica_is_whole_books_its_share_only():
+    b = split_booking(80, (0, 9), STAGE, "migrate", outlives=False)
+    assert (b.part, b.reserve, b.rest) == (40, 0, 40)
+
+
+def test_outliving_is_steps_left_times_the_step_against_the_layers_left_at_their_rate():
+    left = loading_left_s(6, 18, 4.0)  # 12 layers at 4 a second
+    assert left == 3.0
+    assert not outlives_loading(16, 0.08, left)  # 1.28 s (1.6 s with the margin) < 3 s
+    assert outlives_loading(40, 0.08, left)  # 3.2 s
+    assert outlives_loading(32, 0.08, left)  # 2.56 s, but within the margin: the safe side
+    assert outlives_loading(16, None, left) and outlives_loading(16, 0.08, None)  # no estimate yet: book the room
+    assert loading_left_s(6, 18, None) is None and loading_left_s(18, 18, 2.0) == 0
+
+
+def test_layer_arrivals_give_a_rate_after_the_held_layers_grew():
+    seen = LayerArrivals(10.0, 4, 10.0, 4)
+    assert seen.rate() is None
+    seen.see(10.5, 4)
+    assert seen.rate() is None  # no growth yet
+    seen.see(11.0, 8)
+    seen.see(11.5, 8)  # not grown since: the rate is from the growth seen
+    assert seen.rate() == 4.0
+
+
+def test_split_for_caps_the_live_replicas_splits_by_its_room_for_the_part_and_the_rejoin():
+    live, whole = Replica("live", (0, 9)), Replica("whole", STAGE)
+    booked: dict[str, int] = {}
+
+    def room(rid: str) -> int:
+        return 480 - booked.get(rid, 0)
+
+    taken = 0
+    while (s := split_for([whole, live], room, 80, "migrate", lambda r: True)) is not None:
+        assert (s.partial, s.part, s.rest, s.part_tokens, s.rest_tokens, s.reserve) == (live, (0, 9), (9, 18), 80, 40, 40)
+        booked["live"] = booked.get("live", 0) + s.part_tokens
+        taken += 1
+    assert taken == 6  # the share and the rest's room: a whole session's positions each
+    booked.clear()
+    taken = 0
+    while (s := split_for([whole, live], room, 80, "migrate", lambda r: False)) is not None:
+        booked["live"] = booked.get("live", 0) + s.part_tokens
+        taken += 1
+    assert taken == 12  # sessions that end during the loading: their share only
+
+
+def test_split_for_takes_the_live_replica_holding_most_and_never_a_whole_one():
+    a, b, whole = Replica("a", (0, 5)), Replica("b", (0, 11)), Replica("w", STAGE)
+    s = split_for([a, whole, b], lambda rid: 1000, 80, "shadow", lambda r: True)
+    assert s.partial is b and s.part == (0, 11) and s.part_tokens == -(-80 * 11 // 18) + 80
+    assert split_for([whole], lambda rid: 1000, 80, "shadow", lambda r: True) is None
+    assert split_for([Replica("x", (3, 9))], lambda rid: 1000, 80, "shadow", lambda r: True) is None
