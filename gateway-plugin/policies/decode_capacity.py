@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from gateway_plugin.policies.batch_capacity import fit
+from gateway_plugin.policies.batch_capacity import BatchProfile, fit
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageSnapshot
 
 __all__ = ["KV_HEADROOM", "sessions_per_replica", "session_floor", "with_session_floor"]
@@ -32,14 +32,10 @@ __all__ = ["KV_HEADROOM", "sessions_per_replica", "session_floor", "with_session
 KV_HEADROOM = 0.8  # booked positions per held position above which a generating stage asks for one more replica
 
 
-def _single_step_s(stage: StageSnapshot) -> float:
-    profile = fit(stage.decode_service_s, max(1, stage.decode_batch_max))
-    return profile.service_s(1) if profile is not None else 0.0
-
-
-def sessions_per_replica(stage: StageSnapshot, share_s: float) -> int:
-    """Sessions one replica carries with its decode step within ``share_s`` (0: no bound known)."""
-    profile = fit(stage.decode_service_s, max(1, stage.decode_batch_max))
+def sessions_per_replica(stage: StageSnapshot, share_s: float, profile: BatchProfile | None = None) -> int:
+    """Sessions one replica carries with its decode step within ``share_s`` (0: no bound known); ``profile``: the
+    stage's decode fit when the caller has it."""
+    profile = profile or fit(stage.decode_service_s, max(1, stage.decode_batch_max))
     if profile is None or share_s <= 0:
         return 0
     batch = max(1, stage.decode_batch_max)
@@ -51,10 +47,11 @@ def sessions_per_replica(stage: StageSnapshot, share_s: float) -> int:
 
 def session_floor(snap: PipelineSnapshot, tpot_s: float) -> tuple[tuple[int, str], ...]:
     """Per stage: the replicas its sessions need (0 where none), and why."""
-    singles = [_single_step_s(s) for s in snap.stages]
+    profiles = [fit(s.decode_service_s, max(1, s.decode_batch_max)) for s in snap.stages]
+    singles = [p.service_s(1) if p is not None else 0.0 for p in profiles]
     total = sum(singles)
     floors = []
-    for stage, single in zip(snap.stages, singles, strict=True):
+    for stage, single, profile in zip(snap.stages, singles, profiles, strict=True):
         if stage.sessions <= 0:
             floors.append((0, ""))
             continue
@@ -65,7 +62,7 @@ def session_floor(snap: PipelineSnapshot, tpot_s: float) -> tuple[tuple[int, str
             why = f"KV {stage.kv_tokens}/{stage.kv_capacity} booked"
         if tpot_s > 0 and total > 0:
             share = tpot_s * (single / total if single > 0 else 1 / len(snap.stages))
-            per = sessions_per_replica(stage, share)
+            per = sessions_per_replica(stage, share, profile)
             if per and math.ceil(stage.sessions / per) > need:
                 need = math.ceil(stage.sessions / per)
                 why = f"{stage.sessions} sessions at <= {per} a replica within TPOT share {1000 * share:.0f} ms"
