@@ -218,6 +218,13 @@ class PluginConfig:
     window_s: float = 10.0  # [QUART_WINDOW_S] metrics sliding window
     records_path: str = ""  # [QUART_RECORDS] JSONL of per-request records ("" = keep none)
     control_period_s: float = 1.0  # [QUART_CONTROL_PERIOD_S]
+    # The traffic kick (gateway_plugin.kick): an arrival that takes a stage's recent rate to kick_surge × what its
+    # last decision asked for (or saw) runs a decision at once, for every policy; at most one per kick_min_interval_s.
+    kick: bool = True  # [QUART_KICK]
+    kick_surge: float = 2.0  # [QUART_KICK_SURGE]
+    kick_min_interval_s: float = 0.25  # [QUART_KICK_MIN_INTERVAL_S]
+    kick_min_arrivals: int = 8  # [QUART_KICK_MIN_ARRIVALS]
+    kick_min_span_s: float = 0.2  # [QUART_KICK_MIN_SPAN_S]
     policy: str = "quart"  # [QUART_POLICY]
     slo_factor: float = 2.0  # [QUART_SLO_FACTOR] SLO = factor × profiled pipeline time
     tpot_slo_ms: float = 0.0  # [QUART_TPOT_SLO_MS] generation's time per output token target: sizes decode stages (0 = KV room only)
@@ -248,6 +255,11 @@ class PluginConfig:
             "window_s": "QUART_WINDOW_S",
             "records_path": "QUART_RECORDS",
             "control_period_s": "QUART_CONTROL_PERIOD_S",
+            "kick": "QUART_KICK",
+            "kick_surge": "QUART_KICK_SURGE",
+            "kick_min_interval_s": "QUART_KICK_MIN_INTERVAL_S",
+            "kick_min_arrivals": "QUART_KICK_MIN_ARRIVALS",
+            "kick_min_span_s": "QUART_KICK_MIN_SPAN_S",
             "policy": "QUART_POLICY",
             "slo_factor": "QUART_SLO_FACTOR",
             "tpot_slo_ms": "QUART_TPOT_SLO_MS",

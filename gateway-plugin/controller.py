@@ -9,6 +9,12 @@ One policy object per pipeline (policies keep state). Scale-ups of the stages th
 key stages are flagged ``key`` so the placer (the cache-aware scheduler behind the gateway's scale
 call) prefers hosts that cache their parameters. Each step's snapshot and decision go to an
 optional JSONL log (training data for the CV model) and to ``timeline`` (plots, reports).
+
+Decisions come on the period's tick and, for every policy alike, when traffic kicks one (``gateway_plugin.kick``,
+Knative's activator poke): the collector tells :meth:`Controller.note_arrival` of every arrival, and an arrival
+that takes a stage's recent rate to ``kick_surge`` × what its last decision asked for asks for a decision now
+(live: :meth:`run` wakes; the simulator pushes a kick event and calls :meth:`decide` at that time), at most one
+per ``kick_min_interval_s``. Ticks stay on their period; a kicked decision is one more, marked in the timeline.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import IO, Any
 
 from gateway_plugin.actuators import Actuator
 from gateway_plugin.config import PluginConfig
+from gateway_plugin.kick import KickConfig, Kicker
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.policies.decode_capacity import with_session_floor
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
@@ -31,7 +38,6 @@ from gateway_plugin.snapshot_builder import GenerationView, Inventory, QueueView
 from gateway_plugin.zero import held_at_zero
 from quart_kernel.replicaset import within_bounds
 
-from keysmanager.aio import wait_event
 
 log = logging.getLogger("quart.controller")
 
@@ -79,9 +85,25 @@ class Controller:
     errors: int = 0
     cv_trainer: Any = None  # OnlineCVTrainer: sees every snapshot, trains off the loop, installs its models
     generation: GenerationView | None = None  # the session engine: sessions and KV occupancy per stage
+    kicker: Kicker = field(init=False)
+    on_kick: Callable[[float], None] | None = None  # asks for a kicked decision (run() / the simulator sets it)
 
     def __post_init__(self) -> None:
         self.collector.registry.register(SnapshotGauges(self.last_snapshots.values))  # read at scrape time
+        cfg = self.config
+        self.kicker = Kicker(KickConfig(cfg.kick, cfg.kick_surge, cfg.kick_min_interval_s, cfg.kick_min_arrivals,
+                                        cfg.kick_min_span_s))
+        if cfg.kick:
+            self.collector.watch_arrivals(self.note_arrival)
+
+    def note_arrival(self, function: str, now: float) -> None:
+        """The collector's arrival hook: ask for a decision now when the arrival kicks one (``gateway_plugin.kick``)."""
+        kicker, on_kick = self.kicker, self.on_kick
+        if on_kick is None or now - kicker.last_s < kicker.config.min_interval_s:
+            return  # the bound first: nothing is measured within it
+        metrics = self.collector.stages.get(function)
+        if metrics is not None and kicker.check(function, now, *metrics.recent_rate(now)):
+            on_kick(now)
 
     def policy(self, model: str) -> Policy:
         if model not in self.policies:
@@ -92,10 +114,11 @@ class Controller:
         return build_snapshot(self.clock(), model, functions, self.inventory, self.queues, self.collector,
                               self.config.slo_factor, self.slo_s, self.generation)
 
-    def decide(self) -> tuple[dict[str, Decision], list[Change]]:
-        """One control period's decisions for every pipeline, and the changes they ask of the platform (what
-        differs from each stage's desired count and CPUs now). No I/O: the simulator calls this on its own
-        clock and applies the changes to its platform; :meth:`step` hands them to the actuator."""
+    def decide(self, kicked: bool = False) -> tuple[dict[str, Decision], list[Change]]:
+        """One control period's decisions for every pipeline (or a kicked one's), and the changes they ask of the
+        platform (what differs from each stage's desired count and CPUs now). No I/O: the simulator calls this on
+        its own clock and applies the changes to its platform; :meth:`step` hands them to the actuator."""
+        self.kicker.decided(self.clock())
         decisions: dict[str, Decision] = {}
         changes: list[Change] = []
         for model, functions in self.inventory.pipelines().items():
@@ -113,14 +136,16 @@ class Controller:
                 self.cv_trainer.observe(snap)
             decisions[model] = decision
             changes.extend(self._changes(snap, decision))
-            self._log(snap, decision)
+            for stage, want in zip(snap.stages, decision.stages, strict=True):
+                self.kicker.arm(stage.name, want.replicas, stage.concurrency, stage.service_rate, stage.recent_rate)
+            self._log(snap, decision, kicked)
         return decisions, changes
 
-    async def step(self) -> dict[str, Decision]:
+    async def step(self, kicked: bool = False) -> dict[str, Decision]:
         """One control period for every pipeline, carried out by the actuator; returns the decisions. Every
         change of a desired count is logged and kept by the platform (``note_decision``: the function's
         lastDecision); every replica the platform cannot place is logged once per change (``check_placement``)."""
-        decisions, changes = self.decide()
+        decisions, changes = self.decide(kicked)
         note = getattr(self.inventory, "note_decision", None)
         for change in changes:
             try:
@@ -153,10 +178,10 @@ class Controller:
                                   want.reason))
         return out
 
-    def _log(self, snap: PipelineSnapshot, decision: Decision) -> None:
+    def _log(self, snap: PipelineSnapshot, decision: Decision, kicked: bool = False) -> None:
         if self.keep_timeline:
             self.timeline.append({
-                "time": snap.time, "model": snap.model,
+                "time": snap.time, "model": snap.model, "kicked": kicked,
                 "replicas": [s.replicas for s in snap.stages],
                 "desired": [d.replicas for d in decision.stages],
                 "queue": [s.queue_len for s in snap.stages],
@@ -169,13 +194,36 @@ class Controller:
                                            separators=(",", ":"), default=str) + "\n")
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Step every ``control_period_s`` until ``stop`` is set."""
+        """Step every ``control_period_s``, and at once when traffic kicks a decision, until ``stop`` is set."""
         period = self.config.control_period_s
-        while not stop.is_set():
-            started = self.clock()
-            try:
-                await self.step()
-            except Exception as exc:
-                self.errors += 1
-                log.exception("control step failed: %s", exc)
-            await wait_event(stop, period - (self.clock() - started))
+        kick = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self.on_kick = lambda _now: loop.call_soon_threadsafe(kick.set)  # the collector may be fed from a thread
+        next_tick = self.clock()
+        try:
+            while not stop.is_set():
+                ticked = self.clock() >= next_tick
+                if ticked:
+                    next_tick = self.clock() + period
+                kick.clear()
+                try:
+                    await self.step(kicked=not ticked)
+                except Exception as exc:
+                    self.errors += 1
+                    log.exception("control step failed: %s", exc)
+                await wait_either(stop, kick, next_tick - self.clock())
+        finally:
+            self.on_kick = None
+
+
+async def wait_either(stop: asyncio.Event, kick: asyncio.Event, seconds: float) -> None:
+    """Until ``stop`` or ``kick`` is set, or ``seconds`` pass (always yields to the loop once)."""
+    if stop.is_set() or kick.is_set():
+        await asyncio.sleep(0)
+        return
+    waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(kick.wait())}
+    try:
+        await asyncio.wait(waiters, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

@@ -100,7 +100,8 @@ class StageMetrics:
 
     __slots__ = ("window_s", "recent_s", "trim_on_event", "arrivals", "recent", "waits", "services",
                  "activations", "total_arrivals", "total_completions", "last_service_s", "_wait_sum",
-                 "_busy_sum", "_act_sum", "_gap_sq_sum", "_removed", "batches")
+                 "_busy_sum", "_act_sum", "_gap_sq_sum", "_removed", "batches", "active_since", "last_arrival",
+                 "on_arrive", "_by_cpus")
 
     def __init__(self, window_s: float, recent_s: float = 1.0, trim_on_event: bool = True) -> None:
         self.window_s = window_s
@@ -109,20 +110,27 @@ class StageMetrics:
         self.arrivals: deque[float] = deque()  # arrival times
         self.recent: deque[float] = deque()  # arrival times of the last recent_s
         self.waits: deque[tuple[float, float]] = deque()  # (dispatch time, wait seconds)
-        self.services: deque[tuple[float, float]] = deque()  # (completion time, service seconds)
+        self.services: deque[tuple[float, float, float]] = deque()  # (completion time, service seconds, CPUs)
         self.activations: deque[tuple[float, float]] = deque()  # (arrival time, input bytes)
         self.total_arrivals = 0
         self.total_completions = 0
         self.last_service_s = 0.0  # most recent mean service time, kept when the window empties
         self._wait_sum = 0.0
         self._busy_sum = 0.0
+        self._by_cpus: dict[float, list[float]] = {}  # CPUs of the replica → [Σ service s, calls] in the window
         self._act_sum = 0.0
         self._gap_sq_sum = 0.0  # Σ (a[k+1] − a[k])² over consecutive arrivals in the window
         self._removed = 0  # entries trimmed since the sums were last rebuilt
         self.batches = BatchTimes()  # service time of its calls by requests per call, since the start
+        self.active_since = math.nan  # the first arrival after the stage was idle a whole window (nan: none yet)
+        self.last_arrival = -math.inf
+        self.on_arrive: Callable[[float], None] | None = None  # told of every arrival (the controller's kick)
 
     # ------------------------------------------------------------------------------ events
     def on_arrival(self, now: float, activation_bytes: float) -> None:
+        if now - self.last_arrival > self.window_s:
+            self.active_since = now
+        self.last_arrival = now
         arrivals = self.arrivals
         if arrivals:
             gap = now - arrivals[-1]
@@ -134,6 +142,8 @@ class StageMetrics:
         self.total_arrivals += 1
         if self.trim_on_event:
             self._trim(now)
+        if self.on_arrive is not None:
+            self.on_arrive(now)
 
     def on_dispatch(self, now: float, wait_s: float) -> None:
         self.waits.append((now, wait_s))
@@ -141,9 +151,15 @@ class StageMetrics:
         if self.trim_on_event:
             self._trim(now)
 
-    def on_complete(self, now: float, service_s: float) -> None:
-        self.services.append((now, service_s))
+    def on_complete(self, now: float, service_s: float, cpus: float = 0.0) -> None:
+        """A call ended after ``service_s`` on a replica of ``cpus`` CPUs (0: not known)."""
+        self.services.append((now, service_s, cpus))
         self._busy_sum += service_s
+        bucket = self._by_cpus.get(cpus)
+        if bucket is None:
+            bucket = self._by_cpus[cpus] = [0.0, 0.0]
+        bucket[0] += service_s
+        bucket[1] += 1
         self.total_completions += 1
         if self.trim_on_event:
             self._trim(now)
@@ -176,7 +192,11 @@ class StageMetrics:
             removed += 1
         services = self.services
         while services and services[0][0] < cutoff:
-            self._busy_sum -= services.popleft()[1]
+            _, service_s, cpus = services.popleft()
+            self._busy_sum -= service_s
+            bucket = self._by_cpus[cpus]
+            bucket[0] -= service_s
+            bucket[1] -= 1
             removed += 1
         acts = self.activations
         while acts and acts[0][0] < cutoff:
@@ -190,7 +210,13 @@ class StageMetrics:
     def _rebuild(self) -> None:
         """Recompute the running sums from the windows (bounds floating-point drift)."""
         self._wait_sum = math.fsum(w for _, w in self.waits)
-        self._busy_sum = math.fsum(s for _, s in self.services)
+        self._busy_sum = math.fsum(s for _, s, _ in self.services)
+        by_cpus: dict[float, list[float]] = {}
+        for _, service_s, cpus in self.services:
+            bucket = by_cpus.setdefault(cpus, [0.0, 0.0])
+            bucket[0] += service_s
+            bucket[1] += 1
+        self._by_cpus = by_cpus
         self._act_sum = math.fsum(b for _, b in self.activations)
         a = self.arrivals
         self._gap_sq_sum = math.fsum((y - x) ** 2 for x, y in zip(a, itertools.islice(a, 1, None), strict=False))
@@ -211,8 +237,26 @@ class StageMetrics:
             count += 1
         return count / window_s
 
-    def mean_service_s(self, now: float) -> float:
+    def recent_rate(self, now: float) -> tuple[float, int, float]:
+        """(arrivals per second, arrivals, seconds of traffic) over the last ``recent_s``, or since the stage's
+        traffic began when that is shorter: (n − 1) / (now − first), the arrivals after the first over the time
+        since it (a stage that woke 0.2 s ago at 140 req/s has a rate of 140/s, not 28/s over a second)."""
+        recent, cutoff = self.recent, now - self.recent_s
+        while recent and recent[0] < cutoff:
+            recent.popleft()
+        n = len(recent)
+        span = now - self.active_since if self.active_since == self.active_since else 0.0  # nan: no traffic yet
+        if span >= self.recent_s or n == 0:
+            return n / self.recent_s, n, span
+        return ((n - 1) / span if span > 0 else 0.0), n, span
+
+    def mean_service_s(self, now: float, cpus: float | None = None) -> float:
+        """Mean service time over the window; with ``cpus``, of the calls on replicas of that many CPUs when the
+        window holds any (a stage's time after its CPUs changed is not the mean of both: QUART's bridge)."""
         self._trim(now)
+        bucket = self._by_cpus.get(cpus) if cpus is not None else None
+        if bucket is not None and bucket[1] >= 1:
+            return max(0.0, bucket[0]) / bucket[1]
         if self.services:
             self.last_service_s = max(0.0, self._busy_sum) / len(self.services)
         return self.last_service_s
@@ -249,6 +293,7 @@ class MetricsCollector:
     def __init__(self, window_s: float = 10.0, records: IO[str] | None = None) -> None:
         self.window_s = window_s
         self.stages: dict[str, StageMetrics] = {}
+        self.arrival_hook: Callable[[str, float], None] | None = None  # the controller's kick (watch_arrivals)
         self.records = records
         self._records_lock = threading.Lock()
         self.registry = CollectorRegistry()
@@ -262,7 +307,18 @@ class MetricsCollector:
     def stage(self, function: str) -> StageMetrics:
         if function not in self.stages:
             self.stages[function] = StageMetrics(self.window_s)
+            self._watch(function)
         return self.stages[function]
+
+    def watch_arrivals(self, hook: Callable[[str, float], None] | None) -> None:
+        """Tell ``hook(function, now)`` of every arrival at every stage, present and future (None: no one)."""
+        self.arrival_hook = hook
+        for function in self.stages:
+            self._watch(function)
+
+    def _watch(self, function: str) -> None:
+        hook = self.arrival_hook
+        self.stages[function].on_arrive = None if hook is None else (lambda now: hook(function, now))
 
     def record(self, rec: RequestRecord) -> None:
         self.c_requests.labels(rec.model, str(rec.status)).inc()

@@ -76,7 +76,7 @@ def build_snapshot(
     for index, fn in enumerate(functions):
         state = inventory.stage_state(fn)
         m = collector.stage(fn)
-        service_s = m.mean_service_s(now) or state.profiled_service_s
+        service_s = m.mean_service_s(now, state.cpus) or state.profiled_service_s  # at its CPUs now
         total_service += state.profiled_service_s or service_s
         ready = max(0, state.ready)
         util = m.busy_s(now) / (max(1, ready) * max(1, state.concurrency) * window)
@@ -99,7 +99,7 @@ def build_snapshot(
             param_bytes=state.param_bytes,
             activation_bytes=m.mean_activation_bytes(now),
             concurrency=state.concurrency,
-            arrival_rate_recent=m.arrival_rate(now, 1.0),
+            arrival_rate_recent=m.recent_rate(now)[0],  # since the traffic began when that is < 1 s
             replica_start_s=state.start_s,
             sessions=sessions, kv_tokens=kv_tokens, kv_capacity=kv_capacity,
             batch_service_s=with_profile(m.batch_service_s(), state.batch_profile_s), batch_max=state.batch_max,

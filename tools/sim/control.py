@@ -24,7 +24,7 @@ from quart_kernel.scheduling.paraserve_groups import consolidating
 from quart_tools.report import StageSample
 from quart_tools.sim.batching import profile_s
 from quart_tools.sim.cluster import Host
-from quart_tools.sim.events import RECONCILE, EventLoop
+from quart_tools.sim.events import KICK, RECONCILE, EventLoop
 from quart_tools.sim.starting import ReplicaStarts
 from quart_tools.sim.state import SimConfig, Tally, _Stage
 
@@ -59,9 +59,11 @@ class ControlLoop:
         self.collector = MetricsCollector(cfg.window_s)
         self.collector.stages.update({st.function: st.metrics for st in stages})
         plugin = PluginConfig(queue_cap=cfg.queue_cap, window_s=cfg.window_s, control_period_s=cfg.control_period_s,
-                              slo_factor=cfg.slo_factor, tpot_slo_ms=1000 * cfg.tpot_slo_s)
+                              slo_factor=cfg.slo_factor, tpot_slo_ms=1000 * cfg.tpot_slo_s, kick=cfg.kick)
         self.controller = Controller(self, self, self.collector, SimActuator(self), lambda: policy, plugin,
                                      slo_s={cfg.model: cfg.slo_s}, clock=lambda: loop.now, keep_timeline=False)
+        # a kicked decision runs at the arrival's time, after it (an event), as the live loop wakes after it
+        self.controller.on_kick = lambda now: loop.push(now, KICK, None)
 
     # Inventory and QueueView (gateway_plugin.snapshot_builder) of the simulated platform and router.
     def pipelines(self) -> dict[str, list[str]]:
@@ -85,13 +87,14 @@ class ControlLoop:
         return self.stage_by_fn[function].busy
 
     # ------------------------------------------------------------------------------ decide
-    def step(self, now: float) -> None:
-        """One step of the live controller; then the platform converges, as the gateway's kicked reconcile."""
+    def step(self, now: float, kicked: bool = False) -> None:
+        """One step of the live controller (a period's, or one traffic kicked); then the platform converges, as the
+        gateway's kicked reconcile."""
         tally = self.tally
-        if self.cfg.record_series:
+        if self.cfg.record_series and not kicked:  # the series stays one sample per period
             for st in self.stages:
                 tally.samples.append(StageSample(now, st.index, len(st.ready) + len(st.starting), len(st.queue)))
-        decisions, changes = self.controller.decide()
+        decisions, changes = self.controller.decide(kicked)
         self.apply(changes)
         decision = decisions[self.cfg.model]
         if decision.key_stages:

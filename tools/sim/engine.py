@@ -30,6 +30,7 @@ from quart_tools.sim.events import (
     COMPLETE,
     CONSOLIDATED,
     CONTROL,
+    KICK,
     LIVE_FIRST,
     PARTIAL_DONE,
     READY,
@@ -97,7 +98,7 @@ class Simulation:
         flow, starts, control = self.flow, self.starts, self.control
         handlers = {COMPLETE: flow.complete, READY: starts.ready, RECONCILE: lambda _none, t: control.reconcile(t),
                     LIVE_FIRST: getattr(flow, "live_first", None), PARTIAL_DONE: getattr(flow, "partial_done", None),
-                    CONSOLIDATED: starts.consolidated}
+                    CONSOLIDATED: starts.consolidated, KICK: lambda _none, t: control.step(t, kicked=True)}
         complete, heap, pop, arrive = flow.complete, loop.heap, loop.pop, flow.arrive
         i = 0
         events = 0
@@ -159,4 +160,5 @@ class Simulation:
             tpot_ms=tally.tpot_ms,
             token_gaps=None if tally.token_gaps is None else np.array(tally.token_gaps, dtype=float).reshape(-1, 2),
             kv_migrations=tally.kv_migrations,
+            kicks=self.control.controller.kicker.kicks,
         )

@@ -18,6 +18,7 @@ RECONCILE = 3  # the gateway's periodic reconcile retries what was not placed (t
 LIVE_FIRST = 4  # a live start's first layer is in: it takes requests (the data plane)
 PARTIAL_DONE = 5  # a live replica ran its prefix of a request (the data plane)
 CONSOLIDATED = 6  # a ParaServe group holds the whole stage on each kept worker (replica starts)
+KICK = 7  # traffic kicked a decision before the next period (the control loop; gateway_plugin.kick)
 
 
 class EventLoop:

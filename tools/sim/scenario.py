@@ -137,6 +137,7 @@ def entry_of(result: SimResult, name: str, model: str, arrivals: Arrivals, wall_
         key_stage_counts={str(k): v for k, v in sorted(result.key_stage_counts.items())},
         evictions=result.evictions,
         events=result.events,
+        kicks=result.kicks,
         wall_s=round(wall_s, 3),
     )
     return entry

@@ -51,6 +51,7 @@ class SimConfig:
     min_replicas: int = 1
     max_replicas: int = 0  # per stage (com.openfaas.scale.max); 0 = 2 × GPU slots / stages
     control_period_s: float = _LIVE.control_period_s
+    kick: bool = _LIVE.kick  # traffic kicks a decision between periods, as live (gateway_plugin.kick; its settings live's)
     reconcile_s: float = 0.2  # replicas asked for but not placed (full cluster) are retried this often, as the
     # embedded gateway's reconcile loop (reconcile_interval_s) does; the policy sees them as pending meanwhile
     window_s: float = _LIVE.window_s
@@ -188,3 +189,4 @@ class SimResult:
     tpot_ms: np.ndarray | None = None  # generation: per session (NaN also for one-token sessions)
     token_gaps: np.ndarray | None = None  # generation: [k, 2] (time s, ms since the session's previous token)
     kv_migrations: int = 0  # generation: sessions moved with their KV cache, never re-prefilled
+    kicks: int = 0  # decisions traffic kicked between periods (gateway_plugin.kick)
