@@ -102,6 +102,9 @@ class ProvisionConfig:
     # above; with 300 s WideResNet CV 8 went 0.998 → 1.001 × the frontier on seeds 0–4).
     floor_horizon_s: float = 0.0
     floor_z: float = 1.75
+    # Rule 10 (issue 32): the delay a count is sized by is the G/G/c wait (Allen–Cunneen: the M/M/c wait ×
+    # (CV_a² + 1)/2), the arrivals' observed CV capped at this; 0: off (the M/M/c wait, Poisson arrivals).
+    arrival_cv_cap: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +227,7 @@ class PluginConfig:
     kick_surge: float = 2.0  # [QUART_KICK_SURGE]
     kick_min_interval_s: float = 0.25  # [QUART_KICK_MIN_INTERVAL_S]
     kick_min_arrivals: int = 8  # [QUART_KICK_MIN_ARRIVALS]
-    kick_min_span_s: float = 0.2  # [QUART_KICK_MIN_SPAN_S]
+    kick_min_span_s: float = 0.5  # [QUART_KICK_MIN_SPAN_S]
     policy: str = "quart"  # [QUART_POLICY]
     slo_factor: float = 2.0  # [QUART_SLO_FACTOR] SLO = factor × profiled pipeline time
     tpot_slo_ms: float = 0.0  # [QUART_TPOT_SLO_MS] generation's time per output token target: sizes decode stages (0 = KV room only)

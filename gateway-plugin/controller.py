@@ -38,7 +38,6 @@ from gateway_plugin.snapshot_builder import GenerationView, Inventory, QueueView
 from gateway_plugin.zero import held_at_zero
 from quart_kernel.replicaset import within_bounds
 
-
 log = logging.getLogger("quart.controller")
 
 

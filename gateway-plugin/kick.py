@@ -31,7 +31,7 @@ class KickConfig:
     surge: float = 2.0  # arrivals at ≥ this × max(the capacity asked, the rate seen) at the last decision
     min_interval_s: float = 0.25  # at most one kicked decision per this long (after any decision)
     min_arrivals: int = 8  # ... over at least this many arrivals
-    min_span_s: float = 0.2  # ... and this long of the stage's traffic
+    min_span_s: float = 0.5  # ... and this long of the stage's traffic (half a period: a rate from less is noise)
 
 
 def armed_rate(desired: int, slots: int, service_rate: float, rate_seen: float, surge: float) -> float:

@@ -61,6 +61,23 @@ def servers_for_target(rate: float, service_rate: float, target_s: float, rho_ma
     return min(c, limit)
 
 
+def burst_factor(cv: float, cap: float) -> float:
+    """Allen–Cunneen's G/G/c factor on the M/M/c wait, (CV_a² + CV_s²)/2 with the arrivals' CV capped at ``cap``
+    and CV_s = 1 (the M/M/c formula's own service law): 1 for Poisson arrivals or when off (``cap`` 0)."""
+    if cap <= 0:
+        return 1.0
+    return max(1.0, (min(max(cv, 0.0), cap) ** 2 + 1.0) / 2)
+
+
+def gg_delay_s(stage: StageSnapshot, rate: float, servers: int, factor: float) -> float:
+    """T(λ, c) with the wait scaled by ``factor`` (``burst_factor``); the plain M/M/c delay at factor 1."""
+    delay = delay_s(stage, rate, servers)
+    if factor == 1.0 or not math.isfinite(delay):
+        return delay
+    service = delay_s(stage, 0.0, 1)  # no wait: the service time alone
+    return service + factor * (delay - service)
+
+
 def expected_peak_rate(mean_rate: float, cv: float, span_s: float, rate_window_s: float, peak_window_s: float) -> float:
     """The largest ``rate_window_s`` mean rate a ``peak_window_s`` window is expected to show, from the mean rate
     and the inter-arrival CV of a renewal process: its count over T seconds has variance λ·T·CV², so a T-second mean
@@ -182,8 +199,9 @@ class Provisioner:
         if stage.service_rate <= 0 or not math.isfinite(target) or target <= 0:
             return Correction(current, 0.0, target, 0.0, False, reason + " (no service time yet)"), 0.0
         per = max(1, stage.concurrency)
+        bursty = burst_factor(st.cv, cfg.arrival_cv_cap)
         servers = servers_for_target(rate, capacity_rate(stage, target), target, self.correct.rho_max,
-                                     stage.max_replicas * per, lambda c: delay_s(stage, rate, c))
+                                     stage.max_replicas * per, lambda c: gg_delay_s(stage, rate, c, bursty))
         if released > 0:
             upstream = servers_for_utilisation(released, capacity_rate(stage, target), self.correct.rho_max)
             if upstream > servers:

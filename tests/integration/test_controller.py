@@ -157,3 +157,48 @@ def test_a_generating_stage_is_raised_to_what_its_sessions_need_within_the_tpot_
     assert (raised, other) == (3, 2) and why.startswith("two; sessions: 12 sessions at <= 4 a replica")
     assert [r for r, _ in decided(0.0)] == [2, 2]
     assert [r for r, _ in decided(100.0, lambda: make_policy("static", replicas=2))] == [2, 2]
+
+
+def test_a_traffic_surge_wakes_the_running_controller_before_its_period() -> None:
+    """The live loop: a 10 s period, yet arrivals at 4 × what the stage's replica serves run a decision at once
+    (gateway_plugin.kick), and a storm of arrivals after it runs no other within kick_min_interval_s."""
+    now = [0.0]
+    collector = MetricsCollector(window_s=10.0)
+    inventory = FakeInventory({"m-0": StageState(1, 1, profiled_service_s=0.02)})  # μ = 50 req/s
+    decided: list[float] = []
+
+    class Holds:
+        def decide(self, snap: PipelineSnapshot) -> Decision:
+            decided.append(snap.time)
+            return Decision(snap.time, (StageDecision(1, 1.0, "hold"),))
+
+    ctl = Controller(inventory, FakeQueues({}), collector, RecordingActuator(), Holds,
+                     PluginConfig(control_period_s=10.0, kick_min_interval_s=0.25), clock=lambda: now[0])
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(ctl.run(stop))
+        try:
+            await asyncio.sleep(0.05)
+            assert decided == [0.0]  # the first tick
+            for k in range(60):  # 200 req/s from t = 0.3 s
+                now[0] = 0.3 + k / 200
+                collector.stage("m-0").on_arrival(now[0], 100)
+            await asyncio.sleep(0.2)  # well before the next tick at t = 10 s
+            assert len(decided) == 2 and 0.5 <= decided[1] < 0.6, decided
+            for _ in range(200):  # the storm goes on at the same simulated instant: the bound holds
+                collector.stage("m-0").on_arrival(now[0], 100)
+            await asyncio.sleep(0.1)
+            assert len(decided) == 2, decided
+            now[0] += 0.3  # the storm is > 2 × the 200 req/s the last decision saw: bounded, not dropped
+            collector.stage("m-0").on_arrival(now[0], 100)
+            await asyncio.sleep(0.1)
+            assert decided[2:] == [pytest.approx(0.895)], decided
+        finally:
+            stop.set()
+            await task
+        rows = list(ctl.timeline)
+        assert [row["kicked"] for row in rows] == [False, True, True]
+        assert ctl.kicker.kicks == 2 and ctl.on_kick is None
+
+    asyncio.run(scenario())
