@@ -170,3 +170,18 @@ def test_fair_shares_water_fill_by_service_time() -> None:
     stages = (stage(0, 1.0, 1, service_rate=10.0), stage(1, 1.0, 1, service_rate=5.0), stage(2, 1.0, 1))
     assert fair_shares(stages, [2, 3, 2], 12) == [2, 3, 2]  # fits: unchanged
     assert fair_shares(stages, [1, 12, 12], 9) == [1, 5, 3]  # stage 0 keeps 1; 8 left split 2:1, remainder to the largest
+
+
+def test_the_gg_c_option_sizes_bursty_arrivals_for_their_longer_wait() -> None:
+    from gateway_plugin.policies.provision import burst_factor
+
+    assert burst_factor(4.0, 0.0) == 1.0  # off: the M/M/c wait
+    assert burst_factor(1.0, 2.0) == 1.0 and burst_factor(0.3, 2.0) == 1.0  # never below M/M/c's own Poisson case
+    assert burst_factor(4.0, 2.0) == pytest.approx(2.5)  # (min(CV_a, cap)² + 1) / 2
+    assert burst_factor(1.5, 2.0) == pytest.approx(1.625)
+    bursty, poisson = stage(0, 25.0, 1, cv_arrival=4.0, target_s=0.13), stage(0, 25.0, 1, cv_arrival=1.0, target_s=0.13)
+    on = {"arrival_cv_cap": 2.0}
+    assert quiet(provision=on).decide(snap(0.0, poisson)).stages[0].replicas == \
+        quiet().decide(snap(0.0, poisson)).stages[0].replicas
+    assert quiet(provision=on).decide(snap(0.0, bursty)).stages[0].replicas > \
+        quiet().decide(snap(0.0, bursty)).stages[0].replicas
