@@ -101,7 +101,7 @@ class StageMetrics:
     __slots__ = ("window_s", "recent_s", "trim_on_event", "arrivals", "recent", "waits", "services",
                  "activations", "total_arrivals", "total_completions", "last_service_s", "_wait_sum",
                  "_busy_sum", "_act_sum", "_gap_sq_sum", "_removed", "batches", "active_since", "last_arrival",
-                 "on_arrive", "_by_cpus")
+                 "on_arrive")
 
     def __init__(self, window_s: float, recent_s: float = 1.0, trim_on_event: bool = True) -> None:
         self.window_s = window_s
@@ -110,14 +110,13 @@ class StageMetrics:
         self.arrivals: deque[float] = deque()  # arrival times
         self.recent: deque[float] = deque()  # arrival times of the last recent_s
         self.waits: deque[tuple[float, float]] = deque()  # (dispatch time, wait seconds)
-        self.services: deque[tuple[float, float, float]] = deque()  # (completion time, service seconds, CPUs)
+        self.services: deque[tuple[float, float]] = deque()  # (completion time, service seconds)
         self.activations: deque[tuple[float, float]] = deque()  # (arrival time, input bytes)
         self.total_arrivals = 0
         self.total_completions = 0
         self.last_service_s = 0.0  # most recent mean service time, kept when the window empties
         self._wait_sum = 0.0
         self._busy_sum = 0.0
-        self._by_cpus: dict[float, list[float]] = {}  # CPUs of the replica → [Σ service s, calls] in the window
         self._act_sum = 0.0
         self._gap_sq_sum = 0.0  # Σ (a[k+1] − a[k])² over consecutive arrivals in the window
         self._removed = 0  # entries trimmed since the sums were last rebuilt
@@ -151,15 +150,9 @@ class StageMetrics:
         if self.trim_on_event:
             self._trim(now)
 
-    def on_complete(self, now: float, service_s: float, cpus: float = 0.0) -> None:
-        """A call ended after ``service_s`` on a replica of ``cpus`` CPUs (0: not known)."""
-        self.services.append((now, service_s, cpus))
+    def on_complete(self, now: float, service_s: float) -> None:
+        self.services.append((now, service_s))
         self._busy_sum += service_s
-        bucket = self._by_cpus.get(cpus)
-        if bucket is None:
-            bucket = self._by_cpus[cpus] = [0.0, 0.0]
-        bucket[0] += service_s
-        bucket[1] += 1
         self.total_completions += 1
         if self.trim_on_event:
             self._trim(now)
@@ -192,11 +185,7 @@ class StageMetrics:
             removed += 1
         services = self.services
         while services and services[0][0] < cutoff:
-            _, service_s, cpus = services.popleft()
-            self._busy_sum -= service_s
-            bucket = self._by_cpus[cpus]
-            bucket[0] -= service_s
-            bucket[1] -= 1
+            self._busy_sum -= services.popleft()[1]
             removed += 1
         acts = self.activations
         while acts and acts[0][0] < cutoff:
@@ -210,13 +199,7 @@ class StageMetrics:
     def _rebuild(self) -> None:
         """Recompute the running sums from the windows (bounds floating-point drift)."""
         self._wait_sum = math.fsum(w for _, w in self.waits)
-        self._busy_sum = math.fsum(s for _, s, _ in self.services)
-        by_cpus: dict[float, list[float]] = {}
-        for _, service_s, cpus in self.services:
-            bucket = by_cpus.setdefault(cpus, [0.0, 0.0])
-            bucket[0] += service_s
-            bucket[1] += 1
-        self._by_cpus = by_cpus
+        self._busy_sum = math.fsum(s for _, s in self.services)
         self._act_sum = math.fsum(b for _, b in self.activations)
         a = self.arrivals
         self._gap_sq_sum = math.fsum((y - x) ** 2 for x, y in zip(a, itertools.islice(a, 1, None), strict=False))
@@ -250,13 +233,8 @@ class StageMetrics:
             return n / self.recent_s, n, span
         return ((n - 1) / span if span > 0 else 0.0), n, span
 
-    def mean_service_s(self, now: float, cpus: float | None = None) -> float:
-        """Mean service time over the window; with ``cpus``, of the calls on replicas of that many CPUs when the
-        window holds any (a stage's time after its CPUs changed is not the mean of both: QUART's bridge)."""
+    def mean_service_s(self, now: float) -> float:
         self._trim(now)
-        bucket = self._by_cpus.get(cpus) if cpus is not None else None
-        if bucket is not None and bucket[1] >= 1:
-            return max(0.0, bucket[0]) / bucket[1]
         if self.services:
             self.last_service_s = max(0.0, self._busy_sum) / len(self.services)
         return self.last_service_s

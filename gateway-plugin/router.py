@@ -396,12 +396,12 @@ class Router:
             stats = self.collector.stage(fn)
             stats.on_dispatch(start, wait_s)
             rest = layers.next_position(ran, layers.stage_range(replica)) if part is not None else None
-            cpus, param_bytes = self.stage_meta(fn)
             if rest is None:
                 if done.size == 1:
                     stats.on_batch(1, service_s)
-                stats.on_complete(end, service_s, cpus)  # a stage run in parts completes once, with its last part
+                stats.on_complete(end, service_s)  # a stage run in parts completes once, with its last part
                 self.service_times(fn).record(service_s)  # admission's estimator, shared with the proxy
+            cpus, param_bytes = self.stage_meta(fn)
             job.visits.append(StageVisit(
                 stage=job.stage, function=fn, wait_ms=1000 * wait_s, service_ms=1000 * service_s,
                 compute_ms=_ms(headers, "X-Quart-Compute-Ms"),

@@ -76,7 +76,7 @@ def build_snapshot(
     for index, fn in enumerate(functions):
         state = inventory.stage_state(fn)
         m = collector.stage(fn)
-        service_s = m.mean_service_s(now, state.cpus) or state.profiled_service_s  # at its CPUs now
+        service_s = m.mean_service_s(now) or state.profiled_service_s
         total_service += state.profiled_service_s or service_s
         ready = max(0, state.ready)
         util = m.busy_s(now) / (max(1, ready) * max(1, state.concurrency) * window)

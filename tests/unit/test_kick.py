@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from gateway_plugin.kick import KickConfig, Kicker, armed_rate, kick_due
 from gateway_plugin.metrics import StageMetrics
@@ -66,17 +64,3 @@ def test_the_recent_rate_of_a_stage_that_just_woke_is_over_the_time_since_its_fi
     assert span > 1.0 and rate == pytest.approx(n / 1.0) and n == pytest.approx(140, abs=1)
     m.on_arrival(150.0, 0)  # idle longer than the window: traffic begins again
     assert m.active_since == 150.0 and m.recent_rate(150.0) == (0.0, 1, 0.0)
-
-
-def test_the_service_time_is_the_one_measured_at_the_stage_s_cpus_now() -> None:
-    m = StageMetrics(window_s=10.0)
-    for k in range(10):
-        m.on_complete(1.0 + k * 0.1, 0.017, cpus=1.0)
-    for k in range(10):
-        m.on_complete(2.0 + k * 0.1, 0.009, cpus=8.0)  # bridged: the same replicas at 8 CPUs
-    assert m.mean_service_s(3.0) == pytest.approx(0.013)  # the window's mean mixes both
-    assert m.mean_service_s(3.0, cpus=1.0) == pytest.approx(0.017)
-    assert m.mean_service_s(3.0, cpus=8.0) == pytest.approx(0.009)
-    assert m.mean_service_s(3.0, cpus=2.0) == pytest.approx(0.013), "none at 2 CPUs: the window's mean"
-    assert m.mean_service_s(12.0, cpus=1.0) == pytest.approx(0.009), "the 1-CPU calls left the window"
-    assert not math.isnan(m.mean_service_s(100.0, cpus=1.0))

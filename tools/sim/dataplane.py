@@ -83,7 +83,7 @@ class StageFlow:
         reqs = req if isinstance(req, tuple) else (req,)
         stage = self.stages[rep.stage]
         for _ in reqs:
-            stage.metrics.on_complete(now, service, rep.cpus)
+            stage.metrics.on_complete(now, service)
         stage.metrics.on_batch(len(reqs), service)  # the router's service time by batch size
         stage.busy -= len(reqs)
         rep.in_flight -= 1
@@ -159,7 +159,7 @@ class StageFlow:
         if rep.first_done < 0:
             rep.first_done = now
         if remainder <= 0:
-            stage.metrics.on_complete(now, part, rep.cpus)
+            stage.metrics.on_complete(now, part)
             self._advance(req, rep.stage, now)
         else:
             stage.remainders.append((req, remainder + self.hop_in_service, part))
