@@ -94,8 +94,8 @@ class ProvisionConfig:
     # Before a stage has seen peak_window_s of traffic, it is sized for at least the peak the full window is expected
     # to show (provision.expected_peak_rate: mean rate + z·σ of a window's mean from the observed CV).
     startup_estimate: bool = True
-    # A stage after the entry is sized for the entry's peak, not its own (load_floor rule 8; issue 32). Opt-in:
-    # measured on the gamma workloads only, not yet on the trace windows (docs/benchmarks.md, issue 32).
+    # A stage after the entry is sized for the entry's peak, not its own (load_floor rule 8; issue 32). Opt-in: with
+    # the kick better on BERT CV 4 / 8 and trace-busy, worse on WideResNet trace-quiet's worst seed (docs/benchmarks.md).
     entry_sizes_pipeline: bool = False
     # Each stage sized for at least mean + floor_z·σ of its 5 s mean rates over floor_horizon_s (load_floor rule 9;
     # issue 32): the peak rule's average level, so the count stays on two adjacent levels. 0 s: off (opt-in, as
@@ -103,7 +103,8 @@ class ProvisionConfig:
     floor_horizon_s: float = 0.0
     floor_z: float = 1.75
     # Rule 10 (issue 32): the delay a count is sized by is the G/G/c wait (Allen–Cunneen: the M/M/c wait ×
-    # (CV_a² + 1)/2), the arrivals' observed CV capped at this; 0: off (the M/M/c wait, Poisson arrivals).
+    # (CV_a² + 1)/2), the arrivals' observed CV capped at this; 0: off (the M/M/c wait, Poisson arrivals). Opt-in:
+    # 2 took BERT CV 4 to 1.001 × the frontier but CV 8 from 0.993 to 0.998 (docs/benchmarks.md, issue 32).
     arrival_cv_cap: float = 0.0
 
 
