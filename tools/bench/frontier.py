@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
 
         signal.signal(signal.SIGTERM, _terminate)  # a killed bench unwinds through run()'s finally: the gateway stops
         write_report(json_safe(run(args)), args.out)
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, OSError) as exc:  # OSError: a missing --trace file, among others
         print(f"quartctl bench frontier: {exc}", file=sys.stderr)
         return 1
     return 0
