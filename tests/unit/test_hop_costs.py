@@ -92,6 +92,8 @@ def test_sim_terms_give_the_round_trip_its_measured_mean_and_cv() -> None:
     assert t["service_cv"] * compute == pytest.approx(0.2 * (compute + 3.5))
     t = sim_terms({**costs, "hold_at_one_ms": 3.0, "hold_per_call_ms": 0.4}, stages=8)
     assert t["hop_s"] + t["hop_per_call_s"] == pytest.approx(0.003)  # the hold with one call in flight
+    t = sim_terms({**costs, "hold_at_one_ms": -1.6, "hold_per_call_ms": 1.1}, stages=8)
+    assert t["hop_s"] + t["hop_per_call_s"] == 0.0  # a line fitted on many calls in flight: never below 0 at one
 
 
 def test_a_measurement_written_to_a_calibration_file_reads_back_with_its_sources(tmp_path) -> None:

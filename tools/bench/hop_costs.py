@@ -289,7 +289,7 @@ def sim_terms(costs: dict, stages: int) -> dict:
     compute_ms = nominal_stage_ms(stages) * costs["compute_factor"]
     round_trip_ms = compute_ms + costs["stage_hold_ms"]
     per_call = costs.get("hold_per_call_ms", 0.0)
-    at_one = costs.get("hold_at_one_ms", costs["stage_hold_ms"])
+    at_one = max(0.0, costs.get("hold_at_one_ms", costs["stage_hold_ms"]))  # a fitted line may cross 0 below 2 calls
     return {"stage_ms": compute_ms, "hop_s": (at_one - per_call) / 1000.0 if per_call else costs["stage_hold_ms"] / 1000.0,
             "hop_per_call_s": per_call / 1000.0,
             "outside_s": (stages * costs["stage_gap_ms"] + costs["entry_ms"]) / 1000.0,
