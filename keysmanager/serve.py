@@ -11,7 +11,8 @@ stage call) and, after each answer, reads whatever the connection holds for 10 m
 on a kept-alive connection would swallow the next request. `_KeepAliveHandler` reads the body through its own
 ``Content-Length``-bounded stream, discards only what the app left of *that* body (up to ``DRAIN_MAX`` bytes,
 else it closes), and keeps the connection open for the next request (HTTP/1.1, not asked to close; a chunked
-request body or one over ``DRAIN_MAX`` unread still closes). On drain, idle kept-alive connections are closed.
+request body or one over ``DRAIN_MAX`` unread still closes), with ``TCP_NODELAY``. On drain, idle kept-alive
+connections are closed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class _KeepAliveHandler(_QuietHandler):
 
     def setup(self) -> None:
         super().setup()
+        if self.connection.family in (socket.AF_INET, socket.AF_INET6):
+            # werkzeug writes the head, then the body: on a kept-alive connection Nagle would hold the body's last
+            # segment until the caller's delayed ACK of the head (up to 40 ms)
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.connections.add(self)
 
     def finish(self) -> None:

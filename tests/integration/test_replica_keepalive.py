@@ -15,7 +15,7 @@ import time
 import pytest
 
 # A replica: serve_forever on an inherited listening socket; /read echoes the body, /ignore answers without reading
-# it, /peer names the client's port (one connection = one port), /slow sleeps before answering.
+# it, /peer names the client's port (one connection = one port), /slow sleeps before answering, /big answers 32 KiB.
 REPLICA = textwrap.dedent("""
     import sys, time
     from keysmanager.serve import serve_forever
@@ -27,6 +27,8 @@ REPLICA = textwrap.dedent("""
         elif path == "/slow":
             time.sleep(float(environ.get("QUERY_STRING") or 0.5))
             body = b"slow"
+        elif path == "/big":
+            body = b"b" * 32768
         elif path == "/peer":
             body = str(environ["REMOTE_PORT"]).encode()
         else:
@@ -82,6 +84,23 @@ def test_one_connection_carries_many_calls_and_an_unread_body_is_discarded(repli
     res, last = _call(conn, "/peer")
     assert last == first and conn.sock is sock  # the same TCP connection all along
     conn.close()
+
+
+def test_a_kept_alive_answer_is_not_held_by_nagle(replica):
+    """The head and the body go out in two writes: without TCP_NODELAY the body waits for the caller's delayed ACK
+    of the head (tens of ms) on every call after the first."""
+    _, port = replica
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.connect()
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the router's client
+    times = []
+    for _ in range(15):
+        started = time.perf_counter()
+        res, body = _call(conn, "/big", b"x" * 2048)
+        times.append(time.perf_counter() - started)
+        assert res.status == 200 and len(body) == 32768
+    conn.close()
+    assert sorted(times)[len(times) // 2] < 0.02, times
 
 
 def test_a_large_unread_body_closes_the_connection(replica):
