@@ -12,6 +12,7 @@ import requests
 from gateway_plugin.generation.tokens import load_model
 from support.fake_session_stage import reference
 from support.generation_app import GenerationServer, tiny_models
+from support.live_registry import moto_s3
 
 from keysmanager.registry import ModelRegistry
 
@@ -21,28 +22,12 @@ ENC_URL = "s3://models/gen/enc"
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    from moto.server import ThreadedMotoServer
-
     root = tmp_path_factory.mktemp("reg")
-    creds = root / "aws-credentials"
-    creds.write_text("[default]\naws_access_key_id = quart\naws_secret_access_key = quart-secret\n")
-    creds.chmod(0o600)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
-        mp.delenv(var, raising=False)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    mp.setenv("QUART_REGISTRY_ENDPOINT", f"http://{host}:{port}")
-    dirs = tiny_models(root / "models")
-    ModelRegistry(URL).upload(dirs["tiny"])
-    ModelRegistry(ENC_URL).upload(dirs["enc"])
-    try:
+    with moto_s3(root):
+        dirs = tiny_models(root / "models")
+        ModelRegistry(URL).upload(dirs["tiny"])
+        ModelRegistry(ENC_URL).upload(dirs["enc"])
         yield dirs, root
-    finally:
-        server.stop()
-        mp.undo()
 
 
 @pytest.fixture(scope="module")
