@@ -44,6 +44,16 @@ class KVBook:
         else:
             self.reserved.pop(replica_id, None)
 
+    def reserve_all(self, bookings: Iterable[tuple[Any, int]]) -> None:
+        """Book each (replica, positions) pair."""
+        for replica, tokens in bookings:
+            self.reserve(replica.id, tokens)
+
+    def release_all(self, bookings: Iterable[tuple[Any, int]]) -> None:
+        """Release each (replica, positions) pair."""
+        for replica, tokens in bookings:
+            self.release(replica.id, tokens)
+
     def note(self, replica_id: str, header: str | None) -> None:
         """Learn a replica's cap from its ``X-Quart-KV-Tokens: used/max`` answer header."""
         if not header or "/" not in header:

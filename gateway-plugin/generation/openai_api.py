@@ -29,7 +29,8 @@ from aiohttp import web
 from gateway_plugin.generation import sse
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.params import GenerationParams, is_generation, parse
-from gateway_plugin.generation.sessions import Session, SessionEngine
+from gateway_plugin.generation.session import Session
+from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.generation.tokens import ModelCatalog, ModelInfo, TextStream
 from gateway_plugin.metrics import MetricsCollector, RequestRecord
 from quart_stage import jsonparse

@@ -136,11 +136,11 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
             streams = list(await asyncio.gather(*tasks))
         finally:
             await engine.close()
-        return summarize(mode, streams, start + 1.0, t0, whole_at, engine.shadows) | await g.row() | {
-            "first_served_ms": g.first_served_ms(), "rejoin_moves": moves(engine.moved),
-            "rejoin_replays": {"count": len(engine.replayed),
-                               "ms_p50": percentile([1000 * s for _, s in engine.replayed], 0.5),
-                               "ms_max": percentile([1000 * s for _, s in engine.replayed], 1.0)}}
+        return summarize(mode, streams, start + 1.0, t0, whole_at, engine.live_splits.shadows) | await g.row() | {
+            "first_served_ms": g.first_served_ms(), "rejoin_moves": moves(engine.live_splits.moved),
+            "rejoin_replays": {"count": len(engine.live_splits.replayed),
+                               "ms_p50": percentile([1000 * s for _, s in engine.live_splits.replayed], 0.5),
+                               "ms_max": percentile([1000 * s for _, s in engine.live_splits.replayed], 1.0)}}
 
 
 def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, whole_at: float, shadows: int
