@@ -1,8 +1,8 @@
 """The session engine: one generation request = one session through the pipeline's stages.
 
-- **Affinity**: at its start a session is placed on one replica per stage (:class:`.kvbook.KVBook`: a
-  replica with room for every position it may hold; none → 429 at the entry); every step of it goes to
-  those replicas, which keep its KV cache for their own layers (docs/generation.md, the stage protocol).
+- **Affinity**: at its start a session is placed on one replica per stage (:class:`.kvbook.KVBook`: a replica
+  with room for every position it may hold; none → it waits in line, :mod:`.roomwait`, bounded, then 429); every
+  step goes to those replicas, which keep its KV cache for their own layers (docs/generation.md).
 - **Steps**: the first step carries the whole prompt (prefill, ``X-Quart-Session-Pos: 0``), every later
   one the last sampled token only, at the position the caches hold; the last stage answers the next
   token. Sessions are independent tasks, so the steps of different sessions overlap across the stages
@@ -22,8 +22,7 @@
 - **Live scale-ups** (:mod:`.cooperative`): a session opened while a new replica of a stage holds only its
   first layers is split there (that replica runs those layers, a whole one the rest, each keeping the KV
   cache of its layers) and rejoins the new replica once it is whole.
-- **Slots**: a replica's steps beyond its concurrency wait in :class:`.slots.StepSlots`, running sessions'
-  steps before new sessions' prefills.
+- **Slots**: a replica's steps beyond its concurrency wait (:class:`.slots.StepSlots`), running sessions' first.
 - **Freeing**: the step that yields the last allowed token carries ``X-Quart-Session-End``; a session
   that ends otherwise (EOS, a stop string, the client gone, an error) is deleted on every replica.
 """
@@ -55,6 +54,8 @@ from gateway_plugin.generation.decodebatch import (
 )
 from gateway_plugin.generation.groupsessions import GroupChains, unchained
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
+from gateway_plugin.generation.kvmove import delete_session
+from gateway_plugin.generation.roomwait import RoomQueue
 from gateway_plugin.generation.session import Chain, Session, Split, StepFailed, stage_bookings
 from gateway_plugin.generation.slots import StepSlots
 from gateway_plugin.metrics import BatchTimes, MetricsCollector
@@ -85,7 +86,8 @@ class SessionEngine:
         self.poll_s = poll_s
         self.decode_limit = decode_limit  # a stage function's decode batch limit (its label), else the setting
         self._lanes: dict[str, ReplicaLane] = {}  # replica id -> its batched session calls (decode batching on)
-        self.book = KVBook(config.kv_tokens)
+        self.room = RoomQueue(config.room_queue, config.retry_after_s, poll_s, clock)  # new sessions waiting for KV room
+        self.book = KVBook(config.kv_tokens, on_release=self.room.freed)
         self.http: aiohttp.ClientSession | None = None
         self._slots: dict[str, StepSlots] = {}
         self._background: set[asyncio.Task] = set()
@@ -115,35 +117,48 @@ class SessionEngine:
     def _ready(self, function: str) -> list[Any]:
         return [r for r in self.source.ready(function) if layers.is_whole(r)]
 
-    async def _choose(self, function: str, need: int, excluded: set[str], wait: bool) -> Any:
-        """A replica of ``function`` with room for ``need`` positions, or while the stage has no whole replica a
-        `Chain` of a ParaServe group's parts; waits (bounded, counted) while it has neither; 429 when ready
-        replicas have no room."""
-        deadline = self.clock() + (self.config.replica_wait_s if wait else 0.0)
+    async def _choose(self, function: str, need: int, excluded: set[str], steps: int | None = None,
+                      wait_s: float | None = None, gone: Callable[[], bool] | None = None, first: bool = False
+                      ) -> tuple[Any, Split | None]:
+        """Where stage ``function`` of a session of ``need`` positions runs: a replica with room (with ``steps`` to
+        run, a new session may be split with a live replica), or while the stage has no whole replica a `Chain` of
+        a ParaServe group's parts. Waits (bounded, counted) while it has neither; while its ready replicas have no
+        room, waits in line for it (:mod:`.roomwait`, up to ``wait_s``, default ``QUART_GEN_ROOM_WAIT_S``), then 429."""
+        deadline = self.clock() + self.config.replica_wait_s
         while True:
-            ready = [r for r in self._ready(function) if r.id not in excluded]
-            chosen = self.book.choose(ready, need) or (None if ready else self.group_chains.chain_for(function, need, excluded))
-            if chosen is not None:
-                return chosen
-            if ready:
-                raise unavailable(429, f"no replica of {function!r} has room for {need} more KV-cache positions "
-                                       "now (every one holds other sessions); retry later", self.config.retry_after_s)
+            if any(r.id not in excluded for r in self._ready(function)):
+                wait_s = self.config.room_wait_s if wait_s is None else min(wait_s, self.config.room_wait_s)
+                return await self.room.placed(function, functools.partial(self._fit, function, need, excluded, steps),
+                                              f"{need} more KV-cache positions", wait_s, gone, first)
+            chain = self.group_chains.chain_for(function, need, excluded)
+            if chain is not None:
+                return chain, None
             if self.clock() >= deadline:
                 raise unavailable(503, f"stage {function!r} has no ready replica", self.config.retry_after_s)
             with self.group_chains.waiting_for(function):
                 await asyncio.sleep(self.poll_s)
 
+    def _fit(self, function: str, need: int, excluded: set[str], steps: int | None) -> tuple[Any, Split | None] | None:
+        """A ready whole replica of ``function`` with room now (for a new session's share when it is split with a
+        live replica); None when none has."""
+        split = self.live_splits.split_for(function, need, steps) if steps is not None and self.config.cooperative \
+            else None
+        ready = [r for r in self._ready(function) if r.id not in excluded]
+        replica = self.book.choose(ready, split.rest_tokens if split else need)
+        return None if replica is None else (replica, split)
+
     async def open(self, model: str, stages: list[str], prompt: list[int], max_tokens: int,
-                   sample: dict[str, Any], eos: frozenset[int]) -> Session:
-        """Place a new session (one replica per stage, its positions booked on each) or raise 429 / 503."""
+                   sample: dict[str, Any], eos: frozenset[int], wait_s: float | None = None,
+                   gone: Callable[[], bool] | None = None) -> Session:
+        """Place a new session (one replica per stage, its positions booked on each) or raise 429 / 503 (499 when
+        ``gone()`` while it waits for room). ``wait_s``: the most it may wait for room (the client's deadline)."""
         need = len(prompt) + max_tokens
         chosen: list[Any] = []
         splits: dict[int, Split] = {}
         self.group_chains.noted(stages, need)
         try:
             for k, fn in enumerate(stages):
-                split = self.live_splits.split_for(fn, need, max_tokens) if self.config.cooperative and self._ready(fn) else None
-                replica = await self._choose(fn, split.rest_tokens if split else need, set(), wait=True)
+                replica, split = await self._choose(fn, need, set(), steps=max_tokens, wait_s=wait_s, gone=gone)
                 chosen.append(replica)
                 if split is not None:
                     splits[k] = split
@@ -223,7 +238,7 @@ class SessionEngine:
         if failed.why.startswith("HTTP 429"):  # a full cache (a DELETE on its way frees it): not at once
             await asyncio.sleep(self.poll_s)
         try:
-            replacement = await self._choose(fn, session.need, excluded, wait=True)
+            replacement, _ = await self._choose(fn, session.need, excluded, first=True)
         except QuartError as exc:
             raise QuartError(exc.status, f"a replica of stage {fn!r} failed ({failed.why}) and no other could take "
                                          f"the session over: {exc.message}", "stage", exc.headers) from None
@@ -464,17 +479,13 @@ class SessionEngine:
 
     def forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
         """``DELETE /_/sessions/<id>`` on one replica, in the background; ``then()`` once it is answered (or failed)."""
-        task = asyncio.get_running_loop().create_task(self._delete(replica, session_id))
+        task = asyncio.get_running_loop().create_task(delete_session(self.client(), replica.url, session_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         if then is not None:
             task.add_done_callback(lambda _: then())
 
-    async def _delete(self, replica: Any, session_id: str) -> None:
-        url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"
-        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-            async with self.client().delete(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                await resp.read()
+
 
     def _leave_lanes(self, session_id: str) -> None:
         """No lane holds its batch for this session id any more (decodebatch.hold_for)."""
