@@ -291,7 +291,7 @@ class Plugin:
         if hasattr(gateway, "watch_sessions"):  # its scale-down keeps replicas with sessions, drains them
             gateway.watch_sessions(self.engine.book.booked)
         if hasattr(gateway, "watch_demand"):  # a whole ParaServe group keeps the workers its sessions need
-            gateway.watch_demand(self.engine.demand)
+            gateway.watch_demand(self.engine.group_chains.demand)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
 

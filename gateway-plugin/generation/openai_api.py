@@ -29,7 +29,8 @@ from aiohttp import web
 from gateway_plugin.generation import sse
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.params import GenerationParams, is_generation, parse
-from gateway_plugin.generation.sessions import Session, SessionEngine
+from gateway_plugin.generation.session import Session
+from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.generation.tokens import (
     ModelCatalog,
     ModelInfo,
@@ -38,6 +39,7 @@ from gateway_plugin.generation.tokens import (
     is_registry_url,
 )
 from gateway_plugin.metrics import MetricsCollector, RequestRecord
+from quart_kernel.admission import client_deadline_s
 from quart_stage import jsonparse
 from quart_stage.errors import QuartError, invalid
 
@@ -172,6 +174,7 @@ class GenerationAPI:
 
     async def generate(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
         arrival = self.clock()
+        wait_s = client_deadline_s(request.headers, self.config.room_wait_s)  # X-Quart-Timeout-Ms bounds the entry wait
         stages = self.pipelines().get(params.model)
         if not stages:
             raise QuartError(404, f"no pipeline named {params.model!r} is deployed (GET /v1/models lists them)",
@@ -184,7 +187,8 @@ class GenerationAPI:
         max_tokens = self._max_tokens(info, params, len(prompt), door)
         sample = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
         eos = frozenset() if params.ignore_eos else info.eos_ids
-        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos)
+        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
+                                         gone=lambda: sse.client_gone(request))
         outcome = Outcome(len(prompt), arrival)
         ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         try:

@@ -87,7 +87,7 @@ def is_registry_url(source: str | None) -> bool:
 
 
 def default_tokenizer_cache() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "quart", "tokenizers")
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "quart-faas", "tokenizers")
 
 
 def fetch_tokenizer(url: str, cache_root: str) -> str:
