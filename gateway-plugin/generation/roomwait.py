@@ -50,6 +50,12 @@ class RoomQueue:
         """Sessions waiting for room at stage ``function`` now."""
         return len(self._queues.get(function, ()))
 
+    def snapshot(self) -> dict:
+        """Sessions waiting per stage function now, and what the line did since the start."""
+        c = self.counts
+        return {"waiting": {fn: len(q) for fn, q in self._queues.items() if q}, "waited": c.waited,
+                "refused_late": c.late, "refused_full": c.full, "gone": c.gone}
+
     def freed(self) -> None:
         """Room may have freed somewhere: the head of every queue tries again."""
         for queue in self._queues.values():
