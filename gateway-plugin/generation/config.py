@@ -27,6 +27,7 @@ class GenerationConfig:
     rejoin: str = "auto"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: auto | migrate | shadow | replay | keep
     decode_batch_max: int = 1  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
     prefill_chunk: int = 128  # [QUART_GEN_PREFILL_CHUNK] prompt positions per prefill call where decode batches (0 = whole prompt)
+    tokenizer_cache: str = ""  # [QUART_GEN_TOKENIZER_CACHE] where a registry-only model's tokenizer is fetched ("" = ~/.cache/quart-faas/tokenizers)
     decode_hold_ms: float = 250.0  # [QUART_GEN_DECODE_HOLD_MS] most a free replica holds its decode batch for its sessions' steps on their way (0 = never)
 
     def __post_init__(self) -> None:
