@@ -93,7 +93,7 @@ class RoomQueue:
                 left = start + wait_s - self.clock()
                 if left <= 0:
                     self.counts.late += 1
-                    raise unavailable(429, f"no replica of {function!r} had room for {what} within {wait_s:g} s of "
+                    raise unavailable(429, f"no replica of {function!r} had room for {what} within {round(wait_s, 2):g} s of "
                                            f"waiting in line ({len(queue) - 1} others waiting; QUART_GEN_ROOM_WAIT_S); "
                                            "retry later", self.retry_after_s)
                 if gone is not None and gone():
