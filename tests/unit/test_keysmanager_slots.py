@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from keysmanager import replicas as replicas_module
 from keysmanager.config import KeysManagerConfig
 from keysmanager.errors import NoFreeSlot

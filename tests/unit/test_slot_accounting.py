@@ -76,7 +76,7 @@ async def _play(tmp: Path, events: list[tuple]) -> None:
             elif kind == "gone":
                 gone.add(host.name)
                 host.silent = True
-                for rid in list(host.live_ids()):
+                for _ in list(host.live_ids()):
                     _kill(host, 0)
             else:
                 await settle(gw, a)
