@@ -114,7 +114,9 @@ def main(argv: list[str]) -> int:
     if name not in BENCHMARKS:
         print(f"quartctl bench: unknown benchmark {name!r}; one of {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
-    return int(resolve(BENCHMARKS[name][0])(argv[1:]) or 0)
+    from quart_tools.bench.lifetime import run_bench
+
+    return run_bench(resolve(BENCHMARKS[name][0]), argv[1:])  # SIGTERM/SIGINT: what it started is stopped
 
 
 def free_port() -> int:
