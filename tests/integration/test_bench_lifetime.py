@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.cli import descendants_alive
 
 BENCH_LIKE = textwrap.dedent("""
     import asyncio, subprocess, sys, time
@@ -54,17 +55,9 @@ BENCH_LIKE = textwrap.dedent("""
 def _gone(pids: list[int], timeout_s: float) -> list[int]:
     """The pids still running (not zombies) after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
+    while descendants_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return descendants_alive(pids)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

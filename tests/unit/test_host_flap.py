@@ -42,19 +42,24 @@ async def converge(gw: EmbeddedGateway, hosts: list[FlakyHost], rounds: int = 6)
         await asyncio.sleep(0.03)  # drains (drain_timeout_s 0.2, nothing in flight) run out
 
 
+async def two_hosts(tmp_path, slots: int, replicas: int) -> tuple[EmbeddedGateway, list[FlakyHost]]:
+    """Hosts h0 and h1 and function ``f`` at ``replicas`` ready replicas, placed first-fit (h0 first)."""
+    hosts = [FlakyHost("h0", slots=slots), FlakyHost("h1", slots=slots)]
+    gw = make(tmp_path, hosts, placer="first-fit", host_down_after_s=0.001)
+    await gw.registry.deploy(dep())
+    await gw.registry.scale("f", replicas)
+    await converge(gw, hosts)
+    return gw, hosts
+
+
 def tracked_on(gw: EmbeddedGateway, host: str) -> set[str]:
     return {e.id for fn in gw.functions.values() for e in fn.replicas.values() if e.host == host}
 
 
 def test_starts_in_flight_through_a_flap_leave_no_slot_taken(tmp_path):
-    h0, h1 = FlakyHost("h0", slots=4), FlakyHost("h1", slots=4)
-    hosts = [h0, h1]
-
     async def scenario():
-        gw = make(tmp_path, hosts, placer="first-fit", host_down_after_s=0.001)
-        fn = await gw.registry.deploy(dep())
-        await gw.registry.scale("f", 2)
-        await converge(gw, hosts)
+        gw, hosts = await two_hosts(tmp_path, slots=4, replicas=2)
+        h0, fn = hosts[0], gw.functions["f"]
         assert {e.host for e in fn.ready} == {"h0"} and len(fn.ready) == 2
         for h in hosts:
             h.hold_starts()  # the host is busy: starts hang
@@ -83,14 +88,9 @@ def test_starts_in_flight_through_a_flap_leave_no_slot_taken(tmp_path):
 def test_unplaced_is_cleared_once_nothing_is_missing(tmp_path):
     """While a host is down the others may be full (replicas unplaced); once it is back and its replicas are
     adopted, nothing is missing and the function must no longer say it waits for a slot."""
-    h0, h1 = FlakyHost("h0", slots=2), FlakyHost("h1", slots=2)
-    hosts = [h0, h1]
-
     async def scenario():
-        gw = make(tmp_path, hosts, placer="first-fit", host_down_after_s=0.001)
-        fn = await gw.registry.deploy(dep())
-        await gw.registry.scale("f", 4)
-        await converge(gw, hosts)
+        gw, hosts = await two_hosts(tmp_path, slots=2, replicas=4)
+        h0, fn = hosts[0], gw.functions["f"]
         assert len(fn.ready) == 4
         await take_down(gw, h0)
         await settle(gw, 1)
