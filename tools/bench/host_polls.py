@@ -5,7 +5,8 @@ The gateway polls every host each ``reconcile_interval_s`` (0.2 s), each poll bo
 silence). This measures what that threshold must ride out: one KeysManager daemon, a stage of ``--mb`` MB
 (emulated compute), ``--rounds`` bursts of ``--replicas`` starts at once (as a scale-up places them: the first
 round also loads the zygote) then as many stops at once, while a poller asks for the replica list as the
-reconciler does. It reports each poll's answer time, the polls missed, the longest run of misses, and for each
+reconciler does; ``--hogs N`` adds N processes spinning on the CPUs meanwhile (a saturated machine, as under a
+live bench's load). It reports each poll's answer time, the polls missed, the longest run of misses, and for each
 candidate threshold how many times the host would have been marked down (every one a false alarm: the
 KeysManager never stopped).
 """
@@ -16,6 +17,7 @@ import asyncio
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,20 +100,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--interval", type=float, default=0.2, help="poll period, s (reconcile_interval_s)")
     p.add_argument("--timeout", type=float, default=0.5, help="one poll's bound, s (host_timeout_s)")
+    p.add_argument("--hogs", type=int, default=0, help="processes spinning on the CPUs during the bursts")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="km-polls-"))
     load_before = os.getloadavg()
+    hogs: list[subprocess.Popen] = []
     try:
         model, _nbytes = make_stage(root, args.mb)
         daemon = Daemon(root, ("--gpus", str(args.replicas)))
         try:
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
             doc = asyncio.run(measure(daemon.socket, _spec("polls", model, "emulated"), args))
         finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
             daemon.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     doc = {"benchmark": "host-polls", "stage_mb": args.mb, "replicas": args.replicas, "interval_s": args.interval,
-           "timeout_s": args.timeout, **doc,
+           "timeout_s": args.timeout, "hogs": args.hogs, **doc,
            "machine": machine_info(loadavg_before=[round(x, 2) for x in load_before],
                                    loadavg_after=[round(x, 2) for x in os.getloadavg()])}
     write_report(doc, args.out)
