@@ -1,9 +1,12 @@
 """Reconciliation: make the replicas that run match the registry's desired state.
 
 A loop (every ``reconcile_interval_s``, or at once on :meth:`Reconciler.kick`) polls every host (each
-poll bounded by ``host_timeout_s``; a host silent for ``host_down_after_s`` is down: its replicas are
-dropped as dead and replaced elsewhere, and whatever still runs there is stopped when it answers again),
-drops dead replicas, replaces ones that never became ready, and converges: it builds the platform's view
+poll bounded by ``host_timeout_s``; a host that missed ``host_down_polls`` polls in a row and is silent for
+``host_down_after_s`` is down: its replicas are dropped as dead and replaced elsewhere, and whatever still
+runs there is adopted back or stopped when it answers again), stops what an answering host runs that no
+function tracks (a start abandoned while its host was down, a failed stop: a host's slots then hold only what
+the gateway tracks; docs/hosts.md, "A host that flaps"), drops dead replicas, replaces ones that never became
+ready, and converges: it builds the platform's view
 (:class:`quart_kernel.convergence.PlatformView`: functions, replicas, pending starts, back-off, ParaServe
 groups, and the hosts' reports when something is missing), asks the one pure convergence
 (:func:`quart_kernel.convergence.converge`, the simulator's too) for the actions, and carries them out:
