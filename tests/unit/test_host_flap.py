@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from quart_provider.gateway import EmbeddedGateway
-from support.fake_hosts import FlakyHost, dep, make, settle
+from support.fake_hosts import FakeHost, FlakyHost, dep, make, settle
 
 
 async def take_down(gw: EmbeddedGateway, host: FlakyHost, passes: int = 20) -> None:
@@ -100,6 +100,33 @@ def test_unplaced_is_cleared_once_nothing_is_missing(tmp_path):
         assert len(fn.ready) == 4 and fn.pending_starts == 0
         assert fn.unplaced == 0, "a function with every replica it wants still says it waits for a slot"
         assert "reason" not in fn.status_json()
+        await gw.close()
+
+    asyncio.run(scenario())
+
+
+class LateAnswerHost(FlakyHost):
+    """A host whose start answer arrives well after the replica shows in its listing."""
+
+    async def _start_on_host(self, spec, count):
+        made = await FakeHost.start(self, spec, count)  # listed from now on
+        await self.gate.wait()  # the answer is still on its way
+        return made
+
+
+def test_a_replica_whose_start_answer_is_on_its_way_is_not_taken_for_an_orphan(tmp_path):
+    host = LateAnswerHost("h0")
+
+    async def scenario():
+        gw = make(tmp_path, [host])
+        fn = await gw.registry.deploy(dep())
+        host.hold_starts()
+        await settle(gw, 4)  # polls list the new replica; the gateway does not track it yet
+        assert len(host.live_ids()) == 1 and not fn.replicas and fn.pending_starts == 1
+        assert not host.stopped, "a replica whose start had not answered yet was stopped as an orphan"
+        host.release_starts()
+        await converge(gw, [host])
+        assert set(fn.replicas) == host.live_ids() and not host.stopped and len(host.started) == 1
         await gw.close()
 
     asyncio.run(scenario())
