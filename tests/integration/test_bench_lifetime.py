@@ -90,7 +90,7 @@ def test_sigterm_to_a_real_bench_leaves_no_keysmanager(tmp_path):
     try:
         me = psutil.Process(bench.pid)
         deadline = time.monotonic() + 120
-        while not any("keysmanager.daemon" in " ".join(p.cmdline()) for p in _descendants(me)):
+        while not any("keysmanager.daemon" in _cmdline(p) for p in _descendants(me)):
             assert bench.poll() is None and time.monotonic() < deadline, "the bench never started its KeysManager"
             time.sleep(0.1)
         time.sleep(1.0)  # it works: starts replicas
@@ -113,3 +113,10 @@ def _descendants(proc: psutil.Process) -> list[psutil.Process]:
         return proc.children(recursive=True)
     except psutil.Error:
         return []
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:  # it ended between the listing and this look (the bench's short-lived children)
+        return ""
