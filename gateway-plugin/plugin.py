@@ -374,7 +374,8 @@ class Plugin:
                                                   "moves": x.moves,
                                                   "replicas": [getattr(r, "id", None) for r in x.replicas]}
                                                  for x in self.engine.active.values()],
-                                      "kv": self.engine.book.occupancy(), "moves": self.engine.moves})
+                                      "kv": self.engine.book.occupancy(), "moves": self.engine.moves,
+                                      "room": self.engine.room.snapshot()})
         if tail == "metrics":
             return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
         return _error(404, f"unknown plugin path {tail!r}; use snapshot, timeline, sessions or metrics", "path")

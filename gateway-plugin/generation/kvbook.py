@@ -1,9 +1,10 @@
-"""KV-cache occupancy per stage replica, as the gateway books it, and where a new session may go. Pure.
+"""KV-cache occupancy per stage replica, as the gateway books it, and where a new session may go. Pure (a release
+calls ``on_release``: the entry's line for room, :mod:`.roomwait`, tries again).
 
 A session reserves, on the replica it is pinned to at each stage, every position it may come to hold
 (prompt + max_tokens) for its whole life, so a replica's cache can never be asked for more than it has:
-a session that finds no replica with room at some stage is refused at the entry (429 + Retry-After),
-never an out-of-memory in a stage. A replica's cap is what it last reported (``X-Quart-KV-Tokens:
+a session that finds no replica with room at some stage waits at the entry, bounded, then gets a 429 +
+Retry-After, never an out-of-memory in a stage. A replica's cap is what it last reported (``X-Quart-KV-Tokens:
 used/max``), else the configured default.
 """
 

@@ -50,6 +50,12 @@ class RoomQueue:
         """Sessions waiting for room at stage ``function`` now."""
         return len(self._queues.get(function, ()))
 
+    def snapshot(self) -> dict:
+        """Sessions waiting per stage function now, and what the line did since the start."""
+        c = self.counts
+        return {"waiting": {fn: len(q) for fn, q in self._queues.items() if q}, "waited": c.waited,
+                "refused_late": c.late, "refused_full": c.full, "gone": c.gone}
+
     def freed(self) -> None:
         """Room may have freed somewhere: the head of every queue tries again."""
         for queue in self._queues.values():
@@ -87,7 +93,7 @@ class RoomQueue:
                 left = start + wait_s - self.clock()
                 if left <= 0:
                     self.counts.late += 1
-                    raise unavailable(429, f"no replica of {function!r} had room for {what} within {wait_s:g} s of "
+                    raise unavailable(429, f"no replica of {function!r} had room for {what} within {round(wait_s, 2):g} s of "
                                            f"waiting in line ({len(queue) - 1} others waiting; QUART_GEN_ROOM_WAIT_S); "
                                            "retry later", self.retry_after_s)
                 if gone is not None and gone():

@@ -127,9 +127,9 @@ class SessionEngine:
         deadline = self.clock() + self.config.replica_wait_s
         while True:
             if any(r.id not in excluded for r in self._ready(function)):
-                wait_s = self.config.room_wait_s if wait_s is None else min(wait_s, self.config.room_wait_s)
-                return await self.room.placed(function, functools.partial(self._fit, function, need, excluded, steps),
-                                              f"{need} more KV-cache positions", wait_s, gone, first)
+                fit = functools.partial(self._fit, function, need, excluded, steps)
+                return await self.room.placed(function, fit, f"{need} more KV-cache positions",
+                                              self.config.room_wait_s if wait_s is None else wait_s, gone, first)
             chain = self.group_chains.chain_for(function, need, excluded)
             if chain is not None:
                 return chain, None
@@ -139,10 +139,8 @@ class SessionEngine:
                 await asyncio.sleep(self.poll_s)
 
     def _fit(self, function: str, need: int, excluded: set[str], steps: int | None) -> tuple[Any, Split | None] | None:
-        """A ready whole replica of ``function`` with room now (for a new session's share when it is split with a
-        live replica); None when none has."""
-        split = self.live_splits.split_for(function, need, steps) if steps is not None and self.config.cooperative \
-            else None
+        """A ready whole replica of ``function`` with room now (for a new session's share if split); else None."""
+        split = self.live_splits.split_for(function, need, steps) if steps and self.config.cooperative else None
         ready = [r for r in self._ready(function) if r.id not in excluded]
         replica = self.book.choose(ready, split.rest_tokens if split else need)
         return None if replica is None else (replica, split)
@@ -156,9 +154,11 @@ class SessionEngine:
         chosen: list[Any] = []
         splits: dict[int, Split] = {}
         self.group_chains.noted(stages, need)
+        until = self.clock() + min(self.config.room_wait_s, self.config.room_wait_s if wait_s is None else wait_s)
         try:
-            for k, fn in enumerate(stages):
-                replica, split = await self._choose(fn, need, set(), steps=max_tokens, wait_s=wait_s, gone=gone)
+            for k, fn in enumerate(stages):  # the wait for room, over all stages, ends at ``until``
+                left = max(0.0, until - self.clock())
+                replica, split = await self._choose(fn, need, set(), steps=max_tokens, wait_s=left, gone=gone)
                 chosen.append(replica)
                 if split is not None:
                     splits[k] = split

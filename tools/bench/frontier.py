@@ -261,11 +261,6 @@ def main(argv: list[str]) -> int:
             runs, _ = planned(args)
             print(format_plan(runs, args.duration, Overheads()))
             return 0
-        import signal
-
-        from quart_tools.bench.policies import _terminate
-
-        signal.signal(signal.SIGTERM, _terminate)  # a killed bench unwinds through run()'s finally: the gateway stops
         write_report(json_safe(run(args)), args.out)
     except (RuntimeError, ValueError, OSError) as exc:  # OSError: a missing --trace file, among others
         print(f"quartctl bench frontier: {exc}", file=sys.stderr)

@@ -259,11 +259,6 @@ def main(argv: list[str]) -> int:
     from quart_tools.report import json_safe
 
     args = _parser().parse_args(argv)
-    import signal
-
-    from quart_tools.bench.policies import _terminate
-
-    signal.signal(signal.SIGTERM, _terminate)  # a killed bench unwinds through run()'s finally: the gateway stops
     try:
         doc = run(args)
     except (RuntimeError, ValueError, OSError) as exc:
