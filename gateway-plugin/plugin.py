@@ -180,10 +180,11 @@ class GatewayView:
         return vocab.StageLabels.lenient(fn.deployment.labels).decode_batch or default
 
     def model_dir(self, model: str) -> str | None:
-        """The partitioned model folder of a pipeline (its stage 0's ``QUART_MODEL_DIR``): the tokenizer."""
+        """Where a pipeline's tokenizer is: its stage 0's ``QUART_MODEL_DIR``, else its ``QUART_MODEL_URL``."""
         stages = self.pipelines().get(model)
         fn = self.gateway.functions.get(stages[0]) if stages else None
-        return fn.deployment.env_vars.get("QUART_MODEL_DIR") if fn is not None else None
+        env = fn.deployment.env_vars if fn is not None else {}
+        return env.get("QUART_MODEL_DIR") or env.get("QUART_MODEL_URL")
 
 
 def online_cv_trainer(config: PluginConfig):
@@ -290,7 +291,7 @@ class Plugin:
         if hasattr(gateway, "watch_sessions"):  # its scale-down keeps replicas with sessions, drains them
             gateway.watch_sessions(self.engine.book.booked)
         if hasattr(gateway, "watch_demand"):  # a whole ParaServe group keeps the workers its sessions need
-            gateway.watch_demand(self.engine.demand)
+            gateway.watch_demand(self.engine.group_chains.demand)
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -373,7 +374,8 @@ class Plugin:
                                                   "moves": x.moves,
                                                   "replicas": [getattr(r, "id", None) for r in x.replicas]}
                                                  for x in self.engine.active.values()],
-                                      "kv": self.engine.book.occupancy(), "moves": self.engine.moves})
+                                      "kv": self.engine.book.occupancy(), "moves": self.engine.moves,
+                                      "room": self.engine.room.snapshot()})
         if tail == "metrics":
             return web.Response(body=self.collector.prometheus_text(), content_type="text/plain")
         return _error(404, f"unknown plugin path {tail!r}; use snapshot, timeline, sessions or metrics", "path")

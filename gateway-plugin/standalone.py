@@ -101,10 +101,11 @@ class OpenFaaSView:
         )
 
     def model_dir(self, model: str) -> str | None:
-        """The model folder of a pipeline (stage 0's ``envVars.QUART_MODEL_DIR``, readable here when the
-        plugin runs beside the functions' files): the tokenizer of the generation API."""
+        """Where a pipeline's tokenizer is: stage 0's ``envVars.QUART_MODEL_DIR`` (readable here when the plugin
+        runs beside the functions' files), else its ``QUART_MODEL_URL`` (fetched from the registry)."""
         stages = self.pipelines().get(model)
-        return ((self.status[stages[0]].get("envVars") or {}).get("QUART_MODEL_DIR")) if stages else None
+        env = (self.status[stages[0]].get("envVars") or {}) if stages else {}
+        return env.get("QUART_MODEL_DIR") or env.get("QUART_MODEL_URL")
 
     def stage_meta(self, function: str) -> tuple[float, int]:
         if function not in self.status:

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from quart_stage.manifest import TOKENIZER_EXTRAS, check_file_name
+
 from keysmanager.transfer import (
     CHUNK_BYTES,
     FetchResult,
@@ -183,6 +185,38 @@ class ModelRegistry:
             yield from reply["Body"].iter_chunks(CHUNK_BYTES)
         except (BotoCoreError, ClientError, OSError) as exc:
             raise self._explain(exc, f"fetching {what}") from None
+
+    def tokenizer_folder(self, dest_dir: Path) -> Path:
+        """A local folder with the model's manifest and tokenizer files (``tokenizer.json`` and those of
+        `TOKENIZER_EXTRAS` the model has), no stage: what a gateway needs to tokenize for a registry-only model.
+        The manifest is written last, so a folder with one is complete; a folder whose manifest is the
+        registry's is kept as it is."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        dest_dir = Path(dest_dir)
+        manifest = self.manifest()
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads((dest_dir / MANIFEST).read_text()) == manifest:
+                return dest_dir
+        tokenizer = manifest.get("tokenizer")
+        if not tokenizer:
+            raise RegistryError(f"{self.url}: model {manifest.get('model')!r} has no tokenizer")
+        try:
+            check_file_name(tokenizer)
+        except ValueError as exc:
+            raise RegistryError(f"{self.url}: {exc}") from None
+        try:
+            listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.key(""))
+        except (BotoCoreError, ClientError) as exc:
+            raise self._explain(exc, f"listing {self.url}") from None
+        present = {obj["Key"] for obj in listed.get("Contents") or ()}
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        for name in (tokenizer, *(x for x in TOKENIZER_EXTRAS if self.key(x) in present)):
+            self.fetch(name, dest_dir / name)
+        tmp = dest_dir / (MANIFEST + ".partial")
+        tmp.write_text(json.dumps(manifest))
+        os.replace(tmp, dest_dir / MANIFEST)
+        return dest_dir
 
     def materialize(self, stage_index: int, dest_dir: Path, on_progress: Progress | None = None,
                     peers: Sequence[tuple[str, StreamInto]] = (),

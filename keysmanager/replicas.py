@@ -13,7 +13,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -42,7 +42,7 @@ class Replicas:
         self.launcher = launcher
         self.segments = segments
         self.by_id: dict[str, Replica] = {}
-        self.slots_used: set[int] = set()
+        self._reserved: set[int] = set()  # slots of starts under way (their replica not recorded yet)
         self._changed = changed  # the state file must be rewritten
         self._cores = sorted(os.sched_getaffinity(0))
         self._next_core = 0
@@ -61,23 +61,36 @@ class Replicas:
     def adopt(self, rep: Replica) -> None:
         """A replica a previous KeysManager left running (told to survive)."""
         self.by_id[rep.id] = rep
-        if rep.gpu_slot is not None:
-            self.slots_used.add(rep.gpu_slot)
 
     # ---------------------------------------------------------------- resources
+    @property
+    def slots_used(self) -> set[int]:
+        """The GPU slots taken: those of live replicas, and those held for starts under way. Derived, never
+        counted up and down, so a start that fails half-way or a death seen twice cannot leave a slot taken."""
+        live = {r.gpu_slot for r in self.by_id.values() if r.state != "dead" and r.gpu_slot is not None}
+        return live | self._reserved
+
     def check_free_slots(self, count: int) -> None:
         free = self.config.gpus - len(self.slots_used)
         if self.config.gpus and count > free:
             raise NoFreeSlot(f"host {self.config.name} has {free} free GPU slots; asked for {count}", "count")
 
-    def _take_slot(self) -> int | None:
+    @contextlib.contextmanager
+    def _slot(self) -> Iterator[int | None]:
+        """A free slot (None on a CPU host), held for one start until its replica is recorded (it holds the slot
+        from then on) or the start fails (the slot is free again)."""
         if self.config.gpus == 0:
-            return None
-        for slot in range(self.config.gpus):
-            if slot not in self.slots_used:
-                self.slots_used.add(slot)
-                return slot
-        raise NoFreeSlot(f"host {self.config.name} has no free GPU slot ({self.config.gpus} in use)", "count")
+            yield None
+            return
+        used = self.slots_used
+        slot = next((s for s in range(self.config.gpus) if s not in used), None)
+        if slot is None:
+            raise NoFreeSlot(f"host {self.config.name} has no free GPU slot ({self.config.gpus} in use)", "count")
+        self._reserved.add(slot)
+        try:
+            yield slot
+        finally:
+            self._reserved.discard(slot)
 
     def _take_cores(self, cpus: float) -> list[int]:
         return self._next_cores(cpus) if self.config.pin_cpus else []
@@ -104,7 +117,11 @@ class Replicas:
 
     async def fork(self, zygotes: Zygotes, z: Zygote, spec: StageSpec, mode: str, survive: bool,
                    requested_at: float, unix: bool = False) -> Replica:
-        slot = self._take_slot()
+        with self._slot() as slot:
+            return await self._fork(zygotes, z, spec, mode, survive, requested_at, unix, slot)
+
+    async def _fork(self, zygotes: Zygotes, z: Zygote, spec: StageSpec, mode: str, survive: bool,
+                    requested_at: float, unix: bool, slot: int | None) -> Replica:
         cores = self._take_cores(spec.cpus)
         rid = f"{spec.function}-{uuid.uuid4().hex[:8]}"
         path = self.unix_path(rid) if unix else None
@@ -112,7 +129,6 @@ class Replicas:
                                         "host": self.config.host_address,
                                         "env": self._env(spec, slot), "cores": cores, "threads": threads_of(spec)})
         if answer.get("op") != "forked":
-            self.slots_used.discard(slot)
             raise StartFailed(f"fork of {spec.function!r} failed: {answer.get('error')}", "spec")
         rep = Replica(rid, spec.function, int(answer["pid"]), int(answer["port"]), "fork", mode, survive,
                       requested_at, slot, cores, segment=z.segment, param_bytes=z.segment.nbytes, socket=path)
@@ -123,7 +139,11 @@ class Replicas:
 
     def spawn_cold(self, spec: StageSpec, stage: StageRef, mode: str, survive: bool, requested_at: float,
                    unix: bool = False) -> Replica:
-        slot = self._take_slot()
+        with self._slot() as slot:
+            return self._spawn_cold(spec, stage, mode, survive, requested_at, unix, slot)
+
+    def _spawn_cold(self, spec: StageSpec, stage: StageRef, mode: str, survive: bool, requested_at: float,
+                    unix: bool, slot: int | None) -> Replica:
         cores = self._take_cores(spec.cpus)
         rid = f"{spec.function}-{uuid.uuid4().hex[:8]}"
         path = self.unix_path(rid) if unix else None
@@ -230,8 +250,6 @@ class Replicas:
         rep.dead_at = time.monotonic()
         if rep.proc is not None and rep.proc.returncode is None and status is not None:
             rep.proc.returncode = status
-        if rep.gpu_slot is not None:
-            self.slots_used.discard(rep.gpu_slot)
         if rep.segment is not None:
             self.segments.release(rep.segment, rep.id)
         if rep.socket:

@@ -47,6 +47,7 @@ class GatewayConfig:
     reconcile_interval_s: float = 0.2  # how often replica states are polled and desired counts enforced
     host_timeout_s: float = 0.5  # one poll of a host (its replicas, its report); slower counts as no answer
     host_down_after_s: float = 0.8  # no answer for this long: the host is down, its replicas dead (hosts.md)
+    host_down_polls: int = 2  # … and this many polls in a row unanswered (one missed poll is no outage)
     ready_probe_s: float = 0.005  # first interval of the gateway's own health probe of a starting replica
     ready_wait_s: float = 60.0  # how long an invocation waits for a first ready replica (scale from zero)
     max_waiting: int = 1024  # invocations allowed to wait for a replica per function; more → 429
@@ -113,8 +114,8 @@ class GatewayConfig:
                 or self.paraserve_tail_s < 0 or self.paraserve_fetch_gbps < 0):
             raise ConfigError("paraserve_parts must be >= 0, paraserve_max_parts >= 1, registry_gbps, "
                               "paraserve_tail_s and paraserve_fetch_gbps >= 0")
-        if self.host_timeout_s <= 0 or self.host_down_after_s <= 0:
-            raise ConfigError("host_timeout_s and host_down_after_s must be > 0")
+        if self.host_timeout_s <= 0 or self.host_down_after_s <= 0 or self.host_down_polls < 1:
+            raise ConfigError("host_timeout_s and host_down_after_s must be > 0, host_down_polls >= 1")
         if self.async_backend not in ASYNC_BACKENDS:
             raise ConfigError(f"async_backend must be one of {', '.join(ASYNC_BACKENDS)}, got {self.async_backend!r}")
         try:

@@ -1,9 +1,12 @@
 """Reconciliation: make the replicas that run match the registry's desired state.
 
 A loop (every ``reconcile_interval_s``, or at once on :meth:`Reconciler.kick`) polls every host (each
-poll bounded by ``host_timeout_s``; a host silent for ``host_down_after_s`` is down: its replicas are
-dropped as dead and replaced elsewhere, and whatever still runs there is stopped when it answers again),
-drops dead replicas, replaces ones that never became ready, and converges: it builds the platform's view
+poll bounded by ``host_timeout_s``; a host that missed ``host_down_polls`` polls in a row and is silent for
+``host_down_after_s`` is down: its replicas are dropped as dead and replaced elsewhere, and whatever still
+runs there is adopted back or stopped when it answers again), stops what an answering host runs that no
+function tracks (a start abandoned while its host was down, a failed stop: a host's slots then hold only what
+the gateway tracks; docs/hosts.md, "A host that flaps"), drops dead replicas, replaces ones that never became
+ready, and converges: it builds the platform's view
 (:class:`quart_kernel.convergence.PlatformView`: functions, replicas, pending starts, back-off, ParaServe
 groups, and the hosts' reports when something is missing), asks the one pure convergence
 (:func:`quart_kernel.convergence.converge`, the simulator's too) for the actions, and carries them out:
@@ -17,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -69,7 +73,8 @@ class Reconciler:
         self._closing = False
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.health = HostHealth(config.host_down_after_s)
+        self._start_settled: dict[str, float] = {}  # host → when a start on it last ended (done or abandoned)
+        self.health = HostHealth(config.host_down_after_s, config.host_down_polls)
         self.paraserve = ParaServeStarts(config)  # cold stages in parts (issue 17; off unless config.paraserve)
         self.starter = Starter(config, hosts, functions, scheduler_metrics, self.paraserve, self._spawn, self.kick,
                                self._stop_now)
@@ -109,6 +114,8 @@ class Reconciler:
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        if task.get_name().startswith("start:"):
+            self._start_settled[task.get_name().split(":", 2)[1]] = time.monotonic()
         if not task.cancelled() and task.exception() is not None:
             log.warning("%s failed: %s", task.get_name(), task.exception())
 
@@ -141,6 +148,8 @@ class Reconciler:
                 continue
             if self.health.answered(name, now):
                 self._host_back(name, result)
+            elif self._quiet(name, polled_at):
+                self._claim(name, result, adopt=False)
             polled_hosts.add(name)
             seen.update((r.id, r) for r in result)
         for fn in self.functions.values():
@@ -208,21 +217,54 @@ class Reconciler:
         """``name`` answers again: what still runs there is adopted back as far as its function lacks ready
         replicas (a KeysManager's successor adopts the replicas that survived it; replacements still starting
         are surplus then); the rest was replaced while it was down, or runs for no function: stopped."""
-        adopted = set(adopt_replicas(self.functions, name, running, time.monotonic()))
+        adopted, stopped = self._claim(name, running, adopt=True)
+        log.warning("host %s answers again; %d replica(s) adopted back, %d stopped", name, adopted, stopped)
+        self.kick()
+
+    def _quiet(self, name: str, polled_at: float) -> bool:
+        """No start on ``name`` was under way or ended since ``polled_at``: every replica its poll lists that
+        the gateway does not track is an orphan (a start abandoned when the host was down, which the host
+        finished later; a stop that failed), not a start whose answer is still on its way."""
+        if self._start_settled.get(name, float("-inf")) >= polled_at:
+            return False
+        return not any(host == name for host, _ in self._starts_in_flight())
+
+    def _claim(self, name: str, running: list[ReplicaStatus], adopt: bool) -> tuple[int, int]:
+        """Make ``name``'s live replicas the gateway's or stop them, so that its slots hold only what the
+        gateway tracks: ``adopt`` (the host is back) as far as each function lacks ready replicas; the rest
+        (or all, without ``adopt``) are stopped unless a stop is already under way. Returns (adopted, stopped)."""
+        adopted = set(adopt_replicas(self.functions, name, running, time.monotonic())) if adopt else set()
         tracked = {rid for fn in self.functions.values() for rid in fn.replicas}
-        stale = [r for r in running if r.id not in tracked and r.state != "dead"]
+        stopping = {t.get_name() for t in self._tasks if not t.done()}
+        stale = [r for r in running if r.id not in tracked and r.state in ("starting", "ready")
+                 and f"stop:{r.id}" not in stopping]
         for status in stale:
+            if not adopt:
+                log.warning("host %s runs replica %s of %s that no function tracks (a start abandoned while the "
+                            "host was down, or a stop that failed): stopping it", name, status.id, status.function)
             self._spawn(self._stop_now(Endpoint(status.id, status.function, name, status.url, status.state,
                                                 status.source, 0, 0.0)), f"stop:{status.id}")
-        log.warning("host %s answers again; %d replica(s) adopted back, %d stopped", name, len(adopted), len(stale))
-        self.kick()
+        return len(adopted), len(stale)
+
+    def _starts_in_flight(self) -> Counter[tuple[str, str]]:
+        """(host, function) → starts asked of the host and not answered yet: the one record of starts under way
+        (the function's ``pending_starts``, the slots they will take on the host, the quiet rule)."""
+        out: Counter[tuple[str, str]] = Counter()
+        for task in self._tasks:
+            kind, _, rest = task.get_name().partition(":")
+            if kind == "start" and not task.done():
+                host, _, function = rest.partition(":")
+                out[host, function] += 1
+        return out
 
     def view(self, now: float, hosts: tuple[HostView, ...] = ()) -> PlatformView:
         """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed). A
         ParaServe group that became whole raises its function's desired count first (`_keep_group`)."""
         protected = {name: frozenset(self.paraserve.protected(fn)) for name, fn in self.functions.items()}
+        starts = self._starts_in_flight()
         for fn in self.functions.values():
             self._keep_group(fn, now)
+            fn.pending_starts = sum(n for (_, function), n in starts.items() if function == fn.name)
         functions = tuple(FunctionView(
             fn.name, fn.desired, fn.generation,
             tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at, self.kv_tokens(e.id), e.cpus)
@@ -270,6 +312,11 @@ class Reconciler:
                 parts = self.paraserve.parts_for(hosts, layouts)
         plan = converge(view, self.placer, lambda function, _hosts: parts.get(function, 1))
         self.last_convergence = plan  # its stops, drains and retirements are the ones let go above
+        unplaced = Counter[str]()
+        for req in plan.schedule.unplaced if plan.schedule is not None else ():
+            unplaced[req.function] += req.count
+        for fn in self.functions.values():  # this pass's answer: none once nothing is missing
+            fn.unplaced = unplaced[fn.name]
         if plan.schedule is not None:
             await self.starter.start_all(plan, view.hosts, layouts)
 
@@ -305,11 +352,12 @@ class Reconciler:
         reports = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].report()) for n in names),
                                        return_exceptions=True)
         views: list[HostView] = []
+        starts = self._starts_in_flight()
         for name, report in zip(names, reports, strict=True):
             if isinstance(report, BaseException):
                 log.warning("host %s gave no report: %s", name, report)
                 continue
-            pending = sum(1 for t in self._tasks if t.get_name().startswith(f"start:{name}:"))
+            pending = sum(n for (host, _), n in starts.items() if host == name)
             views.append(replace(report, gpu_used=min(report.gpu_slots, report.gpu_used + pending)))
         self.scheduler_metrics.record_hosts(views)
         return views

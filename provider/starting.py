@@ -76,11 +76,6 @@ class Starter:
         self.scheduler_metrics.record_schedule(result)
         await self._pin_kept(result, views)
         asked_at = time.monotonic()
-        for fn in self.functions.values():
-            fn.unplaced = 0
-        for req in result.unplaced:
-            if req.function in self.functions:
-                self.functions[req.function].unplaced += req.count
         starts = plan.starts
         plans = [a.plan for a in starts if a.plan is not None]
         groups = self.paraserve.plan_groups(plans, layouts)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from quart_stage import cliargs, families, wire
-from quart_stage.manifest import Manifest, StageEntry
+from quart_stage.manifest import TOKENIZER_EXTRAS, Manifest, StageEntry
 from quart_stage.presets import PAPER_PROFILES, PRESET_DTYPES, preset_config, resolve_preset
 from quart_tools.realmodels import REAL_MODELS, source_folder
 from quart_tools.stackfile import GPU_CONSTRAINT, GPU_PROFILE, stack_document, write_stack
@@ -390,9 +390,6 @@ def _config_dtype(src: Source) -> str | None:
         if value in wire.DTYPE_NAMES:
             return value
     return None
-
-
-TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def _write_tokenizer(src: Source, out: str, cfg) -> str | None:

@@ -21,10 +21,13 @@ class GenerationConfig:
     replica_wait_s: float = 30.0  # [QUART_GEN_REPLICA_WAIT_S] wait for a ready replica (scale from zero, a replacement)
     step_timeout_s: float = 60.0  # [QUART_GEN_STEP_TIMEOUT_S] one stage call of a session before failing over
     retry_after_s: int = 1  # [QUART_GEN_RETRY_AFTER_S] Retry-After of a session refused for lack of KV room
+    room_wait_s: float = 10.0  # [QUART_GEN_ROOM_WAIT_S] most a new session waits in line at the entry for KV room before a 429 (0 = 429 at once)
+    room_queue: int = 256  # [QUART_GEN_ROOM_QUEUE] sessions that may wait for KV room at one stage; more get a 429 at once
     cooperative: bool = True  # [QUART_GEN_COOPERATIVE] split new sessions with a live replica's held layers
     rejoin: str = "auto"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: auto | migrate | shadow | replay | keep
     decode_batch_max: int = 1  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
     prefill_chunk: int = 128  # [QUART_GEN_PREFILL_CHUNK] prompt positions per prefill call where decode batches (0 = whole prompt)
+    tokenizer_cache: str = ""  # [QUART_GEN_TOKENIZER_CACHE] where a registry-only model's tokenizer is fetched ("" = ~/.cache/quart-faas/tokenizers)
     decode_hold_ms: float = 250.0  # [QUART_GEN_DECODE_HOLD_MS] most a free replica holds its decode batch for its sessions' steps on their way (0 = never)
 
     def __post_init__(self) -> None:
@@ -32,6 +35,10 @@ class GenerationConfig:
             raise ConfigError(f"QUART_GEN_REJOIN must be one of {', '.join(REJOIN_MODES)}, got {self.rejoin!r}")
         if not 1 <= self.decode_batch_max <= MAX_DECODE_BATCH:
             raise ConfigError(f"QUART_GEN_DECODE_BATCH_MAX must be in [1, {MAX_DECODE_BATCH}], got {self.decode_batch_max}")
+        if not 0 <= self.room_wait_s <= 3600:
+            raise ConfigError(f"QUART_GEN_ROOM_WAIT_S must be in [0, 3600], got {self.room_wait_s}")
+        if self.room_queue < 0:
+            raise ConfigError(f"QUART_GEN_ROOM_QUEUE must be >= 0, got {self.room_queue}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"QUART_GEN_PREFILL_CHUNK must be >= 0, got {self.prefill_chunk}")
         if not 0 <= self.decode_hold_ms <= 10_000:

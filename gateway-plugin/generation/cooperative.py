@@ -38,17 +38,17 @@ Measured against each other in docs/benchmarks.md (BlitzScale, generation).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.kvmove import Hop, StepError, move_kv
+from gateway_plugin.generation.session import Session, SessionHost, Split
 from quart_kernel.picking import pick
 from quart_kernel.scheduling.live_split import (
     REJOIN_MODES,
@@ -59,38 +59,7 @@ from quart_kernel.scheduling.live_split import (
 
 log = logging.getLogger("quart.generation")
 
-__all__ = ["REJOIN_MODES", "CooperativeSessions", "Split", "bookings", "split_for"]
-
-
-@dataclass
-class Split:
-    """A session's stage run in two parts: ``partial`` runs ``part``, the session's whole replica ``rest``."""
-
-    partial: Any
-    part: layers.Range
-    rest: layers.Range
-    part_tokens: int = 0  # KV positions booked on the live replica: its part's share + ``reserve``
-    rest_tokens: int = 0  # ... and on the whole replica
-    reserve: int = 0  # the part of ``part_tokens`` held for the rejoin (live_split.split_booking)
-    shadow: Any = None  # the background replay's Session, while it runs or until the switch
-    task: asyncio.Task | None = None
-    base: str = ""  # the session id the replay was started from (a failover in between makes it stale)
-    given_up: bool = False  # the replay failed: the session stays split
-    extra: list = field(default_factory=list)  # (replica, positions) the replay booked beyond the session's own
-
-
-def bookings(session: Any) -> list[tuple[Any, int]]:
-    """What the session holds booked: (replica, positions) for every stage, a split's two parts each their share."""
-    out = []
-    for k, replica in enumerate(session.replicas):
-        split, chain = session.splits.get(k), session.chains.get(k)
-        if chain is not None:
-            out += chain.bookings()
-        elif split is None:
-            out.append((replica, session.need))
-        else:
-            out += [(replica, split.rest_tokens), (split.partial, split.part_tokens)]
-    return [(r, n) for r, n in out if r is not None]
+__all__ = ["REJOIN_MODES", "LiveSplits", "split_for"]
 
 
 def split_for(ready: list[Any], room: Callable[[str], int], need: int, rejoin: str,
@@ -135,138 +104,91 @@ class LayerArrivals:
         return (self.last_held - self.first_held) / span if span > 0 and self.last_held > self.first_held else None
 
 
-class CooperativeSessions:
-    """The split and rejoin half of :class:`gateway_plugin.generation.sessions.SessionEngine` (a mixin: it uses the
-    engine's ``book``, ``config``, ``source``, ``clock``, ``active``, ``_background``, ``_client``, ``_step`` and
-    ``_drop``)."""
+class LiveSplits:
+    """The sessions split with live replicas, for a :class:`~gateway_plugin.generation.session.SessionHost` (the
+    session engine): how each live replica's layers arrive, the decode step time, and every rejoin so far."""
 
-    arrivals: dict[str, LayerArrivals]  # live replica id -> how its layers arrive
-    step_s: float | None  # the decode steps' moving average, seconds
-    moved: list[tuple[int, float]]  # each migrate rejoin: (KV bytes moved, seconds the stream waited)
-    replayed: list[tuple[int, float]]  # each shadow rejoin's replay: (positions, seconds it ran beside the stream)
+    def __init__(self, host: SessionHost) -> None:
+        self.host = host
+        self.arrivals: dict[str, LayerArrivals] = {}  # live replica id -> how its layers arrive
+        self.step_s: float | None = None  # the decode steps' moving average, seconds
+        self.moved: list[tuple[int, float]] = []  # each migrate rejoin: (KV bytes moved, seconds the stream waited)
+        self.replayed: list[tuple[int, float]] = []  # each shadow rejoin's replay: (positions, seconds it ran beside)
+        self.rejoins = 0  # split sessions moved onto their live replica once it was whole
+        self.shadows = 0  # background replays started for a rejoin
 
-    def _init_cooperative(self) -> None:
-        self.arrivals, self.step_s, self.moved, self.replayed = {}, None, [], []
-
-    def _forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
-        """``DELETE /_/sessions/<id>`` on one replica, in the background (the engine's freeing uses it too);
-        ``then()`` once it is answered (or failed)."""
-        task = asyncio.get_running_loop().create_task(self._delete(replica, session_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        if then is not None:
-            task.add_done_callback(lambda _: then())
-
-    async def _delete(self, replica: Any, session_id: str) -> None:
-        url = f"{replica.url.rstrip('/')}/_/sessions/{session_id}"
-        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-            async with self._client().delete(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                await resp.read()
-
-    def _split_for(self, fn: str, need: int, steps: int) -> Split | None:
+    def split_for(self, fn: str, need: int, steps: int) -> Split | None:
         """At a session's entry (``steps`` steps to run): the split of stage ``fn`` with a live replica serving its
         first layers, if any."""
-        return split_for(self.source.ready(fn), self.book.room, need, self.config.rejoin,
+        return split_for(self.host.source.ready(fn), self.host.book.room, need, self.host.config.rejoin,
                          lambda r: self._outlives(r, steps))
 
     def _outlives(self, replica: Any, steps: int) -> bool:
         """Whether a session of ``steps`` steps opened now will still run when ``replica`` is whole."""
         stage, held = layers.stage_range(replica), layers.held_range(replica)
-        now = self.clock()
+        now = self.host.clock()
         seen = self.arrivals.setdefault(replica.id, LayerArrivals(now, held[1], now, held[1]))
         seen.see(now, held[1])
         left = loading_left_s(held[1] - stage[0], stage[1] - stage[0], seen.rate())
         return outlives_loading(steps, self.step_s, left)
 
-    def _note_step(self, seconds: float, decode: bool) -> None:
+    def note_step(self, seconds: float, decode: bool) -> None:
         """A step's duration; a decode step's goes into the moving average the outlive prediction uses."""
         if decode:
             self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
 
-    def _reserve_stage(self, replica: Any, need: int, split: Split | None, release: bool = False) -> None:
-        """Book (or release) one stage of a new session: the whole replica ``need`` positions, or its share of a
-        split and the live replica the rest."""
-        change = self.book.release if release else self.book.reserve
-        if hasattr(replica, "bookings"):  # a ParaServe chain (groupsessions.Chain): each part its share
-            for r, n in replica.bookings():
-                change(r.id, n)
-        elif split is None:
-            change(replica.id, need)
-        else:
-            change(replica.id, split.rest_tokens)
-            change(split.partial.id, split.part_tokens)
-
-    def _reserve(self, session: Any) -> None:
-        for replica, n in bookings(session):
-            self.book.reserve(replica.id, n)
-
-    def _release(self, session: Any) -> None:
-        for replica, n in bookings(session):
-            self.book.release(replica.id, n)
-
-    def calls(self, session: Any, k: int) -> list[tuple[Any, layers.Range | None]]:
-        """The replica calls of stage ``k`` of a step: (replica, its layers or None for the whole stage)."""
-        split, chain = session.splits.get(k), session.chains.get(k)
-        if chain is not None:
-            return list(chain.hops)
-        if split is None:
-            return [(session.replicas[k], None)]
-        return [(split.partial, split.part), (session.replicas[k], split.rest)]
-
-    def partials(self, session: Any) -> list[Any]:
-        """The part replicas a session holds caches on besides its whole ones (splits' live parts, chains' parts)."""
-        return [s.partial for s in session.splits.values()] + [r for c in session.chains.values() for r in c.members()]
-
     # ------------------------------------------------------------------ rejoin
 
-    async def _rejoin(self, session: Any) -> None:
+    async def rejoin(self, session: Session) -> None:
         """Before a step: move each split whose partial replica is now whole onto it, as ``QUART_GEN_REJOIN`` says."""
+        book, mode = self.host.book, self.host.config.rejoin
         for k, split in list(session.splits.items()):
             if split.task is not None and split.task.done():
-                await self._switch(session, k, split)
+                self._switch(session, k, split)
                 continue
             if not layers.is_whole(split.partial) or split.given_up or split.task is not None:
                 continue
-            if getattr(split.partial, "state", "ready") != "ready" or self.config.rejoin == "keep":
+            if getattr(split.partial, "state", "ready") != "ready" or mode == "keep":
                 continue
-            if session.fed == 0 or self.config.rejoin == "replay":  # nothing held yet, or move by replay now
-                if self.book.room(split.partial.id) + split.part_tokens >= session.need:
-                    self._unsplit(session, k, onto_partial=True)
+            if session.fed == 0 or mode == "replay":  # nothing held yet, or move by replay now
+                if book.room(split.partial.id) + split.part_tokens >= session.need:
+                    self.unsplit(session, k, onto_partial=True)
                 continue
-            shadow_fits = self.config.rejoin in ("shadow", "auto") and all(
-                self.book.room(r.id) >= n for r, n in self._extra(session, k, self._shadow_of(session, k)))
+            shadow_fits = mode in ("shadow", "auto") and all(
+                book.room(r.id) >= n for r, n in self._extra(session, k, self._shadow_of(session, k)))
             if shadow_fits:  # the background replay: the stream never waits
                 self._start_shadow(session, k, split)
-            elif self.config.rejoin in ("migrate", "auto") and (
-                    self.book.room(split.partial.id) + split.part_tokens >= session.need):
+            elif mode in ("migrate", "auto") and book.room(split.partial.id) + split.part_tokens >= session.need:
                 await self._move_rest(session, k, split)  # the move: the room it needs is the rest's share
             # else: no room for it yet, try at the next step
 
-    async def _move_rest(self, session: Any, k: int, split: Split) -> None:
+    async def _move_rest(self, session: Session, k: int, split: Split) -> None:
         """Rejoin by moving the whole replica's part of the cache into the session on the now-whole live replica
         (same id, verified there before anything changes); a refused move leaves the session split."""
-        whole, partial, start = session.replicas[k], split.partial, self.clock()
+        host, book = self.host, self.host.book
+        whole, partial, start = session.replicas[k], split.partial, host.clock()
         try:
-            moved = await move_kv(self._client(), session.id, session.fed, session.need, Hop(whole.url, split.rest),
-                                  Hop(partial.url), aiohttp.ClientTimeout(total=self.config.step_timeout_s))
+            moved = await move_kv(host.client(), session.id, session.fed, session.need, Hop(whole.url, split.rest),
+                                  Hop(partial.url), aiohttp.ClientTimeout(total=host.config.step_timeout_s))
         except (StepError, aiohttp.ClientError, OSError, TimeoutError) as exc:  # nothing changed (verified first)
             split.given_up = True
             log.warning("session %s: moving its KV cache onto %s failed (%s); staying split", session.id, partial.id,
                         exc)
             return
-        self.book.release(partial.id, split.part_tokens)
-        self.book.reserve(partial.id, session.need)
+        book.release(partial.id, split.part_tokens)
+        book.reserve(partial.id, session.need)
         del session.splits[k]
         session.replicas[k] = partial
         # the whole replica's share is free once its DELETE is answered (a new session there before would be a 429)
-        self._forget(whole, session.id, then=functools.partial(self.book.release, whole.id, split.rest_tokens))
+        host.forget(whole, session.id, then=functools.partial(book.release, whole.id, split.rest_tokens))
         session.rejoins += 1
         self.rejoins += 1
-        self.moved.append((moved, self.clock() - start))
+        self.moved.append((moved, host.clock() - start))
         log.info("session %s: rejoined stage %s on %s (%d KV bytes moved)", session.id, session.stages[k],
                  partial.id, moved)
 
-    def _shadow_of(self, session: Any, k: int) -> Any:
+    @staticmethod
+    def _shadow_of(session: Session, k: int) -> Session:
         """The session as it will be after the rejoin of stage ``k``: a new id, the now-whole replica there."""
         replicas = list(session.replicas)
         replicas[k] = session.splits[k].partial
@@ -276,32 +198,31 @@ class CooperativeSessions:
                        generated=[], fed=0)
 
     @staticmethod
-    def _extra(session: Any, k: int, shadow: Any) -> list[tuple[Any, int]]:
+    def _extra(session: Session, k: int, shadow: Session) -> list[tuple[Any, int]]:
         """What the background replay of stage ``k``'s rejoin books beyond the session's own bookings, replica by
         replica: the replay's whole bookings (its new id is held beside the session's own parts until the switch),
         less the room the split already holds for it on the live replica."""
         split, out = session.splits[k], []
-        for r, n in bookings(shadow):
+        for r, n in shadow.bookings():
             if r is split.partial:
                 n -= split.reserve
             if n > 0:
                 out.append((r, n))
         return out
 
-    def _start_shadow(self, session: Any, k: int, split: Split) -> None:
+    def _start_shadow(self, session: Session, k: int, split: Split) -> None:
         n = session.fed
         sequence = session.prompt + session.generated
         shadow = self._shadow_of(session, k)
         split.extra = self._extra(session, k, shadow)
-        for r, n in split.extra:
-            self.book.reserve(r.id, n)
+        self.host.book.reserve_all(split.extra)
         split.shadow, split.base = shadow, session.id
         self.shadows += 1
 
         async def run() -> bool:
-            start = self.clock()
-            token = await self._step(shadow, sequence[:n], 0, False)
-            self.replayed.append((n, self.clock() - start))
+            start = self.host.clock()
+            token = await self.host.step(shadow, sequence[:n], 0, False)
+            self.replayed.append((n, self.host.clock() - start))
             if token != sequence[n]:
                 log.warning("session %s: the rejoin replay answered token %d, the session has %d: staying split",
                             session.id, token, sequence[n])
@@ -311,7 +232,7 @@ class CooperativeSessions:
 
         split.task = asyncio.get_running_loop().create_task(run())
 
-    async def _switch(self, session: Any, k: int, split: Split) -> None:
+    def _switch(self, session: Session, k: int, split: Split) -> None:
         """The background replay is done: take its id and replicas (the next step catches up), or stay split."""
         ok = False
         try:
@@ -322,39 +243,38 @@ class CooperativeSessions:
             split.given_up = True
             self._discard_shadow(split)
             return
-        shadow = split.shadow
+        book, shadow = self.host.book, split.shadow
         split.task = split.shadow = None
-        self._drop(session)  # the old id on every replica, the split's two parts included
-        for r, n in split.extra:  # the replay's extra bookings become the session's: book what it holds now
-            self.book.release(r.id, n)
-        self._release(session)
-        self._reserve(shadow)
-        self.active.pop(session.id, None)
-        session.id, session.replicas, session.splits, session.fed = shadow.id, shadow.replicas, shadow.splits, shadow.fed
-        self.active[session.id] = session
+        self.host.drop(session)  # the old id on every replica, the split's two parts included
+        book.release_all(split.extra)  # the replay's extra bookings become the session's: book what it holds now
+        book.release_all(session.bookings())
+        book.reserve_all(shadow.bookings())
+        session.replicas, session.splits = shadow.replicas, shadow.splits
+        self.host.renew(session, shadow.id)
+        session.fed = shadow.fed
         session.rejoins += 1
         self.rejoins += 1
         log.info("session %s: rejoined stage %s on %s (background replay of %d positions)", session.id,
                  session.stages[k], split.partial.id, shadow.fed)
 
-    def _unsplit(self, session: Any, k: int, onto_partial: bool) -> None:
+    def unsplit(self, session: Session, k: int, onto_partial: bool) -> None:
         """End the split of stage ``k`` now: the stage runs whole on the partial replica (``onto_partial``, it is
         whole) or on the session's whole replica; the session replays from Pos 0 under a new id."""
         split = session.splits.get(k)
         if split is None:
             return
+        book = self.host.book
         self._discard_shadow(split)
-        self._drop(session)
-        self._release(session)
+        self.host.drop(session)
+        book.release_all(session.bookings())
         del session.splits[k]
         if onto_partial:
             session.replicas[k] = split.partial
             session.rejoins += 1
             self.rejoins += 1
-        self._reserve(session)
-        self.active.pop(session.id, None)
-        session.id, session.fed = uuid.uuid4().hex, 0
-        self.active[session.id] = session
+        book.reserve_all(session.bookings())
+        self.host.renew(session)
+        session.fed = 0
 
     def _discard_shadow(self, split: Split) -> None:
         """Stop a background replay and free what it holds (its id on every replica, its bookings)."""
@@ -363,12 +283,11 @@ class CooperativeSessions:
         if task is not None and not task.done():
             task.cancel()
         if shadow is not None:
-            self._drop(shadow)
-            for r, n in split.extra:
-                self.book.release(r.id, n)
+            self.host.drop(shadow)
+            self.host.book.release_all(split.extra)
         split.extra = []
 
-    def _end_splits(self, session: Any) -> None:
+    def end(self, session: Session) -> None:
         """The session ended: stop its background replays (its own ids are freed by the engine)."""
         for split in session.splits.values():
             self._discard_shadow(split)

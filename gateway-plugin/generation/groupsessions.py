@@ -18,7 +18,7 @@ own move only). A migration that fails (a part gone, a refused install) falls ba
 replica (prompt + generated at position 0 under a new id: the same tokens) and is counted in ``reprefills``.
 
 How many of the group's workers stay once all are whole is the gateway's desired count (the sliding-window rule,
-`quart_kernel.scheduling.paraserve_gen.workers_to_keep`, from :meth:`GroupSessions.demand`).
+`quart_kernel.scheduling.paraserve_gen.workers_to_keep`, from :meth:`GroupChains.demand`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.kvmove import Hop, StepError, install_kv, move_kv
+from gateway_plugin.generation.session import Chain, Session, SessionHost
 from quart_kernel.picking import pick
 from quart_kernel.scheduling.paraserve_gen import GroupDemand
 from quart_stage.spans import kv_charge
@@ -42,21 +42,6 @@ log = logging.getLogger("quart.generation")
 
 MIGRATING_AT_ONCE = 2  # sessions whose caches move at the same time (the others keep decoding on the group)
 ARRIVALS_KEPT = 4096  # session arrival times kept per stage function (the sliding window reads the recent ones)
-
-
-@dataclass
-class Chain:
-    """A session's stage run by part replicas in order: ``hops`` (replica, the layers it runs), each booked
-    ``charges[i]`` positions."""
-
-    hops: list[tuple[Any, layers.Range]]
-    charges: list[int]
-
-    def bookings(self) -> list[tuple[Any, int]]:
-        return [(r, n) for (r, _), n in zip(self.hops, self.charges, strict=True)]
-
-    def members(self) -> list[Any]:
-        return [r for r, _ in self.hops]
 
 
 def part_span(replica: Any) -> layers.Range | None:
@@ -101,12 +86,13 @@ def unchained(placed: list[Any]) -> tuple[list[Any], dict[int, Chain]]:
     return [None if k in chains else r for k, r in enumerate(placed)], chains
 
 
-class GroupSessions:
-    """The ParaServe half of :class:`gateway_plugin.generation.sessions.SessionEngine` (a mixin: it uses the
-    engine's ``book``, ``config``, ``source``, ``clock``, ``active``, ``_call``, ``_client``, ``_ready``,
-    ``_drop``, ``_rehome`` and ``_background``)."""
+class GroupChains:
+    """The sessions run on ParaServe groups' parts, for a :class:`~gateway_plugin.generation.session.SessionHost`
+    (the session engine): their consolidations so far, and the stage functions' session arrivals and waiters (what
+    the sliding-window rule reads, :meth:`demand`)."""
 
-    def _group_state(self) -> None:
+    def __init__(self, host: SessionHost) -> None:
+        self.host = host
         self.migrations = 0  # sessions whose KV caches moved from a group's parts onto a whole replica
         self.reprefills = 0  # ... whose move failed and that replayed there instead
         self.kv_moved_bytes = 0
@@ -116,39 +102,28 @@ class GroupSessions:
         self._waiting: dict[str, int] = {}  # stage function -> sessions waiting for a replica of it
         self._needs: dict[str, deque[int]] = {}  # stage function -> recent sessions' positions
 
-    def _chain_for(self, function: str, need: int, excluded: Iterable[str]) -> Chain | None:
-        return chain_for(self.source.ready(function), need, self.book.room, excluded)
+    def chain_for(self, function: str, need: int, excluded: Iterable[str]) -> Chain | None:
+        return chain_for(self.host.source.ready(function), need, self.host.book.room, excluded)
 
-    def _pin(self, session: Any, k: int, placed: Any) -> None:
-        """Stage ``k`` of ``session`` runs on ``placed`` (a replica, booked ``need``; or a `Chain`, its shares)."""
-        if isinstance(placed, Chain):
-            session.replicas[k] = None
-            session.chains[k] = placed
-            for r, n in placed.bookings():
-                self.book.reserve(r.id, n)
-        else:
-            session.replicas[k] = placed
-            self.book.reserve(placed.id, session.need)
-
-    def _unchain(self, session: Any, k: int, keep: Any = None, free: bool = True) -> None:
+    def unchain(self, session: Session, k: int, keep: Any = None, free: bool = True) -> None:
         """Stage ``k`` no longer runs on its chain: its shares released and (``free``) the session's cache freed
         on every part but ``keep`` (the whole replica it migrated to)."""
         chain = session.chains.pop(k)
-        for r, n in chain.bookings():
-            self.book.release(r.id, n)
+        self.host.book.release_all(chain.bookings())
         for r in chain.members() if free else ():
             if r is not keep:
-                self._forget(r, session.id)
+                self.host.forget(r, session.id)
 
     def noted(self, stages: Iterable[str], need: int) -> None:
         """A session arrived for ``stages`` (the sliding window counts it)."""
-        now = self.clock()
+        now = self.host.clock()
         for fn in stages:
             self._arrivals.setdefault(fn, deque(maxlen=ARRIVALS_KEPT)).append(now)
             self._needs.setdefault(fn, deque(maxlen=64)).append(need)
 
     @contextlib.contextmanager
-    def waiting_for(self, function: str):
+    def waiting_for(self, function: str) -> Iterator[None]:
+        """A session waits for a ready replica of ``function`` while in this block (the sliding window counts it)."""
         self._waiting[function] = self._waiting.get(function, 0) + 1
         try:
             yield
@@ -159,27 +134,28 @@ class GroupSessions:
         """What the sliding-window rule reads of a stage function: its sessions' arrival times, the ones waiting
         for a replica now, and how many sessions a whole replica holds (its KV cap / the recent sessions'
         positions)."""
+        book = self.host.book
         needs = self._needs.get(function) or [1]
-        caps = [self.book.cap(r.id) for r in self._ready(function)] or [self.book.default_cap]
+        caps = [book.cap(r.id) for r in _whole(self.host.source.ready(function))] or [book.default_cap]
         per_worker = max(1, min(caps) // max(1, round(sum(needs) / len(needs))))
         return GroupDemand(tuple(self._arrivals.get(function, ())), self._waiting.get(function, 0), per_worker)
 
     # ------------------------------------------------------------------ steps on a chain
 
-    async def _part_call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool,
-                         **step: Any) -> tuple[int, bytes, dict[str, str]]:
-        """A step's call to one part of a chain; a part that does not hold its layers yet answers 503 (nothing
+    async def part_call(self, call: Callable[[], Awaitable[tuple[int, bytes, dict[str, str]]]]
+                        ) -> tuple[int, bytes, dict[str, str]]:
+        """A step's ``call()`` to one part of a chain; a part that does not hold its layers yet answers 503 (nothing
         changed there) and is asked again, for up to ``replica_wait_s``."""
-        deadline = self.clock() + self.config.replica_wait_s
+        deadline = self.host.clock() + self.host.config.replica_wait_s
         while True:
-            status, data, answer = await self._call(k, fn, replica, body, headers, running, **step)
-            if status != 503 or self.clock() >= deadline:
+            status, data, answer = await call()
+            if status != 503 or self.host.clock() >= deadline:
                 return status, data, answer
             await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------------ consolidation
 
-    async def _consolidate(self, session: Any) -> None:
+    async def consolidate(self, session: Session) -> None:
         """Before a step: move each chained stage of ``session`` whose stage has a whole replica with room onto it."""
         for k in list(session.chains):
             if self._whole_for(session, k) is None:
@@ -189,37 +165,37 @@ class GroupSessions:
                 if target is not None:
                     await self._migrate(session, k, target)
 
-    def _whole_for(self, session: Any, k: int) -> Any:
+    def _whole_for(self, session: Session, k: int) -> Any:
         """A ready whole replica of stage ``k`` with room for the session: a member of its chain first (it holds
         a part of the cache, booked already), else the book's choice; None when there is none yet."""
-        chain = session.chains[k]
-        whole = [r for r in self._ready(session.stages[k]) if getattr(r, "state", "ready") == "ready"]
+        book, chain = self.host.book, session.chains[k]
+        whole = [r for r in _whole(self.host.source.ready(session.stages[k])) if getattr(r, "state", "ready") == "ready"]
         held = {r.id: n for r, n in chain.bookings()}
-        members = [r for r in whole if r.id in held and self.book.room(r.id) + held[r.id] >= session.need]
+        members = [r for r in whole if r.id in held and book.room(r.id) + held[r.id] >= session.need]
         if members:  # the least booked: a group that became several whole workers shares its sessions out
-            return min(members, key=lambda r: self.book.booked(r.id) - held[r.id])
-        return self.book.choose([r for r in whole if r.id not in held], session.need)
+            return min(members, key=lambda r: book.booked(r.id) - held[r.id])
+        return book.choose([r for r in whole if r.id not in held], session.need)
 
-    async def _migrate(self, session: Any, k: int, target: Any) -> None:
+    async def _migrate(self, session: Session, k: int, target: Any) -> None:
         """Gather the session's caches of stage ``k`` onto ``target`` (verified there), or replay it there."""
-        chain = session.chains[k]
+        host, chain = self.host, session.chains[k]
         moves = [Hop(r.url, span) for r, span in chain.hops if r is not target]
-        whole, timeout = Hop(target.url), aiohttp.ClientTimeout(total=self.config.step_timeout_s)
-        moved, failure, t0 = 0, None, self.clock()
-        self.book.reserve(target.id, session.need)  # now: a move beside it sees this one's booking
+        whole, timeout = Hop(target.url), aiohttp.ClientTimeout(total=host.config.step_timeout_s)
+        moved, failure, t0 = 0, None, host.clock()
+        host.book.reserve(target.id, session.need)  # now: a move beside it sees this one's booking
         try:
             if session.fed > 0:
                 if target not in chain.members():  # the first install makes the session there; the rest add layers
-                    moved += await move_kv(self._client(), session.id, session.fed, session.need, moves.pop(0), whole,
+                    moved += await move_kv(host.client(), session.id, session.fed, session.need, moves.pop(0), whole,
                                            timeout, self.install_part)
-                sizes = await asyncio.gather(*(move_kv(self._client(), session.id, session.fed, session.need, hop,
+                sizes = await asyncio.gather(*(move_kv(host.client(), session.id, session.fed, session.need, hop,
                                                        whole, timeout, self.install_part) for hop in moves))
                 moved += sum(sizes)
         except (StepError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        self.migration_s += self.clock() - t0
+        self.migration_s += host.clock() - t0
         if failure is None:
-            self._unchain(session, k, keep=target)
+            self.unchain(session, k, keep=target)
             session.replicas[k] = target
             self.migrations += 1
             self.kv_moved_bytes += moved
@@ -228,16 +204,20 @@ class GroupSessions:
             return
         log.warning("session %s: moving its KV cache onto %s failed (%s); replaying there", session.id, target.id,
                     failure)
-        self.book.release(target.id, session.need)
-        self._drop(session)  # the old id everywhere, the chain's parts included
+        host.book.release(target.id, session.need)
+        host.drop(session)  # the old id everywhere, the chain's parts included
         if target not in chain.members():
-            self._forget(target, session.id)  # what of the move arrived there
-        self._unchain(session, k, free=False)
-        self._rehome(session, k, target)
+            host.forget(target, session.id)  # what of the move arrived there
+        self.unchain(session, k, free=False)
+        host.rehome(session, k, target)
         session.reprefills += 1
         self.reprefills += 1
 
     async def install_part(self, session_id: str, fed: int, reserve: int, whole: Hop, data: bytes) -> None:
         """Install one exported part on the whole replica (tests wrap it to corrupt the bytes in transit)."""
-        await install_kv(self._client(), session_id, fed, reserve, whole, data,
-                         aiohttp.ClientTimeout(total=self.config.step_timeout_s))
+        await install_kv(self.host.client(), session_id, fed, reserve, whole, data,
+                         aiohttp.ClientTimeout(total=self.host.config.step_timeout_s))
+
+
+def _whole(replicas: Iterable[Any]) -> list[Any]:
+    return [r for r in replicas if layers.is_whole(r)]

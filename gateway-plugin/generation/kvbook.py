@@ -1,15 +1,16 @@
-"""KV-cache occupancy per stage replica, as the gateway books it, and where a new session may go. Pure.
+"""KV-cache occupancy per stage replica, as the gateway books it, and where a new session may go. Pure (a release
+calls ``on_release``: the entry's line for room, :mod:`.roomwait`, tries again).
 
 A session reserves, on the replica it is pinned to at each stage, every position it may come to hold
 (prompt + max_tokens) for its whole life, so a replica's cache can never be asked for more than it has:
-a session that finds no replica with room at some stage is refused at the entry (429 + Retry-After),
-never an out-of-memory in a stage. A replica's cap is what it last reported (``X-Quart-KV-Tokens:
+a session that finds no replica with room at some stage waits at the entry, bounded, then gets a 429 +
+Retry-After, never an out-of-memory in a stage. A replica's cap is what it last reported (``X-Quart-KV-Tokens:
 used/max``), else the configured default.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ class KVBook:
     default_cap: int
     reserved: dict[str, int] = field(default_factory=dict)  # replica id -> positions booked
     caps: dict[str, int] = field(default_factory=dict)  # replica id -> what the replica reported
+    on_release: Callable[[], None] | None = None  # room may have freed (the entry's waiters try again)
 
     def cap(self, replica_id: str) -> int:
         return self.caps.get(replica_id, self.default_cap)
@@ -43,6 +45,18 @@ class KVBook:
             self.reserved[replica_id] = left
         else:
             self.reserved.pop(replica_id, None)
+        if self.on_release is not None:
+            self.on_release()
+
+    def reserve_all(self, bookings: Iterable[tuple[Any, int]]) -> None:
+        """Book each (replica, positions) pair."""
+        for replica, tokens in bookings:
+            self.reserve(replica.id, tokens)
+
+    def release_all(self, bookings: Iterable[tuple[Any, int]]) -> None:
+        """Release each (replica, positions) pair."""
+        for replica, tokens in bookings:
+            self.release(replica.id, tokens)
 
     def note(self, replica_id: str, header: str | None) -> None:
         """Learn a replica's cap from its ``X-Quart-KV-Tokens: used/max`` answer header."""
@@ -52,8 +66,11 @@ class KVBook:
             cap = int(header.split("/", 1)[1])
         except ValueError:
             return
-        if cap > 0:
+        if cap > 0 and cap != self.caps.get(replica_id):
+            grew = cap > self.cap(replica_id)
             self.caps[replica_id] = cap
+            if grew and self.on_release is not None:
+                self.on_release()
 
     def choose(self, ready: Iterable[Any], need: int, excluded: Collection[str] = ()) -> Any | None:
         """The replica a session needing ``need`` positions goes to: among the ready ones with room, the

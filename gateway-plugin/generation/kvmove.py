@@ -1,4 +1,5 @@
-"""Moving a generation session's KV cache from a ParaServe part onto a whole replica (ParaServe §6.2), gateway side.
+"""Moving a generation session's KV cache from a ParaServe part onto a whole replica (ParaServe §6.2), and freeing
+it (``DELETE /_/sessions/<id>``), gateway side.
 
 The stage side is `quart_stage.kvmigrate` (``GET``/``PUT /_/sessions/<id>/kv``: safetensors with each tensor's
 sha256 and length, verified before anything changes). The bytes go part → gateway → whole replica. The session
@@ -8,6 +9,7 @@ that became whole (`gateway_plugin.generation.cooperative`) call it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -59,3 +61,11 @@ async def install_kv(http: aiohttp.ClientSession, session_id: str, fed: int, res
         answer = await resp.read()
         if resp.status != 204:
             raise StepError(f"install on {whole.url} answered {resp.status}: {answer[:200]!r}")
+
+
+async def delete_session(client: aiohttp.ClientSession, url: str, session_id: str) -> None:
+    """``DELETE /_/sessions/<id>`` on the replica at ``url``; a failure is ignored (the replica's idle sweep frees it)."""
+    with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+        url = f"{url.rstrip('/')}/_/sessions/{session_id}"
+        async with client.delete(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            await resp.read()

@@ -29,9 +29,17 @@ from aiohttp import web
 from gateway_plugin.generation import sse
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.params import GenerationParams, is_generation, parse
-from gateway_plugin.generation.sessions import Session, SessionEngine
-from gateway_plugin.generation.tokens import ModelCatalog, ModelInfo, TextStream
+from gateway_plugin.generation.session import Session
+from gateway_plugin.generation.sessions import SessionEngine
+from gateway_plugin.generation.tokens import (
+    ModelCatalog,
+    ModelInfo,
+    TextStream,
+    default_tokenizer_cache,
+    is_registry_url,
+)
 from gateway_plugin.metrics import MetricsCollector, RequestRecord
+from quart_kernel.admission import client_deadline_s
 from quart_stage import jsonparse
 from quart_stage.errors import QuartError, invalid
 
@@ -79,7 +87,7 @@ class GenerationAPI:
         self.config = config
         self.collector = collector
         self.clock = clock
-        self.catalog = ModelCatalog()
+        self.catalog = ModelCatalog(config.tokenizer_cache or default_tokenizer_cache())
         self._decoders: dict[str, bool] = {}  # model folder -> a decoder (generates)
 
     # ------------------------------------------------------------------ doors
@@ -91,7 +99,7 @@ class GenerationAPI:
             if path == "/v1/models":
                 if request.method != "GET":
                     raise QuartError(405, "use GET /v1/models", "method")
-                return web.json_response(self.models())
+                return web.json_response(await self.models())
             door = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
             if door is None:
                 raise QuartError(404, f"no route {request.method} {path}; this gateway serves /v1/models, "
@@ -104,11 +112,16 @@ class GenerationAPI:
             return web.json_response(openai_error(exc), status=exc.status, headers=exc.headers)
 
     def generates(self, model: str) -> bool:
-        """Whether pipeline ``model`` is a decoder (its ``/function`` calls may generate); remembered per folder."""
-        model_dir = self.model_dir(model)
-        known = self._decoders.get(model_dir or "")
+        """Whether pipeline ``model`` is a decoder (its ``/function`` calls may generate); remembered per folder.
+        A registry model whose tokenizer is still on its way counts as one (the generation door looks at each
+        body and hands one-shot bodies back)."""
+        source = self.model_dir(model)
+        known = self._decoders.get(source or "")
         if known is None:
-            known = self._decoders[model_dir or ""] = bool(self.catalog.known_decoder(model_dir))
+            found = self.catalog.known_decoder(source)
+            if found is None and is_registry_url(source):
+                return True
+            known = self._decoders[source or ""] = bool(found)
         return known
 
     async def function(self, request: web.Request, model: str) -> web.StreamResponse | None:
@@ -134,10 +147,16 @@ class GenerationAPI:
         except QuartError as exc:
             return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers)
 
-    def models(self) -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "quart", "stages": len(stages)}
-                for name, stages in sorted(self.pipelines().items())
-                if self.catalog.known_decoder(self.model_dir(name))]
+    async def models(self) -> dict[str, Any]:
+        """The decoder pipelines; a registry model's tokenizer is fetched first (one that cannot be is left out)."""
+        data = []
+        for name, stages in sorted(self.pipelines().items()):
+            try:
+                folder = await self.catalog.local(name, self.model_dir(name))
+            except QuartError:
+                continue
+            if self.catalog.known_decoder(folder):
+                data.append({"id": name, "object": "model", "created": 0, "owned_by": "quart", "stages": len(stages)})
         return {"object": "list", "data": data}
 
     async def _read_json(self, request: web.Request) -> Any:
@@ -155,6 +174,7 @@ class GenerationAPI:
 
     async def generate(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
         arrival = self.clock()
+        wait_s = client_deadline_s(request.headers, self.config.room_wait_s)  # X-Quart-Timeout-Ms bounds the entry wait
         stages = self.pipelines().get(params.model)
         if not stages:
             raise QuartError(404, f"no pipeline named {params.model!r} is deployed (GET /v1/models lists them)",
@@ -167,7 +187,8 @@ class GenerationAPI:
         max_tokens = self._max_tokens(info, params, len(prompt), door)
         sample = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
         eos = frozenset() if params.ignore_eos else info.eos_ids
-        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos)
+        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
+                                         gone=lambda: sse.client_gone(request))
         outcome = Outcome(len(prompt), arrival)
         ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         try:

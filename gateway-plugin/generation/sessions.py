@@ -1,8 +1,8 @@
 """The session engine: one generation request = one session through the pipeline's stages.
 
-- **Affinity**: at its start a session is placed on one replica per stage (:class:`.kvbook.KVBook`: a
-  replica with room for every position it may hold; none → 429 at the entry); every step of it goes to
-  those replicas, which keep its KV cache for their own layers (docs/generation.md, the stage protocol).
+- **Affinity**: at its start a session is placed on one replica per stage (:class:`.kvbook.KVBook`: a replica
+  with room for every position it may hold; none → it waits in line, :mod:`.roomwait`, bounded, then 429); every
+  step goes to those replicas, which keep its KV cache for their own layers (docs/generation.md).
 - **Steps**: the first step carries the whole prompt (prefill, ``X-Quart-Session-Pos: 0``), every later
   one the last sampled token only, at the position the caches hold; the last stage answers the next
   token. Sessions are independent tasks, so the steps of different sessions overlap across the stages
@@ -22,8 +22,7 @@
 - **Live scale-ups** (:mod:`.cooperative`): a session opened while a new replica of a stage holds only its
   first layers is split there (that replica runs those layers, a whole one the rest, each keeping the KV
   cache of its layers) and rejoins the new replica once it is whole.
-- **Slots**: a replica's steps beyond its concurrency wait in :class:`.slots.StepSlots`, running sessions'
-  steps before new sessions' prefills.
+- **Slots**: a replica's steps beyond its concurrency wait (:class:`.slots.StepSlots`), running sessions' first.
 - **Freeing**: the step that yields the last allowed token carries ``X-Quart-Session-End``; a session
   that ends otherwise (EOS, a stop string, the client gone, an error) is deleted on every replica.
 """
@@ -39,13 +38,12 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
-from gateway_plugin.generation.cooperative import CooperativeSessions, Split
+from gateway_plugin.generation.cooperative import LiveSplits
 from gateway_plugin.generation.decodebatch import (
     DecodeJob,
     ReplicaLane,
@@ -54,8 +52,11 @@ from gateway_plugin.generation.decodebatch import (
     batch_request,
     token_row,
 )
-from gateway_plugin.generation.groupsessions import Chain, GroupSessions, unchained
+from gateway_plugin.generation.groupsessions import GroupChains, unchained
 from gateway_plugin.generation.kvbook import KV_HEADER, KVBook
+from gateway_plugin.generation.kvmove import delete_session
+from gateway_plugin.generation.roomwait import RoomQueue
+from gateway_plugin.generation.session import Chain, Session, Split, StepFailed, stage_bookings
 from gateway_plugin.generation.slots import StepSlots
 from gateway_plugin.metrics import BatchTimes, MetricsCollector
 from quart_stage.batchwire import BatchEntry
@@ -70,41 +71,9 @@ SESSION_RESERVE = "X-Quart-Session-Reserve"  # at Pos 0: the replica books promp
 SAMPLE = "X-Quart-Sample"
 
 
-class StepFailed(Exception):
-    """A stage replica could not run a step; the session replays elsewhere."""
-
-    def __init__(self, stage: int, replica: Any, why: str, keep: bool = False) -> None:
-        super().__init__(why)
-        self.stage, self.replica, self.why, self.keep = stage, replica, why, keep  # keep: the replica may serve the replay
-
-
-@dataclass
-class Session:
-    """One generation in flight: where its caches are, what it fed, what it generated."""
-
-    model: str
-    stages: list[str]
-    replicas: list[Any]
-    need: int  # positions booked on each of its replicas
-    prompt: list[int]
-    max_tokens: int
-    sample: dict[str, Any]
-    eos: frozenset[int]
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    generated: list[int] = field(default_factory=list)
-    fed: int = 0  # positions every replica holds
-    replays: int = 0
-    moves: int = 0  # replays that moved it off a draining replica
-    rejoins: int = 0  # splits ended onto a live replica that became whole
-    splits: dict[int, Split] = field(default_factory=dict)  # stage index -> its cooperative split
-    chains: dict[int, Chain] = field(default_factory=dict)  # stage index -> the ParaServe parts that run it
-    reprefills: int = 0  # KV migrations that failed and replayed
-    freed: bool = False
-    finish_reason: str = ""
-
-
-class SessionEngine(CooperativeSessions, GroupSessions):
-    """Places sessions, runs their steps, replays them after a failure."""
+class SessionEngine:
+    """Places sessions, runs their steps, replays them after a failure; holds the live splits and the group chains
+    (it is their :class:`~gateway_plugin.generation.session.SessionHost`)."""
 
     def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, int, float], None] | None = None, poll_s: float = 0.05,
@@ -117,18 +86,17 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         self.poll_s = poll_s
         self.decode_limit = decode_limit  # a stage function's decode batch limit (its label), else the setting
         self._lanes: dict[str, ReplicaLane] = {}  # replica id -> its batched session calls (decode batching on)
-        self.book = KVBook(config.kv_tokens)
+        self.room = RoomQueue(config.room_queue, config.retry_after_s, poll_s, clock)  # new sessions waiting for KV room
+        self.book = KVBook(config.kv_tokens, on_release=self.room.freed)
         self.http: aiohttp.ClientSession | None = None
         self._slots: dict[str, StepSlots] = {}
         self._background: set[asyncio.Task] = set()
         self.active: dict[str, Session] = {}
         self.moves = 0  # sessions moved off draining replicas since the start
-        self.rejoins = 0  # split sessions moved onto their live replica once it was whole
-        self.shadows = 0  # background replays started for a rejoin
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
         self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
-        self._group_state()
-        self._init_cooperative()
+        self.live_splits = LiveSplits(self)  # sessions split with a live replica during its loading
+        self.group_chains = GroupChains(self)  # sessions on a ParaServe group's parts, and their consolidation
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -138,7 +106,7 @@ class SessionEngine(CooperativeSessions, GroupSessions):
             await self.http.close()
             self.http = None
 
-    def _client(self) -> aiohttp.ClientSession:
+    def client(self) -> aiohttp.ClientSession:
         if self.http is None:
             self.http = aiohttp.ClientSession(connector=dead_peer_connector(limit=0, enable_cleanup_closed=True),
                                               timeout=aiohttp.ClientTimeout(total=None))
@@ -149,42 +117,55 @@ class SessionEngine(CooperativeSessions, GroupSessions):
     def _ready(self, function: str) -> list[Any]:
         return [r for r in self.source.ready(function) if layers.is_whole(r)]
 
-    async def _choose(self, function: str, need: int, excluded: set[str], wait: bool) -> Any:
-        """A replica of ``function`` with room for ``need`` positions, or while the stage has no whole replica a
-        `Chain` of a ParaServe group's parts; waits (bounded, counted) while it has neither; 429 when ready
-        replicas have no room."""
-        deadline = self.clock() + (self.config.replica_wait_s if wait else 0.0)
+    async def _choose(self, function: str, need: int, excluded: set[str], steps: int | None = None,
+                      wait_s: float | None = None, gone: Callable[[], bool] | None = None, first: bool = False
+                      ) -> tuple[Any, Split | None]:
+        """Where stage ``function`` of a session of ``need`` positions runs: a replica with room (with ``steps`` to
+        run, a new session may be split with a live replica), or while the stage has no whole replica a `Chain` of
+        a ParaServe group's parts. Waits (bounded, counted) while it has neither; while its ready replicas have no
+        room, waits in line for it (:mod:`.roomwait`, up to ``wait_s``, default ``QUART_GEN_ROOM_WAIT_S``), then 429."""
+        deadline = self.clock() + self.config.replica_wait_s
         while True:
-            ready = [r for r in self._ready(function) if r.id not in excluded]
-            chosen = self.book.choose(ready, need) or (None if ready else self._chain_for(function, need, excluded))
-            if chosen is not None:
-                return chosen
-            if ready:
-                raise unavailable(429, f"no replica of {function!r} has room for {need} more KV-cache positions "
-                                       "now (every one holds other sessions); retry later", self.config.retry_after_s)
+            if any(r.id not in excluded for r in self._ready(function)):
+                fit = functools.partial(self._fit, function, need, excluded, steps)
+                return await self.room.placed(function, fit, f"{need} more KV-cache positions",
+                                              self.config.room_wait_s if wait_s is None else wait_s, gone, first)
+            chain = self.group_chains.chain_for(function, need, excluded)
+            if chain is not None:
+                return chain, None
             if self.clock() >= deadline:
                 raise unavailable(503, f"stage {function!r} has no ready replica", self.config.retry_after_s)
-            with self.waiting_for(function):
+            with self.group_chains.waiting_for(function):
                 await asyncio.sleep(self.poll_s)
 
+    def _fit(self, function: str, need: int, excluded: set[str], steps: int | None) -> tuple[Any, Split | None] | None:
+        """A ready whole replica of ``function`` with room now (for a new session's share if split); else None."""
+        split = self.live_splits.split_for(function, need, steps) if steps and self.config.cooperative else None
+        ready = [r for r in self._ready(function) if r.id not in excluded]
+        replica = self.book.choose(ready, split.rest_tokens if split else need)
+        return None if replica is None else (replica, split)
+
     async def open(self, model: str, stages: list[str], prompt: list[int], max_tokens: int,
-                   sample: dict[str, Any], eos: frozenset[int]) -> Session:
-        """Place a new session (one replica per stage, its positions booked on each) or raise 429 / 503."""
+                   sample: dict[str, Any], eos: frozenset[int], wait_s: float | None = None,
+                   gone: Callable[[], bool] | None = None) -> Session:
+        """Place a new session (one replica per stage, its positions booked on each) or raise 429 / 503 (499 when
+        ``gone()`` while it waits for room). ``wait_s``: the most it may wait for room (the client's deadline)."""
         need = len(prompt) + max_tokens
         chosen: list[Any] = []
         splits: dict[int, Split] = {}
-        self.noted(stages, need)
+        self.group_chains.noted(stages, need)
+        until = self.clock() + min(self.config.room_wait_s, self.config.room_wait_s if wait_s is None else wait_s)
         try:
-            for k, fn in enumerate(stages):
-                split = self._split_for(fn, need, max_tokens) if self.config.cooperative and self._ready(fn) else None
-                replica = await self._choose(fn, split.rest_tokens if split else need, set(), wait=True)
+            for k, fn in enumerate(stages):  # the wait for room, over all stages, ends at ``until``
+                left = max(0.0, until - self.clock())
+                replica, split = await self._choose(fn, need, set(), steps=max_tokens, wait_s=left, gone=gone)
                 chosen.append(replica)
                 if split is not None:
                     splits[k] = split
-                self._reserve_stage(replica, need, split)
+                self.book.reserve_all(stage_bookings(replica, need, split))
         except BaseException:
             for k, replica in enumerate(chosen):
-                self._reserve_stage(replica, need, splits.get(k), release=True)
+                self.book.release_all(stage_bookings(replica, need, splits.get(k)))
             raise
         if sample.get("seed") is None:
             sample = {**sample, "seed": random.getrandbits(63)}  # fixed for the session: a replay samples the same
@@ -218,18 +199,18 @@ class SessionEngine(CooperativeSessions, GroupSessions):
     async def _advance(self, session: Session) -> int:
         """One step (or, after a failure, the replay that rebuilds the caches) and its token."""
         while True:
-            await self._rejoin(session)
-            await self._consolidate(session)
+            await self.live_splits.rejoin(session)
+            await self.group_chains.consolidate(session)
             self._move_off_leaving(session)
             sequence = session.prompt + session.generated
             last = len(session.generated) + 1 == session.max_tokens
             start = self.clock()
             try:
-                token = await self._step(session, sequence[session.fed:], session.fed, last)
+                token = await self.step(session, sequence[session.fed:], session.fed, last)
             except StepFailed as failed:
                 await self._replace(session, failed)
                 continue
-            self._note_step(self.clock() - start, decode=len(sequence) - session.fed == 1)
+            self.live_splits.note_step(self.clock() - start, decode=len(sequence) - session.fed == 1)
             session.fed = len(sequence)
             session.freed = last
             return token
@@ -244,12 +225,12 @@ class SessionEngine(CooperativeSessions, GroupSessions):
                                   f"{failed.why}", "stage")
         split = session.splits.get(failed.stage)
         if split is not None:  # the stage runs whole on the whole replica again (the live part is given up)
-            self._unsplit(session, failed.stage, onto_partial=False)
+            self.live_splits.unsplit(session, failed.stage, onto_partial=False)
             if split.partial is failed.replica:
                 return
-        self._drop(session)  # the old session id on every replica
+        self.drop(session)  # the old session id on every replica
         if failed.stage in session.chains:
-            self._unchain(session, failed.stage, free=False)
+            self.group_chains.unchain(session, failed.stage, free=False)
         else:
             self.book.release(failed.replica.id, session.need)
         session.replicas[failed.stage] = None
@@ -257,11 +238,11 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         if failed.why.startswith("HTTP 429"):  # a full cache (a DELETE on its way frees it): not at once
             await asyncio.sleep(self.poll_s)
         try:
-            replacement = await self._choose(fn, session.need, excluded, wait=True)
+            replacement, _ = await self._choose(fn, session.need, excluded, first=True)
         except QuartError as exc:
             raise QuartError(exc.status, f"a replica of stage {fn!r} failed ({failed.why}) and no other could take "
                                          f"the session over: {exc.message}", "stage", exc.headers) from None
-        self._rehome(session, failed.stage, replacement)
+        self.rehome(session, failed.stage, replacement)
 
     def _move_off_leaving(self, session: Session) -> None:
         """Move the session by replay off every replica of it that is draining, where another ready replica
@@ -269,26 +250,35 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         for k, replica in enumerate(session.replicas):
             if getattr(replica, "state", "ready") != "draining":
                 continue
-            self._unsplit(session, k, onto_partial=False)
+            self.live_splits.unsplit(session, k, onto_partial=False)
             target = self.book.choose(self._ready(session.stages[k]), session.need, excluded={replica.id})
             if target is None:
                 continue
             log.info("session %s: stage %s replica %s is draining; moving to %s by replay", session.id,
                      session.stages[k], replica.id, target.id)
-            self._drop(session)
+            self.drop(session)
             self.book.release(replica.id, session.need)
-            self._rehome(session, k, target)
+            self.rehome(session, k, target)
             session.moves += 1
             self.moves += 1
 
-    def _rehome(self, session: Session, stage: int, replacement: Any) -> None:
-        """Pin ``stage`` of the session to ``replacement`` (booked) under a new id; the next step replays from 0."""
-        self._pin(session, stage, replacement)
+    def rehome(self, session: Session, stage: int, placed: Any) -> None:
+        """Pin ``stage`` of the session to ``placed`` (a replica booked ``need``, or a `Chain` its shares) under a
+        new id; the next step replays from 0."""
+        session.replicas[stage] = None if isinstance(placed, Chain) else placed
+        if isinstance(placed, Chain):
+            session.chains[stage] = placed
+        self.book.reserve_all(stage_bookings(placed, session.need, None))
+        self.renew(session)
+        session.fed = 0
+
+    def renew(self, session: Session, new_id: str | None = None) -> None:
+        """The session goes on under a new id (a fresh one, or ``new_id``)."""
         self.active.pop(session.id, None)
-        session.id, session.fed = uuid.uuid4().hex, 0
+        session.id = new_id or uuid.uuid4().hex
         self.active[session.id] = session
 
-    async def _step(self, session: Session, new: list[int], pos: int, last: bool) -> int:
+    async def step(self, session: Session, new: list[int], pos: int, last: bool) -> int:
         """One step: a decode step in its replicas' batches (decode batching on), else one call per stage; a
         long prompt in chunks of ``prefill_chunk`` positions where decode steps batch (the bound on their stall)."""
         limit = min(self._decode_max(fn) for fn in session.stages)
@@ -354,7 +344,7 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         body, ctype = json.dumps({"input_ids": [new]}).encode(), "application/json"
         final = len(session.stages) - 1
         for k, fn in enumerate(session.stages):
-            for replica, part in self.calls(session, k):  # the whole stage, or a split's two parts in order
+            for replica, part in session.calls(k):  # the whole stage, or a split's two parts in order
                 headers = {"Content-Type": ctype, SESSION: session.id, SESSION_POS: str(pos),
                            "X-Quart-Model": session.model, "X-Quart-Stage": str(k)}
                 if part is not None:
@@ -373,8 +363,8 @@ class SessionEngine(CooperativeSessions, GroupSessions):
                     status, data, answer = await self._lane(session, k, limit).solo(
                         functools.partial(self._post, k, fn, replica, body, headers, **step))
                 else:
-                    call = self._part_call if k in session.chains else self._call
-                    status, data, answer = await call(k, fn, replica, body, headers, running=pos > 0, **step)
+                    call = functools.partial(self._call, k, fn, replica, body, headers, running=pos > 0, **step)
+                    status, data, answer = await (self.group_chains.part_call(call) if k in session.chains else call())
                 self.book.note(replica.id, answer.get(KV_HEADER))
                 held = layers.parse_range(answer.get(layers.HELD))
                 if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
@@ -426,7 +416,7 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         status = 0
         self.source.take(fn, replica)
         try:
-            async with self._client().post(
+            async with self.client().post(
                 replica.url, data=body, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.config.step_timeout_s),
             ) as resp:
@@ -474,18 +464,28 @@ class SessionEngine(CooperativeSessions, GroupSessions):
         if self.active.pop(session.id, None) is None:
             return
         self._leave_lanes(session.id)
-        self._end_splits(session)
+        self.live_splits.end(session)
         if not session.freed:
-            self._drop(session)
-        self._release(session)
+            self.drop(session)
+        self.book.release_all(session.bookings())
 
-    def _drop(self, session: Session) -> None:
+    def drop(self, session: Session) -> None:
         """``DELETE /_/sessions/<id>`` on every replica of the session (its splits' live parts too), in the
         background."""
         self._leave_lanes(session.id)
-        for replica in [*session.replicas, *self.partials(session)]:
+        for replica in [*session.replicas, *session.partials()]:
             if replica is not None:
-                self._forget(replica, session.id)
+                self.forget(replica, session.id)
+
+    def forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
+        """``DELETE /_/sessions/<id>`` on one replica, in the background; ``then()`` once it is answered (or failed)."""
+        task = asyncio.get_running_loop().create_task(delete_session(self.client(), replica.url, session_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if then is not None:
+            task.add_done_callback(lambda _: then())
+
+
 
     def _leave_lanes(self, session_id: str) -> None:
         """No lane holds its batch for this session id any more (decodebatch.hold_for)."""

@@ -3,19 +3,27 @@
 The files are those of the partitioned model folder (``QUART_MODEL_DIR`` of the pipeline's stage 0):
 ``manifest.json`` (the family, the context length, the EOS ids), ``tokenizer.json`` and, when the source
 had them, ``tokenizer_config.json`` / ``chat_template.jinja`` (special tokens and the chat template),
-read with transformers' ``PreTrainedTokenizerFast``. Loaded once per folder, in a thread.
+read with transformers' ``PreTrainedTokenizerFast``. Loaded once per folder, in a thread. A model that only
+the registry holds (stage 0 has ``QUART_MODEL_URL``, no folder) has those files fetched once into a local
+cache folder (``QUART_GEN_TOKENIZER_CACHE``) first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway_plugin.generation.params import GenerationParams
 from quart_stage.errors import QuartError, invalid
 from quart_stage.manifest import Manifest
+
+log = logging.getLogger("quart.generation")
+REGISTRY_SCHEME = "s3://"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -74,19 +82,81 @@ def load_model(name: str, model_dir: str) -> ModelInfo:
     return ModelInfo(name, model_dir, context, frozenset(int(i) for i in eos_ids), tokenizer)
 
 
+def is_registry_url(source: str | None) -> bool:
+    return bool(source) and str(source).startswith(REGISTRY_SCHEME)
+
+
+def default_tokenizer_cache() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "quart-faas", "tokenizers")
+
+
+def fetch_tokenizer(url: str, cache_root: str) -> str:
+    """The local folder holding ``url``'s manifest and tokenizer, under ``cache_root`` (one manifest GET when
+    the copy there is current). Runs in a thread."""
+    from keysmanager.registry import ModelRegistry, RegistryError
+
+    folder = os.path.join(cache_root, hashlib.sha256(url.encode()).hexdigest()[:24])
+    try:
+        os.makedirs(cache_root, mode=0o700, exist_ok=True)
+        return str(ModelRegistry(url).tokenizer_folder(folder))
+    except (RegistryError, OSError) as exc:
+        raise OSError(str(exc)) from None
+
+
 @dataclass
 class ModelCatalog:
     """Loaded :class:`ModelInfo` per model folder (reloaded when its manifest changes). One load per folder at a
     time: concurrent first requests wait for it (transformers' lazy imports are not thread-safe: parallel
-    first loads raised ImportError, a 500)."""
+    first loads raised ImportError, a 500). A source is a folder or a registry URL (``s3://``): a URL's
+    tokenizer is fetched once into ``cache_root`` and its folder remembered."""
 
+    cache_root: str = field(default_factory=default_tokenizer_cache)
     cache: dict[str, tuple[float, ModelInfo | QuartError]] = field(default_factory=dict)
     loading: dict[str, asyncio.Lock] = field(default_factory=dict)
+    fetched: dict[str, str] = field(default_factory=dict)  # registry URL -> its local tokenizer folder
+    fetching: dict[str, asyncio.Future] = field(default_factory=dict)
+    failed_at: dict[str, float] = field(default_factory=dict)  # registry URL -> when its last fetch failed
+    retry_s: float = 10.0  # a failed fetch is tried again no sooner (every request asks)
 
-    async def get(self, name: str, model_dir: str | None) -> ModelInfo:
-        if not model_dir:
+    async def local(self, name: str, source: str | None) -> str | None:
+        """The folder of ``source``: itself, or for a registry URL its tokenizer fetched (503 naming the
+        registry's error when it cannot be)."""
+        if not is_registry_url(source):
+            return source
+        folder = self.fetched.get(source)
+        if folder is None:
+            try:
+                folder = await asyncio.shield(self._fetch(source))
+            except OSError as exc:
+                raise QuartError(503, f"pipeline {name!r}: cannot fetch its tokenizer from the registry "
+                                      f"({source}): {exc}", "model") from None
+        return folder
+
+    def _fetch(self, url: str) -> asyncio.Future:
+        """The one fetch of ``url``'s tokenizer in flight (a new one after a failed one); it records the folder."""
+        task = self.fetching.get(url)
+        now = time.monotonic()
+        if task is None or (task.done() and url not in self.fetched
+                            and now - self.failed_at.get(url, -self.retry_s) >= self.retry_s):
+            task = self.fetching[url] = asyncio.ensure_future(asyncio.to_thread(fetch_tokenizer, url, self.cache_root))
+
+            def record(done: asyncio.Future) -> None:
+                if done.cancelled():
+                    return
+                if done.exception() is None:
+                    self.fetched[url] = done.result()
+                else:
+                    self.failed_at[url] = time.monotonic()
+                    log.warning("fetching the tokenizer of %s: %s", url, done.exception())
+
+            task.add_done_callback(record)
+        return task
+
+    async def get(self, name: str, source: str | None) -> ModelInfo:
+        if not source:
             raise invalid("model", f"pipeline {name!r} has no model folder the gateway can read "
-                                   "(QUART_MODEL_DIR of its stage 0): it cannot tokenize for it")
+                                   "(QUART_MODEL_DIR or QUART_MODEL_URL of its stage 0): it cannot tokenize for it")
+        model_dir = await self.local(name, source)
         try:
             mtime = os.stat(os.path.join(model_dir, "manifest.json")).st_mtime
         except OSError:
@@ -107,17 +177,31 @@ class ModelCatalog:
             raise hit[1]
         return hit[1]
 
-    def known_decoder(self, model_dir: str | None) -> bool | None:
-        """Whether a folder holds a decoder: from the loaded cache, else its manifest (None: unreadable)."""
-        if not model_dir:
+    def known_decoder(self, source: str | None) -> bool | None:
+        """Whether a source holds a decoder: from the loaded cache, else its manifest (None: unreadable, or a
+        registry URL whose tokenizer is not fetched yet: the fetch is started)."""
+        if is_registry_url(source):
+            folder = self.fetched.get(source)
+            if folder is None:
+                self._start_fetch(source)
+                return None
+            source = folder
+        if not source:
             return None
-        hit = self.cache.get(model_dir)
+        hit = self.cache.get(source)
         if hit is not None:
             return isinstance(hit[1], ModelInfo)
         try:
-            return Manifest.load(model_dir).family == "decoder"
+            return Manifest.load(source).family == "decoder"
         except (OSError, ValueError, TypeError):
             return None
+
+    def _start_fetch(self, url: str) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._fetch(url)
 
 
 class TextStream:

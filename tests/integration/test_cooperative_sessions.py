@@ -150,9 +150,9 @@ def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(m
     room = {"auto": rest, "migrate": rest, "shadow": need, "replay": need, "keep": 0}[rejoin]
     assert seen["split0"] == ((0, 3), (3, 8), share + room, rest)
     assert all(s.replays == 0 for s in engine.active.values())
-    assert engine.rejoins == (0 if rejoin == "keep" else len(PROMPTS))
-    assert (len(engine.moved), exports) == ((len(PROMPTS),) * 2 if rejoin == "migrate" else (0, 0))
-    assert engine.shadows == (len(PROMPTS) if rejoin in ("auto", "shadow") else 0)  # auto: room for the replay
+    assert engine.live_splits.rejoins == (0 if rejoin == "keep" else len(PROMPTS))
+    assert (len(engine.live_splits.moved), exports) == ((len(PROMPTS),) * 2 if rejoin == "migrate" else (0, 0))
+    assert engine.live_splits.shadows == (len(PROMPTS) if rejoin in ("auto", "shadow") else 0)  # auto: room for the replay
     assert engine.book.reserved == {}
     assert sorted(engine._lanes) == ([] if batch == 1 else ["live", "whole"])  # rejoined: batched on the new one
 
@@ -185,8 +185,8 @@ def test_a_split_keeps_room_for_its_rejoin_and_new_sessions_go_whole_when_the_li
 
     got, engine = asyncio.run(main())
     assert got == [expected[0]] * 3
-    assert engine.rejoins == 1 and engine.book.reserved == {}  # no 429 at the live replica
-    assert (engine.shadows, len(engine.moved)) == ((1, 0) if rejoin == "shadow" else (0, 1))  # auto: only a move fits
+    assert engine.live_splits.rejoins == 1 and engine.book.reserved == {}  # no 429 at the live replica
+    assert (engine.live_splits.shadows, len(engine.live_splits.moved)) == ((1, 0) if rejoin == "shadow" else (0, 1))  # auto: only a move fits
 
 
 def test_a_live_part_that_dies_is_given_up_and_the_stream_goes_on_on_the_whole_replica(model):
@@ -272,5 +272,5 @@ def test_emulated_split_sessions_rejoin_by_migration_with_the_emulations_own_tok
 
     got, engine = asyncio.run(main())
     assert got == [expected_tokens(prompts[i], 12, 77 + i, vocab) for i in range(3)]
-    assert len(engine.moved) == engine.rejoins == 3 and all(b > 0 for b, _ in engine.moved)
+    assert len(engine.live_splits.moved) == engine.live_splits.rejoins == 3 and all(b > 0 for b, _ in engine.live_splits.moved)
     assert engine.book.reserved == {}

@@ -124,15 +124,48 @@ def test_eos_ends_the_stream_and_an_early_stop_deletes_the_caches() -> None:
 def test_a_session_that_cannot_be_placed_is_refused_at_the_entry_with_retry_after() -> None:
     async def main():
         async with Pipeline((1, 1)) as pipe:
-            engine = engine_for(pipe, kv_tokens=100, retry_after_s=3)
+            engine = engine_for(pipe, kv_tokens=100, retry_after_s=3, room_wait_s=0.2)
             first = await engine.open("m", pipe.stages, [1] * 40, 40, GREEDY, frozenset())
             with pytest.raises(QuartError) as refused:
                 await engine.open("m", pipe.stages, [1] * 10, 20, GREEDY, frozenset())  # 80 + 30 > 100
             assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "3"
+            assert "within 0.2 s of waiting" in refused.value.message  # it waited its bound in line first
             assert engine.book.reserved == {"m-stage-0#0": 80, "m-stage-1#0": 80}  # the refusal booked nothing
             engine.finish(first)
             second = await engine.open("m", pipe.stages, [1] * 10, 20, GREEDY, frozenset())
             engine.finish(second)
+            await engine.close()
+    asyncio.run(main())
+
+
+def test_sessions_without_room_wait_in_line_and_get_it_in_arrival_order_as_it_frees() -> None:
+    async def main():
+        async with Pipeline((1, 1), delay_s=0.01, cap=100) as pipe:  # a session runs ~0.6 s
+            engine = engine_for(pipe, kv_tokens=100, room_wait_s=30.0)
+            engine.room.poll_s = 30.0  # only a release wakes the head: no polling in this test
+            order: list[int] = []
+
+            async def one(i: int):
+                prompt = [i + 1] * 40
+                session = await engine.open("m", pipe.stages, prompt, 30, GREEDY, frozenset())  # 70 of 100
+                order.append(i)
+                out = [t async for t in engine.tokens(session)]
+                assert out == reference(prompt, 30)
+
+            tasks = []
+            for i in range(4):
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0.02)  # arrival order 0, 1, 2, 3
+            await asyncio.sleep(0.05)
+            assert order == [0] and engine.room.waiting("m-stage-0") == 3
+            gone = asyncio.create_task(one(9))  # a fifth whose client goes away while it waits
+            await asyncio.sleep(0.02)
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+            assert engine.room.waiting("m-stage-0") == 3
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert order == [0, 1, 2, 3] and engine.room.counts.waited == 3
+            assert engine.book.reserved == {} and engine.active == {}
             await engine.close()
     asyncio.run(main())
 

@@ -62,12 +62,12 @@ def _run(parts: list[Part], corrupt: bool = False):
     async def main():
         engine = SessionEngine(source, GenerationConfig(replica_wait_s=5.0, step_timeout_s=30.0))
         if corrupt:
-            real = engine.install_part
+            real = engine.group_chains.install_part
 
             async def flipped(session_id, fed, reserve, whole, data):  # one bit of the last tensor flips in transit
                 await real(session_id, fed, reserve, whole, data[:-1] + bytes([data[-1] ^ 1]))
 
-            engine.install_part = flipped
+            engine.group_chains.install_part = flipped
         loop = asyncio.get_running_loop()
         loop.call_later(0.3, lambda: setattr(parts[2], "held", PARTS[2]))  # the last part's bytes arrive
 
@@ -100,7 +100,7 @@ def test_sessions_open_on_the_group_and_consolidate_by_kv_migration_with_generat
     assert got == expected
     assert seen["chain0"] == [("p0", (0, 3)), ("p1", (3, 6)), ("p2", (6, 8))]  # no whole replica: the group's parts
     assert all(n > 0 for n in seen["used0"])  # each part held the session's cache of its own layers
-    assert (engine.migrations, engine.reprefills) == (len(PROMPTS), 0) and engine.kv_moved_bytes > 0
+    assert (engine.group_chains.migrations, engine.group_chains.reprefills) == (len(PROMPTS), 0) and engine.group_chains.kv_moved_bytes > 0
     assert all(s.replays == 0 and s.reprefills == 0 and not s.chains for s in sessions)
     assert all(s.replicas[0].id == "p0" for s in sessions)
     assert engine.book.reserved == {}
@@ -116,6 +116,6 @@ def test_a_corrupted_move_is_refused_and_the_session_replays_with_the_same_token
     _, expected = model
     got, sessions, engine, _ = _run(group, corrupt=True)
     assert got == expected
-    assert engine.migrations == 0 and engine.reprefills == len(PROMPTS)
+    assert engine.group_chains.migrations == 0 and engine.group_chains.reprefills == len(PROMPTS)
     assert all(s.reprefills == 1 and s.replays == 0 for s in sessions)
     assert engine.book.reserved == {}

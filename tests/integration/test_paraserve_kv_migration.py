@@ -85,8 +85,8 @@ def test_emulated_sessions_scale_up_onto_two_whole_workers(tmp_path):
     finally:
         for server in servers:
             server.shutdown()
-    assert (engine.migrations, engine.reprefills) == (4, 0)
-    assert engine.kv_moved_bytes > 4 * 20 * 5 * 2 * 4  # keys and values of ≥ 20 positions x 5 moved blocks, fp32
+    assert (engine.group_chains.migrations, engine.group_chains.reprefills) == (4, 0)
+    assert engine.group_chains.kv_moved_bytes > 4 * 20 * 5 * 2 * 4  # keys and values of ≥ 20 positions x 5 moved blocks, fp32
     assert sorted(s.replicas[0].id for _, s in results) == ["p0", "p0", "p1", "p1"]
     assert all(out == expected_tokens(list(range(i, i + 20)), 1000 + i, 30, vocab)
                for i, (out, _) in enumerate(results))

@@ -81,3 +81,53 @@ async def settle(gw: EmbeddedGateway, rounds: int = 3) -> None:
         await gw.reconciler.reconcile()
         await asyncio.sleep(0.01)
 
+
+
+class FlakyHost(FakeHost):
+    """A host that behaves as a KeysManager does under load: polls can go unanswered (``silent``), starts can
+    hang (``hold_starts``) and then finish on the host even when the gateway gave up on them (a cancelled
+    client call does not cancel the host's work), a start can fail, and its slots are what runs there."""
+
+    def __init__(self, name: str, slots: int = 4) -> None:
+        super().__init__(name, slots)
+        self.silent = False  # polls and reports fail (a missed health poll, a partition)
+        self.failing = False  # starts fail (a fork that breaks)
+        self.gate = asyncio.Event()  # starts wait for it (cleared: they hang)
+        self.gate.set()
+        self._work: set[asyncio.Task] = set()
+
+    def hold_starts(self) -> None:
+        self.gate.clear()
+
+    def release_starts(self) -> None:
+        self.gate.set()
+
+    async def start(self, spec: ReplicaSpec, count: int, **_: object) -> list[ReplicaStatus]:
+        work = asyncio.ensure_future(self._start_on_host(spec, count))
+        self._work.add(work)
+        work.add_done_callback(self._work.discard)
+        return await asyncio.shield(work)  # the gateway may stop waiting; the host goes on
+
+    async def _start_on_host(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+        await self.gate.wait()
+        if self.failing:
+            raise RuntimeError(f"host {self.name}: start of {spec.function} failed")
+        return await super().start(spec, count)
+
+    async def settle(self) -> None:
+        """Let the starts the host is still working on finish."""
+        if self._work:
+            await asyncio.gather(*self._work, return_exceptions=True)
+
+    async def report(self) -> HostView:
+        if self.silent:
+            raise TimeoutError(f"host {self.name} does not answer")
+        return await super().report()
+
+    async def replicas(self) -> list[ReplicaStatus]:
+        if self.silent:
+            raise TimeoutError(f"host {self.name} does not answer")
+        return await super().replicas()
+
+    def live_ids(self) -> set[str]:
+        return {r.id for r in self.replicas_.values() if r.state != "dead"}

@@ -63,7 +63,7 @@ class GenerationServer:
             await web.TCPSite(runner, "127.0.0.1", 0).start()
             self.runners.append(runner)
             self.source.replicas[f"tiny-stage-{i}"] = [StaticReplica(f"tiny#{i}", f"http://127.0.0.1:{runner.addresses[0][1]}/")]
-        pipelines = {"tiny": ["tiny-stage-0", "tiny-stage-1"], "enc": ["enc-stage-0", "enc-stage-1"]}
+        pipelines = {name: [f"{name}-stage-0", f"{name}-stage-1"] for name in self.dirs}  # "tiny" is served
         self.engine = SessionEngine(self.source, config)
         self.api = GenerationAPI(self.engine, lambda: pipelines, self.dirs.get, config, self.collector)
 

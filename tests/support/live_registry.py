@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from quart_tools.partition import partition
 
@@ -20,12 +24,12 @@ IDS = [[5, 17, 3, 99, 42, 7]]
 
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    """(moto endpoint, the partitioned model folder, its manifest), the model uploaded to URL."""
+@contextlib.contextmanager
+def moto_s3(root: Path) -> Iterator[str]:
+    """A moto S3 server on an ephemeral port with a 0600 credentials file in ``root``; ``QUART_REGISTRY_ENDPOINT``
+    and the credentials are in the environment (the daemons inherit them) until it stops. Yields the endpoint."""
     from moto.server import ThreadedMotoServer
 
-    root = tmp_path_factory.mktemp("live")
     creds = root / "aws-credentials"
     creds.write_text("[default]\naws_access_key_id = quart\naws_secret_access_key = quart-secret\n")
     creds.chmod(0o600)
@@ -35,17 +39,25 @@ def registry(tmp_path_factory):
         mp.delenv(var, raising=False)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    mp.setenv("QUART_REGISTRY_ENDPOINT", endpoint)  # the daemons inherit it
-    model = root / "model"
-    manifest = partition(CONFIG, 1, str(model), progress=False, seed=3, std=0.2)
-    ModelRegistry(URL, endpoint_url=endpoint).upload(model)
     try:
-        yield endpoint, model, manifest
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        mp.setenv("QUART_REGISTRY_ENDPOINT", endpoint)
+        yield endpoint
     finally:
         server.stop()
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """(moto endpoint, the partitioned model folder, its manifest), the model uploaded to URL."""
+    root = tmp_path_factory.mktemp("live")
+    with moto_s3(root) as endpoint:
+        model = root / "model"
+        manifest = partition(CONFIG, 1, str(model), progress=False, seed=3, std=0.2)
+        ModelRegistry(URL, endpoint_url=endpoint).upload(model)
+        yield endpoint, model, manifest
 
 
 _RUNTIMES: dict[str, object] = {}  # model folder → its stage 0 loaded the ordinary way (once per session)

@@ -9,6 +9,7 @@ from quart_tools.bench.hop_costs import (
     calls_in_flight,
     costs_of,
     decompose,
+    dispatch_gaps,
     hold_fit,
     nominal_stage_ms,
     sim_terms,
@@ -34,6 +35,25 @@ def test_decompose_splits_latency_into_compute_hold_gap_and_entry() -> None:
     assert out["entry_ms"] == pytest.approx(64.0 - 4 * 13.75)
     assert out["service_cv"] == pytest.approx(1.0 / 13.0)
     assert out["calls_in_flight_mean"] == 1.0 and out["hold_per_call_ms"] == 0.0 and out["hold_at_one_ms"] == 2.0
+    assert out["dispatch_ms"] == 0.0 and out["dispatch_calls"] == 0  # no call ever waited for a busy replica
+
+
+def _visit(replica: str, wait: float, service: float) -> dict:
+    return {"stage": 0, "replica": replica, "wait_ms": wait, "service_ms": service, "compute_ms": service}
+
+
+def test_dispatch_gaps_read_a_freed_replicas_idle_time_before_its_waiting_call() -> None:
+    recs = [{"arrival": 0.0, "stages": [_visit("a", 0.0, 10.0)]},
+            {"arrival": 0.002, "stages": [_visit("a", 11.0, 10.0)]},  # waited from 2 ms; starts 3 ms after a freed
+            {"arrival": 0.004, "stages": [_visit("b", 0.0, 10.0)]},  # another replica, alone: no gap
+            {"arrival": 0.1, "stages": [_visit("a", 0.5, 10.0)]}]  # found a idle: not a back-to-back call
+    assert dispatch_gaps(recs) == pytest.approx([0.003])
+    late = [recs[0], {"arrival": 0.002, "stages": [_visit("a", 7.0, 10.0)]}]  # placed 1 ms before a's end: 0
+    assert list(dispatch_gaps(late)) == [0.0]
+    ok = [{**r, "status": 200, "latency_ms": r["stages"][0]["wait_ms"] + 10.0} for r in recs]
+    out = decompose(ok, [r["latency_ms"] for r in ok], stages=1, nominal_ms=10.0)
+    assert out["dispatch_ms"] == pytest.approx(3.0) and out["dispatch_calls"] == 1
+    assert sim_terms({**out, "entry_ms": 0.0}, stages=1)["dispatch_s"] == pytest.approx(0.003)
 
 
 def test_calls_in_flight_counts_the_calls_overlapping_each_one() -> None:
@@ -72,13 +92,15 @@ def test_sim_terms_give_the_round_trip_its_measured_mean_and_cv() -> None:
     assert t["service_cv"] * compute == pytest.approx(0.2 * (compute + 3.5))
     t = sim_terms({**costs, "hold_at_one_ms": 3.0, "hold_per_call_ms": 0.4}, stages=8)
     assert t["hop_s"] + t["hop_per_call_s"] == pytest.approx(0.003)  # the hold with one call in flight
+    t = sim_terms({**costs, "hold_at_one_ms": -1.6, "hold_per_call_ms": 1.1}, stages=8)
+    assert t["hop_s"] + t["hop_per_call_s"] == 0.0  # a line fitted on many calls in flight: never below 0 at one
 
 
 def test_a_measurement_written_to_a_calibration_file_reads_back_with_its_sources(tmp_path) -> None:
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(Calibration().to_json()))
     loaded = {"compute_factor": 1.07, "stage_hold_ms": 3.8, "stage_gap_ms": 0.26, "entry_ms": 3.0, "service_cv": 0.19,
-              "hold_at_one_ms": 3.1, "hold_per_call_ms": 0.3}
+              "hold_at_one_ms": 3.1, "hold_per_call_ms": 0.3, "dispatch_ms": 2.5}
     update_calibration(path, loaded, "test run")
     cal = Calibration.load(path)
     assert costs_of(cal) == pytest.approx({**loaded, "stage_hold_ms": 3.1})
@@ -100,3 +122,20 @@ def test_the_simulators_outside_time_adds_to_every_latency_and_holds_no_replica(
     assert len(a) == len(b) == len(arrivals)
     assert all(y - x == pytest.approx(5.0) for x, y in zip(a, b, strict=True))  # queueing unchanged
     assert more["replica_seconds"] == pytest.approx(base["replica_seconds"], rel=0.01)
+
+
+def test_the_simulators_dispatch_delays_only_a_call_a_freed_replica_takes_from_its_queue() -> None:
+    from argparse import Namespace
+
+    import numpy as np
+    from quart_tools.arrivals import Arrivals
+    from quart_tools.sim.validate import simulate
+
+    args = Namespace(hosts=1, gpus_per_host=8, stage_ms=10.0, stages=1, replicas=1, max_replicas=1, seed=0,
+                     policy="static")
+    # two requests at once on one replica (the second waits), then one alone
+    arrivals = Arrivals(np.array([0.0, 0.0, 5.0]), np.array([64, 64, 64]))
+    base = simulate(args, arrivals, 0.0, service_cv=0.0)["series"]["latency_ms"]
+    lagged = simulate(args, arrivals, 0.0, service_cv=0.0, dispatch_s=0.004)["series"]["latency_ms"]
+    assert base == pytest.approx([10.0, 20.0, 10.0])
+    assert lagged == pytest.approx([10.0, 24.0, 10.0])  # the waiting call starts 4 ms after the replica frees

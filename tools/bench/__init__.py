@@ -26,6 +26,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "policies": ("quart_tools.bench.policies:main", "live policy comparison on quartctl up"),
     "scheduler": ("quart_tools.bench.scheduler:main", "cache-aware vs first-fit, 3 hosts x 4 GPUs"),
     "loadgen": ("quart_tools.bench.loadgen:main", "load generator rate and send-time error"),
+    "host-polls": ("quart_tools.bench.host_polls:main", "a KeysManager's poll answers during bursts of starts: "
+                   "missed polls in a row (host_down_polls)"),
     "hosts": ("quart_tools.bench.hosts:main", "netns hosts: registry fetch at NIC rate, cross-host requests, host failure"),
     "k8s-start": ("quart_tools.bench.k8s_start:main", "stage pod start: attach to the node's KeysManager cache vs cold"),
     "blitz": ("quart_tools.bench.blitz:main", "a stage to k netns hosts: chain multicast vs the source sending k times"),
@@ -114,7 +116,9 @@ def main(argv: list[str]) -> int:
     if name not in BENCHMARKS:
         print(f"quartctl bench: unknown benchmark {name!r}; one of {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
-    return int(resolve(BENCHMARKS[name][0])(argv[1:]) or 0)
+    from quart_tools.bench.lifetime import run_bench
+
+    return run_bench(resolve(BENCHMARKS[name][0]), argv[1:])  # SIGTERM/SIGINT: what it started is stopped
 
 
 def free_port() -> int:

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -196,7 +195,6 @@ def main(argv: list[str]) -> int:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the registry's access log
     if args.hosts < 5 and "multicast-4" in args.modes:
         p.error("multicast-4 needs --hosts 5 (a holder and four receivers)")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, kill: still remove the namespaces
     load_at_start = round(os.getloadavg()[0], 2)
     doc = measure(args)
     doc["machine"] = machine_info(load_avg_1m_at_start=load_at_start, compute="emulated")

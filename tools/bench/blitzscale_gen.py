@@ -6,8 +6,9 @@ The stage is the same 1 GB one-stage decoder on the same netns hosts, with *emul
 steps (``--decode-ms`` per decode step of the whole stage, ``--prefill-ms-per-token`` per prompt position; a
 part of the stage costs its share of the layers) and a KV cache of ``--kv-sessions`` sessions per replica
 (``QUART_KV_MAX_TOKENS`` = that many sessions of prompt + max tokens; a part of the stage is charged its share).
-A replica whose KV cache is full refuses new sessions at the gateway's entry (429); the bench's clients retry
-every ``--retry-ms`` (TTFT counts from the first try). The gateway's session engine
+A new session that finds every ready replica's KV cache full waits in line at the gateway's entry
+(first come first served, up to ``--room-wait-s``: ``QUART_GEN_ROOM_WAIT_S``), then gets a 429; the bench's
+clients retry a 429 every ``--retry-ms`` (TTFT counts from the first try). The gateway's session engine
 (``gateway_plugin.generation``) runs in this process.
 
 Timeline: sessions arrive at ``--steady-rate`` per second on ``h0``'s one replica for ``--steady-s`` s (the
@@ -62,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-rate", type=float, default=5.0, help="burst sessions/s on top, from t0 (5)")
     g.add_argument("--gen-burst-s", type=float, default=8.0, help="burst length, s (8)")
     g.add_argument("--retry-ms", type=float, default=20.0, help="a client's retry after a 429 at the entry (20)")
+    g.add_argument("--room-wait-s", type=float, default=30.0,
+                   help="QUART_GEN_ROOM_WAIT_S of the engine: a new session's wait in line for KV room (30; 0 = 429 "
+                        "at once, the clients' retries decide who gets freed room)")
     g.add_argument("--rejoin", default="auto", choices=REJOIN_MODES,
                    help="QUART_GEN_REJOIN of the engine (default auto)")
     g.add_argument("--slots", type=int, default=32, help="steps a replica runs at once (com.quart.concurrency)")
@@ -95,7 +99,7 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
     rng = random.Random(7)
     async with scaled_gateway(cluster, hosts, mode, dep) as g:
         engine = SessionEngine(g.view, GenerationConfig(kv_tokens=args.kv_sessions * need, replica_wait_s=120.0,
-                                                        max_replays=5, rejoin=args.rejoin))
+                                                        max_replays=5, rejoin=args.rejoin, room_wait_s=args.room_wait_s))
         try:
             async def one(at: float, burst: bool) -> Stream:
                 await asyncio.sleep(max(0.0, at - time.monotonic()))
@@ -136,11 +140,13 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
             streams = list(await asyncio.gather(*tasks))
         finally:
             await engine.close()
-        return summarize(mode, streams, start + 1.0, t0, whole_at, engine.shadows) | await g.row() | {
-            "first_served_ms": g.first_served_ms(), "rejoin_moves": moves(engine.moved),
-            "rejoin_replays": {"count": len(engine.replayed),
-                               "ms_p50": percentile([1000 * s for _, s in engine.replayed], 0.5),
-                               "ms_max": percentile([1000 * s for _, s in engine.replayed], 1.0)}}
+        return summarize(mode, streams, start + 1.0, t0, whole_at, engine.live_splits.shadows) | await g.row() | {
+            "first_served_ms": g.first_served_ms(), "rejoin_moves": moves(engine.live_splits.moved),
+            "room_wait": {"waited": engine.room.counts.waited, "late_429": engine.room.counts.late,
+                          "full_429": engine.room.counts.full},
+            "rejoin_replays": {"count": len(engine.live_splits.replayed),
+                               "ms_p50": percentile([1000 * s for _, s in engine.live_splits.replayed], 0.5),
+                               "ms_max": percentile([1000 * s for _, s in engine.live_splits.replayed], 1.0)}}
 
 
 def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, whole_at: float, shadows: int
@@ -198,7 +204,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> dict:
                         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                         "kv_sessions": args.kv_sessions, "slots": args.slots},
            "load": {"steady_rate": args.steady_rate, "steady_s": args.steady_s, "rate": args.gen_rate,
-                    "burst_s": args.gen_burst_s, "retry_ms": args.retry_ms, "rejoin": args.rejoin}}
+                    "burst_s": args.gen_burst_s, "retry_ms": args.retry_ms, "rejoin": args.rejoin,
+                    "room_wait_s": args.room_wait_s}}
     if len(per_run) > 1:
         out["runs_meeting_targets"] = f"{sum(met)} of {len(per_run)}"
     return out

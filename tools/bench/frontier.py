@@ -10,8 +10,9 @@ live static frontier at QUART's replica-seconds. Beside every live entry, the si
 same run (same arrivals, stages, hosts, slots, start replicas, policy: `quart_tools.sim.validate.simulate`) and
 sim ÷ live of mean and p99 (issue 32: ≤ 5 % / 10 %). The simulator gets the costs outside the emulated compute
 that `quart_tools.bench.hop_costs` measures on this gateway before the runs (the sleep's overshoot, each stage
-call's hold, the router and the front: ``--costs measure``) or that a calibration file records; each entry
-also carries the same decomposition of its own run (``live_costs``).
+call's hold, the router's dispatch, the router and the front: ``--costs measure``) or that a calibration file
+records; each entry also carries the same decomposition of its own run (``live_costs``) and the simulator's
+figures with those (``sim_own_costs``): the part of sim ÷ live that the costs measured before the runs miss.
 
 ``--dry-run`` prints the run list and the wall-time arithmetic (`quart_tools.bench.frontier_plan`) and runs
 nothing; ``--static-k auto`` runs, per workload, only the static-k that bracket QUART's replica-seconds as the
@@ -122,7 +123,8 @@ def simulated(args, policy: str, replicas: int, arrivals, costs: dict, start_s: 
 
     t = sim_terms(costs, args.stages)
     sim = simulate(_sim_args(args, policy, replicas, t["stage_ms"]), arrivals, t["hop_s"], start_s,
-                   outside_s=t["outside_s"], service_cv=t["service_cv"], hop_per_call_s=t["hop_per_call_s"])
+                   outside_s=t["outside_s"], service_cv=t["service_cv"], hop_per_call_s=t["hop_per_call_s"],
+                   dispatch_s=t["dispatch_s"])
     sim.pop("series", None)
     return sim
 
@@ -213,6 +215,11 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def _over(sim: dict, live: dict) -> dict:
+    """sim ÷ live − 1 of the mean and the p99."""
+    return {m: sim[f"{m}_ms"] / live[f"{m}_ms"] - 1.0 if live[f"{m}_ms"] else None for m in ("mean", "p99")}
+
+
 def _entry(args, r: PlannedRun, results: list[dict], profiled_ms: float, costs: dict) -> dict:
     """One report entry over a label's repeats: live figures, the run's own costs, the simulator's figures."""
     live = aggregate(r.policy, results, profiled_ms, _policies_args(args, r))
@@ -229,14 +236,18 @@ def _entry(args, r: PlannedRun, results: list[dict], profiled_ms: float, costs: 
         entry["live_costs"] = None
     if not args.no_sim:
         lags = [x for res in results for x in res["lags"]]
-        sim = simulated(args, r.policy, r.replicas, make_workload(r.workload, args.rate, args.duration, args.seed, args.trace),
-                        costs, statistics.median(lags) if lags else None)
-        entry["sim"] = sim
-        entry["sim_over_live"] = {m: sim[f"{m}_ms"] / entry[f"{m}_ms"] - 1.0 if entry[f"{m}_ms"] else None
-                                  for m in ("mean", "p99")}
+        arrivals = make_workload(r.workload, args.rate, args.duration, args.seed, args.trace)
+        lag = statistics.median(lags) if lags else None
+        entry["sim"] = simulated(args, r.policy, r.replicas, arrivals, costs, lag)
+        entry["sim_over_live"] = _over(entry["sim"], entry)
+        if entry["live_costs"]:  # the same run simulated with its own measured costs: what the cost prediction misses
+            entry["sim_own_costs"] = simulated(args, r.policy, r.replicas, arrivals, entry["live_costs"], lag)
+            entry["sim_own_costs_over_live"] = _over(entry["sim_own_costs"], entry)
     print(f"[{r.workload}] {r.label}: mean {entry['mean_ms']:.0f} ms, p99 {entry['p99_ms']:.0f} ms, "
           f"replica-s {entry['replica_seconds']:.0f}"
-          + (f"; sim mean {entry['sim']['mean_ms']:.0f} p99 {entry['sim']['p99_ms']:.0f}" if "sim" in entry else ""),
+          + (f"; sim mean {entry['sim']['mean_ms']:.0f} p99 {entry['sim']['p99_ms']:.0f}" if "sim" in entry else "")
+          + (f"; with its own costs {entry['sim_own_costs']['mean_ms']:.0f} / {entry['sim_own_costs']['p99_ms']:.0f}"
+             if "sim_own_costs" in entry else ""),
           file=sys.stderr)
     return entry
 
@@ -250,13 +261,8 @@ def main(argv: list[str]) -> int:
             runs, _ = planned(args)
             print(format_plan(runs, args.duration, Overheads()))
             return 0
-        import signal
-
-        from quart_tools.bench.policies import _terminate
-
-        signal.signal(signal.SIGTERM, _terminate)  # a killed bench unwinds through run()'s finally: the gateway stops
         write_report(json_safe(run(args)), args.out)
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, OSError) as exc:  # OSError: a missing --trace file, among others
         print(f"quartctl bench frontier: {exc}", file=sys.stderr)
         return 1
     return 0

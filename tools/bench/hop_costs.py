@@ -12,6 +12,9 @@ compute time) and the load generator's latencies, per request:
 - ``stage_gap_ms``: router latency − Σ (waits + round trips), per stage: the router's hand-over between stages,
   time outside any replica and any queue (``wait_ms``: the queue, and the dispatch when a replica is free);
 - ``entry_ms``: client latency − router latency: the gateway front and the client's own HTTP;
+- ``dispatch_ms``: when a replica's call ends with a request already waiting for its stage, the time until that
+  request's call starts (the router's dispatcher woken, the call launched; the replica sits idle meanwhile): the
+  mean over such back-to-back calls (``dispatch_calls``), 0 when none;
 - ``service_cv``: CV of the round trip (the spread the simulator's service times get);
 - ``hold_per_call_ms``: how much a call's hold grows per stage call in flight beside it (least squares of hold on
   the calls in flight at its midpoint, itself included; ``hold_at_one_ms`` the line at one call): the 2-core
@@ -82,6 +85,24 @@ def calls_in_flight(records: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     return np.array(holds), np.searchsorted(starts, mids, side="right") - np.searchsorted(ends, mids, side="right")
 
 
+def dispatch_gaps(records: list[dict]) -> np.ndarray:
+    """Seconds from a replica's call end to its next call's start, for every next call that was already waiting
+    when the first ended (times placed as in `calls_in_flight`; a gap below 0 from that placement counts as 0)."""
+    by_replica: dict[str, list[tuple[float, float, float]]] = {}
+    for r in records:
+        t = r["arrival"]
+        for v in r["stages"]:
+            enqueued = t
+            t += v["wait_ms"] / 1000.0
+            by_replica.setdefault(v.get("replica", ""), []).append((t, t + v["service_ms"] / 1000.0, enqueued))
+            t += v["service_ms"] / 1000.0
+    gaps = []
+    for calls in by_replica.values():
+        calls.sort()
+        gaps += [max(0.0, b[0] - a[1]) for a, b in zip(calls, calls[1:], strict=False) if b[2] < a[1]]
+    return np.array(gaps)
+
+
 def hold_fit(holds: np.ndarray, calls: np.ndarray) -> tuple[float, float]:
     """(hold at one call in flight, growth per call) of a least-squares line; no growth when the calls in flight
     do not vary, and never a negative one."""
@@ -107,6 +128,7 @@ def decompose(records: list[dict], client_ms: list[float], stages: int, nominal_
     per_stage = [float(np.mean([r["stages"][i]["service_ms"] for r in ok])) for i in range(stages)]
     holds, calls = calls_in_flight(ok)
     at_one, per_call = hold_fit(holds, calls)
+    gaps = dispatch_gaps(ok)
     return {
         "requests": len(ok),
         "client_mean_ms": float(client.mean()) if client.size else None,
@@ -122,6 +144,8 @@ def decompose(records: list[dict], client_ms: list[float], stages: int, nominal_
         "stage_hold_ms": float((service - compute).mean()),
         "stage_gap_ms": float((router - inside).mean() / stages),
         "entry_ms": float(client.mean() - router.mean()) if client.size else 0.0,
+        "dispatch_ms": 1000.0 * float(gaps.mean()) if gaps.size else 0.0,
+        "dispatch_calls": int(gaps.size),
         "calls_in_flight_mean": float(calls.mean()),
         "hold_at_one_ms": at_one,
         "hold_per_call_ms": per_call,
@@ -133,12 +157,13 @@ def calibration_fields(loaded: dict, source: str) -> tuple[dict, dict]:
     values = {"live_compute_factor": loaded["compute_factor"], "live_stage_hold_s": loaded["hold_at_one_ms"] / 1000.0,
               "live_hold_per_call_s": loaded["hold_per_call_ms"] / 1000.0,
               "live_stage_gap_s": loaded["stage_gap_ms"] / 1000.0, "live_entry_s": loaded["entry_ms"] / 1000.0,
-              "live_service_cv": loaded["service_cv"]}
+              "live_dispatch_s": loaded.get("dispatch_ms", 0.0) / 1000.0, "live_service_cv": loaded["service_cv"]}
     what = {"live_compute_factor": "replica compute ms / nominal emulated ms",
             "live_stage_hold_s": "router round trip - replica compute, per stage call, at one call in flight",
             "live_hold_per_call_s": "growth of that hold per stage call in flight (least squares)",
             "live_stage_gap_s": "(router latency - sum of waits and round trips) / stages",
             "live_entry_s": "client latency - router latency",
+            "live_dispatch_s": "a freed replica's idle time before its next waiting call starts (router dispatch)",
             "live_service_cv": "CV of the router's round trips"}
     return values, {k: f"live: {v} ({source})" for k, v in what.items()}
 
@@ -234,11 +259,6 @@ def main(argv: list[str]) -> int:
     from quart_tools.report import json_safe
 
     args = _parser().parse_args(argv)
-    import signal
-
-    from quart_tools.bench.policies import _terminate
-
-    signal.signal(signal.SIGTERM, _terminate)  # a killed bench unwinds through run()'s finally: the gateway stops
     try:
         doc = run(args)
     except (RuntimeError, ValueError, OSError) as exc:
@@ -250,7 +270,8 @@ def main(argv: list[str]) -> int:
                            f"`quartctl bench hop-costs` {stamp}, {args.rate:g} req/s, load {doc['machine']['loadavg_at_end']}")
     write_report(json_safe(doc), args.out, always_print=not args.out)
     print(json.dumps({k: {m: doc[k][m] for m in ("client_mean_ms", "router_mean_ms", "service_ms", "compute_factor",
-                                                 "stage_hold_ms", "stage_gap_ms", "entry_ms", "service_cv", "wait_ms")}
+                                                 "stage_hold_ms", "stage_gap_ms", "entry_ms", "dispatch_ms", "service_cv",
+                                                 "wait_ms")}
                       for k in ("idle", "loaded")}, indent=1), file=sys.stderr)
     return 0
 
@@ -258,15 +279,16 @@ def main(argv: list[str]) -> int:
 def sim_terms(costs: dict, stages: int) -> dict:
     """The simulator's inputs for the live setup from measured costs (``decompose``'s loaded phase, or
     ``costs_of(calibration)``): the stage's mean compute (nominal × overshoot), the hold per call (a fixed part and
-    its growth per call in flight), the time outside the replicas, and the compute's CV that gives the round trip
-    its measured CV."""
+    its growth per call in flight), the time outside the replicas, the router's dispatch of a waiting call, and the
+    compute's CV that gives the round trip its measured CV."""
     compute_ms = nominal_stage_ms(stages) * costs["compute_factor"]
     round_trip_ms = compute_ms + costs["stage_hold_ms"]
     per_call = costs.get("hold_per_call_ms", 0.0)
-    at_one = costs.get("hold_at_one_ms", costs["stage_hold_ms"])
+    at_one = max(0.0, costs.get("hold_at_one_ms", costs["stage_hold_ms"]))  # a fitted line may cross 0 below 2 calls
     return {"stage_ms": compute_ms, "hop_s": (at_one - per_call) / 1000.0 if per_call else costs["stage_hold_ms"] / 1000.0,
             "hop_per_call_s": per_call / 1000.0,
             "outside_s": (stages * costs["stage_gap_ms"] + costs["entry_ms"]) / 1000.0,
+            "dispatch_s": costs.get("dispatch_ms", 0.0) / 1000.0,
             "service_cv": costs["service_cv"] * round_trip_ms / compute_ms}
 
 
@@ -275,4 +297,4 @@ def costs_of(cal) -> dict:
     return {"compute_factor": cal.live_compute_factor, "stage_hold_ms": 1000.0 * cal.live_stage_hold_s,
             "hold_at_one_ms": 1000.0 * cal.live_stage_hold_s, "hold_per_call_ms": 1000.0 * cal.live_hold_per_call_s,
             "stage_gap_ms": 1000.0 * cal.live_stage_gap_s, "entry_ms": 1000.0 * cal.live_entry_s,
-            "service_cv": cal.live_service_cv}
+            "dispatch_ms": 1000.0 * cal.live_dispatch_s, "service_cv": cal.live_service_cv}

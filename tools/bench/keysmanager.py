@@ -43,11 +43,11 @@ MB = 1_000_000
 class Daemon:
     """A KeysManager subprocess for the benchmark, in a temp dir."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, extra: tuple[str, ...] = ()) -> None:
         self.socket = root / "km.sock"
         log = open(root / "km.log", "ab")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen([sys.executable, "-m", "keysmanager.daemon", "--name", "bench",
-                                      "--socket", str(self.socket), "--state-dir", str(root / "state")],
+                                      "--socket", str(self.socket), "--state-dir", str(root / "state"), *extra],
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         self.client = KeysManagerClient(str(self.socket), timeout=900)

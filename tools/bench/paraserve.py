@@ -39,8 +39,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import sys
 import time
 
 from quart_stage import cliargs
@@ -261,7 +259,6 @@ def main(argv: list[str]) -> int:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     if max(args.parts) > args.hosts:
         p.error("--hosts must be at least the largest of --parts")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, kill: still remove the namespaces
     load = round(os.getloadavg()[0], 2)
     doc = measure(args)
     doc["machine"] = machine_info(load_avg_1m_at_start=load, load_avg_1m_at_end=round(os.getloadavg()[0], 2),

@@ -145,7 +145,7 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
     await gw.start()
     engine = SessionEngine(GatewayView(gw), GenerationConfig(replica_wait_s=600.0, step_timeout_s=120.0))
     gw.watch_sessions(engine.book.booked)  # as the plugin wires it: drains wait for sessions, groups keep workers
-    gw.watch_demand(engine.demand)
+    gw.watch_demand(engine.group_chains.demand)
     rng = random.Random(parts)
     try:
         paraserve = gw.reconciler.paraserve
@@ -188,8 +188,8 @@ async def _after(engine, fn, ok: list[Stream], args: argparse.Namespace) -> dict
     after = [_tpot_ms(s.token_at, s.consolidated_at) for s in moved]
     return {"streams": len(moved), "completed": sum(1 for s in moved if len(s.tokens) == args.max_tokens),
             "identical": sum(1 for s, r in zip(moved, again, strict=True) if s.tokens == r.tokens),
-            "reprefills": sum(s.reprefills for s in ok), "migrated": engine.migrations,
-            "kv_bytes": engine.kv_moved_bytes, "migration_ms": round(1000 * engine.migration_s, 1),
+            "reprefills": sum(s.reprefills for s in ok), "migrated": engine.group_chains.migrations,
+            "kv_bytes": engine.group_chains.kv_moved_bytes, "migration_ms": round(1000 * engine.group_chains.migration_s, 1),
             "tpot_after_ms": _pct([x for x in after if x is not None], 0.5),
             "tpot_whole_ms": _pct([_tpot_ms(s.token_at) for s in again], 0.5),
             "whole_workers_at_end": len(fn.ready)}

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -451,13 +450,8 @@ def plot(plot_dir: Path, latencies: dict, series: dict, profiled_ms: float) -> N
                 plot_stage_series(samples, plot_dir / f"stages-{workload}-{policy}.png", title=f"{policy}, {workload}")
 
 
-def _terminate(signum: int, _frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds through run()'s finally: the gateway is stopped
-
-
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
     try:
         report = run(args)
     except (RuntimeError, ValueError) as exc:

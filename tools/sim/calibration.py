@@ -62,6 +62,7 @@ class Calibration:
     live_hold_per_call_s: float = 0.0
     live_stage_gap_s: float = 0.0
     live_entry_s: float = 0.0
+    live_dispatch_s: float = 0.0
     live_service_cv: float = 0.1
     # Cluster (paper §8.1: 12 GPU servers, 4 GPUs, 108 cores, 1 TB RAM each).
     hosts: int = 12
@@ -214,6 +215,7 @@ _PAPER_SOURCES = {
     "live_hold_per_call_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
     "live_stage_gap_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
     "live_entry_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
+    "live_dispatch_s": "default 0; `quartctl bench hop-costs --calibration` measures it",
     "live_service_cv": "default QUART_EMULATED_CV; `quartctl bench hop-costs --calibration` measures it",
     "hosts": "QUART §8.1: 12 GPU servers",
     "gpus_per_host": "QUART §8.1: 4 GPUs per server",

@@ -48,6 +48,7 @@ class StageFlow:
         self.hop_in_service = cfg.hop_s if cfg.hop_holds_replica else 0.0
         self.hops_after = (0.0 if cfg.hop_holds_replica else cfg.hop_s * len(stages)) + cfg.outside_s
         self.hop_per_call = cfg.hop_per_call_s  # + this per stage call in flight (the host's CPU contention)
+        self.dispatch = cfg.dispatch_s  # + this when a freed replica takes the next waiting request
 
     # ------------------------------------------------------------------------- whole replicas
     def arrive(self, req: int, now: float) -> None:
@@ -66,8 +67,10 @@ class StageFlow:
         else:
             stage.queue.append((req, now))
 
-    def _start(self, req: int, stage: _Stage, rep: Replica, now: float, enqueued: float) -> None:
-        stage.metrics.on_dispatch(now, now - enqueued)
+    def _start(self, req: int, stage: _Stage, rep: Replica, now: float, enqueued: float, dispatch: float = 0.0) -> None:
+        """``req``'s call on ``rep``; it starts ``dispatch`` s from now (the replica held meanwhile), and its wait
+        and service are the router's: from its enqueueing to the call's start, from the start to the answer."""
+        stage.metrics.on_dispatch(now + dispatch, now + dispatch - enqueued)
         stage.busy += 1
         rep.in_flight += 1
         service = stage.spec.service_s * rep.factor * stage.draws[req] + self.hop_in_service
@@ -75,7 +78,7 @@ class StageFlow:
             service += self.hop_per_call * sum(st.busy for st in self.stages)
         loop = self.loop
         loop.seq += 1
-        heapq.heappush(loop.heap, (now + service, loop.seq, COMPLETE, (req, rep, service)))
+        heapq.heappush(loop.heap, (now + dispatch + service, loop.seq, COMPLETE, (req, rep, service)))
 
     def complete(self, payload: tuple[int | tuple[int, ...], Replica, float], now: float) -> None:
         """A call on a replica ended (a `COMPLETE` event): one request's, or a batch's (quart_tools.sim.batching)."""
@@ -112,7 +115,7 @@ class StageFlow:
             start_batch(self.cfg, self.loop, self.hop_in_service, stage, rep, now)
         elif stage.queue:
             req, enq = stage.queue.popleft()
-            self._start(req, stage, rep, now, enq)
+            self._start(req, stage, rep, now, enq, self.dispatch)
         else:
             stage.free.append(rep)
 

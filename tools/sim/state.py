@@ -61,6 +61,8 @@ class SimConfig:
     hop_per_call_s: float = 0.0  # a stage call's hold grows by this per stage call in flight when it starts, itself
     # included (the live host's CPU shared by the calls' HTTP and serialisation work; measured live)
     outside_s: float = 0.0  # per request, outside every replica: the router between stages, the front (measured live)
+    dispatch_s: float = 0.0  # a replica that frees with requests waiting starts the next one this much later: the
+    # router's dispatch (wake its stage's dispatcher, launch the call; measured live), the replica held meanwhile
     slo_factor: float = _LIVE.slo_factor  # with slo_s = 0: SLO = slo_factor × Σ profiled stage times
     profile_label: bool = True  # stages carry their profiled time (com.quart.profile-ms); False: measured
     gpu_keep_s: float = 0.0  # a released replica's parameters stay on its GPU this long

@@ -72,12 +72,13 @@ def _stats(lat_ms: np.ndarray) -> dict:
 
 def simulate(args, arrivals, hop_s: float, start_s: float | None = None, policy_config: dict | None = None,
              cpu_fraction: float | None = None, *, outside_s: float = 0.0, service_cv: float = EMULATED_CV,
-             hop_per_call_s: float = 0.0) -> dict:
+             hop_per_call_s: float = 0.0, dispatch_s: float = 0.0) -> dict:
     """The simulated side: same stages, service-time CV, cluster shape, start replicas, policy (and its
     ``policy_config``).
 
     ``hop_s`` holds the replica (each stage call's time beyond compute), ``outside_s`` is added to every
-    request's latency outside the replicas (the router between stages, the front).
+    request's latency outside the replicas (the router between stages, the front), ``dispatch_s`` delays a call a
+    freed replica takes from its queue (the router's dispatch).
 
     The live stages are emulated and hold no parameters, so a scale-up costs the live ask → ready time
     (``start_s``, measured by the gateway; the calibration's fork cost when not measured), not the paper's
@@ -100,7 +101,7 @@ def simulate(args, arrivals, hop_s: float, start_s: float | None = None, policy_
         calibration=cal,
         keysmanager=True, placer="cache-aware", initial_replicas=args.replicas, max_replicas=args.max_replicas,
         window_s=5.0, control_period_s=1.0, queue_cap=4096, hop_s=hop_s, outside_s=outside_s,
-        hop_per_call_s=hop_per_call_s, seed=args.seed,
+        hop_per_call_s=hop_per_call_s, dispatch_s=dispatch_s, seed=args.seed,
     )
     config = {"replicas": args.replicas} if args.policy == "static" else {}
     config.update(policy_config or {})

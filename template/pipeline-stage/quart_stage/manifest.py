@@ -30,6 +30,11 @@ def stage_path(directory: str | os.PathLike, name: str) -> str:
     return path
 
 
+# Files beside tokenizer.json the gateway's generation API reads when a model has them (special tokens, the chat
+# template); the partitioner copies them and the registry serves them.
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
 @dataclass(frozen=True)
 class StageEntry:
     """One stage: its layer range ``[start, end)`` in the manifest's layer list and its parameter file.
