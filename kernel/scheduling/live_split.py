@@ -6,10 +6,13 @@ a whole replica (``gateway_plugin.generation.cooperative``). Each part is booked
 positions (``quart_stage.spans.kv_charge``). What the live replica must hold *beside* the part is the room the
 rejoin will need once it is whole, and only for a session still running then:
 
-- ``migrate``: the whole replica's part of the cache moves in (its share of the positions), under the same id;
+- ``migrate`` / ``auto``: nothing. The move takes the rest's share from the whole replica to the live one: the
+  two replicas' total does not change, and the rest's booking is held already (on the whole replica). Booking it
+  on the live replica too held each outliving split twice over there: the live replica took at most its cap in
+  whole sessions of splits, and during a burst its book was full at f = 0.6 with 7 splits while the line waited
+  (issue 29, the bench's timeline). The move waits for room instead (tried before every step; ``auto`` takes a
+  background replay where room for one is free); a split that finds none stays split until it ends;
 - ``shadow`` / ``replay``: the session is prefilled again there, the whole session beside the part it holds;
-- ``auto``: the move's room, the least any rejoin needs (a background replay is taken where more room is free:
-  the stream then never waits);
 - ``keep``: nothing (it stays split until it ends).
 
 A session predicted to end before the replica is whole is booked its share only: the room of the splits that end
@@ -46,9 +49,8 @@ class SplitBooking:
 
 
 def rejoin_room(need: int, rest: int, rejoin: str) -> int:
-    """What the rejoin of a session needing ``need`` positions takes on the live replica beside its part."""
-    if rejoin in ("migrate", "auto"):
-        return rest
+    """What the rejoin of a session needing ``need`` positions takes on the live replica beside its part, booked
+    ahead: a replay's whole session; a move nothing (it hands the ``rest`` share over from the whole replica)."""
     if rejoin in ("shadow", "replay"):
         return need
     return 0
@@ -76,3 +78,18 @@ def outlives_loading(steps_left: int, step_s: float | None, load_left_s: float |
     if step_s is None or load_left_s is None:
         return True
     return steps_left * step_s * OUTLIVE_MARGIN > load_left_s
+
+
+def admission_rate(f: float, room: float, whole_s: float, split_s: float) -> float:
+    """Sessions per second a stage can admit while its old replica's KV cache (``room`` sessions) is full and a live
+    replica holds the share ``f`` of the layers (with as much room; 0 while it serves nothing, 1 once whole): a
+    split session books ``1 - f`` of a session on the old replica and ``f`` on the live one for ``split_s`` seconds;
+    new sessions split while both have room, and the old replica's room the splits leave takes whole sessions of
+    ``whole_s``. Each replica's room frees at its room over its sessions' time (the fluid bound, before the FIFO
+    line's gaps: a head that fits neither replica's leftover waits)."""
+    if f <= 0:
+        return room / whole_s
+    if f >= 1:
+        return 2 * room / whole_s
+    splits = min(room / (1 - f), room / f)
+    return splits / split_s + max(0.0, room - splits * (1 - f)) / whole_s

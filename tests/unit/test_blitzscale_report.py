@@ -7,6 +7,7 @@ import argparse
 
 from quart_tools.bench.blitzscale import receiver_cpu, round_order, runs_report
 from quart_tools.bench.blitzscale_gen import Stream, report, summarize
+from quart_tools.bench.blitzscale_timeline import fluid_bound
 
 
 def test_runs_report_counts_the_runs_meeting_both_targets() -> None:
@@ -99,3 +100,13 @@ def test_the_benchs_expected_tokens_are_the_emulated_stages_own() -> None:
         got.append(state.token(vocab))
         state.append([got[-1]], range(1, 3))
     assert expected_tokens(prompt, 6, seed, vocab) == got and len(set(got)) > 1
+
+
+def test_fluid_bound_admits_by_the_live_share_and_measures_the_line() -> None:
+    rows = [[t / 4, 0.0] for t in range(0, 41)]  # 10 s, no live replica: 6 / 1.5 = 4 sessions/s
+    out = fluid_bound(rows, lambda t: 6 * t, 6, 1.5, 1.5)
+    assert out["admitted"][-1] == 40.0  # 4/s for 10 s, of 60 arrived
+    assert out["left_waiting"] == 20.0
+    assert out["longest_wait_s"] > 3.0  # the line grows 2/s: those admitted last waited 10 - 40/6 s
+    whole = fluid_bound([[t / 4, 1.0] for t in range(0, 41)], lambda t: 6 * t, 6, 1.5, 1.5)
+    assert whole["left_waiting"] == 0.0 and whole["longest_wait_s"] <= 0.25

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 from gateway_plugin.generation.cooperative import LayerArrivals, split_for
 from quart_kernel.scheduling.live_split import (
+    admission_rate,
     loading_left_s,
     outlives_loading,
     rejoin_room,
@@ -27,11 +28,11 @@ class Replica:
     state: str = "ready"
 
 
-@pytest.mark.parametrize(("rejoin", "room"), [("auto", 54), ("migrate", 54), ("shadow", 80), ("replay", 80), ("keep", 0)])
+@pytest.mark.parametrize(("rejoin", "room"), [("auto", 0), ("migrate", 0), ("shadow", 80), ("replay", 80), ("keep", 0)])
 def test_a_session_outliving_the_loading_books_its_rejoins_room_beside_its_share(rejoin, room):
     b = split_booking(80, (0, 6), STAGE, rejoin, outlives=True)
     assert (b.part, b.rest) == (-(-80 * 6 // 18), -(-80 * 12 // 18)) == (27, 54)
-    assert b.reserve == rejoin_room(80, 54, rejoin) == room  # auto: the move's room, the least a rejoin needs
+    assert b.reserve == rejoin_room(80, 54, rejoin) == room  # a move hands the rest over: nothing ahead
     assert b.live == b.part + b.reserve
 
 
@@ -60,25 +61,25 @@ def test_layer_arrivals_give_a_rate_after_the_held_layers_grew():
     assert seen.rate() == 4.0
 
 
-def test_split_for_caps_the_live_replicas_splits_by_its_room_for_the_part_and_the_rejoin():
+def test_split_for_caps_the_live_replicas_splits_by_its_room_for_the_part_and_a_replays_rejoin():
     live, whole = Replica("live", (0, 9)), Replica("whole", STAGE)
     booked: dict[str, int] = {}
 
     def room(rid: str) -> int:
         return 480 - booked.get(rid, 0)
 
-    taken = 0
-    while (s := split_for([whole, live], room, 80, "migrate", lambda r: True)) is not None:
-        assert (s.partial, s.part, s.rest, s.part_tokens, s.rest_tokens, s.reserve) == (live, (0, 9), (9, 18), 80, 40, 40)
-        booked["live"] = booked.get("live", 0) + s.part_tokens
-        taken += 1
-    assert taken == 6  # the share and the rest's room: a whole session's positions each
-    booked.clear()
-    taken = 0
-    while (s := split_for([whole, live], room, 80, "migrate", lambda r: False)) is not None:
-        booked["live"] = booked.get("live", 0) + s.part_tokens
-        taken += 1
-    assert taken == 12  # sessions that end during the loading: their share only
+    def taken(rejoin: str, outlives: bool) -> int:
+        booked.clear()
+        n = 0
+        while (s := split_for([whole, live], room, 80, rejoin, lambda r: outlives)) is not None:
+            assert (s.partial, s.part, s.rest, s.rest_tokens) == (live, (0, 9), (9, 18), 40)
+            booked["live"] = booked.get("live", 0) + s.part_tokens
+            n += 1
+        return n
+
+    assert taken("shadow", True) == 4  # the share and the replay's whole session: 120 positions each
+    assert taken("migrate", True) == taken("auto", True) == 12  # a move hands the rest over: the share only
+    assert taken("shadow", False) == 12  # sessions that end during the loading: their share only
 
 
 def test_split_for_takes_the_live_replica_holding_most_and_never_a_whole_one():
@@ -87,3 +88,13 @@ def test_split_for_takes_the_live_replica_holding_most_and_never_a_whole_one():
     assert s.partial is b and s.part == (0, 11) and s.part_tokens == -(-80 * 11 // 18) + 80
     assert split_for([whole], lambda rid: 1000, 80, "shadow", lambda r: True) is None
     assert split_for([Replica("x", (3, 9))], lambda rid: 1000, 80, "shadow", lambda r: True) is None
+
+
+def test_admission_rate_grows_with_the_live_share_until_the_live_replica_binds() -> None:
+    room, whole, split = 6, 1.4, 1.5
+    assert admission_rate(0.0, room, whole, split) == pytest.approx(6 / 1.4)
+    assert admission_rate(1.0, room, whole, split) == pytest.approx(12 / 1.4)
+    assert admission_rate(0.4, room, whole, split) == pytest.approx(6 / (1.5 * 0.6))  # the old replica binds
+    # the live one binds: 7.5 splits, the old replica's room left (6 - 7.5 * 0.2) to whole sessions
+    assert admission_rate(0.8, room, whole, split) == pytest.approx(7.5 / 1.5 + 4.5 / 1.4)
+    assert admission_rate(0.5, room, whole, split) > admission_rate(0.2, room, whole, split)

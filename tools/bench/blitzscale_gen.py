@@ -32,6 +32,7 @@ from quart_kernel.scheduling.live_split import REJOIN_MODES
 from quart_provider.config import DEFAULT_NAMESPACE
 from quart_tools.bench.blitz import PeerCluster
 from quart_tools.bench.blitzscale_gateway import FUNCTION, deployment, percentile, scaled_gateway
+from quart_tools.bench.blitzscale_timeline import Timeline
 
 
 @dataclass
@@ -100,6 +101,8 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
     async with scaled_gateway(cluster, hosts, mode, dep) as g:
         engine = SessionEngine(g.view, GenerationConfig(kv_tokens=args.kv_sessions * need, replica_wait_s=120.0,
                                                         max_replays=5, rejoin=args.rejoin, room_wait_s=args.room_wait_s))
+        timeline = Timeline(engine, FUNCTION, g.first, need, float("inf"), time.monotonic)
+        stop = asyncio.Event()
         try:
             async def one(at: float, burst: bool) -> Stream:
                 await asyncio.sleep(max(0.0, at - time.monotonic()))
@@ -119,8 +122,11 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
                             stream.retries += 1
                             await asyncio.sleep(args.retry_ms / 1000)
                     stream.opened, stream.split = time.monotonic(), bool(session.splits)
+                    timeline.admitted += stream.opened >= timeline.t0
                     async for token in engine.tokens(session):
                         stream.times.append(time.monotonic())
+                        if len(stream.times) > 1:
+                            timeline.step(stream.times[-1], stream.split, stream.times[-1] - stream.times[-2])
                         stream.tokens.append(token)
                     stream.rejoins, stream.replays = session.rejoins, session.replays
                 except QuartError as exc:
@@ -133,17 +139,22 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
             steady_n = int(args.steady_rate * (args.steady_s + args.gen_burst_s))
             tasks = [asyncio.create_task(one(start + i / args.steady_rate, False)) for i in range(steady_n)]
             await asyncio.sleep(max(0.0, t0 - time.monotonic()))
-            t0 = await g.scale_up()
+            t0 = timeline.t0 = await g.scale_up()
+            sampler = asyncio.create_task(timeline.run(stop))
             tasks += [asyncio.create_task(one(t0 + i / args.gen_rate, True))
                       for i in range(int(args.gen_rate * args.gen_burst_s))]
             whole_at = await g.whole()
             streams = list(await asyncio.gather(*tasks))
+            stop.set()
+            await sampler
         finally:
+            stop.set()
             await engine.close()
         return summarize(mode, streams, start + 1.0, t0, whole_at, engine.live_splits.shadows) | await g.row() | {
             "first_served_ms": g.first_served_ms(), "rejoin_moves": moves(engine.live_splits.moved),
             "room_wait": {"waited": engine.room.counts.waited, "late_429": engine.room.counts.late,
                           "full_429": engine.room.counts.full},
+            "timeline": timeline.table(),
             "rejoin_replays": {"count": len(engine.live_splits.replayed),
                                "ms_p50": percentile([1000 * s for _, s in engine.live_splits.replayed], 0.5),
                                "ms_max": percentile([1000 * s for _, s in engine.live_splits.replayed], 1.0)}}
