@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from quart_stage.logs import AccessLog
-from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+from werkzeug.serving import DechunkedInput, ThreadedWSGIServer, WSGIRequestHandler
 from werkzeug.wsgi import LimitedStream
 
 DRAIN_MAX = 1 << 20  # unread request body a kept-alive connection discards; beyond it the connection closes
@@ -87,7 +87,8 @@ class _KeepAliveHandler(_QuietHandler):
     def make_environ(self) -> dict:
         environ = super().make_environ()
         length = environ.get("CONTENT_LENGTH", "")
-        if environ.get("wsgi.input_terminated"):  # a chunked body: werkzeug's own reader, no keep-alive
+        if environ.get("wsgi.input_terminated"):  # a chunked body: werkzeug's dechunker on the socket, no keep-alive
+            environ["wsgi.input"] = DechunkedInput(self._socket_in)  # (its rfile is the empty stand-in here)
             return environ
         try:
             size = int(length) if length else 0

@@ -220,6 +220,7 @@ class _Forward(http.server.BaseHTTPRequestHandler):
             conn.close()
             self.close_connection = True
             return
+        resp.close()  # read to its end; read1 never closes a Content-Length answer, and an open one blocks reuse
         if resp.will_close:
             conn.close()
         else:
