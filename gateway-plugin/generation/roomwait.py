@@ -35,7 +35,7 @@ class RoomCounts:
     full: int = 0  # refused at once: the queue held QUART_GEN_ROOM_QUEUE sessions
     late: int = 0  # refused after waiting their bound
     gone: int = 0  # left the queue: the client went away
-    wait_s: list[float] = field(default_factory=list)  # each served waiter's wait (the last 1024)
+    wait_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # each served waiter's wait (the last 1024)
 
 
 class RoomQueue:
@@ -88,7 +88,7 @@ class RoomQueue:
             while True:
                 if queue[0] is me and (placed := attempt()) is not None:
                     self.counts.waited += 1
-                    self.counts.wait_s = [*self.counts.wait_s[-1023:], self.clock() - start]
+                    self.counts.wait_s.append(self.clock() - start)
                     return placed
                 left = start + wait_s - self.clock()
                 if left <= 0:
