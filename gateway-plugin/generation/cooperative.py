@@ -47,15 +47,18 @@ from typing import Any
 
 import aiohttp
 from gateway_plugin import layers
-from gateway_plugin.generation.kvmove import Hop, StepError, move_kv
+from gateway_plugin.generation.kvmove import Copied, Hop, StepError, copy_kv, move_kv, trim_kv
 from gateway_plugin.generation.session import Session, SessionHost, Split
 from quart_kernel.picking import pick
 from quart_kernel.scheduling.live_split import (
     REJOIN_MODES,
+    RecutView,
     loading_left_s,
     outlives_loading,
+    recut_pays,
     split_booking,
 )
+from quart_stage.spans import kv_charge
 
 log = logging.getLogger("quart.generation")
 
@@ -83,6 +86,15 @@ def split_for(ready: list[Any], room: Callable[[str], int], need: int, rejoin: s
     booking = next(b for r, b in fits if r is partial)
     stage, cut = layers.stage_range(partial), layers.held_range(partial)[1]
     return Split(partial, (stage[0], cut), (cut, stage[1]), booking.live, booking.rest, booking.reserve)
+
+
+@dataclass
+class PreCopy:
+    """A re-cut under way: the cache of the layers up to ``to`` being copied to the live replica since ``began``."""
+
+    to: int
+    began: float
+    task: asyncio.Task[Copied]
 
 
 @dataclass
@@ -114,6 +126,7 @@ class LiveSplits:
         self.step_s: float | None = None  # the decode steps' moving average, seconds
         self.moved: list[tuple[int, float]] = []  # each migrate rejoin: (KV bytes moved, seconds the stream waited)
         self.replayed: list[tuple[int, float]] = []  # each shadow rejoin's replay: (positions, seconds it ran beside)
+        self.recuts: list[tuple[int, float, float]] = []  # each re-cut: (KV bytes, seconds the stream waited, pre-copy s)
         self.rejoins = 0  # split sessions moved onto their live replica once it was whole
         self.shadows = 0  # background replays started for a rejoin
 
@@ -140,11 +153,16 @@ class LiveSplits:
     # ------------------------------------------------------------------ rejoin
 
     async def rejoin(self, session: Session) -> None:
-        """Before a step: move each split whose partial replica is now whole onto it, as ``QUART_GEN_REJOIN`` says."""
+        """Before a step: move each split whose partial replica is now whole onto it, as ``QUART_GEN_REJOIN`` says;
+        re-cut one whose partial replica gained layers while sessions wait for room (`_recut`)."""
         book, mode = self.host.book, self.host.config.rejoin
         for k, split in list(session.splits.items()):
             if split.task is not None and split.task.done():
                 self._switch(session, k, split)
+                continue
+            if split.recut is not None or (not layers.is_whole(split.partial) and not split.recut_off
+                                           and split.task is None):
+                await self._recut(session, k, split)  # a pre-copy under way is finished before any rejoin
                 continue
             if not layers.is_whole(split.partial) or split.given_up or split.task is not None:
                 continue
@@ -186,6 +204,72 @@ class LiveSplits:
         self.moved.append((moved, host.clock() - start))
         log.info("session %s: rejoined stage %s on %s (%d KV bytes moved)", session.id, session.stages[k],
                  partial.id, moved)
+
+    def _recut_view(self, session: Session, k: int, split: Split, cut: int) -> RecutView:
+        """What `recut_pays` weighs for moving split ``k``'s cut to ``cut`` (the live replica's held layers)."""
+        book, need, span = self.host.book, session.need, (split.part[0], split.rest[1])
+        gain = kv_charge(need, (split.part[0], cut), span) - kv_charge(need, split.part, span)
+        waiting = self.host.room.waiting(session.stages[k])  # the head's need taken as this session's
+        head = split_booking(need, (split.part[0], cut), span, self.host.config.rejoin, True) if waiting else None
+        return RecutView(gain, (cut - split.part[1]) / max(1, span[1] - span[0]),
+                         session.max_tokens - len(session.generated), book.room(split.partial.id),
+                         book.room(session.replicas[k].id), head.live if head else 0, head.rest if head else 0,
+                         waiting)
+
+    async def _recut(self, session: Session, k: int, split: Split) -> None:
+        """Move the cut of split ``k`` up to the layers its live replica holds now, when `recut_pays`. First the
+        cache of the layers between is pre-copied from the whole replica to the live one in the background, beside
+        the part (``X-Quart-KV-Staged``), while the session goes on stepping; then, before a later step, the
+        positions since are copied (the stream waits for that only) and widen the part; the whole replica drops
+        the layers (``DELETE .../kv?layers=``) and its share of them frees for the entry's line. The live share is
+        booked from the pre-copy on. A refused copy leaves the cut where it was (and the staged layers charged
+        until the session ends); a refused drop makes its next step there fail, and the session replays."""
+        if split.recut is not None:
+            if split.recut.task.done():
+                await self._finish_recut(session, k, split)
+            return
+        held = layers.held_range(split.partial)
+        if held is None or session.fed == 0 or held[1] <= split.part[1] or held[1] >= split.rest[1]:
+            return
+        view = self._recut_view(session, k, split, held[1])
+        if not recut_pays(view):
+            return
+        host, whole = self.host, session.replicas[k]
+        host.book.reserve(split.partial.id, view.gain)
+        split.part_tokens += view.gain
+        task = asyncio.get_running_loop().create_task(copy_kv(
+            host.client(), session.id, session.need, Hop(whole.url, (split.part[1], held[1])),
+            Hop(split.partial.url, (split.part[0], held[1])), self._timeout(), staged=True))
+        split.recut = PreCopy(held[1], host.clock(), task)
+
+    async def _finish_recut(self, session: Session, k: int, split: Split) -> None:
+        """The pre-copy is done: copy the positions since, widen the part, drop the layers on the whole replica."""
+        host, pre, whole, start = self.host, split.recut, session.replicas[k], self.host.clock()
+        split.recut = None
+        cut, stage = split.part[1], (split.part[0], split.rest[1])
+        try:
+            first = pre.task.result()
+            last = await copy_kv(host.client(), session.id, session.need, Hop(whole.url, (cut, pre.to)),
+                                 Hop(split.partial.url, (stage[0], pre.to)), self._timeout(), start=first.tokens)
+        except (StepError, aiohttp.ClientError, OSError, TimeoutError, asyncio.CancelledError) as exc:
+            split.recut_off = True
+            log.warning("session %s: re-cutting onto %s failed (%s); staying cut at %d", session.id,
+                        split.partial.id, exc, cut)
+            return
+        rest_tokens = kv_charge(session.need, (pre.to, stage[1]), stage)
+        freed = split.rest_tokens - rest_tokens
+        split.part, split.rest, split.rest_tokens = (stage[0], pre.to), (pre.to, stage[1]), rest_tokens
+        try:
+            await trim_kv(host.client(), whole.url, session.id, (cut, pre.to), self._timeout())
+        except (StepError, aiohttp.ClientError, OSError, TimeoutError) as exc:  # its next step there fails: replay
+            log.warning("session %s: %s did not drop layers %d-%d after a re-cut (%s)", session.id, whole.id,
+                        cut, pre.to, exc)
+            return
+        host.book.release(whole.id, freed)
+        self.recuts.append((first.size + last.size, host.clock() - start, start - pre.began))
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.host.config.step_timeout_s)
 
     @staticmethod
     def _shadow_of(session: Session, k: int) -> Session:
@@ -277,7 +361,11 @@ class LiveSplits:
         session.fed = 0
 
     def _discard_shadow(self, split: Split) -> None:
-        """Stop a background replay and free what it holds (its id on every replica, its bookings)."""
+        """Stop a background replay and free what it holds (its id on every replica, its bookings), and a re-cut's
+        pre-copy (its booking is the split's own)."""
+        if split.recut is not None:
+            split.recut.task.cancel()
+            split.recut = None
         shadow, task = split.shadow, split.task
         split.shadow = split.task = None
         if task is not None and not task.done():

@@ -38,6 +38,8 @@ class Split:
     task: asyncio.Task | None = None
     base: str = ""  # the session id the replay was started from (a failover in between makes it stale)
     given_up: bool = False  # the replay failed: the session stays split
+    recut_off: bool = False  # a re-cut was refused: the cut stays where it is
+    recut: Any = None  # a re-cut under way (cooperative.PreCopy): its pre-copy, until the next step finishes it
     extra: list = field(default_factory=list)  # (replica, positions) the replay booked beyond the session's own
 
 
@@ -121,6 +123,7 @@ class SessionHost(Protocol):
     config: GenerationConfig
     clock: Callable[[], float]
     source: Any  # a gateway_plugin.router.ReplicaSource: ``ready(function)``, every ready replica, parts too
+    room: Any  # a gateway_plugin.generation.roomwait.RoomQueue: ``waiting(function)``, new sessions in line for room
 
     def client(self) -> aiohttp.ClientSession: ...
 

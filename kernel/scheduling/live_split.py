@@ -15,6 +15,12 @@ rejoin will need once it is whole, and only for a session still running then:
 - ``shadow`` / ``replay``: the session is prefilled again there, the whole session beside the part it holds;
 - ``keep``: nothing (it stays split until it ends).
 
+A split made early holds most of the session on the whole replica, ``1 - f`` at the ``f`` of its entry, while the
+live replica's layers grow. While new sessions wait for room that the whole replica lacks and the live one has, a
+split is **re-cut** (`recut_pays`): the cache of the layers the live replica gained since its cut moves onto it
+(one KV move, the stream waits for it), and the whole replica's share of them frees for the line: the old replica
+then holds about ``1 - f`` of every split at today's ``f``, the fluid bound's booking (`admission_rate`).
+
 A session predicted to end before the replica is whole is booked its share only: the room of the splits that end
 during the loading is the new replica's gain, which a booking of the rejoin room for every split gives away (the
 measured cost: TTFT 0.72 × stop-the-world's instead of ≤ 0.5). A prediction that misses is safe: the session
@@ -28,6 +34,8 @@ from dataclasses import dataclass
 from quart_stage.spans import kv_charge
 
 REJOIN_MODES = ("auto", "migrate", "shadow", "replay", "keep")
+RECUT_MIN_SHARE = 0.15  # a re-cut moves at least this share of the stage (each costs its stream one KV move)
+RECUT_MIN_STEPS = 3  # ... and the session has this many steps left to hold the room it frees
 OUTLIVE_MARGIN = 1.25  # a session is taken to outlive the loading unless it ends this much before (estimates err)
 
 Span = tuple[int, int]
@@ -93,3 +101,27 @@ def admission_rate(f: float, room: float, whole_s: float, split_s: float) -> flo
         return 2 * room / whole_s
     splits = min(room / (1 - f), room / f)
     return splits / split_s + max(0.0, room - splits * (1 - f)) / whole_s
+
+
+@dataclass(frozen=True, slots=True)
+class RecutView:
+    """What the re-cut of one split session is decided on, in KV positions: what it would move onto the live
+    replica (``gain``), the live and the whole replica's free room, and what the head of the entry's line needs on
+    each if it splits there now (``head_part``, ``head_rest``; 0 when nobody waits)."""
+
+    gain: int
+    gain_share: float
+    steps_left: int
+    live_room: int
+    whole_room: int
+    head_part: int
+    head_rest: int
+    waiting: int
+
+
+def recut_pays(v: RecutView, min_share: float = RECUT_MIN_SHARE, min_steps: int = RECUT_MIN_STEPS) -> bool:
+    """Whether to re-cut now: sessions wait, the whole replica lacks room for the head's rest while the live replica
+    has room for this gain and the head's part besides (the re-cut turns live room nobody can use into whole-replica
+    room the head needs), the gain is worth a move, and the session runs long enough to use it."""
+    return (v.waiting > 0 and v.whole_room < v.head_rest and v.live_room - v.gain >= v.head_part
+            and v.gain_share >= min_share and v.steps_left >= min_steps and v.gain > 0)

@@ -58,7 +58,7 @@ class Served:
 
         async def export(request: web.Request) -> web.Response:
             resp = await asyncio.to_thread(kvroutes.export_response, self.rt, request.match_info["sid"],
-                                           request.query.get("layers"))
+                                           request.query.get("layers"), request.query.get("from"))
             self.exports += 1
             return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
 
@@ -68,8 +68,14 @@ class Served:
                                            dict(request.headers))
             return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
 
+        async def trim(request: web.Request) -> web.Response:
+            resp = await asyncio.to_thread(kvroutes.trim_response, self.rt, request.match_info["sid"],
+                                           request.query.get("layers"))
+            return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
+
         app = web.Application()
         app.router.add_post("/", invoke)
+        app.router.add_delete("/_/sessions/{sid}/kv", trim)
         app.router.add_delete("/_/sessions/{sid}", delete)
         app.router.add_get("/_/sessions/{sid}/kv", export)
         app.router.add_put("/_/sessions/{sid}/kv", install)

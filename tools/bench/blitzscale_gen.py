@@ -152,6 +152,8 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
             await engine.close()
         return summarize(mode, streams, start + 1.0, t0, whole_at, engine.live_splits.shadows) | await g.row() | {
             "first_served_ms": g.first_served_ms(), "rejoin_moves": moves(engine.live_splits.moved),
+            "recuts": moves([(b, s) for b, s, _ in engine.live_splits.recuts])
+            | {"precopy_ms_p50": percentile([1000 * p for _, _, p in engine.live_splits.recuts], 0.5)},
             "room_wait": {"waited": engine.room.counts.waited, "late_429": engine.room.counts.late,
                           "full_429": engine.room.counts.full},
             "timeline": timeline.table(),
@@ -191,7 +193,10 @@ def summarize(mode: str, streams: list[Stream], steady_from: float, t0: float, w
             "rejoin_replays_started": shadows,
             "retries_429": sum(s.retries for s in streams), "tbt_samples": len(tbt),
             "replays": sum(s.replays for s in streams),
-            "errors": sorted({s.error[:200] for s in streams if s.error})[:3]}
+            "errors": sorted({s.error[:200] for s in streams if s.error})[:3],
+            "late_sessions": {"cols": ["arrived_s", "wait_ms", "ttft_ms", "split"],
+                              "rows": [[round(s.arrived - t0, 3), round(w, 1), round(t, 1), int(s.split)]
+                                       for s, w, t in zip(late, waits, ttft, strict=True)]}}
 
 
 def moves(moved: list[tuple[int, float]]) -> dict:

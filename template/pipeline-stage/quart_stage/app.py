@@ -106,7 +106,13 @@ def create_app(runtime: StageRuntime, name: str | None = None) -> Flask:
     @app.get("/_/sessions/<session_id>/kv")
     def export_kv(session_id: str):
         """A session's KV cache, for a consolidating ParaServe group (quart_stage.kvroutes)."""
-        return to_flask(kvroutes.export_response(runtime, session_id, request.args.get("layers")))
+        return to_flask(kvroutes.export_response(runtime, session_id, request.args.get("layers"),
+                                                 request.args.get("from")))
+
+    @app.delete("/_/sessions/<session_id>/kv")
+    def trim_kv(session_id: str):
+        """Drop the first layers of a session's part (a re-cut moved their cache; quart_stage.kvroutes)."""
+        return to_flask(kvroutes.trim_response(runtime, session_id, request.args.get("layers")))
 
     @app.put("/_/sessions/<session_id>/kv")
     def import_kv(session_id: str):

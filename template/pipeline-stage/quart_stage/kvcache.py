@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from quart_stage.errors import QuartError, invalid
-from quart_stage.spans import kv_charge
+from quart_stage.spans import fmt, kv_charge
 
 H_SESSION, H_SESSION_POS, H_SESSION_RESERVE = "X-Quart-Session", "X-Quart-Session-Pos", "X-Quart-Session-Reserve"
 H_SESSION_END, H_KV_TOKENS = "X-Quart-Session-End", "X-Quart-KV-Tokens"
@@ -42,6 +42,7 @@ class Session:
     dead: bool = False
     span: tuple[int, int] | None = None  # the layers this replica runs for it (a cooperative part), fixed at Pos 0
     stage: tuple[int, int] | None = None  # the stage's layers: a part is charged its share (spans.kv_charge)
+    staged: tuple[int, int] | None = None  # a re-cut's pre-copy: the wider part it will run, charged already
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -82,7 +83,7 @@ class SessionTable:
 
     def _charge(self, s: Session, positions: int) -> None:
         """Charge ``s`` for ``positions`` (tokens or reserve, whichever is larger); 429 if the table is full."""
-        want = kv_charge(max(positions, s.reserved), s.span, s.stage)
+        want = kv_charge(max(positions, s.reserved), s.staged or s.span, s.stage)
         delta = want - s.charged
         if delta > 0 and self._used + delta > self.max_tokens:
             self._sweep_locked(self.clock())
@@ -224,16 +225,22 @@ class SessionTable:
                 s.last_used = self.clock()
 
     def adopt(self, session_id: str, tokens: int, reserve: int, make_state: Callable[[], object],
-              fill: Callable[[object], None]) -> None:
+              fill: Callable[[object], None], span: tuple[int, int] | None = None,
+              stage: tuple[int, int] | None = None, staged: bool = False) -> None:
         """Install migrated cache into session ``session_id`` at ``tokens`` positions: a new session is made
         (charged ``max(tokens, reserve)``; 429 when full), an existing one must hold exactly ``tokens``
-        (409). ``fill(state)`` puts the layers in, under the session's lock."""
+        (409). ``fill(state)`` puts the layers in, under the session's lock. The session then runs ``span`` of
+        ``stage`` (None: the whole stage), which must cover the part it ran (409): a re-cut widens a part.
+        ``staged`` (a re-cut's pre-copy): the layers wait beside the part, which goes on stepping (the session
+        holds ``tokens`` or more), charged as ``span`` already; a later install of the positions since widens it."""
         if max(tokens, reserve) > self.max_tokens:
             raise invalid(KV_FIELD, f"the session needs {max(tokens, reserve)} positions; this replica holds at "
                                     f"most {self.max_tokens} (QUART_KV_MAX_TOKENS)")
         with self._lock:
             self._sweep_locked(self.clock())
             s = self._sessions.get(session_id)
+            if (s is None or s.dead) and staged:
+                raise self._mismatch(session_id, tokens, 0)
             if s is None or s.dead:
                 s = Session(session_id, make_state(), tokens=tokens, reserved=reserve, last_used=self.clock())
                 self._charge(s, tokens)
@@ -242,25 +249,48 @@ class SessionTable:
             s.busy += 1
         try:
             with s.lock:
-                if s.dead or s.tokens != tokens:
+                if s.dead or (s.tokens < tokens if staged else s.tokens != tokens):
                     raise self._mismatch(session_id, tokens, 0 if s.dead else s.tokens)
                 part = s.span, s.stage
-                with self._lock:  # installed layers join its own: charged the whole stage now (429 when full)
+                if s.span is not None and span is not None and not span[0] <= s.span[0] < s.span[1] <= span[1]:
+                    raise QuartError(409, f"the session runs layers {fmt(s.span)} here, which {fmt(span)} does not "
+                                          "cover", FIELD)
+                was = s.staged
+                with self._lock:  # installed layers join its own: charged their share now (429 when full)
                     s.reserved = max(s.reserved, reserve)
-                    s.span = s.stage = None
+                    if staged:
+                        s.staged = span
+                    else:
+                        s.span, s.stage = (span, stage) if span is not None else (None, None)
+                        s.staged = None
                     try:
-                        self._charge(s, tokens)
+                        self._charge(s, s.tokens)
                     except QuartError:
-                        s.span, s.stage = part
+                        s.span, s.stage, s.staged = *part, was
                         raise
                 try:
                     fill(s.state)
                 except BaseException:
                     with self._lock:
-                        s.span, s.stage = part
-                        self._charge(s, tokens)  # back to the part's share
+                        s.span, s.stage, s.staged = *part, was
+                        self._charge(s, s.tokens)  # back to the part's share
                     raise
         finally:
             with self._lock:
                 s.busy -= 1
                 s.last_used = self.clock()
+
+    def trim(self, session_id: str, drop: tuple[int, int], stage: tuple[int, int],
+             free: Callable[[object], None]) -> None:
+        """Session ``session_id`` stops running the layers ``drop`` (a re-cut moved their cache to the replica that
+        runs the part before): they must be the first of the layers it runs here, not all (409 otherwise);
+        ``free(state)`` drops their cache and its charge falls to the rest's share. 404 when unknown."""
+        with self.holding(session_id) as s:
+            ran = s.span or stage
+            if drop[0] != ran[0] or not drop[1] < ran[1]:
+                raise QuartError(409, f"the session runs layers {fmt(ran)} here: {fmt(drop)} is not a proper "
+                                      "first part of them", FIELD)
+            free(s.state)
+            with self._lock:
+                s.span, s.stage = (drop[1], ran[1]), stage
+                self._charge(s, s.tokens)

@@ -65,6 +65,10 @@ class EmulatedKV:
     def holds(self, layer: int) -> bool:
         return layer in self._buffers
 
+    def drop(self, layer: int) -> None:
+        """Free ``layer``'s keys and values (a re-cut moved them to another replica)."""
+        self._buffers.pop(layer, None)
+
     def append(self, ids: list[int], block_layers: range) -> None:
         """A step over ``ids`` through ``block_layers``: each layer's keys and values grow by those positions."""
         for layer in block_layers:
@@ -87,8 +91,9 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def cache_tensors(state: object, span: tuple[int, int], total_layers: int) -> dict[str, torch.Tensor]:
-    """The tensors of ``state`` (an `EmulatedKV` or a transformers ``DynamicCache``) for the blocks of ``span``."""
+def cache_tensors(state: object, span: tuple[int, int], total_layers: int, start: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` (an `EmulatedKV` or a transformers ``DynamicCache``) for the blocks of ``span``,
+    positions ``start`` on (a re-cut's last part: what came since its pre-copy)."""
     out: dict[str, torch.Tensor] = {}
     for layer in block_layers(span, total_layers):
         if isinstance(state, EmulatedKV):
@@ -97,28 +102,29 @@ def cache_tensors(state: object, span: tuple[int, int], total_layers: int) -> di
             cached = state.layers[layer - 1] if layer - 1 < len(state.layers) else None
             kv = (cached.keys, cached.values) if cached is not None and cached.is_initialized else None
         if kv is not None:
-            out[f"k.{layer}"], out[f"v.{layer}"] = kv[0].detach().cpu(), kv[1].detach().cpu()
+            out[f"k.{layer}"] = kv[0][..., start:, :].detach().cpu()
+            out[f"v.{layer}"] = kv[1][..., start:, :].detach().cpu()
     if isinstance(state, EmulatedKV):
         out["ids"] = torch.tensor(state.ids, dtype=torch.int64)
     return out
 
 
 def encode(session_id: str, tokens: int, span: tuple[int, int], tensors: Mapping[str, torch.Tensor],
-           seed: int = 0) -> bytes:
+           seed: int = 0, start: int = 0) -> bytes:
     """One part's cache as safetensors with each tensor's sha256 and length in the metadata (``seed``: an
-    emulated session's)."""
+    emulated session's; ``start``: the first position it holds)."""
     from safetensors.torch import save
 
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    meta = {"session": session_id, "tokens": tokens, "layers": list(span), "seed": seed,
+    meta = {"session": session_id, "tokens": tokens, "from": start, "layers": list(span), "seed": seed,
             "sha256": {k: hashlib.sha256(_raw(v)).hexdigest() for k, v in tensors.items()},
             "bytes": {k: v.numel() * v.element_size() for k, v in tensors.items()}}
     return save(tensors, metadata={META: json.dumps(meta)})
 
 
-def decode(body: bytes, session_id: str, tokens: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """The tensors of an exported part, verified: the header names this session at ``tokens`` positions,
-    every tensor is listed with its length and sha256 and matches them, and covers ``tokens`` positions."""
+def decode(body: bytes, session_id: str, tokens: int, start: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of an exported part, verified: the header names this session at ``tokens`` positions from
+    ``start``, every tensor is listed with its length and sha256 and matches them, and covers those positions."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -128,9 +134,9 @@ def decode(body: bytes, session_id: str, tokens: int) -> tuple[dict[str, torch.T
         meta = json.loads(json.loads(bytes(body[8:8 + header_len]))["__metadata__"][META])
     except (SafetensorError, ValueError, KeyError, TypeError) as exc:
         raise invalid(FIELD, f"not a KV-cache export: {exc}") from None
-    if meta.get("session") != session_id or meta.get("tokens") != tokens:
-        raise invalid(FIELD, f"the export is of session {meta.get('session')!r} at {meta.get('tokens')} positions, "
-                             f"not {session_id!r} at {tokens}")
+    if meta.get("session") != session_id or meta.get("tokens") != tokens or meta.get("from", 0) != start:
+        raise invalid(FIELD, f"the export is of session {meta.get('session')!r} at {meta.get('tokens')} positions "
+                             f"from {meta.get('from', 0)}, not {session_id!r} at {tokens} from {start}")
     if set(meta.get("sha256", {})) != set(tensors) or set(meta.get("bytes", {})) != set(tensors):
         raise invalid(FIELD, "the export's header does not list exactly its tensors")
     for name, t in tensors.items():
@@ -140,23 +146,47 @@ def decode(body: bytes, session_id: str, tokens: int) -> tuple[dict[str, torch.T
         if hashlib.sha256(_raw(t)).hexdigest() != meta["sha256"][name]:
             raise invalid(FIELD, f"tensor {name}: sha256 differs from the header's (corrupted in transit)")
         positions = t.shape[0] if name == "ids" else t.shape[-2]
-        if positions > tokens or (name == "ids" and positions != tokens):
-            raise invalid(FIELD, f"tensor {name} covers {positions} positions, the session holds {tokens}")
+        if (name == "ids" and positions != tokens) or (name != "ids" and positions > tokens - start):
+            raise invalid(FIELD, f"tensor {name} covers {positions} positions, the export holds {tokens - start}")
     return tensors, meta
 
 
-def install(state: object, tensors: Mapping[str, torch.Tensor], tokens: int) -> None:
-    """Put verified ``tensors`` into ``state``; 409 when it already holds one of those layers (or other ids)."""
+def drop(state: object, span: tuple[int, int], total_layers: int) -> None:
+    """Free the keys and values of the blocks of ``span`` in ``state`` (an `EmulatedKV` or a ``DynamicCache``)."""
+    for layer in block_layers(span, total_layers):
+        if isinstance(state, EmulatedKV):
+            state.drop(layer)
+        elif layer - 1 < len(state.layers):
+            state.layers[layer - 1].reset()
+
+
+def held_positions(state: object, layer: int) -> int:
+    """The positions of ``layer`` that ``state`` holds (0: none)."""
+    if isinstance(state, EmulatedKV):
+        kv = state.layers.get(layer)
+        return 0 if kv is None else kv[0].shape[-2]
+    if layer - 1 >= len(state.layers) or not state.layers[layer - 1].is_initialized:
+        return 0
+    return state.layers[layer - 1].get_seq_length()
+
+
+def install(state: object, tensors: Mapping[str, torch.Tensor], tokens: int, cover: range | None = None,
+            start: int = 0) -> None:
+    """Put verified ``tensors`` (positions ``start`` on) into ``state``: each of their layers must hold exactly
+    ``start`` positions (none for a whole export; 409 otherwise, or when the token ids differ), and with them it
+    must hold every block of ``cover`` (the layers the session runs afterwards)."""
     layers = sorted({int(name.split(".", 1)[1]) for name in tensors if name != "ids"})
     if isinstance(state, EmulatedKV):
         ids = tensors["ids"].tolist() if "ids" in tensors else None
-        if ids is not None and state.ids and state.ids != ids:
+        if ids is not None and state.ids and state.ids[:len(ids)] != ids:
             raise QuartError(409, "the export's token ids differ from the ones this replica holds", FIELD)
-        taken = [layer for layer in layers if state.holds(layer)]
-    else:
-        taken = [layer for layer in layers if state.layers[layer - 1].is_initialized]
+    taken = [layer for layer in layers if held_positions(state, layer) != start]
     if taken:
-        raise QuartError(409, f"this replica already holds layers {taken} of the session", FIELD)
+        raise QuartError(409, f"this replica holds other than {start} positions of layers {taken} of the session",
+                         FIELD)
+    missing = [layer for layer in cover or () if layer not in layers and not held_positions(state, layer)]
+    if missing:
+        raise QuartError(409, f"the session would lack the cache of layers {missing} it runs here", FIELD)
     for layer in layers:
         k, v = tensors[f"k.{layer}"], tensors[f"v.{layer}"]
         if isinstance(state, EmulatedKV):
