@@ -289,3 +289,49 @@ def test_emulated_split_sessions_rejoin_by_migration_with_the_emulations_own_tok
     assert got == [expected_tokens(prompts[i], 12, 77 + i, vocab) for i in range(3)]
     assert len(engine.live_splits.moved) == engine.live_splits.rejoins == 3 and all(b > 0 for b, _ in engine.live_splits.moved)
     assert engine.book.reserved == {}
+
+
+def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_with_generate_tokens(model):
+    """Two sessions split at layer 2 fill the whole replica's cache; a third waits in line. The live replica comes
+    to hold layers 0-6: a split's cache of layers 2-6 is pre-copied onto it, the positions since copied before a
+    step, the whole replica drops those layers (its share of them freed), and the waiting session gets in. Real
+    caches (a tiny llama): every stream still equals ``generate``, and every cache is freed at the end."""
+    model_dir, expected = model
+    need = len(PROMPTS[0]) + NEW
+    rest2 = -(-need * 6 // 8)  # a split at layer 2: the whole replica's share
+    cap = 2 * rest2 + 1
+
+    async def main():
+        whole = await Served(model_dir, kv_max_tokens=cap).start()
+        live = await Served(model_dir, (0, 2)).start()
+        source = StaticReplicas(slots=4)
+        source.replicas[FN] = [StaticReplica("whole", whole.url, layers=STAGE, held=STAGE),
+                               StaticReplica("live", live.url, layers=STAGE, held=(0, 2))]
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin="migrate"))
+        engine.book.caps.update({"live": 10_000, "whole": cap})  # as the replicas report them
+        cuts: dict[int, set] = {}
+
+        async def on_token(i: int, n: int, session) -> None:
+            for split in session.splits.values():
+                cuts.setdefault(i, set()).add(split.part)
+            if n == 2 and i == 0:
+                live._held = (0, 6)  # more layers arrived (its next answer says so)
+            if n == 10 and i == 2:
+                live.complete()
+            await asyncio.sleep(0.01)
+
+        try:
+            got = await _run(engine, PROMPTS[:1] * 3, on_token)
+            await engine.close()
+            await _drained(whole, live)
+        finally:
+            await whole.stop()
+            await live.stop()
+        return got, engine, cuts
+
+    got, engine, cuts = asyncio.run(main())
+    assert got == [expected[0]] * 3
+    assert engine.live_splits.recuts, "no split was re-cut"
+    assert any({(0, 2), (0, 6)} <= parts for parts in cuts.values())  # a session ran cut at 2, then at 6
+    assert engine.room.counts.waited >= 1 and engine.room.counts.late == 0
+    assert engine.book.reserved == {}

@@ -98,3 +98,26 @@ def test_admission_rate_grows_with_the_live_share_until_the_live_replica_binds()
     # the live one binds: 7.5 splits, the old replica's room left (6 - 7.5 * 0.2) to whole sessions
     assert admission_rate(0.8, room, whole, split) == pytest.approx(7.5 / 1.5 + 4.5 / 1.4)
     assert admission_rate(0.5, room, whole, split) > admission_rate(0.2, room, whole, split)
+
+
+def _view(**kw):
+    from quart_kernel.scheduling.live_split import RecutView
+
+    base = {"gain": 40, "gain_share": 0.3, "steps_left": 10, "live_room": 200, "whole_room": 10, "head_part": 60,
+            "head_rest": 30, "waiting": 2}
+    return RecutView(**(base | kw))
+
+
+@pytest.mark.parametrize(("change", "pays"), [
+    ({}, True),  # the whole replica lacks the head's rest, the live one has this gain and the head's part
+    ({"waiting": 0}, False),  # nobody waits: the move would free room nobody needs
+    ({"whole_room": 30}, False),  # the head fits already
+    ({"live_room": 90}, False),  # the gain would take the live room the head's part needs
+    ({"gain_share": 0.1}, False),  # too little to be worth a move
+    ({"steps_left": 2}, False),  # ends too soon to use it
+    ({"gain": 0}, False),
+])
+def test_a_split_is_re_cut_only_where_it_turns_live_room_into_room_the_head_of_the_line_needs(change, pays):
+    from quart_kernel.scheduling.live_split import recut_pays
+
+    assert recut_pays(_view(**change)) is pays
