@@ -24,6 +24,7 @@ class GenerationConfig:
     room_wait_s: float = 10.0  # [QUART_GEN_ROOM_WAIT_S] most a new session waits in line at the entry for KV room before a 429 (0 = 429 at once)
     room_queue: int = 256  # [QUART_GEN_ROOM_QUEUE] sessions that may wait for KV room at one stage; more get a 429 at once
     cooperative: bool = True  # [QUART_GEN_COOPERATIVE] split new sessions with a live replica's held layers
+    recut: bool = True  # [QUART_GEN_RECUT] re-cut a split at its live replica's layers while new sessions wait for room
     rejoin: str = "auto"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: auto | migrate | shadow | replay | keep
     decode_batch_max: int = 1  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
     prefill_chunk: int = 128  # [QUART_GEN_PREFILL_CHUNK] prompt positions per prefill call where decode batches (0 = whole prompt)

@@ -161,7 +161,7 @@ class LiveSplits:
                 self._switch(session, k, split)
                 continue
             if split.recut is not None or (not layers.is_whole(split.partial) and not split.recut_off
-                                           and split.task is None):
+                                           and split.task is None and self.host.config.recut):
                 await self._recut(session, k, split)  # a pre-copy under way is finished before any rejoin
                 continue
             if not layers.is_whole(split.partial) or split.given_up or split.task is not None:

@@ -291,7 +291,8 @@ def test_emulated_split_sessions_rejoin_by_migration_with_the_emulations_own_tok
     assert engine.book.reserved == {}
 
 
-def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_with_generate_tokens(model):
+@pytest.mark.parametrize("recut", [True, False])
+def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_with_generate_tokens(model, recut):
     """Two sessions split at layer 2 fill the whole replica's cache; a third waits in line. The live replica comes
     to hold layers 0-6: a split's cache of layers 2-6 is pre-copied onto it, the positions since copied before a
     step, the whole replica drops those layers (its share of them freed), and the waiting session gets in. Real
@@ -307,7 +308,7 @@ def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_wi
         source = StaticReplicas(slots=4)
         source.replicas[FN] = [StaticReplica("whole", whole.url, layers=STAGE, held=STAGE),
                                StaticReplica("live", live.url, layers=STAGE, held=(0, 2))]
-        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin="migrate"))
+        engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin="migrate", recut=recut))
         engine.book.caps.update({"live": 10_000, "whole": cap})  # as the replicas report them
         cuts: dict[int, set] = {}
 
@@ -331,7 +332,8 @@ def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_wi
 
     got, engine, cuts = asyncio.run(main())
     assert got == [expected[0]] * 3
-    assert engine.live_splits.recuts, "no split was re-cut"
-    assert any({(0, 2), (0, 6)} <= parts for parts in cuts.values())  # a session ran cut at 2, then at 6
+    assert bool(engine.live_splits.recuts) is recut
+    # with the re-cut a session ran cut at 2, then at 6
+    assert any({(0, 2), (0, 6)} <= parts for parts in cuts.values()) is recut
     assert engine.room.counts.waited >= 1 and engine.room.counts.late == 0
     assert engine.book.reserved == {}

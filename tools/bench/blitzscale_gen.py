@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "at once, the clients' retries decide who gets freed room)")
     g.add_argument("--rejoin", default="auto", choices=REJOIN_MODES,
                    help="QUART_GEN_REJOIN of the engine (default auto)")
+    g.add_argument("--recut", default="on", choices=("on", "off"),
+                   help="QUART_GEN_RECUT of the engine: re-cut splits while sessions wait for room (on)")
     g.add_argument("--slots", type=int, default=32, help="steps a replica runs at once (com.quart.concurrency)")
 
 
@@ -100,7 +102,8 @@ async def run_generation(cluster: PeerCluster, hosts: list[str], mode: str, args
     rng = random.Random(7)
     async with scaled_gateway(cluster, hosts, mode, dep) as g:
         engine = SessionEngine(g.view, GenerationConfig(kv_tokens=args.kv_sessions * need, replica_wait_s=120.0,
-                                                        max_replays=5, rejoin=args.rejoin, room_wait_s=args.room_wait_s))
+                                                        max_replays=5, rejoin=args.rejoin, room_wait_s=args.room_wait_s,
+                                                        recut=args.recut == "on"))
         timeline = Timeline(engine, FUNCTION, g.first, need, float("inf"), time.monotonic)
         stop = asyncio.Event()
         try:
@@ -220,7 +223,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> dict:
                         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                         "kv_sessions": args.kv_sessions, "slots": args.slots},
            "load": {"steady_rate": args.steady_rate, "steady_s": args.steady_s, "rate": args.gen_rate,
-                    "burst_s": args.gen_burst_s, "retry_ms": args.retry_ms, "rejoin": args.rejoin,
+                    "burst_s": args.gen_burst_s, "retry_ms": args.retry_ms, "rejoin": args.rejoin, "recut": args.recut,
                     "room_wait_s": args.room_wait_s}}
     if len(per_run) > 1:
         out["runs_meeting_targets"] = f"{sum(met)} of {len(per_run)}"
