@@ -44,16 +44,22 @@ class RoomQueue:
     def __init__(self, limit: int, retry_after_s: float, poll_s: float, clock: Callable[[], float]) -> None:
         self.limit, self.retry_after_s, self.poll_s, self.clock = limit, retry_after_s, poll_s, clock
         self._queues: dict[str, deque[asyncio.Event]] = {}
+        self._positions: dict[str, int] = {}  # KV positions the waiting sessions of each stage function need
         self.counts = RoomCounts()
 
     def waiting(self, function: str) -> int:
         """Sessions waiting for room at stage ``function`` now."""
         return len(self._queues.get(function, ()))
 
+    def waiting_positions(self, function: str) -> int:
+        """The KV positions the sessions waiting at stage ``function`` need (demand the autoscaler must see)."""
+        return self._positions.get(function, 0)
+
     def snapshot(self) -> dict:
         """Sessions waiting per stage function now, and what the line did since the start."""
         c = self.counts
-        return {"waiting": {fn: len(q) for fn, q in self._queues.items() if q}, "waited": c.waited,
+        return {"waiting": {fn: len(q) for fn, q in self._queues.items() if q},
+                "waiting_positions": {fn: n for fn, n in self._positions.items() if n}, "waited": c.waited,
                 "refused_late": c.late, "refused_full": c.full, "gone": c.gone}
 
     def freed(self) -> None:
@@ -63,10 +69,11 @@ class RoomQueue:
                 queue[0].set()
 
     async def placed(self, function: str, attempt: Callable[[], T | None], what: str, wait_s: float,
-                     gone: Callable[[], bool] | None = None, first: bool = False) -> T:
+                     gone: Callable[[], bool] | None = None, first: bool = False, positions: int = 0) -> T:
         """``attempt()``'s placement (it books nothing; the caller books what it returns before it awaits anything)
         once it is this session's turn and it fits; 429 when the wait would pass ``wait_s`` or the queue is full,
-        499 when ``gone()`` says the client went away. ``what`` names the room sought, for the 429's message."""
+        499 when ``gone()`` says the client went away. ``what`` names the room sought, for the 429's message;
+        ``positions``: what the session needs, counted as the stage's waiting demand while it waits."""
         queue = self._queues.setdefault(function, deque())
         if not queue or first:
             placed = attempt()
@@ -84,6 +91,7 @@ class RoomQueue:
             queue.appendleft(me)
         else:
             queue.append(me)
+        self._positions[function] = self._positions.get(function, 0) + positions
         try:
             while True:
                 if queue[0] is me and (placed := attempt()) is not None:
@@ -104,7 +112,9 @@ class RoomQueue:
                     await asyncio.wait_for(me.wait(), min(left, self.poll_s if queue[0] is me else CHECK_S))
         finally:
             queue.remove(me)
+            self._positions[function] -= positions
             if queue:
                 queue[0].set()  # the next one's turn: it tries at once
             else:
                 self._queues.pop(function, None)
+                self._positions.pop(function, None)

@@ -129,7 +129,8 @@ class SessionEngine:
             if any(r.id not in excluded for r in self._ready(function)):
                 fit = functools.partial(self._fit, function, need, excluded, steps)
                 return await self.room.placed(function, fit, f"{need} more KV-cache positions",
-                                              self.config.room_wait_s if wait_s is None else wait_s, gone, first)
+                                              self.config.room_wait_s if wait_s is None else wait_s, gone, first,
+                                              need)
             chain = self.group_chains.chain_for(function, need, excluded)
             if chain is not None:
                 return chain, None
@@ -443,14 +444,14 @@ class SessionEngine:
         return {rid: {str(k): v for k, v in sorted(lane.batches.items())} for rid, lane in self._lanes.items()}
 
     def stage_generation(self, function: str) -> tuple[int, int, int]:
-        """(sessions, KV positions booked, KV capacity of its ready replicas) of one stage function; capacity
-        is each ready replica's reported cap (``QUART_GEN_KV_TOKENS`` until it has), 0 for a stage that never
-        held a session (an encoder's)."""
+        """(sessions, KV positions booked, KV capacity of its ready replicas) of one stage function, its line's
+        waiting sessions and their positions included (demand); capacity: each ready replica's reported cap
+        (``QUART_GEN_KV_TOKENS`` until it has), 0 for a stage that never held a session (an encoder's)."""
         mine = [s for s in self.active.values() if function in s.stages]
-        booked = sum(s.need for s in mine)
+        sessions, booked = len(mine) + self.room.waiting(function), sum(s.need for s in mine) + self.room.waiting_positions(function)
         if function not in self._generating:
-            return len(mine), booked, 0
-        return len(mine), booked, sum(self.book.cap(r.id) for r in self._ready(function))
+            return sessions, booked, 0
+        return sessions, booked, sum(self.book.cap(r.id) for r in self._ready(function))
 
     def stage_decode(self, function: str) -> tuple[tuple[tuple[int, int, float], ...], int]:
         """(sessions per step, steps, mean s) of the stage's decode steps by batch size, and its decode batch limit."""

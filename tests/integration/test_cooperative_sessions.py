@@ -112,6 +112,18 @@ async def _run(engine: SessionEngine, prompts, on_token=None) -> list[list[int]]
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
+async def _run_and_stop(engine: SessionEngine, whole: Served, live: Served, prompts, on_token) -> list[list[int]]:
+    """The sessions' tokens; then the engine closed, every cache checked freed, both replicas stopped."""
+    try:
+        got = await _run(engine, prompts, on_token)
+        await engine.close()
+        await _drained(whole, live)
+    finally:
+        await whole.stop()
+        await live.stop()
+    return got
+
+
 async def _drained(*served: Served) -> None:
     for _ in range(100):  # the engine's DELETEs run in the background
         if all(s.rt.generation.table.used == 0 for s in served):
@@ -139,13 +151,7 @@ def test_split_sessions_give_generate_tokens_and_rejoin_the_replica_once_whole(m
                 live.complete()  # the live replica is whole: its next answer says so
             await asyncio.sleep(0.01)
 
-        try:
-            got = await _run(engine, PROMPTS, on_token)
-            await engine.close()
-            await _drained(whole, live)
-        finally:
-            await whole.stop()
-            await live.stop()
+        got = await _run_and_stop(engine, whole, live, PROMPTS, on_token)
         return got, seen, engine, whole.exports
 
     got, seen, engine, exports = asyncio.run(main())
@@ -186,13 +192,7 @@ def test_a_split_books_a_replays_room_only_and_new_sessions_go_whole_when_the_li
                 live.complete()
             await asyncio.sleep(0.01)
 
-        try:
-            got = await _run(engine, PROMPTS[:1] * 3, on_token)
-            await engine.close()
-            await _drained(whole, live)
-        finally:
-            await whole.stop()
-            await live.stop()
+        got = await _run_and_stop(engine, whole, live, PROMPTS[:1] * 3, on_token)
         return got, engine, split
 
     got, engine, split = asyncio.run(main())
@@ -321,13 +321,7 @@ def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_wi
                 live.complete()
             await asyncio.sleep(0.01)
 
-        try:
-            got = await _run(engine, PROMPTS[:1] * 3, on_token)
-            await engine.close()
-            await _drained(whole, live)
-        finally:
-            await whole.stop()
-            await live.stop()
+        got = await _run_and_stop(engine, whole, live, PROMPTS[:1] * 3, on_token)
         return got, engine, cuts
 
     got, engine, cuts = asyncio.run(main())

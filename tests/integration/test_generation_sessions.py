@@ -158,14 +158,16 @@ def test_sessions_without_room_wait_in_line_and_get_it_in_arrival_order_as_it_fr
                 await asyncio.sleep(0.02)  # arrival order 0, 1, 2, 3
             await asyncio.sleep(0.05)
             assert order == [0] and engine.room.waiting("m-stage-0") == 3
+            # the controller's view counts the line as demand: 1 session holding 70, 3 waiting for 70 each
+            assert engine.stage_generation("m-stage-0") == (4, 280, 100)
             gone = asyncio.create_task(one(9))  # a fifth whose client goes away while it waits
             await asyncio.sleep(0.02)
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
-            assert engine.room.waiting("m-stage-0") == 3
+            assert engine.room.waiting("m-stage-0") == 3 and engine.room.waiting_positions("m-stage-0") == 210
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
             assert order == [0, 1, 2, 3] and engine.room.counts.waited == 3
-            assert engine.book.reserved == {} and engine.active == {}
+            assert engine.book.reserved == {} and engine.active == {} and engine.room.waiting_positions("m-stage-0") == 0
             await engine.close()
     asyncio.run(main())
 
