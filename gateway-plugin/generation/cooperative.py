@@ -248,24 +248,27 @@ class LiveSplits:
         split.recut = None
         cut, stage = split.part[1], (split.part[0], split.rest[1])
         try:
-            first = pre.task.result()
+            try:
+                first = pre.task.result()
+            except (Exception, asyncio.CancelledError) as exc:  # the pre-copy's own failure (not this task's cancel)
+                raise StepError(f"the pre-copy failed: {exc!r}") from None
             last = await copy_kv(host.client(), session.id, session.need, Hop(whole.url, (cut, pre.to)),
                                  Hop(split.partial.url, (stage[0], pre.to)), self._timeout(), start=first.tokens)
-        except (StepError, aiohttp.ClientError, OSError, TimeoutError, asyncio.CancelledError) as exc:
+        except (StepError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             split.recut_off = True
             log.warning("session %s: re-cutting onto %s failed (%s); staying cut at %d", session.id,
                         split.partial.id, exc, cut)
             return
-        rest_tokens = kv_charge(session.need, (pre.to, stage[1]), stage)
-        freed = split.rest_tokens - rest_tokens
-        split.part, split.rest, split.rest_tokens = (stage[0], pre.to), (pre.to, stage[1]), rest_tokens
+        split.part, split.rest = (stage[0], pre.to), (pre.to, stage[1])
         try:
             await trim_kv(host.client(), whole.url, session.id, (cut, pre.to), self._timeout())
         except (StepError, aiohttp.ClientError, OSError, TimeoutError) as exc:  # its next step there fails: replay
             log.warning("session %s: %s did not drop layers %d-%d after a re-cut (%s)", session.id, whole.id,
                         cut, pre.to, exc)
-            return
-        host.book.release(whole.id, freed)
+            return  # (the rest's booking stays as the replica holds it, until the replay frees both)
+        rest_tokens = kv_charge(session.need, (pre.to, stage[1]), stage)
+        host.book.release(whole.id, split.rest_tokens - rest_tokens)
+        split.rest_tokens = rest_tokens
         self.recuts.append((first.size + last.size, host.clock() - start, start - pre.began))
 
     def _timeout(self) -> aiohttp.ClientTimeout:

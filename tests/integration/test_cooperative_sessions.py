@@ -42,6 +42,7 @@ class Served:
         self.runner: web.AppRunner | None = None
         self.url = ""
         self.exports = 0  # KV-cache exports served (a migrate rejoin)
+        self.refuse: set[str] = set()  # "staged": refuse a re-cut's pre-copy install; "trim": refuse its drop
 
     def complete(self) -> None:
         self._held = STAGE
@@ -64,11 +65,15 @@ class Served:
 
         async def install(request: web.Request) -> web.Response:
             body = await request.read()
+            if "staged" in self.refuse and request.headers.get("X-Quart-KV-Staged"):
+                return web.json_response({"error": "refused by the test"}, status=503)
             resp = await asyncio.to_thread(kvroutes.import_response, self.rt, request.match_info["sid"], body,
                                            dict(request.headers))
             return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
 
         async def trim(request: web.Request) -> web.Response:
+            if "trim" in self.refuse:
+                return web.json_response({"error": "refused by the test"}, status=500)
             resp = await asyncio.to_thread(kvroutes.trim_response, self.rt, request.match_info["sid"],
                                            request.query.get("layers"))
             return web.Response(status=resp.status, body=resp.body, headers=resp.headers)
@@ -291,12 +296,16 @@ def test_emulated_split_sessions_rejoin_by_migration_with_the_emulations_own_tok
     assert engine.book.reserved == {}
 
 
-@pytest.mark.parametrize("recut", [True, False])
-def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_with_generate_tokens(model, recut):
+@pytest.mark.parametrize(("recut", "refuse"), [(True, ""), (False, ""), (True, "staged"), (True, "trim")])
+def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_with_generate_tokens(model, recut,
+                                                                                                    refuse):
     """Two sessions split at layer 2 fill the whole replica's cache; a third waits in line. The live replica comes
     to hold layers 0-6: a split's cache of layers 2-6 is pre-copied onto it, the positions since copied before a
     step, the whole replica drops those layers (its share of them freed), and the waiting session gets in. Real
-    caches (a tiny llama): every stream still equals ``generate``, and every cache is freed at the end."""
+    caches (a tiny llama): every stream still equals ``generate``, and every cache is freed at the end.
+    ``QUART_GEN_RECUT`` off: no re-cut, the same tokens (the waiting session gets in once a session ends). A refused
+    pre-copy leaves the cut where it was; a refused drop on the whole replica makes that session replay there: the
+    same tokens, nothing left booked."""
     model_dir, expected = model
     need = len(PROMPTS[0]) + NEW
     rest2 = -(-need * 6 // 8)  # a split at layer 2: the whole replica's share
@@ -305,6 +314,8 @@ def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_wi
     async def main():
         whole = await Served(model_dir, kv_max_tokens=cap).start()
         live = await Served(model_dir, (0, 2)).start()
+        whole.refuse.add(refuse)
+        live.refuse.add(refuse)
         source = StaticReplicas(slots=4)
         source.replicas[FN] = [StaticReplica("whole", whole.url, layers=STAGE, held=STAGE),
                                StaticReplica("live", live.url, layers=STAGE, held=(0, 2))]
@@ -326,8 +337,8 @@ def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_wi
 
     got, engine, cuts = asyncio.run(main())
     assert got == [expected[0]] * 3
-    assert bool(engine.live_splits.recuts) is recut
-    # with the re-cut a session ran cut at 2, then at 6
-    assert any({(0, 2), (0, 6)} <= parts for parts in cuts.values()) is recut
+    assert bool(engine.live_splits.recuts) is (recut and not refuse)
+    # with the re-cut a session ran cut at 2, then at 6 (a refused drop: that step fails, the session replays)
+    assert any({(0, 2), (0, 6)} <= parts for parts in cuts.values()) is (recut and refuse != "staged")
     assert engine.room.counts.waited >= 1 and engine.room.counts.late == 0
     assert engine.book.reserved == {}
