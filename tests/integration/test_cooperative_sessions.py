@@ -322,10 +322,12 @@ def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_wi
         engine = SessionEngine(source, GenerationConfig(replica_wait_s=1.0, rejoin="migrate", recut=recut))
         engine.book.caps.update({"live": 10_000, "whole": cap})  # as the replicas report them
         cuts: dict[int, set] = {}
+        replays: dict[int, int] = {}
 
         async def on_token(i: int, n: int, session) -> None:
             for split in session.splits.values():
                 cuts.setdefault(i, set()).add(split.part)
+            replays[i] = session.replays
             if n == 2 and i == 0:
                 live._held = (0, 6)  # more layers arrived (its next answer says so)
             if n == 10 and i == 2:
@@ -333,12 +335,13 @@ def test_a_split_is_re_cut_while_a_session_waits_and_the_freed_room_admits_it_wi
             await asyncio.sleep(0.01)
 
         got = await _run_and_stop(engine, whole, live, PROMPTS[:1] * 3, on_token)
-        return got, engine, cuts
+        return got, engine, cuts, replays
 
-    got, engine, cuts = asyncio.run(main())
+    got, engine, cuts, replays = asyncio.run(main())
     assert got == [expected[0]] * 3
     assert bool(engine.live_splits.recuts) is (recut and not refuse)
-    # with the re-cut a session ran cut at 2, then at 6 (a refused drop: that step fails, the session replays)
-    assert any({(0, 2), (0, 6)} <= parts for parts in cuts.values()) is (recut and refuse != "staged")
+    assert (max(replays.values()) > 0) is (refuse == "trim")  # its step at the whole replica failed: a replay
+    # with the re-cut a session ran cut at 2, then at 6 (a refused drop: that step failed, the session replayed)
+    assert any({(0, 2), (0, 6)} <= parts for parts in cuts.values()) is (recut and not refuse)
     assert engine.room.counts.waited >= 1 and engine.room.counts.late == 0
     assert engine.book.reserved == {}

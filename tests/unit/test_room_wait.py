@@ -99,7 +99,8 @@ def test_a_full_line_refuses_at_once_naming_the_limit() -> None:
         assert refused.value.status == 429 and "Retry-After" in refused.value.headers
         assert "2 sessions already wait" in refused.value.message and "QUART_GEN_ROOM_QUEUE=2" in refused.value.message
         assert q.waiting("other") == 0  # a line per stage function
-        assert q.snapshot() == {"waiting": {"fn": 2}, "waited": 0, "refused_late": 0, "refused_full": 1, "gone": 0}
+        assert q.snapshot() == {"waiting": {"fn": 2}, "waiting_positions": {}, "waited": 0, "refused_late": 0,
+                                "refused_full": 1, "gone": 0}
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
