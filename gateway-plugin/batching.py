@@ -310,6 +310,7 @@ class Batcher:
                 q.wake.set()
             for job, _ in chosen:
                 router._running.discard(job)
+            router.hand_off(q)  # the freed replica to the queue's head (after the retries went back in front)
 
     @staticmethod
     def alone(router: Router, jobs: list[Job]) -> None:

@@ -23,9 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -34,6 +32,7 @@ from gateway_plugin import layers
 from gateway_plugin.batching import Batcher, BatchLimits, Exchange
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.entry import entry_admission, queued_verdict
+from gateway_plugin.jobs import Head, Job, StageQueue
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
 from gateway_plugin.replicas import ReplicaSource, StaticReplica, StaticReplicas, Waiters
 from quart_kernel.admission import ServiceTimes, client_deadline_s
@@ -50,7 +49,8 @@ log = logging.getLogger("quart.router")
 TIMING_HEADERS = ("X-Quart-Deserialize-Ms", "X-Quart-Compute-Ms", "X-Quart-Serialize-Ms")
 
 
-__all__ = ["ReplicaSource", "Reply", "Router", "StaticReplica", "StaticReplicas", "Waiters", "json_reply"]
+__all__ = ["Head", "Job", "ReplicaSource", "Reply", "Router", "StageQueue", "StaticReplica", "StaticReplicas", "Waiters",
+           "json_reply"]
 
 Reply = Answer  # what the router answers: status, headers, body (quart_transport.responses.Answer)
 
@@ -62,42 +62,6 @@ def json_reply(status: int, message: str, field_name: str | None = None, **heade
 
 def web_response(answer: Answer) -> web.Response:
     return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
-
-
-@dataclass(slots=True, eq=False)  # identity semantics: jobs live in sets
-class Job:
-    """One accepted pipeline request travelling through the stages."""
-
-    id: str
-    model: str
-    stages: list[str]
-    body: bytes
-    content_type: str
-    arrival: float
-    deadline: float
-    future: asyncio.Future
-    accept: str = ""  # the client's Accept header, for the last stage only (the others exchange safetensors)
-    stage: int = 0
-    layer_at: int | None = None  # the first layer of the stage not run yet; None at the stage's start
-    enqueued_at: float = 0.0
-    queue_len_seen: int = 0
-    tried: set = field(default_factory=set)
-    attempts: int = 0
-    visits: list[StageVisit] = field(default_factory=list)
-    task: asyncio.Task | None = None
-    done: bool = False
-    solo: bool = False  # sent alone, never in a batch (its batch's answer did not split: gateway_plugin.batching)
-    member: Any = None  # (body, its batch member) memo of gateway_plugin.batching.member_for: a body parsed once
-
-
-@dataclass(slots=True)
-class StageQueue:
-    function: str
-    jobs: deque = field(default_factory=deque)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    busy: int = 0
-    dispatcher: asyncio.Task | None = None
-    parked: bool = False  # the dispatcher waits for a job (the queue is empty)
 
 
 class Router:
@@ -285,18 +249,31 @@ class Router:
         return pick(ready, self.source.concurrency(function), tried)
 
     async def _dispatch(self, q: StageQueue) -> None:
+        """The stage's dispatcher: serves the head whenever a replica may have become free for it by something
+        this router does not see end (a replica ready, a proxy call released, a pick that skipped a replica)."""
         while True:
-            while q.jobs and q.jobs[0].done:
-                q.jobs.popleft()
-            if not q.jobs:
+            served = self.serve_head(q)
+            if served is Head.EMPTY:
                 q.wake.clear()
                 q.parked = True
                 try:
                     await q.wake.wait()
                 finally:
                     q.parked = False
-                continue
+            elif served is Head.NO_REPLICA:  # wait for a release or a new replica (the router's, the proxy's, ...)
+                q.wake.clear()
+                await self._wait_slot(q)
+
+    def serve_head(self, q: StageQueue) -> Head:
+        """The head of ``q``'s queue takes a free replica: the one path of every dispatch (the dispatcher's loop,
+        :meth:`hand_off`). Done jobs are dropped, a head past its deadline answered 504, one that can no longer
+        meet it shed 429 (:func:`queued_verdict`); the first that stays goes to the replica the pick rule names,
+        with the waiting requests that batch with it. At most one call is launched."""
+        while q.jobs:
             job = q.jobs[0]
+            if job.done:
+                q.jobs.popleft()
+                continue
             if self.clock() >= job.deadline:
                 q.jobs.popleft()
                 self._finish(job, self._deadline_reply(job, "waiting for a replica"))
@@ -307,12 +284,19 @@ class Router:
                                                                         SHED_HEADER: "deadline"}))
                 continue
             replica = self._free_replica(q, job)
-            if replica is None:  # wait for a release or a new replica (this router's, the proxy's, the platform's)
-                q.wake.clear()
-                await self._wait_slot(q)
-                continue
+            if replica is None:
+                return Head.NO_REPLICA
             q.jobs.popleft()
             self._launch(q, job, replica)
+            return Head.LAUNCHED
+        return Head.EMPTY
+
+    def hand_off(self, q: StageQueue) -> None:
+        """A call of ``q``'s stage ended and its request was settled (a retry already back in front): the replica it
+        freed goes to the queue's head now, in this event-loop turn, not at the dispatcher's wake-up (which
+        then finds nothing to do). The new call starts as its own task: a call that ends at once never recurses."""
+        if q.jobs and not self._closed:
+            self.serve_head(q)
 
     def service_times(self, function: str) -> ServiceTimes:
         """The function's one service-time estimator (the source's; this router's own for a source without one)."""
@@ -348,9 +332,12 @@ class Router:
         stage_end = part is None or layers.next_position(part, layers.stage_range(replica)) is None
         if job.accept and job.stage == len(job.stages) - 1 and stage_end:
             sent["Accept"] = job.accept  # e.g. application/json: the client's format for the final answer
-        done = await self.exchange(q, replica, sent, job.body, job.deadline, start)
-        job.task = None
-        self.settle(job, q, replica, part, done)
+        try:
+            done = await self.exchange(q, replica, sent, job.body, job.deadline, start)
+            job.task = None
+            self.settle(job, q, replica, part, done)
+        finally:  # answered, retried, moved on, or abandoned (cancelled): its replica to the head waiting now
+            self.hand_off(q)
 
     async def exchange(self, q: StageQueue, replica: Any, sent: dict[str, str], body: bytes, deadline: float,
                        start: float) -> Exchange:
