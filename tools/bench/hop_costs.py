@@ -13,8 +13,8 @@ compute time) and the load generator's latencies, per request:
   time outside any replica and any queue (``wait_ms``: the queue, and the dispatch when a replica is free);
 - ``entry_ms``: client latency − router latency: the gateway front and the client's own HTTP;
 - ``dispatch_ms``: when a replica's call ends with a request already waiting for its stage, the time until that
-  request's call starts (the router's dispatcher woken, the call launched; the replica sits idle meanwhile): the
-  mean over such back-to-back calls (``dispatch_calls``), 0 when none;
+  request's call starts (the call launched, its task run; the replica sits idle meanwhile): the mean over such
+  back-to-back calls (``dispatch_calls``, ``dispatch_p90_ms`` their p90), 0 when none;
 - ``service_cv``: CV of the round trip (the spread the simulator's service times get);
 - ``hold_per_call_ms``: how much a call's hold grows per stage call in flight beside it (least squares of hold on
   the calls in flight at its midpoint, itself included; ``hold_at_one_ms`` the line at one call): the 2-core
@@ -145,6 +145,7 @@ def decompose(records: list[dict], client_ms: list[float], stages: int, nominal_
         "stage_gap_ms": float((router - inside).mean() / stages),
         "entry_ms": float(client.mean() - router.mean()) if client.size else 0.0,
         "dispatch_ms": 1000.0 * float(gaps.mean()) if gaps.size else 0.0,
+        "dispatch_p90_ms": 1000.0 * float(np.percentile(gaps, 90)) if gaps.size else 0.0,
         "dispatch_calls": int(gaps.size),
         "calls_in_flight_mean": float(calls.mean()),
         "hold_at_one_ms": at_one,
@@ -270,7 +271,8 @@ def main(argv: list[str]) -> int:
                            f"`quartctl bench hop-costs` {stamp}, {args.rate:g} req/s, load {doc['machine']['loadavg_at_end']}")
     write_report(json_safe(doc), args.out, always_print=not args.out)
     print(json.dumps({k: {m: doc[k][m] for m in ("client_mean_ms", "router_mean_ms", "service_ms", "compute_factor",
-                                                 "stage_hold_ms", "stage_gap_ms", "entry_ms", "dispatch_ms", "service_cv",
+                                                 "stage_hold_ms", "stage_gap_ms", "entry_ms", "dispatch_ms", "dispatch_p90_ms",
+                                                 "dispatch_calls", "service_cv",
                                                  "wait_ms")}
                       for k in ("idle", "loaded")}, indent=1), file=sys.stderr)
     return 0
