@@ -132,13 +132,14 @@ class GroupChains:
 
     def demand(self, function: str) -> GroupDemand:
         """What the sliding-window rule reads of a stage function: its sessions' arrival times, the ones waiting
-        for a replica now, and how many sessions a whole replica holds (its KV cap / the recent sessions'
-        positions)."""
+        for a replica now (none ready, or every ready one without room: the entry's line), and how many sessions a
+        whole replica holds (its KV cap / the recent sessions' positions)."""
         book = self.host.book
         needs = self._needs.get(function) or [1]
         caps = [book.cap(r.id) for r in _whole(self.host.source.ready(function))] or [book.default_cap]
         per_worker = max(1, min(caps) // max(1, round(sum(needs) / len(needs))))
-        return GroupDemand(tuple(self._arrivals.get(function, ())), self._waiting.get(function, 0), per_worker)
+        waiting = self._waiting.get(function, 0) + self.host.room.waiting(function)
+        return GroupDemand(tuple(self._arrivals.get(function, ())), waiting, per_worker)
 
     # ------------------------------------------------------------------ steps on a chain
 

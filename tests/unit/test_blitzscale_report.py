@@ -50,7 +50,7 @@ def test_generation_rows_split_ttft_and_tbt_at_the_scale_up() -> None:
     assert (row["completed"], row["lost"], row["wrong"], row["ready_ms"]) == (3, 1, 1, 2000.0)
     args = argparse.Namespace(decode_ms=80, prefill_ms_per_token=1, prompt_tokens=64, max_tokens=16, kv_sessions=6,
                               slots=32, steady_rate=2, steady_s=5, gen_rate=5, gen_burst_s=8, retry_ms=20,
-                              rejoin="shadow", room_wait_s=30)
+                              rejoin="shadow", room_wait_s=30, recut="on")
     peer = dict(row, mode="peer-fetch", ttft_p99_ms=4000.0)
     doc = report([peer, row], args)
     assert doc["ratios"] == {"live_ttft_p99_over_peer_fetch": 0.25, "live_tbt_p99_over_steady": 3.0}
@@ -77,7 +77,7 @@ def test_modes_default_to_every_mode_and_take_commas(monkeypatch) -> None:
 def test_generation_rounds_each_get_their_ratios_and_the_rounds_meeting_both_targets_are_counted() -> None:
     args = argparse.Namespace(decode_ms=80, prefill_ms_per_token=1, prompt_tokens=64, max_tokens=16, kv_sessions=6,
                               slots=32, steady_rate=2, steady_s=5, gen_rate=5, gen_burst_s=8, retry_ms=20,
-                              rejoin="migrate", room_wait_s=30)
+                              rejoin="migrate", room_wait_s=30, recut="on")
     rows = []
     for run, (live_ttft, live_tbt) in enumerate([(1000.0, 120.0), (2500.0, 110.0), (900.0, 160.0)]):
         rows += [{"mode": "peer-fetch", "run": run, "ttft_p99_ms": 4000.0, "tbt_p99_ms": 90.0, "steady_tbt_p99_ms": 100.0},
