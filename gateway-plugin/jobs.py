@@ -36,6 +36,7 @@ class Job:
     attempts: int = 0
     visits: list[StageVisit] = field(default_factory=list)
     task: asyncio.Task | None = None
+    began: bool = False  # its call's task has started (a task cancelled before it never gives its slot back)
     done: bool = False
     solo: bool = False  # sent alone, never in a batch (its batch's answer did not split: gateway_plugin.batching)
     member: Any = None  # (body, its batch member) memo of gateway_plugin.batching.member_for: a body parsed once

@@ -238,9 +238,19 @@ class Router:
         if batch := self.batcher.gather(q, job, replica):  # the waiting requests that join this call, if it batches
             return self.batcher.launch(q, batch, replica)
         job.attempts += 1
+        job.began = False
         job.task = asyncio.get_running_loop().create_task(self._call(job, q, replica))
         self._running.add(job)
-        job.task.add_done_callback(lambda _t, job=job: self._running.discard(job))
+        job.task.add_done_callback(lambda task, job=job: self._ended(q, job, replica, task))
+
+    def _ended(self, q: StageQueue, job: Job, replica: Any, task: asyncio.Task) -> None:
+        """A call's task is over; one cancelled before it ran (the client gone, its deadline, in the launch's own
+        turn) never reached :meth:`exchange`, so its slot is given back here."""
+        self._running.discard(job)
+        if task.cancelled() and not job.began:
+            q.busy -= 1
+            self.source.give_back(q.function, replica)
+            q.wake.set()
 
     def pick(self, function: str, tried: set, at: int | None = None) -> Any | None:
         """The pick rule over the replicas that can run the request's next layers (all of them, unless some
@@ -323,6 +333,7 @@ class Router:
         return target
 
     async def _call(self, job: Job, q: StageQueue, replica: Any) -> None:
+        job.began = True
         start = self.clock()
         sent = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
                 "X-Quart-Model": job.model, "X-Quart-Stage": str(job.stage)}

@@ -218,3 +218,31 @@ def test_calls_that_end_at_once_never_make_the_hand_off_recurse() -> None:
         assert upstream.depth < 60  # each call on a fresh task's stack, not nested in the one before
 
     asyncio.run(main())
+
+
+def test_a_call_cancelled_before_its_task_ran_gives_its_replica_back() -> None:
+    """A request is abandoned (its client gone, its deadline) in the very turn its call was launched: the task
+    never runs (so never reaches the exchange that gives slots back), and the one replica must still serve the
+    next request."""
+
+    async def main() -> None:
+        upstream = Upstream(hold_s=0.01)
+        router, source = one_slot_router(upstream)
+        try:
+            gone = asyncio.create_task(router.invoke("m", b"a", request_id="a"))
+            for _ in range(50):  # turn by turn until its call is launched (the task scheduled), not run yet
+                await asyncio.sleep(0)
+                if router.queues[STAGE].busy:
+                    break
+            [job] = router._running
+            assert router.queues[STAGE].busy == 1 and upstream.calls == []
+            router._abandon(job, status=499)  # as the client's going away or its deadline timer would, in this turn
+            assert (await gone).status == 499
+            reply = await asyncio.wait_for(router.invoke("m", b"b", request_id="b"), 2.0)
+        finally:
+            source.turns.stop()
+            await router.close()
+        assert reply.status == 200 and upstream.calls == ["b"]
+        assert router.queues[STAGE].busy == 0
+
+    asyncio.run(main())
