@@ -209,8 +209,9 @@ class LiveSplits:
         """What `recut_pays` weighs for moving split ``k``'s cut to ``cut`` (the live replica's held layers)."""
         book, need, span = self.host.book, session.need, (split.part[0], split.rest[1])
         gain = kv_charge(need, (split.part[0], cut), span) - kv_charge(need, split.part, span)
-        waiting = self.host.room.waiting(session.stages[k])  # the head's need taken as this session's
-        head = split_booking(need, (split.part[0], cut), span, self.host.config.rejoin, True) if waiting else None
+        room, fn = self.host.room, session.stages[k]
+        waiting, head_need = room.waiting(fn), room.head_positions(fn) or need  # the head's split there now
+        head = split_booking(head_need, (split.part[0], cut), span, self.host.config.rejoin, True) if waiting else None
         return RecutView(gain, (cut - split.part[1]) / max(1, span[1] - span[0]),
                          session.max_tokens - len(session.generated), book.room(split.partial.id),
                          book.room(session.replicas[k].id), head.live if head else 0, head.rest if head else 0,

@@ -45,6 +45,7 @@ class RoomQueue:
         self.limit, self.retry_after_s, self.poll_s, self.clock = limit, retry_after_s, poll_s, clock
         self._queues: dict[str, deque[asyncio.Event]] = {}
         self._positions: dict[str, int] = {}  # KV positions the waiting sessions of each stage function need
+        self._need: dict[asyncio.Event, int] = {}  # each waiter's positions
         self.counts = RoomCounts()
 
     def waiting(self, function: str) -> int:
@@ -54,6 +55,11 @@ class RoomQueue:
     def waiting_positions(self, function: str) -> int:
         """The KV positions the sessions waiting at stage ``function`` need (demand the autoscaler must see)."""
         return self._positions.get(function, 0)
+
+    def head_positions(self, function: str) -> int:
+        """The KV positions the first session waiting at stage ``function`` needs (0: nobody waits)."""
+        queue = self._queues.get(function)
+        return self._need.get(queue[0], 0) if queue else 0
 
     def snapshot(self) -> dict:
         """Sessions waiting per stage function now, and what the line did since the start."""
@@ -92,6 +98,7 @@ class RoomQueue:
         else:
             queue.append(me)
         self._positions[function] = self._positions.get(function, 0) + positions
+        self._need[me] = positions
         try:
             while True:
                 if queue[0] is me and (placed := attempt()) is not None:
@@ -113,6 +120,7 @@ class RoomQueue:
         finally:
             queue.remove(me)
             self._positions[function] -= positions
+            del self._need[me]
             if queue:
                 queue[0].set()  # the next one's turn: it tries at once
             else:

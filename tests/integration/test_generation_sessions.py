@@ -161,6 +161,7 @@ def test_sessions_without_room_wait_in_line_and_get_it_in_arrival_order_as_it_fr
             # the controller's view counts the line as demand: 1 session holding 70, 3 waiting for 70 each
             assert engine.stage_generation("m-stage-0") == (4, 280, 100)
             assert engine.group_chains.demand("m-stage-0").waiting == 3  # ParaServe's keep rule counts them too
+            assert engine.room.head_positions("m-stage-0") == 70 and engine.room.head_positions("other") == 0
             gone = asyncio.create_task(one(9))  # a fifth whose client goes away while it waits
             await asyncio.sleep(0.02)
             gone.cancel()
