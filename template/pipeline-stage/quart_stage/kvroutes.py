@@ -22,14 +22,17 @@ def export_response(runtime, session_id: str, layers: str | None, start: str | N
     try:
         span = parse_layers(layers, runtime.stage_range) if runtime.stage_range else (0, 0)
         first = count_header(start, "from")
-        with gen.table.holding(session_id) as s:
+        with gen.table.holding(session_id) as s:  # the session's steps wait only for taking the tensors
             if first > s.tokens:
                 raise QuartError(409, f"the session holds {s.tokens} positions here, not {first} or more", "from")
+            tokens, seed = s.tokens, getattr(s.state, "seed", 0)
             tensors = kvmigrate.cache_tensors(s.state, span, runtime.total_layers, first)
-            body = kvmigrate.encode(session_id, s.tokens, span, tensors, getattr(s.state, "seed", 0), first)
+        # encoded (sha256, safetensors) outside the lock: a step appends past these positions (a paged buffer) or
+        # builds new tensors (transformers' cache), so the ones taken do not change
+        body = kvmigrate.encode(session_id, tokens, span, tensors, seed, first)
     except QuartError as exc:
         return StageResponse.error(exc, exc.headers)
-    return StageResponse(200, [body], {"Content-Type": kvmigrate.KV_TYPE, "X-Quart-Session-Pos": str(s.tokens)})
+    return StageResponse(200, [body], {"Content-Type": kvmigrate.KV_TYPE, "X-Quart-Session-Pos": str(tokens)})
 
 
 def import_response(runtime, session_id: str, body: bytes, headers: Mapping[str, str]):
