@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections import Counter
 
 from support.router_cluster import Cluster, make_router, routed, with_cluster
 
@@ -152,7 +153,10 @@ async def test_ten_thousand_requests_with_random_kills_all_answered(cluster: Clu
         await router.close()
     assert len(replies) == 10_000
     statuses = [r.status for r in replies]
-    assert all(s in (200, 502, 504) for s in statuses)
+    # every one answered: a success or an explicit error; a 429 with Retry-After is the router's overload answer when
+    # it predicts a deadline cannot be met (a stall of the machine inflates its service estimate: seen once in CI)
+    assert all(r.status in (200, 502, 504) or (r.status == 429 and "Retry-After" in r.headers) for r in replies), \
+        Counter(statuses)
     assert statuses.count(200) >= 9_900
     assert router.accepted == router.answered == 10_000
     assert kills >= 5
