@@ -44,8 +44,7 @@ class RoomQueue:
     def __init__(self, limit: int, retry_after_s: float, poll_s: float, clock: Callable[[], float]) -> None:
         self.limit, self.retry_after_s, self.poll_s, self.clock = limit, retry_after_s, poll_s, clock
         self._queues: dict[str, deque[asyncio.Event]] = {}
-        self._positions: dict[str, int] = {}  # KV positions the waiting sessions of each stage function need
-        self._need: dict[asyncio.Event, int] = {}  # each waiter's positions
+        self._need: dict[asyncio.Event, int] = {}  # each waiter's KV positions
         self.counts = RoomCounts()
 
     def waiting(self, function: str) -> int:
@@ -54,7 +53,7 @@ class RoomQueue:
 
     def waiting_positions(self, function: str) -> int:
         """The KV positions the sessions waiting at stage ``function`` need (demand the autoscaler must see)."""
-        return self._positions.get(function, 0)
+        return sum(self._need[waiter] for waiter in self._queues.get(function, ()))
 
     def head_positions(self, function: str) -> int:
         """The KV positions the first session waiting at stage ``function`` needs (0: nobody waits)."""
@@ -65,8 +64,8 @@ class RoomQueue:
         """Sessions waiting per stage function now, and what the line did since the start."""
         c = self.counts
         return {"waiting": {fn: len(q) for fn, q in self._queues.items() if q},
-                "waiting_positions": {fn: n for fn, n in self._positions.items() if n}, "waited": c.waited,
-                "refused_late": c.late, "refused_full": c.full, "gone": c.gone}
+                "waiting_positions": {fn: n for fn in self._queues if (n := self.waiting_positions(fn))},
+                "waited": c.waited, "refused_late": c.late, "refused_full": c.full, "gone": c.gone}
 
     def freed(self) -> None:
         """Room may have freed somewhere: the head of every queue tries again."""
@@ -97,7 +96,6 @@ class RoomQueue:
             queue.appendleft(me)
         else:
             queue.append(me)
-        self._positions[function] = self._positions.get(function, 0) + positions
         self._need[me] = positions
         try:
             while True:
@@ -119,10 +117,8 @@ class RoomQueue:
                     await asyncio.wait_for(me.wait(), min(left, self.poll_s if queue[0] is me else CHECK_S))
         finally:
             queue.remove(me)
-            self._positions[function] -= positions
             del self._need[me]
             if queue:
                 queue[0].set()  # the next one's turn: it tries at once
             else:
                 self._queues.pop(function, None)
-                self._positions.pop(function, None)
