@@ -188,11 +188,12 @@ class PodDirectory:
     async def follow(self, functions: Mapping[str, str]) -> None:
         """Keep the pods of these functions (name -> namespace); a new namespace's watch starts (its first list
         is waited for, bounded)."""
+        changed = [f for f, namespace in functions.items() if self.namespace_of.get(f) != namespace]
         self.namespace_of = dict(functions)
         for function in set(self.pods) - set(functions):
             for pod in self.pods.pop(function).values():
                 pod.state = "draining"
-        for function in functions:
+        for function in changed:  # the others' pods change with their slices only (a dead pod stays out till then)
             self._rebuild(function)
         new = set(functions.values()) - set(self._tasks)
         for namespace in new:

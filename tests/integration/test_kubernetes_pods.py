@@ -1,6 +1,7 @@
 """The plugin's pod directory (gateway_plugin.kubernetes_pods) against a fake EndpointSlice API on loopback
 (tests/support/fake_endpointslices.py): list (paged) then watch, endpoint conditions to pod states, a watch whose
-version expired (410) re-lists, the service account's token re-read, and the setting that turns it on."""
+version expired (410) re-lists, the service account's token re-read and its CA verifying https, and the setting
+that turns it on."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from gateway_plugin import kubernetes_pods
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.kubernetes_pods import KubernetesAPI, PodDirectory, pod_directory
-from support.fake_endpointslices import FakeEndpointSlices, endpoint_slice
+from support.fake_endpointslices import FakeEndpointSlices, endpoint_slice, self_signed_server
 
 NS, FN = "openfaas-fn", "t-stage-0"
 
@@ -107,11 +108,43 @@ def test_an_unreachable_pod_takes_no_calls_until_its_slices_change(tmp_path) -> 
             a = pods.pods[FN]["pod-a@10.0.0.1:8080"]
             pods.mark_unreachable(FN, a)
             assert ids(pods) == ["pod-b@10.0.0.2:8080"] and a.state == "dead"
+            await pods.follow({FN: NS})  # the gateway's functions polled again: nothing changed for the pod
+            assert ids(pods) == ["pod-b@10.0.0.2:8080"]
             await fake.put(NS, endpoint_slice("t-a", FN, [("pod-a", "10.0.0.1", True), ("pod-b", "10.0.0.2", True),
                                                           ("pod-c", "10.0.0.3", True)]))
             await until(lambda: len(ids(pods)) == 3)  # listed ready again: tried again
             await pods.follow({})  # the function is gone from the gateway: its pods leave
             assert pods.ready(FN) == [] and a.state == "draining"
+    asyncio.run(main())
+
+
+def test_https_is_verified_with_the_service_accounts_ca(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("cryptography")
+    monkeypatch.setattr(kubernetes_pods, "SYNC_WAIT_S", 0.5)
+    server, client, stranger = (tmp_path / n for n in ("server", "sa", "other"))
+    for folder in (server, client, stranger):
+        folder.mkdir()
+    ca, tls = self_signed_server(server)
+    self_signed_server(stranger)  # another cluster's CA
+
+    async def main():
+        fake = await FakeEndpointSlices("sa-token").start(tls)
+        await fake.put(NS, endpoint_slice("t-a", FN, [("pod-a", "10.0.0.1", True)]))
+        (client / "token").write_text("sa-token")
+        (client / "ca.crt").write_bytes(ca.read_bytes())
+        (stranger / "token").write_text("sa-token")
+        trusting, wary = (PodDirectory(KubernetesAPI(fake.url, str(d))) for d in (client, stranger))
+        try:
+            assert fake.url.startswith("https://")
+            await trusting.follow({FN: NS})
+            assert ids(trusting) == ["pod-a@10.0.0.1:8080"]
+            lists = fake.lists
+            await wary.follow({FN: NS})  # its CA did not sign the server's certificate: no TLS, no list
+            assert ids(wary) == [] and fake.lists == lists
+        finally:
+            for pods in (trusting, wary):
+                await pods.close()
+            await fake.stop()
     asyncio.run(main())
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -57,13 +59,13 @@ class FakeEndpointSlices:
         self.runner: web.AppRunner | None = None
         self.url = ""
 
-    async def start(self) -> FakeEndpointSlices:
+    async def start(self, tls: ssl.SSLContext | None = None) -> FakeEndpointSlices:
         app = web.Application()
         app.router.add_get(PREFIX, self._endpointslices)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        await web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=tls).start()
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.runner.addresses[0][1]}"
         return self
 
     async def stop(self) -> None:
@@ -157,3 +159,33 @@ class FakeEndpointSlices:
         with contextlib.suppress(ConnectionError):
             await resp.write_eof()
         return resp
+
+
+def self_signed_server(folder: Path) -> tuple[Path, ssl.SSLContext]:
+    """A throwaway CA certificate for 127.0.0.1 (``folder/ca.crt``, also the server's) and the server's TLS context."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fake-kubernetes")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    ca, key_file = folder / "ca.crt", folder / "server.key"
+    ca.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_file.chmod(0o600)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(ca, key_file)
+    return ca, context
