@@ -1,9 +1,9 @@
 """Pods addressed directly on Kubernetes (issue 40): the standalone plugin with ``QUART_PLATFORM=kubernetes`` reads
 each stage's pods from a fake EndpointSlice API and calls them directly. The pods are real stage replicas (the
 stage's WSGI app over the random ``tiny`` decoder, 2 stages, 3 pods each) on loopback: 16 generation sessions keep
-their pods (0 replays, every session's steps on one pod per stage, no 409), and a pod removed from its slices
-mid-stream gives its sessions up to the other pods by replay, every stream token-identical to transformers' greedy
-``generate``."""
+their pods (0 replays, every session's steps on one pod per stage, no 409), a pod removed from its slices
+mid-stream gives its sessions up to the other pods by replay, and a pod that dies while still listed fails its
+sessions over by replay; every stream token-identical to transformers' greedy ``generate``."""
 
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def test_a_pod_removed_from_its_slices_mid_stream_hands_its_sessions_over_by_rep
         pod = next(p for p in cluster.pods[STAGES[0]] if p.name == on.most_common(1)[0][0].split("@")[0])
         pinned = [s for s in list(engine.active.values()) if s.replicas[0].id.startswith(pod.name + "@")]
         removed.update(pod=pod, sessions={s.id for s in pinned}, mark=len(pod.steps),
-                       running=sum(1 for s in pinned if len(s.generated) >= 3))
+                       running=sum(1 for s in pinned if len(s.generated) >= 3),
+                       going_on=sum(1 for s in pinned if s.max_tokens - len(s.generated) >= 2))
         await cluster.remove(pod)
 
     results = asyncio.run(run(cluster.url, 24, remove_busiest_pod))
@@ -120,9 +121,32 @@ def test_a_pod_removed_from_its_slices_mid_stream_hands_its_sessions_over_by_rep
         assert tokens == greedy(model[1], ids, 24)  # identical after the move
         assert final["finish_reason"] == "length" and final["replays"] == 0  # moved, never failed
     pod, sessions = removed["pod"], removed["sessions"]
-    assert removed["running"] >= 1 and engine.moves == len(sessions)  # each of its sessions moved once, by replay
+    assert removed["running"] >= 1  # mid-stream; each of its sessions with a step to go moved once, by replay
+    assert 1 <= removed["going_on"] <= engine.moves <= len(sessions)
     late = collections.Counter(sid for sid, _ in pod.steps[removed["mark"]:])
     assert set(late) <= sessions and set(late.values()) <= {1}  # at most the step each had on its way there
     assert sorted(p.id.split("@")[0] for p in cluster.plugin.view.ready(STAGES[0])) == sorted(
         p.name for p in cluster.pods[STAGES[0]] if p is not pod)
+    assert engine.book.reserved == {}
+
+
+def test_a_pod_that_dies_while_listed_fails_its_sessions_over_by_replay(cluster, model) -> None:
+    engine, stage = cluster.plugin.engine, STAGES[1]
+    killed: dict = {}
+
+    async def kill_busiest_pod() -> None:
+        on = collections.Counter(s.replicas[1].id for s in list(engine.active.values()) if len(s.generated) >= 3)
+        pod = next(p for p in cluster.pods[stage] if p.name == on.most_common(1)[0][0].split("@")[0])
+        killed.update(pod=pod, prompts=[s.prompt for s in list(engine.active.values())
+                                        if s.replicas[1].id.startswith(pod.name + "@")])
+        await asyncio.to_thread(pod.stop)  # its slice still lists it ready
+
+    results = asyncio.run(run(cluster.url, 24, kill_busiest_pod))
+    failed_over = 0
+    for ids, (tokens, final) in zip(prompts(), results, strict=True):
+        assert tokens == greedy(model[1], ids, 24)  # identical after the failover
+        assert final["finish_reason"] == "length"
+        assert final["replays"] <= (1 if ids in killed["prompts"] else 0)  # one replay at most, on its sessions
+        failed_over += final["replays"]
+    assert failed_over >= 1 and engine.moves == 0
     assert engine.book.reserved == {}

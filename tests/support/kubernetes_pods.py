@@ -18,7 +18,7 @@ from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.standalone import StandalonePlugin
 from quart_stage.app import create_app_from_env
-from werkzeug.serving import make_server
+from werkzeug.serving import WSGIRequestHandler, make_server
 
 from support.fake_endpointslices import FakeEndpointSlices, endpoint_slice
 
@@ -28,6 +28,12 @@ NAMESPACE = "openfaas-fn"
 TOKEN = "fake-service-account-token"
 
 
+class OneRequest(WSGIRequestHandler):
+    """One request a connection, so that a stopped pod refuses the next call (no kept-alive connection serves on)."""
+
+    protocol_version = "HTTP/1.0"
+
+
 class StagePod:
     """One pod: the stage's WSGI app on a loopback port; ``steps``: (session id, status) of each session step."""
 
@@ -35,7 +41,7 @@ class StagePod:
         self.name = name
         self.app = create_app_from_env(env)
         self.steps: list[tuple[str, int]] = []
-        self.server = make_server("127.0.0.1", 0, self._wsgi, threaded=True)
+        self.server = make_server("127.0.0.1", 0, self._wsgi, threaded=True, request_handler=OneRequest)
         self.port = self.server.server_port
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -52,6 +58,9 @@ class StagePod:
         return self.app(environ, start)
 
     def stop(self) -> None:
+        """The pod's process is gone: calls in progress end, new ones are refused."""
+        if not self.thread.is_alive():
+            return
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(10)
