@@ -7,8 +7,10 @@ after the policy and the session floor have spoken, the stages that compute on t
 ``compute_cores``: their replicas × cpus are cut to it with the policy's own water-filling
 (:func:`gateway_plugin.policies.provision.fair_shares`: in proportion to each stage's work, never below
 ``com.openfaas.scale.min`` nor the replicas busy now), one replica per stage at the least, since a pipeline whose stage
-has none serves nothing. The load a cut stage cannot take in more replicas it takes in larger batches: continuous
-decode batching (on by default, ``QUART_GEN_DECODE_BATCH_MAX``) and the router's one-shot batches.
+has none serves nothing. Only scale-ups are cut: replicas already there (an operator's `faas-cli scale`, an earlier
+decision) go when the policy lets them go, as before. The load a cut stage cannot take in more replicas it takes in
+larger batches: continuous decode batching (on by default, ``QUART_GEN_DECODE_BATCH_MAX``) and the router's one-shot
+batches.
 
 Emulated stages (the QUART paper's GPUs, a sleep per call) and GPU stages are not bounded here: their slots are the
 hosts' (``--gpus-per-host``). ``compute_cores`` 0 turns the rule off (the standalone plugin on a cluster, where the
@@ -45,8 +47,9 @@ def within_compute(snap: PipelineSnapshot, decision: Decision) -> Decision:
     shares = fair_shares(tuple(snap.stages[k] for k in bound), demands, capacity)
     stages = list(decision.stages)
     for k, share in zip(bound, shares, strict=True):
-        want = stages[k]
-        if share < want.replicas:
-            stages[k] = replace(want, replicas=share, reason=want.reason + (
-                f" (compute: {share} of {capacity} replicas on {snap.compute_cores:g} cores)"))
+        want, stage = stages[k], snap.stages[k]
+        allowed = max(share, stage.replicas + stage.pending_replicas)  # a scale-up only: what runs stays the policy's
+        if allowed < want.replicas:
+            stages[k] = replace(want, replicas=allowed, reason=want.reason + (
+                f" (compute: {allowed} of {capacity} replicas on {snap.compute_cores:g} cores)"))
     return replace(decision, stages=tuple(stages))

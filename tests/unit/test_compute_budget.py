@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.policies.compute_budget import compute_replicas, within_compute
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, StageDecision, StageSnapshot
@@ -38,6 +40,13 @@ def test_cores_are_shared_in_proportion_to_each_stage_work() -> None:
     out = within_compute(snap, _decide(snap, 6, 12, 6))
     replicas = [s.replicas for s in out.stages]
     assert sum(replicas) == 10 and replicas[1] == max(replicas) and replicas[1] >= 5
+
+
+def test_only_scale_ups_are_cut_what_runs_stays() -> None:
+    stages = tuple(replace(_stage(k), replicas=r, pending_replicas=p) for k, (r, p) in enumerate([(3, 0), (1, 1), (1, 0)]))
+    snap = PipelineSnapshot(0.0, "m", stages, compute_cores=2.0)
+    assert [s.replicas for s in within_compute(snap, _decide(snap, 4, 6, 6)).stages] == [3, 2, 1]
+    assert [s.replicas for s in within_compute(snap, _decide(snap, 2, 1, 1)).stages] == [2, 1, 1]  # downs are the policy's
 
 
 def test_within_the_budget_nothing_changes() -> None:
