@@ -38,6 +38,7 @@ from gateway_plugin.router import Router, StaticReplica, json_reply, web_respons
 from gateway_plugin.snapshot_builder import StageState
 from quart_stage import cliargs
 from quart_stage import labels as vocab
+from quart_stage.config import computes_on_cpu
 from quart_stage.logs import configure as configure_logs
 from quart_transport import namespaces
 from quart_transport.exposition import render_registry
@@ -104,6 +105,7 @@ class OpenFaaSView:
             min_replicas=labels.min_replicas, max_replicas=labels.max_replicas,
             concurrency=self.concurrency(function),
             param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
+            cpu_bound=computes_on_cpu(st.get("envVars") or {}),
         )
 
     def model_dir(self, model: str) -> str | None:
@@ -160,7 +162,8 @@ class StandalonePlugin:
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
                                         self.collector)
         self.controller = Controller(self.view, self.router, self.collector, make_actuator(config, password=password),
-                                     policy_factory(config), config, generation=self.engine)
+                                     policy_factory(config), config, generation=self.engine,
+                                     compute_cores=max(0.0, config.compute_cores))  # auto: the cluster places pods
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
