@@ -185,7 +185,11 @@ class GenerationAPI:
         else:
             prompt = info.prompt_ids(params)
         max_tokens = self._max_tokens(info, params, len(prompt), door)
-        sample = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
+        vocab = len(info.tokenizer)
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise invalid("logit_bias", f"logit_bias names token id {params.logit_bias[-1][0]}; the vocabulary "
+                                        f"has {vocab} (0..{vocab - 1})")
+        sample = params.sample(len(prompt), info.eos_ids)
         eos = frozenset() if params.ignore_eos else info.eos_ids
         session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
                                          gone=lambda: sse.client_gone(request))
@@ -223,7 +227,7 @@ class GenerationAPI:
                       outcome: Outcome):
         """(token, text delta) as they come, ``outcome`` kept current; stops at a stop string or id, EOS,
         max_tokens, or when the client is gone; an engine failure lands in ``outcome.error``."""
-        text = TextStream(info, params.stop)
+        text = TextStream(info, params.stop, params.include_stop_str_in_output, params.min_tokens)
         stop_ids = set(params.stop_ids)
         try:
             async with contextlib.aclosing(self.engine.tokens(session)) as tokens:

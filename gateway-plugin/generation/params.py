@@ -21,7 +21,8 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call", "best_of",
-               "echo", "suffix", "logit_bias", "response_format")
+               "echo", "suffix", "response_format")
+MAX_BIASES = 300  # logit_bias entries (OpenAI's bound); they travel in the sample header
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,28 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    top_k: int = 0  # 0: off (vLLM's -1 too)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
+    min_tokens: int = 0  # vLLM's extension: no EOS, stop id or stop string before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's extension
+
+    def sample(self, prompt_len: int, eos: frozenset[int]) -> dict[str, Any]:
+        """The last stage's sampling parameters for a prompt of ``prompt_len`` tokens whose generation ends at
+        the ids ``eos`` (quart_stage.sampling; the history the penalties read is added per step)."""
+        out: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        extra = {"top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
+        out.update({k: v for k, v in extra.items() if v != GenerationParams.__dataclass_fields__[k].default})
+        if self.logit_bias:
+            out["logit_bias"] = {str(i): b for i, b in self.logit_bias}
+        suppress = sorted((set() if self.ignore_eos else set(eos)) | set(self.stop_ids))
+        if self.min_tokens and suppress:
+            out.update(min_pos=prompt_len + self.min_tokens, suppress=suppress)
+        return out
 
     @property
     def prompt_chars(self) -> int:
@@ -107,6 +130,20 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
     ignore_eos = doc.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise invalid("ignore_eos", f"ignore_eos must be true or false, got {ignore_eos!r}")
+    top_k = doc.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < -1):
+        raise invalid("top_k", f"top_k must be an integer: -1 or 0 for off, else at least 1; got {top_k!r}")
+    min_tokens = doc.get("min_tokens")
+    if min_tokens is not None and (not _is_int(min_tokens) or min_tokens < 0):
+        raise invalid("min_tokens", f"min_tokens must be a non-negative integer, got {min_tokens!r}")
+    if min_tokens and max_tokens is not None and min_tokens > max_tokens:
+        raise invalid("min_tokens", f"min_tokens {min_tokens} is above max_tokens {max_tokens}")
+    repetition = _number(doc, "repetition_penalty", 1.0, 0.0, 2.0)
+    if repetition <= 0.0:
+        raise invalid("repetition_penalty", "repetition_penalty must be above 0")
+    include_stop = doc.get("include_stop_str_in_output", False)
+    if include_stop is not None and not isinstance(include_stop, bool):
+        raise invalid("include_stop_str_in_output", "include_stop_str_in_output must be true or false")
     options = doc.get("stream_options") or {}
     if not isinstance(options, Mapping) or not isinstance(options.get("include_usage", False), bool):
         raise invalid("stream_options", "stream_options must be an object with a boolean include_usage")
@@ -114,11 +151,30 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
         model=name, prompt=prompt, prompt_ids=prompt_ids, messages=messages, max_tokens=max_tokens,
         temperature=temperature, top_p=top_p, seed=seed, stop=stop, stop_ids=stop_ids, stream=stream,
         include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos,
+        top_k=max(0, top_k or 0), min_p=_number(doc, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(doc, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(doc, "frequency_penalty", 0.0, -2.0, 2.0), repetition_penalty=repetition,
+        min_tokens=min_tokens or 0, logit_bias=_biases(doc.get("logit_bias")), include_stop_str_in_output=bool(include_stop),
     )
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _biases(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping) or len(value) > MAX_BIASES:
+        raise invalid("logit_bias", f"logit_bias must be an object of at most {MAX_BIASES} token id -> bias entries")
+    out = []
+    for key, bias in value.items():
+        ok = isinstance(key, str) and key.isdigit() and int(key) <= MAX_TOKEN_ID
+        if not ok or isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias) \
+                or not -100 <= bias <= 100:
+            raise invalid("logit_bias", f"logit_bias maps token ids to numbers in [-100, 100], got {key!r}: {bias!r}")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
 
 
 def _text_format(value: Any) -> bool:

@@ -32,7 +32,7 @@ from quart_stage.kvcache import (
 from quart_stage.kvmigrate import EmulatedKV, block_layers
 from quart_stage.layers import H_LAYERS, fmt, range_share
 from quart_stage.response import H_COMPUTE, H_DESER, H_REQUEST_ID, H_SER, JSON_TYPE, StageResponse, elapsed_ms
-from quart_stage.sampling import H_SAMPLE, SampleParams, choose, parse_sample
+from quart_stage.sampling import H_SAMPLE, SampleParams, answer, parse_sample
 from quart_stage.sessionbatch import BatchedSteps
 
 H_RETURN_LOGITS = "X-Quart-Return-Logits"
@@ -195,7 +195,7 @@ class Generation:
         if span is not None:
             base = {**base, H_LAYERS: fmt(span)}
         if last:
-            doc = {"token": output[0], "pos": held}
+            doc = {**output[0], "pos": held}
             if req.return_logits and output[1] is not None:
                 doc["logits"] = output[1].tolist()
             chunks, ctype = [json.dumps(doc).encode()], JSON_TYPE
@@ -216,8 +216,7 @@ class Generation:
         if not last:
             return out.cpu() if out.device.type != "cpu" else out
         logits = out[0, -1]
-        token = choose(logits, req.sample, req.pos + new)
-        return token, (logits.float().cpu() if req.return_logits else None)
+        return answer(logits, req.sample, req.pos + new), (logits.float().cpu() if req.return_logits else None)
 
     def _emulate(self, state: EmulatedKV, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
                  span: tuple[int, int] | None, last: bool):
@@ -227,7 +226,7 @@ class Generation:
         time.sleep(rt.step_time.sample_ms(new, rt._rng) * share / 1000.0)
         self.emulated_append(state, ids, span)
         if last:
-            return state.token(self.vocab), None
+            return {"token": state.token(self.vocab)}, None
         return self.emulated_activation([ids], span)
 
     def emulated_append(self, state: EmulatedKV, ids: list[int], span: tuple[int, int] | None = None) -> None:
