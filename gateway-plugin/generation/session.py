@@ -14,7 +14,7 @@ import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.kvbook import KVBook
-from quart_stage.sampling import encode_history
+from quart_stage.sampling import with_history
 
 
 class StepFailed(Exception):
@@ -86,15 +86,8 @@ class Session:
     answered: dict = field(default_factory=dict)  # the last stage's answer to the last step (its logprobs)
 
     def step_sample(self) -> dict[str, Any]:
-        """The last stage's sample for the next step: the session's own, with the ids its penalties read (the
-        prompt's and the generated ones for ``repetition_penalty``, the generated ones for presence and
-        frequency), so that the step is a pure function of its request and a replay samples the same."""
-        sample = self.sample
-        if sample.get("repetition_penalty", 1.0) != 1.0:
-            return {**sample, "history": encode_history(self.prompt + self.generated), "prompt_len": len(self.prompt)}
-        if sample.get("presence_penalty") or sample.get("frequency_penalty"):
-            return {**sample, "history": encode_history(self.generated)} if self.generated else sample
-        return sample
+        """The last stage's sample for the next step (quart_stage.sampling.with_history)."""
+        return with_history(self.sample, self.prompt, self.generated)
 
     def calls(self, k: int) -> list[tuple[Any, layers.Range | None]]:
         """The replica calls of stage ``k`` of a step: (replica, its layers or None for the whole stage)."""

@@ -31,7 +31,8 @@ def next_token(sequence: list[int], eos_after: int | None = None, prompt_len: in
 
 def toy_logits(sequence: list[int], eos_after: int | None = None, prompt_len: int = 0) -> torch.Tensor:
     """The toy model's logits: small seeded noise and a clear maximum at :func:`next_token` (greedy = the toy)."""
-    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(sum(sequence) * 31 + len(sequence))) * 0.5
+    noise = torch.randn(VOCAB, generator=torch.Generator().manual_seed(sum(sequence) * 31 + len(sequence)))
+    logits = (noise * 1.2).clamp(max=3.0)  # a penalty of 2 on the maximum lets another token win
     logits[next_token(sequence, eos_after, prompt_len)] = 4.0
     return logits
 

@@ -1,0 +1,170 @@
+"""OpenAI's and vLLM's sampling parameters through the ``openai`` client, streamed and not, chat and completions:
+each changes the answer as the sampler says (tests/unit/test_sampling.py checks the sampler against transformers'
+logits processors). The stages are tests/support/fake_session_stage.py replicas: their last stage runs the real
+sampler on toy logits whose maximum is the toy model's token, so greedy answers stay the reference."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+from gateway_plugin.generation.tokens import load_model
+from quart_stage import sampling
+from support.fake_session_stage import reference, toy_logits
+from support.generation_app import GenerationServer, tiny_models
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    dirs = tiny_models(tmp_path_factory.mktemp("models"))
+    running = GenerationServer(dirs, max_body_bytes=64 * 1024, default_max_tokens=8)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(server):
+    return load_model("tiny", server.dirs["tiny"])
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def simulate(prompt: list[int], n: int, **sample) -> list[int]:
+    """What the sampler gives on the toy logits, the history kept here (prompt + generated) as vLLM defines it."""
+    out: list[int] = []
+    for _ in range(n):
+        seq = prompt + out
+        logits = toy_logits(seq).clone()
+        for token in set(seq):  # repetition penalty: every id seen, prompt or generated
+            rp = sample.get("repetition_penalty", 1.0)
+            logits[token] = logits[token] / rp if logits[token] > 0 else logits[token] * rp
+        for token in set(out):
+            logits[token] -= sample.get("presence_penalty", 0.0) + sample.get("frequency_penalty", 0.0) * out.count(token)
+        out.append(int(torch.argmax(logits)))
+    return out
+
+
+def ids_of(tiny, text: str) -> list[int]:
+    return tiny.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_ids(tiny, text: str) -> list[int]:
+    rendered = tiny.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=False)
+    return tiny.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def complete(client, stream: bool, **kw) -> str:
+    if not stream:
+        return client.completions.create(model="tiny", **kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(model="tiny", stream=True, **kw) if c.choices)
+
+
+def chat(client, stream: bool, **kw) -> str:
+    if not stream:
+        return client.chat.completions.create(model="tiny", **kw).choices[0].message.content
+    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(model="tiny", stream=True, **kw)
+                   if c.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 1.5},
+                                     {"repetition_penalty": 2.0}])
+def test_penalties_change_greedy_text_as_the_sampler_says(client, tiny, stream, penalty):
+    ids = ids_of(tiny, "Hello there")
+    plain = complete(client, stream, prompt="Hello there", max_tokens=24, temperature=0)
+    assert plain == tiny.decode(reference(ids, 24))
+    vllm_only = {k: v for k, v in penalty.items() if k == "repetition_penalty"}
+    openai_own = {k: v for k, v in penalty.items() if k != "repetition_penalty"}
+    text = complete(client, stream, prompt="Hello there", max_tokens=24, temperature=0, extra_body=vllm_only,
+                    **openai_own)
+    assert text == tiny.decode(simulate(ids, 24, **penalty)) and text != plain
+    said = chat(client, stream, messages=[{"role": "user", "content": "Hi"}], max_tokens=24, temperature=0,
+                extra_body=vllm_only, **openai_own)
+    assert said == tiny.decode(simulate(chat_ids(tiny, "Hi"), 24, **penalty))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_top_k_and_min_p(client, tiny, stream):
+    [a], [b] = ids_of(tiny, "A"), ids_of(tiny, "B")
+    forced = complete(client, stream, prompt="abc", max_tokens=6, temperature=0, logit_bias={str(a): 100})
+    assert forced == "AAAAAA"
+    said = chat(client, stream, messages=[{"role": "user", "content": "x"}], max_tokens=5, logit_bias={str(b): 100})
+    assert said == "BBBBB"
+    greedy = complete(client, stream, prompt="abc", max_tokens=10, temperature=0)
+    assert complete(client, stream, prompt="abc", max_tokens=10, temperature=1.8, seed=3, extra_body={"top_k": 1}) == greedy
+    assert complete(client, stream, prompt="abc", max_tokens=10, temperature=1.8, seed=3, extra_body={"min_p": 0.9}) == greedy
+    free = [complete(client, stream, prompt="abc", max_tokens=10, temperature=1.8, seed=s) for s in range(3)]
+    assert any(f != greedy for f in free)
+
+
+def test_seeded_sampling_with_penalties_reproduces(client):
+    kw = {"prompt": "seeded", "max_tokens": 16, "temperature": 1.0, "seed": 42, "presence_penalty": 1.0,
+          "extra_body": {"top_k": 30, "min_p": 0.01, "repetition_penalty": 1.2}}
+    assert complete(client, False, **kw) == complete(client, True, **kw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_the_stop_ids_and_stop_strings_back(client, tiny, stream):
+    ids = ids_of(tiny, "abc")
+    ref = reference(ids, 12)
+    stop_id = ref[2]
+    short = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [stop_id]})
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens == 3
+    text = complete(client, stream, prompt="abc", max_tokens=12, temperature=0,
+                    extra_body={"stop_token_ids": [stop_id], "min_tokens": 12})
+    assert len(text) == 12 and tiny.decode([stop_id]) not in text  # the id could not be drawn before the 12th
+    full = tiny.decode(ref)
+    stop = full[1:3]
+    assert complete(client, stream, prompt="abc", max_tokens=12, temperature=0, stop=[stop]) == full[:1]
+    kw = {"prompt": "abc", "max_tokens": 12, "temperature": 0, "stop": [stop], "extra_body": {"min_tokens": 4}}
+    answer = client.completions.create(model="tiny", **kw)
+    assert answer.usage.completion_tokens >= 4 and full.startswith(answer.choices[0].text)
+    assert len(answer.choices[0].text) > 1 and complete(client, stream, **kw) == answer.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(client, tiny, stream):
+    full = tiny.decode(reference(ids_of(tiny, "abc"), 20))
+    stop = full[6:8]
+    cut = full.find(stop)
+    text = complete(client, stream, prompt="abc", max_tokens=20, temperature=0, stop=[stop],
+                    extra_body={"include_stop_str_in_output": True})
+    assert text == full[: cut + len(stop)]
+
+
+def test_the_stage_gets_the_history_the_penalties_read(server, client, tiny):
+    last = server.fakes[-1]
+    last.samples.clear()
+    client.completions.create(model="tiny", prompt="hist", max_tokens=4, temperature=0, presence_penalty=1.0,
+                              extra_body={"repetition_penalty": 1.5})
+    prompt = ids_of(tiny, "hist")
+    histories = [s.history.tolist() for s in last.samples]
+    assert histories[0] == prompt and all(s.prompt_len == len(prompt) for s in last.samples)
+    assert [len(h) for h in histories] == [len(prompt) + k for k in range(4)]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+])
+def test_bad_values_are_400_naming_the_field(client, body, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", **{"max_tokens": 4, **{}}, extra_body=body)
+    assert err.value.body["param"] == field, json.dumps(err.value.body)
+
+
+def test_sampler_module_is_what_the_fake_stage_runs():
+    logits = toy_logits([1, 2, 3])
+    assert sampling.choose(logits, sampling.GREEDY, 3) == reference([1, 2, 3], 1)[0]
