@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from gateway_plugin.generation import sse
+from gateway_plugin.generation import logprobs, sse
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.params import GenerationParams, is_generation, parse
 from gateway_plugin.generation.session import Session
@@ -69,6 +69,9 @@ class Outcome:
     first_at: float | None = None
     last_at: float | None = None
     error: QuartError | None = None
+    answers: list[dict] = field(default_factory=list)  # per token, its logprobs (when asked)
+    reported: int = 0  # tokens whose logprobs a stream has sent
+    echo: str = ""  # completions' echo: the prompt's text, before the completion's
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
@@ -194,6 +197,8 @@ class GenerationAPI:
         session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
                                          gone=lambda: sse.client_gone(request))
         outcome = Outcome(len(prompt), arrival)
+        if params.echo:
+            outcome.echo = params.prompt if params.prompt is not None else info.decode(prompt)
         ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         try:
             if params.stream:
@@ -205,7 +210,8 @@ class GenerationAPI:
                 exc = outcome.error
                 body = openai_error(exc) if door != "native" else exc.to_json()
                 return web.json_response(body, status=exc.status, headers=exc.headers)
-            return web.json_response(self._answer(door, ident, params.model, outcome, session))
+            return web.json_response(self._answer(door, ident, params.model, outcome, session,
+                                                  self._new_logprobs(door, info, outcome)))
         finally:
             self.engine.finish(session)
             self._record(ident, params.model, arrival, outcome)
@@ -236,6 +242,8 @@ class GenerationAPI:
                     outcome.first_at = outcome.first_at or now
                     outcome.last_at = now
                     outcome.tokens.append(token)
+                    if params.logprobs is not None:
+                        outcome.answers.append(session.logprobs[-1] if session.logprobs else {})
                     if token in stop_ids:
                         outcome.finish_reason = "stop"
                         break
@@ -271,11 +279,14 @@ class GenerationAPI:
         try:
             if door == "chat":
                 await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
+            if outcome.echo:
+                await sse.send(response, self._chunk(door, ident, params.model, created, outcome.echo, None))
             async for token, delta in self._tokens(request, session, info, params, outcome):
                 if door == "native":
                     await sse.send(response, {"text": delta} if token is None else {"token": token, "text": delta})
                 elif delta:
-                    await sse.send(response, self._chunk(door, ident, params.model, created, delta, None))
+                    await sse.send(response, self._chunk(door, ident, params.model, created, delta, None,
+                                                         lp=self._new_logprobs(door, info, outcome)))
             if outcome.error is not None:
                 exc = outcome.error
                 await sse.send(response, openai_error(exc) if door != "native" else exc.to_json())
@@ -283,7 +294,8 @@ class GenerationAPI:
                 await sse.send(response, {"finish_reason": outcome.finish_reason, "usage": outcome.usage(),
                                           "replays": session.replays})
             else:
-                await sse.send(response, self._chunk(door, ident, params.model, created, "", outcome.finish_reason))
+                await sse.send(response, self._chunk(door, ident, params.model, created, "", outcome.finish_reason,
+                                                     lp=self._new_logprobs(door, info, outcome)))
                 if params.include_usage:
                     await sse.send(response, {"id": ident, "object": _object(door, True), "created": created,
                                               "model": params.model, "choices": [], "usage": outcome.usage()})
@@ -292,26 +304,40 @@ class GenerationAPI:
             outcome.finish_reason = outcome.finish_reason or "client_gone"
 
     @staticmethod
+    def _new_logprobs(door: str, info: ModelInfo, outcome: Outcome) -> dict[str, Any] | None:
+        """The logprobs of the tokens a stream has not reported yet (None when none were asked)."""
+        if not outcome.answers or outcome.reported >= len(outcome.answers):
+            return None
+        start, outcome.reported = outcome.reported, len(outcome.answers)
+        tokens, answers = outcome.tokens[start:outcome.reported], outcome.answers[start:outcome.reported]
+        if door == "chat":
+            return logprobs.chat(info.decode, tokens, answers)
+        offset = len(outcome.echo) + len(info.decode(outcome.tokens[:start]))
+        return logprobs.completion(info.decode, tokens, answers, offset)
+
+    @staticmethod
     def _chunk(door: str, ident: str, model: str, created: int, delta: str, finish: str | None,
-               role: bool = False) -> dict[str, Any]:
+               role: bool = False, lp: dict[str, Any] | None = None) -> dict[str, Any]:
         if door == "chat":
             body: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": body, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
         return {"id": ident, "object": _object(door, True), "created": created, "model": model, "choices": [choice]}
 
     @staticmethod
-    def _answer(door: str, ident: str, model: str, outcome: Outcome, session: Session) -> dict[str, Any]:
+    def _answer(door: str, ident: str, model: str, outcome: Outcome, session: Session,
+                lp: dict[str, Any] | None = None) -> dict[str, Any]:
         if door == "native":
             return {"id": ident, "model": model, "tokens": outcome.tokens, "text": outcome.text,
                     "finish_reason": outcome.finish_reason, "usage": outcome.usage(), "replays": session.replays,
                     "ttft_ms": outcome_ms(outcome)[0], "tpot_ms": outcome_ms(outcome)[1]}  # the gateway's clock
         if door == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": lp,
                       "finish_reason": outcome.finish_reason}
         else:
-            choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
+            choice = {"index": 0, "text": outcome.echo + outcome.text, "logprobs": lp,
+                      "finish_reason": outcome.finish_reason}
         return {"id": ident, "object": _object(door, False), "created": int(time.time()), "model": model,
                 "choices": [choice], "usage": outcome.usage()}
 

@@ -20,8 +20,9 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call", "best_of",
-               "echo", "suffix", "response_format")
+UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "best_of", "suffix", "response_format")
+OPENAI_ONLY = ("logprobs", "top_logprobs", "echo")  # refused on the native door (its answer has no place for them)
+MAX_LOGPROBS = 20  # vLLM's bound (OpenAI's: 20 for chat, 5 for completions)
 MAX_BIASES = 300  # logit_bias entries (OpenAI's bound); they travel in the sample header
 
 
@@ -50,6 +51,8 @@ class GenerationParams:
     min_tokens: int = 0  # vLLM's extension: no EOS, stop id or stop string before this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False  # vLLM's extension
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely
+    echo: bool = False  # completions: the prompt's text before the completion
 
     def sample(self, prompt_len: int, eos: frozenset[int]) -> dict[str, Any]:
         """The last stage's sampling parameters for a prompt of ``prompt_len`` tokens whose generation ends at
@@ -58,6 +61,8 @@ class GenerationParams:
         extra = {"top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                  "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
         out.update({k: v for k, v in extra.items() if v != GenerationParams.__dataclass_fields__[k].default})
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
         if self.logit_bias:
             out["logit_bias"] = {str(i): b for i, b in self.logit_bias}
         suppress = sorted((set() if self.ignore_eos else set(eos)) | set(self.stop_ids))
@@ -95,6 +100,11 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
     for key in UNSUPPORTED:
         if doc.get(key) not in (None, False, [], {}) and not (key == "response_format" and _text_format(doc[key])):
             raise invalid(key, f"{key} is not supported by this gateway")
+    if door == "native":
+        for key in OPENAI_ONLY:
+            if doc.get(key) not in (None, False):
+                raise invalid(key, f"{key} is answered on /v1 only (OpenAI's shapes); use /v1/completions")
+    logprobs, echo = _logprobs(doc, door)
     n = doc.get("n", 1)
     if n is not None and (not _is_int(n) or n != 1):
         raise invalid("n", f"only n=1 is supported, got {n!r}")
@@ -155,11 +165,38 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
         presence_penalty=_number(doc, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(doc, "frequency_penalty", 0.0, -2.0, 2.0), repetition_penalty=repetition,
         min_tokens=min_tokens or 0, logit_bias=_biases(doc.get("logit_bias")), include_stop_str_in_output=bool(include_stop),
+        logprobs=logprobs, echo=echo,
     )
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logprobs(doc: Mapping, door: str) -> tuple[int | None, bool]:
+    """(how many top logprobs per token, None for none; echo) as the door spells them."""
+    value, top = doc.get("logprobs"), doc.get("top_logprobs")
+    if door == "chat":
+        if value is not None and not isinstance(value, bool):
+            raise invalid("logprobs", f"logprobs must be true or false on chat, got {value!r}")
+        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+            raise invalid("top_logprobs", f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {top!r}")
+        if top and not value:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+        if doc.get("echo") not in (None, False):
+            raise invalid("echo", "echo is a /v1/completions field")
+        return (top or 0) if value else None, False
+    if top is not None:
+        raise invalid("top_logprobs", "top_logprobs is a chat field; /v1/completions takes logprobs: k")
+    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise invalid("logprobs", f"logprobs must be an integer in 0..{MAX_LOGPROBS} on completions, got {value!r}")
+    echo = doc.get("echo", False)
+    if echo is not None and not isinstance(echo, bool):
+        raise invalid("echo", f"echo must be true or false, got {echo!r}")
+    if echo and value is not None:
+        raise invalid("echo", "echo with logprobs needs the prompt's logprobs, which the last stage does not compute "
+                              "(it runs the head on the last position only); ask for one of them")
+    return value, bool(echo)
 
 
 def _biases(value: Any) -> tuple[tuple[int, float], ...]:

@@ -168,3 +168,64 @@ def test_bad_values_are_400_naming_the_field(client, body, field):
 def test_sampler_module_is_what_the_fake_stage_runs():
     logits = toy_logits([1, 2, 3])
     assert sampling.choose(logits, sampling.GREEDY, 3) == reference([1, 2, 3], 1)[0]
+
+
+def _raw(seq: list[int]) -> torch.Tensor:
+    return torch.log_softmax(toy_logits(seq), dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_and_top_logprobs(client, tiny, stream):
+    ids = chat_ids(tiny, "lp")
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": "lp"}], "max_tokens": 6, "temperature": 0,
+          "logprobs": True, "top_logprobs": 3}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    tokens = reference(ids, 6)
+    assert [e.token for e in content] == [tiny.decode([t]) for t in tokens]
+    for k, (entry, token) in enumerate(zip(content, tokens, strict=True)):
+        raw = _raw(ids + tokens[:k])
+        assert entry.logprob == pytest.approx(float(raw[token]), abs=1e-5)
+        assert [t.token for t in entry.top_logprobs] == [tiny.decode([i]) for i in torch.topk(raw, 3).indices.tolist()]
+        assert entry.bytes == list(entry.token.encode())
+    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_and_echo(client, tiny, stream):
+    ids = ids_of(tiny, "echo me")
+    tokens = reference(ids, 5)
+    kw = {"model": "tiny", "prompt": "echo me", "max_tokens": 5, "temperature": 0, "logprobs": 2}
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+        lps = [c.logprobs for c in chunks if c.logprobs]
+        got = [t for lp in lps for t in lp.token_logprobs]
+        offsets = [o for lp in lps for o in lp.text_offset]
+        tops = [t for lp in lps for t in lp.top_logprobs]
+    else:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        got, offsets, tops = lp.token_logprobs, lp.text_offset, lp.top_logprobs
+    want = [float(_raw(ids + tokens[:k])[t]) for k, t in enumerate(tokens)]
+    assert got == pytest.approx(want, abs=1e-5) and all(len(t) <= 2 for t in tops)
+    assert offsets == [len(tiny.decode(tokens[:k])) for k in range(5)]
+    echoed = complete(client, stream, prompt="echo me", max_tokens=5, temperature=0, echo=True)
+    assert echoed == "echo me" + tiny.decode(tokens)
+
+
+@pytest.mark.parametrize("door, body, field", [
+    ("chat", {"top_logprobs": 2}, "top_logprobs"), ("chat", {"logprobs": 3}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"), ("completions", {"top_logprobs": 1}, "top_logprobs"),
+])
+def test_bad_logprobs_are_400_naming_the_field(client, door, body, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        if door == "chat":
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                           extra_body=body)
+        else:
+            client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=body)
+    assert err.value.body["param"] == field
