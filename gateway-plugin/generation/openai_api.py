@@ -175,9 +175,8 @@ class GenerationAPI:
 
     # ------------------------------------------------------------------ one generation
 
-    async def generate(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
-        arrival = self.clock()
-        wait_s = client_deadline_s(request.headers, self.config.room_wait_s)  # X-Quart-Timeout-Ms bounds the entry wait
+    async def _prepared(self, params: GenerationParams, door: str) -> tuple[list[str], ModelInfo, list[int], int]:
+        """(the pipeline's stages, its model, the prompt's ids, max_tokens), each checked (404 / 400 naming it)."""
         stages = self.pipelines().get(params.model)
         if not stages:
             raise QuartError(404, f"no pipeline named {params.model!r} is deployed (GET /v1/models lists them)",
@@ -192,6 +191,14 @@ class GenerationAPI:
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:
             raise invalid("logit_bias", f"logit_bias names token id {params.logit_bias[-1][0]}; the vocabulary "
                                         f"has {vocab} (0..{vocab - 1})")
+        return stages, info, prompt, max_tokens
+
+    async def generate(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
+        if params.runs > 1 or params.more_prompts:
+            return await self._several(request, params, door)
+        arrival = self.clock()
+        wait_s = client_deadline_s(request.headers, self.config.room_wait_s)  # X-Quart-Timeout-Ms bounds the entry wait
+        stages, info, prompt, max_tokens = await self._prepared(params, door)
         sample = params.sample(len(prompt), info.eos_ids)
         eos = frozenset() if params.ignore_eos else info.eos_ids
         session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
@@ -242,7 +249,7 @@ class GenerationAPI:
                     outcome.first_at = outcome.first_at or now
                     outcome.last_at = now
                     outcome.tokens.append(token)
-                    if params.logprobs is not None:
+                    if "logprobs" in session.sample:  # asked, or best_of's ranking
                         outcome.answers.append(session.logprobs[-1] if session.logprobs else {})
                     if token in stop_ids:
                         outcome.finish_reason = "stop"
@@ -317,12 +324,12 @@ class GenerationAPI:
 
     @staticmethod
     def _chunk(door: str, ident: str, model: str, created: int, delta: str, finish: str | None,
-               role: bool = False, lp: dict[str, Any] | None = None) -> dict[str, Any]:
+               role: bool = False, lp: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
         if door == "chat":
             body: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": body, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "delta": body, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": finish}
         return {"id": ident, "object": _object(door, True), "created": created, "model": model, "choices": [choice]}
 
     @staticmethod
@@ -341,6 +348,103 @@ class GenerationAPI:
         return {"id": ident, "object": _object(door, False), "created": int(time.time()), "model": model,
                 "choices": [choice], "usage": outcome.usage()}
 
+    # ------------------------------------------------------------------ several choices
+
+    async def _several(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
+        """``n`` > 1, ``best_of`` or a list of prompts: one session per choice (``best_of`` or ``n`` per prompt, the
+        i-th seeded ``seed + i``), run at once; choice ``p * n + j`` is prompt p's j-th (OpenAI's order). With
+        ``best_of`` > n, the n of each prompt whose tokens' logprobs sum highest (vLLM's rule)."""
+        arrival = self.clock()
+        wait_s = client_deadline_s(request.headers, self.config.room_wait_s)
+        runs: list[Run] = []
+        ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        try:
+            for p, one in enumerate(params.prompts()):
+                stages, info, prompt, max_tokens = await self._prepared(one, door)
+                base = one.sample(len(prompt), info.eos_ids)
+                if params.runs > params.n and params.logprobs is None:
+                    base["logprobs"] = 0  # best_of ranks by the chosen tokens' logprobs (not reported)
+                eos = frozenset() if params.ignore_eos else info.eos_ids
+                echo = (one.prompt if one.prompt is not None else info.decode(prompt)) if params.echo else ""
+                for j in range(params.runs):
+                    seed = None if params.seed is None else params.seed + j
+                    session = await self.engine.open(params.model, stages, prompt, max_tokens, {**base, "seed": seed},
+                                                     eos, wait_s=wait_s, gone=lambda: sse.client_gone(request))
+                    runs.append(Run(p, j, one, session, Outcome(len(prompt), arrival, echo=echo)))
+            if params.stream:
+                response = await sse.open_stream(request, {"X-Quart-Request-Id": ident})
+                await self._stream_several(request, response, runs, info, params, door, ident)
+                return response
+            await asyncio.gather(*(self._collect(request, r.session, info, r.params, r.outcome) for r in runs))
+            failed = next((r.outcome.error for r in runs if r.outcome.error is not None), None)
+            if failed is not None:
+                return web.json_response(openai_error(failed), status=failed.status, headers=failed.headers)
+            choices = []
+            for p in range(1 + len(params.more_prompts)):
+                mine = [r for r in runs if r.prompt == p]
+                if params.runs > params.n:
+                    mine = sorted(mine, key=lambda r: -sum(a.get("logprob", 0.0) for a in r.outcome.answers))[:params.n]
+                for j, run in enumerate(mine):
+                    lp = self._new_logprobs(door, info, run.outcome) if params.logprobs is not None else None
+                    choice = self._answer(door, ident, params.model, run.outcome, run.session, lp)["choices"][0]
+                    choices.append({**choice, "index": p * params.n + j})
+            return web.json_response({"id": ident, "object": _object(door, False), "created": int(time.time()),
+                                      "model": params.model, "choices": choices, "usage": _usage(runs)})
+        finally:
+            for run in runs:
+                self.engine.finish(run.session)
+                self._record(f"{ident}-{run.prompt}-{run.j}", params.model, arrival, run.outcome)
+
+    async def _stream_several(self, request, response, runs: list[Run], info, params, door, ident) -> None:
+        """Every choice's chunks as they come, each with its index; a choice's last chunk when it ends."""
+        created, queue = int(time.time()), asyncio.Queue()
+
+        async def pump(k: int, run: Run) -> None:
+            try:
+                async for token, delta in self._tokens(request, run.session, info, run.params, run.outcome):
+                    queue.put_nowait((k, token, delta))
+            finally:
+                queue.put_nowait((k, None, None))
+
+        tasks = [asyncio.create_task(pump(k, run)) for k, run in enumerate(runs)]
+        try:
+            for run in runs:
+                index = run.index(params.n)
+                if door == "chat":
+                    await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True,
+                                                         index=index))
+                if run.outcome.echo:
+                    await sse.send(response, self._chunk(door, ident, params.model, created, run.outcome.echo, None,
+                                                         index=index))
+            left = len(runs)
+            while left:
+                k, token, delta = await queue.get()
+                run = runs[k]
+                index = run.index(params.n)
+                if delta is None:
+                    left -= 1
+                    if run.outcome.error is not None:
+                        await sse.send(response, openai_error(run.outcome.error))
+                        break
+                    await sse.send(response, self._chunk(door, ident, params.model, created, "",
+                                                         run.outcome.finish_reason, index=index,
+                                                         lp=self._new_logprobs(door, info, run.outcome)))
+                elif delta:
+                    await sse.send(response, self._chunk(door, ident, params.model, created, delta, None, index=index,
+                                                         lp=self._new_logprobs(door, info, run.outcome)))
+            else:
+                if params.include_usage:
+                    await sse.send(response, {"id": ident, "object": _object(door, True), "created": created,
+                                              "model": params.model, "choices": [], "usage": _usage(runs)})
+            await sse.done(response)
+        except sse.GONE:
+            for run in runs:
+                run.outcome.finish_reason = run.outcome.finish_reason or "client_gone"
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     # ------------------------------------------------------------------ measuring
 
     def _record(self, ident: str, model: str, arrival: float, outcome: Outcome) -> None:
@@ -354,6 +458,27 @@ class GenerationAPI:
                 id=ident, model=model, arrival=arrival, end=end, status=status, latency_ms=1000 * (end - arrival),
                 error=outcome.error.message if outcome.error else "", ttft_ms=ttft, tpot_ms=tpot,
                 tokens=len(outcome.tokens)))
+
+
+@dataclass
+class Run:
+    """One choice's session of a request with several: its prompt's index, its own index among the prompt's."""
+
+    prompt: int
+    j: int
+    params: GenerationParams
+    session: Session
+    outcome: Outcome
+
+    def index(self, n: int) -> int:
+        return self.prompt * n + self.j
+
+
+def _usage(runs: list[Run]) -> dict[str, int]:
+    """Each prompt's tokens once, every choice's generated tokens."""
+    prompt = sum({r.prompt: r.outcome.prompt_tokens for r in runs}.values())
+    done = sum(len(r.outcome.tokens) for r in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 def _object(door: str, chunk: bool) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway_plugin.generation.config import GenerationConfig
@@ -20,8 +20,9 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1
-UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "best_of", "suffix", "response_format")
+UNSUPPORTED = ("tools", "functions", "function_call", "suffix", "response_format")
 OPENAI_ONLY = ("logprobs", "top_logprobs", "echo")  # refused on the native door (its answer has no place for them)
+MAX_CHOICES = 64  # sessions one request may open: prompts × best_of (or n)
 MAX_LOGPROBS = 20  # vLLM's bound (OpenAI's: 20 for chat, 5 for completions)
 MAX_BIASES = 300  # logit_bias entries (OpenAI's bound); they travel in the sample header
 
@@ -53,6 +54,22 @@ class GenerationParams:
     include_stop_str_in_output: bool = False  # vLLM's extension
     logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely
     echo: bool = False  # completions: the prompt's text before the completion
+    n: int = 1  # choices per prompt
+    best_of: int | None = None  # completions: sessions per prompt, the n with the highest logprob sum answered
+    more_prompts: tuple[str | tuple[int, ...], ...] = ()  # completions: a list's prompts after the first
+
+    @property
+    def runs(self) -> int:
+        """Sessions per prompt."""
+        return self.best_of or self.n
+
+    def prompts(self) -> list[GenerationParams]:
+        """One GenerationParams per prompt of a list (itself for one prompt)."""
+        out = [self]
+        for item in self.more_prompts:
+            text = item if isinstance(item, str) else None
+            out.append(replace(self, prompt=text, prompt_ids=None if text is not None else item, more_prompts=()))
+        return out
 
     def sample(self, prompt_len: int, eos: frozenset[int]) -> dict[str, Any]:
         """The last stage's sampling parameters for a prompt of ``prompt_len`` tokens whose generation ends at
@@ -97,6 +114,9 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
     name = model if model is not None else doc.get("model")
     if not isinstance(name, str) or not name:
         raise invalid("model", "model must name a deployed pipeline (GET /v1/models lists them)")
+    if doc.get("tool_choice") not in (None, "none"):  # "none": no tool is called (what LangChain sends)
+        raise invalid("tool_choice", f"tool_choice {doc['tool_choice']!r} is not supported by this gateway (no tools); "
+                                     "only \"none\"")
     for key in UNSUPPORTED:
         if doc.get(key) not in (None, False, [], {}) and not (key == "response_format" and _text_format(doc[key])):
             raise invalid(key, f"{key} is not supported by this gateway")
@@ -105,14 +125,20 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
             if doc.get(key) not in (None, False):
                 raise invalid(key, f"{key} is answered on /v1 only (OpenAI's shapes); use /v1/completions")
     logprobs, echo = _logprobs(doc, door)
-    n = doc.get("n", 1)
-    if n is not None and (not _is_int(n) or n != 1):
-        raise invalid("n", f"only n=1 is supported, got {n!r}")
-    prompt, prompt_ids, messages = None, None, None
+    n, best_of = _choices(doc, door)
+    prompt, prompt_ids, messages, more = None, None, None, ()
     if door == "chat":
         messages = _messages(doc.get("messages"), cfg)
     elif door == "completion":
-        prompt, prompt_ids = _prompt(doc.get("prompt"), "prompt")
+        items = _prompt_list(doc.get("prompt"))
+        prompt, prompt_ids = items[0]
+        more = tuple(text if text is not None else ids for text, ids in items[1:])
+        chars = sum(len(text or "") for text, _ in items)
+        if chars > cfg.max_prompt_chars:
+            raise invalid("prompt", f"the prompts have {chars} characters; at most {cfg.max_prompt_chars}", 413)
+        if len(items) * (best_of or n) > MAX_CHOICES:
+            raise invalid("prompt", f"{len(items)} prompts × {best_of or n} choices: at most {MAX_CHOICES} in one "
+                                    "request", 413)
     else:
         if "prompt" in doc and "input_ids" in doc:
             raise invalid("prompt", "give prompt or input_ids, not both")
@@ -165,12 +191,41 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
         presence_penalty=_number(doc, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(doc, "frequency_penalty", 0.0, -2.0, 2.0), repetition_penalty=repetition,
         min_tokens=min_tokens or 0, logit_bias=_biases(doc.get("logit_bias")), include_stop_str_in_output=bool(include_stop),
-        logprobs=logprobs, echo=echo,
+        logprobs=logprobs, echo=echo, n=n, best_of=best_of, more_prompts=more,
     )
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _choices(doc: Mapping, door: str) -> tuple[int, int | None]:
+    """(n, best_of) checked: best_of (completions) at least n, not streamed beyond n (OpenAI's rules)."""
+    n = doc.get("n")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"n must be an integer in 1..{MAX_CHOICES}, got {n!r}")
+    if door == "native" and n != 1:
+        raise invalid("n", "n > 1 is answered on /v1 only (OpenAI's choices)")
+    best_of = doc.get("best_of")
+    if best_of is None:
+        return n, None
+    if door != "completion":
+        raise invalid("best_of", "best_of is a /v1/completions field")
+    if not _is_int(best_of) or not n <= best_of <= MAX_CHOICES:
+        raise invalid("best_of", f"best_of must be an integer in n..{MAX_CHOICES} (n = {n}), got {best_of!r}")
+    if best_of > n and doc.get("stream"):
+        raise invalid("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
+    return n, best_of
+
+
+def _prompt_list(value: Any) -> list[tuple[str | None, tuple[int, ...] | None]]:
+    """A completion's prompts: one string or id list, or a list of them (OpenAI's batch)."""
+    if isinstance(value, list) and value and all(isinstance(v, str) or isinstance(v, list) for v in value):
+        if len(value) > MAX_CHOICES:
+            raise invalid("prompt", f"{len(value)} prompts; at most {MAX_CHOICES} in one request", 413)
+        return [_prompt(v, f"prompt[{i}]") for i, v in enumerate(value)]
+    return [_prompt(value, "prompt")]
 
 
 def _logprobs(doc: Mapping, door: str) -> tuple[int | None, bool]:
@@ -238,8 +293,8 @@ def _prompt(value: Any, field: str) -> tuple[str | None, tuple[int, ...] | None]
         return value, None
     if isinstance(value, list) and value and all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in value):
         return None, tuple(value)
-    raise invalid(field, f"{field} must be a non-empty string or one list of token ids (a batch of prompts is "
-                         "not supported)")
+    raise invalid(field, f"{field} must be a non-empty string or a list of token ids (or, on /v1/completions, a "
+                         "list of those)")
 
 
 def _messages(value: Any, cfg: GenerationConfig) -> tuple[tuple[str, str], ...]:
@@ -255,7 +310,10 @@ def _messages(value: Any, cfg: GenerationConfig) -> tuple[tuple[str, str], ...]:
         role = message.get("role")
         if role not in ROLES:
             raise invalid(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
-        text = _content(message.get("content"), where)
+        if message.get("tool_calls"):
+            raise invalid(f"{where}.tool_calls", f"{where}.tool_calls: tool calls are not supported by this gateway")
+        content = message.get("content")
+        text = "" if content is None and role == "assistant" else _content(content, where)  # OpenAI: null with tools
         chars += len(text)
         if chars > cfg.max_prompt_chars:
             raise invalid("messages", f"the messages hold more than {cfg.max_prompt_chars} characters", 413)

@@ -113,7 +113,7 @@ def test_bad_requests_get_4xx_in_openai_error_shape(server, client):
            400, "body")
     _error(requests.post(url, json={"model": "tiny", "prompt": "x" * 70_000}), 413, "body")
     _error(requests.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": []}), 400, "messages")
-    _error(requests.post(url, json={"model": "tiny", "prompt": "x", "n": 3}), 400, "n")
+    _error(requests.post(url, json={"model": "tiny", "prompt": "x", "n": 0}), 400, "n")
     _error(requests.get(url), 405)
     _error(requests.get(f"{server.url}/v1/embeddings"), 404, "path")
 

@@ -229,3 +229,83 @@ def test_bad_logprobs_are_400_naming_the_field(client, door, body, field):
         else:
             client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=body)
     assert err.value.body["param"] == field
+
+
+def test_n_choices_are_the_seeded_single_answers(client):
+    kw = {"model": "tiny", "prompt": "many", "max_tokens": 8, "temperature": 1.2}
+    several = client.completions.create(n=3, seed=40, **kw)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    singles = [client.completions.create(seed=40 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in several.choices] == singles and len(set(singles)) > 1
+    assert several.usage.completion_tokens == 24 and several.usage.prompt_tokens == 4
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=6,
+                                          temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_n_streamed_chunks_carry_each_choices_index(client):
+    kw = {"model": "tiny", "prompt": "many", "max_tokens": 8, "temperature": 1.2, "seed": 40, "n": 3}
+    texts, finished = ["", "", ""], set()
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert texts == [c.text for c in client.completions.create(**kw).choices] and finished == {0, 1, 2}
+    assert chunk.usage.completion_tokens == 24
+    seen = set()
+    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,
+                                                max_tokens=4, stream=True, seed=1):
+        seen |= {c.index for c in chunk.choices}
+    assert seen == {0, 1}
+
+
+def test_best_of_answers_the_n_with_the_highest_logprob_sum(client):
+    kw = {"model": "tiny", "prompt": "best", "max_tokens": 6, "temperature": 1.5}
+    sums = []
+    for i in range(4):
+        lp = client.completions.create(seed=7 + i, logprobs=0, **kw).choices[0]
+        sums.append((sum(lp.logprobs.token_logprobs), lp.text))
+    best = client.completions.create(seed=7, best_of=4, n=2, **kw)
+    assert [c.text for c in best.choices] == [t for _, t in sorted(sums, key=lambda x: -x[0])[:2]]
+    assert best.choices[0].logprobs is None and [c.index for c in best.choices] == [0, 1]
+    assert client.completions.create(seed=7, best_of=1, **kw).choices[0].text == sums[0][1]
+
+
+def test_a_list_of_prompts_gets_choices_in_openais_order(client, tiny):
+    answer = client.completions.create(model="tiny", prompt=["one", "two", [5, 6, 7]], max_tokens=5, temperature=0,
+                                       n=2)
+    assert [c.index for c in answer.choices] == list(range(6))
+    want = [tiny.decode(reference(ids_of(tiny, "one"), 5)), tiny.decode(reference(ids_of(tiny, "two"), 5)),
+            tiny.decode(reference([5, 6, 7], 5))]
+    assert [c.text for c in answer.choices] == [w for w in want for _ in range(2)]
+    assert answer.usage.prompt_tokens == 3 + 3 + 3
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
+    ({"prompt": ["a"] * 65}, "prompt"), ({"prompt": ["a", ""]}, "prompt[1]"),
+])
+def test_bad_choices_are_refused_naming_the_field(server, body, field):
+    import requests
+
+    res = requests.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, **body})
+    assert res.status_code in (400, 413) and res.json()["error"]["param"] == field, res.text
+
+
+def test_langchain_tool_fields_are_accepted(client, tiny):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "again"}]
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                            tool_choice="none")
+    rendered = tiny.tokenizer.apply_chat_template([{**m, "content": m["content"] or ""} for m in messages],
+                                                  add_generation_prompt=True, tokenize=False)
+    ids = tiny.tokenizer.encode(rendered, add_special_tokens=False)
+    assert answer.choices[0].message.content == tiny.decode(reference(ids, 4))
+    for body, field in (({"tool_choice": "auto"}, "tool_choice"),
+                        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+                         "messages[0].tool_calls"),
+                        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=body)
+        assert err.value.body["param"] == field
