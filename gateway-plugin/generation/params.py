@@ -20,7 +20,19 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1
-UNSUPPORTED = ("tools", "functions", "function_call", "suffix", "response_format")
+UNSUPPORTED = ("tools", "functions", "function_call", "suffix", "response_format", "audio", "prediction",
+               "reasoning_effort", "verbosity", "web_search_options", "parallel_tool_calls", "metadata",
+               "prompt_cache_options", "prompt_cache_retention", "moderation")
+NONE_VALUES = ("tools", "functions", "parallel_tool_calls", "metadata")  # [], {} or false: nothing asked
+HONOURED = {  # the fields each /v1 door reads; any other is refused by name (never ignored)
+    "both": {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+             "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "store", "service_tier",
+             "user", "safety_identifier", "prompt_cache_key",  # identifiers and hints: no effect on the answer
+             "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",  # vLLM's
+             "include_stop_str_in_output"},
+    "chat": {"messages", "max_completion_tokens", "top_logprobs", "tool_choice", "modalities"},
+    "completion": {"prompt", "best_of", "echo"},
+}
 OPENAI_ONLY = ("logprobs", "top_logprobs", "echo")  # refused on the native door (its answer has no place for them)
 MAX_CHOICES = 64  # sessions one request may open: prompts × best_of (or n)
 MAX_LOGPROBS = 20  # vLLM's bound (OpenAI's: 20 for chat, 5 for completions)
@@ -114,12 +126,17 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
     name = model if model is not None else doc.get("model")
     if not isinstance(name, str) or not name:
         raise invalid("model", "model must name a deployed pipeline (GET /v1/models lists them)")
+    if door != "native":
+        _known_fields(doc, door)
     if doc.get("tool_choice") not in (None, "none"):  # "none": no tool is called (what LangChain sends)
         raise invalid("tool_choice", f"tool_choice {doc['tool_choice']!r} is not supported by this gateway (no tools); "
                                      "only \"none\"")
     for key in UNSUPPORTED:
-        if doc.get(key) not in (None, False, [], {}) and not (key == "response_format" and _text_format(doc[key])):
-            raise invalid(key, f"{key} is not supported by this gateway")
+        value = doc.get(key)
+        if value is None or (key in NONE_VALUES and value in (False, [], {})) or (
+                key == "response_format" and _text_format(value)):
+            continue
+        raise invalid(key, f"{key} is not supported by this gateway")
     if door == "native":
         for key in OPENAI_ONLY:
             if doc.get(key) not in (None, False):
@@ -197,6 +214,33 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _known_fields(doc: Mapping, door: str) -> None:
+    """400 naming the first field of ``doc`` that door ``door`` does not honour, or a value of a field it honours
+    only in part (``store`` true, a ``service_tier`` other than auto / default, ``modalities`` other than text)."""
+    for key, value in doc.items():
+        if value is None:
+            continue
+        if key not in HONOURED["both"] | HONOURED[door] and key not in UNSUPPORTED:
+            raise invalid(str(key)[:100], f"field {str(key)[:100]!r} is not supported by this gateway")
+    if doc.get("store") not in (None, False):
+        raise invalid("store", "store: this gateway does not store completions")
+    if doc.get("service_tier") not in (None, "auto", "default"):
+        raise invalid("service_tier", f"service_tier {doc['service_tier']!r}: this gateway has one tier (auto)")
+    if doc.get("modalities") not in (None, ["text"]):
+        raise invalid("modalities", "modalities: this gateway answers text only ([\"text\"])")
+    for key in ("user", "safety_identifier", "prompt_cache_key"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            raise invalid(key, f"{key} must be a string")
+    options = doc.get("stream_options")
+    if isinstance(options, Mapping):
+        for key, value in options.items():
+            if key == "include_obfuscation" and value in (False, None):
+                continue
+            if key != "include_usage":
+                raise invalid(f"stream_options.{str(key)[:60]}", f"stream_options.{str(key)[:60]} is not supported "
+                                                                   "by this gateway")
 
 
 def _choices(doc: Mapping, door: str) -> tuple[int, int | None]:
