@@ -85,6 +85,18 @@ class Session:
     logprobs: list[dict] = field(default_factory=list)  # per generated token: {"logprob", "top"?} when asked
     answered: dict = field(default_factory=dict)  # the last stage's answer to the last step (its logprobs)
 
+    def took(self, doc: dict) -> int:
+        """The token of the last stage's answer to a step; its logprobs (when asked) kept for :meth:`add`."""
+        token = int(doc["token"])
+        self.answered = {k: doc[k] for k in ("logprob", "top") if k in doc}
+        return token
+
+    def add(self, token: int) -> None:
+        """A step's token is the session's next (its logprobs too, when asked)."""
+        self.generated.append(token)
+        if "logprobs" in self.sample:
+            self.logprobs.append(self.answered)
+
     def step_sample(self) -> dict[str, Any]:
         """The last stage's sample for the next step (quart_stage.sampling.with_history)."""
         return with_history(self.sample, self.prompt, self.generated)

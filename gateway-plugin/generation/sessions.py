@@ -187,9 +187,7 @@ class SessionEngine:
         try:
             while len(session.generated) < session.max_tokens:
                 token = await self._advance(session)
-                session.generated.append(token)
-                if "logprobs" in session.sample:
-                    session.logprobs.append(session.answered)
+                session.add(token)
                 if token in session.eos:
                     session.finish_reason = "stop"
                     yield token
@@ -322,7 +320,7 @@ class SessionEngine:
             if status != 200:
                 raise QuartError(status, str(result.get("error") or f"stage {fn!r} answered {status}"), "stage")
         try:
-            return self._answered(session, result)
+            return session.took(result)
         except (KeyError, TypeError, ValueError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
@@ -381,16 +379,9 @@ class SessionEngine:
                     raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
                 body, ctype = data, answer.get("Content-Type", "application/octet-stream")
         try:
-            return self._answered(session, json.loads(body))
+            return session.took(json.loads(body))
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
-
-    @staticmethod
-    def _answered(session: Session, doc: dict) -> int:
-        """The token of the last stage's answer; its logprobs (when asked) kept on the session for the token."""
-        token = int(doc["token"])
-        session.answered = {k: doc[k] for k in ("logprob", "top") if k in doc}
-        return token
 
     async def _call(self, k: int, fn: str, replica: Any, body: bytes, headers: dict[str, str], running: bool,
                     arrived: tuple[float, ...] = (), decode: bool = False) -> tuple[int, bytes, dict[str, str]]:
