@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 from gateway_plugin.generation import logprobs, sse
+from gateway_plugin.generation.choices import Run, answered, usage
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.params import GenerationParams, is_generation, parse
 from gateway_plugin.generation.session import Session
@@ -72,6 +73,7 @@ class Outcome:
     answers: list[dict] = field(default_factory=list)  # per token, its logprobs (when asked)
     reported: int = 0  # tokens whose logprobs a stream has sent
     echo: str = ""  # completions' echo: the prompt's text, before the completion's
+    prompt: tuple[list[int], list[dict]] = ((), ())  # echo with logprobs: the prompt's ids and their logprobs
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
@@ -234,7 +236,7 @@ class GenerationAPI:
         if params.max_tokens > room:
             raise invalid("max_tokens", f"max_tokens {params.max_tokens} is above the context: the prompt has "
                                         f"{prompt_len} tokens and the model holds {info.context}")
-        return params.max_tokens
+        return params.max_tokens or 1  # 0 (echo): the prefill's step runs, its token is not answered
 
     async def _tokens(self, request: web.Request, session: Session, info: ModelInfo, params: GenerationParams,
                       outcome: Outcome):
@@ -245,6 +247,9 @@ class GenerationAPI:
         try:
             async with contextlib.aclosing(self.engine.tokens(session)) as tokens:
                 async for token in tokens:
+                    if params.max_tokens == 0:
+                        outcome.finish_reason = "length"
+                        break
                     now = self.clock()
                     outcome.first_at = outcome.first_at or now
                     outcome.last_at = now
@@ -271,6 +276,7 @@ class GenerationAPI:
         except Exception as exc:  # never a hung stream: an explicit error
             log.exception("generation %s failed", session.id)
             outcome.error = QuartError(502, f"generation failed: {type(exc).__name__}: {exc}", "stage")
+        outcome.prompt = session.prompt, session.prompt_logprobs
         if outcome.error is None and outcome.finish_reason != "stop":
             rest = text.finish()
             outcome.text += rest
@@ -312,14 +318,18 @@ class GenerationAPI:
 
     @staticmethod
     def _new_logprobs(door: str, info: ModelInfo, outcome: Outcome) -> dict[str, Any] | None:
-        """The logprobs of the tokens a stream has not reported yet (None when none were asked)."""
-        if not outcome.answers or outcome.reported >= len(outcome.answers):
-            return None
+        """The logprobs of the tokens a stream has not reported yet (None when none were asked); with echo (never
+        streamed) the prompt's tokens first, the first with no logprob."""
         start, outcome.reported = outcome.reported, len(outcome.answers)
         tokens, answers = outcome.tokens[start:outcome.reported], outcome.answers[start:outcome.reported]
+        echoed = start == 0 and bool(outcome.prompt[1])
+        if echoed:
+            tokens, answers = [*outcome.prompt[0], *tokens], [{"logprob": None}, *outcome.prompt[1], *answers]
+        if not answers:
+            return None
         if door == "chat":
             return logprobs.chat(info.decode, tokens, answers)
-        offset = len(outcome.echo) + len(info.decode(outcome.tokens[:start]))
+        offset = 0 if echoed else len(outcome.echo) + len(info.decode(outcome.tokens[:start]))
         return logprobs.completion(info.decode, tokens, answers, offset)
 
     @staticmethod
@@ -380,16 +390,12 @@ class GenerationAPI:
             if failed is not None:
                 return web.json_response(openai_error(failed), status=failed.status, headers=failed.headers)
             choices = []
-            for p in range(1 + len(params.more_prompts)):
-                mine = [r for r in runs if r.prompt == p]
-                if params.runs > params.n:
-                    mine = sorted(mine, key=lambda r: -sum(a.get("logprob", 0.0) for a in r.outcome.answers))[:params.n]
-                for j, run in enumerate(mine):
-                    lp = self._new_logprobs(door, info, run.outcome) if params.logprobs is not None else None
-                    choice = self._answer(door, ident, params.model, run.outcome, run.session, lp)["choices"][0]
-                    choices.append({**choice, "index": p * params.n + j})
+            for index, run in answered(runs, 1 + len(params.more_prompts), params.n):
+                lp = self._new_logprobs(door, info, run.outcome) if params.logprobs is not None else None
+                choice = self._answer(door, ident, params.model, run.outcome, run.session, lp)["choices"][0]
+                choices.append({**choice, "index": index})
             return web.json_response({"id": ident, "object": _object(door, False), "created": int(time.time()),
-                                      "model": params.model, "choices": choices, "usage": _usage(runs)})
+                                      "model": params.model, "choices": choices, "usage": usage(runs)})
         finally:
             for run in runs:
                 self.engine.finish(run.session)
@@ -435,7 +441,7 @@ class GenerationAPI:
             else:
                 if params.include_usage:
                     await sse.send(response, {"id": ident, "object": _object(door, True), "created": created,
-                                              "model": params.model, "choices": [], "usage": _usage(runs)})
+                                              "model": params.model, "choices": [], "usage": usage(runs)})
             await sse.done(response)
         except sse.GONE:
             for run in runs:
@@ -458,27 +464,6 @@ class GenerationAPI:
                 id=ident, model=model, arrival=arrival, end=end, status=status, latency_ms=1000 * (end - arrival),
                 error=outcome.error.message if outcome.error else "", ttft_ms=ttft, tpot_ms=tpot,
                 tokens=len(outcome.tokens)))
-
-
-@dataclass
-class Run:
-    """One choice's session of a request with several: its prompt's index, its own index among the prompt's."""
-
-    prompt: int
-    j: int
-    params: GenerationParams
-    session: Session
-    outcome: Outcome
-
-    def index(self, n: int) -> int:
-        return self.prompt * n + self.j
-
-
-def _usage(runs: list[Run]) -> dict[str, int]:
-    """Each prompt's tokens once, every choice's generated tokens."""
-    prompt = sum({r.prompt: r.outcome.prompt_tokens for r in runs}.values())
-    done = sum(len(r.outcome.tokens) for r in runs)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 def _object(door: str, chunk: bool) -> str:

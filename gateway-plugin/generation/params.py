@@ -92,6 +92,8 @@ class GenerationParams:
         out.update({k: v for k, v in extra.items() if v != GenerationParams.__dataclass_fields__[k].default})
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+            if self.echo:
+                out["prompt_logprobs"] = self.logprobs
         if self.logit_bias:
             out["logit_bias"] = {str(i): b for i, b in self.logit_bias}
         suppress = sorted((set() if self.ignore_eos else set(eos)) | set(self.stop_ids))
@@ -164,8 +166,9 @@ def parse(doc: Any, door: str, cfg: GenerationConfig, model: str | None = None) 
     if prompt is not None and len(prompt) > cfg.max_prompt_chars:
         raise invalid("prompt", f"the prompt has {len(prompt)} characters; at most {cfg.max_prompt_chars}", 413)
     max_tokens = doc.get("max_completion_tokens") if doc.get("max_tokens") is None else doc.get("max_tokens")
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise invalid("max_tokens", f"max_tokens must be an integer of at least 1, got {max_tokens!r}")
+    least = 0 if door == "completion" and doc.get("echo") is True else 1  # 0 with echo: the prompt's logprobs only
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < least):
+        raise invalid("max_tokens", f"max_tokens must be an integer of at least {least}, got {max_tokens!r}")
     default_t = 0.0 if door == "native" else 1.0
     temperature = _number(doc, "temperature", default_t, 0.0, 2.0)
     top_p = _number(doc, "top_p", 1.0, 0.0, 1.0)
@@ -292,9 +295,8 @@ def _logprobs(doc: Mapping, door: str) -> tuple[int | None, bool]:
     echo = doc.get("echo", False)
     if echo is not None and not isinstance(echo, bool):
         raise invalid("echo", f"echo must be true or false, got {echo!r}")
-    if echo and value is not None:
-        raise invalid("echo", "echo with logprobs needs the prompt's logprobs, which the last stage does not compute "
-                              "(it runs the head on the last position only); ask for one of them")
+    if echo and value is not None and doc.get("stream"):
+        raise invalid("echo", "echo with logprobs is answered unstreamed (the prompt's logprobs come with the prefill)")
     return value, bool(echo)
 
 

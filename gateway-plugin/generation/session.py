@@ -84,11 +84,14 @@ class Session:
     finish_reason: str = ""
     logprobs: list[dict] = field(default_factory=list)  # per generated token: {"logprob", "top"?} when asked
     answered: dict = field(default_factory=dict)  # the last stage's answer to the last step (its logprobs)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # echo: prompt tokens 1.. (their logprobs), when asked
 
     def took(self, doc: dict) -> int:
         """The token of the last stage's answer to a step; its logprobs (when asked) kept for :meth:`add`."""
         token = int(doc["token"])
         self.answered = {k: doc[k] for k in ("logprob", "top") if k in doc}
+        if doc.get("prompt_from") == len(self.prompt_logprobs) + 1:  # a prefill's part (a replay's again: kept once)
+            self.prompt_logprobs += list(doc.get("prompt") or ())
         return token
 
     def add(self, token: int) -> None:

@@ -219,7 +219,7 @@ def test_completion_logprobs_and_echo(client, tiny, stream):
 @pytest.mark.parametrize("door, body, field", [
     ("chat", {"top_logprobs": 2}, "top_logprobs"), ("chat", {"logprobs": 3}, "logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ("completions", {"logprobs": 21}, "logprobs"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo"), ("completions", {"top_logprobs": 1}, "top_logprobs"),
+    ("completions", {"echo": True, "logprobs": 1, "stream": True}, "echo"), ("completions", {"top_logprobs": 1}, "top_logprobs"),
 ])
 def test_bad_logprobs_are_400_naming_the_field(client, door, body, field):
     with pytest.raises(openai.BadRequestError) as err:
@@ -309,3 +309,22 @@ def test_langchain_tool_fields_are_accepted(client, tiny):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=body)
         assert err.value.body["param"] == field
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_too(client, tiny):
+    ids = ids_of(tiny, "score this")
+    answer = client.completions.create(model="tiny", prompt="score this", max_tokens=3, temperature=0, echo=True,
+                                       logprobs=1)
+    lp = answer.choices[0].logprobs
+    tokens = reference(ids, 3)
+    seq = ids + tokens
+    assert answer.choices[0].text == "score this" + tiny.decode(tokens)
+    assert lp.tokens == [tiny.decode([t]) for t in seq] and lp.token_logprobs[0] is None
+    want = [float(_raw(seq[:t])[seq[t]]) for t in range(1, len(seq))]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5) and lp.text_offset[0] == 0
+    scored = client.completions.create(model="tiny", prompt="score this", max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == "score this" and scored.usage.completion_tokens == 0  # lm-eval's loglikelihood
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx([None, *want[:len(ids) - 1]], abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"

@@ -98,7 +98,9 @@ class FakeStage:
         assert json.loads(request.headers["X-Quart-Sample"])["seed"] is not None
         sample = sampling.parse_sample(request.headers["X-Quart-Sample"])  # the real sampler on toy logits
         self.samples.append(sample)
-        doc = sampling.answer(toy_logits(seq, self.eos_after, self.prompts.get(sid, 0)), sample, len(seq))
+        rows = torch.stack([toy_logits(seq[:q + 1], self.eos_after, self.prompts.get(sid, 0))
+                            for q in range(pos, len(seq))])  # each new position's logits: the next token's
+        doc = sampling.prompt_answer(rows, sample, pos)
         return web.json_response({**doc, "pos": len(seq)}, headers=headers)
 
     async def delete(self, request: web.Request) -> web.Response:

@@ -378,3 +378,24 @@ def test_penalties_bias_and_min_tokens_equal_transformers_generate(models, n):
     assert plain != got
     batched = generate_batched(_runtimes(models["llama", n]), [PROMPT, PROMPT[:5]], [NEW, 4], samples=[sample, None])
     assert batched[0] == want
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_prompt_logprobs_equal_the_whole_models_log_softmax(models, chunk):
+    """echo with logprobs: the last stage runs the head on every prompt position and answers each prompt token's
+    logprob (and the top k), equal to the whole model's full forward; a chunked prefill gives its share each step."""
+    runtimes = _runtimes(models["llama", 2])
+    sample = sampling.with_history({"prompt_logprobs": 2}, PROMPT, [])
+    with torch.inference_mode():
+        raw = torch.log_softmax(reference_model(models["llama", 1])(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    got, pos = [], 0
+    for part in ([PROMPT] if chunk is None else [PROMPT[i:i + chunk] for i in range(0, len(PROMPT), chunk)]):
+        doc = json.loads(session_step(runtimes, part, pos, "p", sample=sample).body)
+        assert doc.get("prompt_from", pos + 1) == pos + 1
+        got += doc.get("prompt", [])
+        pos += len(part)
+    assert len(got) == len(PROMPT) - 1
+    for t, entry in enumerate(got, start=1):
+        assert entry["logprob"] == pytest.approx(float(raw[t - 1, PROMPT[t]]), abs=LOGIT_TOL)
+        assert [i for i, _ in entry["top"]] == torch.topk(raw[t - 1], 2).indices.tolist()
+    assert doc["token"] == int(raw[-1].argmax())

@@ -39,7 +39,8 @@ MAX_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence and frequency: OpenAI's [-2, 2]
 MAX_REPETITION = 10.0
 KEYS = ("temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "logit_bias", "min_pos", "suppress", "history", "prompt_len", "logprobs")
+        "repetition_penalty", "logit_bias", "min_pos", "suppress", "history", "prompt_len", "logprobs",
+        "prompt_logprobs")
 _EMPTY = torch.empty(0, dtype=torch.long)
 
 
@@ -61,6 +62,14 @@ class SampleParams:
     history: torch.Tensor = field(default_factory=lambda: _EMPTY)  # ids the penalties read (int64)
     prompt_len: int = 0  # the first ``prompt_len`` ids of ``history`` are the prompt's
     logprobs: int = -1  # -1: none; k >= 0: the chosen token's logprob and the top k
+    prompt_logprobs: int = -1  # -1: none; k >= 0: each prompt token's logprob (from the 2nd) and the top k
+
+    def prompt_span(self, pos: int, new: int) -> range:
+        """The prompt tokens whose logprobs a step of ``new`` positions after ``pos`` gives (token t's logits are
+        position t - 1's): none unless ``prompt_logprobs`` is asked."""
+        if self.prompt_logprobs < 0:
+            return range(0)
+        return range(pos + 1, min(pos + new + 1, self.prompt_len))
 
     @property
     def greedy(self) -> bool:
@@ -108,9 +117,10 @@ def sample_from(doc: dict) -> SampleParams:
     prompt_len = _integer(doc, "prompt_len", 0)
     if not 0 <= prompt_len <= len(history):
         raise invalid(FIELD, f"prompt_len must be in [0, {len(history)}] (the history's length), got {prompt_len}")
-    logprobs = _integer(doc, "logprobs", -1)
-    if not -1 <= logprobs <= MAX_LOGPROBS:
-        raise invalid(FIELD, f"logprobs must be in [-1, {MAX_LOGPROBS}] (-1 = none), got {logprobs}")
+    logprobs, prompt_logprobs = _integer(doc, "logprobs", -1), _integer(doc, "prompt_logprobs", -1)
+    if not -1 <= logprobs <= MAX_LOGPROBS or not -1 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise invalid(FIELD, f"logprobs and prompt_logprobs must be in [-1, {MAX_LOGPROBS}] (-1 = none), got "
+                             f"{logprobs}, {prompt_logprobs}")
     top_k = _integer(doc, "top_k", 0)
     if top_k < 0:
         raise invalid(FIELD, f"top_k must be >= 0 (0 = off), got {top_k}")
@@ -123,7 +133,8 @@ def sample_from(doc: dict) -> SampleParams:
         presence_penalty=_number(doc, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         frequency_penalty=_number(doc, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         repetition_penalty=repetition, logit_bias=_bias(doc.get("logit_bias")), min_pos=min_pos,
-        suppress=_ids(doc.get("suppress"), "suppress"), history=history, prompt_len=prompt_len, logprobs=logprobs)
+        suppress=_ids(doc.get("suppress"), "suppress"), history=history, prompt_len=prompt_len, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs)
 
 
 def encode_history(ids: list[int] | tuple[int, ...]) -> str:
@@ -135,7 +146,7 @@ def with_history(sample: dict, prompt: list[int], generated: list[int]) -> dict:
     """``sample`` for the step that draws the token after ``prompt + generated``: with the ids its penalties read
     (the prompt's and the generated ones for ``repetition_penalty``, the generated ones for presence and
     frequency), so that the step is a pure function of its request and a replay samples the same."""
-    if sample.get("repetition_penalty", 1.0) != 1.0:
+    if sample.get("repetition_penalty", 1.0) != 1.0 or sample.get("prompt_logprobs", -1) >= 0:
         return {**sample, "history": encode_history(prompt + generated), "prompt_len": len(prompt)}
     if (sample.get("presence_penalty") or sample.get("frequency_penalty")) and generated:
         return {**sample, "history": encode_history(generated)}
@@ -288,4 +299,17 @@ def answer(logits: torch.Tensor, params: SampleParams, position: int) -> dict:
     doc: dict = {"token": token}
     if params.logprobs >= 0:
         doc.update(logprobs(logits, token, params.logprobs))
+    return doc
+
+
+def prompt_answer(rows: torch.Tensor, params: SampleParams, pos: int) -> dict:
+    """The answer of a step whose head ran on every new position (``rows``: [new, vocab], the first at ``pos``):
+    the next token, and ``{"prompt_from": t0, "prompt": [{"logprob", "top"?}...]}`` for the prompt tokens t0...
+    (:meth:`SampleParams.prompt_span`), read from ``history``."""
+    new = rows.shape[0]
+    doc = answer(rows[-1], params, pos + new)
+    span = params.prompt_span(pos, new)
+    if len(span):
+        doc["prompt_from"] = span.start
+        doc["prompt"] = [logprobs(rows[t - 1 - pos], int(params.history[t]), params.prompt_logprobs) for t in span]
     return doc

@@ -32,7 +32,7 @@ from quart_stage.kvcache import (
 from quart_stage.kvmigrate import EmulatedKV, block_layers
 from quart_stage.layers import H_LAYERS, fmt, range_share
 from quart_stage.response import H_COMPUTE, H_DESER, H_REQUEST_ID, H_SER, JSON_TYPE, StageResponse, elapsed_ms
-from quart_stage.sampling import H_SAMPLE, SampleParams, answer, parse_sample
+from quart_stage.sampling import H_SAMPLE, SampleParams, answer, parse_sample, prompt_answer
 from quart_stage.sessionbatch import BatchedSteps
 
 H_RETURN_LOGITS = "X-Quart-Return-Logits"
@@ -212,11 +212,13 @@ class Generation:
         rt = self.rt
         if rt._device.type != "cpu":
             inputs = {k: v.to(rt._device, non_blocking=True) for k, v in inputs.items()}
-        out = rt.module(inputs, *(span or ()), cache=cache, past=req.pos)
+        every = last and len(req.sample.prompt_span(req.pos, new)) > 0  # the head on every position: prompt logprobs
+        out = rt.module(inputs, *(span or ()), cache=cache, past=req.pos, every=every)
         if not last:
             return out.cpu() if out.device.type != "cpu" else out
         logits = out[0, -1]
-        return answer(logits, req.sample, req.pos + new), (logits.float().cpu() if req.return_logits else None)
+        doc = prompt_answer(out[0], req.sample, req.pos) if every else answer(logits, req.sample, req.pos + new)
+        return doc, (logits.float().cpu() if req.return_logits else None)
 
     def _emulate(self, state: EmulatedKV, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
                  span: tuple[int, int] | None, last: bool):
