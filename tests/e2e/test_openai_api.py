@@ -15,17 +15,12 @@ import pytest
 import requests
 from gateway_plugin.generation.tokens import load_model
 from support.fake_session_stage import reference
-from support.generation_app import GenerationServer, tiny_models
+from support.generation_app import tiny_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    dirs = tiny_models(tmp_path_factory.mktemp("models"))
-    running = GenerationServer(dirs, max_body_bytes=64 * 1024, default_max_tokens=8)
-    try:
-        yield running
-    finally:
-        running.close()
+    yield from tiny_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

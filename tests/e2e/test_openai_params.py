@@ -13,27 +13,23 @@ import torch
 from gateway_plugin.generation.tokens import load_model
 from quart_stage import sampling
 from support.fake_session_stage import reference, toy_logits
-from support.generation_app import GenerationServer, tiny_models
+from support.generation_app import tiny_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    dirs = tiny_models(tmp_path_factory.mktemp("models"))
-    running = GenerationServer(dirs, max_body_bytes=64 * 1024, default_max_tokens=8)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(scope="module")
-def tiny(server):
-    return load_model("tiny", server.dirs["tiny"])
+    yield from tiny_server(tmp_path_factory)
 
 
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tiny(server):
+    """The tokenizer the answers are checked with."""
+    return load_model("tiny", server.dirs["tiny"])
 
 
 def simulate(prompt: list[int], n: int, **sample) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 import requests
 from openai.types import completion_create_params as completion_types
 from openai.types.chat import completion_create_params as chat_types
-from support.generation_app import GenerationServer, tiny_models
+from support.generation_app import tiny_server
 
 
 def _fields(module) -> set[str]:
@@ -45,12 +45,7 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    dirs = tiny_models(tmp_path_factory.mktemp("models"))
-    running = GenerationServer(dirs, max_body_bytes=64 * 1024, default_max_tokens=8)
-    try:
-        yield running
-    finally:
-        running.close()
+    yield from tiny_server(tmp_path_factory)
 
 
 def _post(server, door: str, **body) -> requests.Response:
