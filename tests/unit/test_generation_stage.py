@@ -319,6 +319,9 @@ def test_emulated_sessions_count_positions_and_give_deterministic_tokens():
     assert _post(runtimes[0], PROMPT, 0, session="e").status == 200
     assert _post(runtimes[0], [1], 3, session="e").status == 409
     assert runtimes[0].generation.table.used == len(PROMPT)
+    asked = session_step(runtimes, PROMPT, 0, "lp", sample={"logprobs": 1})  # no logits to answer them from
+    assert asked.status == 400 and "emulated" in json.loads(asked.body)["error"]
+    assert runtimes[2].generation.table.used == 0
 
 
 def test_emulated_step_time_comes_from_the_profile():

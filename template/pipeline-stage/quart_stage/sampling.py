@@ -75,6 +75,11 @@ class SampleParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def check_logits(self, emulated: bool) -> None:
+        """400 when emulated compute (no logits) is asked for logprobs, which it cannot answer."""
+        if emulated and (self.logprobs >= 0 or self.prompt_logprobs >= 0):
+            raise invalid(FIELD, "logprobs: emulated compute has no logits to answer them from")
+
     @property
     def adjusts(self) -> bool:
         """Whether the logits change before the choice (a penalty, a bias, a suppressed id)."""

@@ -88,6 +88,7 @@ class BatchedSteps:
                     e = entries[row]
                     try:
                         samples[row] = sample_from(dict(e.sample)) if e.sample else GREEDY
+                        samples[row].check_logits(emulated and gen.last)
                         gen.check_reach(e.pos + 1)
                         session = stack.enter_context(gen.table.step(e.id, e.pos, 1, 0, lambda: None))
                     except QuartError as exc:

@@ -176,6 +176,8 @@ class Generation:
             emulated = rt.cfg.compute == "emulated"
             span = self.span_of(span)
             last = self.last if span is None else span[1] == rt.total_layers
+            if last:
+                req.sample.check_logits(emulated)
             with self.table.step(req.id, req.pos, new, req.reserve, lambda: self.new_state(req.sample.seed), span,
                                  rt.stage_range) as session:
                 if emulated:
