@@ -290,6 +290,7 @@ def _logprobs(doc: Mapping, door: str) -> tuple[int | None, bool]:
         return (top or 0) if value else None, False
     if top is not None:
         raise invalid("top_logprobs", "top_logprobs is a chat field; /v1/completions takes logprobs: k")
+    value = None if value is False else value  # false: none (as chat spells it)
     if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
         raise invalid("logprobs", f"logprobs must be an integer in 0..{MAX_LOGPROBS} on completions, got {value!r}")
     echo = doc.get("echo", False)

@@ -48,6 +48,18 @@ def test_bad_parameters_are_refused_naming_the_field(doc, door, field):
     assert refused.value.status in (400, 413) and refused.value.field == field
 
 
+def test_logprobs_and_choices_as_each_door_spells_them():
+    assert parse({"model": "m", "prompt": "x", "logprobs": False}, "completion", CFG).logprobs is None
+    assert parse({"model": "m", "prompt": "x", "logprobs": 0}, "completion", CFG).logprobs == 0
+    chat = parse({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 4,
+                  "n": 3}, "chat", CFG)
+    assert (chat.logprobs, chat.n, chat.runs) == (4, 3, 3)
+    many = parse({"model": "m", "prompt": ["a", [5, 6]], "best_of": 3, "n": 2, "echo": True, "max_tokens": 0},
+                 "completion", CFG)
+    assert [(p.prompt, p.prompt_ids) for p in many.prompts()] == [("a", None), (None, (5, 6))] and many.runs == 3
+    assert many.sample(4, frozenset({2}))["seed"] is None and "logprobs" not in many.sample(4, frozenset({2}))
+
+
 def test_defaults_per_door():
     native = parse({"input_ids": [1, 2]}, "native", CFG, "m")
     assert (native.temperature, native.prompt_ids, native.max_tokens) == (0.0, (1, 2), None)
