@@ -14,6 +14,8 @@ import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.kvbook import KVBook
+from gateway_plugin.generation.roomwait import RoomQueue
+from gateway_plugin.ports import ReplicaSource
 
 
 class StepFailed(Exception):
@@ -122,8 +124,8 @@ class SessionHost(Protocol):
     book: KVBook
     config: GenerationConfig
     clock: Callable[[], float]
-    source: Any  # a gateway_plugin.router.ReplicaSource: ``ready(function)``, every ready replica, parts too
-    room: Any  # a gateway_plugin.generation.roomwait.RoomQueue: ``waiting(function)``, new sessions in line for room
+    source: ReplicaSource  # ``ready(function)``: every ready replica, parts too
+    room: RoomQueue  # ``waiting(function)``: new sessions in line for room
 
     def client(self) -> aiohttp.ClientSession: ...
 
