@@ -185,7 +185,8 @@ class GenerationRoute(Protocol):
 
 class PluginHost(Platform, Protocol):
     """The embedded gateway as the plugin attaches to it: its :class:`Platform`, the routes and hooks the plugin
-    answers, its metrics, its shutdown, its own scaling calls, its basic auth and its invocation counters."""
+    answers, its metrics, its shutdown, its own scaling calls, its basic auth, its invocation counters, and what
+    the status page (``/ui/``) shows of its functions and hosts."""
 
     def add_invoke_hook(self, hook: InvokeHook) -> None: ...
 
@@ -210,6 +211,10 @@ class PluginHost(Platform, Protocol):
     async def scale_function(self, name: str, replicas: int, key: bool = False) -> None: ...
 
     async def set_function_cpus(self, name: str, cpus: float) -> None: ...
+
+    def stage_status(self, name: str) -> dict[str, object] | None: ...  # the status page's row of a function
+
+    def hosts_status(self) -> list[dict[str, object]]: ...  # the status page's hosts: name, GPU slots, used
 
 
 __all__ = ["ApiHook", "DecisionNotes", "FunctionFacts", "GenerationRoute", "InvokeHook", "PipelineRoute", "Platform",

@@ -214,6 +214,27 @@ class EmbeddedGateway:
         self.metrics.invocation_started(fn.metric_name)
         self.metrics.invocation_done(fn.metric_name, code, seconds)
 
+    def stage_status(self, name: str) -> dict[str, object] | None:
+        """The status page's row of a function: desired, ready, bounds, why it is not ready, its replicas."""
+        fn = self.functions.get(name)
+        if fn is None:
+            return None
+        reason = not_ready_reason(fn, self.functions.values(), self.hosts)
+        return {"desired": fn.desired, "ready": len(fn.ready), "min": fn.deployment.min_replicas,
+                "max": fn.deployment.max_replicas, "unplaced": fn.unplaced, "reason": reason or fn.last_error,
+                "replicas": [{"id": e.id, "host": e.host, "state": e.state, "source": e.source,
+                              "in_flight": e.in_flight, "served": e.served,
+                              "ready_ms": round(e.ready_ms, 1) if e.ready_ms is not None else None}
+                             for e in fn.replicas.values()]}
+
+    def hosts_status(self) -> list[dict[str, object]]:
+        """The status page's hosts: name, GPU slots (its last report's; None before one), replicas there (not dead)."""
+        slots = {h.name: h.gpu_slots for h in self.scheduler_metrics.snapshot().hosts}
+        return [{"name": name, "slots": slots.get(name),
+                 "used": sum(1 for fn in self.functions.values() for e in fn.replicas.values()
+                             if e.host == name and e.state != "dead")}
+                for name in sorted(self.hosts)]
+
     # Platform: inventory
 
     def pipelines(self) -> dict[str, list[str]]:

@@ -15,7 +15,7 @@ from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.kvbook import KVBook
 from gateway_plugin.generation.roomwait import RoomQueue
-from gateway_plugin.ports import ReplicaSource
+from gateway_plugin.ports import Replica, ReplicaSource
 
 
 class StepFailed(Exception):
@@ -110,7 +110,7 @@ def stage_bookings(placed: Any, need: int, split: Split | None) -> list[tuple[An
     positions, or with a split its share and the live replica the rest."""
     if placed is None:
         return []
-    if hasattr(placed, "bookings"):  # a ParaServe chain (groupsessions.Chain)
+    if isinstance(placed, Chain):  # a ParaServe chain
         return placed.bookings()
     if split is None:
         return [(placed, need)]
@@ -129,7 +129,7 @@ class SessionHost(Protocol):
 
     def client(self) -> aiohttp.ClientSession: ...
 
-    def forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
+    def forget(self, replica: Replica, session_id: str, then: Callable[[], None] | None = None) -> None:
         """``DELETE /_/sessions/<id>`` on one replica in the background; ``then()`` once it is answered."""
 
     def drop(self, session: Session) -> None:
@@ -138,7 +138,7 @@ class SessionHost(Protocol):
     def renew(self, session: Session, new_id: str | None = None) -> None:
         """The session goes on under a new id (a fresh one, or ``new_id``)."""
 
-    def rehome(self, session: Session, stage: int, placed: Any) -> None:
+    def rehome(self, session: Session, stage: int, placed: Replica | Chain) -> None:
         """Stage ``stage`` runs on ``placed`` (booked) under a new id; the next step replays from position 0."""
 
     async def step(self, session: Session, new: list[int], pos: int, last: bool) -> int:

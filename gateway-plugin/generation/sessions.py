@@ -263,7 +263,7 @@ class SessionEngine:
             session.moves += 1
             self.moves += 1
 
-    def rehome(self, session: Session, stage: int, placed: Any) -> None:
+    def rehome(self, session: Session, stage: int, placed: ports.Replica | Chain) -> None:
         """Pin ``stage`` of the session to ``placed`` (a replica booked ``need``, or a `Chain` its shares) under a
         new id; the next step replays from 0."""
         session.replicas[stage] = None if isinstance(placed, Chain) else placed
@@ -478,7 +478,7 @@ class SessionEngine:
             if replica is not None:
                 self.forget(replica, session.id)
 
-    def forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
+    def forget(self, replica: ports.Replica, session_id: str, then: Callable[[], None] | None = None) -> None:
         """``DELETE /_/sessions/<id>`` on one replica, in the background; ``then()`` once it is answered (or failed)."""
         task = asyncio.get_running_loop().create_task(delete_session(self.client(), replica.url, session_id))
         self._background.add(task)
