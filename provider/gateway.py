@@ -10,7 +10,8 @@
 
 What is the gateway's own: its lifecycle (``start``: restore and adopt; ``close``), what spans the parts (the
 replicas' log files on every host, a replica's held layers, invocations counted outside the proxy), and the
-hooks the plugin attaches:
+plugin's ports: the gateway is the plugin's ``Platform`` and ``PluginHost`` (``gateway_plugin.ports``, structural:
+neither side imports the other; mypy checks it in ``tools/wiring.py``), among them the hooks the plugin attaches:
 
 - ``add_invoke_hook``: the plugin's router takes ``/function/<name>`` for names that are not
   deployed functions (a pipeline, ``POST /function/<model>``);
