@@ -240,6 +240,12 @@ class PluginConfig:
     gateway_url: str = ""  # [QUART_GATEWAY_URL] OpenFaaS gateway (rest / faas-cli actuators, standalone)
     gateway_user: str = "admin"  # [QUART_GATEWAY_USER]
     gateway_password_file: str = ""  # [QUART_GATEWAY_PASSWORD_FILE] file with the password (mode 0600)
+    # The standalone plugin's platform: "openfaas" calls a stage through the gateway's /function/<stage>;
+    # "kubernetes" reads each stage's pods from the EndpointSlices of its Service and calls them directly.
+    platform: str = "openfaas"  # [QUART_PLATFORM] openfaas | kubernetes
+    kubernetes_api_url: str = "https://kubernetes.default.svc"  # [QUART_KUBERNETES_API_URL]
+    # the service account's token and ca.crt (QUART_PLATFORM=kubernetes)
+    kubernetes_credentials_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"  # [QUART_KUBERNETES_CREDENTIALS_DIR]
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
@@ -275,5 +281,8 @@ class PluginConfig:
             "gateway_url": "QUART_GATEWAY_URL",
             "gateway_user": "QUART_GATEWAY_USER",
             "gateway_password_file": "QUART_GATEWAY_PASSWORD_FILE",
+            "platform": "QUART_PLATFORM",
+            "kubernetes_api_url": "QUART_KUBERNETES_API_URL",
+            "kubernetes_credentials_dir": "QUART_KUBERNETES_CREDENTIALS_DIR",
         }
         return settings_from_env(cls, "QUART_", env, names=names)

@@ -8,7 +8,8 @@ counts, CPUs and scale bounds come from ``GET /system/functions`` (polled); scal
 REST or faas-cli actuator. The generation API (``/v1/...``, generation bodies on ``/function/<model>``) is
 served here too; OpenFaaS spreads a stage's calls over its pods, so a session's affinity holds with one
 replica per stage, and with more a step that lands on a pod without the session is answered 409 and
-replayed (correct, slower).
+replayed (correct, slower). With ``QUART_PLATFORM=kubernetes`` a stage's replicas are its pods instead, read from
+the Kubernetes API and called directly (:mod:`gateway_plugin.kubernetes_pods`), so affinity holds with many pods.
 
     python -m gateway_plugin.standalone --gateway http://127.0.0.1:8080 --password-file pw --port 8081
 """
@@ -32,6 +33,7 @@ from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.openai_api import GenerationAPI
 from gateway_plugin.generation.sessions import SessionEngine
+from gateway_plugin.kubernetes_pods import PodDirectory, pod_directory
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
 from gateway_plugin.ports import Range, Replica
@@ -84,13 +86,14 @@ class OpenFaaSView:
     """The :class:`~gateway_plugin.ports.Platform` of an OpenFaaS gateway, from its REST API (``refresh()``).
 
     A function's replicas are ``availableReplicas`` slots at ``<gateway>/function/<name>`` (OpenFaaS spreads
-    them over its pods). What the gateway does not offer is declared here as such: no proxy queue of its
+    them over its pods), or with ``pods`` (``QUART_PLATFORM=kubernetes``) its pods, called directly. What the gateway does not offer is declared here as such: no proxy queue of its
     own beside the plugin (``waiting`` 0), no placement to report (``check_placement``), scale from zero by
     the gateway itself (``scale_from_zero``), and a scale-down that cannot read sessions (``watch_*`` kept only)."""
 
-    def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None) -> None:
+    def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None, pods: PodDirectory | None = None) -> None:
         self.gateway_url = gateway_url.rstrip("/")
         self.auth = auth
+        self.pods = pods  # QUART_PLATFORM=kubernetes: each stage's pods are its replicas (else gateway slots)
         self.status: dict[str, OpenFaaSFunction] = {}
         self.slots: dict[str, list[StaticReplica]] = {}
         self.waiters = Waiters()
@@ -117,6 +120,8 @@ class OpenFaaSView:
                 have.remove(idle)
         for gone in set(self.slots) - set(self.status):
             del self.slots[gone]
+        if self.pods is not None:
+            await self.pods.follow({name: facts.namespace for name, facts in self.status.items()})
         self.waiters.wake()  # slots may have come
 
     # Platform: inventory
@@ -130,6 +135,8 @@ class OpenFaaSView:
     # Platform: replicas and slots
 
     def ready(self, function: str) -> list[StaticReplica]:
+        if self.pods is not None:
+            return list(self.pods.ready(function))
         return list(self.slots.get(function, ()))
 
     def take(self, function: str, replica: Replica) -> None:
@@ -154,7 +161,10 @@ class OpenFaaSView:
         replica.held = held
 
     def mark_unreachable(self, function: str, replica: Replica) -> None:
-        """Nothing: the slot is the gateway's ``/function/<name>``, which stays; its next refresh says what is up."""
+        """A pod: no new calls till its slices change. A gateway slot stays (it is the gateway's ``/function/<name>``,
+        which is up; its next refresh says what is)."""
+        if self.pods is not None:
+            self.pods.mark_unreachable(function, replica)
 
     def scale_from_zero(self, functions: Sequence[str]) -> None:
         """Nothing: the OpenFaaS gateway scales a function from zero at its own ``/function/<name>`` call."""
@@ -188,7 +198,7 @@ class StandalonePlugin:
             config = replace(config, actuator="rest")
         self.config = config
         auth = aiohttp.BasicAuth(config.gateway_user, password) if password else None
-        self.openfaas = OpenFaaSView(config.gateway_url, auth)
+        self.openfaas = OpenFaaSView(config.gateway_url, auth, pod_directory(config))
         self.view = GatewayView(self.openfaas, config.default_concurrency)  # the embedded gateway's reading of labels
         batching = self.view.batch_default = BatchLimits(config.batch_max, config.batch_wait_ms / 1000)
         self.collector = MetricsCollector(config.window_s)
@@ -264,6 +274,8 @@ class StandalonePlugin:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.router.close()
         await self.engine.close()
+        if self.openfaas.pods is not None:
+            await self.openfaas.pods.close()
         await self.scaler.close()
         if self._session is not None:
             await self._session.close()
