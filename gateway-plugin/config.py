@@ -231,6 +231,9 @@ class PluginConfig:
     kick_min_span_s: float = 0.5  # [QUART_KICK_MIN_SPAN_S]
     policy: str = "quart"  # [QUART_POLICY]
     slo_factor: float = 2.0  # [QUART_SLO_FACTOR] SLO = factor × profiled pipeline time
+    # the cores the CPU stages' replicas share (policies.compute_budget): -1 = auto (the embedded gateway: this
+    # machine's cores, where its replicas run; the standalone plugin: not bounded, the cluster places pods), 0 = off
+    compute_cores: float = -1.0  # [QUART_COMPUTE_CORES]
     tpot_slo_ms: float = 0.0  # [QUART_TPOT_SLO_MS] generation's time per output token target: sizes decode stages (0 = KV room only)
     actuator: str = "gateway"  # [QUART_ACTUATOR] gateway (in-process) | rest | faas-cli | none
     control_log_path: str = ""  # [QUART_CONTROL_LOG] JSONL of snapshots + decisions ("" = none)
@@ -273,6 +276,7 @@ class PluginConfig:
             "policy": "QUART_POLICY",
             "slo_factor": "QUART_SLO_FACTOR",
             "tpot_slo_ms": "QUART_TPOT_SLO_MS",
+            "compute_cores": "QUART_COMPUTE_CORES",
             "actuator": "QUART_ACTUATOR",
             "control_log_path": "QUART_CONTROL_LOG",
             "cv_model_path": "QUART_CV_MODEL",

@@ -48,6 +48,11 @@ log = logging.getLogger("quart.plugin")
 PLUGIN_PATH = "quart-plugin"  # /function/quart-plugin/{snapshot,timeline}
 
 
+def machine_cores() -> float:
+    """The cores this process may run on: where the embedded gateway's hosts start their replicas."""
+    return float(len(os.sched_getaffinity(0)))
+
+
 def online_cv_trainer(config: PluginConfig):
     """The background CV-model trainer QUART uses by default (none with a trained model given or QUART_CV_ONLINE=0)."""
     if not config.cv_online or config.cv_model_path:
@@ -153,6 +158,7 @@ class Plugin:
             self.view, self.router, self.collector, self.scaler,
             factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),
             cv_trainer=online_cv_trainer(self.config), generation=self.engine, notes=self.view,
+            compute_cores=machine_cores() if self.config.compute_cores < 0 else self.config.compute_cores,
         )
         gateway.watch_sessions(self.engine.book.booked)  # its scale-down keeps replicas with sessions, drains them
         gateway.watch_demand(self.engine.group_chains.demand)  # a whole ParaServe group keeps the workers it needs

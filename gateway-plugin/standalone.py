@@ -212,7 +212,8 @@ class StandalonePlugin:
                                         self.collector)
         self.scaler = make_actuator(config, password=password)
         self.controller = Controller(self.view, self.router, self.collector, self.scaler, policy_factory(config), config,
-                                     generation=self.engine, notes=self.view)
+                                     generation=self.engine, notes=self.view,
+                                     compute_cores=max(0.0, config.compute_cores))  # auto: the cluster places pods
         self.openfaas.watch_sessions(self.engine.book.booked)
         self.openfaas.watch_demand(self.engine.group_chains.demand)
         self._stop = asyncio.Event()

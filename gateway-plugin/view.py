@@ -17,6 +17,7 @@ from gateway_plugin.ports import Platform, Range, Replica
 from gateway_plugin.snapshot_builder import StageState
 from quart_kernel.admission import ServiceTimes
 from quart_stage import labels as vocab
+from quart_stage.config import computes_on_cpu
 
 
 class GatewayView:
@@ -77,7 +78,8 @@ class GatewayView:
             min_replicas=facts.min_replicas, max_replicas=facts.max_replicas,
             concurrency=facts.concurrency or self.default_concurrency,
             param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
-            start_s=facts.start_s, **batch_state(self.batch_limits(function, self.batch_default)),
+            start_s=facts.start_s, cpu_bound=computes_on_cpu(facts.env),
+            **batch_state(self.batch_limits(function, self.batch_default)),
         )
 
     def note_decision(self, function: str, text: str) -> None:

@@ -83,6 +83,7 @@ class Session:
     reprefills: int = 0  # KV migrations that failed and replayed
     freed: bool = False
     finish_reason: str = ""
+    micro: int = 0  # its micro-batch group at every stage (decodebatch: S groups keep S stages busy at once)
 
     def calls(self, k: int) -> list[tuple[Any, layers.Range | None]]:
         """The replica calls of stage ``k`` of a step: (replica, its layers or None for the whole stage)."""

@@ -47,7 +47,8 @@ class GenerationServer:
         self.fakes: list[FakeStage] = []
         self.records = io.StringIO()  # the request records (QUART_RECORDS), one JSON line each
         self.collector = MetricsCollector(10.0, self.records)
-        self.url = self.call(self._start(GenerationConfig(replica_wait_s=0.5, **config)))
+        # the fake replicas speak the one-session step protocol only, not batched decode steps
+        self.url = self.call(self._start(GenerationConfig(**{"replica_wait_s": 0.5, "decode_batch_max": 1, **config})))
 
     def call(self, coro, timeout: float = 30):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
