@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from gateway_plugin.ports import Range, Replica, ReplicaSource
 from quart_kernel.admission import ServiceTimes
 
-__all__ = ["ReplicaSource", "StaticReplica", "StaticReplicas", "Waiters"]
+__all__ = ["ListedSlots", "ReplicaSource", "StaticReplica", "StaticReplicas", "Waiters"]
 
 
 @dataclass(slots=True)
@@ -54,8 +54,37 @@ class Waiters:
                     future.set_result(None)
 
 
+class ListedSlots:
+    """The slots of replicas a plugin lists itself (a test's fixed URLs, an OpenFaaS gateway's slots): counted on
+    the replica, each release waking the function's waiters; a service-time estimator per function; the layers a
+    replica's answer says it holds kept on it; no proxy queue beside the router (``waiting`` 0)."""
+
+    __slots__ = ()
+    waiters: Waiters
+    services: dict[str, ServiceTimes]
+
+    def take(self, function: str, replica: Replica) -> None:
+        replica.in_flight += 1
+
+    def give_back(self, function: str, replica: Replica) -> None:
+        replica.in_flight -= 1
+        self.waiters.wake(function)
+
+    def wait(self, function: str) -> asyncio.Future[None]:
+        return self.waiters.wait(function)
+
+    def waiting(self, function: str) -> int:
+        return 0
+
+    def service_times(self, function: str) -> ServiceTimes:
+        return self.services.setdefault(function, ServiceTimes())
+
+    def note_held(self, function: str, replica: Replica, held: Range) -> None:
+        replica.held = held
+
+
 @dataclass(slots=True)
-class StaticReplicas:
+class StaticReplicas(ListedSlots):
     """A replica list per function that the owner edits (tests; a fixed set of upstream URLs); call
     :meth:`changed` after editing it, so that a dispatcher waiting for a replica looks again."""
 
@@ -70,27 +99,8 @@ class StaticReplicas:
     def concurrency(self, function: str) -> int:
         return self.slots
 
-    def take(self, function: str, replica: Replica) -> None:
-        replica.in_flight += 1
-
-    def give_back(self, function: str, replica: Replica) -> None:
-        replica.in_flight -= 1
-        self.waiters.wake(function)
-
-    def wait(self, function: str) -> asyncio.Future[None]:
-        return self.waiters.wait(function)
-
     def changed(self) -> None:
         self.waiters.wake()
-
-    def service_times(self, function: str) -> ServiceTimes:
-        return self.services.setdefault(function, ServiceTimes())
-
-    def waiting(self, function: str) -> int:
-        return 0  # no proxy beside the router here
-
-    def note_held(self, function: str, replica: Replica, held: Range) -> None:
-        replica.held = held
 
     def mark_unreachable(self, function: str, replica: Replica) -> None:
         """Nothing: the owner edits the list (the router's ``tried`` keeps the request off the replica)."""

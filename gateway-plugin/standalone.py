@@ -36,8 +36,8 @@ from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.kubernetes_pods import PodDirectory, pod_directory
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
-from gateway_plugin.ports import Range, Replica
-from gateway_plugin.replicas import StaticReplica, Waiters
+from gateway_plugin.ports import Replica
+from gateway_plugin.replicas import ListedSlots, StaticReplica, Waiters
 from gateway_plugin.router import Router, json_reply, web_response
 from gateway_plugin.view import GatewayView
 from quart_kernel.admission import ServiceTimes
@@ -82,7 +82,7 @@ class OpenFaaSFunction:
                    env=status.get("envVars") or {}, namespace=status.get("namespace") or DEFAULT_NAMESPACE)
 
 
-class OpenFaaSView:
+class OpenFaaSView(ListedSlots):
     """The :class:`~gateway_plugin.ports.Platform` of an OpenFaaS gateway, from its REST API (``refresh()``).
 
     A function's replicas are ``availableReplicas`` slots at ``<gateway>/function/<name>`` (OpenFaaS spreads
@@ -139,26 +139,8 @@ class OpenFaaSView:
             return list(self.pods.ready(function))
         return list(self.slots.get(function, ()))
 
-    def take(self, function: str, replica: Replica) -> None:
-        replica.in_flight += 1
-
-    def give_back(self, function: str, replica: Replica) -> None:
-        replica.in_flight -= 1
-        self.waiters.wake(function)
-
-    def wait(self, function: str) -> asyncio.Future[None]:
-        """Resolved at the function's next release here or the next refresh (slots may have come)."""
-        return self.waiters.wait(function)
-
-    def waiting(self, function: str) -> int:
-        return 0  # the plugin is the only queue in front of the gateway's /function/<name> here
-
-    def service_times(self, function: str) -> ServiceTimes:
-        return self.services.setdefault(function, ServiceTimes())
-
-    def note_held(self, function: str, replica: Replica, held: Range) -> None:
-        """A stage's answer says the layers it holds (every stage with a manifest does): kept on the slot."""
-        replica.held = held
+    # take, give_back, wait (woken at each release here and at each refresh), waiting (0: the plugin is the only
+    # queue in front of the gateway's /function/<name>), service_times, note_held (kept on the slot): ListedSlots
 
     def mark_unreachable(self, function: str, replica: Replica) -> None:
         """A pod: no new calls till its slices change. A gateway slot stays (it is the gateway's ``/function/<name>``,
