@@ -187,7 +187,7 @@ class SessionEngine:
         try:
             while len(session.generated) < session.max_tokens:
                 token = await self._advance(session)
-                session.generated.append(token)
+                session.add(token)
                 if token in session.eos:
                     session.finish_reason = "stop"
                     yield token
@@ -309,7 +309,7 @@ class SessionEngine:
     async def _batched_step(self, session: Session, token: int, pos: int, last: bool, limit: int) -> int:
         row, final, result = token_row(token), len(session.stages) - 1, {}
         for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
-            entry = BatchEntry(session.id, pos, last, session.sample if k == final else {})
+            entry = BatchEntry(session.id, pos, last, session.step_sample() if k == final else {})
             self._arrived(fn)
             result, row = await self._lane(session, k, limit).decode(entry, row, session.micro)
             status = int(result.get("status", 0))
@@ -320,7 +320,7 @@ class SessionEngine:
             if status != 200:
                 raise QuartError(status, str(result.get("error") or f"stage {fn!r} answered {status}"), "stage")
         try:
-            return int(result["token"])
+            return session.took(result)
         except (KeyError, TypeError, ValueError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
@@ -351,7 +351,7 @@ class SessionEngine:
                 if part is not None:
                     headers[layers.LAYERS] = layers.format_range(part)
                 if k == final:  # every part of the last stage: either may come to run it whole (a rejoin)
-                    headers[SAMPLE] = json.dumps(session.sample)
+                    headers[SAMPLE] = json.dumps(session.step_sample())
                     if part is None or k in session.chains or part[1] == layers.stage_range(replica)[1]:
                         headers["Accept"] = "application/json"
                 if pos == 0:
@@ -379,7 +379,7 @@ class SessionEngine:
                     raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
                 body, ctype = data, answer.get("Content-Type", "application/octet-stream")
         try:
-            return int(json.loads(body)["token"])
+            return session.took(json.loads(body))
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 

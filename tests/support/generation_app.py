@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from aiohttp import web
@@ -95,3 +96,14 @@ class GenerationServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+def tiny_server(tmp_path_factory) -> Iterator[GenerationServer]:
+    """A module fixture's body: the GenerationServer over ``tiny`` (and ``enc``) the /v1 tests share (64 KiB
+    bodies, 8 tokens by default), closed after the module."""
+    running = GenerationServer(tiny_models(tmp_path_factory.mktemp("models")), max_body_bytes=64 * 1024,
+                               default_max_tokens=8)
+    try:
+        yield running
+    finally:
+        running.close()
