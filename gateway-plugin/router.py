@@ -24,7 +24,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -34,7 +33,8 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.entry import entry_admission, queued_verdict
 from gateway_plugin.jobs import Head, Job, StageQueue
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
-from gateway_plugin.replicas import ReplicaSource, StaticReplica, StaticReplicas, Waiters
+from gateway_plugin.ports import Replica, ReplicaSource
+from gateway_plugin.replicas import StaticReplica, StaticReplicas, Waiters
 from quart_kernel.admission import ServiceTimes, client_deadline_s
 from quart_kernel.picking import pick
 from quart_kernel.shedding import SHED_HEADER
@@ -90,7 +90,6 @@ class Router:
         self.queues: dict[str, StageQueue] = {}
         self.upstream: UpstreamPool | None = None  # the lean client to replicas (keep-alive, dead-peer sockets)
         self._targets: dict[str, tuple[str, str]] = {}  # replica url -> (base url, path)
-        self._services: dict[str, ServiceTimes] = {}  # for a source that keeps none
         self._ids = itertools.count()
         self._closed = False
         self._running: set[Job] = set()
@@ -189,8 +188,7 @@ class Router:
             arrival=now, deadline=now + timeout, future=asyncio.get_running_loop().create_future(), accept=accept,
         )
         self.accepted += 1
-        if hasattr(self.source, "scale_from_zero"):  # stages at zero start now, all of them (as OpenFaaS does)
-            self.source.scale_from_zero(stages)
+        self.source.scale_from_zero(stages)  # stages at zero start now, all of them (as OpenFaaS does)
         self._enqueue(job, front=False)
         timer = asyncio.get_running_loop().call_later(timeout + 0.5, self._abandon, job)  # answers it 504
         try:
@@ -224,14 +222,14 @@ class Router:
             q.jobs.append(job)
         q.wake.set()
 
-    def _free_replica(self, q: StageQueue, job: Job) -> Any | None:
+    def _free_replica(self, q: StageQueue, job: Job) -> Replica | None:
         try:
             return self.pick(q.function, job.tried, job.layer_at)
         except Exception as exc:  # the platform's replica view failed: keep serving, retry soon
             log.warning("listing replicas of %s failed: %s", q.function, exc)
             return None
 
-    def _launch(self, q: StageQueue, job: Job, replica: Any) -> None:
+    def _launch(self, q: StageQueue, job: Job, replica: Replica) -> None:
         """The stage call of ``job`` on ``replica`` (its slot taken), as a task."""
         self.source.take(q.function, replica)
         q.busy += 1
@@ -243,7 +241,7 @@ class Router:
         self._running.add(job)
         job.task.add_done_callback(lambda task, job=job: self._ended(q, job, replica, task))
 
-    def _ended(self, q: StageQueue, job: Job, replica: Any, task: asyncio.Task) -> None:
+    def _ended(self, q: StageQueue, job: Job, replica: Replica, task: asyncio.Task) -> None:
         """A call's task is over; one cancelled before it ran (the client gone, its deadline, in the launch's own
         turn) never reached :meth:`exchange`, so its slot is given back here."""
         self._running.discard(job)
@@ -252,7 +250,7 @@ class Router:
             self.source.give_back(q.function, replica)
             q.wake.set()
 
-    def pick(self, function: str, tried: set, at: int | None = None) -> Any | None:
+    def pick(self, function: str, tried: set, at: int | None = None) -> Replica | None:
         """The pick rule over the replicas that can run the request's next layers (all of them, unless some
         replica holds only part of its stage: see :mod:`gateway_plugin.layers`)."""
         ready = [r for r in self.source.ready(function) if layers.eligible(r, at)]
@@ -309,13 +307,11 @@ class Router:
             self.serve_head(q)
 
     def service_times(self, function: str) -> ServiceTimes:
-        """The function's one service-time estimator (the source's; this router's own for a source without one)."""
-        getter = getattr(self.source, "service_times", None)
-        return getter(function) if getter is not None else self._services.setdefault(function, ServiceTimes())
+        """The function's one service-time estimator (the source's, shared with the platform's proxy)."""
+        return self.source.service_times(function)
 
     async def _wait_slot(self, q: StageQueue) -> None:
-        wait = getattr(self.source, "wait", None)
-        released = wait(q.function) if wait is not None else asyncio.get_running_loop().create_future()
+        released = self.source.wait(q.function)
         woken = asyncio.ensure_future(q.wake.wait())  # a job queued in front (a retry), the router closing
         try:
             await asyncio.wait((released, woken), timeout=self.dispatch_poll_s, return_when=asyncio.FIRST_COMPLETED)
@@ -332,7 +328,7 @@ class Router:
             target = self._targets[url] = (f"{parts.scheme}://{parts.netloc}", path)
         return target
 
-    async def _call(self, job: Job, q: StageQueue, replica: Any) -> None:
+    async def _call(self, job: Job, q: StageQueue, replica: Replica) -> None:
         job.began = True
         start = self.clock()
         sent = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
@@ -350,7 +346,7 @@ class Router:
         finally:  # answered, retried, moved on, or abandoned (cancelled): its replica to the head waiting now
             self.hand_off(q)
 
-    async def exchange(self, q: StageQueue, replica: Any, sent: dict[str, str], body: bytes, deadline: float,
+    async def exchange(self, q: StageQueue, replica: Replica, sent: dict[str, str], body: bytes, deadline: float,
                        start: float) -> Exchange:
         """One stage call on ``replica`` (its slot taken by :meth:`_launch`), the slot given back after it."""
         fn = q.function
@@ -364,7 +360,7 @@ class Router:
             resp = await self.upstream.request("POST", base, path, sent, body, timeout_s=max(0.001, timeout))
             data, status, headers = resp.body, resp.status, resp.headers
             held = layers.parse_range(headers.get(layers.HELD))
-            if held is not None and held != getattr(replica, "held", None):
+            if held is not None and held != replica.held:
                 self.source.note_held(fn, replica, held)
         except Exception as exc:  # timeout, connection, protocol, closed client: all count as a failed attempt
             error = exc
@@ -382,7 +378,7 @@ class Router:
                 log.warning("recording the call to %s failed: %s", fn, exc)
         return Exchange(start, end, status, data, headers, failure, error)
 
-    def settle(self, job: Job, q: StageQueue, replica: Any, part: layers.Range | None, done: Exchange) -> None:
+    def settle(self, job: Job, q: StageQueue, replica: Replica, part: layers.Range | None, done: Exchange) -> None:
         """What a stage call's answer means for ``job``: the next stage, the rest of this one, a retry, an answer."""
         fn, start, end, wait_s = q.function, done.start, done.end, done.start - job.enqueued_at
         status, data, headers, failure, error = done.status, done.data, done.headers, done.failure, done.error
@@ -427,7 +423,7 @@ class Router:
             return
         why = failure or f"HTTP {status}"
         job.tried.add(replica.id)
-        if replica_gone(error) and hasattr(self.source, "mark_unreachable"):  # dead: never picked again
+        if replica_gone(error):  # dead: never picked again (until the platform says it is back)
             self.source.mark_unreachable(fn, replica)
         if should_retry(status, error) and job.attempts < self.config.max_attempts and end < job.deadline:
             log.info("stage %s replica %s failed (%s); retrying request %s", fn, replica.id, why, job.id)
@@ -475,10 +471,9 @@ class Router:
 
     def queue_len(self, function: str) -> int:
         """What waits for a replica of ``function``: this router's stage queue, and the proxy's calls of the
-        function waiting for a slot (``waiting`` of the source, when it counts them)."""
+        function waiting for a slot (``waiting`` of the source: 0 where it has no proxy)."""
         q = self.queues.get(function)
-        waiting = getattr(self.source, "waiting", None)
-        return (sum(1 for j in q.jobs if not j.done) if q else 0) + (waiting(function) if waiting else 0)
+        return (sum(1 for j in q.jobs if not j.done) if q else 0) + self.source.waiting(function)
 
     def busy(self, function: str) -> int:
         q = self.queues.get(function)
