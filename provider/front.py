@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -459,27 +458,41 @@ class FrontConnection(asyncio.Protocol):
                 self.drained = None
 
 
-class FrontSite(web.TCPSite):
-    """A TCP listener whose connections start with the :class:`Front` (aiohttp's own for what it hands over)."""
+class FrontSite(web.BaseSite):
+    """A TCP listener whose connections start with the :class:`Front` (aiohttp's own for what it hands over).
 
-    __slots__ = ("_front", "_drain_s")
+    Only aiohttp's public site interface: :meth:`start` registers the site with its runner (so
+    ``runner.cleanup()`` stops it) and opens its own listener; :meth:`stop` closes the listener, unregisters,
+    and closes the front's connections (``drain_s`` at most for those answering)."""
 
     def __init__(self, runner: web.AppRunner, invoke: InvokeHandlers, host: str, port: int, drain_s: float = 60.0,
-                 **kwargs: Any) -> None:
-        super().__init__(runner, host, port, **kwargs)
-        assert runner.server is not None
-        self._front = Front(invoke, runner.server)
-        self._drain_s = drain_s
+                 backlog: int = 128, reuse_address: bool | None = None) -> None:
+        super().__init__(runner, backlog=backlog)
+        server = runner.server
+        assert server is not None
+        self.front = Front(invoke, server)
+        self.host, self.requested_port, self.backlog = host, port, backlog
+        self.reuse_address, self.drain_s = reuse_address, drain_s
+        self.listener: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (the requested one before)."""
+        sockets = self.listener.sockets if self.listener is not None else ()
+        return sockets[0].getsockname()[1] if sockets else self.requested_port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        await web.BaseSite.start(self)  # registers the site with its runner
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._front, self._host, self._port, backlog=self._backlog,
-                                                reuse_address=self._reuse_address, reuse_port=self._reuse_port)
-        sockets = self._server.sockets
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+        await super().start()  # registers the site with its runner
+        self.listener = await asyncio.get_running_loop().create_server(
+            self.front, self.host, self.requested_port, backlog=self.backlog, reuse_address=self.reuse_address)
 
     async def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
         await super().stop()
         with contextlib.suppress(Exception):
-            await self._front.close(self._drain_s)
+            await self.front.close(self.drain_s)

@@ -25,8 +25,9 @@ import asyncio
 import ipaddress
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
@@ -65,16 +66,19 @@ class UpstreamResponse:
 
 
 
+Piece = bytes | BaseException | None  # a piece of a streamed body; None: its end; an error: how it failed
+
+
 class UpstreamStream:
     """A replica's answer whose body arrives piece by piece (:meth:`UpstreamPool.stream`): ``status``,
     ``headers``, then ``async for piece in stream`` (each wait bounded by ``idle_s``: :class:`UpstreamTimeout`)
     or ``await stream.read()``. :meth:`close` (or ``async with``) when done: a body not read to its end
     closes the connection; one read to its end returns it to the pool."""
 
-    def __init__(self, status: int, headers: CIMultiDict[str], pieces: asyncio.Queue,
+    def __init__(self, status: int, headers: CIMultiDict[str], next_piece: Callable[[], Awaitable[Piece]],
                  release: Callable[[bool], None], idle_s: float) -> None:
         self.status, self.headers, self.idle_s = status, headers, idle_s
-        self._pieces, self._release = pieces, release
+        self._next_piece, self._release = next_piece, release
         self._open = True
 
     def __aiter__(self) -> UpstreamStream:
@@ -84,7 +88,7 @@ class UpstreamStream:
         if not self._open:
             raise StopAsyncIteration
         try:
-            item = await within(self.idle_s, self._pieces.get())
+            item = await within(self.idle_s, self._next_piece())
         except TimeoutError:
             self.close()
             raise UpstreamTimeout(f"no piece of the answer within {self.idle_s:g} s") from None
@@ -113,6 +117,19 @@ class UpstreamStream:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+class Upstream(Protocol):
+    """A client to replicas: :class:`UpstreamPool` (lean) or ``upstream_aiohttp.AiohttpUpstreamPool``
+    (``QUART_HTTP_CODEC=aiohttp``); :func:`quart_transport.codec.upstream_pool` makes the configured one."""
+
+    async def request(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
+                      timeout_s: float | None = None) -> UpstreamResponse: ...
+
+    async def stream(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
+                     timeout_s: float | None = None, idle_s: float | None = None) -> UpstreamStream: ...
+
+    async def close(self) -> None: ...
 
 
 class _Connection(asyncio.Protocol):
@@ -417,7 +434,7 @@ class UpstreamPool:
                 conn.pieces = None
             self._done(conn, key)
 
-        return UpstreamStream(head.status, head.headers, pieces, release, timeout if idle_s is None else idle_s)
+        return UpstreamStream(head.status, head.headers, pieces.get, release, timeout if idle_s is None else idle_s)
 
     def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
         pool = self.idle.get(key)
