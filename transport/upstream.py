@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -33,11 +34,12 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 from quart_transport.dead_peer import dead_peer_socket
 from quart_transport.headers import HOP_BY_HOP
-from quart_transport.http1 import dechunk, next_chunk
+from quart_transport.http1 import TOKEN, content_length, dechunk, field_value, next_chunk
 
 from keysmanager.aio import within
 
-_HEAD_END = b"\r\n\r\n"
+_HEAD_END = re.compile(rb"\n\r?\n")
+_STATUS_LINE = re.compile(r"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: [\t \x21-\x7e\x80-\xff]*)?")
 _MAX_HEAD = 64 * 1024
 _NO_BODY_STATUS = frozenset({204, 304})
 _JOIN_MAX = 16 * 1024  # bodies up to this size go out in one buffer with the head
@@ -199,13 +201,13 @@ class _Connection(asyncio.Protocol):
     def _parse(self) -> None:
         buffer = self.buffer
         while self.headers is None:
-            end = buffer.find(_HEAD_END)
-            if end < 0:
+            blank = _HEAD_END.search(buffer)  # the empty line (CRLF, or LF alone, ends each line)
+            if blank is None or blank.start() > _MAX_HEAD:
                 if len(buffer) > _MAX_HEAD:
                     raise ValueError("response head over 64 KiB")
                 return
-            self._read_head(bytes(buffer[:end]).decode("latin-1"))
-            del buffer[:end + 4]
+            self._read_head(bytes(buffer[:blank.start()]).decode("latin-1"))
+            del buffer[:blank.end()]
         if self.pieces is not None:
             self._stream()
             return
@@ -230,26 +232,42 @@ class _Connection(asyncio.Protocol):
         self._finish(body)
 
     def _read_head(self, head: str) -> None:
-        lines = head.split("\r\n")
-        status_line = lines[0].split(" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1."):
+        lines = head.split("\n")
+        match = _STATUS_LINE.fullmatch(lines[0].removesuffix("\r"))
+        if match is None:
             raise ValueError(f"bad status line {lines[0][:80]!r}")
-        status = int(status_line[1])
+        status = int(match.group(2))
         headers: CIMultiDict[str] = CIMultiDict()
-        length, chunked, close = None, False, status_line[0] == "HTTP/1.0"
+        length, chunked, close = None, False, match.group(1) == "1.0"
+        fields: list[list[str]] = []
         for line in lines[1:]:
+            line = line.removesuffix("\r")
+            if line[:1] in (" ", "\t"):  # obs-fold: the previous field's value goes on
+                if not fields:
+                    raise ValueError("a continuation line before any header")
+                fields[-1][1] += " " + line.lstrip(" \t")
+                continue
             name, sep, value = line.partition(":")
-            if not sep:
+            if not sep or not TOKEN.fullmatch(name):
                 raise ValueError(f"bad header line {line[:80]!r}")
-            key, value = name.strip().lower(), value.strip()
+            fields.append([name, value])
+        for name, raw in fields:
+            value = field_value(raw)
+            if value is None:
+                raise ValueError(f"bad value of header {name[:40]!r}")
+            key = name.lower()
             if key == "content-length":
-                length = int(value)
+                length = content_length(value, length)
             elif key == "transfer-encoding":
-                chunked = value.lower().endswith("chunked")
+                if chunked or value.lower() != "chunked":
+                    raise ValueError(f"transfer-encoding {value[:40]!r}: chunked (once) is the only one read")
+                chunked = True
             elif key == "connection":
                 close = "close" in value.lower() or (close and "keep-alive" not in value.lower())
             if key not in HOP_BY_HOP:
-                headers.add(name.strip(), value)
+                headers.add(name, value)
+        if status < 100:
+            raise ValueError(f"status {status} (100 to 999)")
         if 100 <= status < 200 and status != 101:
             return  # interim answer (100 Continue, 103 Early Hints): the real one follows
         self.status, self.headers = status, headers
