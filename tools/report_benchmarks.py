@@ -1,0 +1,254 @@
+"""`quartctl report benchmarks`: the tables of docs/benchmarks.md, generated from the JSON in docs/data.
+
+A generated table sits between two markers in the page::
+
+    <!-- generated: gateway (quartctl report benchmarks) -->
+    | run | ... |
+    <!-- end generated -->
+
+Everything outside the markers (the prose: commands, machine, reading) is the page's own; everything inside is
+written by this command from the table's spec (:data:`TABLES`): a header, and per row its words (what the run
+was, kept as written) and the JSON file(s) its figures come from, read and formatted here. A row whose JSON is
+not in docs/data is not printed: a line under the table names it as not reproducible, with why.
+
+``quartctl report benchmarks`` rewrites the page; ``--check`` exits 1 with a diff when the page differs from
+what it would write (tests/unit/test_benchmarks_page.py runs it in CI): a figure edited by hand fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quart_stage import cliargs
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "benchmarks.md"
+DATA = ROOT / "docs" / "data"
+_BLOCK = re.compile(r"(<!-- generated: (?P<key>[\w-]+) \(quartctl report benchmarks\) -->\n)(?P<body>.*?)"
+                    r"(<!-- end generated -->)", re.S)
+
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row: its words (the first cell), the JSON file(s) under docs/data its figures come from, and, where a
+    run has no JSON, why (``missing``: the row is listed as not reproducible instead of printed)."""
+
+    label: str
+    sources: tuple[str, ...] = ()
+    pick: Callable[[Json], Json] = field(default=lambda d: d)
+    missing: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    key: str
+    header: Sequence[str]
+    cells: Callable[[list[Json]], list[str]]  # the figures of one row, from its JSON file(s) (picked)
+    rows: Sequence[Row]
+
+
+# ------------------------------------------------------------------------------------------- formatting
+
+
+def thousands(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def fixed(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}"
+
+
+def bold(text: str, when: bool = True) -> str:
+    return f"**{text}**" if when else text
+
+
+def meets(values: Sequence[float], ok: Callable[[float], bool]) -> str:
+    return f"({sum(ok(v) for v in values)} of {len(values)})"
+
+
+def span(values: Sequence[float], digits: int = 0) -> str:
+    low, high = min(values), max(values)
+    return fixed(low, digits) if fixed(low, digits) == fixed(high, digits) else f"{fixed(low, digits)}–{fixed(high, digits)}"
+
+
+def load_at_start(run: Json) -> float:
+    machine = run.get("machine", {})
+    if "loadavg_start" in machine:
+        return float(machine["loadavg_start"][0])
+    return float(machine["load_avg_1m_at_start"])
+
+
+# ------------------------------------------------------------------------------------------- the tables
+
+
+def _gateway(runs: list[Json]) -> list[str]:
+    (run,) = runs
+    return [thousands(run["rps_direct"]), thousands(run["rps_gateway"]),
+            bold(fixed(run["ratio_gateway_vs_direct"], 3), run["ratio_gateway_vs_direct"] >= 0.16),
+            f"{fixed(run['p50_added_ms'], 2)} ms"]
+
+
+def _pipeline_cells(run: Json) -> list[str]:
+    throughput, latency = run["ratio_rps_pipeline_x_stages_vs_single"], run["ratio_added_per_stage_vs_single"]
+    return [thousands(run["rps_single"]), thousands(run["rps_pipeline"]), bold(fixed(throughput, 3), throughput >= 0.8),
+            fixed(run["p50_added_single_ms"], 3), fixed(run["p50_added_per_stage_ms"], 3),
+            bold(fixed(latency, 3), latency <= 1.2)]
+
+
+def _pipeline_loaded(runs: list[Json]) -> list[str]:
+    (both,) = runs
+    pipeline, gateway = both["pipeline"], both["gateway"]
+    return [f"{load_at_start(pipeline):.1f} / {load_at_start(gateway):.1f}", *_pipeline_cells(pipeline),
+            thousands(gateway["rps_direct"]), thousands(gateway["rps_gateway"]),
+            fixed(gateway["ratio_gateway_vs_direct"], 3)]
+
+
+def _pipeline_quiet(runs: list[Json]) -> list[str]:
+    (run,) = runs
+    return _pipeline_cells(run)
+
+
+def _live(run: Json) -> list[Json]:
+    return [r for r in run["rows"] if r["mode"] == "live"]
+
+
+def _generation_scaleup(runs: list[Json]) -> list[str]:
+    ttft = [[r["live_ttft_p99_over_peer_fetch"] for r in run["ratios"]] for run in runs]
+    tbt = [[r["live_tbt_p99_over_steady"] for r in run["ratios"]] for run in runs]
+    flat_ttft, flat_tbt = [v for vs in ttft for v in vs], [v for vs in tbt for v in vs]
+    ttft_ok, tbt_ok = (lambda v: v <= 0.5), (lambda v: v <= 1.5)
+
+    def joined(groups: list[list[float]]) -> str:
+        return ", ".join(" / ".join(fixed(v, 3) for v in vs) for vs in groups)
+
+    live = [r for run in runs for r in _live(run)]
+    return [bold(f"{joined(ttft)} {meets(flat_ttft, ttft_ok)}", all(map(ttft_ok, flat_ttft))),
+            bold(f"{joined(tbt)} {meets(flat_tbt, tbt_ok)}", all(map(tbt_ok, flat_tbt))),
+            span([r["ttft_p99_ms"] for r in live]),
+            f"{sum(r['lost'] for r in live)}, {sum(r['wrong'] for r in live)}"]
+
+
+def _codec(runs: list[Json]) -> list[str]:
+    (run,) = runs
+    machine = run["machine"]
+    return [f"{machine['loadavg_start'][0]:.1f} → {machine['loadavg_end'][0]:.1f}", thousands(run["rps_direct"]),
+            thousands(run["rps_gateway"]), fixed(run["ratio_gateway_vs_direct"], 3),
+            fixed(run["p50_added_ms"], 3), fixed(run["p99_added_ms"], 3)]
+
+
+NO_JSON = "its JSON was not kept"
+TABLES: list[Table] = [
+    Table("gateway", ["run", "rps_direct", "rps_gateway", "ratio (≥ 0.16, the OpenFaaS CE gateway's here)",
+                      "single p50 added"], _gateway, [
+        Row("1", ("bench-gateway.json",)),
+        Row("2", missing=NO_JSON), Row("3", missing=NO_JSON),
+    ]),
+    Table("pipeline-loaded", ["run", "load at start (pipeline / gateway)", "rps_single", "rps_pipeline",
+                              "× 4 / single", "p50 added single (ms)", "per stage (ms)", "per stage / single",
+                              "gateway direct", "gateway", "gateway / direct"], _pipeline_loaded, [
+        Row(str(i + 1), ("bench-pipeline-runs.json",),
+            pick=lambda d, i=i: {"pipeline": d["pipeline"][i], "gateway": d["gateway"][i]})
+        for i in range(3)
+    ]),
+    Table("pipeline-quiet", ["run", "rps_single", "rps_pipeline", "× 4 / single (≥ 0.8)", "p50 added single (ms)",
+                             "per stage (ms)", "per stage / single (≤ 1.2)"], _pipeline_quiet, [
+        Row("1", ("bench-pipeline.json",)),
+        Row("2", missing=NO_JSON), Row("3", missing=NO_JSON),
+    ]),
+    Table("blitzscale-generation", ["code", "live TTFT p99 ÷ peer-fetch's (≤ 0.5)", "live TBT p99 ÷ steady (≤ 1.5)",
+                                    "live TTFT p99, ms", "lost, wrong"], _generation_scaleup, [
+        Row("**final main** (a685a22: the export encodes outside the session's lock), 07:41–07:48 UTC, two runs: "
+            "`bench-blitzscale-generation-final.json`, `-final-b.json`",
+            ("bench-blitzscale-generation-final.json", "bench-blitzscale-generation-final-b.json")),
+        Row("18e60fb (the export held the session's lock while it encoded), 07:36–07:40 UTC",
+            missing="its JSON was overwritten by mistake (the figures once here were copied from the run's "
+                    "printed summary)"),
+        Row("337568c (re-cut, first version), 06:26–06:30 UTC, `bench-blitzscale-generation.json`",
+            ("bench-blitzscale-generation.json",)),
+        Row("337568c with `--recut off`, 06:30–06:33 UTC, `bench-blitzscale-generation-norecut.json`",
+            ("bench-blitzscale-generation-norecut.json",)),
+    ]),
+    Table("http-codec", ["codec (`QUART_HTTP_CODEC`), run", "load (1 min, start → end)", "rps direct",
+                         "rps through the gateway", "gateway / direct", "p50 added (ms)", "p99 added (ms)"], _codec, [
+        Row(f"`{codec}`, {i}", (f"bench-gateway-codec-{codec}-{i}.json",)) for i in (1, 2) for codec in ("lean", "aiohttp")
+    ]),
+]
+
+
+# ------------------------------------------------------------------------------------------- rendering
+
+
+def _line(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def render(table: Table, data: Path = DATA) -> str:
+    lines = [_line(table.header), "|" + "---|" * len(table.header)]
+    missing = []
+    for row in table.rows:
+        paths = [data / name for name in row.sources]
+        if row.missing or not paths or not all(p.exists() for p in paths):
+            why = row.missing or f"{', '.join(p.name for p in paths if not p.exists())} not in docs/data"
+            missing.append(f"{row.label}: {why}")
+            continue
+        runs = [row.pick(json.loads(p.read_text())) for p in paths]
+        cells = table.cells(runs)
+        assert len(cells) + 1 == len(table.header), f"table {table.key}: {len(cells) + 1} cells, header {len(table.header)}"
+        lines.append(_line([row.label, *cells]))
+    text = "\n".join(lines) + "\n"
+    if missing:
+        text += "\nNot reproducible from docs/data, so not in the table: " + "; ".join(missing) + ".\n"
+    return text
+
+
+def generate(page: str, tables: Sequence[Table] = TABLES, data: Path = DATA) -> str:
+    """``page`` with every generated block rewritten; ValueError for a block no table has, or a table no block has."""
+    by_key = {t.key: t for t in tables}
+    seen: set[str] = set()
+
+    def block(match: re.Match[str]) -> str:
+        key = match["key"]
+        if key not in by_key:
+            raise ValueError(f"docs/benchmarks.md has a generated block {key!r} that no table in {__name__} has")
+        seen.add(key)
+        return match.group(1) + render(by_key[key], data) + match.group(4)
+
+    out = _BLOCK.sub(block, page)
+    unplaced = sorted(set(by_key) - seen)
+    if unplaced:
+        raise ValueError(f"tables with no generated block in docs/benchmarks.md: {', '.join(unplaced)}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = cliargs.ArgumentParser(prog="quartctl report benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 with a diff if the page is not what would be written")
+    p.add_argument("--page", type=Path, default=PAGE, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    current = args.page.read_text()
+    try:
+        wanted = generate(current)
+    except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as exc:
+        print(f"quartctl report benchmarks: {exc!r}", file=sys.stderr)
+        return 2
+    if args.check:
+        if current != wanted:
+            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), wanted.splitlines(True),
+                                                       "docs/benchmarks.md", "generated from docs/data"))
+            print("quartctl report benchmarks: the page differs from its data; run `quartctl report benchmarks`",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if current != wanted:
+        args.page.write_text(wanted)
+    return 0
