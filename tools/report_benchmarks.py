@@ -146,6 +146,52 @@ def _codec(runs: list[Json]) -> list[str]:
             fixed(run["p50_added_ms"], 3), fixed(run["p99_added_ms"], 3)]
 
 
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "**no**"
+
+
+def _stage_generation(runs: list[Json]) -> list[str]:
+    (row,) = runs
+    return [fixed(row["pipeline_tpot_ms"], 1), fixed(row["reference_tpot_ms"], 1), fixed(row["tpot_ratio"], 2),
+            f"{fixed(row['interleaved_pipeline_step_ms'], 1)} / {fixed(row['interleaved_reference_step_ms'], 1)}",
+            fixed(row["interleaved_ratio"], 2), f"{row['pipeline_ttft_ms']:,.1f}", f"{row['reference_ttft_ms']:,.1f}",
+            _yes(row["same_tokens"])]
+
+
+def _generation(runs: list[Json]) -> list[str]:
+    (row,) = runs
+    budget = 1.3 * row["reference_ttft_ms"] + 20
+    ratio = row["pipeline_tpot_ms"] / row["reference_tpot_ms"]
+    return [str(row["new_tokens"]), fixed(row["pipeline_ttft_ms"], 1), fixed(row["reference_ttft_ms"], 1),
+            fixed(budget, 1), fixed(row["pipeline_tpot_ms"], 1), fixed(row["reference_tpot_ms"], 1),
+            bold(fixed(ratio, 2), ratio <= 1.3), _yes(row["same_tokens"])]
+
+
+def _decode_batching(runs: list[Json]) -> list[str]:
+    (both,) = runs
+    row, one = both["row"], both["one"]
+    mode = "off" if row["batching"] == "off" else "on, hold" if row["hold_ms"] else "on, no hold"
+    target = row["streams"] == 16 and mode == "on, hold"  # the acceptance: ≥ 4 × the tokens/s, ≤ 3 × the TPOT p50
+    speedup, slowdown = row["tokens_per_s"] / one["tokens_per_s"], row["tpot_p50_ms"] / one["tpot_p50_ms"]
+    return [mode, fixed(row["tokens_per_s"], 2), bold(fixed(speedup, 2), target and speedup >= 4),
+            f"{fixed(row['tpot_p50_ms'], 1)} / {fixed(row['tpot_p99_ms'], 1)}",
+            bold(fixed(slowdown, 2), target and slowdown <= 3), fixed(row["ttft_p50_ms"], 0), _yes(row["same_tokens"])]
+
+
+def _decode_row(i: int) -> Callable[[Json], Json]:
+    return lambda d: {"row": d["decode"]["rows"][i], "one": d["decode"]["rows"][0]}
+
+
+def _stage_step(runs: list[Json]) -> list[str]:
+    (row,) = runs
+    return [fixed(row[k], 1) for k in ("unbatched_ms", "ragged_ms", "padded_ms", "transformers_ms")]
+
+
+def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
+    """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
+    return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
+
+
 NO_JSON = "its JSON was not kept"
 TABLES: list[Table] = [
     Table("gateway", ["run", "rps_direct", "rps_gateway", "ratio (≥ 0.16, the OpenFaaS CE gateway's here)",
@@ -178,6 +224,23 @@ TABLES: list[Table] = [
         Row("337568c with `--recut off`, 06:30–06:33 UTC, `bench-blitzscale-generation-norecut.json`",
             ("bench-blitzscale-generation-norecut.json",)),
     ]),
+    Table("stage-generation", ["context", "pipeline TPOT ms", "reference TPOT ms", "ratio",
+                               "interleaved step ms (pipeline / reference)", "ratio", "pipeline TTFT ms",
+                               "reference TTFT ms", "same tokens"], _stage_generation,
+          _rows_by("stage-generation.json", "context", (32, 512))),
+    Table("generation", ["context", "new tokens", "pipeline TTFT ms", "reference TTFT ms", "budget (1.3 × ref + 20)",
+                         "pipeline TPOT ms", "reference TPOT ms", "TPOT ratio (≤ 1.3)", "same tokens"], _generation,
+          _rows_by("bench-generation.json", "context", (32, 512))),
+    Table("decode-batching", ["streams", "batching", "tokens/s", "× 1 stream", "TPOT p50 / p99 ms",
+                              "TPOT p50 × 1 stream", "TTFT p50 ms", "tokens = generate"], _decode_batching, [
+        Row(str(streams), ("batching-decode.json",), pick=_decode_row(i))
+        for i, streams in enumerate((1, 2, 4, 8, 16, 16, 16))
+    ]),
+    Table("decode-stage-step", ["sessions", "unbatched (one call per session) ms", "ragged batched step ms",
+                                "padded batched step ms", "transformers' own batched step (whole model) ms"],
+          _stage_step, [Row(str(n), ("batching-decode.json",),
+                            pick=lambda d, n=n: next(r for r in d["decode"]["stage_step"] if r["sessions"] == n))
+                        for n in (1, 4, 16)]),
     Table("http-codec", ["codec (`QUART_HTTP_CODEC`), run", "load (1 min, start → end)", "rps direct",
                          "rps through the gateway", "gateway / direct", "p50 added (ms)", "p99 added (ms)"], _codec, [
         Row(f"`{codec}`, {i}", (f"bench-gateway-codec-{codec}-{i}.json",)) for i in (1, 2) for codec in ("lean", "aiohttp")
