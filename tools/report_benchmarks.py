@@ -187,6 +187,29 @@ def _stage_step(runs: list[Json]) -> list[str]:
     return [fixed(row[k], 1) for k in ("unbatched_ms", "ragged_ms", "padded_ms", "transformers_ms")]
 
 
+def _ms(value: float) -> str:
+    return fixed(value, 0 if value >= 100 else 1)
+
+
+def _host_polls(runs: list[Json]) -> list[str]:
+    (run,) = runs
+    machine, answer = run["machine"], run["answer_ms"]
+    return [f"{machine['loadavg_before'][0]:.1f} → {machine['loadavg_after'][0]:.1f}", str(run["polls"]),
+            str(run["missed"]), f"{_ms(answer['median'])} / {_ms(answer['p99'])} / {_ms(answer['max'])}",
+            span([r["ready_s"] for r in run["rounds"][1:]], 2)]
+
+
+def _kick(runs: list[Json]) -> list[str]:
+    (by_kick,) = runs
+    return [f"{fixed(by_kick[k]['quart_over_frontier_mean'], 3)} / {fixed(by_kick[k]['quart_over_frontier_worst'], 3)}"
+            for k in ("off", "on")]
+
+
+def _kick_row(label: str, model: str, workload: str) -> Row:
+    return Row(label, ("issue32-kick-screen.json",), pick=lambda d: {
+        r["kick"]: r for r in d["kick_off_on"] if (r["model"], r["workload"]) == (model, workload)})
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -241,6 +264,19 @@ TABLES: list[Table] = [
           _stage_step, [Row(str(n), ("batching-decode.json",),
                             pick=lambda d, n=n: next(r for r in d["decode"]["stage_step"] if r["sessions"] == n))
                         for n in (1, 4, 16)]),
+    Table("host-polls", ["hogs", "load (1 min, before → after)", "polls", "missed", "answer median / p99 / max (ms)",
+                         "16 starts ready (s, rounds 2–5)"], _host_polls, [
+        Row(str(hogs), ("host-polls.json",), pick=lambda d, hogs=hogs: next(r for r in d["runs"] if r["hogs"] == hogs))
+        for hogs in (0, 4, 8)
+    ]),
+    Table("kick-screen", ["workload", "kick off: mean / worst", "kick on: mean / worst"], _kick, [
+        *(_kick_row(f"{name} {label}", model, workload) for name, model in (("BERT", "bert-21b"),
+                                                                           ("WideResNet", "wideresnet"))
+          for label, workload in (("CV 4", "cv4"), ("CV 8", "cv8"))),
+        *(_kick_row(f"{name} {workload}", model, workload) for name, model in (("BERT", "bert-21b"),
+                                                                              ("WideResNet", "wideresnet"))
+          for workload in ("trace-busy", "trace-quiet", "trace-step")),
+    ]),
     Table("http-codec", ["codec (`QUART_HTTP_CODEC`), run", "load (1 min, start → end)", "rps direct",
                          "rps through the gateway", "gateway / direct", "p50 added (ms)", "p99 added (ms)"], _codec, [
         Row(f"`{codec}`, {i}", (f"bench-gateway-codec-{codec}-{i}.json",)) for i in (1, 2) for codec in ("lean", "aiohttp")
