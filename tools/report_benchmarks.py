@@ -210,6 +210,22 @@ def _kick_row(label: str, model: str, workload: str) -> Row:
         r["kick"]: r for r in d["kick_off_on"] if (r["model"], r["workload"]) == (model, workload)})
 
 
+def _frontier_seeds(runs: list[Json]) -> list[str]:
+    (both,) = runs
+    seeds, wall = both["seeds"], both["wall_s"]
+    mean = seeds["quart_over_frontier_mean"]
+    below = all(s["below_every_cheaper_baseline"] for s in both["summary"])
+    return [bold(f"{fixed(mean, 3)} (not met)", True) if mean > 1.0 else fixed(mean, 3),
+            f"{fixed(seeds['quart_over_frontier_worst'], 3)} (seed {seeds['worst_seed']})",
+            fixed(seeds["quart_over_oracle_worst"], 3), _yes(below), fixed(wall, 0)]
+
+
+def _seeds_row(label: str, name: str, workload: str) -> Row:
+    return Row(label, (name,), pick=lambda d: {
+        "seeds": next(o for o in d["over_seeds"] if o["workload"] == workload), "wall_s": d["wall_s"],
+        "summary": [s for s in d["summary"] if s["workload"] == workload]})
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -268,6 +284,15 @@ TABLES: list[Table] = [
                          "16 starts ready (s, rounds 2–5)"], _host_polls, [
         Row(str(hogs), ("host-polls.json",), pick=lambda d, hogs=hogs: next(r for r in d["runs"] if r["hogs"] == hogs))
         for hogs in (0, 4, 8)
+    ]),
+    Table("frontier-seeds", ["workload", "QUART / frontier, mean over seeds 0–4 (≤ 1.0)", "worst seed (≤ 1.1)",
+                             "QUART / oracle, worst seed (≤ 1.15)", "below every cheaper baseline, every seed",
+                             "wall s"], _frontier_seeds, [
+        _seeds_row(f"{name} {label}", f"frontier-seeds-{short}-{part}.json", f"{model}/{workload}")
+        for name, short, model in (("BERT", "bert", "bert-21b"), ("WideResNet", "wideresnet", "wideresnet"))
+        for label, part, workload in (("CV 4", "cv4", "cv4"), ("CV 8", "cv8", "cv8"),
+                                      ("trace-busy", "trace", "trace-busy"), ("trace-quiet", "trace", "trace-quiet"),
+                                      ("trace-step", "trace", "trace-step"))
     ]),
     Table("kick-screen", ["workload", "kick off: mean / worst", "kick on: mean / worst"], _kick, [
         *(_kick_row(f"{name} {label}", model, workload) for name, model in (("BERT", "bert-21b"),
