@@ -226,6 +226,24 @@ def _seeds_row(label: str, name: str, workload: str) -> Row:
         "summary": [s for s in d["summary"] if s["workload"] == workload]})
 
 
+def _blitzscale_oneshot(runs: list[Json]) -> list[str]:
+    (run,) = runs
+    machine = run["machine"]
+    multicast = [r["multicast4_ready_over_peer_fetch"] for r in run["ratios"]]
+    burst = [r["live_burst_p99_over_peer_fetch"] for r in run["ratios"]]
+    ok_multicast, ok_burst = (lambda v: v <= 1.3), (lambda v: v <= 0.6)
+
+    def cpu(mode: str) -> str:
+        return span([r["receiver_cpu_s_per_gb"] for r in run["rows"] if r["mode"] == mode], 2)
+
+    quiet = machine["load_avg_1m_at_start"] < 2.5
+    return [bold(f"{machine['load_avg_1m_at_start']:.1f} → {machine['load_avg_1m_at_end']:.1f}", quiet),
+            bold(f"{', '.join(fixed(v, 3) for v in multicast)} {meets(multicast, ok_multicast)}",
+                 all(map(ok_multicast, multicast))),
+            bold(f"{', '.join(fixed(v, 3) for v in burst)} {meets(burst, ok_burst)}", all(map(ok_burst, burst))),
+            f"{cpu('multicast-4')} ({cpu('peer-fetch')})"]
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -249,6 +267,16 @@ TABLES: list[Table] = [
                              "per stage (ms)", "per stage / single (≤ 1.2)"], _pipeline_quiet, [
         Row("1", ("bench-pipeline.json",)),
         Row("2", missing=NO_JSON), Row("3", missing=NO_JSON),
+    ]),
+    Table("blitzscale-oneshot", ["run", "load", "multicast-4 / peer-fetch, rounds 0–4 (≤ 1.3)",
+                                 "live burst p99 / peer-fetch's (≤ 0.6)",
+                                 "receiver CPU-s/GB, multicast-4 (peer-fetch)"], _blitzscale_oneshot, [
+        Row("main (re-cut, router hand-off), quiet machine, 2026-11-25 06:55–07:01 UTC, "
+            "`bench-blitzscale-runs5-main.json`", ("bench-blitzscale-runs5-main.json",)),
+        Row("the night's final code (slot accounting, keep-alive), quiet machine, 2026-11-25 03:49–03:55 UTC, "
+            "`bench-blitzscale-runs5-final.json`", ("bench-blitzscale-runs5-final.json",)),
+        Row("other sessions running, 00:51–01:00 UTC, `bench-blitzscale-runs5-landing-C.json`",
+            ("bench-blitzscale-runs5-landing-C.json",)),
     ]),
     Table("blitzscale-generation", ["code", "live TTFT p99 ÷ peer-fetch's (≤ 0.5)", "live TBT p99 ÷ steady (≤ 1.5)",
                                     "live TTFT p99, ms", "lost, wrong"], _generation_scaleup, [
