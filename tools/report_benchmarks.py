@@ -244,6 +244,17 @@ def _blitzscale_oneshot(runs: list[Json]) -> list[str]:
             f"{cpu('multicast-4')} ({cpu('peer-fetch')})"]
 
 
+def _sim_vs_live(runs: list[Json]) -> list[str]:
+    (run,) = runs
+    sim, live, agree = run["sim"], run["live"], run["agreement"]
+    new = run.get("new", False)
+    return [bold("new", new) if new else "old", fixed(run["machine"]["loadavg_at_end"], 1),
+            f"{thousands(sim['mean_ms'])} / {thousands(sim['p99_ms'])}",
+            f"{thousands(live['mean_ms'])} / {thousands(live['p99_ms'])}" if True else "",
+            bold(f"{100 * agree['mean_rel_error']:.1f} %", new), bold(f"{100 * agree['p99_rel_error']:.1f} %", new),
+            f"{fixed(run['calibrated_hop_ms_per_stage'], 1)} ms / {fixed(run['calibrated_start_s'], 1)} s"]
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -267,6 +278,11 @@ TABLES: list[Table] = [
                              "per stage (ms)", "per stage / single (≤ 1.2)"], _pipeline_quiet, [
         Row("1", ("bench-pipeline.json",)),
         Row("2", missing=NO_JSON), Row("3", missing=NO_JSON),
+    ]),
+    Table("sim-vs-live", ["run", "code", "load at the end", "sim mean / p99 (ms)", "live mean / p99 (ms)",
+                          "mean error", "p99 error", "calibrated hop / start"], _sim_vs_live, [
+        Row(str(i), (f"sim-vs-live-quart-{code}{i}.json",), pick=lambda d, code=code: {**d, "new": code == "new"})
+        for i in (1, 2) for code in ("old", "new")
     ]),
     Table("blitzscale-oneshot", ["run", "load", "multicast-4 / peer-fetch, rounds 0–4 (≤ 1.3)",
                                  "live burst p99 / peer-fetch's (≤ 0.6)",
