@@ -255,6 +255,16 @@ def _sim_vs_live(runs: list[Json]) -> list[str]:
             f"{fixed(run['calibrated_hop_ms_per_stage'], 1)} ms / {fixed(run['calibrated_start_s'], 1)} s"]
 
 
+def _sim_generation(runs: list[Json]) -> list[str]:
+    (row,) = runs
+    quart = row["policies"]["quart"]
+    cheaper = sorted((p["slo_attainment"], name) for name, p in row["policies"].items()
+                     if name not in ("quart", "oracle") and p["replica_seconds"] <= quart["replica_seconds"])
+    return [f"{fixed(quart['slo_attainment'], 3)} ({thousands(quart['replica_seconds'])})",
+            fixed(row["frontier_slo_attainment"], 3), fixed(quart["slo_attainment"] / row["frontier_slo_attainment"], 3),
+            fixed(row["oracle_slo_attainment"], 3), ", ".join(f"{name} {fixed(a, 3)}" for a, name in cheaper) or "none"]
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -283,6 +293,13 @@ TABLES: list[Table] = [
                           "mean error", "p99 error", "calibrated hop / start"], _sim_vs_live, [
         Row(str(i), (f"sim-vs-live-quart-{code}{i}.json",), pick=lambda d, code=code: {**d, "new": code == "new"})
         for i in (1, 2) for code in ("old", "new")
+    ]),
+    Table("sim-generation", ["workload", "QUART (replica-s)", "static frontier", "QUART / frontier", "oracle",
+                             "baselines spending ≤ QUART"], _sim_generation, [
+        Row(f"{name}, {label}", ("sim-generation.json",),
+            pick=lambda d, w=f"{model}/{workload}": next(r for r in d["summary"] if r["workload"] == w))
+        for name, model in (("LLaMA-7B", "llama-7b"), ("OPT-66B", "opt-66b"))
+        for label, workload in (("CV 1", "cv1"), ("CV 4", "cv4"), ("trace (busiest window)", "trace-busy"))
     ]),
     Table("blitzscale-oneshot", ["run", "load", "multicast-4 / peer-fetch, rounds 0–4 (≤ 1.3)",
                                  "live burst p99 / peer-fetch's (≤ 0.6)",
