@@ -265,6 +265,35 @@ def _sim_generation(runs: list[Json]) -> list[str]:
             fixed(row["oracle_slo_attainment"], 3), ", ".join(f"{name} {fixed(a, 3)}" for a, name in cheaper) or "none"]
 
 
+def _seed_means(rows: list[Json]) -> dict[str, float]:
+    """5-seed means (and the worst ÷ frontier) of one variant's per-seed rows."""
+    n = len(rows)
+    return {"mean_ms": sum(r["mean_ms"] for r in rows) / n, "p99_ms": sum(r["p99_ms"] for r in rows) / n,
+            "over": sum(r["over_frontier"] for r in rows) / n, "worst": max(r["over_frontier"] for r in rows),
+            "replica_s": sum(r["replica_seconds"] for r in rows) / n, "cpu_s": sum(r["cpu_seconds"] for r in rows) / n}
+
+
+def _variant(policy: str, workload: str | None = None) -> Callable[[Json], Json]:
+    return lambda d: _seed_means([r for r in d["rows"] if r["policy"] == policy
+                                  and (workload is None or r["workload"].endswith(workload))])
+
+
+def _ablation(runs: list[Json]) -> list[str]:
+    cv4, cv8 = runs
+    cells = []
+    for m in (cv4, cv8):
+        cells += [f"{fixed(m['mean_ms'], 1)} / {thousands(m['p99_ms'])}", f"{fixed(m['over'], 3)} / {fixed(m['worst'], 3)}"]
+    return [*cells, f"{thousands(cv4['replica_s'])} / {thousands(cv8['replica_s'])}",
+            f"{thousands(cv4['cpu_s'])} / {thousands(cv8['cpu_s'])}"]
+
+
+def _ablation_trace(runs: list[Json]) -> list[str]:
+    (by_window,) = runs
+    windows = [by_window[w] for w in ("trace-busy", "trace-quiet", "trace-step")]
+    return [*(f"{thousands(m['mean_ms'])} / {thousands(m['p99_ms'])}, {fixed(m['over'], 3)}" for m in windows),
+            " / ".join(fixed(m["cpu_s"] / m["replica_s"], 2) for m in windows)]
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -288,6 +317,17 @@ TABLES: list[Table] = [
                              "per stage (ms)", "per stage / single (≤ 1.2)"], _pipeline_quiet, [
         Row("1", ("bench-pipeline.json",)),
         Row("2", missing=NO_JSON), Row("3", missing=NO_JSON),
+    ]),
+    Table("ablation-gamma", ["variant", "CV 4 mean / p99 ms", "CV 4 ÷ frontier", "CV 8 mean / p99 ms",
+                             "CV 8 ÷ frontier", "replica-s CV 4 / CV 8", "CPU-s CV 4 / CV 8"], _ablation, [
+        Row(f"`{v}`", ("quart-ablation-seeds-bert-cv4.json", "quart-ablation-seeds-bert-cv8.json"), pick=_variant(v))
+        for v in ("quart", "-smooth", "-cpu", "-key-placement", "-keysmanager", "pid", "+cpu-allocate")
+    ]),
+    Table("ablation-trace", ["variant (trace windows)", "busy mean / p99 ms, ÷ frontier", "quiet", "step",
+                             "CPU-s ÷ replica-s busy / quiet / step"], _ablation_trace, [
+        Row(f"`{v}`", ("quart-ablation-seeds-bert-trace.json",),
+            pick=lambda d, v=v: {w: _variant(v, w)(d) for w in ("trace-busy", "trace-quiet", "trace-step")})
+        for v in ("quart", "-smooth", "-cpu", "+cpu-allocate", "-key-placement", "-keysmanager", "pid")
     ]),
     Table("sim-vs-live", ["run", "code", "load at the end", "sim mean / p99 (ms)", "live mean / p99 (ms)",
                           "mean error", "p99 error", "calibrated hop / start"], _sim_vs_live, [
