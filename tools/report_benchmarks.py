@@ -294,6 +294,14 @@ def _ablation_trace(runs: list[Json]) -> list[str]:
             " / ".join(fixed(m["cpu_s"] / m["replica_s"], 2) for m in windows)]
 
 
+def _keepalive(runs: list[Json]) -> list[str]:
+    (rounds,) = runs
+    return [", ".join(f"{thousands(r['idle']['client_mean_ms'])} / {fixed(r['idle']['stage_hold_ms'], 1)}" for r in rounds),
+            ", ".join(f"{thousands(r['loaded']['client_mean_ms'])} / {fixed(r['loaded']['stage_hold_ms'], 1)}"
+                      for r in rounds),
+            ", ".join(fixed(r["loaded"]["cpu_ms_per_request"]["stages"], 1) for r in rounds)]
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -328,6 +336,13 @@ TABLES: list[Table] = [
         Row(f"`{v}`", ("quart-ablation-seeds-bert-trace.json",),
             pick=lambda d, v=v: {w: _variant(v, w)(d) for w in ("trace-busy", "trace-quiet", "trace-step")})
         for v in ("quart", "-smooth", "-cpu", "+cpu-allocate", "-key-placement", "-keysmanager", "pid")
+    ]),
+    Table("hop-costs-keepalive", ["replicas", "idle: client mean / hold per call ms",
+                                  "gamma CV 4, 6 replicas: client mean / hold ms", "stage CPU ms per request"],
+          _keepalive, [
+        Row(label, ("hop-costs-keepalive.json",),
+            pick=lambda d, side=side: [r for r in d["runs"] if r["side"].startswith(side)])
+        for label, side in (("`Connection: close`", "connection: close"), ("kept alive", "keep-alive"))
     ]),
     Table("sim-vs-live", ["run", "code", "load at the end", "sim mean / p99 (ms)", "live mean / p99 (ms)",
                           "mean error", "p99 error", "calibrated hop / start"], _sim_vs_live, [
