@@ -302,6 +302,22 @@ def _keepalive(runs: list[Json]) -> list[str]:
             ", ".join(fixed(r["loaded"]["cpu_ms_per_request"]["stages"], 1) for r in rounds)]
 
 
+def _cpu_ablation(runs: list[Json]) -> list[str]:
+    (run,) = runs
+    quart, minus = (next(e for e in run["entries"] if e["variant"] == v) for v in ("quart", "-cpu"))
+    ratio = run["quart_over_minus_cpu"]
+    sim = (quart["sim"]["mean_ms"] / minus["sim"]["mean_ms"], quart["sim"]["p99_ms"] / minus["sim"]["p99_ms"])
+    better = ratio["mean_ms"] < 1 and ratio["p99_ms"] < 1
+    return [f"{run['machine']['loadavg_start'][0]:.1f} → {run['machine']['loadavg_end'][0]:.1f}",
+            f"{thousands(quart['mean_ms'])} / {thousands(quart['p99_ms'])}, {thousands(quart['errors'].get('429', 0))}, "
+            f"{thousands(quart['replica_seconds'])}, {thousands(quart['cpu_seconds'])}, "
+            f"**{quart['steps_with_cpus']:.0f}**",
+            f"{thousands(minus['mean_ms'])} / {thousands(minus['p99_ms'])}, {thousands(minus['errors'].get('429', 0))}, "
+            f"{thousands(minus['replica_seconds'])}",
+            bold(f"{fixed(ratio['mean_ms'], 2)} / {fixed(ratio['p99_ms'], 2)}", better),
+            f"{fixed(sim[0], 2)} / {fixed(sim[1], 2)}"]
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -343,6 +359,13 @@ TABLES: list[Table] = [
         Row(label, ("hop-costs-keepalive.json",),
             pick=lambda d, side=side: [r for r in d["runs"] if r["side"].startswith(side)])
         for label, side in (("`Connection: close`", "connection: close"), ("kept alive", "keep-alive"))
+    ]),
+    Table("cpu-ablation-cold", ["run (2026-11-25 UTC)", "load start → end",
+                                "`quart` mean / p99 ms, 429s, replica-s, CPU-s, steps with CPUs",
+                                "`-cpu` mean / p99 ms, 429s, replica-s", "live `quart` ÷ `-cpu` mean / p99",
+                                "simulator, same arrivals: mean / p99"], _cpu_ablation, [
+        Row("replicas kept alive, 02:56–03:01", ("cpu-ablation-live-cv8-cold-keepalive.json",)),
+        Row("`Connection: close`, 02:19–02:24", ("cpu-ablation-live-cv8-cold.json",)),
     ]),
     Table("sim-vs-live", ["run", "code", "load at the end", "sim mean / p99 (ms)", "live mean / p99 (ms)",
                           "mean error", "p99 error", "calibrated hop / start"], _sim_vs_live, [
