@@ -318,6 +318,33 @@ def _cpu_ablation(runs: list[Json]) -> list[str]:
             f"{fixed(sim[0], 2)} / {fixed(sim[1], 2)}"]
 
 
+def _pct(values: Sequence[float]) -> str:
+    return " / ".join(f"{100 * v:+.0f} %".replace("-", "−") for v in values)
+
+
+def _frontier_live(runs: list[Json]) -> list[str]:
+    """A live frontier run's policy against the simulator: from the bench's own JSON (``sim``, ``sim_own_costs``)
+    or, with a second file, from the re-simulation of its router records (``before+dispatch``, ``own+dispatch``)."""
+    row = runs[0]
+    live = (row["mean_ms"], row["p99_ms"])
+    if len(runs) == 2:
+        before, own = runs[1]["before+dispatch"], runs[1]["own+dispatch"]
+    else:
+        before = [row["sim"][k] / v - 1 for k, v in zip(("mean_ms", "p99_ms"), live, strict=True)]
+        own = [row["sim_own_costs"][k] / v - 1 for k, v in zip(("mean_ms", "p99_ms"), live, strict=True)]
+    return [f"{thousands(live[0])} / {thousands(live[1])}", thousands(row["replica_seconds"]), _pct(before), _pct(own)]
+
+
+def _live_policy(policy: str, report: str = "") -> Callable[[Json], Json]:
+    """``policy``'s entry of a frontier bench JSON, or its row in the re-simulation of ``report``."""
+    def pick(d: Json) -> Json:
+        if "entries" in d:
+            return next(e for e in d["entries"] if e["policy"] == policy)
+        run = next(r for r in d["runs"] if r["report"] == report)
+        return next(r for r in run["rows"] if r["policy"] == policy)
+    return pick
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -366,6 +393,16 @@ TABLES: list[Table] = [
                                 "simulator, same arrivals: mean / p99"], _cpu_ablation, [
         Row("replicas kept alive, 02:56–03:01", ("cpu-ablation-live-cv8-cold-keepalive.json",)),
         Row("`Connection: close`, 02:19–02:24", ("cpu-ablation-live-cv8-cold.json",)),
+    ]),
+    Table("frontier-live", ["run", "live mean / p99 ms", "replica-s", "sim, costs before", "sim, own costs"],
+          _frontier_live, [
+        *(Row(("**replicas kept alive** (02:47–02:56 UTC, load 5.2 → 7.4) QUART" if p == "quart" else p),
+              ("frontier-live-cv4-keepalive.json",), pick=_live_policy(p))
+          for p in ("quart", "static-1", "static-2", "static-3")),
+        *(Row(("**`Connection: close`** (before this change; 02:05–02:14, load 4.1 → 4.2, peak 8) QUART"
+               if p == "quart" else p), ("frontier-live-cv4-close.json", "frontier-live-cv4-resim.json"),
+              pick=_live_policy(p, "docs/data/frontier-live-cv4-close.json"))
+          for p in ("quart", "static-1", "static-2", "static-3")),
     ]),
     Table("sim-vs-live", ["run", "code", "load at the end", "sim mean / p99 (ms)", "live mean / p99 (ms)",
                           "mean error", "p99 error", "calibrated hop / start"], _sim_vs_live, [
