@@ -345,6 +345,38 @@ def _live_policy(policy: str, report: str = "") -> Callable[[Json], Json]:
     return pick
 
 
+def _paraserve_generation(runs: list[Json]) -> list[str]:
+    (d,) = runs
+    cold = d["single_host_cold_ttft_ms"]
+    by_p = {r["P"]: r for r in d["rows"]}
+    figure = d["figure"]
+    if figure == "cold":
+        return [f"{thousands(cold)} ms", ""]
+    if figure == "parts":
+        p2, p4 = by_p[2]["ttft_p50_ms"], by_p[4]["ttft_p50_ms"]
+        return [f"{thousands(p2)} ms = {fixed(p2 / cold, 3)} / "
+                f"{bold(f'{thousands(p4)} ms = {fixed(p4 / cold, 3)}', p4 / cold <= 0.35)}", "P = 4 ≤ 0.35"]
+    if figure == "lost":
+        rows = [*d["rows"], *d["slo_run"]["runs"]]
+        lost, wrong = sum(r["lost"] for r in rows), sum(r["wrong"] for r in rows)
+        return [f"{bold(f'{lost}, {wrong}', not lost and not wrong)} in every row and SLO run", "0"]
+    if figure == "consolidation":
+        c = d["consolidation"]
+        ok = c["completed"] == c["identical"] == c["streams"] and c["reprefills"] == 0
+        counts = f"{c['completed']} / {c['identical']} / {c['reprefills']}"
+        return [f"{bold(counts, ok)} ({c['kv_bytes'] / 1e6:.0f} MB of KV moved)", "= streams, 0"]
+    if figure == "tpot":
+        c = d["consolidation"]
+        ratio = c["tpot_after_ms"] / c["tpot_whole_ms"]
+        return [f"{fixed(c['tpot_after_ms'], 1)} / {fixed(c['tpot_whole_ms'], 1)} ms = {bold(fixed(ratio, 3), ratio <= 1.1)}",
+                "≤ 1.1"]
+    slo = d["slo_run"]
+    ok = min(slo["ttft_attainment"], slo["tpot_attainment"]) >= 0.95
+    chosen = ", ".join(str(p) for p in slo["chosen_P"])
+    attainment = f"{slo['ttft_attainment']:.1f} / {slo['tpot_attainment']:.1f}"
+    return [f"P = {chosen}, {bold(attainment, ok)}", "≥ 0.95 both"]
+
+
 def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     """One row per ``rows`` entry of ``name`` whose ``key`` is each of ``values`` (the label: the value)."""
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
@@ -403,6 +435,16 @@ TABLES: list[Table] = [
                if p == "quart" else p), ("frontier-live-cv4-close.json", "frontier-live-cv4-resim.json"),
               pick=_live_policy(p, "docs/data/frontier-live-cv4-close.json"))
           for p in ("quart", "static-1", "static-2", "static-3")),
+    ]),
+    Table("paraserve-generation", ["figure", "result", "target"], _paraserve_generation, [
+        Row(label, ("paraserve-generation.json",), pick=lambda d, f=figure: {**d, "figure": f})
+        for label, figure in (
+            ("single-host cold TTFT p50", "cold"),
+            ("P = 2 / **P = 4** TTFT p50 ÷ single-host cold", "parts"),
+            ("lost, wrong", "lost"),
+            ("consolidation (P = 4, 8 streams): completed / identical / re-prefills", "consolidation"),
+            ("TPOT after ÷ TPOT whole", "tpot"),
+            ("SLO run (TTFT SLO 4,606 ms, TPOT SLO 76.8 ms), 4 runs: P chosen, TTFT / TPOT attainment", "slo"))
     ]),
     Table("sim-vs-live", ["run", "code", "load at the end", "sim mean / p99 (ms)", "live mean / p99 (ms)",
                           "mean error", "p99 error", "calibrated hop / start"], _sim_vs_live, [

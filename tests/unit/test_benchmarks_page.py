@@ -45,3 +45,11 @@ def test_blocks_and_tables_match_one_to_one(tmp_path) -> None:
         rb.generate("no blocks\n", [table], tmp_path)
     with pytest.raises(ValueError, match="that no table"):
         rb.generate("<!-- generated: u (quartctl report benchmarks) -->\n<!-- end generated -->\n", [table], tmp_path)
+
+
+def test_every_table_of_the_page_is_generated() -> None:
+    """No table typed by hand: each one sits in a generated block (its figures come from docs/data)."""
+    page = rb.PAGE.read_text()
+    outside = rb._BLOCK.sub("", page)  # noqa: SLF001 - the module's own pattern
+    typed = [line for line in outside.splitlines() if line.startswith("|")]
+    assert not typed, f"tables typed by hand in docs/benchmarks.md (give them a Table in {rb.__name__}): {typed[:3]}"
