@@ -463,11 +463,9 @@ class FrontConnection(asyncio.Protocol):
 
 
 class FrontSite(web.BaseSite):
-    """A TCP listener whose connections start with the :class:`Front` (aiohttp's own for what it hands over).
-
-    Only aiohttp's public site interface: :meth:`start` registers the site with its runner (so
-    ``runner.cleanup()`` stops it) and opens its own listener; :meth:`stop` closes the listener, unregisters,
-    and closes the front's connections (``drain_s`` at most for those answering)."""
+    """A TCP listener whose connections start with the :class:`Front` (aiohttp's own for what it hands over), on
+    aiohttp's public site interface: registered with its runner (``runner.cleanup()`` stops it), its own listener;
+    :meth:`stop` closes the listener and the front's connections (``drain_s`` at most for those answering)."""
 
     def __init__(self, runner: web.AppRunner, invoke: InvokeHandlers, host: str, port: int, drain_s: float = 60.0,
                  backlog: int = 128, reuse_address: bool | None = None) -> None:
@@ -485,9 +483,7 @@ class FrontSite(web.BaseSite):
         sockets = self.listener.sockets if self.listener is not None else ()
         return sockets[0].getsockname()[1] if sockets else self.requested_port
 
-    @property
-    def name(self) -> str:
-        return f"http://{self.host}:{self.port}"
+    name = property(lambda self: f"http://{self.host}:{self.port}")
 
     async def start(self) -> None:
         await super().start()  # registers the site with its runner
