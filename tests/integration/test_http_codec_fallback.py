@@ -14,30 +14,7 @@ from quart_transport.codec import CodecSettings, upstream_pool
 from quart_transport.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
 from quart_transport.upstream_aiohttp import AiohttpUpstreamPool
 from support.faas_cli import Running, faas_cli_deploy_body
-
-
-async def serve(answers: list[bytes], seen: list[bytes]):
-    """A raw server answering the n-th request (head + Content-Length body) with answers[n]."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while answers:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                seen.append(head + (await reader.readexactly(length) if length else b""))
-                answer = answers.pop(0)
-                if answer == b"SILENT":
-                    await asyncio.sleep(10)
-                    return
-                writer.write(answer)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+from support.raw_http import serve
 
 
 def test_the_setting_picks_the_client_and_refuses_an_unknown_codec() -> None:
@@ -59,15 +36,16 @@ def test_the_aiohttp_client_answers_and_fails_as_the_lean_one() -> None:
         server, url = await serve(answers, seen)
         pool = AiohttpUpstreamPool(timeout_s=5)
         try:
-            r1 = await pool.request("POST", url, "/a/b?x=1", {"X-Call-Id": "c1"}, b"body!")
-            assert (r1.status, r1.body, r1.headers["X-A"]) == (200, b"hello", "1")
-            assert r1.headers.getall("Set-Cookie") == ["a=1", "b=2"] and "Content-Length" not in r1.headers
-            r2 = await pool.request("POST", url, "/", {}, b"x" * 40000)
-            assert (r2.status, r2.body) == (201, b"abcde") and "Transfer-Encoding" not in r2.headers
+            calls = [("POST", "/a/b?x=1", {"X-Call-Id": "c1"}, b"body!"), ("POST", "/", {}, b"x" * 40000)]
+            got = [await pool.request(method, url, path, headers, body) for method, path, headers, body in calls]
+            assert [(r.status, bytes(r.body)) for r in got] == [(200, b"hello"), (201, b"abcde")]
+            assert got[0].headers.getall("Set-Cookie") == ["a=1", "b=2"] and got[0].headers["X-A"] == "1"
+            assert not {"Content-Length", "Transfer-Encoding"} & {k for r in got for k in r.headers}
             async with await pool.stream("GET", url, "/s", {}, b"") as stream:
                 assert stream.status == 200 and await stream.read() == b"abcd"
-            assert seen[0].startswith(b"POST /a/b?x=1 HTTP/1.1\r\n") and b"X-Call-Id: c1\r\n" in seen[0]
-            assert seen[0].endswith(b"body!") and b"User-Agent" not in seen[0]
+            first = seen[0]
+            assert first.startswith(b"POST /a/b?x=1 HTTP/1.1\r\n") and b"X-Call-Id: c1\r\n" in first
+            assert first.endswith(b"body!") and b"User-Agent" not in first
         finally:
             server.close()
         free = socket.socket()
