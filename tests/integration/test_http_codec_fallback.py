@@ -5,7 +5,6 @@ answers and errors (the conformance of the lean codecs themselves: tests/unit/te
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 import requests
@@ -14,7 +13,7 @@ from quart_transport.codec import CodecSettings, upstream_pool
 from quart_transport.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
 from quart_transport.upstream_aiohttp import AiohttpUpstreamPool
 from support.faas_cli import Running, faas_cli_deploy_body
-from support.raw_http import serve
+from support.raw_http import closed_port, serve
 
 
 def test_the_setting_picks_the_client_and_refuses_an_unknown_codec() -> None:
@@ -48,12 +47,8 @@ def test_the_aiohttp_client_answers_and_fails_as_the_lean_one() -> None:
             assert first.endswith(b"body!") and b"User-Agent" not in first
         finally:
             server.close()
-        free = socket.socket()
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-        free.close()
         with pytest.raises(UpstreamRefused):
-            await pool.request("POST", f"http://127.0.0.1:{port}", "/", {}, b"x")
+            await pool.request("POST", f"http://127.0.0.1:{closed_port()}", "/", {}, b"x")
         server, url = await serve([b"SILENT"], [])
         try:
             with pytest.raises(UpstreamTimeout, match="no answer within 0.2 s"):

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from quart_transport.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
-from support.raw_http import serve
+from support.raw_http import closed_port, serve
 
 
 def run(coro):
@@ -74,12 +73,8 @@ def test_head_answer_has_no_body_and_close_delimited_body_ends_at_close():
 def test_refused_reset_timeout_and_malformed():
     async def main():
         pool = UpstreamPool(timeout_s=0.5)
-        free = socket.socket()
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-        free.close()
         with pytest.raises(UpstreamRefused):
-            await pool.request("POST", f"http://127.0.0.1:{port}", "/", {}, b"x")
+            await pool.request("POST", f"http://127.0.0.1:{closed_port()}", "/", {}, b"x")
         ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
         server, url = await serve([ok, b"RESET"], [])
         try:

@@ -4,6 +4,7 @@ it answers with exactly the bytes it is given, malformed ones included."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 
 async def serve(answers: list[bytes], seen: list[bytes], close_after: bool = False):
@@ -36,3 +37,12 @@ async def serve(answers: list[bytes], seen: list[bytes], close_after: bool = Fal
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed): a connection to it is refused."""
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    return port
