@@ -134,7 +134,7 @@ class Upstream(Protocol):
     async def close(self) -> None: ...
 
 
-class _Connection(asyncio.Protocol):
+class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection; at most one request in flight (``waiter``)."""
 
     def __init__(self) -> None:
@@ -346,8 +346,8 @@ class UpstreamPool:
     def __init__(self, timeout_s: float, keepalive_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
         self.keepalive_s = keepalive_s
-        self.idle: dict[tuple[str, int], list[_Connection]] = {}
-        self.busy: set[_Connection] = set()
+        self.idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
+        self.busy: set[UpstreamConnection] = set()
         self._targets: dict[str, tuple[str, int, str]] = {}  # base url -> (host, port, Host header)
 
     def _target(self, base_url: str) -> tuple[str, int, str]:
@@ -360,7 +360,7 @@ class UpstreamPool:
             target = self._targets[base_url] = (parts.hostname, port, parts.netloc)
         return target
 
-    async def _connect(self, host: str, port: int) -> _Connection:
+    async def _connect(self, host: str, port: int) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         try:
             try:
@@ -380,14 +380,14 @@ class UpstreamPool:
                     sock.close()
                     last = exc
                     continue
-                _, protocol = await loop.create_connection(_Connection, sock=sock)
+                _, protocol = await loop.create_connection(UpstreamConnection, sock=sock)
                 return protocol
             raise last or OSError(f"no address for {host}")
         except OSError as exc:
             raise UpstreamRefused(f"cannot connect to {host}:{port}: {exc}") from exc
 
     async def _send(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
-                    stream: bool) -> tuple[_Connection, tuple[str, int], asyncio.Future[UpstreamResponse]]:
+                    stream: bool) -> tuple[UpstreamConnection, tuple[str, int], asyncio.Future[UpstreamResponse]]:
         host, port, host_header = self._target(base_url)
         key = (host, port)
         conn = self._idle_connection(key)
@@ -402,7 +402,7 @@ class UpstreamPool:
         self.busy.add(conn)
         return conn, key, conn.send([head, body] if body else [head], method == "HEAD", stream)
 
-    def _done(self, conn: _Connection, key: tuple[str, int]) -> None:
+    def _done(self, conn: UpstreamConnection, key: tuple[str, int]) -> None:
         """A call on ``conn`` is over: back to the idle pool if it can carry another, else closed."""
         self.busy.discard(conn)
         if conn.reusable and not conn.closed and conn.waiter is None and conn.pieces is None:
@@ -454,7 +454,7 @@ class UpstreamPool:
 
         return UpstreamStream(head.status, head.headers, pieces.get, release, timeout if idle_s is None else idle_s)
 
-    def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
+    def _idle_connection(self, key: tuple[str, int]) -> UpstreamConnection | None:
         pool = self.idle.get(key)
         now = time.monotonic()
         while pool:
@@ -465,7 +465,7 @@ class UpstreamPool:
         return None
 
     @staticmethod
-    def _time_out(conn: _Connection, timeout_s: float) -> None:
+    def _time_out(conn: UpstreamConnection, timeout_s: float) -> None:
         conn._fail(f"no answer within {timeout_s:g} s", UpstreamTimeout)  # noqa: SLF001 - same module
 
     async def close(self) -> None:

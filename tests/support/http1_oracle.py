@@ -20,7 +20,7 @@ from quart_provider.front import Front
 from quart_stage.errors import QuartError
 from quart_transport.headers import HOP_BY_HOP
 from quart_transport.responses import Answer, answer_of
-from quart_transport.upstream import UpstreamError, _Connection
+from quart_transport.upstream import UpstreamConnection, UpstreamError
 
 LIMIT = 1 << 20
 Request = tuple[str, str, list[tuple[str, str]], bytes]  # method, target, headers as sent, body
@@ -143,8 +143,7 @@ async def _front_reads(pieces: list[bytes]) -> Outcome:
     await _settle()
     if conn.task is not None:
         conn.task.cancel()
-    if front._sweeper is not None:  # noqa: SLF001 - the test's own front
-        front._sweeper.cancel()  # noqa: SLF001
+    await front.close(0)
     return Outcome(invoke.served, bytes(handed[0].data) if handed else None,
                    invoke.refused[0] if invoke.refused else None, bytes(transport.out))
 
@@ -193,7 +192,7 @@ def _end_to_end(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 async def _client_reads(method: str, pieces: list[bytes], eof: bool) -> Response | str:
-    conn = _Connection()
+    conn = UpstreamConnection()
     conn.connection_made(FakeTransport())
     waiter = conn.send([f"{method} / HTTP/1.1\r\nHost: r\r\n\r\n".encode()], method == "HEAD")
     for piece in pieces:
