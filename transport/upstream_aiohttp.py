@@ -61,7 +61,9 @@ class AiohttpUpstreamPool:
         if not base_url.startswith("http://"):
             raise UpstreamRefused(f"unsupported replica url {base_url!r} (http://host:port only)")
         data = body if body or method not in ("GET", "HEAD") else None
-        return await self._session().request(method, base_url.rstrip("/") + path, headers=list(headers.items()),
+        # the body is whole here: an ``Expect: 100-continue`` passed on would make aiohttp wait for a 100 first
+        sent = [(k, v) for k, v in headers.items() if k.lower() != "expect"]
+        return await self._session().request(method, base_url.rstrip("/") + path, headers=sent,
                                              data=data, timeout=timeout, allow_redirects=False)
 
     async def request(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
