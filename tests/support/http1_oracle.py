@@ -153,7 +153,14 @@ def front_reads(pieces: list[bytes]) -> Outcome:
 
 
 def _text(value: bytes) -> str:
+    """Bytes of an answer's head as the client decodes them (latin-1)."""
     return value.decode("latin-1")
+
+
+def _request_text(value: bytes) -> str:
+    """Bytes of a request's head as the front decodes them, aiohttp's way (UTF-8, undecodable bytes kept as
+    surrogates): the parse is compared, not the decoding convention."""
+    return value.decode("utf-8", "surrogateescape")
 
 
 def oracle_requests(stream: bytes) -> Outcome:
@@ -175,8 +182,9 @@ def oracle_requests(stream: bytes) -> Outcome:
             body += event.data
         elif isinstance(event, h11.EndOfMessage):
             assert current is not None
-            headers = [(_text(k), _text(v)) for k, v in current.headers.raw_items()]
-            outcome.requests.append((_text(current.method), _text(current.target), headers, bytes(body)))
+            headers = [(_request_text(k), _request_text(v)) for k, v in current.headers.raw_items()]
+            outcome.requests.append((_request_text(current.method), _request_text(current.target), headers,
+                                     bytes(body)))
             conn.send(h11.Response(status_code=200, headers=[("Content-Length", "0")]))
             conn.send(h11.EndOfMessage())
             if conn.our_state is h11.MUST_CLOSE:  # Connection: close, HTTP/1.0

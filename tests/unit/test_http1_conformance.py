@@ -168,6 +168,7 @@ BAD = [
     b"POST /function/f HTTP/1.1\r\nHost: gw\r\nX-A: a\x0bb\r\nContent-Length: 0\r\n\r\n",
     b"POST /function/f/\x01 HTTP/1.1\r\nHost: gw\r\nContent-Length: 0\r\n\r\n",
     b"POST /function/f HTTP/1.1\nHost: gw\nContent-Length: 0\n\n",
+    b"POST /function/f HTTP/1.1\r\n0: \xc3\xa9 \xff\r\nHost: gw\r\nContent-Length: 0\r\n\r\n",  # found by the long run
 ]
 
 
