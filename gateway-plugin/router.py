@@ -8,8 +8,8 @@ successor. With ``com.quart.batch.max`` > 1 the waiting requests that fit go in 
 allows (:mod:`quart_transport.retry`), else the client gets an explicit 5xx; a request that finds a stage queue at
 its cap is refused with 429 + Retry-After before it is accepted (``entry.py``). Every accepted request ends with
 exactly one response. The embedded gateway's fast front calls :meth:`Router.answer` with the body read; stage
-calls go through the client ``quart_transport.codec.upstream_pool`` makes (lean, or aiohttp); a dispatcher with no free replica waits on
-:meth:`ReplicaSource.wait`, resolved by any release or a replica becoming ready — no polling
+calls go through the client ``quart_transport.codec.upstream_pool`` makes (lean, or aiohttp); a dispatcher with no
+free replica waits on :meth:`ReplicaSource.wait`, resolved by any release or a replica becoming ready — no polling
 (docs/architecture.md, "One request"). Replicas come from a ``ReplicaSource`` (plugin.py's live replica sets, or
 ``StaticReplicas``); engines beside the router reuse it, :meth:`Router.pick` and ``Router.upstream``.
 """
