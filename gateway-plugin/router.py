@@ -8,8 +8,8 @@ successor. With ``com.quart.batch.max`` > 1 the waiting requests that fit go in 
 allows (:mod:`quart_transport.retry`), else the client gets an explicit 5xx; a request that finds a stage queue at
 its cap is refused with 429 + Retry-After before it is accepted (``entry.py``). Every accepted request ends with
 exactly one response. The embedded gateway's fast front calls :meth:`Router.answer` with the body read; stage
-calls go through :class:`quart_transport.upstream.UpstreamPool`; a dispatcher with no free replica waits on
-:meth:`ReplicaSource.wait`, resolved by any release or a replica becoming ready — no polling
+calls go through the client ``quart_transport.codec.upstream_pool`` makes (lean, or aiohttp); a dispatcher with no
+free replica waits on :meth:`ReplicaSource.wait`, resolved by any release or a replica becoming ready — no polling
 (docs/architecture.md, "One request"). Replicas come from a ``ReplicaSource`` (plugin.py's live replica sets, or
 ``StaticReplicas``); engines beside the router reuse it, :meth:`Router.pick` and ``Router.upstream``.
 """
@@ -39,10 +39,11 @@ from quart_kernel.admission import ServiceTimes, client_deadline_s
 from quart_kernel.picking import pick
 from quart_kernel.shedding import SHED_HEADER
 from quart_stage.errors import QuartError
+from quart_transport.codec import upstream_pool
 from quart_transport.responses import Answer, answer_of
 from quart_transport.retry import passed_on, replica_gone, should_retry
 from quart_transport.tracing import CALL_ID, new_call_id
-from quart_transport.upstream import UpstreamPool, UpstreamTimeout
+from quart_transport.upstream import Upstream, UpstreamTimeout
 
 log = logging.getLogger("quart.router")
 
@@ -88,7 +89,7 @@ class Router:
         self.dispatch_poll_s = dispatch_poll_s  # a safety bound on a wait for a replica: a release wakes it
         self.on_call = on_call  # (function, HTTP status, seconds) per stage call: the gateway's invocation counters
         self.queues: dict[str, StageQueue] = {}
-        self.upstream: UpstreamPool | None = None  # the lean client to replicas (keep-alive, dead-peer sockets)
+        self.upstream: Upstream | None = None  # the lean client to replicas (keep-alive, dead-peer sockets)
         self._targets: dict[str, tuple[str, str]] = {}  # replica url -> (base url, path)
         self._ids = itertools.count()
         self._closed = False
@@ -102,7 +103,7 @@ class Router:
 
     async def start(self) -> None:
         if self.upstream is None:  # a call in flight to a host that went silent fails in ~2 s, retried elsewhere
-            self.upstream = UpstreamPool(self.config.attempt_timeout_s, keepalive_s=60)
+            self.upstream = upstream_pool(self.config.attempt_timeout_s, keepalive_s=60)
 
     async def close(self) -> None:
         """Answer every queued or running request with 503, stop dispatchers, close the client."""
