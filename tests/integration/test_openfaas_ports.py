@@ -100,7 +100,7 @@ class FakeOpenFaaS:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{site.port}"
 
     async def close(self) -> None:
         if self.runner is not None:
@@ -120,7 +120,7 @@ def test_the_standalone_plugin_runs_stages_that_say_which_layers_they_hold() -> 
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{site.port}"
         try:
             import aiohttp
 
