@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
+import json
 import logging
 import threading
 import time
@@ -17,6 +19,7 @@ import yaml
 from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.standalone import StandalonePlugin
+from quart_stage import batchwire
 from quart_stage.app import create_app_from_env
 from werkzeug.serving import WSGIRequestHandler, make_server
 
@@ -47,6 +50,8 @@ class StagePod:
         self.thread.start()
 
     def _wsgi(self, environ, start_response):
+        if environ["REQUEST_METHOD"] == "POST" and environ.get("HTTP_X_QUART_SESSION_BATCH"):
+            return self._batched(environ, start_response)
         session = environ.get("HTTP_X_QUART_SESSION")
         if session is None or environ["REQUEST_METHOD"] != "POST":
             return self.app(environ, start_response)
@@ -56,6 +61,30 @@ class StagePod:
             return start_response(status, headers, exc_info)
 
         return self.app(environ, start)
+
+    def _batched(self, environ, start_response):
+        """A batched decode step (continuous batching is on by default): one step of each session in its table,
+        each with the status the stage's results give it (or the call's own status when it failed whole)."""
+        body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+        environ["wsgi.input"] = io.BytesIO(body)
+        name = "input_ids" if environ.get("HTTP_X_QUART_STAGE") == "0" else "hidden_states"
+        ids = [entry["id"] for entry in json.loads(batchwire.split_rows(body, name)[3][batchwire.META_SESSIONS])]
+        called: dict[str, int] = {}
+
+        def start(status, headers, exc_info=None):
+            called["status"] = int(status.split()[0])
+            return start_response(status, headers, exc_info)
+
+        answer = b"".join(self.app(environ, start))
+        if called["status"] != 200:
+            self.steps.extend((sid, called["status"]) for sid in ids)
+            return [answer]
+        try:
+            results = json.loads(answer)[batchwire.META_RESULTS]
+        except ValueError:  # not the last stage: the results are the answer's metadata
+            results = json.loads(batchwire.split_rows(answer, "hidden_states")[3][batchwire.META_RESULTS])
+        self.steps.extend((r["id"], int(r["status"])) for r in results)
+        return [answer]
 
     def stop(self) -> None:
         """The pod's process is gone: calls in progress end, new ones are refused."""
