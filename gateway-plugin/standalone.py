@@ -30,10 +30,13 @@ from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.openai_api import GenerationAPI
 from gateway_plugin.generation.sessions import SessionEngine
+from gateway_plugin.layers import Range
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
+from gateway_plugin.replicas import Waiters
 from gateway_plugin.router import Router, StaticReplica, json_reply, web_response
 from gateway_plugin.snapshot_builder import StageState
+from quart_kernel.admission import ServiceTimes
 from quart_stage import cliargs
 from quart_stage import labels as vocab
 from quart_stage.logs import configure as configure_logs
@@ -48,7 +51,9 @@ DEFAULT_NAMESPACE = "openfaas-fn"  # a FunctionStatus without one is in the gate
 
 
 class OpenFaaSView:
-    """ReplicaSource + Inventory from an OpenFaaS gateway's REST API, refreshed by ``refresh()``."""
+    """ReplicaSource + Inventory from an OpenFaaS gateway's REST API, refreshed by ``refresh()``: every member of
+    :class:`gateway_plugin.replicas.ReplicaSource` (a slot's release and a refresh that adds slots wake the
+    dispatchers waiting on :meth:`wait`)."""
 
     def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None, default_concurrency: int = 1) -> None:
         self.gateway_url = gateway_url.rstrip("/")
@@ -56,6 +61,8 @@ class OpenFaaSView:
         self.default_concurrency = default_concurrency
         self.status: dict[str, dict[str, Any]] = {}
         self.slots: dict[str, list[StaticReplica]] = {}
+        self.waiters = Waiters()
+        self.services: dict[str, ServiceTimes] = {}
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         async with session.get(f"{self.gateway_url}/system/functions", auth=self.auth) as resp:
@@ -67,6 +74,8 @@ class OpenFaaSView:
             have = self.slots.setdefault(name, [])
             want = int(st.get("availableReplicas") or 0)
             url = f"{self.gateway_url}/function/{name}"
+            if len(have) < want:
+                self.waiters.wake(name)  # new slots: a dispatcher waiting for one looks again
             while len(have) < want:
                 have.append(StaticReplica(f"{name}#{len(have)}", url))
             while len(have) > want:  # drop idle slots first; busy ones finish and are then dropped
@@ -126,6 +135,19 @@ class OpenFaaSView:
 
     def give_back(self, function: str, replica: StaticReplica) -> None:
         replica.in_flight -= 1
+        self.waiters.wake(function)
+
+    def wait(self, function: str) -> asyncio.Future[None]:
+        return self.waiters.wait(function)
+
+    def service_times(self, function: str) -> ServiceTimes:
+        return self.services.setdefault(function, ServiceTimes())
+
+    def note_held(self, function: str, replica: StaticReplica, held: Range) -> None:
+        """The layers the pod that answered on ``replica``'s slot holds (its ``X-Quart-Layers-Held``). A slot is
+        function-level (the gateway picks the pod) and reports no stage range, so it stays a whole-stage slot:
+        the range is kept for the record, never used to ask a pod for part of its stage."""
+        replica.held = held
 
 
 class StandalonePlugin:
