@@ -24,6 +24,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 import aiohttp
+import uvloop
 from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
@@ -60,6 +61,8 @@ class OpenFaaSView:
         self.auth = auth
         self.default_concurrency = default_concurrency
         self.status: dict[str, dict[str, Any]] = {}
+        self._pipelines: dict[str, list[str]] = {}  # derived from ``status`` once per refresh, not per call
+        self._labels: dict[str, vocab.StageLabels] = {}
         self.slots: dict[str, list[StaticReplica]] = {}
         self.waiters = Waiters()
         self.services: dict[str, ServiceTimes] = {}
@@ -70,6 +73,8 @@ class OpenFaaSView:
                 raise RuntimeError(f"GET /system/functions answered {resp.status}: {(await resp.text())[:200]}")
             functions = await resp.json()
         self.status = {f["name"]: f for f in functions}
+        self._pipelines = vocab.pipelines((name, st.get("labels") or {}) for name, st in self.status.items())
+        self._labels = {name: vocab.StageLabels.lenient(st.get("labels") or {}) for name, st in self.status.items()}
         for name, st in self.status.items():
             have = self.slots.setdefault(name, [])
             want = int(st.get("availableReplicas") or 0)
@@ -88,7 +93,7 @@ class OpenFaaSView:
 
     # Inventory
     def pipelines(self) -> dict[str, list[str]]:
-        return vocab.pipelines((name, st.get("labels") or {}) for name, st in self.status.items())
+        return self._pipelines
 
     def namespace_of(self, model: str) -> str | None:
         """The namespace a pipeline's stage functions live in (None: no such pipeline)."""
@@ -98,8 +103,7 @@ class OpenFaaSView:
     def stage_state(self, function: str) -> StageState:
         from quart_transport.quantities import parse_cpu
 
-        st = self.status[function]
-        labels = vocab.StageLabels.lenient(st.get("labels") or {})
+        st, labels = self.status[function], self._labels[function]
         cpu = (st.get("limits") or {}).get("cpu")
         return StageState(
             ready=int(st.get("availableReplicas") or 0), desired=int(st.get("replicas") or 0),
@@ -127,8 +131,8 @@ class OpenFaaSView:
         return list(self.slots.get(function, ()))
 
     def concurrency(self, function: str) -> int:
-        labels = vocab.StageLabels.lenient((self.status.get(function) or {}).get("labels") or {})
-        return labels.concurrency or self.default_concurrency
+        labels = self._labels.get(function)
+        return (labels.concurrency if labels else 0) or self.default_concurrency
 
     def take(self, function: str, replica: StaticReplica) -> None:
         replica.in_flight += 1
@@ -258,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quartctl plugin: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    web.run_app(plugin.app(), host=args.bind, port=args.port, print=lambda *a: None)
+    web.run_app(plugin.app(), host=args.bind, port=args.port, print=lambda *a: None,
+                loop=uvloop.new_event_loop())  # as quartctl up's gateway: the lean loop on the request path
     return 0
 
 

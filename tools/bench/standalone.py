@@ -6,8 +6,9 @@ Starts `quartctl up --process-hosts` with the QUART plugin (actuator ``none``) a
 ``python -m gateway_plugin.standalone`` in its own process in front of that gateway (policy static, actuator
 ``none``: nothing scales), as an operator runs it before a real OpenFaaS gateway. One request at a time, one
 keep-alive connection per path, the paths interleaved (``bench pipeline``'s method): the stage-0 replica
-directly, ``/function/<model>`` on the embedded gateway and on the standalone plugin. Added per stage =
-(pipeline − stages × direct) / stages for each front. Target: standalone ≤ 2 × embedded (each of its stage
+directly, ``/function/<stage 0>`` (one gateway hop), ``/function/<model>`` on the embedded gateway and on the
+standalone plugin. Added per stage = (pipeline − stages × direct) / stages for each front. Then the CPU time the
+gateway (and the plugin) processes spend per request on each front, the load-proof part of the same cost. Target: standalone ≤ 2 × embedded (each of its stage
 calls pays the gateway's ``/function/<stage>`` hop on top of the router).
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from quart_provider.system import stop_process
 from quart_stage import cliargs
 from quart_tools.bench import free_port, machine_info, wait_tcp, write_report
-from quart_tools.bench.gateway import _start_gateway, deploy_echo
+from quart_tools.bench.gateway import Connection, _start_gateway, deploy_echo
 from quart_tools.bench.pipeline import MODEL, _stage_labels, interleaved_p50
 
 TARGET_RATIO = 2.0
@@ -49,6 +50,27 @@ def _start_standalone(tmp: Path, gateway_url: str, auth: tuple[str, str]) -> tup
         raise RuntimeError(f"standalone plugin did not start: {(tmp / 'standalone.log').read_text()[-2000:]}") \
             from None
     return process, f"http://127.0.0.1:{port}"
+
+
+async def _cpu_ms_per_request(url: str, body: bytes, count: int, pids: list[int]) -> float:
+    """CPU time (user + system) the processes ``pids`` spend per pipeline request on ``url``, ``count`` requests
+    one at a time: what a path costs, which the shared machine's load does not inflate as it does wall time."""
+    import psutil
+
+    processes = [psutil.Process(pid) for pid in pids]
+    conn = await Connection.open(url)
+    raw = conn.request_bytes(f"/function/{MODEL}", body)
+
+    def cpu() -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
+
+    before = cpu()
+    for _ in range(count):
+        if (status := await conn.send(raw)) != 200:
+            raise RuntimeError(f"{url} answered {status}")
+    used = cpu() - before
+    conn.close()
+    return 1000 * used / count
 
 
 async def _first_answer(url: str, timeout_s: float = 60) -> None:
@@ -77,9 +99,13 @@ def run(stages: int, body_bytes: int, count: int, warmup: int) -> dict:
             replicas = [deploy_echo(url, auth, f"{MODEL}-s{i}", _stage_labels(i, stages)) for i in range(stages)]
             standalone, plugin_url = _start_standalone(tmp, url, auth)
             asyncio.run(_first_answer(plugin_url))
-            paths = {"direct": (replicas[0], "/"), "embedded": (url, f"/function/{MODEL}"),
-                     "standalone": (plugin_url, f"/function/{MODEL}")}
-            latency = asyncio.run(interleaved_p50(paths, os.urandom(body_bytes), count, warmup))
+            body = os.urandom(body_bytes)
+            paths = {"direct": (replicas[0], "/"), "single": (url, f"/function/{MODEL}-s0"),
+                     "embedded": (url, f"/function/{MODEL}"), "standalone": (plugin_url, f"/function/{MODEL}")}
+            latency = asyncio.run(interleaved_p50(paths, body, count, warmup))
+            cpu = {"embedded": asyncio.run(_cpu_ms_per_request(url, body, count, [gateway.pid])),
+                   "standalone": asyncio.run(_cpu_ms_per_request(plugin_url, body, count,
+                                                                 [gateway.pid, standalone.pid]))}
         finally:
             if standalone is not None:
                 stop_process(standalone.pid, standalone)
@@ -93,6 +119,9 @@ def run(stages: int, body_bytes: int, count: int, warmup: int) -> dict:
         "p50_added_per_stage_embedded_ms": round(added["embedded"], 4),
         "p50_added_per_stage_standalone_ms": round(added["standalone"], 4),
         "ratio_standalone_vs_embedded": round(ratio, 3) if ratio is not None else None,
+        "p50_added_single_ms": round(latency["p50_single_ms"] - direct, 4),  # one gateway hop, for comparison
+        "cpu_ms_per_request": {front: round(v, 4) for front, v in cpu.items()},  # gateway (+ plugin), not replicas
+        "cpu_ratio_standalone_vs_embedded": round(cpu["standalone"] / cpu["embedded"], 3) if cpu["embedded"] else None,
         "target_ratio": TARGET_RATIO, "meets_target": ratio is not None and ratio <= TARGET_RATIO,
         "load_start": [round(v, 2) for v in load_start], "load_end": [round(v, 2) for v in os.getloadavg()],
         "machine": machine_info(),
