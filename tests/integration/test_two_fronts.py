@@ -23,6 +23,7 @@ from gateway_plugin.generation.tokens import load_model
 from quart_stage import wire
 from quart_stage.verify import reference_model
 from support.callbacks import CallbackServer
+from support.tiny_llama import greedy
 from support.two_fronts import FRONTS, STAGES, Deployment, Front, scale_bound, scale_to_zero
 from tokenizers import Tokenizer
 
@@ -121,14 +122,6 @@ def test_an_async_call_answers_its_callback(request, front, reference):
 # ---------------------------------------------------------------- generation
 
 
-def greedy(whole, ids: list[int], n: int) -> list[int]:
-    whole.generation_config.eos_token_id = None
-    whole.generation_config.pad_token_id = 0
-    with torch.inference_mode():
-        out = whole.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, use_cache=True)
-    return out[0, len(ids):].tolist()
-
-
 def test_generation_through_v1_streamed_and_not_is_transformers_greedy(front, deployment, reference):
     tokenizer = load_model("tiny", str(deployment.dirs["tiny"])).tokenizer
     prompt = "Pipelines stream"
@@ -192,7 +185,7 @@ def test_scaled_through_the_controller_a_replica_killed_mid_load_every_request_a
     assert res.status_code == 200 and close_to(res.json()["data"], reference["embeddings"][:1])
 
 
-def test_a_model_at_zero_starts_on_its_first_call(front, deployment):
+def test_a_model_at_zero_starts_on_its_first_call(front, deployment, reference):
     scale_to_zero(deployment, "zt")
     front.wait_sees({f"zt-stage-{i}": 0 for i in range(STAGES)})
     time.sleep(1.0)  # five control periods with no call: nothing starts
@@ -200,3 +193,4 @@ def test_a_model_at_zero_starts_on_its_first_call(front, deployment):
     res = front.post("/function/zt", json={"input_ids": [IDS]}, headers={**JSON, "X-Quart-Timeout-Ms": "60000"},
                      timeout=90)
     assert res.status_code == 200 and res.json()["shape"] == [1, len(IDS), 512], res.text
+    assert close_to(res.json()["data"], reference["logits"])  # zt is tiny, partitioned with the same seed
