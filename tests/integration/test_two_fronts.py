@@ -152,9 +152,10 @@ def test_generation_through_v1_streamed_and_not_is_transformers_greedy(front, de
 
 def test_scaled_through_the_controller_a_replica_killed_mid_load_every_request_answered(front, deployment,
                                                                                         reference):
-    """``com.openfaas.scale.max`` of MiniLM's stage 1 raised to 2: the static policy scales it there (the standalone
-    plugin through its REST actuator, ``POST /system/scale-function``), the front dispatches to both; one of the
-    two killed (SIGKILL) under load: every request answered, 200 or an explicit error; back to 1 after."""
+    """``com.openfaas.scale.max`` of MiniLM's stage 1 raised to 2: the static policy scales it there (both plugins
+    run on this deployment: the embedded one through its gateway actuator, the standalone one through its REST
+    actuator, ``POST /system/scale-function``), the front dispatches to both; one of the two killed (SIGKILL)
+    under load: every request answered, 200 or an explicit error; back to 1 after."""
     stage = "minilm-stage-1"
     scale_bound(deployment, stage, 2)
     try:
