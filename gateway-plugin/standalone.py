@@ -31,13 +31,11 @@ from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.openai_api import GenerationAPI
 from gateway_plugin.generation.sessions import SessionEngine
-from gateway_plugin.layers import Range
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
-from gateway_plugin.replicas import Waiters
+from gateway_plugin.replicas import StaticReplicas
 from gateway_plugin.router import Router, StaticReplica, json_reply, web_response
 from gateway_plugin.snapshot_builder import StageState
-from quart_kernel.admission import ServiceTimes
 from quart_stage import cliargs
 from quart_stage import labels as vocab
 from quart_stage.logs import configure as configure_logs
@@ -51,21 +49,22 @@ log = logging.getLogger("quart.standalone")
 DEFAULT_NAMESPACE = "openfaas-fn"  # a FunctionStatus without one is in the gateway's default namespace
 
 
-class OpenFaaSView:
-    """ReplicaSource + Inventory from an OpenFaaS gateway's REST API, refreshed by ``refresh()``: every member of
-    :class:`gateway_plugin.replicas.ReplicaSource` (a slot's release and a refresh that adds slots wake the
-    dispatchers waiting on :meth:`wait`)."""
+class OpenFaaSView(StaticReplicas):
+    """ReplicaSource + Inventory from an OpenFaaS gateway's REST API, refreshed by ``refresh()``: the slots of
+    :class:`StaticReplicas` (every member of :class:`gateway_plugin.replicas.ReplicaSource`; a release and a refresh
+    that adds slots wake the dispatchers waiting on ``wait``) kept to each function's ``availableReplicas``, its
+    concurrency read from its labels. A slot is function-level (the gateway picks the pod) and reports no stage
+    range, so the ``X-Quart-Layers-Held`` its pods answer (``note_held``) is kept for the record and never makes
+    the router ask a pod for part of its stage."""
 
     def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None, default_concurrency: int = 1) -> None:
+        super().__init__()
         self.gateway_url = gateway_url.rstrip("/")
         self.auth = auth
         self.default_concurrency = default_concurrency
         self.status: dict[str, dict[str, Any]] = {}
         self._pipelines: dict[str, list[str]] = {}  # derived from ``status`` once per refresh, not per call
         self._labels: dict[str, vocab.StageLabels] = {}
-        self.slots: dict[str, list[StaticReplica]] = {}
-        self.waiters = Waiters()
-        self.services: dict[str, ServiceTimes] = {}
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         async with session.get(f"{self.gateway_url}/system/functions", auth=self.auth) as resp:
@@ -76,7 +75,7 @@ class OpenFaaSView:
         self._pipelines = vocab.pipelines((name, st.get("labels") or {}) for name, st in self.status.items())
         self._labels = {name: vocab.StageLabels.lenient(st.get("labels") or {}) for name, st in self.status.items()}
         for name, st in self.status.items():
-            have = self.slots.setdefault(name, [])
+            have = self.replicas.setdefault(name, [])
             want = int(st.get("availableReplicas") or 0)
             url = f"{self.gateway_url}/function/{name}"
             if len(have) < want:
@@ -88,8 +87,8 @@ class OpenFaaSView:
                 if idle is None:
                     break
                 have.remove(idle)
-        for gone in set(self.slots) - set(self.status):
-            del self.slots[gone]
+        for gone in set(self.replicas) - set(self.status):
+            del self.replicas[gone]
 
     # Inventory
     def pipelines(self) -> dict[str, list[str]]:
@@ -126,32 +125,10 @@ class OpenFaaSView:
         s = self.stage_state(function)
         return (s.cpus, s.param_bytes)
 
-    # ReplicaSource
-    def ready(self, function: str) -> list[StaticReplica]:
-        return list(self.slots.get(function, ()))
-
+    # ReplicaSource: StaticReplicas', but for the concurrency of each function
     def concurrency(self, function: str) -> int:
         labels = self._labels.get(function)
         return (labels.concurrency if labels else 0) or self.default_concurrency
-
-    def take(self, function: str, replica: StaticReplica) -> None:
-        replica.in_flight += 1
-
-    def give_back(self, function: str, replica: StaticReplica) -> None:
-        replica.in_flight -= 1
-        self.waiters.wake(function)
-
-    def wait(self, function: str) -> asyncio.Future[None]:
-        return self.waiters.wait(function)
-
-    def service_times(self, function: str) -> ServiceTimes:
-        return self.services.setdefault(function, ServiceTimes())
-
-    def note_held(self, function: str, replica: StaticReplica, held: Range) -> None:
-        """The layers the pod that answered on ``replica``'s slot holds (its ``X-Quart-Layers-Held``). A slot is
-        function-level (the gateway picks the pod) and reports no stage range, so it stays a whole-stage slot:
-        the range is kept for the record, never used to ask a pod for part of its stage."""
-        replica.held = held
 
 
 class StandalonePlugin:
