@@ -61,3 +61,20 @@ def test_bench_pipeline_meets_its_targets(tmp_path):
     result = run_bench(tmp_path, "--stages", "4", "--connections", "16", bench="pipeline")
     assert result["rps_pipeline"] * result["stages"] >= 0.8 * result["rps_single"], result
     assert result["p50_added_per_stage_ms"] <= 1.2 * result["p50_added_single_ms"], result
+
+
+def test_bench_standalone_writes_the_figures(tmp_path):
+    """The standalone plugin (its own process) in front of the embedded gateway vs the embedded path."""
+    result = run_bench(tmp_path, "--stages", "2", "--requests", "60", "--warmup", "5", bench="standalone")
+    for key in ("p50_added_per_stage_embedded_ms", "p50_added_per_stage_standalone_ms", "p50_added_single_ms",
+                "ratio_standalone_vs_embedded"):
+        assert isinstance(result[key], float | int), key
+    assert result["stages"] == 2 and result["cpu_ms_per_request"]["standalone"] > 0
+    # the standalone path is the embedded one plus a plugin process and a gateway hop per stage
+    assert result["p50_standalone_ms"] > result["p50_embedded_ms"] > result["p50_direct_ms"] > 0
+
+
+@pytest.mark.slow
+def test_bench_standalone_meets_its_target(tmp_path):
+    result = run_bench(tmp_path, bench="standalone")
+    assert result["p50_added_per_stage_standalone_ms"] <= 2 * result["p50_added_per_stage_embedded_ms"], result

@@ -21,6 +21,7 @@ from quart_stage.verify import reference_model
 from quart_tools.partition import partition
 from support.embedded_system import deploy_stack, stage_system, wait_available
 from support.generation_app import CHATML
+from support.tiny_llama import greedy
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +45,6 @@ def gateway(tmp_path_factory):
 @pytest.fixture(scope="module")
 def whole(gateway):
     return reference_model(gateway[1])
-
-
-def greedy(whole, ids: list[int], n: int) -> list[int]:
-    whole.generation_config.eos_token_id = None
-    whole.generation_config.pad_token_id = 0
-    with torch.inference_mode():
-        out = whole.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, use_cache=True)
-    return out[0, len(ids):].tolist()
 
 
 def test_openai_client_completions_and_chat_streamed_and_not(gateway, whole):

@@ -12,6 +12,16 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.standalone import StandalonePlugin
 
 
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """``app`` served on an ephemeral loopback port of the running loop: its runner (``cleanup()`` stops it), url."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
 class Setup:
     def __init__(self, tmp_path) -> None:
         from quart_provider.config import GatewayConfig
@@ -35,15 +45,7 @@ class Setup:
         config = PluginConfig(gateway_url=self.system.url, gateway_user=creds.user, policy="static",
                               actuator="rest", control_period_s=0.2, replica_refresh_s=0.1)
         self.plugin = StandalonePlugin(config, creds.password)
-        self.url = self.call(self._serve())
-
-    async def _serve(self) -> str:
-        self.runner = web.AppRunner(self.plugin.app())
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site.port
-        return f"http://127.0.0.1:{port}"
+        self.runner, self.url = self.call(serve(self.plugin.app()))
 
     def call(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -27,3 +27,13 @@ def tiny_llama(folder: str, name: str, seed: int, prompt_list: list[list[int]], 
                                pad_token_id=0)[0, len(p):].tolist() for p in prompt_list]
     assert all(len(set(t)) >= 3 for t in tokens), "the random weights must give non-degenerate sequences"
     return tokens
+
+
+def greedy(whole, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy ``generate`` of ``n`` tokens after ``ids`` on ``whole`` (a ``reference_model``), EOS
+    ignored: the tokens a pipeline's generation must give."""
+    whole.generation_config.eos_token_id = None
+    whole.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        out = whole.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, use_cache=True)
+    return out[0, len(ids):].tolist()

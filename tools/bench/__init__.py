@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "keysmanager": ("quart_tools.bench.keysmanager:main", "replica-ready time, fork vs cold, 100 MB-4 GB; PSS"),
     "gateway": ("quart_tools.bench.gateway:main", "latency added by one gateway hop; req/s"),
     "pipeline": ("quart_tools.bench.pipeline:main", "a 4-stage echo pipeline against one function: req/s, added p50"),
+    "standalone": ("quart_tools.bench.standalone:main",
+                   "one-shot p50 added per stage: the standalone plugin in front of the embedded gateway vs embedded"),
     "policies": ("quart_tools.bench.policies:main", "live policy comparison on quartctl up"),
     "scheduler": ("quart_tools.bench.scheduler:main", "cache-aware vs first-fit, 3 hosts x 4 GPUs"),
     "loadgen": ("quart_tools.bench.loadgen:main", "load generator rate and send-time error"),

@@ -50,6 +50,12 @@ def _stage_labels(stage: int, stages: int) -> dict[str, str]:
 async def _latency(url: str, replica_url: str, single: str, body: bytes, count: int, warmup: int) -> dict:
     paths = {"direct": (replica_url, "/"), "single": (url, f"/function/{single}"),
              "pipeline": (url, f"/function/{MODEL}")}
+    return await interleaved_p50(paths, body, count, warmup)
+
+
+async def interleaved_p50(paths: dict[str, tuple[str, str]], body: bytes, count: int, warmup: int) -> dict:
+    """p50 of each ``name: (base url, path)``, one request at a time on one keep-alive connection per path, the
+    paths interleaved and their order rotated every round: ``{"p50_<name>_ms": ...}``."""
     conns = {name: await Connection.open(base) for name, (base, _) in paths.items()}
     raws = {name: conns[name].request_bytes(path, body) for name, (_, path) in paths.items()}
     names = list(paths)
