@@ -21,7 +21,7 @@ from urllib.parse import urlencode, urlsplit
 from quart_stage.unixhttp import UnixHTTPConnection
 
 from keysmanager.auth import bearer_header
-from keysmanager.types import HostReport, ReplicaInfo, StageSpec, ZygoteInfo
+from keysmanager.types import HostReport, ReplicaInfo, StageSpec, StartOrder, StartReport, ZygoteInfo
 
 
 class KeysManagerError(RuntimeError):
@@ -239,6 +239,11 @@ class AsyncKeysManagerClient:
                                 _start_body(spec, count, mode, survive, wait, cache, source, peers, live, listen,
                                             layers))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
+
+    async def start_planned(self, spec: StageSpec, order: StartOrder) -> StartReport:
+        """One planned start, carried out whole by the KeysManager (``keysmanager.starts``): one call."""
+        return StartReport.from_dict(await self._call("POST", "/v1/starts", {"spec": spec.to_dict(),
+                                                                            "plan": order.to_dict()}))
 
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
         return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain}))
