@@ -39,6 +39,11 @@ def _spec_body(spec: StageSpec, peers: Sequence[str] = ()) -> dict[str, Any]:
     return {"spec": spec.to_dict(), **({"peers": list(peers)} if peers else {})}
 
 
+def _plan_body(spec: StageSpec, order: StartOrder) -> dict[str, Any]:
+    """``POST /v1/starts``: the spec and the plan, whole."""
+    return {"spec": spec.to_dict(), "plan": order.to_dict()}
+
+
 def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wait: bool, cache: bool | None,
                 source: str = "auto", peers: Sequence[str] = (), live: bool = False, listen: str = "tcp",
                 layers: Sequence[int] | None = None):
@@ -148,6 +153,10 @@ class KeysManagerClient:
                           _start_body(spec, count, mode, survive, wait, cache, source, peers, live, listen, layers))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
+    def start_planned(self, spec: StageSpec, order: StartOrder) -> StartReport:
+        """One planned start, carried out whole by the KeysManager (``keysmanager.starts``): one call."""
+        return StartReport.from_dict(self._call("POST", "/v1/starts", _plan_body(spec, order)))
+
     def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
         data = self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain})
         return ReplicaInfo.from_dict(data)
@@ -242,8 +251,7 @@ class AsyncKeysManagerClient:
 
     async def start_planned(self, spec: StageSpec, order: StartOrder) -> StartReport:
         """One planned start, carried out whole by the KeysManager (``keysmanager.starts``): one call."""
-        return StartReport.from_dict(await self._call("POST", "/v1/starts", {"spec": spec.to_dict(),
-                                                                            "plan": order.to_dict()}))
+        return StartReport.from_dict(await self._call("POST", "/v1/starts", _plan_body(spec, order)))
 
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
         return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain}))
