@@ -28,7 +28,8 @@ from keysmanager.errors import (
     StartFailed,
 )
 from keysmanager.peers import serve_file
-from keysmanager.types import FORK_MODES, LISTEN_KINDS, START_SOURCES, StageSpec
+from keysmanager.starts import carry_out
+from keysmanager.types import FORK_MODES, LISTEN_KINDS, START_MODES, START_SOURCES, StageSpec, StartOrder
 
 if TYPE_CHECKING:
     from keysmanager.manager import KeysManager
@@ -75,6 +76,7 @@ class _Api:
         app.router.add_get("/v1/health", self.h_health)
         app.router.add_post("/v1/cache", self.h_cache)
         app.router.add_post("/v1/attach", self.h_attach)
+        app.router.add_post("/v1/starts", self.h_planned_start)
         app.router.add_post("/v1/replicas", self.h_start)
         app.router.add_get("/v1/replicas", self.h_replicas)
         app.router.add_post("/v1/replicas/{rid}/stop", self.h_stop)
@@ -107,14 +109,39 @@ class _Api:
         spec = self.spec(await _json(request))
         return web.json_response(self.km.attach_info(await self.km.ensure_cached(spec)))
 
+    async def h_planned_start(self, request: web.Request) -> web.Response:
+        """One planned start, carried out whole (``keysmanager.starts``): ``{"spec": ..., "plan": StartOrder}``
+        answers a ``StartReport``."""
+        body = await _json(request)
+        spec = self.spec(body)
+        plan = body.get("plan")
+        if not isinstance(plan, dict):
+            raise invalid("plan", "the request body must have a 'plan' object (mode, peers, layers, cache, count)")
+        unknown = sorted(set(plan) - {"mode", "peers", "layers", "cache", "count"})
+        if unknown:
+            raise invalid(f"plan.{unknown[0]}", f"plan.{unknown[0]} is not a field of a start plan")
+        mode = plan.get("mode")
+        if mode not in START_MODES:
+            raise invalid("plan.mode", f"plan.mode must be one of {', '.join(START_MODES)}, got {mode!r}")
+        cache = plan.get("cache", True)
+        if not isinstance(cache, bool):
+            raise invalid("plan.cache", "plan.cache must be true or false")
+        order = StartOrder(mode, tuple(_peers(plan, "plan.peers")), _layers(plan, "plan.layers"), cache,
+                           self.count(plan, "plan.count"))
+        return web.json_response((await carry_out(self.km, spec, order)).to_dict())
+
+    def count(self, body: dict, field: str = "count") -> int:
+        count = body.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise invalid(field, f"{field} must be a non-negative integer, got {count!r}")
+        if count > self.km.config.max_replicas_per_call:
+            raise invalid(field, f"{field} must be at most {self.km.config.max_replicas_per_call}")
+        return count
+
     async def h_start(self, request: web.Request) -> web.Response:
         body = await _json(request)
         spec = self.spec(body)
-        count = body.get("count", 1)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise invalid("count", f"count must be a non-negative integer, got {count!r}")
-        if count > self.km.config.max_replicas_per_call:
-            raise invalid("count", f"count must be at most {self.km.config.max_replicas_per_call}")
+        count = self.count(body)
         mode = body.get("mode", self.km.config.fork_mode)
         if mode not in FORK_MODES:
             raise invalid("mode", f"mode must be one of {', '.join(FORK_MODES)}, got {mode!r}")
@@ -266,22 +293,22 @@ async def _until_body_ends(request: web.Request) -> None:
             pass
 
 
-def _peers(body: dict) -> list[str]:
+def _peers(body: dict, field: str = "peers") -> list[str]:
     """``peers``: KeysManagers (``http://HOST:PORT``) that hold the stage, tried in order before the registry."""
     peers = body.get("peers", [])
     if not isinstance(peers, list) or len(peers) > 64 or not all(isinstance(p, str) and _PEER_RE.match(p) for p in peers):
-        raise invalid("peers", "peers must be a list of at most 64 KeysManager addresses http://HOST:PORT")
+        raise invalid(field, f"{field} must be a list of at most 64 KeysManager addresses http://HOST:PORT")
     return peers
 
 
-def _layers(body: dict) -> tuple[int, int] | None:
+def _layers(body: dict, field: str = "layers") -> tuple[int, int] | None:
     """``layers``: ``[a, b]``, a part of the stage (absolute, half-open) to fetch and serve first (ParaServe)."""
     layers = body.get("layers")
     if layers is None:
         return None
     if (not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int and x >= 0 for x in layers)
             or layers[0] >= layers[1]):
-        raise invalid("layers", f"layers must be [a, b] with 0 <= a < b (absolute layer indices), got {layers!r}")
+        raise invalid(field, f"{field} must be [a, b] with 0 <= a < b (absolute layer indices), got {layers!r}")
     return layers[0], layers[1]
 
 

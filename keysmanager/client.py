@@ -21,7 +21,7 @@ from urllib.parse import urlencode, urlsplit
 from quart_stage.unixhttp import UnixHTTPConnection
 
 from keysmanager.auth import bearer_header
-from keysmanager.types import HostReport, ReplicaInfo, StageSpec, ZygoteInfo
+from keysmanager.types import HostReport, ReplicaInfo, StageSpec, StartOrder, StartReport, ZygoteInfo
 
 
 class KeysManagerError(RuntimeError):
@@ -37,6 +37,11 @@ class KeysManagerError(RuntimeError):
 def _spec_body(spec: StageSpec, peers: Sequence[str] = ()) -> dict[str, Any]:
     """``{"spec"}``, with ``peers`` (KeysManagers holding the stage, tried before the registry) when given."""
     return {"spec": spec.to_dict(), **({"peers": list(peers)} if peers else {})}
+
+
+def _plan_body(spec: StageSpec, order: StartOrder) -> dict[str, Any]:
+    """``POST /v1/starts``: the spec and the plan, whole."""
+    return {"spec": spec.to_dict(), "plan": order.to_dict()}
 
 
 def _start_body(spec: StageSpec, count: int, mode: str | None, survive: bool, wait: bool, cache: bool | None,
@@ -148,6 +153,10 @@ class KeysManagerClient:
                           _start_body(spec, count, mode, survive, wait, cache, source, peers, live, listen, layers))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
 
+    def start_planned(self, spec: StageSpec, order: StartOrder) -> StartReport:
+        """One planned start, carried out whole by the KeysManager (``keysmanager.starts``): one call."""
+        return StartReport.from_dict(self._call("POST", "/v1/starts", _plan_body(spec, order)))
+
     def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
         data = self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain})
         return ReplicaInfo.from_dict(data)
@@ -239,6 +248,10 @@ class AsyncKeysManagerClient:
                                 _start_body(spec, count, mode, survive, wait, cache, source, peers, live, listen,
                                             layers))
         return [ReplicaInfo.from_dict(r) for r in data["replicas"]]
+
+    async def start_planned(self, spec: StageSpec, order: StartOrder) -> StartReport:
+        """One planned start, carried out whole by the KeysManager (``keysmanager.starts``): one call."""
+        return StartReport.from_dict(await self._call("POST", "/v1/starts", _plan_body(spec, order)))
 
     async def stop(self, replica_id: str, drain: bool = True) -> ReplicaInfo:
         return ReplicaInfo.from_dict(await self._call("POST", f"/v1/replicas/{replica_id}/stop", {"drain": drain}))

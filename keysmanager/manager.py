@@ -232,18 +232,10 @@ class KeysManager:
         part first and serves it at once, then the rest (``keysmanager.parts``, ParaServe); a stage already
         local starts whole."""
         requested_at = time.monotonic()
-        if layers is not None and not cold:
-            self.replicas.check_free_slots(count)
-            found = await self.localizer.start_part(spec, layers, peers)
-            if found is not None:
-                started = await start_live(self.zygotes, self.replicas, spec, *found, count, survive, requested_at)
-                return await self._started(started, wait)
-        elif live and not cold:
-            self.replicas.check_free_slots(count)
-            found = await self.localizer.start_live(spec, peers)
-            if found is not None:
-                started = await start_live(self.zygotes, self.replicas, spec, *found, count, survive, requested_at)
-                return await self._started(started, wait)
+        if not cold and (live or layers is not None):
+            started = await self.start_live(spec, count, survive, peers, layers, requested_at)
+            if started is not None:
+                return await self.started(started, wait)
         spec = await self.localize(spec, peers)
         stage = self._resolve(spec)
         self.replicas.check_free_slots(count)
@@ -256,9 +248,7 @@ class KeysManager:
                 await asyncio.shield(z.ready)  # being cached right now: wait, then fork
         started: list[Replica] = []
         if z is not None and z.loaded:
-            z.last_used = time.monotonic()
-            for _ in range(count):
-                started.append(await self.replicas.fork(self.zygotes, z, spec, mode, survive, requested_at, unix))
+            started = await self.fork(z, spec, count, mode, survive, unix, requested_at)
         else:
             for _ in range(count):
                 started.append(self.replicas.spawn_cold(spec, stage, mode, survive, requested_at, unix))
@@ -266,9 +256,39 @@ class KeysManager:
                 self.spawn_task(self._cache_quietly(spec))
         for rep in started:
             rep.layers = stage.layers
-        return await self._started(started, wait)
+        return await self.started(started, wait)
 
-    async def _started(self, started: list[Replica], wait: bool) -> list[Replica]:
+    async def start_live(self, spec: StageSpec, count: int, survive: bool, peers: Sequence[str] = (),
+                         layers: tuple[int, int] | None = None, requested_at: float | None = None
+                         ) -> list[Replica] | None:
+        """Start ``count`` replicas of a registry stage not yet local that serve the layers (of the part
+        ``layers``, ParaServe) that have arrived while the rest load; None when there is nothing to load live (not
+        a registry stage, local already, no per-layer hashes): the caller takes the ordinary path."""
+        requested_at = time.monotonic() if requested_at is None else requested_at
+        self.replicas.check_free_slots(count)
+        found = (await self.localizer.start_part(spec, layers, peers) if layers is not None
+                 else await self.localizer.start_live(spec, peers))
+        if found is None:
+            return None
+        return await start_live(self.zygotes, self.replicas, spec, *found, count, survive, requested_at)
+
+    async def fork(self, z: Zygote, spec: StageSpec, count: int, mode: str, survive: bool, unix: bool = False,
+                   requested_at: float | None = None) -> list[Replica]:
+        """Fork ``count`` replicas from the loaded zygote ``z``."""
+        requested_at = time.monotonic() if requested_at is None else requested_at
+        z.last_used = time.monotonic()
+        started = [await self.replicas.fork(self.zygotes, z, spec, mode, survive, requested_at, unix)
+                   for _ in range(count)]
+        for rep in started:
+            rep.layers = z.stage.layers
+        return started
+
+    def cached(self, function: str) -> Zygote | None:
+        """The stage's zygote when it is alive and loaded (a fork from it needs no load), else None."""
+        z = self.zygotes.get(function)
+        return z if z is not None and z.alive and z.loaded else None
+
+    async def started(self, started: list[Replica], wait: bool) -> list[Replica]:
         self._state.touch()
         self._write_state()  # before answering: a restart must know these processes even if we die now
         waits = [self.spawn_task(self.replicas.await_ready(r)) for r in started]

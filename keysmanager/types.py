@@ -18,6 +18,11 @@ START_SOURCES: tuple[str, ...] = ("auto", "cold")
 # where a replica listens: "tcp" on the host address (port 0), or "unix" on a socket beside the API socket (a
 # stage pod on Kubernetes reaches it through the mounted socket folder: quart_stage.forward)
 LISTEN_KINDS: tuple[str, ...] = ("tcp", "unix")
+# how the scheduler planned a start (quart_kernel.scheduling.starts.StartMode, the same words), and what the
+# KeysManager did: "fork" from a zygote cached here; "peer" / "multicast" / "live" / "paraserve" fetched from the
+# peers named (a live or part start serving while the bytes arrive); "cold" loaded from the registry or the disk
+START_MODES: tuple[str, ...] = ("gpu", "fork", "peer", "multicast", "live", "cold", "paraserve")
+StartPath = Literal["fork", "peer", "multicast", "live", "cold", "paraserve"]
 
 
 def _from_dict(cls, data: dict[str, Any]):
@@ -130,3 +135,47 @@ class HostReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HostReport:
         return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class StartOrder:
+    """One start as the scheduler planned it (``quart_kernel.scheduling.starts.StartPlan``, with its peers as
+    KeysManager addresses), carried out whole by one ``POST /v1/starts`` (``keysmanager.starts``).
+
+    ``mode``: the plan's mode; ``peers``: the addresses to fetch from, in order (then the registry); ``layers``:
+    a ParaServe part ``(a, b)`` to fetch and serve first; ``cache``: False for a function deployed without the
+    parameter cache (``com.quart.keysmanager: off``): every replica loads on its own and nothing is cached."""
+
+    mode: str
+    peers: tuple[str, ...] = ()
+    layers: tuple[int, int] | None = None
+    cache: bool = True
+    count: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"mode": self.mode, "peers": list(self.peers), "cache": self.cache,
+                                "count": self.count}
+        if self.layers is not None:
+            body["layers"] = list(self.layers)
+        return body
+
+
+@dataclass(frozen=True, slots=True)
+class StartReport:
+    """What a ``StartOrder`` did: its ``path`` (``StartPath``), and when that is not the plan's mode, the
+    ``fallback``'s reason (the stage was cached here meanwhile, no zygote was left to fork, no peer address, the
+    stage was local already, ...); the replicas started (each still starting: the gateway's probe routes it)."""
+
+    planned: str
+    path: StartPath
+    replicas: list[ReplicaInfo]
+    fallback: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"planned": self.planned, "path": self.path, "fallback": self.fallback,
+                "replicas": [r.to_dict() for r in self.replicas]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StartReport:
+        return cls(data["planned"], data["path"], [ReplicaInfo.from_dict(r) for r in data["replicas"]],
+                   data.get("fallback", ""))

@@ -30,12 +30,14 @@ class Balancer:
 
     def __init__(self, config: GatewayConfig, functions: Mapping[str, FunctionState], kick: Callable[[], None],
                  why: Callable[[FunctionState], str] = lambda fn: "",
-                 scale: Callable[[str, int], object] | None = None) -> None:
+                 scale: Callable[[str, int], object] | None = None,
+                 pending: Callable[[str], int] = lambda function: 0) -> None:
         self.config = config
         self.functions = functions
         self.kick = kick  # ask the reconciler to act now (a replica gone)
         self.why = why  # why a function has no ready replica (quart_kernel.capacity), for the 503
         self.scale = scale  # desired replicas, through the registry (Registry.set_desired: saved, reconciled)
+        self.pending = pending  # a function's starts under way (the reconciler's in-flight table)
 
     def acquire_nowait(self, fn: FunctionState) -> Endpoint | None:
         """The :func:`pick` of ``fn``'s ready replicas, its in-flight count taken; None if none."""
@@ -76,7 +78,7 @@ class Balancer:
                 endpoint = self.acquire_nowait(fn)
                 if endpoint is not None:
                     return endpoint
-                if fn.unplaced and not fn.replicas and not fn.pending_starts:  # no slot: do not wait it out
+                if fn.unplaced and not fn.replicas and not self.pending(fn.name):  # no slot: do not wait it out
                     raise ServiceUnavailable(503, f"no replica of {fn.name!r} can start: {self.why(fn)}", None)
         finally:
             fn.waiting -= 1

@@ -86,11 +86,10 @@ class EmbeddedGateway:
             log.info("replica users: %s", auto_uids()[1])
         self.key_history: dict[str, int] = self.registry.key_history
         self.reconciler = Reconciler(config, self.hosts, placer or default_placer(config.placer), self.functions,
-                                     self.key_history, self.scheduler_metrics)
-        self.reconciler.set_desired = self.registry.set_desired  # a whole ParaServe group's sliding-window count
+                                     self.key_history, self.scheduler_metrics, self.registry.set_desired)
         self.balancer = Balancer(config, self.functions, self.kick,
                                  lambda fn: not_ready_reason(fn, self.functions.values(), self.hosts),
-                                 self.registry.set_desired)
+                                 self.registry.set_desired, self.reconciler.pending_starts)
         self.metrics = GatewayMetrics(lambda: {f.metric_name: f.desired for f in self.functions.values()})
         self.metrics.registry.register(SchedulerCollector(self.scheduler_metrics))  # on the same /metrics
         self.invoke_hooks: list[InvokeHook] = []

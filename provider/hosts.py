@@ -22,7 +22,6 @@ import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -35,6 +34,7 @@ from quart_stage.privdrop import RUN_AS_ENV, drop_privileges, parse_run_as
 
 from keysmanager.aio import within
 from keysmanager.sysutil import set_parent_death_signal, set_process_cores
+from keysmanager.types import StartOrder
 
 ReplicaState = Literal["starting", "ready", "draining", "dead"]
 LISTEN_FD_ENV = "QUART_LISTEN_FD"  # a process runnable serves HTTP on this inherited socket
@@ -74,6 +74,17 @@ class ReplicaStatus:
     held: tuple[int, int] | None = None  # the layers it can run now (a live replica's grow as they arrive)
 
 
+@dataclass(frozen=True, slots=True)
+class Started:
+    """What a host did with one start order (the KeysManager's ``StartReport``): the replicas, still starting
+    (the gateway's probe routes them), the path taken (``keysmanager.types.StartPath``) and, when that is not
+    the plan's mode, why."""
+
+    replicas: list[ReplicaStatus]
+    path: str
+    fallback: str = ""
+
+
 class Host(Protocol):
     """One host the gateway places replicas on."""
 
@@ -81,8 +92,7 @@ class Host(Protocol):
 
     async def report(self) -> HostView: ...
 
-    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = (), live: bool = False
-                    ) -> list[ReplicaStatus]: ...  # peers: hosts to fetch parameters from; live: serve while loading
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started: ...  # one planned start, one call
 
     async def stop(self, replica_id: str) -> None: ...
 
@@ -176,12 +186,13 @@ class ProcessHost:
         return HostView(name=self.name, gpu_slots=self.gpu_slots, gpu_used=sum(running.values()),
                         memory_limit=self.memory_limit, memory_used=0, running=dict(running))
 
-    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = (), live: bool = False
-                    ) -> list[ReplicaStatus]:
-        """Start ``count`` processes (``peers`` and ``live`` concern parameters, which processes have none of)."""
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
+        """Start ``order.count`` processes: each loads on its own (``cold``; a process has no parameters to fork
+        or fetch, so the plan's peers and layers do not apply)."""
         if spec.kind != "process" or not spec.argv:
             raise ValueError(f"host {self.name} runs only process runnables, not {spec.kind!r} ({spec.function})")
-        return [await self._start_one(spec) for _ in range(count)]
+        started = [await self._start_one(spec) for _ in range(order.count)]
+        return Started(started, "cold", "" if order.mode == "cold" else "a process runnable has no parameters")
 
     async def _start_one(self, spec: ReplicaSpec) -> ReplicaStatus:
         number = next(self._ids)

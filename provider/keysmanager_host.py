@@ -1,4 +1,4 @@
-"""A host backed by its KeysManager: stage replicas fork from cached zygotes (or cold start).
+"""A host backed by its KeysManager: each planned start is one call, which the KeysManager carries out.
 
 Process runnables (the built-in echo) have no parameters to cache; they run as plain children of the
 gateway, counted in the same host's slots.
@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from quart_kernel.scheduling.hosts import host_view_from_report
 from quart_kernel.scheduling.types import HostView
-from quart_provider.hosts import ProcessHost, ReplicaSpec, ReplicaStatus, replica_cpus
+from quart_provider.hosts import ProcessHost, ReplicaSpec, ReplicaStatus, Started, replica_cpus
 
 from keysmanager.client import AsyncKeysManagerClient
-from keysmanager.types import ReplicaInfo, StageSpec
+from keysmanager.types import ReplicaInfo, StageSpec, StartOrder
 
 
 def _status(info: ReplicaInfo) -> ReplicaStatus:
@@ -73,38 +72,18 @@ class KeysManagerHost:
         """Start fetching a registry stage onto this host (from ``peers``, else the registry); answers at once."""
         return await self.client.prefetch(_stage(spec), peers)
 
-    async def start(self, spec: ReplicaSpec, count: int, peers: Sequence[str] = (), live: bool = False,
-                    layers: tuple[int, int] | None = None) -> list[ReplicaStatus]:
-        """Start ``count`` replicas. ``peers``: KeysManager addresses of hosts that hold the stage (their
-        ``peer_address``): a registry stage not held here is fetched from them before the registry. ``live``
-        (BlitzScale): a stage not cached here starts serving the layers that have arrived while the rest load.
-        ``layers`` (ParaServe): a stage not cached here fetches that part first, serves it at once, then the
-        rest (``keysmanager.parts``); a cached one forks whole."""
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
+        """One planned start, one KeysManager call (``POST /v1/starts``, ``keysmanager.starts``): the host forks
+        from its zygote, fetches from the order's peers (serving while the bytes arrive), or caches first, and
+        says which. Replicas survive a KeysManager crash (its successor adopts them, and so does the gateway
+        when the host is back), except live ones, whose file is still arriving. Process runnables run here."""
         if spec.kind == "process":
-            return await self._processes.start(spec, count)
+            return await self._processes.start(spec, order)
         if spec.secrets:  # the KeysManager starts a stage's replicas from one spec: no per-replica folder yet
             raise ValueError(f"{spec.function}: secrets are given to process replicas only, not yet to KeysManager "
                              "stage replicas")
-        stage = _stage(spec)
-        if (live or layers is not None) and spec.param_cache and spec.function not in {
-                z.function for z in await self.client.zygotes()}:
-            # BlitzScale / ParaServe: the replica serves the layers (of its part) that have arrived while the rest
-            # load (keysmanager.live, keysmanager.parts); the KeysManager takes the ordinary path when there is
-            # nothing to load live
-            part = {"layers": layers} if layers is not None else {}
-            return [_status(r) for r in await self.client.start(stage, count, wait=False, peers=peers, live=True,
-                                                                **part)]
-        if not spec.param_cache:  # com.quart.keysmanager: off — a plain function: every replica loads from disk
-            return [_status(r) for r in await self.client.start(stage, count, wait=False, source="cold", survive=True)]
-        # QUART §6.1: the stage scheduled here gets a zygote first (one parameter load), and every
-        # replica, the first one included, forks from it, instead of a cold replica plus a zygote. Replicas
-        # survive a KeysManager crash: its successor adopts them, and so does the gateway when the host is back.
-        before = {z.function: z.pid for z in await self.client.zygotes()}
-        zygote = await self.client.ensure_cached(stage, peers)
-        statuses = [_status(r) for r in await self.client.start(stage, count, wait=False, survive=True)]
-        if before.get(spec.function) != zygote["pid"]:  # this start paid for the parameter load: a cache miss
-            statuses = [replace(s, source="cold") for s in statuses]
-        return statuses
+        report = await self.client.start_planned(_stage(spec), order)
+        return Started([_status(r) for r in report.replicas], report.path, report.fallback)
 
     async def pin(self, functions: list[str], sole: list[str] | None = None) -> list[str]:
         """Keep these stages' zygotes through LRU eviction (the scheduler's ``keep_cached`` for this host);

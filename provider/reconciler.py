@@ -8,10 +8,13 @@ function tracks (a start abandoned while its host was down, a failed stop: a hos
 the gateway tracks; docs/hosts.md, "A host that flaps"), drops dead replicas, replaces ones that never became
 ready, and converges: it builds the platform's view
 (:class:`quart_kernel.convergence.PlatformView`: functions, replicas, pending starts, back-off, ParaServe
-groups, and the hosts' reports when something is missing), asks the one pure convergence
+groups, and the hosts' reports when something is missing; a pure read), asks the one pure convergence
 (:func:`quart_kernel.convergence.converge`, the simulator's too) for the actions, and carries them out:
 replicas that leave are drained and stopped here, starts go to the :class:`quart_provider.starting.Starter`
-(pins, chain multicasts, host starts, readiness probes, ready-time metrics).
+(pins, chain multicasts, host starts, readiness probes, ready-time metrics). Every task it runs is an entry of
+its in-flight table (:class:`quart_provider.inflight.InFlight`: kind, host, function, replica, since), the one
+record of starts under way. A drain is woken by a release of one of the replica's requests or a generation
+session freed (:meth:`Reconciler.sessions_freed`), not by polling.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from quart_kernel.convergence import (
     Action,
@@ -42,6 +44,7 @@ from quart_provider.adopt import adopt_replicas
 from quart_provider.config import GatewayConfig
 from quart_provider.host_health import HostHealth
 from quart_provider.hosts import Host, ReplicaSpec, ReplicaStatus, poll_replicas, replica_cpus
+from quart_provider.inflight import InFlight
 from quart_provider.paraserve_start import ParaServeStarts
 from quart_provider.scheduler_metrics import SchedulerMetrics
 from quart_provider.starting import Starter
@@ -50,6 +53,7 @@ from quart_provider.types import Endpoint, FunctionState
 from keysmanager.aio import wait_event, within
 
 log = logging.getLogger("quart.gateway")
+DRAIN_LOOK_S = 0.25  # a draining replica is looked at again after this long without an event (a session unannounced)
 
 
 class Reconciler:
@@ -58,7 +62,7 @@ class Reconciler:
 
     def __init__(self, config: GatewayConfig, hosts: Mapping[str, Host], placer: Placer,
                  functions: Mapping[str, FunctionState], key_history: Mapping[str, int],
-                 scheduler_metrics: SchedulerMetrics) -> None:
+                 scheduler_metrics: SchedulerMetrics, set_desired: Callable[[str, int], int]) -> None:
         self.config = config
         self.hosts = hosts
         self.placer = placer
@@ -66,17 +70,17 @@ class Reconciler:
         self.key_history = key_history
         self.kv_tokens: Callable[[str], int] = _no_sessions  # replica id -> KV positions its sessions hold
         self.demand: Callable[[str], GroupDemand] = _no_demand  # function -> its sessions (the sliding window)
-        self.set_desired: Callable[[str, int], int] | None = None  # the registry's (EmbeddedGateway sets it)
+        self.set_desired = set_desired  # the registry's: the one writer of desired (a whole group's count too)
         self.scheduler_metrics = scheduler_metrics
         self._param_bytes: dict[str, tuple[int, int]] = {}  # function → (generation, stage parameter bytes)
         self._kick = asyncio.Event()
         self._closing = False
         self._loop_task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._start_settled: dict[str, float] = {}  # host → when a start on it last ended (done or abandoned)
+        self.work = InFlight()  # every task it runs: starts, stops, probes, resizes
+        self._drains: dict[str, asyncio.Event] = {}  # replica id → set when a session on it is freed
         self.health = HostHealth(config.host_down_after_s, config.host_down_polls)
         self.paraserve = ParaServeStarts(config)  # cold stages in parts (issue 17; off unless config.paraserve)
-        self.starter = Starter(config, hosts, functions, scheduler_metrics, self.paraserve, self._spawn, self.kick,
+        self.starter = Starter(config, hosts, functions, scheduler_metrics, self.paraserve, self.work, self.kick,
                                self._stop_now)
         self.last_convergence: Convergence | None = None  # the latest pass's actions (tests compare them)
 
@@ -94,9 +98,7 @@ class Reconciler:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.work.close()
         stops = [self._stop_now(e) for f in self.functions.values() for e in list(f.replicas.values())]
         await asyncio.gather(*stops, return_exceptions=True)
         await asyncio.gather(*(h.close() for h in self.hosts.values()), return_exceptions=True)
@@ -106,18 +108,15 @@ class Reconciler:
         """Reconcile now rather than at the next tick."""
         self._kick.set()
 
-    def _spawn(self, coro: Awaitable[Any], name: str) -> None:
-        task = asyncio.ensure_future(coro)
-        task.set_name(name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+    def pending_starts(self, function: str) -> int:
+        """``function``'s starts asked of a host and not answered yet (the in-flight table)."""
+        return self.work.starts_of(function)
 
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if task.get_name().startswith("start:"):
-            self._start_settled[task.get_name().split(":", 2)[1]] = time.monotonic()
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("%s failed: %s", task.get_name(), task.exception())
+    def sessions_freed(self, replica_id: str | None = None) -> None:
+        """Generation sessions were freed (on ``replica_id``, or anywhere): a drain waiting for them looks again."""
+        for rid, event in self._drains.items():
+            if replica_id is None or rid == replica_id:
+                event.set()
 
     # ---------------------------------------------------------------- one pass
 
@@ -167,14 +166,15 @@ class Reconciler:
                     endpoint.layers, endpoint.held = status.layers, status.held
                     changed = changed or endpoint.whole != was_whole
                     if endpoint.whole and not was_whole and endpoint.state == "ready":
-                        self.starter._replica_ready(fn, endpoint)
+                        self.starter.count_ready(fn, endpoint)
                 if endpoint.state in ("starting", "ready") and status.state != endpoint.state:
                     if endpoint.probed and endpoint.state == "ready" and status.state == "starting":
                         continue  # our probe got the health answer first; the host's report lags behind
-                    endpoint.state = status.state
+                    if status.state == "ready":
+                        self.starter.ready(fn, endpoint, "its host's report")
+                    else:
+                        endpoint.state = status.state
                     changed = True
-                    if endpoint.state == "ready":
-                        self.starter._replica_ready(fn, endpoint)
                 if (endpoint.state == "starting" or not endpoint.whole) and now - endpoint.started_at > \
                         self.config.start_timeout_s:  # a live replica whose transfer stalls is replaced too
                     log.warning("replica %s of %s not ready after %.0f s: replacing it", endpoint.id, fn.name,
@@ -198,10 +198,7 @@ class Reconciler:
                 lost.add(endpoint.id)
             if gone:
                 fn.refresh_ready()
-        names = {f"stop:{rid}" for rid in lost} | {f"probe:{rid}" for rid in lost}
-        for task in list(self._tasks):
-            if task.get_name().startswith(f"start:{name}:") or task.get_name() in names:
-                task.cancel()
+        self.work.abandon(name, lost)
         log.warning("host %s has not answered for %.1f s (%s): down; %d replica(s) marked dead", name,
                     self.health.silent_for(name, time.monotonic()), why or type(why).__name__, len(lost))
         self.kick()
@@ -225,9 +222,7 @@ class Reconciler:
         """No start on ``name`` was under way or ended since ``polled_at``: every replica its poll lists that
         the gateway does not track is an orphan (a start abandoned when the host was down, which the host
         finished later; a stop that failed), not a start whose answer is still on its way."""
-        if self._start_settled.get(name, float("-inf")) >= polled_at:
-            return False
-        return not any(host == name for host, _ in self._starts_in_flight())
+        return not self.work.start_settled_since(name, polled_at) and not self.work.starts_on(name)
 
     def _claim(self, name: str, running: list[ReplicaStatus], adopt: bool) -> tuple[int, int]:
         """Make ``name``'s live replicas the gateway's or stop them, so that its slots hold only what the
@@ -235,41 +230,25 @@ class Reconciler:
         (or all, without ``adopt``) are stopped unless a stop is already under way. Returns (adopted, stopped)."""
         adopted = set(adopt_replicas(self.functions, name, running, time.monotonic())) if adopt else set()
         tracked = {rid for fn in self.functions.values() for rid in fn.replicas}
-        stopping = {t.get_name() for t in self._tasks if not t.done()}
         stale = [r for r in running if r.id not in tracked and r.state in ("starting", "ready")
-                 and f"stop:{r.id}" not in stopping]
+                 and not self.work.stopping(r.id)]
         for status in stale:
             if not adopt:
                 log.warning("host %s runs replica %s of %s that no function tracks (a start abandoned while the "
                             "host was down, or a stop that failed): stopping it", name, status.id, status.function)
-            self._spawn(self._stop_now(Endpoint(status.id, status.function, name, status.url, status.state,
-                                                status.source, 0, 0.0)), f"stop:{status.id}")
+            self.work.run(self._stop_now(Endpoint(status.id, status.function, name, status.url, status.state,
+                                                  status.source, 0, 0.0)), "stop", name, status.function, status.id)
         return len(adopted), len(stale)
 
-    def _starts_in_flight(self) -> Counter[tuple[str, str]]:
-        """(host, function) → starts asked of the host and not answered yet: the one record of starts under way
-        (the function's ``pending_starts``, the slots they will take on the host, the quiet rule)."""
-        out: Counter[tuple[str, str]] = Counter()
-        for task in self._tasks:
-            kind, _, rest = task.get_name().partition(":")
-            if kind == "start" and not task.done():
-                host, _, function = rest.partition(":")
-                out[host, function] += 1
-        return out
-
     def view(self, now: float, hosts: tuple[HostView, ...] = ()) -> PlatformView:
-        """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed). A
-        ParaServe group that became whole raises its function's desired count first (`_keep_group`)."""
+        """The platform as convergence reads it (``hosts``: the placer's view, fetched only when needed); a pure
+        read of the functions, their replicas and the in-flight table."""
         protected = {name: frozenset(self.paraserve.protected(fn)) for name, fn in self.functions.items()}
-        starts = self._starts_in_flight()
-        for fn in self.functions.values():
-            self._keep_group(fn, now)
-            fn.pending_starts = sum(n for (_, function), n in starts.items() if function == fn.name)
         functions = tuple(FunctionView(
             fn.name, fn.desired, fn.generation,
             tuple(ReplicaView(e.id, e.state, e.generation, e.in_flight, e.started_at, self.kv_tokens(e.id), e.cpus)
                   for e in fn.replicas.values()),
-            fn.pending_starts, fn.retry_at, protected[fn.name], self._stage_param_bytes(fn),
+            self.work.starts_of(fn.name), fn.retry_at, protected[fn.name], self._stage_param_bytes(fn),
             fn.name in self.key_history, len(fn.ready), replica_cpus(self._spec(fn))) for fn in self.functions.values())
         mechanisms = {"peer", "multicast"} if self.config.peer_fetch else set()
         live = self.config.live_scaling
@@ -279,22 +258,22 @@ class Reconciler:
             mechanisms.add("paraserve")
         return PlatformView(now, functions, hosts, dict(self.key_history), frozenset(mechanisms))
 
-    def _keep_group(self, fn: FunctionState, now: float) -> None:
-        """The sliding-window rule for a group of ``fn`` that became whole: its desired count through the registry
-        (saved, clamped to its bounds) when it must keep more workers than desired."""
-        if not self.paraserve.whole.get(fn.name):
-            return
-        desired = self.paraserve.desired_after(fn, self.demand(fn.name), now)
-        if desired is not None and desired > fn.desired:
-            if self.set_desired is not None:
+    def keep_groups(self, now: float) -> None:
+        """The sliding-window rule for each ParaServe group that became whole: its function's desired count
+        through the registry (saved, clamped to its bounds, like every other desired) when it must keep more
+        workers than desired. Before the view is read."""
+        for fn in list(self.functions.values()):
+            if not self.paraserve.whole.get(fn.name):
+                continue
+            desired = self.paraserve.desired_after(fn, self.demand(fn.name), now)
+            if desired is not None and desired > fn.desired:
                 self.set_desired(fn.name, desired)
-            else:
-                fn.desired = desired
 
     async def _converge(self, now: float) -> None:
         """One convergence of the view (:func:`quart_kernel.convergence.converge`): what leaves is let go at
         once (a slow host report must not hold up a drain); the hosts are asked only when something is
         missing, and the starts go to the starter."""
+        self.keep_groups(now)
         view = self.view(now)
         leave = leaving(view)
         self._let_go(leave)
@@ -335,7 +314,8 @@ class Reconciler:
             fn = self.functions.get(action.function)
             endpoint = fn.replicas.get(action.replica) if fn is not None else None
             if endpoint is not None and endpoint.host in self.hosts:
-                self._spawn(self._resize_one(endpoint, endpoint.cpus, action.cpus), f"resize:{endpoint.id}")
+                self.work.run(self._resize_one(endpoint, endpoint.cpus, action.cpus), "resize", endpoint.host,
+                              endpoint.function, endpoint.id)
                 endpoint.cpus = action.cpus
 
     async def _resize_one(self, endpoint: Endpoint, before: float, cpus: float) -> None:
@@ -352,12 +332,11 @@ class Reconciler:
         reports = await asyncio.gather(*(within(self.config.host_timeout_s, self.hosts[n].report()) for n in names),
                                        return_exceptions=True)
         views: list[HostView] = []
-        starts = self._starts_in_flight()
         for name, report in zip(names, reports, strict=True):
             if isinstance(report, BaseException):
                 log.warning("host %s gave no report: %s", name, report)
                 continue
-            pending = sum(n for (host, _), n in starts.items() if host == name)
+            pending = self.work.starts_on(name)
             views.append(replace(report, gpu_used=min(report.gpu_slots, report.gpu_used + pending)))
         self.scheduler_metrics.record_hosts(views)
         return views
@@ -391,12 +370,29 @@ class Reconciler:
             return
         endpoint.state = "draining"
         fn.refresh_ready()
-        self._spawn(self._drain_then_stop(fn, endpoint), f"stop:{endpoint.id}")
+        self.work.run(self._drain_then_stop(fn, endpoint), "stop", endpoint.host, fn.name, endpoint.id)
 
     async def _drain_then_stop(self, fn: FunctionState, endpoint: Endpoint) -> None:
+        """Wait until ``endpoint`` serves nothing and holds no session, woken by events: a release of one of its
+        requests (the function's wake-up, :meth:`quart_provider.balancer.Balancer.release`) or a session freed
+        (:meth:`sessions_freed`); a session that ends unannounced is seen at the next look, ``DRAIN_LOOK_S``."""
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while (endpoint.in_flight > 0 or self.kv_tokens(endpoint.id) > 0) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        freed = self._drains.setdefault(endpoint.id, asyncio.Event())
+        loop = asyncio.get_running_loop()
+        try:
+            while (endpoint.in_flight > 0 or self.kv_tokens(endpoint.id) > 0) and time.monotonic() < deadline:
+                released = loop.create_future()
+                fn.add_waiter(released)
+                woken = asyncio.ensure_future(freed.wait())
+                try:
+                    await asyncio.wait({released, woken}, timeout=min(DRAIN_LOOK_S, max(0.0, deadline - time.monotonic())),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    released.cancel()
+                    woken.cancel()
+                freed.clear()
+        finally:
+            self._drains.pop(endpoint.id, None)
         await self._stop_now(endpoint)
         fn.replicas.pop(endpoint.id, None)
 

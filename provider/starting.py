@@ -1,7 +1,12 @@
-"""Carrying out start actions (:mod:`quart_kernel.convergence`): pin what the placer keeps, order chain multicasts, ask each
-host for its replica as the start plan says (peers, live, a ParaServe part), probe it until it answers, and
+"""Carrying out start actions (:mod:`quart_kernel.convergence`): pin what the placer keeps, order chain multicasts, hand
+each host its start plan whole (:class:`keysmanager.types.StartOrder`: the plan's mode, its peers' addresses, a
+ParaServe part; one host call, which says what it did and any fallback), probe the replica until it answers, and
 count its ready time in the scheduler metrics once it serves its whole stage. The reconciler decides; the
-:class:`Starter` acts and reports back through the function state (replicas, pending starts, back-off)."""
+:class:`Starter` acts and reports back through the function state (replicas, back-off); its starts in flight
+are entries of the reconciler's in-flight table (:class:`quart_provider.inflight.InFlight`).
+
+A replica becomes ready in one place, :meth:`Starter.ready`, whoever saw it first: the gateway's own probe of its
+health path, or its host's report at the next poll."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 from quart_kernel.convergence import Action as StartAction
@@ -18,13 +23,14 @@ from quart_kernel.scheduling.paraserve_groups import Group, StageLayout
 from quart_kernel.scheduling.starts import chains_of, peers_of
 from quart_kernel.scheduling.types import HostView, ScheduleResult
 from quart_provider.hosts import ReplicaSpec, replica_cpus
+from quart_provider.inflight import InFlight
 from quart_provider.keysmanager_host import multicast
 from quart_provider.paraserve_start import ParaServeStarts
 from quart_provider.types import Endpoint, FunctionState
 from quart_stage.spans import H_LAYERS_HELD, parse_span
 
 from keysmanager.aio import within
-from keysmanager.registry import MODEL_URL_ENV
+from keysmanager.types import StartOrder
 
 if TYPE_CHECKING:
     from quart_provider.config import GatewayConfig
@@ -38,15 +44,14 @@ class Starter:
     """Starts the replicas a convergence asks for, on the reconciler's loop (its tasks, its kick)."""
 
     def __init__(self, config: GatewayConfig, hosts: Mapping[str, Host], functions: Mapping[str, FunctionState],
-                 scheduler_metrics: SchedulerMetrics, paraserve: ParaServeStarts,
-                 spawn: Callable[[Awaitable[Any], str], None], kick: Callable[[], None],
-                 stop: Callable[[Endpoint], Awaitable[None]]) -> None:
+                 scheduler_metrics: SchedulerMetrics, paraserve: ParaServeStarts, work: InFlight,
+                 kick: Callable[[], None], stop: Callable[[Endpoint], Awaitable[None]]) -> None:
         self.config = config
         self.hosts = hosts
         self.functions = functions
         self.scheduler_metrics = scheduler_metrics
         self.paraserve = paraserve
-        self._spawn, self.kick, self._stop_now = spawn, kick, stop
+        self.work, self.kick, self._stop_now = work, kick, stop
         self.pins: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # host → (pinned, sole copies) sent
         self._placed: dict[str, tuple[float, str, bool]] = {}  # replica id → (asked at, planned source, key)
         self._probe_session: aiohttp.ClientSession | None = None
@@ -88,13 +93,11 @@ class Starter:
             fn = self.functions.get(action.function)
             if start is None or fn is None or start.host not in self.hosts:
                 continue
-            fn.pending_starts += 1
-            self._spawn(self._start_placed(fn, action, fn.generation, asked_at,
-                                           self._peer_addresses(peers_of(start, chains)), groups.get(i)),
-                        f"start:{start.host}:{fn.name}")
+            self.work.run(self._start_placed(fn, action, fn.generation, asked_at,
+                                             self._peer_addresses(peers_of(start, chains)), groups.get(i)),
+                          "start", start.host, fn.name)
             for helper in start.helpers if i in groups else ():  # ParaServe: the group's borrowed hosts
-                fn.pending_starts += 1
-                self._spawn(self._start_part(fn, helper, fn.generation, groups[i]), f"start:{helper}:{fn.name}")
+                self.work.run(self._start_part(fn, helper, fn.generation, groups[i]), "start", helper, fn.name)
 
     def _peer_addresses(self, names: tuple[str, ...]) -> list[str]:
         """The KeysManager addresses other hosts fetch from (hosts without one, e.g. on Unix sockets, left out)."""
@@ -142,7 +145,8 @@ class Starter:
     async def _start_part(self, fn: FunctionState, host: str, generation: int, group: Group) -> None:
         """Start a ParaServe group's helper (no placement of its own: it leaves once the group is whole)."""
         before = set(fn.replicas)
-        await self._start_replica(fn, host, generation, None, True, True, group.part_on(host))
+        order = StartOrder("paraserve", (), group.part_on(host), self._spec(fn).param_cache)
+        await self._start_replica(fn, host, generation, order, True)
         group.started([r for r, e in fn.replicas.items() if r not in before and e.host == host])
 
     async def _start_placed(self, fn: FunctionState, action: StartAction, generation: int, asked_at: float,
@@ -152,50 +156,59 @@ class Starter:
         plan = action.plan
         assert plan is not None
         before = set(fn.replicas)
-        # Any start that fetches the stage asks for a live start: the replica's process starts while the bytes
-        # arrive (the KeysManager takes the ordinary path where it cannot). Only a "live" plan routes to it
-        # before it holds the whole stage; a ParaServe part (``group``) starts with its layers and is routed at once.
-        fetching = (plan.mode in ("peer", "multicast", "live", "cold") and fn.runnable.kind == "stage"
-                    and MODEL_URL_ENV in fn.deployment.env_vars)  # a registry stage: bytes to fetch
-        await self._start_replica(fn, plan.host, generation, peers, fetching, plan.mode == "live" or bool(group),
-                                  group.part_on(plan.host) if group is not None else None)
+        # The plan travels whole: the host forks, fetches (a fetching start's process starts while the bytes
+        # arrive) or caches first as its own state allows, and says which (keysmanager.starts). Only a "live"
+        # plan routes to the replica before it holds the whole stage; a ParaServe part (``group``) starts with its
+        # layers and is routed at once.
+        order = StartOrder(plan.mode, tuple(peers), group.part_on(plan.host) if group is not None else None,
+                           self._spec(fn).param_cache)
+        await self._start_replica(fn, plan.host, generation, order, plan.mode == "live" or bool(group))
         if group is not None:
             group.started([r for r, e in fn.replicas.items() if r not in before and e.host == plan.host])
         for rid, endpoint in list(fn.replicas.items()):
             if rid not in before and endpoint.host == plan.host and rid not in self._placed:
                 self._placed[rid] = (asked_at, action.placed, action.key)
                 if endpoint.state == "ready" and endpoint.whole:
-                    self._replica_ready(fn, endpoint)
+                    self.count_ready(fn, endpoint)
 
-    def _replica_ready(self, fn: FunctionState, endpoint: Endpoint) -> None:
-        """The replica-ready hook: count the scale-up (source, ready ms) in the scheduler metrics, once, when the
-        replica serves its whole stage.
+    def ready(self, fn: FunctionState, endpoint: Endpoint, seen_by: str) -> None:
+        """``endpoint`` answered healthy (``seen_by``: the gateway's probe, or its host's report): route to it, count
+        it once it holds its whole stage, and let the reconciler act (a rolling update may retire old replicas).
+        The one place a replica becomes ready."""
+        if fn.replicas.get(endpoint.id) is not endpoint or endpoint.state not in ("starting", "ready"):
+            return
+        if endpoint.state != "ready":
+            log.debug("%s ready %.1f ms after start (%s; layers held %s)", endpoint.id,
+                      1000 * (time.monotonic() - endpoint.started_at), seen_by, endpoint.held)
+        endpoint.state = "ready"
+        self.count_ready(fn, endpoint)  # once, when it holds its whole stage
+        fn.refresh_ready()
+        self.kick()
 
-        A stage replica counts as a cache hit only if its host held the stage when it was placed *and* it was
-        forked from a zygote that was already there (a KeysManagerHost reports a start that had to load the
-        zygote as cold)."""
+    def count_ready(self, fn: FunctionState, endpoint: Endpoint) -> None:
+        """Count the scale-up (source, ready ms) in the scheduler metrics, once, when the replica serves its whole
+        stage (a live replica is whole when it holds every layer: the poll or the router's answers say).
+
+        A stage replica counts as a cache hit only if its host held the stage when it was placed *and* its host
+        forked it from a zygote that was already there (the start's path, ``keysmanager.starts``): anything
+        else counts as cold."""
         if not endpoint.whole:
-            return  # a live replica is ready when it holds every layer (the poll or the router's answers say)
+            return
         placed = self._placed.pop(endpoint.id, None)
         if placed is None:
             return
         asked_at, planned, key = placed
-        source = "cold" if "cold" in (planned, endpoint.source) else endpoint.source
+        source = "fork" if endpoint.source == "fork" and planned != "cold" else "cold"
         endpoint.ready_ms = 1000 * (time.monotonic() - asked_at)
         self.scheduler_metrics.record_replica(fn.name, endpoint.host, source, endpoint.ready_ms, key=key)
         fn.start_time.note(time.monotonic() - asked_at)
 
-    async def _start_replica(self, fn: FunctionState, host: str, generation: int, peers: list[str] | None = None,
-                             live: bool = False, partial_ok: bool = True, layers: tuple[int, int] | None = None
-                             ) -> None:
+    async def _start_replica(self, fn: FunctionState, host: str, generation: int, order: StartOrder,
+                             partial_ok: bool = True) -> None:
+        """One host call carries ``order`` out; its replicas are tracked (and probed) as it answers."""
+        spec = self._spec(fn)
         try:
-            extra: dict[str, Any] = {"peers": peers} if peers else {}
-            if live:
-                extra["live"] = True
-            if layers is not None:  # a ParaServe part start (keysmanager.parts)
-                extra["layers"] = layers
-            spec = self._spec(fn)
-            statuses = await self.hosts[host].start(spec, 1, **extra)
+            started = await self.hosts[host].start(spec, order)
         except Exception as exc:
             fn.start_failures += 1
             backoff = min(30.0, 0.5 * 2 ** (fn.start_failures - 1))
@@ -203,20 +216,21 @@ class Starter:
             fn.last_error = f"starting a replica on {host} failed: {exc}"
             log.warning("%s: %s (retry in %.1f s)", fn.name, fn.last_error, backoff)
             return
-        finally:
-            fn.pending_starts -= 1
         fn.start_failures, fn.last_error = 0, ""
+        if started.fallback:
+            log.info("%s on %s: planned %s, started %s: %s", fn.name, host, order.mode, started.path,
+                     started.fallback)
         now = time.monotonic()
-        for status in statuses:
+        for status in started.replicas:
             endpoint = Endpoint(status.id, fn.name, host, status.url, status.state if status.state != "dead"
-                                else "starting", status.source, generation, now, layers=status.layers,
-                                held=status.held, partial_ok=partial_ok, part=layers, cpus=replica_cpus(spec))
+                                else "starting", started.path, generation, now, layers=status.layers,
+                                held=status.held, partial_ok=partial_ok, part=order.layers, cpus=replica_cpus(spec))
             if self.functions.get(fn.name) is not fn:  # removed meanwhile
-                self._spawn(self._stop_now(endpoint), f"stop:{endpoint.id}")
+                self.work.run(self._stop_now(endpoint), "stop", host, fn.name, endpoint.id)
                 continue
             fn.replicas[endpoint.id] = endpoint
             if endpoint.state == "starting":
-                self._spawn(self._probe_until_ready(fn, endpoint), f"probe:{endpoint.id}")
+                self.work.run(self._probe_until_ready(fn, endpoint), "probe", host, fn.name, endpoint.id)
         fn.refresh_ready()
         self.kick()
 
@@ -252,12 +266,8 @@ class Starter:
                         if held is not None and endpoint.layers is not None:
                             endpoint.held = held
                         if fn.replicas.get(endpoint.id) is endpoint and endpoint.state in ("starting", "ready"):
-                            endpoint.state, endpoint.probed = "ready", True
-                            self._replica_ready(fn, endpoint)  # once, when it holds its whole stage
-                            log.debug("%s ready %.1f ms after start (layers held %s)", endpoint.id,
-                                      1000 * (time.monotonic() - endpoint.started_at), endpoint.held)
-                            fn.refresh_ready()
-                            self.kick()  # a rolling update may now retire old replicas
+                            endpoint.probed = True
+                            self.ready(fn, endpoint, "the gateway's probe")
                         if endpoint.whole or endpoint.partial_ok:
                             return
             except (aiohttp.ClientError, TimeoutError, OSError):

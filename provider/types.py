@@ -92,7 +92,6 @@ class FunctionState:
     replicas: dict[str, Endpoint] = field(default_factory=dict)
     ready: list[Endpoint] = field(default_factory=list)  # routing list: state == ready, whole stage held
     partial: list[Endpoint] = field(default_factory=list)  # ready, serving only the layers held so far (live)
-    pending_starts: int = 0
     invocations: int = 0
     waiting: int = 0
     wakeups: list[asyncio.Future] = field(default_factory=list)

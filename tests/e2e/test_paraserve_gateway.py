@@ -186,7 +186,7 @@ async def _run(cluster, tmp_path, parts: int, fault) -> tuple[list, object, obje
         seen_partial = faulted = False
         deadline = time.monotonic() + 90
         paraserve = gw.reconciler.paraserve
-        while fn.pending_starts or paraserve.groups.get(FUNCTION) or len(fn.replicas) != 1 or len(fn.ready) != 1:
+        while gw.reconciler.pending_starts(FUNCTION) or paraserve.groups.get(FUNCTION) or len(fn.replicas) != 1 or len(fn.ready) != 1:
             parted = [e for e in fn.replicas.values() if not e.whole]
             seen_partial = seen_partial or bool(parted)
             if fault is not None and len(fn.replicas) >= 2 and parted:

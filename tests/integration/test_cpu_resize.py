@@ -56,12 +56,14 @@ def test_a_process_host_resizes_its_child_in_place():
 
     from quart_provider.hosts import ProcessHost, ReplicaSpec
 
+    from keysmanager.types import StartOrder
+
     async def scenario() -> None:
         host = ProcessHost("ph", gpu_slots=2, memory_limit=1 << 30)
         try:
             spec = ReplicaSpec(function="echo", kind="process", cpus=1.0,
                                argv=(sys.executable, "-m", "quart_provider.echo"))
-            [status] = await host.start(spec, 1)
+            [status] = (await host.start(spec, StartOrder("cold"))).replicas
             proc = psutil.Process(host._children[status.id].process.pid)
             assert len(proc.cpu_affinity()) == 1
             await host.resize(status.id, 2.0)

@@ -14,8 +14,10 @@ from quart_kernel.scheduling import HostView, make_placer
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
-from quart_provider.hosts import ReplicaSpec, ReplicaStatus
+from quart_provider.hosts import ReplicaSpec, ReplicaStatus, Started
 from support.embedded_system import ThreadedSystem
+
+from keysmanager.types import StartOrder
 
 
 def _sample(text: str, name: str, **labels: str) -> float:
@@ -45,15 +47,15 @@ class FakeStageHost:
             running[r.function] = running.get(r.function, 0) + 1
         return HostView(self.name, self.slots, len(self.live), 10 << 30, 0, frozenset(self.cached), running)
 
-    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
+        source = "fork" if spec.function in self.cached else "cold"  # what a KeysManager's start path says
         out = []
-        for _ in range(count):
-            source = "fork" if spec.function in self.cached else "cold"
+        for _ in range(order.count):
             self.cached.add(spec.function)
             rid = f"{self.name}-{next(self._ids)}"
             self.live[rid] = ReplicaStatus(rid, spec.function, self.name, "http://127.0.0.1:9", "ready", source)
             out.append(self.live[rid])
-        return out
+        return Started(out, source)
 
     async def stop(self, replica_id: str) -> None:
         self.live.pop(replica_id, None)
@@ -184,9 +186,9 @@ class FakePeerHost(FakeStageHost):
         self.told.append(("prefetch", self.name, list(peers)))
         return {}
 
-    async def start(self, spec: ReplicaSpec, count: int, peers=(), live: bool = False) -> list[ReplicaStatus]:
-        self.told.append(("start", self.name, list(peers), live))
-        return await super().start(spec, count)
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
+        self.told.append(("start", self.name, list(order.peers), order.mode))
+        return await super().start(spec, order)
 
 
 def test_scale_up_onto_hosts_without_the_stage_multicasts_from_the_holder_and_starts_live(tmp_path):
@@ -223,6 +225,6 @@ def test_scale_up_onto_hosts_without_the_stage_multicasts_from_the_holder_and_st
     assert prefetches == [("prefetch", "h1", [src]), ("prefetch", "h2", ["http://h1:7077", src]),
                           ("prefetch", "h3", ["http://h2:7077", src])]
     starts = sorted(t for t in told if t[0] == "start")
-    assert starts == [("start", "h1", [src], True), ("start", "h2", ["http://h1:7077", src], True),
-                      ("start", "h3", ["http://h2:7077", src], True)]
+    assert starts == [("start", "h1", [src], "live"), ("start", "h2", ["http://h1:7077", src], "live"),
+                      ("start", "h3", ["http://h2:7077", src], "live")]
     assert told.index(prefetches[-1]) < min(told.index(s) for s in starts)  # the chain is told before the starts

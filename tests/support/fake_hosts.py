@@ -8,7 +8,9 @@ from quart_kernel.scheduling.types import HostView
 from quart_provider.config import GatewayConfig
 from quart_provider.deployment import FunctionDeployment
 from quart_provider.gateway import EmbeddedGateway
-from quart_provider.hosts import ReplicaSpec, ReplicaStatus
+from quart_provider.hosts import ReplicaSpec, ReplicaStatus, Started
+
+from keysmanager.types import StartOrder
 
 
 class FakeHost:
@@ -18,6 +20,7 @@ class FakeHost:
         self.name, self.slots = name, slots
         self.replicas_: dict[str, ReplicaStatus] = {}
         self.started: list[ReplicaSpec] = []
+        self.orders: list[StartOrder] = []  # each start's plan, as the gateway handed it over
         self.stopped: list[str] = []
         self.invalidated: list[str] = []
         self.resized: list[tuple[str, float]] = []  # (replica, cpus) of each in-place resize
@@ -27,7 +30,12 @@ class FakeHost:
         live = [r for r in self.replicas_.values() if r.state != "dead"]
         return HostView(name=self.name, gpu_slots=self.slots, gpu_used=len(live), memory_limit=1 << 30, memory_used=0)
 
-    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
+        """Start as planned (a fake host has nothing to fall back from)."""
+        self.orders.append(order)
+        return Started(self.start_n(spec, order.count), "fork" if order.mode == "gpu" else order.mode)
+
+    def start_n(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
         out = []
         for _ in range(count):
             self.n += 1
@@ -102,17 +110,17 @@ class FlakyHost(FakeHost):
     def release_starts(self) -> None:
         self.gate.set()
 
-    async def start(self, spec: ReplicaSpec, count: int, **_: object) -> list[ReplicaStatus]:
-        work = asyncio.ensure_future(self._start_on_host(spec, count))
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
+        work = asyncio.ensure_future(self._start_on_host(spec, order))
         self._work.add(work)
         work.add_done_callback(self._work.discard)
         return await asyncio.shield(work)  # the gateway may stop waiting; the host goes on
 
-    async def _start_on_host(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+    async def _start_on_host(self, spec: ReplicaSpec, order: StartOrder) -> Started:
         await self.gate.wait()
         if self.failing:
             raise RuntimeError(f"host {self.name}: start of {spec.function} failed")
-        return await super().start(spec, count)
+        return await super().start(spec, order)
 
     async def settle(self) -> None:
         """Let the starts the host is still working on finish."""

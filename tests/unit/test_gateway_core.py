@@ -8,11 +8,13 @@ import textwrap
 import pytest
 from quart_provider.balancer import ServiceUnavailable
 from quart_provider.deployment import FunctionDeployment
-from quart_provider.hosts import ReplicaSpec, ReplicaStatus
+from quart_provider.hosts import ReplicaSpec, ReplicaStatus, Started
 from quart_provider.stack import StackError, load_stack
 from quart_stage.errors import QuartError
 from quart_transport.quantities import parse_cpu, parse_memory
 from support.fake_hosts import FakeHost, dep, make, settle
+
+from keysmanager.types import StartOrder
 
 
 def test_no_traffic_before_ready_then_least_loaded(tmp_path):
@@ -139,9 +141,9 @@ def test_a_cpu_change_resizes_the_replicas_in_place(tmp_path):
 class SlowHost(FakeHost):
     """A host whose replica listing and starts take a while, so a start can finish during a poll."""
 
-    async def start(self, spec: ReplicaSpec, count: int) -> list[ReplicaStatus]:
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
         await asyncio.sleep(0.02)
-        return await super().start(spec, count)
+        return await super().start(spec, order)
 
     async def replicas(self) -> list[ReplicaStatus]:
         listing = list(self.replicas_.values())  # what the host knew when asked
@@ -246,7 +248,7 @@ def test_stack_yml_becomes_faas_cli_requests(tmp_path):
 
 def test_failed_starts_back_off_and_are_reported(tmp_path):
     class BrokenHost(FakeHost):
-        async def start(self, spec, count):
+        async def start(self, spec, order):
             self.started.append(spec)
             raise RuntimeError("no such stage")
 
@@ -287,14 +289,14 @@ def test_label_only_update_keeps_replicas_and_raises_the_floor(tmp_path):
 class StalledLiveHost(FakeHost):
     """Starts replicas that serve, but whose stage never finishes arriving (held 0-1 of 0-4)."""
 
-    async def start(self, spec: ReplicaSpec, count: int, peers=(), live: bool = False) -> list[ReplicaStatus]:
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
         out = []
-        for status in await super().start(spec, count):
+        for status in (await super().start(spec, order)).replicas:
             status = ReplicaStatus(status.id, status.function, status.host, status.url, "ready", "fork", 0,
                                    (0, 4), (0, 1))
             self.replicas_[status.id] = status
             out.append(status)
-        return out
+        return Started(out, "live")
 
 
 def test_a_live_replica_whose_transfer_stalls_is_replaced_after_the_start_timeout(tmp_path):

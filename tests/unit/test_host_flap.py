@@ -97,7 +97,7 @@ def test_unplaced_is_cleared_once_nothing_is_missing(tmp_path):
         assert fn.unplaced == 2  # h1 is full
         await bring_back(gw, h0)
         await converge(gw, hosts)
-        assert len(fn.ready) == 4 and fn.pending_starts == 0
+        assert len(fn.ready) == 4 and gw.reconciler.pending_starts(fn.name) == 0
         assert fn.unplaced == 0, "a function with every replica it wants still says it waits for a slot"
         assert "reason" not in fn.status_json()
         await gw.close()
@@ -122,7 +122,7 @@ def test_a_replica_whose_start_answer_is_on_its_way_is_not_taken_for_an_orphan(t
         fn = await gw.registry.deploy(dep())
         host.hold_starts()
         await settle(gw, 4)  # polls list the new replica; the gateway does not track it yet
-        assert len(host.live_ids()) == 1 and not fn.replicas and fn.pending_starts == 1
+        assert len(host.live_ids()) == 1 and not fn.replicas and gw.reconciler.pending_starts(fn.name) == 1
         assert not host.stopped, "a replica whose start had not answered yet was stopped as an orphan"
         host.release_starts()
         await converge(gw, [host])

@@ -22,13 +22,15 @@ from quart_kernel.scheduling.paraserve_groups import Group
 from quart_kernel.scheduling.starts import StartPlan
 from quart_kernel.scheduling.types import HostView
 from quart_provider.deployment import FunctionDeployment
-from quart_provider.hosts import ReplicaSpec, ReplicaStatus
+from quart_provider.hosts import ReplicaSpec, ReplicaStatus, Started
 from quart_provider.types import Endpoint
 from quart_stage import labels
 from quart_tools.arrivals import Arrivals
 from quart_tools.sim.calibration import Calibration
 from quart_tools.sim.engine import SimConfig, Simulation, StageSpec
 from support.fake_hosts import FakeHost, make, settle
+
+from keysmanager.types import StartOrder
 
 MB = 1_000_000
 
@@ -179,11 +181,11 @@ class MirrorHost:
                                 view.cached, {f: n for f, n in running.items() if n}, view.held)
         return view
 
-    async def start(self, spec: ReplicaSpec, count: int, **extra) -> list[ReplicaStatus]:
-        self.started.append((spec.function, extra))
+    async def start(self, spec: ReplicaSpec, order: StartOrder) -> Started:
+        self.started.append((spec.function, order))
         self.n += 1
-        return [ReplicaStatus(f"{self.name}-{spec.function}-{self.n}", spec.function, self.name,
-                              "http://127.0.0.1:1/", "starting")]
+        return Started([ReplicaStatus(f"{self.name}-{spec.function}-{self.n}", spec.function, self.name,
+                                      "http://127.0.0.1:1/", "starting")], order.mode)
 
     async def replicas(self) -> list[ReplicaStatus]:
         return []
@@ -245,8 +247,7 @@ def test_live_and_simulated_convergence_take_the_same_actions(tmp_path) -> None:
             members = {str(r.id) for r in sim.stages[1].current() if r.group is not None}
             hosts_of_group = tuple(sorted({r.host.name for r in sim.stages[1].current() if r.group is not None}))
             gw.reconciler.paraserve.groups["m-1"] = [Group("m-1", hosts_of_group, [(0, 2), (2, 4)], members, 0)]
-            gw.functions["m-0"].pending_starts = 1
-            gw.reconciler._spawn(asyncio.sleep(3600), f"start:{pending_host}:m-0")
+            gw.reconciler.work.run(asyncio.sleep(3600), "start", pending_host, "m-0")  # asked, not answered
             view = gw.reconciler.view(time.monotonic())
             await gw.reconciler._converge(time.monotonic())
             plan = gw.reconciler.last_convergence

@@ -33,8 +33,7 @@ def _cluster(held: tuple[int, int] = (0, 8)):
         return replicas
 
     rec = Reconciler(GatewayConfig(paraserve=True, paraserve_window_s=2.0), {}, make_placer("first-fit"), {"f": fn},
-                     {}, SchedulerMetrics())
-    rec.set_desired = set_desired
+                     {}, SchedulerMetrics(), set_desired)
     group = Group("f", HOSTS, [(0, 2), (2, 4), (4, 6), (6, 8)])
     for rid in members:
         group.started([rid])
@@ -53,19 +52,19 @@ def test_a_whole_group_under_a_burst_keeps_the_workers_the_sliding_window_needs(
     burst = GroupDemand(arrivals=tuple(NOW - 0.1 * i for i in range(9)) + (NOW - 5.0,), waiting=3, per_worker=4)
     rec.demand = lambda name: burst
     assert rec.paraserve.protected(fn) == set()  # every member whole: the group is done
-    rec._keep_group(fn, NOW)
+    rec.keep_groups(NOW)
     keep = workers_to_keep(burst.arrivals, NOW, 2.0, 3, 4, 4)
     assert keep == 3  # 9 arrivals in the last 2 s + 3 waiting = 12 sessions at 4 a worker (the one at -5 s is old)
     assert set_to == [("f", keep)] and fn.desired == 3 and rec.paraserve.kept == [("f", 3)]
     assert len(_leaving(fn)) == 1  # four whole workers, three kept: one leaves
-    rec._keep_group(fn, NOW + 1)  # once per group
+    rec.keep_groups(NOW + 1)  # once per group
     assert set_to == [("f", 3)]
 
 
 def test_a_quiet_whole_group_scales_down_to_one_and_a_higher_desired_count_stays() -> None:
     rec, fn, set_to = _cluster()
     rec.paraserve.protected(fn)
-    rec._keep_group(fn, NOW)  # no engine attached: no demand, one worker
+    rec.keep_groups(NOW)  # no engine attached: no demand, one worker
     assert set_to == [] and fn.desired == 1 and len(_leaving(fn)) == 3
     assert desired_after_consolidation(5, GroupDemand((NOW,), 0, 1), NOW, 2.0, 4) == 5  # never lowered
 
@@ -74,5 +73,5 @@ def test_a_group_still_consolidating_changes_nothing() -> None:
     rec, fn, set_to = _cluster(held=(2, 8))  # three members still fetching the rest of the stage
     rec.demand = lambda name: GroupDemand(tuple(NOW for _ in range(20)), 0, 1)
     assert rec.paraserve.protected(fn) == {"r0", "r1", "r2", "r3"}
-    rec._keep_group(fn, NOW)
+    rec.keep_groups(NOW)
     assert set_to == [] and fn.desired == 1

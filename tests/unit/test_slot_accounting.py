@@ -5,7 +5,7 @@ Random sequences of scale changes, host flaps (a missed poll, a longer silence) 
 and a host gone for good; then every host that still exists answers and finishes its work. After that, on
 every host the replicas that run are the ones the gateway tracks (no slot held by a replica nobody knows, none
 tracked that does not run), every function has its desired replicas unless every slot is taken, and
-``pending_starts`` and ``unplaced`` say what is really under way and missing. Fake hosts, no processes.
+the pending starts and ``unplaced`` say what is really under way and missing. Fake hosts, no processes.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _check(gw, hosts: list[FlakyHost], gone: set[str]) -> None:
         assert h.live_ids() == tracked, f"{h.name}: runs {sorted(h.live_ids())}, tracked {sorted(tracked)}"
     for fn in gw.functions.values():
         assert all(e.host not in gone for e in fn.replicas.values()), "a replica on a host gone for good"
-        assert fn.pending_starts == 0, (fn.name, fn.pending_starts)
+        assert gw.reconciler.pending_starts(fn.name) == 0, fn.name
         assert len(fn.replicas) <= fn.desired, (fn.name, len(fn.replicas), fn.desired)
         missing = fn.desired - len(fn.replicas)
         free = sum(h.slots - len(h.live_ids()) for h in alive)

@@ -34,7 +34,7 @@ from quart_tools.bench import machine_info, write_report
 from tqdm import tqdm
 
 from keysmanager.client import KeysManagerClient, KeysManagerError
-from keysmanager.types import StageSpec
+from keysmanager.types import StageSpec, StartOrder
 
 IDS = {"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8]]}
 MB = 1_000_000
@@ -78,10 +78,15 @@ def _spec(function: str, model_dir: Path, compute: str) -> StageSpec:
     return StageSpec(function, env=env, cpus=1.0)
 
 
-def _ready_ms(km: KeysManagerClient, spec: StageSpec, cache: bool, timeout_s: float = 600.0) -> tuple[float, str]:
-    """Start one replica, send inference until the first 200; (ms from the start request, replica id)."""
+def _ready_ms(km: KeysManagerClient, spec: StageSpec, order: StartOrder, timeout_s: float = 600.0
+              ) -> tuple[float, str]:
+    """Start one replica as the gateway does (one planned start, ``POST /v1/starts``), send inference until the
+    first 200; (ms from the start request, replica id). The start must take the plan's path."""
     t0 = time.perf_counter()
-    [rep] = km.start(spec, 1, wait=False, cache=cache)
+    report = km.start_planned(spec, order)
+    if report.path != order.mode:
+        raise RuntimeError(f"{spec.function}: planned {order.mode}, started {report.path}: {report.fallback}")
+    [rep] = report.replicas
     deadline = t0 + timeout_s
     with requests.Session() as session:
         while True:
@@ -121,13 +126,13 @@ def _size_row(km: KeysManagerClient, model: Path, mb: int, nbytes: int, compute:
     fork_spec = _spec(f"b{mb}-{compute}-stage-0", model, compute)
     cold, fork = [], []
     for _ in range(reps):
-        ms, rid = _ready_ms(km, cold_spec, cache=False)
+        ms, rid = _ready_ms(km, cold_spec, StartOrder("cold", cache=False))  # loads on its own, caches nothing
         cold.append(ms)
         km.stop(rid)
         bar.update()
     zygote = km.ensure_cached(fork_spec)
     for _ in range(reps):
-        ms, rid = _ready_ms(km, fork_spec, cache=False)
+        ms, rid = _ready_ms(km, fork_spec, StartOrder("fork"))
         fork.append(ms)
         km.stop(rid)
         bar.update()

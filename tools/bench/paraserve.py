@@ -136,8 +136,9 @@ async def cold_start(cluster: PeerCluster, hosts: list[str], parts: int, args: a
 
         watcher = asyncio.ensure_future(watch())
         paraserve = gw.reconciler.paraserve
-        consolidated = await wait_until(lambda: not fn.pending_starts and not paraserve.groups.get(FUNCTION)
-                                    and len(fn.ready) >= 1 and not fn.partial, 900, "consolidation")
+        consolidated = await wait_until(lambda: not gw.reconciler.pending_starts(FUNCTION)
+                                        and not paraserve.groups.get(FUNCTION)
+                                        and len(fn.ready) >= 1 and not fn.partial, 900, "consolidation")
         results = await burst
         await wait_until(lambda: len(fn.replicas) == 1, 120, "the helpers to drain")
         watcher.cancel()

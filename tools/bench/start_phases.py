@@ -40,7 +40,7 @@ class StartPhases:
         for host in hosts:
             host.start = self._timed_start(host.name, host.start)
         starter = reconciler.starter
-        multicast, replica_ready = starter._multicast, starter._replica_ready
+        multicast, replica_ready = starter._multicast, starter.count_ready
 
         @functools.wraps(multicast)
         async def timed_multicast(fn, names):
@@ -56,15 +56,15 @@ class StartPhases:
                 self.ready.setdefault(endpoint.id, self._ms())
             replica_ready(fn, endpoint)
 
-        starter._multicast, starter._replica_ready = timed_multicast, timed_ready
+        starter._multicast, starter.count_ready = timed_multicast, timed_ready
 
     def _timed_start(self, name: str, start):
         @functools.wraps(start)
-        async def timed(spec, count, *args, **kwargs):
+        async def timed(spec, order):
             stamps = self.hosts.setdefault(name, {})
             stamps.setdefault("asked", self._ms())
             try:
-                return await start(spec, count, *args, **kwargs)
+                return await start(spec, order)
             finally:
                 stamps.setdefault("answered", self._ms())
         return timed
