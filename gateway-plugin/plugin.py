@@ -282,7 +282,7 @@ class Plugin:
                                     decode_limit=lambda fn: self.view.decode_batch_max(fn, generation.decode_batch_max),
                                     collector=self.collector)
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
-                                        self.collector)
+                                        self.collector, one_shot=self.router.answer)
         self.controller = Controller(
             self.view, self.router, self.collector, actuator or make_actuator(self.config, gateway),
             factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),

@@ -146,7 +146,7 @@ class StandalonePlugin:
             (self.view.status.get(fn) or {}).get("labels") or {}).decode_batch or generation.decode_batch_max,
             collector=self.collector)
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
-                                        self.collector)
+                                        self.collector, one_shot=self.router.answer)
         self.controller = Controller(self.view, self.router, self.collector, make_actuator(config, password=password),
                                      policy_factory(config), config, generation=self.engine)
         self._stop = asyncio.Event()
@@ -166,6 +166,7 @@ class StandalonePlugin:
             {m: asdict(s) for m, s in self.controller.last_snapshots.items()},
             dumps=lambda d: json.dumps(d, default=str)))
         app.router.add_get("/healthz", lambda r: web.Response(text="OK"))
+        app.router.add_get("/health", lambda r: web.Response(text="OK"))  # vLLM's path (GuideLLM checks it)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app

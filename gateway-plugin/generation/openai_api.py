@@ -1,9 +1,13 @@
 """The generation doors of the gateway: OpenAI's ``/v1`` API and generation bodies on ``/function/<model>``.
 
-- ``GET /v1/models``: the decoder pipelines (``model`` = the pipeline's name, ``com.quart.model``);
+- ``GET /v1/models``: the decoder and embedding pipelines (``id`` = the pipeline's name, ``com.quart.model``;
+  ``max_model_len`` and ``root`` as vLLM lists them);
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and answer shapes (the
   chat template of the model's tokenizer), ``stream: true`` → server-sent events ending with
-  ``data: [DONE]``, ``usage`` counts, errors as ``{"error": {"message", "type", "param", "code"}}``;
+  ``data: [DONE]`` (a chat stream's first chunk, the role, goes out with the first token, as vLLM sends it, so
+  a client's TTFT is the prefill), ``usage`` counts, errors as ``{"error": {"message", "type", "param", "code"}}``
+  (a context overflow worded as OpenAI words it, code ``context_length_exceeded``);
+- ``POST /v1/embeddings``: :mod:`.embeddings` (the pooled encoder pipelines, through the router's one-shot path);
 - ``POST /function/<model>`` with a generation body (:func:`.params.is_generation`): the same engine,
   answered in the project's shape (``{"tokens", "text", "finish_reason", "usage", ...}``, errors
   ``{"error", "field"}``), streamed as ``data: {"token", "text"}`` events when ``stream`` is true.
@@ -11,7 +15,7 @@
 The body is bounded before it is parsed, the text before it is tokenized; a request is checked whole
 before its session is placed. A stream that cannot go on ends with ``data: {"error": ...}`` and
 ``data: [DONE]``; every request ends. TTFT and TPOT go to the metrics collector (histograms and the
-request records).
+request records), with vLLM's serving metrics (:class:`~gateway_plugin.metrics.ServingMetrics`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 from aiohttp import web
 from gateway_plugin.generation import sse
 from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.embeddings import EmbeddingsAPI, OneShot
 from gateway_plugin.generation.params import GenerationParams, is_generation, parse
 from gateway_plugin.generation.session import Session
 from gateway_plugin.generation.sessions import SessionEngine
@@ -35,6 +40,8 @@ from gateway_plugin.generation.tokens import (
     ModelCatalog,
     ModelInfo,
     TextStream,
+    context_exceeded,
+    context_of,
     default_tokenizer_cache,
     is_registry_url,
 )
@@ -42,6 +49,7 @@ from gateway_plugin.metrics import MetricsCollector, RequestRecord
 from quart_kernel.admission import client_deadline_s
 from quart_stage import jsonparse
 from quart_stage.errors import QuartError, invalid
+from quart_stage.manifest import Manifest
 
 log = logging.getLogger("quart.openai")
 
@@ -50,8 +58,9 @@ TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_req
 
 
 def openai_error(exc: QuartError) -> dict[str, Any]:
-    """OpenAI's error object for a :class:`QuartError`."""
-    code = "model_not_found" if exc.status == 404 and exc.field == "model" else str(exc.status)
+    """OpenAI's error object for a :class:`QuartError` (``detail["code"]``, when it has one, is the code)."""
+    code = exc.detail.get("code") or ("model_not_found" if exc.status == 404 and exc.field == "model"
+                                      else str(exc.status))
     return {"error": {"message": exc.message, "type": TYPES.get(exc.status, "server_error" if exc.status >= 500
                                                                   else "invalid_request_error"),
                       "param": exc.field, "code": code}}
@@ -68,6 +77,7 @@ class Outcome:
     finish_reason: str = ""
     first_at: float | None = None
     last_at: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens (the ITL histogram)
     error: QuartError | None = None
 
     def usage(self) -> dict[str, int]:
@@ -80,7 +90,10 @@ class GenerationAPI:
 
     def __init__(self, engine: SessionEngine, pipelines: Callable[[], dict[str, list[str]]],
                  model_dir: Callable[[str], str | None], config: GenerationConfig,
-                 collector: MetricsCollector | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 collector: MetricsCollector | None = None, clock: Callable[[], float] = time.monotonic,
+                 one_shot: OneShot | None = None) -> None:
+        """``one_shot``: the router's one-shot path (:meth:`gateway_plugin.router.Router.answer`), which
+        ``/v1/embeddings`` goes through; without it that route answers 404."""
         self.engine = engine
         self.pipelines = pipelines
         self.model_dir = model_dir
@@ -89,6 +102,8 @@ class GenerationAPI:
         self.clock = clock
         self.catalog = ModelCatalog(config.tokenizer_cache or default_tokenizer_cache())
         self._decoders: dict[str, bool] = {}  # model folder -> a decoder (generates)
+        self.embeddings = None if one_shot is None else EmbeddingsAPI(
+            one_shot, pipelines, model_dir, config, self.catalog, collector, clock)
 
     # ------------------------------------------------------------------ doors
 
@@ -101,12 +116,18 @@ class GenerationAPI:
                     raise QuartError(405, "use GET /v1/models", "method")
                 return web.json_response(await self.models())
             door = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
+            if path == "/v1/embeddings" and self.embeddings is not None:
+                door = "embeddings"
             if door is None:
                 raise QuartError(404, f"no route {request.method} {path}; this gateway serves /v1/models, "
-                                      "/v1/completions and /v1/chat/completions", "path")
+                                      "/v1/completions, /v1/chat/completions"
+                                      f"{' and /v1/embeddings' if self.embeddings else ''}", "path")
             if request.method != "POST":
                 raise QuartError(405, f"use POST {path}", "method")
             doc = await self._read_json(request)
+            if door == "embeddings":
+                assert self.embeddings is not None
+                return web.json_response(await self.embeddings.embed(doc, request.headers))
             return await self.generate(request, parse(doc, door, self.config), door)
         except QuartError as exc:
             return web.json_response(openai_error(exc), status=exc.status, headers=exc.headers)
@@ -148,15 +169,19 @@ class GenerationAPI:
             return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers)
 
     async def models(self) -> dict[str, Any]:
-        """The decoder pipelines; a registry model's tokenizer is fetched first (one that cannot be is left out)."""
+        """The decoder pipelines, and the embedding ones where ``/v1/embeddings`` is served, each with its context
+        (``max_model_len``) and the model it was partitioned from (``root``), as vLLM lists them; a registry
+        model's tokenizer is fetched first (one that cannot be is left out)."""
         data = []
         for name, stages in sorted(self.pipelines().items()):
             try:
                 folder = await self.catalog.local(name, self.model_dir(name))
-            except QuartError:
+                manifest = Manifest.load(folder or "")
+            except (QuartError, OSError, ValueError, TypeError):
                 continue
-            if self.catalog.known_decoder(folder):
-                data.append({"id": name, "object": "model", "created": 0, "owned_by": "quart", "stages": len(stages)})
+            if manifest.family == "decoder" or (self.embeddings is not None and self.embeddings.pooled(manifest)):
+                data.append({"id": name, "object": "model", "created": 0, "owned_by": "quart", "root": manifest.model,
+                             "parent": None, "max_model_len": context_of(manifest), "stages": len(stages)})
         return {"object": "list", "data": data}
 
     async def _read_json(self, request: web.Request) -> Any:
@@ -187,10 +212,19 @@ class GenerationAPI:
         max_tokens = self._max_tokens(info, params, len(prompt), door)
         sample = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
         eos = frozenset() if params.ignore_eos else info.eos_ids
-        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
-                                         gone=lambda: sse.client_gone(request))
+        serving = self.collector.serving if self.collector is not None else None
+        if serving is not None:
+            serving.waiting.labels(params.model).inc()
+        try:
+            session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
+                                             gone=lambda: sse.client_gone(request))
+        finally:
+            if serving is not None:
+                serving.waiting.labels(params.model).dec()
         outcome = Outcome(len(prompt), arrival)
         ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if serving is not None:
+            serving.running.labels(params.model).inc()
         try:
             if params.stream:
                 response = await sse.open_stream(request, {"X-Quart-Request-Id": ident})
@@ -203,20 +237,32 @@ class GenerationAPI:
                 return web.json_response(body, status=exc.status, headers=exc.headers)
             return web.json_response(self._answer(door, ident, params.model, outcome, session))
         finally:
+            if serving is not None:
+                serving.running.labels(params.model).dec()
             self.engine.finish(session)
             self._record(ident, params.model, arrival, outcome)
 
     def _max_tokens(self, info: ModelInfo, params: GenerationParams, prompt_len: int, door: str) -> int:
+        """The request's max_tokens, or its door's default: 16 on ``/v1/completions`` (OpenAI's), else the rest of
+        the context (vLLM's), bounded by ``QUART_GEN_DEFAULT_MAX_TOKENS`` when that is set. An overflow is worded
+        as OpenAI and vLLM word it (clients such as LiteLLM map it to their context-window error)."""
         room = info.context - prompt_len
         if prompt_len < 1:
             raise invalid("prompt", "the prompt has no tokens")
+        what = "messages" if door == "chat" else "prompt"
         if room < 1:
-            raise invalid("prompt", f"the prompt has {prompt_len} tokens; the model's context is {info.context}")
+            raise context_exceeded(what, f"This model's maximum context length is {info.context} tokens. However, "
+                                         f"your request has {prompt_len} input tokens. Please reduce the length of "
+                                         f"the {'input messages' if door == 'chat' else 'prompt'}.")
         if params.max_tokens is None:
-            return min(room, 16 if door == "completion" else self.config.default_max_tokens)
+            if door == "completion":
+                return min(room, 16)
+            return min(room, self.config.default_max_tokens) if self.config.default_max_tokens > 0 else room
         if params.max_tokens > room:
-            raise invalid("max_tokens", f"max_tokens {params.max_tokens} is above the context: the prompt has "
-                                        f"{prompt_len} tokens and the model holds {info.context}")
+            raise context_exceeded("max_tokens", f"This model's maximum context length is {info.context} tokens. "
+                                   f"However, you requested {prompt_len + params.max_tokens} tokens ({prompt_len} in "
+                                   f"the {what}, {params.max_tokens} in the completion). Please reduce the length of "
+                                   f"the {what} or completion.")
         return params.max_tokens
 
     async def _tokens(self, request: web.Request, session: Session, info: ModelInfo, params: GenerationParams,
@@ -230,6 +276,8 @@ class GenerationAPI:
                 async for token in tokens:
                     now = self.clock()
                     outcome.first_at = outcome.first_at or now
+                    if outcome.last_at is not None:
+                        outcome.gaps.append(now - outcome.last_at)
                     outcome.last_at = now
                     outcome.tokens.append(token)
                     if token in stop_ids:
@@ -264,14 +312,17 @@ class GenerationAPI:
 
     async def _stream(self, request, response, session, info, params, door, ident, outcome) -> None:
         created = int(time.time())
+        role_sent = door != "chat"  # a chat's role goes out with its first token (vLLM's order): TTFT is the prefill
         try:
-            if door == "chat":
-                await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
             async for token, delta in self._tokens(request, session, info, params, outcome):
                 if door == "native":
                     await sse.send(response, {"text": delta} if token is None else {"token": token, "text": delta})
-                elif delta:
-                    await sse.send(response, self._chunk(door, ident, params.model, created, delta, None))
+                elif not role_sent or delta:
+                    await sse.send(response, self._chunk(door, ident, params.model, created, delta, None,
+                                                         role=not role_sent))
+                    role_sent = True
+            if not role_sent and outcome.error is None:  # no token came (a stop id first): the role still opens it
+                await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
             if outcome.error is not None:
                 exc = outcome.error
                 await sse.send(response, openai_error(exc) if door != "native" else exc.to_json())
@@ -291,7 +342,7 @@ class GenerationAPI:
     def _chunk(door: str, ident: str, model: str, created: int, delta: str, finish: str | None,
                role: bool = False) -> dict[str, Any]:
         if door == "chat":
-            body: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            body: dict[str, Any] = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
             choice = {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
@@ -324,6 +375,8 @@ class GenerationAPI:
                 id=ident, model=model, arrival=arrival, end=end, status=status, latency_ms=1000 * (end - arrival),
                 error=outcome.error.message if outcome.error else "", ttft_ms=ttft, tpot_ms=tpot,
                 tokens=len(outcome.tokens)))
+            self.collector.serving.finished(model, end - arrival, outcome.prompt_tokens if outcome.tokens else 0,
+                                            len(outcome.tokens), None if ttft is None else ttft / 1000, outcome.gaps)
 
 
 def _object(door: str, chunk: bool) -> str:

@@ -78,8 +78,22 @@ def load_model(name: str, model_dir: str) -> ModelInfo:
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
-    context = int(manifest.config.get("max_position_embeddings") or manifest.config.get("n_positions") or 2048)
-    return ModelInfo(name, model_dir, context, frozenset(int(i) for i in eos_ids), tokenizer)
+    return ModelInfo(name, model_dir, context_of(manifest), frozenset(int(i) for i in eos_ids), tokenizer)
+
+
+CONTEXT_CODE = "context_length_exceeded"  # OpenAI's code of a request that does not fit the model's context
+
+
+def context_of(manifest: Manifest) -> int:
+    """Positions a partitioned model holds (its config's ``max_position_embeddings``; 2048 when it says none)."""
+    return int(manifest.config.get("max_position_embeddings") or manifest.config.get("n_positions") or 2048)
+
+
+def context_exceeded(field_name: str, message: str) -> QuartError:
+    """A 400 for a request that does not fit the model's context: worded by the caller as OpenAI words it
+    ("This model's maximum context length is ..."; LiteLLM maps that to its context-window error), with OpenAI's
+    code."""
+    return QuartError(400, message, field_name, detail={"code": CONTEXT_CODE})
 
 
 def is_registry_url(source: str | None) -> bool:
