@@ -287,6 +287,8 @@ class ServingMetrics:
                               buckets=FIRST_TOKEN_BUCKETS_S, registry=registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "time between consecutive generated tokens", label,
                              buckets=INTER_TOKEN_BUCKETS_S, registry=registry)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "the same gaps under vLLM's older name", label,
+                              buckets=INTER_TOKEN_BUCKETS_S, registry=registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "arrival to the end of the answer", label,
                              buckets=REQUEST_BUCKETS_S, registry=registry)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens processed (prefilled or embedded)", label,
@@ -304,9 +306,10 @@ class ServingMetrics:
             self.generation_tokens.labels(model).inc(generated)
         if ttft_s is not None:
             self.ttft.labels(model).observe(ttft_s)
-        itl = self.itl.labels(model)
+        itl, tpot = self.itl.labels(model), self.tpot.labels(model)
         for gap in gaps_s:
             itl.observe(gap)
+            tpot.observe(gap)
 
 
 class MetricsCollector:
