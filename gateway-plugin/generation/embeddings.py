@@ -179,15 +179,7 @@ class EmbeddingsAPI:
     async def _model(self, model: str) -> tuple[Manifest, Tokenizer | None]:
         """The pipeline's manifest and tokenizer (loaded once per folder, again when its manifest changes); a 400
         naming ``model`` unless it is a pooled encoder."""
-        source = self.model_dir(model)
-        if not source:
-            raise invalid("model", f"pipeline {model!r} has no model folder the gateway can read (QUART_MODEL_DIR "
-                                   "or QUART_MODEL_URL of its stage 0)")
-        folder = await self.catalog.local(model, source) or ""
-        try:
-            mtime = os.stat(os.path.join(folder, "manifest.json")).st_mtime
-        except OSError:
-            raise invalid("model", f"pipeline {model!r}: no manifest.json in {folder}") from None
+        folder, mtime = await self.catalog.folder(model, self.model_dir(model))
         hit = self._models.get(folder)
         if hit is None or hit[0] != mtime:
             hit = self._models[folder] = (mtime, *await asyncio.to_thread(_load, folder))

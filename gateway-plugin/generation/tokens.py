@@ -166,15 +166,20 @@ class ModelCatalog:
             task.add_done_callback(record)
         return task
 
-    async def get(self, name: str, source: str | None) -> ModelInfo:
+    async def folder(self, name: str, source: str | None) -> tuple[str, float]:
+        """The local folder of pipeline ``name``'s model and its manifest's mtime (a 400 naming ``model`` when there
+        is none the gateway can read)."""
         if not source:
             raise invalid("model", f"pipeline {name!r} has no model folder the gateway can read "
                                    "(QUART_MODEL_DIR or QUART_MODEL_URL of its stage 0): it cannot tokenize for it")
-        model_dir = await self.local(name, source)
+        model_dir = await self.local(name, source) or ""
         try:
-            mtime = os.stat(os.path.join(model_dir, "manifest.json")).st_mtime
+            return model_dir, os.stat(os.path.join(model_dir, "manifest.json")).st_mtime
         except OSError:
             raise invalid("model", f"pipeline {name!r}: no manifest.json in {model_dir}") from None
+
+    async def get(self, name: str, source: str | None) -> ModelInfo:
+        model_dir, mtime = await self.folder(name, source)
         hit = self.cache.get(model_dir)
         if hit is None or hit[0] != mtime:
             async with self.loading.setdefault(model_dir, asyncio.Lock()):

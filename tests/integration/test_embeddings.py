@@ -6,9 +6,6 @@ field."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import numpy as np
 import openai
 import pytest
@@ -26,6 +23,7 @@ from quart_stage import wire
 from quart_stage.config import StageConfig
 from quart_stage.runtime import StageRuntime
 from quart_tools.partition import partition
+from support.generation_app import BackgroundLoop
 from support.stage_server import StageServer
 from tokenizers import Tokenizer
 
@@ -34,20 +32,15 @@ TEXTS = ["A man is eating food.", "The new movie is awesome", "A cheetah chases 
          "hi", "Serving sentence embeddings through a pipeline of stages, batched where they meet."]
 
 
-class EmbeddingServer:
+class EmbeddingServer(BackgroundLoop):
     """Two MiniLM stage replicas, the router (batches of up to 8) and the generation API on a background loop;
     ``url`` serves ``/v1/...`` and ``/function/<model>`` (the router's one-shot path)."""
 
     def __init__(self, dirs: dict[str, str]) -> None:
+        super().__init__()
         self.dirs = dirs
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
         self.collector = MetricsCollector(10.0)
-        self.url = self.call(self._start())
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        self.url = self.call(self._start(), timeout=60)
 
     async def _start(self) -> str:
         source = StaticReplicas()
@@ -80,14 +73,6 @@ class EmbeddingServer:
         await self.engine.close()
         for stage in self.stages:
             await stage.runner.cleanup()
-
-    def close(self) -> None:
-        try:
-            self.call(self._stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
 
 
 @pytest.fixture(scope="module")
