@@ -312,16 +312,16 @@ class GenerationAPI:
 
     async def _stream(self, request, response, session, info, params, door, ident, outcome) -> None:
         created = int(time.time())
-        role_sent = door != "chat"  # a chat's role goes out with its first token (vLLM's order): TTFT is the prefill
-        try:
+        opened = False  # the first token's chunk goes out even before it has text, a chat's role with it (vLLM's
+        try:            # order): a client's TTFT, taken at the first chunk, is the prefill
             async for token, delta in self._tokens(request, session, info, params, outcome):
                 if door == "native":
                     await sse.send(response, {"text": delta} if token is None else {"token": token, "text": delta})
-                elif not role_sent or delta:
+                elif not opened or delta:
                     await sse.send(response, self._chunk(door, ident, params.model, created, delta, None,
-                                                         role=not role_sent))
-                    role_sent = True
-            if not role_sent and outcome.error is None:  # no token came (a stop id first): the role still opens it
+                                                         role=door == "chat" and not opened))
+                    opened = True
+            if door == "chat" and not opened and outcome.error is None:  # no token came (a stop id first)
                 await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
             if outcome.error is not None:
                 exc = outcome.error
