@@ -117,7 +117,9 @@ class GenerationAPI:
                 return web.json_response(await self.models())
             door = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
             if path == "/v1/embeddings" and self.embeddings is not None:
-                door = "embeddings"
+                if request.method != "POST":
+                    raise QuartError(405, f"use POST {path}", "method")
+                return web.json_response(await self.embeddings.embed(await self._read_json(request), request.headers))
             if door is None:
                 raise QuartError(404, f"no route {request.method} {path}; this gateway serves /v1/models, "
                                       "/v1/completions, /v1/chat/completions"
@@ -125,9 +127,6 @@ class GenerationAPI:
             if request.method != "POST":
                 raise QuartError(405, f"use POST {path}", "method")
             doc = await self._read_json(request)
-            if door == "embeddings":
-                assert self.embeddings is not None
-                return web.json_response(await self.embeddings.embed(doc, request.headers))
             return await self.generate(request, parse(doc, door, self.config), door)
         except QuartError as exc:
             return web.json_response(openai_error(exc), status=exc.status, headers=exc.headers)
