@@ -206,14 +206,14 @@ def test_a_client_that_goes_away_mid_stream_frees_the_session_caches(server):
 def test_a_session_with_no_kv_room_is_refused_429_with_retry_after(server, client):
     full = server.engine.book.cap("tiny#1")
     server.engine.book.reserve("tiny#1", full)  # other sessions hold the last stage's whole cache
-    try:
+    try:  # each request waits in line QUART_GEN_ROOM_WAIT_S (10 s) first: the client waits longer
         res = requests.post(f"{server.url}/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=10)
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=30)
         err = _error(res, 429)
         assert err["type"] == "rate_limit_error" and "room" in err["message"] and res.headers["Retry-After"] == "1"
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model="tiny", prompt="x", max_tokens=2)
-        native = requests.post(f"{server.url}/function/tiny", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        native = requests.post(f"{server.url}/function/tiny", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert native.status_code == 429 and native.headers["Retry-After"] == "1"
     finally:
         server.engine.book.release("tiny#1", full)
