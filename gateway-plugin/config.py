@@ -231,6 +231,9 @@ class PluginConfig:
     kick_min_span_s: float = 0.5  # [QUART_KICK_MIN_SPAN_S]
     policy: str = "quart"  # [QUART_POLICY]
     slo_factor: float = 2.0  # [QUART_SLO_FACTOR] SLO = factor × profiled pipeline time
+    # the cores the CPU stages' replicas share (policies.compute_budget): -1 = auto (the embedded gateway: this
+    # machine's cores, where its replicas run; the standalone plugin: not bounded, the cluster places pods), 0 = off
+    compute_cores: float = -1.0  # [QUART_COMPUTE_CORES]
     tpot_slo_ms: float = 0.0  # [QUART_TPOT_SLO_MS] generation's time per output token target: sizes decode stages (0 = KV room only)
     actuator: str = "gateway"  # [QUART_ACTUATOR] gateway (in-process) | rest | faas-cli | none
     control_log_path: str = ""  # [QUART_CONTROL_LOG] JSONL of snapshots + decisions ("" = none)
@@ -240,6 +243,12 @@ class PluginConfig:
     gateway_url: str = ""  # [QUART_GATEWAY_URL] OpenFaaS gateway (rest / faas-cli actuators, standalone)
     gateway_user: str = "admin"  # [QUART_GATEWAY_USER]
     gateway_password_file: str = ""  # [QUART_GATEWAY_PASSWORD_FILE] file with the password (mode 0600)
+    # The standalone plugin's platform: "openfaas" calls a stage through the gateway's /function/<stage>;
+    # "kubernetes" reads each stage's pods from the EndpointSlices of its Service and calls them directly.
+    platform: str = "openfaas"  # [QUART_PLATFORM] openfaas | kubernetes
+    kubernetes_api_url: str = "https://kubernetes.default.svc"  # [QUART_KUBERNETES_API_URL]
+    # the service account's token and ca.crt (QUART_PLATFORM=kubernetes)
+    kubernetes_credentials_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"  # [QUART_KUBERNETES_CREDENTIALS_DIR]
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
@@ -267,6 +276,7 @@ class PluginConfig:
             "policy": "QUART_POLICY",
             "slo_factor": "QUART_SLO_FACTOR",
             "tpot_slo_ms": "QUART_TPOT_SLO_MS",
+            "compute_cores": "QUART_COMPUTE_CORES",
             "actuator": "QUART_ACTUATOR",
             "control_log_path": "QUART_CONTROL_LOG",
             "cv_model_path": "QUART_CV_MODEL",
@@ -275,5 +285,8 @@ class PluginConfig:
             "gateway_url": "QUART_GATEWAY_URL",
             "gateway_user": "QUART_GATEWAY_USER",
             "gateway_password_file": "QUART_GATEWAY_PASSWORD_FILE",
+            "platform": "QUART_PLATFORM",
+            "kubernetes_api_url": "QUART_KUBERNETES_API_URL",
+            "kubernetes_credentials_dir": "QUART_KUBERNETES_CREDENTIALS_DIR",
         }
         return settings_from_env(cls, "QUART_", env, names=names)

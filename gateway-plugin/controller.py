@@ -4,7 +4,8 @@ The one path from a decision to an action, for every policy and for the simulato
 (``quart_tools.sim`` calls :meth:`Controller.decide` over a simulated inventory and applies its changes on
 simulated time; :meth:`Controller.step` hands them to the actuator): the policy decides, a generating stage is
 raised to what its sessions need (``policies.decode_capacity``: KV room, decode steps within the TPOT target),
-``bounded`` applies ``com.openfaas.scale.min/max`` once, and the actuator is told only what changed.
+the stages computing on the CPU share the machine's cores (``policies.compute_budget``), ``bounded`` applies
+``com.openfaas.scale.min/max`` once, and the actuator is told only what changed.
 One policy object per pipeline (policies keep state). Scale-ups of the stages the policy names as
 key stages are flagged ``key`` so the placer (the cache-aware scheduler behind the gateway's scale
 call) prefers hosts that cache their parameters. Each step's snapshot and decision go to an
@@ -32,6 +33,7 @@ from gateway_plugin.actuators import Actuator
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.kick import KickConfig, Kicker
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
+from gateway_plugin.policies.compute_budget import within_compute
 from gateway_plugin.policies.decode_capacity import with_session_floor
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import GenerationView, Inventory, QueueView, build_snapshot
@@ -86,6 +88,7 @@ class Controller:
     generation: GenerationView | None = None  # the session engine: sessions and KV occupancy per stage
     kicker: Kicker = field(init=False)
     on_kick: Callable[[float], None] | None = None  # asks for a kicked decision (run() / the simulator sets it)
+    compute_cores: float = 0.0  # cores the CPU stages' replicas share (policies.compute_budget; 0: not bounded)
 
     def __post_init__(self) -> None:
         self.collector.registry.register(SnapshotGauges(self.last_snapshots.values))  # read at scrape time
@@ -111,7 +114,7 @@ class Controller:
 
     def snapshot(self, model: str, functions: list[str]) -> PipelineSnapshot:
         return build_snapshot(self.clock(), model, functions, self.inventory, self.queues, self.collector,
-                              self.config.slo_factor, self.slo_s, self.generation)
+                              self.config.slo_factor, self.slo_s, self.generation, self.compute_cores)
 
     def decide(self, kicked: bool = False) -> tuple[dict[str, Decision], list[Change]]:
         """One control period's decisions for every pipeline (or a kicked one's), and the changes they ask of the
@@ -130,7 +133,7 @@ class Controller:
             wanted = policy.decide(snap)
             if getattr(policy, "sessions_floor", True):  # static-k and a precomputed schedule hold what they say
                 wanted = with_session_floor(snap, wanted, self.config.tpot_slo_ms / 1000)
-            decision = held_at_zero(snap, bounded(snap, wanted), desired_now)
+            decision = held_at_zero(snap, bounded(snap, within_compute(snap, wanted)), desired_now)
             if self.cv_trainer is not None and hasattr(policy, "cv_model"):  # only QUART reads a CV model
                 self.cv_trainer.observe(snap)
             decisions[model] = decision

@@ -40,6 +40,7 @@ from gateway_plugin.webui import make_ui_hook
 from quart_kernel.admission import ServiceTimes
 from quart_kernel.capacity import not_ready_reason
 from quart_stage import labels as vocab
+from quart_stage.config import computes_on_cpu
 from quart_stage.errors import QuartError
 from quart_transport.responses import error_of
 
@@ -146,7 +147,7 @@ class GatewayView:
             min_replicas=dep.min_replicas, max_replicas=dep.max_replicas,
             concurrency=dep.concurrency or self.default_concurrency,
             param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
-            start_s=fn.start_time.seconds,
+            start_s=fn.start_time.seconds, cpu_bound=computes_on_cpu(dep.env_vars),
             **batch_state(self.batch_limits(function, self.batch_default)),
         )
 
@@ -185,6 +186,11 @@ class GatewayView:
         fn = self.gateway.functions.get(stages[0]) if stages else None
         env = fn.deployment.env_vars if fn is not None else {}
         return env.get("QUART_MODEL_DIR") or env.get("QUART_MODEL_URL")
+
+
+def machine_cores() -> float:
+    """The cores this process may run on: where the embedded gateway's hosts start their replicas."""
+    return float(len(os.sched_getaffinity(0)))
 
 
 def online_cv_trainer(config: PluginConfig):
@@ -287,6 +293,7 @@ class Plugin:
             self.view, self.router, self.collector, actuator or make_actuator(self.config, gateway),
             factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),
             cv_trainer=online_cv_trainer(self.config), generation=self.engine,
+            compute_cores=machine_cores() if self.config.compute_cores < 0 else self.config.compute_cores,
         )
         if hasattr(gateway, "watch_sessions"):  # its scale-down keeps replicas with sessions, drains them
             gateway.watch_sessions(self.engine.book.booked)

@@ -50,6 +50,7 @@ class StageSnapshot:
     # (gateway_plugin.generation); the sessions' floor: gateway_plugin.policies.decode_capacity
     decode_service_s: tuple[tuple[int, int, float], ...] = ()
     decode_batch_max: int = 1  # sessions per batched decode step (com.quart.batch.decode-max; 1 = no batching)
+    cpu_bound: bool = False  # its replicas compute on this machine's cores (QUART_COMPUTE=cpu): they share compute_cores
 
     @property
     def mean_service_s(self) -> float:
@@ -75,6 +76,7 @@ class PipelineSnapshot:
     stages: tuple[StageSnapshot, ...]
     slo_s: float = 0.0  # end-to-end SLO (k × profiled model time)
     window_s: float = 10.0  # length of the metrics window the rates came from
+    compute_cores: float = 0.0  # cores the cpu_bound stages' replicas share (policies.compute_budget); 0 = not bounded
 
 
 @dataclass(frozen=True, slots=True)

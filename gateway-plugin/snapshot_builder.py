@@ -26,6 +26,7 @@ class StageState:
     start_s: float = -1.0  # measured ask → ready time of the function's recent replicas; −1 = unknown
     batch_max: int = 1  # com.quart.batch.max (1: the router does not batch this stage)
     batch_profile_s: tuple[tuple[int, float], ...] = ()  # profiled (size, service s) (com.quart.batch.profile-ms)
+    cpu_bound: bool = False  # a model stage computing on the CPU (QUART_COMPUTE=cpu), not emulated nor on a GPU
 
 
 def with_profile(measured: tuple[tuple[int, int, float], ...],
@@ -67,9 +68,11 @@ def build_snapshot(
     slo_factor: float,
     slo_s: Mapping[str, float] | None = None,
     generation: GenerationView | None = None,
+    compute_cores: float = 0.0,
 ) -> PipelineSnapshot:
     """One model's snapshot. The SLO is ``slo_s[model]`` when given, else slo_factor × Σ service times;
-    ``generation`` adds each stage's sessions, KV-cache occupancy and decode steps by batch size."""
+    ``generation`` adds each stage's sessions, KV-cache occupancy and decode steps by batch size;
+    ``compute_cores``: the cores its CPU stages share (0: not bounded)."""
     window = collector.window_s
     stages = []
     total_service = 0.0
@@ -103,7 +106,8 @@ def build_snapshot(
             replica_start_s=state.start_s,
             sessions=sessions, kv_tokens=kv_tokens, kv_capacity=kv_capacity,
             batch_service_s=with_profile(m.batch_service_s(), state.batch_profile_s), batch_max=state.batch_max,
-            decode_service_s=decode_table, decode_batch_max=decode_max,
+            decode_service_s=decode_table, decode_batch_max=decode_max, cpu_bound=state.cpu_bound,
         ))
     slo = (slo_s or {}).get(model, 0.0) or slo_factor * total_service
-    return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window)
+    return PipelineSnapshot(time=now, model=model, stages=tuple(stages), slo_s=slo, window_s=window,
+                            compute_cores=compute_cores)

@@ -8,7 +8,8 @@ counts, CPUs and scale bounds come from ``GET /system/functions`` (polled); scal
 REST or faas-cli actuator. The generation API (``/v1/...``, generation bodies on ``/function/<model>``) is
 served here too; OpenFaaS spreads a stage's calls over its pods, so a session's affinity holds with one
 replica per stage, and with more a step that lands on a pod without the session is answered 409 and
-replayed (correct, slower).
+replayed (correct, slower). With ``QUART_PLATFORM=kubernetes`` a stage's replicas are its pods instead, read from
+the Kubernetes API and called directly (:mod:`gateway_plugin.kubernetes_pods`), so affinity holds with many pods.
 
     python -m gateway_plugin.standalone --gateway http://127.0.0.1:8080 --password-file pw --port 8081
 """
@@ -30,12 +31,14 @@ from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.openai_api import GenerationAPI
 from gateway_plugin.generation.sessions import SessionEngine
+from gateway_plugin.kubernetes_pods import PodDirectory, pod_directory
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
 from gateway_plugin.router import Router, StaticReplica, json_reply, web_response
 from gateway_plugin.snapshot_builder import StageState
 from quart_stage import cliargs
 from quart_stage import labels as vocab
+from quart_stage.config import computes_on_cpu
 from quart_stage.logs import configure as configure_logs
 from quart_transport import namespaces
 from quart_transport.exposition import render_registry
@@ -50,10 +53,12 @@ DEFAULT_NAMESPACE = "openfaas-fn"  # a FunctionStatus without one is in the gate
 class OpenFaaSView:
     """ReplicaSource + Inventory from an OpenFaaS gateway's REST API, refreshed by ``refresh()``."""
 
-    def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None, default_concurrency: int = 1) -> None:
+    def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None, default_concurrency: int = 1,
+                 pods: PodDirectory | None = None) -> None:
         self.gateway_url = gateway_url.rstrip("/")
         self.auth = auth
         self.default_concurrency = default_concurrency
+        self.pods = pods  # QUART_PLATFORM=kubernetes: each stage's pods are its replicas (else gateway slots)
         self.status: dict[str, dict[str, Any]] = {}
         self.slots: dict[str, list[StaticReplica]] = {}
 
@@ -76,6 +81,8 @@ class OpenFaaSView:
                 have.remove(idle)
         for gone in set(self.slots) - set(self.status):
             del self.slots[gone]
+        if self.pods is not None:
+            await self.pods.follow({n: st.get("namespace") or DEFAULT_NAMESPACE for n, st in self.status.items()})
 
     # Inventory
     def pipelines(self) -> dict[str, list[str]]:
@@ -98,6 +105,7 @@ class OpenFaaSView:
             min_replicas=labels.min_replicas, max_replicas=labels.max_replicas,
             concurrency=self.concurrency(function),
             param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
+            cpu_bound=computes_on_cpu(st.get("envVars") or {}),
         )
 
     def model_dir(self, model: str) -> str | None:
@@ -115,7 +123,13 @@ class OpenFaaSView:
 
     # ReplicaSource
     def ready(self, function: str) -> list[StaticReplica]:
+        if self.pods is not None:
+            return list(self.pods.ready(function))
         return list(self.slots.get(function, ()))
+
+    def mark_unreachable(self, function: str, replica: StaticReplica) -> None:
+        if self.pods is not None:  # a pod: none until its slices change (a gateway slot stays: the gateway is up)
+            self.pods.mark_unreachable(function, replica)
 
     def concurrency(self, function: str) -> int:
         labels = vocab.StageLabels.lenient((self.status.get(function) or {}).get("labels") or {})
@@ -138,7 +152,7 @@ class StandalonePlugin:
             config = replace(config, actuator="rest")
         self.config = config
         auth = aiohttp.BasicAuth(config.gateway_user, password) if password else None
-        self.view = OpenFaaSView(config.gateway_url, auth, config.default_concurrency)
+        self.view = OpenFaaSView(config.gateway_url, auth, config.default_concurrency, pod_directory(config))
         self.collector = MetricsCollector(config.window_s)
         self.router = Router(self.view, self.view.pipelines, config, self.collector, self.view.stage_meta)
         generation = GenerationConfig.from_env()
@@ -148,7 +162,8 @@ class StandalonePlugin:
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
                                         self.collector, one_shot=self.router.answer)
         self.controller = Controller(self.view, self.router, self.collector, make_actuator(config, password=password),
-                                     policy_factory(config), config, generation=self.engine)
+                                     policy_factory(config), config, generation=self.engine,
+                                     compute_cores=max(0.0, config.compute_cores))  # auto: the cluster places pods
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
@@ -204,6 +219,8 @@ class StandalonePlugin:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.router.close()
         await self.engine.close()
+        if self.view.pods is not None:
+            await self.view.pods.close()
         closer = getattr(self.controller.actuator, "close", None)
         if closer is not None:
             await closer()

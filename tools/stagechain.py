@@ -15,6 +15,7 @@ from quart_stage import families, wire
 from quart_stage.config import StageConfig
 from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.runtime import StageResponse, StageRuntime
+from quart_stage.sampling import with_history
 
 
 @dataclass
@@ -101,7 +102,8 @@ def generate(runtimes: Sequence[StageRuntime], prompt: Sequence[int], new_tokens
         step = pending if chunk is None else pending[:chunk]
         pending = pending[len(step):]
         last = not pending and len(out.tokens) == new_tokens - 1
-        resp = session_step(runtimes, step, pos, session, sample=sample, logits=logits,
+        resp = session_step(runtimes, step, pos, session, logits=logits,
+                            sample=sample and with_history(dict(sample), list(prompt), out.tokens),
                             reserve=total if reserve and pos == 0 else 0, end=last)
         if resp.status != 200:
             raise RuntimeError(f"session step at position {pos}: {resp.status} {resp.body[:300]!r}")
@@ -134,7 +136,7 @@ def batched_step(runtimes: Sequence[StageRuntime], steps: Sequence[tuple[str, in
         if not entries:
             break
         last = k == len(runtimes) - 1
-        table = [replace(e, sample=samples.get(e.id, {})) if last else e for e in entries]
+        table = [replace(e, sample=samples.get(e.id, {})) if last else e for e in entries]  # histories: the caller's
         body = wire.encode_bytes(tensor, {batchwire.META_SESSIONS: json.dumps([e.doc() for e in table])})
         resp = rt.handle(body, {batchwire.H_SESSION_BATCH: str(len(table)), "Content-Type": wire.CONTENT_TYPE})
         if resp.status != 200:
@@ -159,7 +161,9 @@ def generate_batched(runtimes: Sequence[StageRuntime], prompts: Sequence[Sequenc
     tokens: dict[str, list[int]] = {}
     held: dict[str, int] = {}
     for sid, prompt, n in zip(ids, prompts, new_tokens, strict=True):
-        resp = session_step(runtimes, prompt, 0, sid, sample=sample_of.get(sid), reserve=len(prompt) + n, end=n == 1)
+        sample = sample_of.get(sid)
+        resp = session_step(runtimes, prompt, 0, sid, sample=sample and with_history(sample, list(prompt), []),
+                            reserve=len(prompt) + n, end=n == 1)
         if resp.status != 200:
             raise RuntimeError(f"prefill of {sid}: {resp.status} {resp.body[:300]!r}")
         doc = json.loads(resp.body)
@@ -168,7 +172,8 @@ def generate_batched(runtimes: Sequence[StageRuntime], prompts: Sequence[Sequenc
     while running := [sid for sid in ids if len(tokens[sid]) < want[sid]]:
         steps = [(sid, tokens[sid][-1], held[sid]) for sid in running]
         ends = [sid for sid in running if len(tokens[sid]) + 1 == want[sid]]
-        for (sid, _, _), doc in zip(steps, batched_step(runtimes, steps, samples=sample_of, ends=ends), strict=True):
+        now = {sid: with_history(s, list(prompts[ids.index(sid)]), tokens[sid]) for sid, s in sample_of.items()}
+        for (sid, _, _), doc in zip(steps, batched_step(runtimes, steps, samples=now, ends=ends), strict=True):
             if doc["status"] != 200:
                 raise RuntimeError(f"batched step of {sid}: {doc}")
             tokens[sid].append(doc["token"])

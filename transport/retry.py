@@ -20,6 +20,7 @@ retry); the router retries whatever :func:`should_retry` allows while the reques
 
 from __future__ import annotations
 
+from aiohttp import ClientConnectorError
 from quart_transport.upstream import UpstreamError, UpstreamRefused
 
 RETRIABLE_STATUSES = frozenset({408, 429, 502, 503})
@@ -29,6 +30,8 @@ _NEVER_ANSWERED = (UpstreamError, ConnectionError, TimeoutError)
 def replica_gone(error: BaseException | None) -> bool:
     """Whether the replica is known dead: nothing listens on its port any more (connection refused), so no
     request of any kind is sent there again (``pick`` only de-prioritizes replicas a request already tried)."""
+    if isinstance(error, ClientConnectorError):  # aiohttp's client (the session engine) wraps the refusal
+        error = error.os_error
     return isinstance(error, UpstreamRefused | ConnectionRefusedError)
 
 

@@ -26,7 +26,7 @@ class GenerationConfig:
     cooperative: bool = True  # [QUART_GEN_COOPERATIVE] split new sessions with a live replica's held layers
     recut: bool = True  # [QUART_GEN_RECUT] re-cut a split at its live replica's layers while new sessions wait for room
     rejoin: str = "auto"  # [QUART_GEN_REJOIN] a split session once its live replica is whole: auto | migrate | shadow | replay | keep
-    decode_batch_max: int = 1  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
+    decode_batch_max: int = 64  # [QUART_GEN_DECODE_BATCH_MAX] sessions per batched decode step without a com.quart.batch.decode-max label (1 = off)
     prefill_chunk: int = 128  # [QUART_GEN_PREFILL_CHUNK] prompt positions per prefill call where decode batches (0 = whole prompt)
     tokenizer_cache: str = ""  # [QUART_GEN_TOKENIZER_CACHE] where a registry-only model's tokenizer is fetched ("" = ~/.cache/quart-faas/tokenizers)
     decode_hold_ms: float = 250.0  # [QUART_GEN_DECODE_HOLD_MS] most a free replica holds its decode batch for its sessions' steps on their way (0 = never)

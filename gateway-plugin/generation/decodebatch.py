@@ -16,6 +16,13 @@ between tokens at the gateway): the lane holds the waiting steps until those arr
 oldest came and never past the batch limit. So a replica's sessions move through the stages as one batch instead
 of scattering into small groups over the pipelined stages. It never waits for a batch to fill otherwise: with
 nothing else coming, what waits goes at once.
+
+**Micro-batches across stages** (issue 39 item 3): a pipeline's sessions are dealt, round robin as they open, into as
+many *groups* as it has stages (``Session.micro``), and a lane holds and batches each group on its own: a free
+replica sends the oldest group whose members are all there (or whose hold ran out), never mixing groups. So while
+stage 1 computes group 0's step, stage 0 computes group 1's: S micro-batches keep S stages busy at once, where one
+batch of every session would leave all but one stage idle (GPipe's micro-batches, the decode loop of Petals' and
+vLLM's pipeline-parallel schedulers).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import asyncio
 import contextlib
 import json
 import struct
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +46,9 @@ from quart_stage.batchwire import (
 )
 
 OCTET = "application/octet-stream"
+# decode steps waiting in a lane of this process, by session (every lane reads it: a session waiting in one lane is
+# not on its way to another, so no lane holds for it — two lanes never wait for each other's sessions)
+QUEUED: Counter[str] = Counter()
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class DecodeJob:
     row: Row
     future: asyncio.Future = field(repr=False)
     since: float = 0.0  # the loop's time it arrived
+    group: int = 0  # its session's micro-batch (Session.micro): batched and held with its group only
 
 
 def hold_for(waiting: int, coming: int, max_batch: int, waited_s: float, hold_s: float) -> float:
@@ -77,7 +88,7 @@ class ReplicaLane:
 
     def __init__(self, slots: int, max_batch: int, send: SendBatch, hold_s: float = 0.0) -> None:
         self.slots, self.max_batch, self.send, self.hold_s = max(1, slots), max(1, max_batch), send, hold_s
-        self.members: set[str] = set()  # sessions decoding here that will come back (hold_for)
+        self.members: dict[str, int] = {}  # sessions decoding here that will come back (hold_for) -> their group
         self.serving: set[str] = set()  # sessions in a batch in service here
         self._timer: asyncio.TimerHandle | None = None
         self.decodes: deque[DecodeJob] = deque()
@@ -87,22 +98,28 @@ class ReplicaLane:
         self.batches: dict[int, int] = {}  # batch size -> batched calls sent (what /sessions reports)
         self._tasks: set[asyncio.Task] = set()
 
-    async def decode(self, entry: BatchEntry, row: Row) -> tuple[dict, Row | None]:
-        """Run this decode step in the next batch: the session's result (``status`` …) and its output row."""
+    async def decode(self, entry: BatchEntry, row: Row, group: int = 0) -> tuple[dict, Row | None]:
+        """Run this decode step in the next batch of its ``group``: the session's result (``status`` …) and its
+        output row."""
         loop = asyncio.get_running_loop()
-        job = DecodeJob(entry, row, loop.create_future(), loop.time())
+        job = DecodeJob(entry, row, loop.create_future(), loop.time(), group)
         if entry.end:
-            self.members.discard(entry.id)
+            self.members.pop(entry.id, None)
         else:
-            self.members.add(entry.id)
+            self.members[entry.id] = group
         self.decodes.append(job)
+        QUEUED[entry.id] += 1
         self._pump()
-        return await _wait(job.future, lambda: self.decodes.remove(job))
+        return await _wait(job.future, lambda: self._unqueue(job))
+
+    def _unqueue(self, job: DecodeJob) -> None:
+        self.decodes.remove(job)  # ValueError when it was taken already (the caller suppresses it)
+        _dequeued(job.entry.id)
 
     def leave(self, session_id: str) -> None:
         """The session decodes here no more (it ended, failed over, moved): nothing holds for it."""
         if session_id in self.members:
-            self.members.discard(session_id)
+            del self.members[session_id]
             self._pump()
 
     async def solo(self, call: Callable[[], Awaitable[Any]]) -> Any:
@@ -117,7 +134,7 @@ class ReplicaLane:
             self._timer.cancel()
             self._timer = None
         while self.busy < self.slots and (self.decodes or self.solos):
-            hold = self._hold() if self.decodes else 0.0
+            group, hold = self._next_group() if self.decodes else (None, 0.0)
             if self.solos and (not self.decodes or not self.last_solo or hold > 0):
                 call, future = self.solos.popleft()
                 self.last_solo = True
@@ -127,22 +144,43 @@ class ReplicaLane:
                 return
             else:
                 self.last_solo = False
-                self._start(self._run_batch(self._take()))
+                self._start(self._run_batch(self._take(group)))
 
-    def _hold(self) -> float:
-        waiting = {j.entry.id for j in self.decodes}
-        coming = len(self.members - waiting - self.serving)
-        waited = asyncio.get_running_loop().time() - self.decodes[0].since
-        return hold_for(len(waiting), coming, self.max_batch, waited, self.hold_s)
+    def _next_group(self) -> tuple[int, float]:
+        """The group to send now (the oldest waiting one whose hold is over), else the shortest hold left."""
+        now, firsts = asyncio.get_running_loop().time(), {}
+        for job in self.decodes:
+            firsts.setdefault(job.group, job.since)
+        best: tuple[int, float] | None = None
+        for group, since in firsts.items():  # oldest first
+            hold = self._hold(group, now - since)
+            if hold <= 0:
+                return group, 0.0
+            if best is None or hold < best[1]:
+                best = (group, hold)
+        assert best is not None
+        return best
 
-    def _take(self) -> list[DecodeJob]:
-        """The waiting decode steps that share the head's row shape, up to the limit (the others stay, in order)."""
-        head = self.decodes[0].row
+    def _hold(self, group: int, waited: float) -> float:
+        """How long ``group``'s waiting steps hold for its members on their way: in service at another stage or
+        between tokens, not waiting in a lane (here or at another stage: two lanes must never hold for each
+        other's waiting sessions)."""
+        waiting = sum(1 for j in self.decodes if j.group == group)
+        coming = sum(1 for sid, g in self.members.items()
+                     if g == group and sid not in self.serving and not QUEUED[sid])
+        return hold_for(waiting, coming, self.max_batch, waited, self.hold_s)
+
+    def _take(self, group: int | None) -> list[DecodeJob]:
+        """The waiting decode steps of ``group`` that share the row shape of its oldest, up to the limit (the
+        others stay, in order)."""
+        head = next(j.row for j in self.decodes if j.group == group)
         batch, keep = [], deque()
         while self.decodes:
             job = self.decodes.popleft()
-            if len(batch) < self.max_batch and (job.row.dtype, job.row.shape) == (head.dtype, head.shape):
+            if (len(batch) < self.max_batch and job.group == group
+                    and (job.row.dtype, job.row.shape) == (head.dtype, head.shape)):
                 batch.append(job)
+                _dequeued(job.entry.id)
             else:
                 keep.append(job)
         self.decodes = keep
@@ -184,6 +222,12 @@ class ReplicaLane:
             self.serving -= ids
         for job, answer in zip(live, answers, strict=True):
             _settle(job.future, answer)
+
+
+def _dequeued(session_id: str) -> None:
+    QUEUED[session_id] -= 1
+    if QUEUED[session_id] <= 0:
+        del QUEUED[session_id]
 
 
 def _settle(future: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:

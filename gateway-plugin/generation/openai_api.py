@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from gateway_plugin.generation import sse
+from gateway_plugin.generation import logprobs, sse
+from gateway_plugin.generation.choices import Run, answered, usage
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.embeddings import EmbeddingsAPI, OneShot
 from gateway_plugin.generation.params import GenerationParams, is_generation, parse
@@ -79,6 +80,10 @@ class Outcome:
     last_at: float | None = None
     gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens (the ITL histogram)
     error: QuartError | None = None
+    answers: list[dict] = field(default_factory=list)  # per token, its logprobs (when asked)
+    reported: int = 0  # tokens whose logprobs a stream has sent
+    echo: str = ""  # completions' echo: the prompt's text, before the completion's
+    prompt: tuple[list[int], list[dict]] = ((), ())  # echo with logprobs: the prompt's ids and their logprobs
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
@@ -196,9 +201,8 @@ class GenerationAPI:
 
     # ------------------------------------------------------------------ one generation
 
-    async def generate(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
-        arrival = self.clock()
-        wait_s = client_deadline_s(request.headers, self.config.room_wait_s)  # X-Quart-Timeout-Ms bounds the entry wait
+    async def _prepared(self, params: GenerationParams, door: str) -> tuple[list[str], ModelInfo, list[int], int]:
+        """(the pipeline's stages, its model, the prompt's ids, max_tokens), each checked (404 / 400 naming it)."""
         stages = self.pipelines().get(params.model)
         if not stages:
             raise QuartError(404, f"no pipeline named {params.model!r} is deployed (GET /v1/models lists them)",
@@ -209,7 +213,19 @@ class GenerationAPI:
         else:
             prompt = info.prompt_ids(params)
         max_tokens = self._max_tokens(info, params, len(prompt), door)
-        sample = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
+        vocab = len(info.tokenizer)
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise invalid("logit_bias", f"logit_bias names token id {params.logit_bias[-1][0]}; the vocabulary "
+                                        f"has {vocab} (0..{vocab - 1})")
+        return stages, info, prompt, max_tokens
+
+    async def generate(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
+        if params.runs > 1 or params.more_prompts:
+            return await self._several(request, params, door)
+        arrival = self.clock()
+        wait_s = client_deadline_s(request.headers, self.config.room_wait_s)  # X-Quart-Timeout-Ms bounds the entry wait
+        stages, info, prompt, max_tokens = await self._prepared(params, door)
+        sample = params.sample(len(prompt), info.eos_ids)
         eos = frozenset() if params.ignore_eos else info.eos_ids
         serving = self.collector.serving if self.collector is not None else None
         if serving is not None:
@@ -221,6 +237,8 @@ class GenerationAPI:
             if serving is not None:
                 serving.waiting.labels(params.model).dec()
         outcome = Outcome(len(prompt), arrival)
+        if params.echo:
+            outcome.echo = params.prompt if params.prompt is not None else info.decode(prompt)
         ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if serving is not None:
             serving.running.labels(params.model).inc()
@@ -234,7 +252,8 @@ class GenerationAPI:
                 exc = outcome.error
                 body = openai_error(exc) if door != "native" else exc.to_json()
                 return web.json_response(body, status=exc.status, headers=exc.headers)
-            return web.json_response(self._answer(door, ident, params.model, outcome, session))
+            return web.json_response(self._answer(door, ident, params.model, outcome, session,
+                                                  self._new_logprobs(door, info, outcome)))
         finally:
             if serving is not None:
                 serving.running.labels(params.model).dec()
@@ -262,23 +281,28 @@ class GenerationAPI:
                                    f"However, you requested {prompt_len + params.max_tokens} tokens ({prompt_len} in "
                                    f"the {what}, {params.max_tokens} in the completion). Please reduce the length of "
                                    f"the {what} or completion.")
-        return params.max_tokens
+        return params.max_tokens or 1  # 0 (echo): the prefill's step runs, its token is not answered
 
     async def _tokens(self, request: web.Request, session: Session, info: ModelInfo, params: GenerationParams,
                       outcome: Outcome):
         """(token, text delta) as they come, ``outcome`` kept current; stops at a stop string or id, EOS,
         max_tokens, or when the client is gone; an engine failure lands in ``outcome.error``."""
-        text = TextStream(info, params.stop)
+        text = TextStream(info, params.stop, params.include_stop_str_in_output, params.min_tokens)
         stop_ids = set(params.stop_ids)
         try:
             async with contextlib.aclosing(self.engine.tokens(session)) as tokens:
                 async for token in tokens:
+                    if params.max_tokens == 0:
+                        outcome.finish_reason = "length"
+                        break
                     now = self.clock()
                     outcome.first_at = outcome.first_at or now
                     if outcome.last_at is not None:
                         outcome.gaps.append(now - outcome.last_at)
                     outcome.last_at = now
                     outcome.tokens.append(token)
+                    if "logprobs" in session.sample:  # asked, or best_of's ranking
+                        outcome.answers.append(session.logprobs[-1] if session.logprobs else {})
                     if token in stop_ids:
                         outcome.finish_reason = "stop"
                         break
@@ -299,6 +323,7 @@ class GenerationAPI:
         except Exception as exc:  # never a hung stream: an explicit error
             log.exception("generation %s failed", session.id)
             outcome.error = QuartError(502, f"generation failed: {type(exc).__name__}: {exc}", "stage")
+        outcome.prompt = session.prompt, session.prompt_logprobs
         if outcome.error is None and outcome.finish_reason != "stop":
             rest = text.finish()
             outcome.text += rest
@@ -313,12 +338,16 @@ class GenerationAPI:
         created = int(time.time())
         opened = False  # the first token's chunk goes out even before it has text, a chat's role with it (vLLM's
         try:            # order): a client's TTFT, taken at the first chunk, is the prefill
+            if outcome.echo:  # completions only: the prompt's text first
+                await sse.send(response, self._chunk(door, ident, params.model, created, outcome.echo, None))
+                opened = True
             async for token, delta in self._tokens(request, session, info, params, outcome):
                 if door == "native":
                     await sse.send(response, {"text": delta} if token is None else {"token": token, "text": delta})
                 elif not opened or delta:
                     await sse.send(response, self._chunk(door, ident, params.model, created, delta, None,
-                                                         role=door == "chat" and not opened))
+                                                         role=door == "chat" and not opened,
+                                                         lp=self._new_logprobs(door, info, outcome)))
                     opened = True
             if door == "chat" and not opened and outcome.error is None:  # no token came (a stop id first)
                 await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
@@ -329,7 +358,8 @@ class GenerationAPI:
                 await sse.send(response, {"finish_reason": outcome.finish_reason, "usage": outcome.usage(),
                                           "replays": session.replays})
             else:
-                await sse.send(response, self._chunk(door, ident, params.model, created, "", outcome.finish_reason))
+                await sse.send(response, self._chunk(door, ident, params.model, created, "", outcome.finish_reason,
+                                                     lp=self._new_logprobs(door, info, outcome)))
                 if params.include_usage:
                     await sse.send(response, {"id": ident, "object": _object(door, True), "created": created,
                                               "model": params.model, "choices": [], "usage": outcome.usage()})
@@ -338,28 +368,142 @@ class GenerationAPI:
             outcome.finish_reason = outcome.finish_reason or "client_gone"
 
     @staticmethod
+    def _new_logprobs(door: str, info: ModelInfo, outcome: Outcome) -> dict[str, Any] | None:
+        """The logprobs of the tokens a stream has not reported yet (None when none were asked); with echo (never
+        streamed) the prompt's tokens first, the first with no logprob."""
+        start, outcome.reported = outcome.reported, len(outcome.answers)
+        tokens, answers = outcome.tokens[start:outcome.reported], outcome.answers[start:outcome.reported]
+        echoed = start == 0 and bool(outcome.prompt[1])
+        if echoed:
+            tokens, answers = [*outcome.prompt[0], *tokens], [{"logprob": None}, *outcome.prompt[1], *answers]
+        if not answers:
+            return None
+        if door == "chat":
+            return logprobs.chat(info.decode, tokens, answers)
+        offset = 0 if echoed else len(outcome.echo) + len(info.decode(outcome.tokens[:start]))
+        return logprobs.completion(info.decode, tokens, answers, offset)
+
+    @staticmethod
     def _chunk(door: str, ident: str, model: str, created: int, delta: str, finish: str | None,
-               role: bool = False) -> dict[str, Any]:
+               role: bool = False, lp: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
         if door == "chat":
             body: dict[str, Any] = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": body, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": finish}
         return {"id": ident, "object": _object(door, True), "created": created, "model": model, "choices": [choice]}
 
     @staticmethod
-    def _answer(door: str, ident: str, model: str, outcome: Outcome, session: Session) -> dict[str, Any]:
+    def _answer(door: str, ident: str, model: str, outcome: Outcome, session: Session,
+                lp: dict[str, Any] | None = None) -> dict[str, Any]:
         if door == "native":
             return {"id": ident, "model": model, "tokens": outcome.tokens, "text": outcome.text,
                     "finish_reason": outcome.finish_reason, "usage": outcome.usage(), "replays": session.replays,
                     "ttft_ms": outcome_ms(outcome)[0], "tpot_ms": outcome_ms(outcome)[1]}  # the gateway's clock
         if door == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": lp,
                       "finish_reason": outcome.finish_reason}
         else:
-            choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
+            choice = {"index": 0, "text": outcome.echo + outcome.text, "logprobs": lp,
+                      "finish_reason": outcome.finish_reason}
         return {"id": ident, "object": _object(door, False), "created": int(time.time()), "model": model,
                 "choices": [choice], "usage": outcome.usage()}
+
+    # ------------------------------------------------------------------ several choices
+
+    async def _several(self, request: web.Request, params: GenerationParams, door: str) -> web.StreamResponse:
+        """``n`` > 1, ``best_of`` or a list of prompts: one session per choice (``best_of`` or ``n`` per prompt, the
+        i-th seeded ``seed + i``), run at once; choice ``p * n + j`` is prompt p's j-th (OpenAI's order). With
+        ``best_of`` > n, the n of each prompt whose tokens' logprobs sum highest (vLLM's rule)."""
+        arrival = self.clock()
+        wait_s = client_deadline_s(request.headers, self.config.room_wait_s)
+        runs: list[Run] = []
+        ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        try:
+            for p, one in enumerate(params.prompts()):
+                stages, info, prompt, max_tokens = await self._prepared(one, door)
+                base = one.sample(len(prompt), info.eos_ids)
+                if params.runs > params.n and params.logprobs is None:
+                    base["logprobs"] = 0  # best_of ranks by the chosen tokens' logprobs (not reported)
+                eos = frozenset() if params.ignore_eos else info.eos_ids
+                echo = (one.prompt if one.prompt is not None else info.decode(prompt)) if params.echo else ""
+                for j in range(params.runs):
+                    seed = None if params.seed is None else params.seed + j
+                    session = await self.engine.open(params.model, stages, prompt, max_tokens, {**base, "seed": seed},
+                                                     eos, wait_s=wait_s, gone=lambda: sse.client_gone(request))
+                    runs.append(Run(p, j, one, session, Outcome(len(prompt), arrival, echo=echo)))
+            if params.stream:
+                response = await sse.open_stream(request, {"X-Quart-Request-Id": ident})
+                await self._stream_several(request, response, runs, info, params, door, ident)
+                return response
+            await asyncio.gather(*(self._collect(request, r.session, info, r.params, r.outcome) for r in runs))
+            failed = next((r.outcome.error for r in runs if r.outcome.error is not None), None)
+            if failed is not None:
+                return web.json_response(openai_error(failed), status=failed.status, headers=failed.headers)
+            choices = []
+            for index, run in answered(runs, 1 + len(params.more_prompts), params.n):
+                lp = self._new_logprobs(door, info, run.outcome) if params.logprobs is not None else None
+                choice = self._answer(door, ident, params.model, run.outcome, run.session, lp)["choices"][0]
+                choices.append({**choice, "index": index})
+            return web.json_response({"id": ident, "object": _object(door, False), "created": int(time.time()),
+                                      "model": params.model, "choices": choices, "usage": usage(runs)})
+        finally:
+            for run in runs:
+                self.engine.finish(run.session)
+                self._record(f"{ident}-{run.prompt}-{run.j}", params.model, arrival, run.outcome)
+
+    async def _stream_several(self, request, response, runs: list[Run], info, params, door, ident) -> None:
+        """Every choice's chunks as they come, each with its index; a choice's last chunk when it ends."""
+        created, queue = int(time.time()), asyncio.Queue()
+
+        async def pump(k: int, run: Run) -> None:
+            try:
+                async for token, delta in self._tokens(request, run.session, info, run.params, run.outcome):
+                    queue.put_nowait((k, token, delta))
+            finally:
+                queue.put_nowait((k, None, None))
+
+        tasks = [asyncio.create_task(pump(k, run)) for k, run in enumerate(runs)]
+        opened: set[int] = set()  # choices whose first chunk went out: each goes with its first token (see _stream)
+        try:
+            for k, run in enumerate(runs):
+                if run.outcome.echo:
+                    await sse.send(response, self._chunk(door, ident, params.model, created, run.outcome.echo, None,
+                                                         index=run.index(params.n)))
+                    opened.add(k)
+            left = len(runs)
+            while left:
+                k, token, delta = await queue.get()
+                run = runs[k]
+                index = run.index(params.n)
+                if delta is None:
+                    left -= 1
+                    if run.outcome.error is not None:
+                        await sse.send(response, openai_error(run.outcome.error))
+                        break
+                    if door == "chat" and k not in opened:  # no token came (a stop id first)
+                        await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True,
+                                                             index=index))
+                    await sse.send(response, self._chunk(door, ident, params.model, created, "",
+                                                         run.outcome.finish_reason, index=index,
+                                                         lp=self._new_logprobs(door, info, run.outcome)))
+                elif delta or k not in opened:
+                    await sse.send(response, self._chunk(door, ident, params.model, created, delta, None, index=index,
+                                                         role=door == "chat" and k not in opened,
+                                                         lp=self._new_logprobs(door, info, run.outcome)))
+                    opened.add(k)
+            else:
+                if params.include_usage:
+                    await sse.send(response, {"id": ident, "object": _object(door, True), "created": created,
+                                              "model": params.model, "choices": [], "usage": usage(runs)})
+            await sse.done(response)
+        except sse.GONE:
+            for run in runs:
+                run.outcome.finish_reason = run.outcome.finish_reason or "client_gone"
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ------------------------------------------------------------------ measuring
 

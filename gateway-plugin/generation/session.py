@@ -14,6 +14,7 @@ import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.kvbook import KVBook
+from quart_stage.sampling import with_history
 
 
 class StepFailed(Exception):
@@ -81,6 +82,28 @@ class Session:
     reprefills: int = 0  # KV migrations that failed and replayed
     freed: bool = False
     finish_reason: str = ""
+    micro: int = 0  # its micro-batch group at every stage (decodebatch: S groups keep S stages busy at once)
+    logprobs: list[dict] = field(default_factory=list)  # per generated token: {"logprob", "top"?} when asked
+    answered: dict = field(default_factory=dict)  # the last stage's answer to the last step (its logprobs)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # echo: prompt tokens 1.. (their logprobs), when asked
+
+    def took(self, doc: dict) -> int:
+        """The token of the last stage's answer to a step; its logprobs (when asked) kept for :meth:`add`."""
+        token = int(doc["token"])
+        self.answered = {k: doc[k] for k in ("logprob", "top") if k in doc}
+        if doc.get("prompt_from") == len(self.prompt_logprobs) + 1:  # a prefill's part (a replay's again: kept once)
+            self.prompt_logprobs += list(doc.get("prompt") or ())
+        return token
+
+    def add(self, token: int) -> None:
+        """A step's token is the session's next (its logprobs too, when asked)."""
+        self.generated.append(token)
+        if "logprobs" in self.sample:
+            self.logprobs.append(self.answered)
+
+    def step_sample(self) -> dict[str, Any]:
+        """The last stage's sample for the next step (quart_stage.sampling.with_history)."""
+        return with_history(self.sample, self.prompt, self.generated)
 
     def calls(self, k: int) -> list[tuple[Any, layers.Range | None]]:
         """The replica calls of stage ``k`` of a step: (replica, its layers or None for the whole stage)."""

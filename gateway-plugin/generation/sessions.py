@@ -3,10 +3,10 @@
 - **Affinity**: at its start a session is placed on one replica per stage (:class:`.kvbook.KVBook`: a replica
   with room for every position it may hold; none → it waits in line, :mod:`.roomwait`, bounded, then 429); every
   step goes to those replicas, which keep its KV cache for their own layers (docs/generation.md).
-- **Steps**: the first step carries the whole prompt (prefill, ``X-Quart-Session-Pos: 0``), every later
-  one the last sampled token only, at the position the caches hold; the last stage answers the next
-  token. Sessions are independent tasks, so the steps of different sessions overlap across the stages
-  (stage 0 runs B's step while stage 2 runs A's); a replica gets at most its concurrency at once.
+- **Steps**: the first step carries the whole prompt (prefill, ``X-Quart-Session-Pos: 0``), every later one the
+  last sampled token only, at the position the caches hold; the last stage answers the next token. Steps of
+  different sessions overlap across the stages (B's at stage 0 while A's at stage 2; batched by micro-batch
+  groups, :mod:`.decodebatch`); a replica's steps beyond its concurrency wait (:class:`.slots.StepSlots`).
 - **Failover by replay**: a replica that fails a step (no answer, 5xx, 429, or 409: it does not hold the
   session) is replaced by another ready replica of its stage, the session gets a new id, and the next
   step feeds every token so far (prompt + generated) from position 0 through all stages; the others
@@ -22,7 +22,6 @@
 - **Live scale-ups** (:mod:`.cooperative`): a session opened while a new replica of a stage holds only its
   first layers is split there (that replica runs those layers, a whole one the rest, each keeping the KV
   cache of its layers) and rejoins the new replica once it is whole.
-- **Slots**: a replica's steps beyond its concurrency wait (:class:`.slots.StepSlots`), running sessions' first.
 - **Freeing**: the step that yields the last allowed token carries ``X-Quart-Session-End``; a session
   that ends otherwise (EOS, a stop string, the client gone, an error) is deleted on every replica.
 """
@@ -32,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import random
@@ -92,7 +92,7 @@ class SessionEngine:
         self._slots: dict[str, StepSlots] = {}
         self._background: set[asyncio.Task] = set()
         self.active: dict[str, Session] = {}
-        self.moves = 0  # sessions moved off draining replicas since the start
+        self.moves, self._opened = 0, itertools.count()  # sessions moved off draining replicas; sessions opened
         self._generating: set[str] = set()  # stage functions that have held a session (decoder stages)
         self.decode_steps: dict[str, BatchTimes] = {}  # stage function -> its decode steps' time by batch size
         self.live_splits = LiveSplits(self)  # sessions split with a live replica during its loading
@@ -174,7 +174,7 @@ class SessionEngine:
             sample = {**sample, "seed": sample["seed"] % 2**63}  # the stage's range; OpenAI's seed may be negative
         replicas, chains = unchained(chosen)
         session = Session(model, list(stages), replicas, need, list(prompt), max_tokens, sample, eos, splits=splits,
-                          chains=chains)
+                          chains=chains, micro=next(self._opened) % len(stages))  # dealt round robin
         self.active[session.id] = session
         self._generating.update(stages)
         return session
@@ -187,7 +187,7 @@ class SessionEngine:
         try:
             while len(session.generated) < session.max_tokens:
                 token = await self._advance(session)
-                session.generated.append(token)
+                session.add(token)
                 if token in session.eos:
                     session.finish_reason = "stop"
                     yield token
@@ -309,9 +309,9 @@ class SessionEngine:
     async def _batched_step(self, session: Session, token: int, pos: int, last: bool, limit: int) -> int:
         row, final, result = token_row(token), len(session.stages) - 1, {}
         for k, (fn, replica) in enumerate(zip(session.stages, session.replicas, strict=True)):
-            entry = BatchEntry(session.id, pos, last, session.sample if k == final else {})
+            entry = BatchEntry(session.id, pos, last, session.step_sample() if k == final else {})
             self._arrived(fn)
-            result, row = await self._lane(session, k, limit).decode(entry, row)
+            result, row = await self._lane(session, k, limit).decode(entry, row, session.micro)
             status = int(result.get("status", 0))
             if status == 409:
                 raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
@@ -320,7 +320,7 @@ class SessionEngine:
             if status != 200:
                 raise QuartError(status, str(result.get("error") or f"stage {fn!r} answered {status}"), "stage")
         try:
-            return int(result["token"])
+            return session.took(result)
         except (KeyError, TypeError, ValueError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 
@@ -351,7 +351,7 @@ class SessionEngine:
                 if part is not None:
                     headers[layers.LAYERS] = layers.format_range(part)
                 if k == final:  # every part of the last stage: either may come to run it whole (a rejoin)
-                    headers[SAMPLE] = json.dumps(session.sample)
+                    headers[SAMPLE] = json.dumps(session.step_sample())
                     if part is None or k in session.chains or part[1] == layers.stage_range(replica)[1]:
                         headers["Accept"] = "application/json"
                 if pos == 0:
@@ -379,7 +379,7 @@ class SessionEngine:
                     raise QuartError(status, _error_text(data) or f"stage {fn!r} answered {status}", "stage")
                 body, ctype = data, answer.get("Content-Type", "application/octet-stream")
         try:
-            return int(json.loads(body)["token"])
+            return session.took(json.loads(body))
         except (ValueError, KeyError, TypeError):
             raise StepFailed(final, session.replicas[final], "the last stage answered no token") from None
 

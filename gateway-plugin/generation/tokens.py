@@ -224,28 +224,38 @@ class ModelCatalog:
 
 
 class TextStream:
-    """The text of the generated tokens as it grows, cut at the first stop string.
+    """The text of the generated tokens as it grows, cut at the first stop string (kept in the text with
+    ``include``; none looked for before ``min_tokens`` tokens, vLLM's rule).
 
     Text that could still become a stop string, and an incomplete UTF-8 sequence (U+FFFD at the end), is
     held back until the next token decides it."""
 
-    def __init__(self, model: ModelInfo, stops: tuple[str, ...]) -> None:
+    def __init__(self, model: ModelInfo, stops: tuple[str, ...], include: bool = False, min_tokens: int = 0) -> None:
         self.model = model
         self.stops = stops
+        self.include = include
+        self.min_tokens = min_tokens
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0  # characters already handed out
+        self.armed = 0  # characters before the first token whose text may hold a stop string
         self.stopped = False
 
     def push(self, token: int) -> str:
         """Add a token; the new text that is safe to hand out (``stopped`` once a stop string appeared)."""
+        if len(self.ids) < self.min_tokens:
+            self.armed = len(self.model.decode(self.ids)) if self.ids else 0
         self.ids.append(token)
         text = self.model.decode(self.ids)
-        cut = min((i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            delta, self.sent = text[self.sent:cut], max(self.sent, cut)
-            return delta
+        if len(self.ids) >= self.min_tokens:
+            found = [(i, s) for s in self.stops
+                     if (i := text.find(s, max(0, self.sent - len(s), self.armed - len(s) + 1))) >= 0]
+            if found:
+                cut, stop = min(found)
+                end = cut + len(stop) if self.include else cut
+                self.stopped = True
+                delta, self.sent = text[self.sent:end], max(self.sent, end)
+                return delta
         safe = len(text) - self.hold
         while safe > self.sent and text[safe - 1] == "\ufffd":
             safe -= 1

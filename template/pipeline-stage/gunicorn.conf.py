@@ -13,6 +13,7 @@ preload_app = os.getenv("QUART_PRELOAD", "1") == "1"
 timeout = int(os.getenv("QUART_WORKER_TIMEOUT", "120"))
 graceful_timeout = 30
 keepalive = 75
+limit_request_field_size = 1 << 18  # X-Quart-Sample carries the ids a repetition penalty reads (5.3 B a token)
 accesslog = None
 errorlog = "-"
 loglevel = os.getenv("QUART_LOG_LEVEL", "info")

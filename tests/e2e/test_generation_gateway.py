@@ -81,6 +81,28 @@ def test_openai_client_completions_and_chat_streamed_and_not(gateway, whole):
     assert 'quart_generation_tpot_seconds_count{model="tiny"}' in metrics
 
 
+def test_penalties_bias_and_logprobs_through_real_stages_equal_transformers(gateway, whole):
+    """The sampler's fields through the gateway and three real stages: greedy with a repetition penalty and a logit
+    bias gives transformers' generate with RepetitionPenalty and SequenceBias; the logprobs are its raw logits'."""
+    system, model_dir = gateway
+    client = openai.OpenAI(base_url=f"{system.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    tokenizer = load_model("tiny", model_dir).tokenizer
+    ids = tokenizer.encode("Pipelines stream", add_special_tokens=False)
+    whole.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = whole.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0,
+                             repetition_penalty=1.8, sequence_bias={(40,): 2.0}, output_logits=True,
+                             return_dict_in_generate=True)
+    want = out.sequences[0, len(ids):].tolist()
+    answer = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, logprobs=2,
+                                       logit_bias={"40": 2.0}, extra_body={"repetition_penalty": 1.8,
+                                                                            "ignore_eos": True})
+    lp = answer.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in want] and want != greedy(whole, ids, 8)
+    raw = [torch.log_softmax(x[0].float(), dim=-1) for x in out.logits]
+    assert lp.token_logprobs == pytest.approx([float(r[t]) for r, t in zip(raw, want, strict=True)], abs=1e-4)
+
+
 def _pid_listening(url: str) -> int:
     port = int(url.rstrip("/").rsplit(":", 1)[1])
     return next(c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port)

@@ -16,17 +16,12 @@ import pytest
 import requests
 from gateway_plugin.generation.tokens import load_model
 from support.fake_session_stage import reference
-from support.generation_app import GenerationServer, tiny_models
+from support.generation_app import tiny_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    dirs = tiny_models(tmp_path_factory.mktemp("models"))
-    running = GenerationServer(dirs, max_body_bytes=64 * 1024, default_max_tokens=8)
-    try:
-        yield running
-    finally:
-        running.close()
+    yield from tiny_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +109,7 @@ def test_bad_requests_get_4xx_in_openai_error_shape(server, client):
            400, "body")
     _error(requests.post(url, json={"model": "tiny", "prompt": "x" * 70_000}), 413, "body")
     _error(requests.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": []}), 400, "messages")
-    _error(requests.post(url, json={"model": "tiny", "prompt": "x", "n": 3}), 400, "n")
+    _error(requests.post(url, json={"model": "tiny", "prompt": "x", "n": 0}), 400, "n")
     _error(requests.get(url), 405)
     _error(requests.get(f"{server.url}/v1/embeddings"), 404, "path")
 

@@ -58,7 +58,8 @@ class Pipeline:
 
 
 def engine_for(pipe: Pipeline, **config) -> SessionEngine:
-    return SessionEngine(pipe.source, GenerationConfig(replica_wait_s=0.5, **config))
+    # the fake replicas speak the one-session step protocol only (batched steps: tests/integration/test_decode_batching.py)
+    return SessionEngine(pipe.source, GenerationConfig(**{"replica_wait_s": 0.5, "decode_batch_max": 1, **config}))
 
 
 async def _generate(engine: SessionEngine, pipe: Pipeline, prompt: list[int], n: int, on_token=None):

@@ -16,6 +16,8 @@ from dataclasses import fields
 import pytest
 import yaml
 from gateway_plugin.config import PluginConfig
+from gateway_plugin.kubernetes_pods import KubernetesAPI, PodDirectory, pod_directory
+from gateway_plugin.standalone import DEFAULT_NAMESPACE
 from quart_stage.config import StageConfig
 from quart_stage.settings import ConfigError
 from quart_tools.stackfile import stack_document
@@ -77,7 +79,8 @@ def test_every_object_of_every_overlay_validates_strictly(overlay: str, version:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     objects = render(overlay)
     assert {o["kind"] for o in objects} == {"ServiceAccount", "ConfigMap", "Service", "Deployment", "DaemonSet",
-                                            "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding", "Namespace"}
+                                            "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding", "Namespace",
+                                            "Role", "RoleBinding"}
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)  # raises on any unknown or mistyped field
 
@@ -94,7 +97,9 @@ def test_strict_validation_rejects_an_unknown_field():
 def test_namespaces_are_openfaas_ones(overlay: str):
     objects = render(overlay)
     for obj in objects:
-        if not obj["kind"].startswith("MutatingAdmissionPolicy") and obj["kind"] != "Namespace":  # cluster-scoped
+        if obj["kind"] in ("Role", "RoleBinding"):  # the plugin's read access to the functions' EndpointSlices
+            assert obj["metadata"]["namespace"] == "openfaas-fn", obj["metadata"]["name"]
+        elif not obj["kind"].startswith("MutatingAdmissionPolicy") and obj["kind"] != "Namespace":  # cluster-scoped
             assert obj["metadata"]["namespace"] == "openfaas", obj["metadata"]["name"]
     # the stage pods' hostPath mounts are refused under Pod Security baseline: their namespace is privileged
     [namespace] = [o for o in objects if o["kind"] == "Namespace"]
@@ -220,7 +225,7 @@ def test_resources_and_node_placement(overlay: str):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_prometheus_scrapes_the_plugin_and_no_rbac_is_needed(overlay: str):
+def test_prometheus_scrapes_the_plugin(overlay: str):
     objects = render(overlay)
     deployment = one(objects, "Deployment")
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
@@ -231,10 +236,36 @@ def test_prometheus_scrapes_the_plugin_and_no_rbac_is_needed(overlay: str):
     assert plugin["args"][plugin["args"].index("--port") + 1] == annotations["prometheus.io/port"]
     service = one(objects, "Service")
     assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
-    # neither component calls the Kubernetes API: no roles, no token in the pods
-    assert not [o for o in objects if o["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
-    for kind in ("Deployment", "DaemonSet"):
-        assert pod_spec(objects, kind)["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_plugin_reads_the_kubernetes_api_and_only_the_functions_endpointslices(overlay: str):
+    """The plugin addresses stage pods directly (QUART_PLATFORM=kubernetes): its service account may get, list and
+    watch endpointslices in the functions' namespace, at the API path its pod directory calls; nothing else has a
+    role or a token."""
+    objects = render(overlay)
+    assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    role, binding = one(objects, "Role"), one(objects, "RoleBinding")
+    [rule] = role["rules"]
+    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}
+    functions_namespace = one(objects, "Namespace")["metadata"]["name"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == functions_namespace == DEFAULT_NAMESPACE
+    # the path the pod directory lists and watches is the one the rule grants
+    path = KubernetesAPI("https://k8s", "/sa")._path(functions_namespace)
+    assert path == f"https://k8s/apis/{rule['apiGroups'][0]}/v1/namespaces/{functions_namespace}/{rule['resources'][0]}"
+    deployment = one(objects, "Deployment")
+    account = one(objects, "ServiceAccount", deployment["spec"]["template"]["spec"]["serviceAccountName"])
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": account["metadata"]["namespace"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert pod_spec(objects, "Deployment")["automountServiceAccountToken"] is True  # its token and the cluster CA
+    assert pod_spec(objects, "DaemonSet")["automountServiceAccountToken"] is False
+    [plugin] = pod_spec(objects, "Deployment")["containers"]
+    config = PluginConfig.from_env(configmap(objects, plugin))
+    assert config.platform == "kubernetes" and isinstance(pod_directory(config), PodDirectory)
+    assert config.kubernetes_credentials_dir == "/var/run/secrets/kubernetes.io/serviceaccount"  # where it is mounted
 
 
 @pytest.mark.parametrize("component,module", [("plugin", "gateway_plugin.standalone"),

@@ -186,3 +186,29 @@ def test_a_replica_that_refuses_connections_is_known_dead():
 
     assert replica_gone(UpstreamRefused("cannot connect to 127.0.0.1:9: refused"))
     assert not replica_gone(UpstreamError("the replica closed the connection")) and not replica_gone(None)
+
+
+def test_a_refusal_through_aiohttp_s_client_is_known_dead_too():
+    """The session engine's aiohttp client wraps a refused connection in ClientConnectorError (found by the pod
+    addressing tests: a dead pod still listed was picked again for every new session)."""
+    import asyncio
+    import socket
+
+    import aiohttp
+    from quart_transport.retry import replica_gone
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    async def refused() -> BaseException:
+        async with aiohttp.ClientSession() as client:
+            try:
+                await client.post(f"http://127.0.0.1:{port}/", data=b"x")
+            except aiohttp.ClientError as exc:
+                return exc
+        raise AssertionError("a connection to a closed port was accepted")
+
+    error = asyncio.run(refused())
+    assert isinstance(error, aiohttp.ClientConnectorError) and replica_gone(error)
+    assert not replica_gone(aiohttp.ServerDisconnectedError())

@@ -1,8 +1,9 @@
 """Test helper: stage replicas that speak the session protocol of docs/generation.md with a toy model.
 
 Each replica keeps, per session, the ids it has seen (its "KV cache"); a stage passes the ids on as JSON
-(``{"h": [...]}``, standing in for hidden states); the last stage answers the next token, a pure function
-of the whole sequence (:func:`next_token`), so a replay gives the same tokens as an uninterrupted run.
+(``{"h": [...]}``, standing in for hidden states); the last stage answers the next token, chosen by the real
+sampler (quart_stage.sampling, ``X-Quart-Sample``) from toy logits whose maximum is a pure function of the
+whole sequence (:func:`next_token`: greedy gives it), so a replay gives the same tokens as an uninterrupted run.
 It answers 409 for a wrong ``X-Quart-Session-Pos``, 429 over its KV cap, frees on ``X-Quart-Session-End``
 and ``DELETE /_/sessions/<id>``, and records what it was asked.
 """
@@ -13,7 +14,9 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 
+import torch
 from aiohttp import web
+from quart_stage import sampling
 
 VOCAB = 256
 EOS = 2
@@ -24,6 +27,14 @@ def next_token(sequence: list[int], eos_after: int | None = None, prompt_len: in
     if eos_after is not None and len(sequence) - prompt_len >= eos_after:
         return EOS
     return (sum(sequence) * 7 + len(sequence) * 13) % (VOCAB - 40) + 32  # printable bytes, never EOS
+
+
+def toy_logits(sequence: list[int], eos_after: int | None = None, prompt_len: int = 0) -> torch.Tensor:
+    """The toy model's logits: small seeded noise and a clear maximum at :func:`next_token` (greedy = the toy)."""
+    noise = torch.randn(VOCAB, generator=torch.Generator().manual_seed(sum(sequence) * 31 + len(sequence)))
+    logits = (noise * 1.2).clamp(max=3.0)  # a penalty of 2 on the maximum lets another token win
+    logits[next_token(sequence, eos_after, prompt_len)] = 4.0
+    return logits
 
 
 def reference(prompt: list[int], n: int) -> list[int]:
@@ -47,6 +58,7 @@ class FakeStage:
     calls: int = 0
     fail_next: int = 0  # answer this many calls with 500
     delay_s: float = 0.0  # each call takes this long (a slow stage)
+    samples: list = field(default_factory=list)  # the last stage's sampling parameters, one per step
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -83,10 +95,13 @@ class FakeStage:
             del self.sessions[sid]
         if not self.last:
             return web.json_response({"h": new}, headers=headers)
-        sample = json.loads(request.headers["X-Quart-Sample"])
-        assert sample["seed"] is not None
-        token = next_token(seq, self.eos_after, self.prompts.get(sid, 0))
-        return web.json_response({"token": token, "pos": len(seq)}, headers=headers)
+        assert json.loads(request.headers["X-Quart-Sample"])["seed"] is not None
+        sample = sampling.parse_sample(request.headers["X-Quart-Sample"])  # the real sampler on toy logits
+        self.samples.append(sample)
+        rows = torch.stack([toy_logits(seq[:q + 1], self.eos_after, self.prompts.get(sid, 0))
+                            for q in range(pos, len(seq))])  # each new position's logits: the next token's
+        doc = sampling.prompt_answer(rows, sample, pos)
+        return web.json_response({**doc, "pos": len(seq)}, headers=headers)
 
     async def delete(self, request: web.Request) -> web.Response:
         sid = request.match_info["sid"]

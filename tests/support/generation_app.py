@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from aiohttp import web
@@ -69,7 +70,8 @@ class GenerationServer(BackgroundLoop):
         self.fakes: list[FakeStage] = []
         self.records = io.StringIO()  # the request records (QUART_RECORDS), one JSON line each
         self.collector = MetricsCollector(10.0, self.records)
-        self.url = self.call(self._start(GenerationConfig(replica_wait_s=0.5, **config)))
+        # the fake replicas speak the one-session step protocol only, not batched decode steps
+        self.url = self.call(self._start(GenerationConfig(**{"replica_wait_s": 0.5, "decode_batch_max": 1, **config})))
 
     async def _start(self, config: GenerationConfig) -> str:
         self.source = StaticReplicas(slots=1)
@@ -105,3 +107,14 @@ class GenerationServer(BackgroundLoop):
         for runner in reversed(self.runners):
             await runner.cleanup()
         await self.engine.close()
+
+
+def tiny_server(tmp_path_factory) -> Iterator[GenerationServer]:
+    """A module fixture's body: the GenerationServer over ``tiny`` (and ``enc``) the /v1 tests share (64 KiB
+    bodies, 8 tokens by default), closed after the module."""
+    running = GenerationServer(tiny_models(tmp_path_factory.mktemp("models")), max_body_bytes=64 * 1024,
+                               default_max_tokens=8)
+    try:
+        yield running
+    finally:
+        running.close()

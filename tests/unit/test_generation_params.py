@@ -24,7 +24,8 @@ def test_which_function_bodies_are_generation_requests(doc, generates):
 @pytest.mark.parametrize(("doc", "door", "field"), [
     ({"prompt": "x"}, "completion", "model"),
     ({"model": "m", "prompt": ""}, "completion", "prompt"),
-    ({"model": "m", "prompt": ["a", "b"]}, "completion", "prompt"),
+    ({"model": "m", "prompt": ["a", "b"] * 40}, "completion", "prompt"),
+    ({"model": "m", "prompt": ["a", 5]}, "completion", "prompt"),
     ({"model": "m", "prompt": "x", "max_tokens": 0}, "completion", "max_tokens"),
     ({"model": "m", "prompt": "x", "max_tokens": True}, "completion", "max_tokens"),
     ({"model": "m", "prompt": "x", "temperature": 3}, "completion", "temperature"),
@@ -32,7 +33,9 @@ def test_which_function_bodies_are_generation_requests(doc, generates):
     ({"model": "m", "prompt": "x", "seed": 2**64}, "completion", "seed"),
     ({"model": "m", "prompt": "x", "stop": [""]}, "completion", "stop"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "completion", "stream"),
-    ({"model": "m", "prompt": "x", "logprobs": 2}, "completion", "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "completion", "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": 2}, "native", "logprobs"),
+    ({"model": "m", "prompt": "x", "n": 2}, "native", "n"),
     ({"model": "m", "prompt": "x" * 101}, "completion", "prompt"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}] * 5}, "chat", "messages"),
     ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "chat", "messages[0].role"),
@@ -43,6 +46,18 @@ def test_bad_parameters_are_refused_naming_the_field(doc, door, field):
     with pytest.raises(QuartError) as refused:
         parse(doc, door, CFG, "m" if door == "native" else None)
     assert refused.value.status in (400, 413) and refused.value.field == field
+
+
+def test_logprobs_and_choices_as_each_door_spells_them():
+    assert parse({"model": "m", "prompt": "x", "logprobs": False}, "completion", CFG).logprobs is None
+    assert parse({"model": "m", "prompt": "x", "logprobs": 0}, "completion", CFG).logprobs == 0
+    chat = parse({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 4,
+                  "n": 3}, "chat", CFG)
+    assert (chat.logprobs, chat.n, chat.runs) == (4, 3, 3)
+    many = parse({"model": "m", "prompt": ["a", [5, 6]], "best_of": 3, "n": 2, "echo": True, "max_tokens": 0},
+                 "completion", CFG)
+    assert [(p.prompt, p.prompt_ids) for p in many.prompts()] == [("a", None), (None, (5, 6))] and many.runs == 3
+    assert many.sample(4, frozenset({2}))["seed"] is None and "logprobs" not in many.sample(4, frozenset({2}))
 
 
 def test_defaults_per_door():

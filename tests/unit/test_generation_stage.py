@@ -18,7 +18,7 @@ from quart_stage.manifest import Manifest
 from quart_stage.runtime import StageRuntime
 from quart_stage.verify import reference_model
 from quart_tools.partition import partition, split_layers
-from quart_tools.stagechain import cut_runtimes, generate, session_step, whole_tensors
+from quart_tools.stagechain import cut_runtimes, generate, generate_batched, session_step, whole_tensors
 
 _BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=128,
              max_position_embeddings=64)
@@ -319,6 +319,9 @@ def test_emulated_sessions_count_positions_and_give_deterministic_tokens():
     assert _post(runtimes[0], PROMPT, 0, session="e").status == 200
     assert _post(runtimes[0], [1], 3, session="e").status == 409
     assert runtimes[0].generation.table.used == len(PROMPT)
+    asked = session_step(runtimes, PROMPT, 0, "lp", sample={"logprobs": 1})  # no logits to answer them from
+    assert asked.status == 400 and "emulated" in json.loads(asked.body)["error"]
+    assert runtimes[2].generation.table.used == 0
 
 
 def test_emulated_step_time_comes_from_the_profile():
@@ -357,3 +360,45 @@ def test_session_step_reports_the_first_failure(models):
     runtimes = _runtimes(models["llama", 2])
     resp = session_step(runtimes, [1], 3, "nobody")
     assert resp.status == 409 and resp.headers["X-Quart-Stage"] == "0"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_penalties_bias_and_min_tokens_equal_transformers_generate(models, n):
+    """Greedy with a repetition penalty, a logit bias and min_tokens (the history sent per step, as the gateway
+    does): transformers' generate with repetition_penalty, sequence_bias and min_new_tokens gives the same tokens."""
+    model = reference_model(models["llama", 1])
+    eos = reference_model(models["llama", 1]).generate(torch.tensor([PROMPT]), max_new_tokens=3, do_sample=False,
+                                                       pad_token_id=0)[0, len(PROMPT) + 1].item()  # the 2nd token
+    with torch.inference_mode():
+        gen = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, use_cache=True,
+                             repetition_penalty=1.8, sequence_bias={(17,): 1.5}, min_new_tokens=NEW,
+                             eos_token_id=eos, pad_token_id=0)
+    want = gen[0, len(PROMPT):].tolist()
+    sample = {"repetition_penalty": 1.8, "logit_bias": {"17": 1.5}, "min_pos": len(PROMPT) + NEW, "suppress": [eos]}
+    got = generate(_runtimes(models["llama", n]), PROMPT, NEW, sample=sample).tokens
+    assert got == want and eos not in got
+    plain = generate(_runtimes(models["llama", n]), PROMPT, NEW).tokens
+    assert plain != got
+    batched = generate_batched(_runtimes(models["llama", n]), [PROMPT, PROMPT[:5]], [NEW, 4], samples=[sample, None])
+    assert batched[0] == want
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_prompt_logprobs_equal_the_whole_models_log_softmax(models, chunk):
+    """echo with logprobs: the last stage runs the head on every prompt position and answers each prompt token's
+    logprob (and the top k), equal to the whole model's full forward; a chunked prefill gives its share each step."""
+    runtimes = _runtimes(models["llama", 2])
+    sample = sampling.with_history({"prompt_logprobs": 2}, PROMPT, [])
+    with torch.inference_mode():
+        raw = torch.log_softmax(reference_model(models["llama", 1])(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    got, pos = [], 0
+    for part in ([PROMPT] if chunk is None else [PROMPT[i:i + chunk] for i in range(0, len(PROMPT), chunk)]):
+        doc = json.loads(session_step(runtimes, part, pos, "p", sample=sample).body)
+        assert doc.get("prompt_from", pos + 1) == pos + 1
+        got += doc.get("prompt", [])
+        pos += len(part)
+    assert len(got) == len(PROMPT) - 1
+    for t, entry in enumerate(got, start=1):
+        assert entry["logprob"] == pytest.approx(float(raw[t - 1, PROMPT[t]]), abs=LOGIT_TOL)
+        assert [i for i, _ in entry["top"]] == torch.topk(raw[t - 1], 2).indices.tolist()
+    assert doc["token"] == int(raw[-1].argmax())

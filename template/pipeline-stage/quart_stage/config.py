@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from quart_stage.settings import ConfigError, settings_from_env
 
 COMPUTE_MODES = ("cpu", "cuda", "emulated")
+
+
+def computes_on_cpu(env: Mapping[str, str]) -> bool:
+    """Whether a function with these environment variables is a model stage computing on the CPU (it names a model
+    and ``QUART_COMPUTE`` is ``cpu``, the default): its replicas share their machine's cores."""
+    named = bool(env.get("QUART_MODEL_DIR") or env.get("QUART_MODEL_URL"))
+    return named and (env.get("QUART_COMPUTE") or "cpu").strip().lower() == "cpu"
 DEVICE_COPY_METHODS = ("auto", "staged", "register", "pageable")  # how quart_stage.device_copy moves parameters
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024

@@ -243,7 +243,7 @@ class StageModule(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: Mapping[str, torch.Tensor], start: int | None = None,
-                end: int | None = None, *, cache=None, past: int | torch.Tensor = 0) -> torch.Tensor:
+                end: int | None = None, *, cache=None, past: int | torch.Tensor = 0, every: bool = False) -> torch.Tensor:
         """Run layers ``[start, end)`` (absolute, inside this stage's range; default: all of them).
 
         A sub-range runs the stage's own modules (no copy, no new module): input ``input_ids`` when it starts
@@ -253,7 +253,7 @@ class StageModule(nn.Module):
         With ``cache`` (a transformers ``Cache`` from :meth:`new_cache`, holding ``past`` positions of one
         sequence): the inputs are the sequence's next positions only; positions, rotary tables and masks
         continue from ``past``, the blocks append their keys and values to the cache, and the head (if held)
-        runs on the last position only. A batched decode step (one new position per session): ``cache`` a
+        runs on the last position only (on every new one with ``every``: a prompt's logprobs). A batched decode step (one new position per session): ``cache`` a
         :class:`quart_stage.ragged.RaggedCache` and ``past`` a 1-D tensor, each row's positions held.
         """
         lo = self.start if start is None else start
@@ -271,7 +271,7 @@ class StageModule(nn.Module):
             hidden = self._blocks(hidden, mask, first - 1 - self.block_offset, last - 1 - self.block_offset,
                                   cache, past)
         if hi == self.total_layers:
-            hidden = self._head(hidden if cache is None else hidden[:, -1:], mask)
+            hidden = self._head(hidden if cache is None or every else hidden[:, -1:], mask)
         return hidden
 
     def new_cache(self):

@@ -48,7 +48,8 @@ class GunicornServer:
         self.url = f"http://127.0.0.1:{port}"
         fd = self.sock.fileno()
         cmd = [sys.executable, "-m", "gunicorn", "--bind", f"fd://{fd}", "--workers", str(self.workers),
-               "--timeout", "120", "--graceful-timeout", "5", *self.extra_args, self.app]
+               "--timeout", "120", "--graceful-timeout", "5", "--limit-request-field_size", str(1 << 18),
+               *self.extra_args, self.app]
         env = {**os.environ, **self.env}
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, env=env, cwd=self.cwd, pass_fds=(fd,), start_new_session=True,

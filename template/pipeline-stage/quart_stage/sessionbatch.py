@@ -25,7 +25,7 @@ from quart_stage.errors import QuartError, invalid
 from quart_stage.inputs import HIDDEN, INPUT_IDS
 from quart_stage.kvcache import FIELD, H_KV_TOKENS
 from quart_stage.response import H_COMPUTE, H_DESER, H_REQUEST_ID, H_SER, JSON_TYPE, StageResponse, elapsed_ms
-from quart_stage.sampling import GREEDY, SampleParams, choose, parse_sample
+from quart_stage.sampling import GREEDY, SampleParams, answer, sample_from
 
 
 def _error_doc(entry: BatchEntry, exc: QuartError) -> dict:
@@ -87,7 +87,8 @@ class BatchedSteps:
                 for row in sorted(range(len(entries)), key=lambda r: entries[r].id):  # one lock order: no deadlock
                     e = entries[row]
                     try:
-                        samples[row] = parse_sample(json.dumps(e.sample)) if e.sample else GREEDY
+                        samples[row] = sample_from(dict(e.sample)) if e.sample else GREEDY
+                        samples[row].check_logits(emulated and gen.last)
                         gen.check_reach(e.pos + 1)
                         session = stack.enter_context(gen.table.step(e.id, e.pos, 1, 0, lambda: None))
                     except QuartError as exc:
@@ -109,7 +110,7 @@ class BatchedSteps:
             e = entries[row]
             results[row] = {"id": e.id, "status": 200, "pos": e.pos + 1}
             if gen.last:
-                results[row]["token"] = output[k]
+                results[row].update(output[k])
             if e.end:
                 gen.table.drop(e.id)
         headers = {**base, H_KV_TOKENS: gen.table.occupancy(), H_DESER: elapsed_ms(t0, t1),
@@ -133,7 +134,7 @@ class BatchedSteps:
             for state, row_ids in zip(states, ids, strict=True):
                 gen.emulated_append(state, row_ids)
             if gen.last:
-                return [state.token(gen.vocab) for state in states]
+                return [{"token": state.token(gen.vocab)} for state in states]
             return gen.emulated_activation(ids)
         from quart_stage.ragged import RaggedCache
 
@@ -142,4 +143,4 @@ class BatchedSteps:
         out = rt.module({name: rows.to(rt._device)}, cache=RaggedCache(states), past=past)
         if not gen.last:
             return out.cpu() if out.device.type != "cpu" else out
-        return [choose(out[k, -1], samples[k], e.pos + 1) for k, e in enumerate(entries)]
+        return [answer(out[k, -1], samples[k], e.pos + 1) for k, e in enumerate(entries)]

@@ -32,7 +32,7 @@ from quart_stage.kvcache import (
 from quart_stage.kvmigrate import EmulatedKV, block_layers
 from quart_stage.layers import H_LAYERS, fmt, range_share
 from quart_stage.response import H_COMPUTE, H_DESER, H_REQUEST_ID, H_SER, JSON_TYPE, StageResponse, elapsed_ms
-from quart_stage.sampling import H_SAMPLE, SampleParams, choose, parse_sample
+from quart_stage.sampling import H_SAMPLE, SampleParams, answer, parse_sample, prompt_answer
 from quart_stage.sessionbatch import BatchedSteps
 
 H_RETURN_LOGITS = "X-Quart-Return-Logits"
@@ -176,6 +176,8 @@ class Generation:
             emulated = rt.cfg.compute == "emulated"
             span = self.span_of(span)
             last = self.last if span is None else span[1] == rt.total_layers
+            if last:
+                req.sample.check_logits(emulated)
             with self.table.step(req.id, req.pos, new, req.reserve, lambda: self.new_state(req.sample.seed), span,
                                  rt.stage_range) as session:
                 if emulated:
@@ -195,7 +197,7 @@ class Generation:
         if span is not None:
             base = {**base, H_LAYERS: fmt(span)}
         if last:
-            doc = {"token": output[0], "pos": held}
+            doc = {**output[0], "pos": held}
             if req.return_logits and output[1] is not None:
                 doc["logits"] = output[1].tolist()
             chunks, ctype = [json.dumps(doc).encode()], JSON_TYPE
@@ -212,12 +214,13 @@ class Generation:
         rt = self.rt
         if rt._device.type != "cpu":
             inputs = {k: v.to(rt._device, non_blocking=True) for k, v in inputs.items()}
-        out = rt.module(inputs, *(span or ()), cache=cache, past=req.pos)
+        every = last and len(req.sample.prompt_span(req.pos, new)) > 0  # the head on every position: prompt logprobs
+        out = rt.module(inputs, *(span or ()), cache=cache, past=req.pos, every=every)
         if not last:
             return out.cpu() if out.device.type != "cpu" else out
         logits = out[0, -1]
-        token = choose(logits, req.sample, req.pos + new)
-        return token, (logits.float().cpu() if req.return_logits else None)
+        doc = prompt_answer(out[0], req.sample, req.pos) if every else answer(logits, req.sample, req.pos + new)
+        return doc, (logits.float().cpu() if req.return_logits else None)
 
     def _emulate(self, state: EmulatedKV, inputs: dict[str, torch.Tensor], req: SessionRequest, new: int,
                  span: tuple[int, int] | None, last: bool):
@@ -227,7 +230,7 @@ class Generation:
         time.sleep(rt.step_time.sample_ms(new, rt._rng) * share / 1000.0)
         self.emulated_append(state, ids, span)
         if last:
-            return state.token(self.vocab), None
+            return {"token": state.token(self.vocab)}, None
         return self.emulated_activation([ids], span)
 
     def emulated_append(self, state: EmulatedKV, ids: list[int], span: tuple[int, int] | None = None) -> None:
