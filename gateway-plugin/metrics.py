@@ -277,7 +277,8 @@ class ServingMetrics:
     "Metrics"). Fed by the ``/v1`` doors: a request waits from its arrival until its session is placed (KV room
     on every stage), then runs until its answer ends."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry if registry is not None else CollectorRegistry()  # None: a private one (no collector)
         label = ["model_name"]
         self.waiting = Gauge("vllm:num_requests_waiting", "requests waiting for room (KV cache) before they run",
                              label, registry=registry)

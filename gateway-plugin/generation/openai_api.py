@@ -1,12 +1,10 @@
 """The generation doors of the gateway: OpenAI's ``/v1`` API and generation bodies on ``/function/<model>``.
 
-- ``GET /v1/models``: the decoder and embedding pipelines (``id`` = the pipeline's name, ``com.quart.model``;
-  ``max_model_len`` and ``root`` as vLLM lists them);
+- ``GET /v1/models``: the decoder and embedding pipelines (``id``: ``com.quart.model``; vLLM's ``max_model_len``, ``root``);
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and answer shapes (the
-  chat template of the model's tokenizer), ``stream: true`` → server-sent events ending with
-  ``data: [DONE]`` (a chat stream's first chunk, the role, goes out with the first token, as vLLM sends it, so
-  a client's TTFT is the prefill), ``usage`` counts, errors as ``{"error": {"message", "type", "param", "code"}}``
-  (a context overflow worded as OpenAI words it, code ``context_length_exceeded``);
+  chat template of the model's tokenizer), ``stream: true`` → server-sent events ending with ``data: [DONE]``
+  (the first chunk goes with the first token, as vLLM's: a client's TTFT is the prefill), ``usage`` counts,
+  errors as ``{"error": {"message", "type", "param", "code"}}``;
 - ``POST /v1/embeddings``: :mod:`.embeddings` (the pooled encoder pipelines, through the router's one-shot path);
 - ``POST /function/<model>`` with a generation body (:func:`.params.is_generation`): the same engine,
   answered in the project's shape (``{"tokens", "text", "finish_reason", "usage", ...}``, errors
@@ -14,8 +12,8 @@
 
 The body is bounded before it is parsed, the text before it is tokenized; a request is checked whole
 before its session is placed. A stream that cannot go on ends with ``data: {"error": ...}`` and
-``data: [DONE]``; every request ends. TTFT and TPOT go to the metrics collector (histograms and the
-request records), with vLLM's serving metrics (:class:`~gateway_plugin.metrics.ServingMetrics`).
+``data: [DONE]``; every request ends. TTFT and TPOT go to the metrics collector (histograms, the request records,
+vLLM's serving metrics: :class:`~gateway_plugin.metrics.ServingMetrics`).
 """
 
 from __future__ import annotations
@@ -41,12 +39,12 @@ from gateway_plugin.generation.tokens import (
     ModelCatalog,
     ModelInfo,
     TextStream,
-    context_exceeded,
     context_of,
     default_tokenizer_cache,
     is_registry_url,
+    max_tokens_for,
 )
-from gateway_plugin.metrics import MetricsCollector, RequestRecord
+from gateway_plugin.metrics import MetricsCollector, RequestRecord, ServingMetrics
 from quart_kernel.admission import client_deadline_s
 from quart_stage import jsonparse
 from quart_stage.errors import QuartError, invalid
@@ -97,8 +95,7 @@ class GenerationAPI:
                  model_dir: Callable[[str], str | None], config: GenerationConfig,
                  collector: MetricsCollector | None = None, clock: Callable[[], float] = time.monotonic,
                  one_shot: OneShot | None = None) -> None:
-        """``one_shot``: the router's one-shot path (:meth:`gateway_plugin.router.Router.answer`), which
-        ``/v1/embeddings`` goes through; without it that route answers 404."""
+        """``one_shot``: the router's path (``Router.answer``) for ``/v1/embeddings``; without it, that is a 404."""
         self.engine = engine
         self.pipelines = pipelines
         self.model_dir = model_dir
@@ -106,6 +103,7 @@ class GenerationAPI:
         self.collector = collector
         self.clock = clock
         self.catalog = ModelCatalog(config.tokenizer_cache or default_tokenizer_cache())
+        self.serving = collector.serving if collector is not None else ServingMetrics()
         self._decoders: dict[str, bool] = {}  # model folder -> a decoder (generates)
         self.embeddings = None if one_shot is None else EmbeddingsAPI(
             one_shot, pipelines, model_dir, config, self.catalog, collector, clock)
@@ -121,17 +119,14 @@ class GenerationAPI:
                     raise QuartError(405, "use GET /v1/models", "method")
                 return web.json_response(await self.models())
             door = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
-            if path == "/v1/embeddings" and self.embeddings is not None:
-                if request.method != "POST":
-                    raise QuartError(405, f"use POST {path}", "method")
-                return web.json_response(await self.embeddings.embed(await self._read_json(request), request.headers))
-            if door is None:
-                raise QuartError(404, f"no route {request.method} {path}; this gateway serves /v1/models, "
-                                      "/v1/completions, /v1/chat/completions"
-                                      f"{' and /v1/embeddings' if self.embeddings else ''}", "path")
+            if door is None and not (path == "/v1/embeddings" and self.embeddings is not None):
+                raise QuartError(404, f"no route {request.method} {path}; this gateway serves /v1/models, /v1/completions, "
+                                      f"/v1/chat/completions{' and /v1/embeddings' if self.embeddings else ''}", "path")
             if request.method != "POST":
                 raise QuartError(405, f"use POST {path}", "method")
             doc = await self._read_json(request)
+            if door is None and self.embeddings is not None:
+                return web.json_response(await self.embeddings.embed(doc, request.headers))
             return await self.generate(request, parse(doc, door, self.config), door)
         except QuartError as exc:
             return web.json_response(openai_error(exc), status=exc.status, headers=exc.headers)
@@ -173,9 +168,8 @@ class GenerationAPI:
             return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers)
 
     async def models(self) -> dict[str, Any]:
-        """The decoder pipelines, and the embedding ones where ``/v1/embeddings`` is served, each with its context
-        (``max_model_len``) and the model it was partitioned from (``root``), as vLLM lists them; a registry
-        model's tokenizer is fetched first (one that cannot be is left out)."""
+        """The decoder and embedding pipelines with ``max_model_len`` and ``root`` (vLLM's fields); a registry model's
+        tokenizer is fetched first (one that cannot be is left out)."""
         data = []
         for name, stages in sorted(self.pipelines().items()):
             try:
@@ -212,7 +206,7 @@ class GenerationAPI:
             prompt = await asyncio.to_thread(info.prompt_ids, params)
         else:
             prompt = info.prompt_ids(params)
-        max_tokens = self._max_tokens(info, params, len(prompt), door)
+        max_tokens = max_tokens_for(info.context, len(prompt), params.max_tokens, door, self.config.default_max_tokens)
         vocab = len(info.tokenizer)
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:
             raise invalid("logit_bias", f"logit_bias names token id {params.logit_bias[-1][0]}; the vocabulary "
@@ -227,21 +221,14 @@ class GenerationAPI:
         stages, info, prompt, max_tokens = await self._prepared(params, door)
         sample = params.sample(len(prompt), info.eos_ids)
         eos = frozenset() if params.ignore_eos else info.eos_ids
-        serving = self.collector.serving if self.collector is not None else None
-        if serving is not None:
-            serving.waiting.labels(params.model).inc()
-        try:
+        with self.serving.waiting.labels(params.model).track_inprogress():
             session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
                                              gone=lambda: sse.client_gone(request))
-        finally:
-            if serving is not None:
-                serving.waiting.labels(params.model).dec()
         outcome = Outcome(len(prompt), arrival)
         if params.echo:
             outcome.echo = params.prompt if params.prompt is not None else info.decode(prompt)
         ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if serving is not None:
-            serving.running.labels(params.model).inc()
+        self.serving.running.labels(params.model).inc()
         try:
             if params.stream:
                 response = await sse.open_stream(request, {"X-Quart-Request-Id": ident})
@@ -255,33 +242,9 @@ class GenerationAPI:
             return web.json_response(self._answer(door, ident, params.model, outcome, session,
                                                   self._new_logprobs(door, info, outcome)))
         finally:
-            if serving is not None:
-                serving.running.labels(params.model).dec()
+            self.serving.running.labels(params.model).dec()
             self.engine.finish(session)
             self._record(ident, params.model, arrival, outcome)
-
-    def _max_tokens(self, info: ModelInfo, params: GenerationParams, prompt_len: int, door: str) -> int:
-        """The request's max_tokens, or its door's default: 16 on ``/v1/completions`` (OpenAI's), else the rest of
-        the context (vLLM's), bounded by ``QUART_GEN_DEFAULT_MAX_TOKENS`` when that is set. An overflow is worded
-        as OpenAI and vLLM word it (clients such as LiteLLM map it to their context-window error)."""
-        room = info.context - prompt_len
-        if prompt_len < 1:
-            raise invalid("prompt", "the prompt has no tokens")
-        what = "messages" if door == "chat" else "prompt"
-        if room < 1:
-            raise context_exceeded(what, f"This model's maximum context length is {info.context} tokens. However, "
-                                         f"your request has {prompt_len} input tokens. Please reduce the length of "
-                                         f"the {'input messages' if door == 'chat' else 'prompt'}.")
-        if params.max_tokens is None:
-            if door == "completion":
-                return min(room, 16)
-            return min(room, self.config.default_max_tokens) if self.config.default_max_tokens > 0 else room
-        if params.max_tokens > room:
-            raise context_exceeded("max_tokens", f"This model's maximum context length is {info.context} tokens. "
-                                   f"However, you requested {prompt_len + params.max_tokens} tokens ({prompt_len} in "
-                                   f"the {what}, {params.max_tokens} in the completion). Please reduce the length of "
-                                   f"the {what} or completion.")
-        return params.max_tokens or 1  # 0 (echo): the prefill's step runs, its token is not answered
 
     async def _tokens(self, request: web.Request, session: Session, info: ModelInfo, params: GenerationParams,
                       outcome: Outcome):
@@ -336,11 +299,10 @@ class GenerationAPI:
 
     async def _stream(self, request, response, session, info, params, door, ident, outcome) -> None:
         created = int(time.time())
-        opened = False  # the first token's chunk goes out even before it has text, a chat's role with it (vLLM's
-        try:            # order): a client's TTFT, taken at the first chunk, is the prefill
-            if outcome.echo:  # completions only: the prompt's text first
+        opened = bool(outcome.echo)  # the first token's chunk goes out even before it has text, a chat's role with
+        try:  # it (vLLM's order): a client's TTFT, taken at the first chunk, is the prefill. Echo: the prompt first
+            if outcome.echo:
                 await sse.send(response, self._chunk(door, ident, params.model, created, outcome.echo, None))
-                opened = True
             async for token, delta in self._tokens(request, session, info, params, outcome):
                 if door == "native":
                     await sse.send(response, {"text": delta} if token is None else {"token": token, "text": delta})
@@ -518,7 +480,7 @@ class GenerationAPI:
                 id=ident, model=model, arrival=arrival, end=end, status=status, latency_ms=1000 * (end - arrival),
                 error=outcome.error.message if outcome.error else "", ttft_ms=ttft, tpot_ms=tpot,
                 tokens=len(outcome.tokens)))
-            self.collector.serving.finished(model, end - arrival, outcome.prompt_tokens if outcome.tokens else 0,
+            self.serving.finished(model, end - arrival, outcome.prompt_tokens if outcome.tokens else 0,
                                             len(outcome.tokens), None if ttft is None else ttft / 1000, outcome.gaps)
 
 

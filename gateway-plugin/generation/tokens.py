@@ -89,6 +89,28 @@ def context_of(manifest: Manifest) -> int:
     return int(manifest.config.get("max_position_embeddings") or manifest.config.get("n_positions") or 2048)
 
 
+def max_tokens_for(context: int, prompt_len: int, requested: int | None, door: str, default: int) -> int:
+    """A request's max_tokens, or its door's default: 16 on ``/v1/completions`` (OpenAI's), else the rest of the
+    context (vLLM's), bounded by ``default`` (``QUART_GEN_DEFAULT_MAX_TOKENS``) when that is above 0. An overflow is
+    worded as OpenAI and vLLM word it (clients such as LiteLLM map it to their context-window error). Pure."""
+    room = context - prompt_len
+    if prompt_len < 1:
+        raise invalid("prompt", "the prompt has no tokens")
+    what = "messages" if door == "chat" else "prompt"
+    if room < 1:
+        raise context_exceeded(what, f"This model's maximum context length is {context} tokens. However, your "
+                                     f"request has {prompt_len} input tokens. Please reduce the length of the "
+                                     f"{'input messages' if door == 'chat' else 'prompt'}.")
+    if requested is None:
+        return min(room, 16) if door == "completion" else min(room, default) if default > 0 else room
+    if requested > room:
+        raise context_exceeded("max_tokens", f"This model's maximum context length is {context} tokens. However, you "
+                                             f"requested {prompt_len + requested} tokens ({prompt_len} in the {what}, "
+                                             f"{requested} in the completion). Please reduce the length of the {what} "
+                                             "or completion.")
+    return requested or 1  # 0 (echo): the prefill's step runs, its token is not answered
+
+
 def context_exceeded(field_name: str, message: str) -> QuartError:
     """A 400 for a request that does not fit the model's context: worded by the caller as OpenAI words it
     ("This model's maximum context length is ..."; LiteLLM maps that to its context-window error), with OpenAI's
