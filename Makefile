@@ -30,8 +30,15 @@ browser:
 test: setup browser
 	$(PY) -m pytest
 
+# mypy checks the packages by their import names: build/typecheck/<name> links to each one's folder (pyproject.toml,
+# [tool.setuptools] package-dir); [tool.mypy] there says how strictly (the ports strictly).
+TYPECHECK_LINKS := gateway_plugin=gateway-plugin quart_provider=provider quart_kernel=kernel quart_transport=transport \
+	quart_stage=template/pipeline-stage/quart_stage keysmanager=keysmanager quart_tools=tools
+
 lint: setup
 	$(VENV)/bin/ruff check .
+	@mkdir -p build/typecheck && for link in $(TYPECHECK_LINKS); do ln -sfn "../../$${link#*=}" "build/typecheck/$${link%%=*}"; done
+	$(VENV)/bin/mypy -p gateway_plugin -p quart_provider -p quart_kernel -p quart_transport -m quart_tools.wiring
 
 clean:
 	rm -rf $(VENV) build .pytest_cache quart_faas.egg-info

@@ -8,7 +8,7 @@ settings (router, metrics, controller, actuator) are read from the environment b
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 from quart_stage.settings import settings_from_env
@@ -193,7 +193,7 @@ def build_config(cls: type, overrides: Mapping[str, Any]):
     values: dict[str, Any] = {}
     for key, value in overrides.items():
         current = getattr(base, key)
-        if hasattr(current, "__dataclass_fields__") and isinstance(value, Mapping):
+        if is_dataclass(current) and isinstance(value, Mapping):
             value = build_config(type(current), value)
         values[key] = value
     return replace(base, **values)

@@ -35,6 +35,7 @@ from gateway_plugin.kick import KickConfig, Kicker
 from gateway_plugin.metrics import MetricsCollector, SnapshotGauges
 from gateway_plugin.policies.compute_budget import within_compute
 from gateway_plugin.policies.decode_capacity import with_session_floor
+from gateway_plugin.ports import DecisionNotes
 from gateway_plugin.snapshot import Decision, PipelineSnapshot, Policy, StageSnapshot
 from gateway_plugin.snapshot_builder import GenerationView, Inventory, QueueView, build_snapshot
 from gateway_plugin.zero import held_at_zero
@@ -88,6 +89,7 @@ class Controller:
     generation: GenerationView | None = None  # the session engine: sessions and KV occupancy per stage
     kicker: Kicker = field(init=False)
     on_kick: Callable[[float], None] | None = None  # asks for a kicked decision (run() / the simulator sets it)
+    notes: DecisionNotes | None = None  # the platform's lastDecision and placement log (None: a simulator, a test)
     compute_cores: float = 0.0  # cores the CPU stages' replicas share (policies.compute_budget; 0: not bounded)
 
     def __post_init__(self) -> None:
@@ -146,9 +148,10 @@ class Controller:
     async def step(self, kicked: bool = False) -> dict[str, Decision]:
         """One control period for every pipeline, carried out by the actuator; returns the decisions. Every
         change of a desired count is logged and kept by the platform (``note_decision``: the function's
-        lastDecision); every replica the platform cannot place is logged once per change (``check_placement``)."""
+        lastDecision); every replica the platform cannot place is logged once per change (``check_placement``), both
+        through ``notes`` (the platform's :class:`~gateway_plugin.ports.DecisionNotes`, when the controller has one)."""
         decisions, changes = self.decide(kicked)
-        note = getattr(self.inventory, "note_decision", None)
+        notes = self.notes
         for change in changes:
             try:
                 if change.replicas is not None:
@@ -156,17 +159,17 @@ class Controller:
                         change.reason or "policy")
                     log.info("scale %s %s", change.function, why)
                     await self.actuator.scale(change.function, change.replicas, key=change.key)
-                    if note is not None:
-                        note(change.function, why)
+                    if notes is not None:
+                        notes.note_decision(change.function, why)
                 if change.cpus is not None:
                     await self.actuator.set_cpus(change.function, change.cpus)
             except Exception as exc:  # an actuator failure must not stop the loop
                 self.errors += 1
                 log.warning("actuating %s failed: %s", change.function, exc)
-        if hasattr(self.inventory, "check_placement"):
+        if notes is not None:
             for snap in self.last_snapshots.values():
                 for stage in snap.stages:
-                    self.inventory.check_placement(stage.name)
+                    notes.check_placement(stage.name)
         return decisions
 
     def _changes(self, snap: PipelineSnapshot, decision: Decision) -> list[Change]:

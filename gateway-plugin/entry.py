@@ -42,10 +42,10 @@ def entry_admission(router: Any, model: str, stages: Sequence[str], deadline_s: 
             drain_s = (load.queued - cap + 1) * load.service_s / load.servers if load.servers else float("nan")
             return Admission(False, 0.0, retry_after_s(drain_s, fallback),
                              f"stage {fn!r} already has {load.queued} requests waiting (cap {cap}); retry later")
-    in_service = [getattr(router.queues.get(fn), "busy", 0) for fn in stages]
+    in_service = [q.busy if (q := router.queues.get(fn)) is not None else 0 for fn in stages]
     return admit_pipeline(loads, in_service, deadline_s, f"a request to {model!r}",
                           safety=router.config.admission_safety,
-                          floor_s=getattr(router.config, "min_deadline_ms", 0.0) / 1000.0)
+                          floor_s=router.config.min_deadline_ms / 1000.0)
 
 
 def queued_verdict(router: Any, job: Any) -> Admission:

@@ -32,6 +32,7 @@ from typing import Any
 
 import aiohttp
 from gateway_plugin.config import PluginConfig
+from gateway_plugin.ports import Replica
 from gateway_plugin.replicas import StaticReplica
 
 log = logging.getLogger("quart.kubernetes")
@@ -179,7 +180,7 @@ class PodDirectory:
     def ready(self, function: str) -> list[Pod]:
         return [p for p in self.pods.get(function, {}).values() if p.state == "ready"]
 
-    def mark_unreachable(self, function: str, replica: StaticReplica) -> None:
+    def mark_unreachable(self, function: str, replica: Replica) -> None:
         """A call found no one at the pod's address: no new calls until its slices next change."""
         pod = self.pods.get(function, {}).get(replica.id)
         if pod is replica and pod.state == "ready":

@@ -14,8 +14,7 @@ the new replica runs the layers that have arrived, an existing one the rest). Pu
 
 from __future__ import annotations
 
-from typing import Any
-
+from gateway_plugin.ports import Replica
 from quart_stage.spans import H_LAYERS as LAYERS
 from quart_stage.spans import H_LAYERS_HELD as HELD
 from quart_stage.spans import Span as Range
@@ -26,23 +25,23 @@ __all__ = ["HELD", "LAYERS", "Range", "eligible", "format_range", "held_range", 
            "parse_range", "part_for", "stage_range"]
 
 
-def stage_range(replica: Any) -> Range | None:
+def stage_range(replica: Replica) -> Range | None:
     """The whole stage's layers as the replica's host reported them (None: not reported, a whole replica)."""
-    return getattr(replica, "layers", None)
+    return replica.layers
 
 
-def held_range(replica: Any) -> Range | None:
+def held_range(replica: Replica) -> Range | None:
     """The layers the replica can run now; None when it did not say (then it holds its whole stage)."""
-    return getattr(replica, "held", None) or stage_range(replica)
+    return replica.held or stage_range(replica)
 
 
-def is_whole(replica: Any) -> bool:
+def is_whole(replica: Replica) -> bool:
     """Holds every layer of its stage (what a replica that reports no layers is taken to hold)."""
-    stage, held = stage_range(replica), getattr(replica, "held", None)
+    stage, held = stage_range(replica), replica.held
     return stage is None or held is None or held == stage
 
 
-def eligible(replica: Any, at: int | None) -> bool:
+def eligible(replica: Replica, at: int | None) -> bool:
     """Can ``replica`` run the next part of a request at layer position ``at`` (None: the stage's start)?"""
     held = held_range(replica)
     if held is None:
@@ -52,11 +51,13 @@ def eligible(replica: Any, at: int | None) -> bool:
     return held[0] <= position < held[1]
 
 
-def part_for(replica: Any, at: int | None) -> Range | None:
+def part_for(replica: Replica, at: int | None) -> Range | None:
     """The layers to ask ``replica`` for: None for its whole stage (no header), else ``[at or S, end held)``."""
     if at is None and is_whole(replica):
         return None
     held = held_range(replica)
+    if held is None:  # reports no layers: only its whole stage, asked with no header
+        return None
     stage = stage_range(replica)
     start = at if at is not None else (stage[0] if stage else held[0])
     return (start, held[1])

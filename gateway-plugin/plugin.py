@@ -20,12 +20,12 @@ import contextlib
 import json
 import logging
 import os
-import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from typing import IO, Any
 
 from aiohttp import web
-from gateway_plugin.batching import BatchLimits, batch_state, limits_from_labels
+from gateway_plugin.batching import BatchLimits
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
@@ -33,159 +33,19 @@ from gateway_plugin.generation.openai_api import GenerationAPI
 from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.policies import make_policy
+from gateway_plugin.ports import PluginHost, Scaler
 from gateway_plugin.router import Router
 from gateway_plugin.snapshot import Policy
-from gateway_plugin.snapshot_builder import StageState
+from gateway_plugin.view import GatewayView
 from gateway_plugin.webui import make_ui_hook
-from quart_kernel.admission import ServiceTimes
-from quart_kernel.capacity import not_ready_reason
-from quart_stage import labels as vocab
-from quart_stage.config import computes_on_cpu
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import CollectorRegistry
 from quart_stage.errors import QuartError
 from quart_transport.responses import error_of
 
 log = logging.getLogger("quart.plugin")
 
 PLUGIN_PATH = "quart-plugin"  # /function/quart-plugin/{snapshot,timeline}
-
-
-class GatewayView:
-    """ReplicaSource + Inventory over the in-process EmbeddedGateway."""
-
-    def __init__(self, gateway: Any, default_concurrency: int = 1) -> None:
-        self.gateway = gateway
-        self.default_concurrency = default_concurrency
-        self._unplaced: dict[str, int] = {}  # replicas that could not be placed, as last logged
-        self._meta: dict[str, tuple[Any, tuple[float, int]]] = {}  # function -> (its deployment, stage_meta)
-        self._batch: dict[str, tuple[Any, BatchLimits]] = {}  # function -> (its deployment, its batch labels)
-        self.batch_default = BatchLimits()  # the plugin's QUART_BATCH_MAX / QUART_BATCH_WAIT_MS (Plugin sets it)
-
-    def pipelines(self) -> dict[str, list[str]]:
-        return self.gateway.registry.pipelines()
-
-    def ready(self, function: str) -> list[Any]:
-        return self.gateway.ready_endpoints(function, partial=True)
-
-    def concurrency(self, function: str) -> int:
-        fn = self.gateway.functions.get(function)
-        return (fn.deployment.concurrency if fn else 0) or self.default_concurrency
-
-    def take(self, function: str, replica: Any) -> None:
-        replica.in_flight += 1
-
-    def wait(self, function: str) -> asyncio.Future[None]:
-        """Resolved at the function's next release (the router's or the proxy's) or ready-list change: the
-        same wake-ups the proxy's waiting calls get (``FunctionState.wakeups``)."""
-        future = asyncio.get_running_loop().create_future()
-        fn = self.gateway.functions.get(function)
-        if fn is not None:
-            fn.add_waiter(future)
-        return future
-
-    def waiting(self, function: str) -> int:
-        """Calls of ``function`` through the proxy waiting for a slot (the controller sees them in the queue)."""
-        fn = self.gateway.functions.get(function)
-        return fn.waiting if fn is not None else 0
-
-    def service_times(self, function: str) -> ServiceTimes:
-        fn = self.gateway.functions.get(function)
-        return fn.service if fn is not None else ServiceTimes()
-
-    def mark_unreachable(self, function: str, replica: Any) -> None:
-        """The router found nothing listening on ``replica``: out of the ready list until its host says."""
-        fn = self.gateway.functions.get(function)
-        if fn is not None:
-            self.gateway.balancer.mark_unreachable(fn, replica)
-
-    def give_back(self, function: str, replica: Any) -> None:
-        fn = self.gateway.functions.get(function)
-        if fn is not None:
-            self.gateway.balancer.release(fn, replica)  # wakes the gateway's own waiters too
-        else:
-            replica.in_flight -= 1
-
-    def note_held(self, function: str, replica: Any, held: tuple[int, int]) -> None:
-        self.gateway.note_held(function, replica, held)
-
-    def note_decision(self, function: str, text: str) -> None:
-        """The controller changed ``function``'s replicas: kept for ``/system/functions`` (lastDecision)."""
-        fn = self.gateway.functions.get(function)
-        if fn is not None:
-            fn.last_decision = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {text}"
-
-    def check_placement(self, function: str) -> None:
-        """Log, once per change, the replicas of ``function`` that cannot be placed and why."""
-        fn = self.gateway.functions.get(function)
-        unplaced = fn.unplaced if fn is not None else 0
-        if unplaced != self._unplaced.get(function, 0) and fn is not None:
-            if unplaced:
-                log.warning("cannot place %d replica(s) of %s: %s", unplaced, function,
-                            not_ready_reason(fn, self.gateway.functions.values(), self.gateway.hosts))
-            else:
-                log.info("all replicas of %s are placed again", function)
-        self._unplaced[function] = unplaced
-
-    def scale_from_zero(self, functions: list[str]) -> None:
-        """A call came for a pipeline: its stages at zero replicas get ``max(1, com.openfaas.scale.min)``, as the
-        OpenFaaS gateway's scale from zero does for a function (the balancer does the same for a direct call)."""
-        woken = False
-        for name in functions:
-            fn = self.gateway.functions.get(name)
-            if fn is not None and fn.desired == 0:  # through the registry: saved, counted, reconciled
-                self.gateway.registry.set_desired(name, max(1, fn.deployment.min_replicas))
-                woken = True
-        if woken:
-            log.info("scale from zero: %s", ", ".join(functions))
-            self.gateway.kick()
-
-    def stage_state(self, function: str) -> StageState:
-        fn = self.gateway.functions[function]
-        dep = fn.deployment
-        labels = vocab.StageLabels.lenient(dep.labels)
-        return StageState(
-            ready=len(fn.ready), desired=fn.desired, cpus=dep.cpus or 1.0,
-            min_replicas=dep.min_replicas, max_replicas=dep.max_replicas,
-            concurrency=dep.concurrency or self.default_concurrency,
-            param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
-            start_s=fn.start_time.seconds, cpu_bound=computes_on_cpu(dep.env_vars),
-            **batch_state(self.batch_limits(function, self.batch_default)),
-        )
-
-    def stage_meta(self, function: str) -> tuple[float, int]:
-        """(cpus, parameter bytes) of a stage, read from its labels once per deployment (the router asks per call)."""
-        fn = self.gateway.functions.get(function)
-        if fn is None:
-            return (1.0, 0)
-        cached = self._meta.get(function)
-        if cached is None or cached[0] is not fn.deployment:
-            state = self.stage_state(function)
-            cached = self._meta[function] = (fn.deployment, (state.cpus, state.param_bytes))
-        return cached[1]
-
-    def batch_limits(self, function: str, default: BatchLimits) -> BatchLimits:
-        """What the function's ``com.quart.batch.*`` labels say (``default`` where they say nothing), once per deployment."""
-        fn = self.gateway.functions.get(function)
-        if fn is None:
-            return default
-        cached = self._batch.get(function)
-        if cached is None or cached[0] is not fn.deployment:
-            cached = self._batch[function] = (fn.deployment, limits_from_labels(fn.deployment.labels, default))
-        return cached[1]
-
-    def decode_batch_max(self, function: str, default: int) -> int:
-        """Sessions per batched decode step on the function's replicas: its ``com.quart.batch.decode-max`` label
-        (validated at deploy), else ``default`` (``QUART_GEN_DECODE_BATCH_MAX``)."""
-        fn = self.gateway.functions.get(function)
-        if fn is None:
-            return default
-        return vocab.StageLabels.lenient(fn.deployment.labels).decode_batch or default
-
-    def model_dir(self, model: str) -> str | None:
-        """Where a pipeline's tokenizer is: its stage 0's ``QUART_MODEL_DIR``, else its ``QUART_MODEL_URL``."""
-        stages = self.pipelines().get(model)
-        fn = self.gateway.functions.get(stages[0]) if stages else None
-        env = fn.deployment.env_vars if fn is not None else {}
-        return env.get("QUART_MODEL_DIR") or env.get("QUART_MODEL_URL")
 
 
 def machine_cores() -> float:
@@ -223,7 +83,7 @@ def policy_factory(config: PluginConfig, **overrides: Any):
     return factory
 
 
-def make_actuator(config: PluginConfig, gateway: Any | None = None, password: str | None = None):
+def make_actuator(config: PluginConfig, gateway: PluginHost | None = None, password: str | None = None) -> Scaler:
     if config.actuator == "gateway":
         if gateway is None:
             raise ValueError("the gateway actuator needs the in-process embedded gateway")
@@ -258,21 +118,25 @@ class _NoActuator:
     async def set_cpus(self, function: str, cpus: float) -> None:
         return None
 
+    async def close(self) -> None:
+        return None
+
 
 class _RegistryBridge:
     """Lets the gateway's prometheus registry also collect the plugin's gauges."""
 
-    def __init__(self, registry: Any) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         yield from self.registry.collect()
 
 
 class Plugin:
     """Router + metrics + controller bound to one embedded gateway."""
 
-    def __init__(self, gateway: Any, config: PluginConfig | None = None, factory=None, actuator=None) -> None:
+    def __init__(self, gateway: PluginHost, config: PluginConfig | None = None,
+                 factory: Callable[[], Policy] | None = None, actuator: Scaler | None = None) -> None:
         self.config = config or PluginConfig.from_env()
         self.gateway = gateway
         self.view = GatewayView(gateway, self.config.default_concurrency)
@@ -281,24 +145,23 @@ class Plugin:
         self.collector = MetricsCollector(self.config.window_s, records)
         batching = self.view.batch_default = BatchLimits(self.config.batch_max, self.config.batch_wait_ms / 1000)
         self.router = Router(self.view, self.view.pipelines, self.config, self.collector, self.view.stage_meta,
-                             on_call=getattr(gateway, "record_invocation", None),
+                             on_call=gateway.record_invocation,
                              batch_limits=lambda fn: self.view.batch_limits(fn, batching))
         generation = GenerationConfig.from_env()
-        self.engine = SessionEngine(self.view, generation, on_call=getattr(gateway, "record_invocation", None),
+        self.engine = SessionEngine(self.view, generation, on_call=gateway.record_invocation,
                                     decode_limit=lambda fn: self.view.decode_batch_max(fn, generation.decode_batch_max),
                                     collector=self.collector)
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
                                         self.collector, one_shot=self.router.answer)
+        self.scaler = actuator or make_actuator(self.config, gateway)
         self.controller = Controller(
-            self.view, self.router, self.collector, actuator or make_actuator(self.config, gateway),
+            self.view, self.router, self.collector, self.scaler,
             factory or policy_factory(self.config), self.config, log_file=self._open(self.config.control_log_path),
-            cv_trainer=online_cv_trainer(self.config), generation=self.engine,
+            cv_trainer=online_cv_trainer(self.config), generation=self.engine, notes=self.view,
             compute_cores=machine_cores() if self.config.compute_cores < 0 else self.config.compute_cores,
         )
-        if hasattr(gateway, "watch_sessions"):  # its scale-down keeps replicas with sessions, drains them
-            gateway.watch_sessions(self.engine.book.booked)
-        if hasattr(gateway, "watch_demand"):  # a whole ParaServe group keeps the workers its sessions need
-            gateway.watch_demand(self.engine.group_chains.demand)
+        gateway.watch_sessions(self.engine.book.booked)  # its scale-down keeps replicas with sessions, drains them
+        gateway.watch_demand(self.engine.group_chains.demand)  # a whole ParaServe group keeps the workers it needs
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -322,9 +185,7 @@ class Plugin:
             self._task = None
         await self.router.close()
         await self.engine.close()
-        closer = getattr(self.controller.actuator, "close", None)
-        if closer is not None:
-            await closer()
+        await self.scaler.close()
         for fh in self._files:
             fh.close()
         self._files.clear()
@@ -338,12 +199,7 @@ class Plugin:
         return None
 
     def _authorised(self, request: web.Request) -> bool:
-        cfg = getattr(self.gateway, "config", None)
-        if cfg is None or not getattr(cfg, "auth", False):
-            return True
-        from quart_transport.auth import load_or_create
-
-        return load_or_create(cfg.credentials_dir).check(request.headers.get("Authorization"))
+        return self.gateway.authorised(request.headers.get("Authorization"))
 
     async def _switch_policy(self, request: web.Request) -> web.Response:
         """``POST /function/quart-plugin/policy`` {"policy": name, "config": {...}} (basic auth): swap the
@@ -379,7 +235,7 @@ class Plugin:
         if tail == "sessions":  # generation sessions in flight and the KV positions booked per replica
             return web.json_response({"active": [{"id": x.id, "model": x.model, "tokens": x.fed, "replays": x.replays,
                                                   "moves": x.moves,
-                                                  "replicas": [getattr(r, "id", None) for r in x.replicas]}
+                                                  "replicas": [r.id if r is not None else None for r in x.replicas]}
                                                  for x in self.engine.active.values()],
                                       "kv": self.engine.book.occupancy(), "moves": self.engine.moves,
                                       "room": self.engine.room.snapshot()})
@@ -393,19 +249,18 @@ def _error(status: int, message: str, field: str | None, headers: dict[str, str]
     return error_of(QuartError(status, message, field, headers or {}), retry_after_s=1)
 
 
-async def attach(gateway: Any, app: Any = None, config: PluginConfig | None = None) -> Plugin:
+async def attach(gateway: PluginHost, app: object = None, config: PluginConfig | None = None) -> Plugin:
     """Called by the embedded gateway once it is up: hooks the router in and starts the controller."""
     plugin = Plugin(gateway, config)
     gateway.add_invoke_hook(plugin.hook)
-    gateway.ui_hook = make_ui_hook(plugin)  # /ui/: the status page
+    gateway.set_ui_hook(make_ui_hook(plugin))  # /ui/: the status page
     gateway.add_api_hook(plugin.generation.v1)
     gateway.route_pipelines(plugin.router.answer)
     gateway.route_generation(plugin.generation)
-    if hasattr(gateway, "reserve_name"):
-        gateway.reserve_name(PLUGIN_PATH, f"the QUART plugin (/function/{PLUGIN_PATH}/snapshot, timeline, sessions, ...)")
-    gateway.shutdown_callbacks.append(plugin.close)
-    with contextlib.suppress(Exception):
-        gateway.metrics.registry.register(_RegistryBridge(plugin.collector.registry))
+    gateway.reserve_name(PLUGIN_PATH, f"the QUART plugin (/function/{PLUGIN_PATH}/snapshot, timeline, sessions, ...)")
+    gateway.on_shutdown(plugin.close)
+    with contextlib.suppress(Exception):  # a registry that already has these names: the plugin serves them itself
+        gateway.add_collector(_RegistryBridge(plugin.collector.registry))
     await plugin.start()
     log.info("QUART plugin attached: policy %s, actuator %s, pid %d", plugin.config.policy,
              plugin.config.actuator, os.getpid())

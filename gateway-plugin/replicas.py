@@ -1,42 +1,21 @@
-"""Where the pipeline router's stage replicas come from: the :class:`ReplicaSource` interface, and
-:class:`StaticReplicas`, a list the owner edits (tests; function-level dispatch to a real OpenFaaS gateway).
+"""Replicas the owner lists: :class:`StaticReplicas`, a :class:`~gateway_plugin.ports.ReplicaSource` over a list
+the owner edits (tests; benchmarks), :class:`StaticReplica` (a fixed URL; the OpenFaaS view's slots too) and
+:class:`Waiters` (the futures ``ReplicaSource.wait`` hands out).
 
-The embedded gateway's live replica sets are the other source (``gateway_plugin.plugin.GatewayView``).
+The platforms' replicas are the other source (``gateway_plugin.view.GatewayView`` over a
+:class:`~gateway_plugin.ports.Platform`: the embedded gateway's live replica sets, the OpenFaaS view's slots).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
-from gateway_plugin import layers
+from gateway_plugin.ports import Range, Replica, ReplicaSource
 from quart_kernel.admission import ServiceTimes
 
-
-class ReplicaSource(Protocol):
-    """Where a stage function's replicas are and how their slots are counted (a stable interface: the
-    router, and engines built beside it, use only these).
-
-    ``ready``: the replicas that may take a call (objects with ``id``, ``url``, ``in_flight``);
-    ``take`` / ``give_back``: one slot of a replica, around each call; ``wait``: a future resolved when
-    a slot may have freed or a replica became ready (a release, by anyone; a new replica) — the caller
-    bounds its wait; ``service_times``: the function's one service-time estimator (admission's p90);
-    ``note_held``: the layers a replica says it holds (its answer's ``X-Quart-Layers-Held``)."""
-
-    def ready(self, function: str) -> list[Any]: ...
-
-    def concurrency(self, function: str) -> int: ...  # per replica; 0 = unlimited
-
-    def take(self, function: str, replica: Any) -> None: ...
-
-    def give_back(self, function: str, replica: Any) -> None: ...
-
-    def wait(self, function: str) -> asyncio.Future[None]: ...
-
-    def service_times(self, function: str) -> ServiceTimes: ...
-
-    def note_held(self, function: str, replica: Any, held: layers.Range) -> None: ...  # its answer's Layers-Held
+__all__ = ["ListedSlots", "ReplicaSource", "StaticReplica", "StaticReplicas", "Waiters"]
 
 
 @dataclass(slots=True)
@@ -44,9 +23,10 @@ class StaticReplica:
     id: str
     url: str
     in_flight: int = 0
-    layers: layers.Range | None = None  # its stage's layers, when it reports them (see gateway_plugin.layers)
-    held: layers.Range | None = None  # the layers it can run now (None: all of its stage)
-    part: layers.Range | None = None  # a ParaServe part: the layers it serves a group's sessions for
+    layers: Range | None = None  # its stage's layers, when it reports them (see gateway_plugin.layers)
+    held: Range | None = None  # the layers it can run now (None: all of its stage)
+    part: Range | None = None  # a ParaServe part: the layers it serves a group's sessions for
+    state: str = "ready"  # a fixed replica is ready while it is listed
 
 
 class Waiters:
@@ -74,8 +54,37 @@ class Waiters:
                     future.set_result(None)
 
 
+class ListedSlots:
+    """The slots of replicas a plugin lists itself (a test's fixed URLs, an OpenFaaS gateway's slots): counted on
+    the replica, each release waking the function's waiters; a service-time estimator per function; the layers a
+    replica's answer says it holds kept on it; no proxy queue beside the router (``waiting`` 0)."""
+
+    __slots__ = ()
+    waiters: Waiters
+    services: dict[str, ServiceTimes]
+
+    def take(self, function: str, replica: Replica) -> None:
+        replica.in_flight += 1
+
+    def give_back(self, function: str, replica: Replica) -> None:
+        replica.in_flight -= 1
+        self.waiters.wake(function)
+
+    def wait(self, function: str) -> asyncio.Future[None]:
+        return self.waiters.wait(function)
+
+    def waiting(self, function: str) -> int:
+        return 0
+
+    def service_times(self, function: str) -> ServiceTimes:
+        return self.services.setdefault(function, ServiceTimes())
+
+    def note_held(self, function: str, replica: Replica, held: Range) -> None:
+        replica.held = held
+
+
 @dataclass(slots=True)
-class StaticReplicas:
+class StaticReplicas(ListedSlots):
     """A replica list per function that the owner edits (tests; a fixed set of upstream URLs); call
     :meth:`changed` after editing it, so that a dispatcher waiting for a replica looks again."""
 
@@ -90,21 +99,11 @@ class StaticReplicas:
     def concurrency(self, function: str) -> int:
         return self.slots
 
-    def take(self, function: str, replica: StaticReplica) -> None:
-        replica.in_flight += 1
-
-    def give_back(self, function: str, replica: StaticReplica) -> None:
-        replica.in_flight -= 1
-        self.waiters.wake(function)
-
-    def wait(self, function: str) -> asyncio.Future[None]:
-        return self.waiters.wait(function)
-
     def changed(self) -> None:
         self.waiters.wake()
 
-    def service_times(self, function: str) -> ServiceTimes:
-        return self.services.setdefault(function, ServiceTimes())
+    def mark_unreachable(self, function: str, replica: Replica) -> None:
+        """Nothing: the owner edits the list (the router's ``tried`` keeps the request off the replica)."""
 
-    def note_held(self, function: str, replica: StaticReplica, held: layers.Range) -> None:
-        replica.held = held
+    def scale_from_zero(self, functions: Sequence[str]) -> None:
+        """Nothing: the owner lists the replicas."""

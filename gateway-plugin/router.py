@@ -8,8 +8,8 @@ successor. With ``com.quart.batch.max`` > 1 the waiting requests that fit go in 
 allows (:mod:`quart_transport.retry`), else the client gets an explicit 5xx; a request that finds a stage queue at
 its cap is refused with 429 + Retry-After before it is accepted (``entry.py``). Every accepted request ends with
 exactly one response. The embedded gateway's fast front calls :meth:`Router.answer` with the body read; stage
-calls go through :class:`quart_transport.upstream.UpstreamPool`; a dispatcher with no free replica waits on
-:meth:`ReplicaSource.wait`, resolved by any release or a replica becoming ready — no polling
+calls go through the client ``quart_transport.codec.upstream_pool`` makes (lean, or aiohttp); a dispatcher with no
+free replica waits on :meth:`ReplicaSource.wait`, resolved by any release or a replica becoming ready — no polling
 (docs/architecture.md, "One request"). Replicas come from a ``ReplicaSource`` (plugin.py's live replica sets, or
 ``StaticReplicas``); engines beside the router reuse it, :meth:`Router.pick` and ``Router.upstream``.
 """
@@ -24,7 +24,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -34,15 +33,17 @@ from gateway_plugin.config import PluginConfig
 from gateway_plugin.entry import entry_admission, queued_verdict
 from gateway_plugin.jobs import Head, Job, StageQueue
 from gateway_plugin.metrics import MetricsCollector, RequestRecord, StageVisit
-from gateway_plugin.replicas import ReplicaSource, StaticReplica, StaticReplicas, Waiters
+from gateway_plugin.ports import Replica, ReplicaSource
+from gateway_plugin.replicas import StaticReplica, StaticReplicas, Waiters
 from quart_kernel.admission import ServiceTimes, client_deadline_s
 from quart_kernel.picking import pick
 from quart_kernel.shedding import SHED_HEADER
 from quart_stage.errors import QuartError
+from quart_transport.codec import upstream_pool
 from quart_transport.responses import Answer, answer_of
 from quart_transport.retry import passed_on, replica_gone, should_retry
 from quart_transport.tracing import CALL_ID, new_call_id
-from quart_transport.upstream import UpstreamPool, UpstreamTimeout
+from quart_transport.upstream import Upstream, UpstreamTimeout
 
 log = logging.getLogger("quart.router")
 
@@ -88,9 +89,8 @@ class Router:
         self.dispatch_poll_s = dispatch_poll_s  # a safety bound on a wait for a replica: a release wakes it
         self.on_call = on_call  # (function, HTTP status, seconds) per stage call: the gateway's invocation counters
         self.queues: dict[str, StageQueue] = {}
-        self.upstream: UpstreamPool | None = None  # the lean client to replicas (keep-alive, dead-peer sockets)
+        self.upstream: Upstream | None = None  # the lean client to replicas (keep-alive, dead-peer sockets)
         self._targets: dict[str, tuple[str, str]] = {}  # replica url -> (base url, path)
-        self._services: dict[str, ServiceTimes] = {}  # for a source that keeps none
         self._ids = itertools.count()
         self._closed = False
         self._running: set[Job] = set()
@@ -103,7 +103,7 @@ class Router:
 
     async def start(self) -> None:
         if self.upstream is None:  # a call in flight to a host that went silent fails in ~2 s, retried elsewhere
-            self.upstream = UpstreamPool(self.config.attempt_timeout_s, keepalive_s=60)
+            self.upstream = upstream_pool(self.config.attempt_timeout_s, keepalive_s=60)
 
     async def close(self) -> None:
         """Answer every queued or running request with 503, stop dispatchers, close the client."""
@@ -189,8 +189,7 @@ class Router:
             arrival=now, deadline=now + timeout, future=asyncio.get_running_loop().create_future(), accept=accept,
         )
         self.accepted += 1
-        if hasattr(self.source, "scale_from_zero"):  # stages at zero start now, all of them (as OpenFaaS does)
-            self.source.scale_from_zero(stages)
+        self.source.scale_from_zero(stages)  # stages at zero start now, all of them (as OpenFaaS does)
         self._enqueue(job, front=False)
         timer = asyncio.get_running_loop().call_later(timeout + 0.5, self._abandon, job)  # answers it 504
         try:
@@ -224,14 +223,14 @@ class Router:
             q.jobs.append(job)
         q.wake.set()
 
-    def _free_replica(self, q: StageQueue, job: Job) -> Any | None:
+    def _free_replica(self, q: StageQueue, job: Job) -> Replica | None:
         try:
             return self.pick(q.function, job.tried, job.layer_at)
         except Exception as exc:  # the platform's replica view failed: keep serving, retry soon
             log.warning("listing replicas of %s failed: %s", q.function, exc)
             return None
 
-    def _launch(self, q: StageQueue, job: Job, replica: Any) -> None:
+    def _launch(self, q: StageQueue, job: Job, replica: Replica) -> None:
         """The stage call of ``job`` on ``replica`` (its slot taken), as a task."""
         self.source.take(q.function, replica)
         q.busy += 1
@@ -243,7 +242,7 @@ class Router:
         self._running.add(job)
         job.task.add_done_callback(lambda task, job=job: self._ended(q, job, replica, task))
 
-    def _ended(self, q: StageQueue, job: Job, replica: Any, task: asyncio.Task) -> None:
+    def _ended(self, q: StageQueue, job: Job, replica: Replica, task: asyncio.Task) -> None:
         """A call's task is over; one cancelled before it ran (the client gone, its deadline, in the launch's own
         turn) never reached :meth:`exchange`, so its slot is given back here."""
         self._running.discard(job)
@@ -252,7 +251,7 @@ class Router:
             self.source.give_back(q.function, replica)
             q.wake.set()
 
-    def pick(self, function: str, tried: set, at: int | None = None) -> Any | None:
+    def pick(self, function: str, tried: set, at: int | None = None) -> Replica | None:
         """The pick rule over the replicas that can run the request's next layers (all of them, unless some
         replica holds only part of its stage: see :mod:`gateway_plugin.layers`)."""
         ready = [r for r in self.source.ready(function) if layers.eligible(r, at)]
@@ -309,13 +308,11 @@ class Router:
             self.serve_head(q)
 
     def service_times(self, function: str) -> ServiceTimes:
-        """The function's one service-time estimator (the source's; this router's own for a source without one)."""
-        getter = getattr(self.source, "service_times", None)
-        return getter(function) if getter is not None else self._services.setdefault(function, ServiceTimes())
+        """The function's one service-time estimator (the source's, shared with the platform's proxy)."""
+        return self.source.service_times(function)
 
     async def _wait_slot(self, q: StageQueue) -> None:
-        wait = getattr(self.source, "wait", None)
-        released = wait(q.function) if wait is not None else asyncio.get_running_loop().create_future()
+        released = self.source.wait(q.function)
         woken = asyncio.ensure_future(q.wake.wait())  # a job queued in front (a retry), the router closing
         try:
             await asyncio.wait((released, woken), timeout=self.dispatch_poll_s, return_when=asyncio.FIRST_COMPLETED)
@@ -332,7 +329,7 @@ class Router:
             target = self._targets[url] = (f"{parts.scheme}://{parts.netloc}", path)
         return target
 
-    async def _call(self, job: Job, q: StageQueue, replica: Any) -> None:
+    async def _call(self, job: Job, q: StageQueue, replica: Replica) -> None:
         job.began = True
         start = self.clock()
         sent = {"Content-Type": job.content_type, "X-Quart-Request-Id": job.id,
@@ -350,7 +347,7 @@ class Router:
         finally:  # answered, retried, moved on, or abandoned (cancelled): its replica to the head waiting now
             self.hand_off(q)
 
-    async def exchange(self, q: StageQueue, replica: Any, sent: dict[str, str], body: bytes, deadline: float,
+    async def exchange(self, q: StageQueue, replica: Replica, sent: dict[str, str], body: bytes, deadline: float,
                        start: float) -> Exchange:
         """One stage call on ``replica`` (its slot taken by :meth:`_launch`), the slot given back after it."""
         fn = q.function
@@ -364,7 +361,7 @@ class Router:
             resp = await self.upstream.request("POST", base, path, sent, body, timeout_s=max(0.001, timeout))
             data, status, headers = resp.body, resp.status, resp.headers
             held = layers.parse_range(headers.get(layers.HELD))
-            if held is not None and held != getattr(replica, "held", None):
+            if held is not None and held != replica.held:
                 self.source.note_held(fn, replica, held)
         except Exception as exc:  # timeout, connection, protocol, closed client: all count as a failed attempt
             error = exc
@@ -382,7 +379,7 @@ class Router:
                 log.warning("recording the call to %s failed: %s", fn, exc)
         return Exchange(start, end, status, data, headers, failure, error)
 
-    def settle(self, job: Job, q: StageQueue, replica: Any, part: layers.Range | None, done: Exchange) -> None:
+    def settle(self, job: Job, q: StageQueue, replica: Replica, part: layers.Range | None, done: Exchange) -> None:
         """What a stage call's answer means for ``job``: the next stage, the rest of this one, a retry, an answer."""
         fn, start, end, wait_s = q.function, done.start, done.end, done.start - job.enqueued_at
         status, data, headers, failure, error = done.status, done.data, done.headers, done.failure, done.error
@@ -427,7 +424,7 @@ class Router:
             return
         why = failure or f"HTTP {status}"
         job.tried.add(replica.id)
-        if replica_gone(error) and hasattr(self.source, "mark_unreachable"):  # dead: never picked again
+        if replica_gone(error):  # dead: never picked again (until the platform says it is back)
             self.source.mark_unreachable(fn, replica)
         if should_retry(status, error) and job.attempts < self.config.max_attempts and end < job.deadline:
             log.info("stage %s replica %s failed (%s); retrying request %s", fn, replica.id, why, job.id)
@@ -475,10 +472,9 @@ class Router:
 
     def queue_len(self, function: str) -> int:
         """What waits for a replica of ``function``: this router's stage queue, and the proxy's calls of the
-        function waiting for a slot (``waiting`` of the source, when it counts them)."""
+        function waiting for a slot (``waiting`` of the source: 0 where it has no proxy)."""
         q = self.queues.get(function)
-        waiting = getattr(self.source, "waiting", None)
-        return (sum(1 for j in q.jobs if not j.done) if q else 0) + (waiting(function) if waiting else 0)
+        return (sum(1 for j in q.jobs if not j.done) if q else 0) + self.source.waiting(function)
 
     def busy(self, function: str) -> int:
         q = self.queues.get(function)

@@ -21,11 +21,13 @@ import json
 import logging
 import signal
 import sys
-from dataclasses import asdict, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from gateway_plugin.batching import BatchLimits
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.controller import Controller
 from gateway_plugin.generation.config import GenerationConfig
@@ -34,14 +36,18 @@ from gateway_plugin.generation.sessions import SessionEngine
 from gateway_plugin.kubernetes_pods import PodDirectory, pod_directory
 from gateway_plugin.metrics import MetricsCollector
 from gateway_plugin.plugin import make_actuator, policy_factory
-from gateway_plugin.router import Router, StaticReplica, json_reply, web_response
-from gateway_plugin.snapshot_builder import StageState
+from gateway_plugin.ports import Replica
+from gateway_plugin.replicas import ListedSlots, StaticReplica, Waiters
+from gateway_plugin.router import Router, json_reply, web_response
+from gateway_plugin.view import GatewayView
+from quart_kernel.admission import ServiceTimes
+from quart_kernel.scheduling.paraserve_gen import GroupDemand
 from quart_stage import cliargs
 from quart_stage import labels as vocab
-from quart_stage.config import computes_on_cpu
 from quart_stage.logs import configure as configure_logs
 from quart_transport import namespaces
 from quart_transport.exposition import render_registry
+from quart_transport.quantities import parse_cpu
 from quart_transport.tracing import traced, with_trace
 
 from keysmanager.aio import wait_event
@@ -50,31 +56,64 @@ log = logging.getLogger("quart.standalone")
 DEFAULT_NAMESPACE = "openfaas-fn"  # a FunctionStatus without one is in the gateway's default namespace
 
 
-class OpenFaaSView:
-    """ReplicaSource + Inventory from an OpenFaaS gateway's REST API, refreshed by ``refresh()``."""
+@dataclass(frozen=True, slots=True)
+class OpenFaaSFunction:
+    """A function as ``GET /system/functions`` lists it (:class:`~gateway_plugin.ports.FunctionFacts`)."""
 
-    def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None, default_concurrency: int = 1,
-                 pods: PodDirectory | None = None) -> None:
+    ready: int  # availableReplicas
+    desired: int  # replicas
+    cpus: float  # limits.cpu; 0: not limited
+    min_replicas: int
+    max_replicas: int
+    concurrency: int  # com.quart.concurrency; 0: not set
+    labels: Mapping[str, str]
+    env: Mapping[str, str]
+    namespace: str
+    start_s: float = -1.0  # the gateway does not say
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any]) -> OpenFaaSFunction:
+        labels = status.get("labels") or {}
+        parsed = vocab.StageLabels.lenient(labels)
+        cpu = (status.get("limits") or {}).get("cpu")
+        return cls(ready=int(status.get("availableReplicas") or 0), desired=int(status.get("replicas") or 0),
+                   cpus=parse_cpu(cpu) if cpu else 0.0, min_replicas=parsed.min_replicas,
+                   max_replicas=parsed.max_replicas, concurrency=parsed.concurrency or 0, labels=labels,
+                   env=status.get("envVars") or {}, namespace=status.get("namespace") or DEFAULT_NAMESPACE)
+
+
+class OpenFaaSView(ListedSlots):
+    """The :class:`~gateway_plugin.ports.Platform` of an OpenFaaS gateway, from its REST API (``refresh()``).
+
+    A function's replicas are ``availableReplicas`` slots at ``<gateway>/function/<name>`` (OpenFaaS spreads
+    them over its pods), or with ``pods`` (``QUART_PLATFORM=kubernetes``) its pods, called directly. What the gateway does not offer is declared here as such: no proxy queue of its
+    own beside the plugin (``waiting`` 0), no placement to report (``check_placement``), scale from zero by
+    the gateway itself (``scale_from_zero``), and a scale-down that cannot read sessions (``watch_*`` kept only)."""
+
+    def __init__(self, gateway_url: str, auth: aiohttp.BasicAuth | None, pods: PodDirectory | None = None) -> None:
         self.gateway_url = gateway_url.rstrip("/")
         self.auth = auth
-        self.default_concurrency = default_concurrency
         self.pods = pods  # QUART_PLATFORM=kubernetes: each stage's pods are its replicas (else gateway slots)
-        self.status: dict[str, dict[str, Any]] = {}
+        self.status: dict[str, OpenFaaSFunction] = {}
         self.slots: dict[str, list[StaticReplica]] = {}
+        self.waiters = Waiters()
+        self.services: dict[str, ServiceTimes] = {}
+        self.decisions: dict[str, str] = {}  # function -> the controller's last change and why
+        self.kv_tokens: Callable[[str], int] | None = None
+        self.demand: Callable[[str], GroupDemand] | None = None
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         async with session.get(f"{self.gateway_url}/system/functions", auth=self.auth) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"GET /system/functions answered {resp.status}: {(await resp.text())[:200]}")
             functions = await resp.json()
-        self.status = {f["name"]: f for f in functions}
-        for name, st in self.status.items():
+        self.status = {f["name"]: OpenFaaSFunction.from_status(f) for f in functions}
+        for name, facts in self.status.items():
             have = self.slots.setdefault(name, [])
-            want = int(st.get("availableReplicas") or 0)
             url = f"{self.gateway_url}/function/{name}"
-            while len(have) < want:
+            while len(have) < facts.ready:
                 have.append(StaticReplica(f"{name}#{len(have)}", url))
-            while len(have) > want:  # drop idle slots first; busy ones finish and are then dropped
+            while len(have) > facts.ready:  # drop idle slots first; busy ones finish and are then dropped
                 idle = next((r for r in reversed(have) if r.in_flight == 0), None)
                 if idle is None:
                     break
@@ -82,64 +121,53 @@ class OpenFaaSView:
         for gone in set(self.slots) - set(self.status):
             del self.slots[gone]
         if self.pods is not None:
-            await self.pods.follow({n: st.get("namespace") or DEFAULT_NAMESPACE for n, st in self.status.items()})
+            await self.pods.follow({name: facts.namespace for name, facts in self.status.items()})
+        self.waiters.wake()  # slots may have come
 
-    # Inventory
+    # Platform: inventory
+
     def pipelines(self) -> dict[str, list[str]]:
-        return vocab.pipelines((name, st.get("labels") or {}) for name, st in self.status.items())
+        return vocab.pipelines((name, facts.labels) for name, facts in self.status.items())
 
-    def namespace_of(self, model: str) -> str | None:
-        """The namespace a pipeline's stage functions live in (None: no such pipeline)."""
-        stages = self.pipelines().get(model)
-        return (self.status[stages[0]].get("namespace") or DEFAULT_NAMESPACE) if stages else None
+    def function(self, name: str) -> OpenFaaSFunction | None:
+        return self.status.get(name)
 
-    def stage_state(self, function: str) -> StageState:
-        from quart_transport.quantities import parse_cpu
+    # Platform: replicas and slots
 
-        st = self.status[function]
-        labels = vocab.StageLabels.lenient(st.get("labels") or {})
-        cpu = (st.get("limits") or {}).get("cpu")
-        return StageState(
-            ready=int(st.get("availableReplicas") or 0), desired=int(st.get("replicas") or 0),
-            cpus=parse_cpu(cpu) if cpu else 1.0,
-            min_replicas=labels.min_replicas, max_replicas=labels.max_replicas,
-            concurrency=self.concurrency(function),
-            param_bytes=labels.param_bytes, profiled_service_s=labels.profile_ms / 1000.0,
-            cpu_bound=computes_on_cpu(st.get("envVars") or {}),
-        )
-
-    def model_dir(self, model: str) -> str | None:
-        """Where a pipeline's tokenizer is: stage 0's ``envVars.QUART_MODEL_DIR`` (readable here when the plugin
-        runs beside the functions' files), else its ``QUART_MODEL_URL`` (fetched from the registry)."""
-        stages = self.pipelines().get(model)
-        env = (self.status[stages[0]].get("envVars") or {}) if stages else {}
-        return env.get("QUART_MODEL_DIR") or env.get("QUART_MODEL_URL")
-
-    def stage_meta(self, function: str) -> tuple[float, int]:
-        if function not in self.status:
-            return (1.0, 0)
-        s = self.stage_state(function)
-        return (s.cpus, s.param_bytes)
-
-    # ReplicaSource
     def ready(self, function: str) -> list[StaticReplica]:
         if self.pods is not None:
             return list(self.pods.ready(function))
         return list(self.slots.get(function, ()))
 
-    def mark_unreachable(self, function: str, replica: StaticReplica) -> None:
-        if self.pods is not None:  # a pod: none until its slices change (a gateway slot stays: the gateway is up)
+    # take, give_back, wait (woken at each release here and at each refresh), waiting (0: the plugin is the only
+    # queue in front of the gateway's /function/<name>), service_times, note_held (kept on the slot): ListedSlots
+
+    def mark_unreachable(self, function: str, replica: Replica) -> None:
+        """A pod: no new calls till its slices change. A gateway slot stays (it is the gateway's ``/function/<name>``,
+        which is up; its next refresh says what is)."""
+        if self.pods is not None:
             self.pods.mark_unreachable(function, replica)
 
-    def concurrency(self, function: str) -> int:
-        labels = vocab.StageLabels.lenient((self.status.get(function) or {}).get("labels") or {})
-        return labels.concurrency or self.default_concurrency
+    def scale_from_zero(self, functions: Sequence[str]) -> None:
+        """Nothing: the OpenFaaS gateway scales a function from zero at its own ``/function/<name>`` call."""
 
-    def take(self, function: str, replica: StaticReplica) -> None:
-        replica.in_flight += 1
+    # Platform: the controller's notes
 
-    def give_back(self, function: str, replica: StaticReplica) -> None:
-        replica.in_flight -= 1
+    def note_decision(self, function: str, text: str) -> None:
+        self.decisions[function] = text
+
+    def check_placement(self, function: str) -> None:
+        """Nothing to check: OpenFaaS places the pods (``availableReplicas`` short of ``replicas`` is the sign)."""
+
+    # Platform: the session host
+
+    def watch_sessions(self, kv_tokens: Callable[[str], int]) -> None:
+        """Kept only: OpenFaaS's scale-down picks the pods it removes and cannot read sessions."""
+        self.kv_tokens = kv_tokens
+
+    def watch_demand(self, demand: Callable[[str], GroupDemand]) -> None:
+        """Kept only: OpenFaaS runs no ParaServe groups."""
+        self.demand = demand
 
 
 class StandalonePlugin:
@@ -152,18 +180,24 @@ class StandalonePlugin:
             config = replace(config, actuator="rest")
         self.config = config
         auth = aiohttp.BasicAuth(config.gateway_user, password) if password else None
-        self.view = OpenFaaSView(config.gateway_url, auth, config.default_concurrency, pod_directory(config))
+        self.openfaas = OpenFaaSView(config.gateway_url, auth, pod_directory(config))
+        self.view = GatewayView(self.openfaas, config.default_concurrency)  # the embedded gateway's reading of labels
+        batching = self.view.batch_default = BatchLimits(config.batch_max, config.batch_wait_ms / 1000)
         self.collector = MetricsCollector(config.window_s)
-        self.router = Router(self.view, self.view.pipelines, config, self.collector, self.view.stage_meta)
+        self.router = Router(self.view, self.view.pipelines, config, self.collector, self.view.stage_meta,
+                             batch_limits=lambda fn: self.view.batch_limits(fn, batching))
         generation = GenerationConfig.from_env()
-        self.engine = SessionEngine(self.view, generation, decode_limit=lambda fn: vocab.StageLabels.lenient(
-            (self.view.status.get(fn) or {}).get("labels") or {}).decode_batch or generation.decode_batch_max,
-            collector=self.collector)
+        self.engine = SessionEngine(self.view, generation,
+                                    decode_limit=lambda fn: self.view.decode_batch_max(fn, generation.decode_batch_max),
+                                    collector=self.collector)
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
                                         self.collector, one_shot=self.router.answer)
-        self.controller = Controller(self.view, self.router, self.collector, make_actuator(config, password=password),
-                                     policy_factory(config), config, generation=self.engine,
+        self.scaler = make_actuator(config, password=password)
+        self.controller = Controller(self.view, self.router, self.collector, self.scaler, policy_factory(config), config,
+                                     generation=self.engine, notes=self.view,
                                      compute_cores=max(0.0, config.compute_cores))  # auto: the cluster places pods
+        self.openfaas.watch_sessions(self.engine.book.booked)
+        self.openfaas.watch_demand(self.engine.group_chains.demand)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
@@ -172,16 +206,21 @@ class StandalonePlugin:
         body, content_type = render_registry(self.collector.registry, request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        return web.json_response({m: asdict(s) for m, s in self.controller.last_snapshots.items()},
+                                 dumps=lambda d: json.dumps(d, default=str))
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/function/{model}", traced(self._invoke))
         app.router.add_route("*", "/v1/{tail:.*}", traced(self.generation.v1))
         app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/snapshot", lambda r: web.json_response(
-            {m: asdict(s) for m, s in self.controller.last_snapshots.items()},
-            dumps=lambda d: json.dumps(d, default=str)))
-        app.router.add_get("/healthz", lambda r: web.Response(text="OK"))
-        app.router.add_get("/health", lambda r: web.Response(text="OK"))  # vLLM's path (GuideLLM checks it)
+        app.router.add_get("/snapshot", self._snapshot)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/health", self._healthz)  # vLLM's path (GuideLLM checks it)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -202,14 +241,14 @@ class StandalonePlugin:
         assert self._session is not None
         while not self._stop.is_set():
             try:
-                await self.view.refresh(self._session)
+                await self.openfaas.refresh(self._session)
             except Exception as exc:  # the gateway restarting must not stop the plugin
                 log.warning("refreshing functions failed: %s", exc)
             await wait_event(self._stop, self.config.replica_refresh_s)
 
     async def _startup(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-        await self.view.refresh(self._session)
+        await self.openfaas.refresh(self._session)
         await self.router.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._refresh_forever()), loop.create_task(self.controller.run(self._stop))]
@@ -219,11 +258,9 @@ class StandalonePlugin:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.router.close()
         await self.engine.close()
-        if self.view.pods is not None:
-            await self.view.pods.close()
-        closer = getattr(self.controller.actuator, "close", None)
-        if closer is not None:
-            await closer()
+        if self.openfaas.pods is not None:
+            await self.openfaas.pods.close()
+        await self.scaler.close()
         if self._session is not None:
             await self._session.close()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from quart_kernel.capacity import not_ready_reason
+from gateway_plugin.snapshot import StageSnapshot
 
 HISTORY_S = 300.0  # how far back the charts reach
 DECISIONS = 10  # last decisions listed per pipeline
@@ -38,15 +38,7 @@ def latency_series(recent: Iterable[tuple[float, str, float, int]], model: str, 
             for age, v in sorted(buckets.items(), reverse=True)]
 
 
-def _replica(endpoint: Any) -> dict[str, Any]:
-    return {"id": endpoint.id, "host": endpoint.host, "state": endpoint.state, "source": endpoint.source,
-            "in_flight": endpoint.in_flight, "served": endpoint.served,
-            "ready_ms": round(endpoint.ready_ms, 1) if endpoint.ready_ms is not None else None}
-
-
-def _stage(plugin: Any, index: int, name: str, snap: Any, now: float) -> dict[str, Any]:
-    gateway = plugin.gateway
-    fn = gateway.functions.get(name)
+def _stage(plugin: Any, index: int, name: str, snap: StageSnapshot | None, now: float) -> dict[str, Any]:
     metrics = plugin.collector.stages.get(name)
     queue = plugin.router.queues.get(name)
     out: dict[str, Any] = {
@@ -56,12 +48,7 @@ def _stage(plugin: Any, index: int, name: str, snap: Any, now: float) -> dict[st
         "service_rate": round(snap.service_rate, 3) if snap is not None else 0.0,
         "mean_wait_ms": round(1000 * snap.mean_wait_s, 2) if snap is not None else 0.0,
     }
-    if fn is None:
-        return out
-    reason = not_ready_reason(fn, gateway.functions.values(), gateway.hosts)
-    out.update(desired=fn.desired, ready=len(fn.ready), min=fn.deployment.min_replicas,
-               max=fn.deployment.max_replicas, unplaced=fn.unplaced, reason=reason or fn.last_error,
-               replicas=[_replica(e) for e in fn.replicas.values()])
+    out.update(plugin.gateway.stage_status(name) or {})  # desired, ready, bounds, why not ready, its replicas
     return out
 
 
@@ -90,14 +77,4 @@ def status_document(plugin: Any) -> dict[str, Any]:
                                       "desired": row["desired"]} for row in rows[-600:]]},
         })
     return {"policy": plugin.config.policy, "control_period_s": plugin.config.control_period_s,
-            "hosts": _hosts(plugin.gateway), "pipelines": pipelines}
-
-
-def _hosts(gateway: Any) -> list[dict[str, Any]]:
-    hosts = getattr(gateway, "hosts", {}) or {}
-    out = []
-    for name, host in sorted(hosts.items()):
-        out.append({"name": name, "slots": getattr(host, "gpu_slots", None),
-                    "used": sum(1 for fn in gateway.functions.values() for e in fn.replicas.values()
-                                if e.host == name and e.state != "dead")})
-    return out
+            "hosts": plugin.gateway.hosts_status(), "pipelines": pipelines}

@@ -11,14 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from quart_stage.settings import settings_from_env
+from quart_stage.settings import setting, settings_from_env
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
 def default_state_root() -> Path:
     """Where every KeysManager on this machine keeps its state dir: $XDG_RUNTIME_DIR or the temp dir."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    base = setting("XDG_RUNTIME_DIR", str, "") or tempfile.gettempdir()
     return Path(base) / f"quart-keysmanager-{os.getuid()}"
 
 

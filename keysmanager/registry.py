@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from quart_stage.manifest import TOKENIZER_EXTRAS, check_file_name
+from quart_stage.settings import setting
 
 from keysmanager.transfer import (
     CHUNK_BYTES,
@@ -64,11 +65,11 @@ def s3_client(endpoint_url: str | None = None) -> Any:
     import boto3
     from botocore.config import Config
 
-    endpoint = endpoint_url or os.environ.get(ENDPOINT_ENV) or None
+    endpoint = endpoint_url or setting(ENDPOINT_ENV, str, "") or None
     config = Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"},
                     s3={"addressing_style": "path"})
     return boto3.client("s3", endpoint_url=endpoint, config=config,
-                        region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+                        region_name=setting("AWS_DEFAULT_REGION", str, "us-east-1"))
 
 
 class ModelRegistry:

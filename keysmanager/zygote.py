@@ -33,6 +33,7 @@ from pathlib import Path
 
 from quart_stage.memlimit import bound_replica
 from quart_stage.privdrop import drop_from_env
+from quart_stage.settings import setting
 
 from keysmanager.protocol import LineReader, encode
 from keysmanager.sysutil import die_with_parent, listen_socket, reap_children, set_cpu_budget, thread_count
@@ -82,8 +83,9 @@ def run_zygote(args: argparse.Namespace) -> int:
         from keysmanager.shm_store import write_segment
         from keysmanager.stage import build_runtime, stage_checkpoint, warm_up
 
-        checkpoint = None if os.environ.get(LIVE_FILE_ENV) else stage_checkpoint(os.environ)
-        if os.environ.get(LIVE_FILE_ENV):  # a live start: the stage file is still arriving (keysmanager.live)
+        live = bool(setting(LIVE_FILE_ENV, str, ""))  # a live start: the stage file is still arriving
+        checkpoint = None if live else stage_checkpoint(os.environ)
+        if live:  # keysmanager.live
             mm, runtime, app, param_bytes = build_live(os.environ, phases)
             tensors, index = None, None
         elif checkpoint is None:  # a parameter-free (emulated) stage: nothing to share
@@ -92,7 +94,7 @@ def run_zygote(args: argparse.Namespace) -> int:
             index = write_segment(checkpoint, Path(args.shm_path))
             mm, tensors = map_segment(index)
             param_bytes = index.total_bytes
-        if not os.environ.get(LIVE_FILE_ENV):
+        if not live:
             runtime, app = build_runtime(os.environ, tensors)
         warm_up(app)
         phases["warm"] = time.monotonic()

@@ -18,6 +18,7 @@ import sys
 import time
 
 from quart_stage.logs import format_line, log_settings
+from quart_stage.settings import setting
 from quart_transport.http1 import dechunk
 
 _HEAD_END = b"\r\n\r\n"
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0, help="listen on 127.0.0.1:PORT instead of QUART_LISTEN_FD")
     args = parser.parse_args(argv)
-    fd = os.environ.get("QUART_LISTEN_FD")
+    fd = setting("QUART_LISTEN_FD", str, "") or None
     if fd and not args.port:
         sock = socket.socket(fileno=int(fd))
     else:

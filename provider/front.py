@@ -20,7 +20,7 @@ request — is handed over whole (nothing of it consumed) to aiohttp's request h
 connection from then on and answers as it always did (400 for what it finds malformed). Requests on a
 connection are answered in order, one at a time (pipelining-safe); reading pauses while more than
 64 KiB beyond the body being read waits in the buffer. A body is read whole (chunk extensions and
-trailers dropped; chunk sizes hex digits only) and counted in the byte gate as it is announced.
+trailers checked and dropped; the chunk and field grammar of :mod:`quart_transport.http1`) and counted in the byte gate as it is announced.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -42,6 +41,7 @@ from quart_provider.body_gate import Reservation
 from quart_provider.handlers_invoke import InvokeHandlers
 from quart_provider.types import FunctionState
 from quart_stage.errors import QuartError
+from quart_transport.http1 import chunk_size, field_line_ok
 from quart_transport.responses import Answer, error_answer
 from quart_transport.tracing import Trace
 
@@ -55,7 +55,6 @@ _JOIN_MAX = 64 * 1024  # answers up to this size go out in one write with their 
 _SLICE = 1 << 20  # a larger answer: slices, each waiting for the client to drain
 _MAX_CHUNK_LINE = 4096
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _NO_BODY = frozenset({204, 304})
 _NAMES: set[str] = set()  # header names already seen to be tokens (bounded): no regex per header per request
@@ -202,7 +201,7 @@ class FrontConnection(asyncio.Protocol):
             del buffer[:2]
         end = buffer.find(_HEAD_END)
         if end < 0 or end > _MAX_HEAD:
-            if len(buffer) > _MAX_HEAD:
+            if len(buffer) > _MAX_HEAD or b"\n\n" in buffer:  # over 8 KiB; a head ended by bare LFs
                 self._hand_over()
             elif self.eof and self.transport is not None:
                 self.transport.close()
@@ -218,13 +217,14 @@ class FrontConnection(asyncio.Protocol):
     def _parse(self, head: str) -> _Request | None:
         """The request if this front takes it, else None (aiohttp does)."""
         lines = head.split("\r\n")
-        if head.count("\n") != len(lines) - 1 or head.count("\r") != len(lines) - 1 or "\x00" in head:
-            return None  # a bare CR or LF, a NUL
+        if (head.count("\n") != len(lines) - 1 or head.count("\r") != len(lines) - 1 or "\x00" in head
+                or "\x0b" in head or "\x0c" in head):
+            return None  # a bare CR or LF, a NUL, a vertical tab or form feed (in no field value)
         parts = lines[0].split(" ")
         if len(parts) != 3 or parts[2] != "HTTP/1.1" or not parts[1].startswith("/function/"):
             return None
         method, target = parts[0], parts[1]
-        if method == "HEAD" or not _TOKEN.fullmatch(method):
+        if method == "HEAD" or not _TOKEN.fullmatch(method) or not (target.isascii() and target.isprintable()):
             return None
         rest = target[10:]
         cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
@@ -384,10 +384,11 @@ class FrontConnection(asyncio.Protocol):
         while True:
             eol = await self._line()
             buffer = self.buffer
-            digits = bytes(buffer[:eol]).split(b";", 1)[0].strip(b" \t")
-            if not _HEX.fullmatch(digits):
-                raise QuartError(400, f"malformed chunked body: chunk size {digits[:20]!r}", "body")
-            chunk = int(digits, 16)
+            try:
+                chunk = chunk_size(buffer[:eol])
+            except ValueError:
+                raise QuartError(400, f"malformed chunked body: chunk size line {bytes(buffer[:min(eol, 20)])!r}",
+                                 "body") from None
             del buffer[:eol + 2]
             if chunk == 0:
                 break
@@ -406,6 +407,8 @@ class FrontConnection(asyncio.Protocol):
             trailers += eol + 2
             if trailers > _MAX_TRAILERS:
                 raise QuartError(400, "malformed chunked body: trailers over 64 KiB", "body")
+            if not field_line_ok(bytes(self.buffer[:eol])):
+                raise QuartError(400, "malformed chunked body: a trailer is not a header field", "body")
             del self.buffer[:eol + 2]
         del self.buffer[:2]
         self.want = 0
@@ -459,27 +462,37 @@ class FrontConnection(asyncio.Protocol):
                 self.drained = None
 
 
-class FrontSite(web.TCPSite):
-    """A TCP listener whose connections start with the :class:`Front` (aiohttp's own for what it hands over)."""
-
-    __slots__ = ("_front", "_drain_s")
+class FrontSite(web.BaseSite):
+    """A TCP listener whose connections start with the :class:`Front` (aiohttp's own for what it hands over), on
+    aiohttp's public site interface: registered with its runner (``runner.cleanup()`` stops it), its own listener;
+    :meth:`stop` closes the listener and the front's connections (``drain_s`` at most for those answering)."""
 
     def __init__(self, runner: web.AppRunner, invoke: InvokeHandlers, host: str, port: int, drain_s: float = 60.0,
-                 **kwargs: Any) -> None:
-        super().__init__(runner, host, port, **kwargs)
-        assert runner.server is not None
-        self._front = Front(invoke, runner.server)
-        self._drain_s = drain_s
+                 backlog: int = 128, reuse_address: bool | None = None) -> None:
+        super().__init__(runner, backlog=backlog)
+        server = runner.server
+        assert server is not None
+        self.front = Front(invoke, server)
+        self.host, self.requested_port, self.backlog = host, port, backlog
+        self.reuse_address, self.drain_s = reuse_address, drain_s
+        self.listener: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (the requested one before)."""
+        sockets = self.listener.sockets if self.listener is not None else ()
+        return sockets[0].getsockname()[1] if sockets else self.requested_port
+
+    name = property(lambda self: f"http://{self.host}:{self.port}")
 
     async def start(self) -> None:
-        await web.BaseSite.start(self)  # registers the site with its runner
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._front, self._host, self._port, backlog=self._backlog,
-                                                reuse_address=self._reuse_address, reuse_port=self._reuse_port)
-        sockets = self._server.sockets
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+        await super().start()  # registers the site with its runner
+        self.listener = await asyncio.get_running_loop().create_server(
+            self.front, self.host, self.requested_port, backlog=self.backlog, reuse_address=self.reuse_address)
 
     async def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
         await super().stop()
         with contextlib.suppress(Exception):
-            await self._front.close(self._drain_s)
+            await self.front.close(self.drain_s)

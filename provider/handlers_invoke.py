@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import TypeVar
 
+import aiohttp
 from aiohttp import web
-from aiohttp.web_urldispatcher import _default_expect_handler
 from multidict import CIMultiDict
 from quart_kernel.admission import (
     Admission,
@@ -38,11 +38,12 @@ from quart_provider.gateway import EmbeddedGateway
 from quart_provider.types import FunctionState
 from quart_stage.errors import QuartError
 from quart_transport import namespaces
+from quart_transport.codec import upstream_pool
 from quart_transport.headers import forwardable
 from quart_transport.responses import Answer, answer_of, error_answer, error_of, error_response
 from quart_transport.retry import replica_gone
 from quart_transport.tracing import Trace, trace_of, with_trace
-from quart_transport.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from quart_transport.upstream import Upstream, UpstreamError, UpstreamTimeout
 
 from keysmanager.aio import within
 
@@ -61,13 +62,25 @@ def refused(exc: QuartError, retry_after_s: int) -> web.Response:
     return response
 
 
+async def continue_100(request: web.Request) -> None:
+    """Let the client send its body: ``100 Continue`` for ``Expect: 100-continue`` on HTTP/1.1 (what aiohttp's
+    default expect handler does); 417 for any other expectation."""
+    expect = request.headers.get("Expect", "")
+    if request.version != aiohttp.HttpVersion11:
+        return
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim answer is not part of the response's size
+
+
 class InvokeHandlers:
     """The invocation handlers over one gateway, with the HTTP client they call replicas through."""
 
     def __init__(self, gateway: EmbeddedGateway, provider: bool = False) -> None:
         self.gateway = gateway
         self.config = gateway.config
-        self.upstream: UpstreamPool | None = None
+        self.upstream: Upstream | None = None
         self.ingest = RateMeter()  # request bodies' bytes per second as read here (admission by time)
         self.callback_policy = CallbackPolicy.from_text(self.config.callback_allowed_networks)
         self.async_calls = AsyncInvoker(self.config.async_workers, self.config.async_queue_cap,
@@ -79,7 +92,7 @@ class InvokeHandlers:
 
     async def startup(self) -> None:
         # keep-alive to the replicas; a replica on a host that went silent: 502 in ~2 s, not at upstream_timeout_s
-        self.upstream = UpstreamPool(self.config.upstream_timeout_s, keepalive_s=60)
+        self.upstream = upstream_pool(self.config.upstream_timeout_s, keepalive_s=60)
 
     async def stop_async_calls(self) -> None:
         """In memory: let queued async calls run a little (they need the replicas), then answer the rest 503."""
@@ -286,7 +299,7 @@ class InvokeHandlers:
                 refusal = self.gateway.body_gate.refusal(fn.name, request.content_length)
             if refusal is not None:
                 return refused(refusal, self.config.retry_after_s)
-        return await _default_expect_handler(request)
+        return await continue_100(request)
 
     async def _hooks(self, request: web.Request, name: str, tail: str) -> web.StreamResponse:
         """A name that is neither a function nor a pipeline: another invoke hook's (the plugin's own paths)."""

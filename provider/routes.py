@@ -23,6 +23,7 @@ from quart_provider.handlers_secrets import SecretHandlers
 from quart_provider.handlers_system import SystemHandlers
 from quart_stage.errors import QuartError
 from quart_transport.auth import Credentials
+from quart_transport.codec import CodecSettings
 from quart_transport.responses import error_of, error_response
 from quart_transport.tracing import traced
 
@@ -138,12 +139,13 @@ async def start_site(app: web.Application, bind: str, port: int) -> tuple[web.Ap
     """Start serving ``app``; returns the runner (``await runner.cleanup()`` to stop) and the bound port.
 
     An app of :func:`create_app` is served through the fast ``/function`` front (:mod:`.front`), which hands
-    every other request to the app."""
+    every other request to the app; with ``QUART_HTTP_CODEC=aiohttp`` (:mod:`quart_transport.codec`) aiohttp
+    serves every request."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     invoke = app.get(INVOKE)
-    site: web.TCPSite
-    if invoke is not None:
+    site: web.TCPSite | FrontSite
+    if invoke is not None and CodecSettings.from_env().lean:
         site = FrontSite(runner, invoke, bind, port, backlog=1024, reuse_address=True)
     else:
         site = web.TCPSite(runner, bind, port, backlog=1024, reuse_address=True)

@@ -34,6 +34,16 @@ class GenerationRoute(Protocol):
     async def answer(self, request: Any, model: str, body: bytes) -> Any: ...
 
 
+class ReplicaRef(Protocol):
+    """A replica as the plugin hands it back (``gateway_plugin.ports.Replica``): one of this gateway's endpoints."""
+
+    in_flight: int
+    held: tuple[int, int] | None
+
+    @property
+    def id(self) -> str: ...
+
+
 @dataclass(slots=True)
 class Endpoint:
     """A replica the gateway routes to; ``in_flight`` counts requests it is serving now."""
@@ -145,3 +155,52 @@ class FunctionState:
         out["availableReplicas"] = len(self.ready)
         out["createdAt"] = self.created_at.isoformat().replace("+00:00", "Z")
         return out
+
+
+class FunctionFacts:
+    """What the plugin reads of one function (``gateway_plugin.ports.FunctionFacts``), read through to its state."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: FunctionState) -> None:
+        self.fn = fn
+
+    @property
+    def ready(self) -> int:
+        return len(self.fn.ready)
+
+    @property
+    def desired(self) -> int:
+        return self.fn.desired
+
+    @property
+    def cpus(self) -> float:
+        return self.fn.deployment.cpus or 0.0
+
+    @property
+    def min_replicas(self) -> int:
+        return self.fn.deployment.min_replicas
+
+    @property
+    def max_replicas(self) -> int:
+        return self.fn.deployment.max_replicas
+
+    @property
+    def concurrency(self) -> int:
+        return self.fn.deployment.concurrency
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self.fn.deployment.labels
+
+    @property
+    def env(self) -> Mapping[str, str]:
+        return self.fn.deployment.env_vars
+
+    @property
+    def start_s(self) -> float:
+        return self.fn.start_time.seconds
+
+    @property
+    def namespace(self) -> str:
+        return self.fn.deployment.namespace

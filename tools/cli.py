@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plugin": ("gateway_plugin.standalone:main", "run the gateway plugin as its own process in front of an OpenFaaS gateway"),
     "keysmanager": ("keysmanager.cli:main", "run one KeysManager host agent in the foreground"),
     "load": ("quart_tools.loadgen:main", "open-loop load generator (Poisson, gamma, trace replay)"),
-    "report": ("quart_tools.report:main", "latency/SLO/goodput report and plots from request records"),
+    "report": ("quart_tools.report:main", "latency/SLO/goodput report and plots from request records; `report benchmarks`: docs/benchmarks.md's tables from docs/data"),
     "simulate": ("quart_tools.sim.cli:main", "cluster-scale discrete-event simulator and paper experiments"),
     "bench": ("quart_tools.bench:main", "run a named benchmark and write JSON"),
 }

@@ -31,7 +31,7 @@ from quart_provider.network import (
     unavailable_reason,
 )
 from quart_provider.stack import StackError, load_stack
-from quart_provider.system import STATE_FILE, EmbeddedSystem, _alive, stop_process
+from quart_provider.system import STATE_FILE, EmbeddedSystem, PluginAttach, _alive, stop_process
 from quart_stage import cliargs
 from quart_stage.errors import QuartError
 from quart_stage.logs import configure as configure_logs
@@ -147,11 +147,11 @@ def up(argv: list[str]) -> int:
     return asyncio.run(_run_foreground(config, stack, not args.no_plugin, use_km, args.keep_hosts, args.wait))
 
 
-def _plugin():
-    """The gateway plugin's attach hook: the composition root wires the plugin onto the platform."""
-    from gateway_plugin.plugin import attach
+def _plugin() -> PluginAttach:
+    """The gateway plugin's attach hook: the composition root wires the plugin onto the platform (typed: wiring.py)."""
+    from quart_tools.wiring import plugin_attach
 
-    return attach
+    return plugin_attach()
 
 
 async def _run_foreground(config: GatewayConfig, stack, attach_plugin: bool, use_keysmanager: bool | None,

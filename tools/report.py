@@ -312,6 +312,10 @@ def _profiled_ms(args) -> float:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["benchmarks"]:  # `quartctl report benchmarks`: docs/benchmarks.md's tables from docs/data
+        from quart_tools.report_benchmarks import main as benchmarks
+
+        return benchmarks(argv[1:])
     p = cliargs.ArgumentParser(prog="quartctl report", description=__doc__.split("\n\n")[0])
     p.add_argument("records", nargs="+", help="loadgen JSONL records, as PATH or POLICY=PATH")
     p.add_argument("--profiled-ms", type=float, default=None, help="the model's profiled time (SLO 1.0×)")

@@ -23,20 +23,23 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 from quart_transport.dead_peer import dead_peer_socket
 from quart_transport.headers import HOP_BY_HOP
-from quart_transport.http1 import dechunk, next_chunk
+from quart_transport.http1 import TOKEN, content_length, dechunk, field_value, next_chunk
 
 from keysmanager.aio import within
 
-_HEAD_END = b"\r\n\r\n"
+_HEAD_END = re.compile(rb"\n\r?\n")
+_STATUS_LINE = re.compile(r"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: [\t \x21-\x7e\x80-\xff]*)?")
 _MAX_HEAD = 64 * 1024
 _NO_BODY_STATUS = frozenset({204, 304})
 _JOIN_MAX = 16 * 1024  # bodies up to this size go out in one buffer with the head
@@ -65,16 +68,19 @@ class UpstreamResponse:
 
 
 
+Piece = bytes | BaseException | None  # a piece of a streamed body; None: its end; an error: how it failed
+
+
 class UpstreamStream:
     """A replica's answer whose body arrives piece by piece (:meth:`UpstreamPool.stream`): ``status``,
     ``headers``, then ``async for piece in stream`` (each wait bounded by ``idle_s``: :class:`UpstreamTimeout`)
     or ``await stream.read()``. :meth:`close` (or ``async with``) when done: a body not read to its end
     closes the connection; one read to its end returns it to the pool."""
 
-    def __init__(self, status: int, headers: CIMultiDict[str], pieces: asyncio.Queue,
+    def __init__(self, status: int, headers: CIMultiDict[str], next_piece: Callable[[], Awaitable[Piece]],
                  release: Callable[[bool], None], idle_s: float) -> None:
         self.status, self.headers, self.idle_s = status, headers, idle_s
-        self._pieces, self._release = pieces, release
+        self._next_piece, self._release = next_piece, release
         self._open = True
 
     def __aiter__(self) -> UpstreamStream:
@@ -84,7 +90,7 @@ class UpstreamStream:
         if not self._open:
             raise StopAsyncIteration
         try:
-            item = await within(self.idle_s, self._pieces.get())
+            item = await within(self.idle_s, self._next_piece())
         except TimeoutError:
             self.close()
             raise UpstreamTimeout(f"no piece of the answer within {self.idle_s:g} s") from None
@@ -115,7 +121,20 @@ class UpstreamStream:
         self.close()
 
 
-class _Connection(asyncio.Protocol):
+class Upstream(Protocol):
+    """A client to replicas: :class:`UpstreamPool` (lean) or ``upstream_aiohttp.AiohttpUpstreamPool``
+    (``QUART_HTTP_CODEC=aiohttp``); :func:`quart_transport.codec.upstream_pool` makes the configured one."""
+
+    async def request(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
+                      timeout_s: float | None = None) -> UpstreamResponse: ...
+
+    async def stream(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
+                     timeout_s: float | None = None, idle_s: float | None = None) -> UpstreamStream: ...
+
+    async def close(self) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection; at most one request in flight (``waiter``)."""
 
     def __init__(self) -> None:
@@ -182,13 +201,13 @@ class _Connection(asyncio.Protocol):
     def _parse(self) -> None:
         buffer = self.buffer
         while self.headers is None:
-            end = buffer.find(_HEAD_END)
-            if end < 0:
+            blank = _HEAD_END.search(buffer)  # the empty line (CRLF, or LF alone, ends each line)
+            if blank is None or blank.start() > _MAX_HEAD:
                 if len(buffer) > _MAX_HEAD:
                     raise ValueError("response head over 64 KiB")
                 return
-            self._read_head(bytes(buffer[:end]).decode("latin-1"))
-            del buffer[:end + 4]
+            self._read_head(bytes(buffer[:blank.start()]).decode("latin-1"))
+            del buffer[:blank.end()]
         if self.pieces is not None:
             self._stream()
             return
@@ -213,26 +232,42 @@ class _Connection(asyncio.Protocol):
         self._finish(body)
 
     def _read_head(self, head: str) -> None:
-        lines = head.split("\r\n")
-        status_line = lines[0].split(" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1."):
+        lines = head.split("\n")
+        match = _STATUS_LINE.fullmatch(lines[0].removesuffix("\r"))
+        if match is None:
             raise ValueError(f"bad status line {lines[0][:80]!r}")
-        status = int(status_line[1])
+        status = int(match.group(2))
         headers: CIMultiDict[str] = CIMultiDict()
-        length, chunked, close = None, False, status_line[0] == "HTTP/1.0"
+        length, chunked, close = None, False, match.group(1) == "1.0"
+        fields: list[list[str]] = []
         for line in lines[1:]:
+            line = line.removesuffix("\r")
+            if line[:1] in (" ", "\t"):  # obs-fold: the previous field's value goes on
+                if not fields:
+                    raise ValueError("a continuation line before any header")
+                fields[-1][1] += " " + line.lstrip(" \t")
+                continue
             name, sep, value = line.partition(":")
-            if not sep:
+            if not sep or not TOKEN.fullmatch(name):
                 raise ValueError(f"bad header line {line[:80]!r}")
-            key, value = name.strip().lower(), value.strip()
+            fields.append([name, value])
+        for name, raw in fields:
+            value = field_value(raw)
+            if value is None:
+                raise ValueError(f"bad value of header {name[:40]!r}")
+            key = name.lower()
             if key == "content-length":
-                length = int(value)
+                length = content_length(value, length)
             elif key == "transfer-encoding":
-                chunked = value.lower().endswith("chunked")
+                if chunked or value.lower() != "chunked":
+                    raise ValueError(f"transfer-encoding {value[:40]!r}: chunked (once) is the only one read")
+                chunked = True
             elif key == "connection":
                 close = "close" in value.lower() or (close and "keep-alive" not in value.lower())
             if key not in HOP_BY_HOP:
-                headers.add(name.strip(), value)
+                headers.add(name, value)
+        if status < 100:
+            raise ValueError(f"status {status} (100 to 999)")
         if 100 <= status < 200 and status != 101:
             return  # interim answer (100 Continue, 103 Early Hints): the real one follows
         self.status, self.headers = status, headers
@@ -311,8 +346,8 @@ class UpstreamPool:
     def __init__(self, timeout_s: float, keepalive_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
         self.keepalive_s = keepalive_s
-        self.idle: dict[tuple[str, int], list[_Connection]] = {}
-        self.busy: set[_Connection] = set()
+        self.idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
+        self.busy: set[UpstreamConnection] = set()
         self._targets: dict[str, tuple[str, int, str]] = {}  # base url -> (host, port, Host header)
 
     def _target(self, base_url: str) -> tuple[str, int, str]:
@@ -325,7 +360,7 @@ class UpstreamPool:
             target = self._targets[base_url] = (parts.hostname, port, parts.netloc)
         return target
 
-    async def _connect(self, host: str, port: int) -> _Connection:
+    async def _connect(self, host: str, port: int) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         try:
             try:
@@ -345,14 +380,14 @@ class UpstreamPool:
                     sock.close()
                     last = exc
                     continue
-                _, protocol = await loop.create_connection(_Connection, sock=sock)
+                _, protocol = await loop.create_connection(UpstreamConnection, sock=sock)
                 return protocol
             raise last or OSError(f"no address for {host}")
         except OSError as exc:
             raise UpstreamRefused(f"cannot connect to {host}:{port}: {exc}") from exc
 
     async def _send(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
-                    stream: bool) -> tuple[_Connection, tuple[str, int], asyncio.Future[UpstreamResponse]]:
+                    stream: bool) -> tuple[UpstreamConnection, tuple[str, int], asyncio.Future[UpstreamResponse]]:
         host, port, host_header = self._target(base_url)
         key = (host, port)
         conn = self._idle_connection(key)
@@ -367,7 +402,7 @@ class UpstreamPool:
         self.busy.add(conn)
         return conn, key, conn.send([head, body] if body else [head], method == "HEAD", stream)
 
-    def _done(self, conn: _Connection, key: tuple[str, int]) -> None:
+    def _done(self, conn: UpstreamConnection, key: tuple[str, int]) -> None:
         """A call on ``conn`` is over: back to the idle pool if it can carry another, else closed."""
         self.busy.discard(conn)
         if conn.reusable and not conn.closed and conn.waiter is None and conn.pieces is None:
@@ -417,9 +452,9 @@ class UpstreamPool:
                 conn.pieces = None
             self._done(conn, key)
 
-        return UpstreamStream(head.status, head.headers, pieces, release, timeout if idle_s is None else idle_s)
+        return UpstreamStream(head.status, head.headers, pieces.get, release, timeout if idle_s is None else idle_s)
 
-    def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
+    def _idle_connection(self, key: tuple[str, int]) -> UpstreamConnection | None:
         pool = self.idle.get(key)
         now = time.monotonic()
         while pool:
@@ -430,7 +465,7 @@ class UpstreamPool:
         return None
 
     @staticmethod
-    def _time_out(conn: _Connection, timeout_s: float) -> None:
+    def _time_out(conn: UpstreamConnection, timeout_s: float) -> None:
         conn._fail(f"no answer within {timeout_s:g} s", UpstreamTimeout)  # noqa: SLF001 - same module
 
     async def close(self) -> None:

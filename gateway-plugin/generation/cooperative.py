@@ -72,7 +72,7 @@ def split_for(ready: list[Any], room: Callable[[str], int], need: int, rejoin: s
     the one holding most, then the provider's pick rule. None when there is none."""
     fits = []
     for r in ready:
-        stage, held = layers.stage_range(r), getattr(r, "held", None)
+        stage, held = layers.stage_range(r), r.held
         if stage is None or held is None or layers.is_whole(r):
             continue
         if held[0] == stage[0] < held[1] < stage[1]:
@@ -166,7 +166,7 @@ class LiveSplits:
                 continue
             if not layers.is_whole(split.partial) or split.given_up or split.task is not None:
                 continue
-            if getattr(split.partial, "state", "ready") != "ready" or mode == "keep":
+            if split.partial.state != "ready" or mode == "keep":
                 continue
             if session.fed == 0 or mode == "replay":  # nothing held yet, or move by replay now
                 if book.room(split.partial.id) + split.part_tokens >= session.need:

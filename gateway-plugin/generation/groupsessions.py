@@ -49,7 +49,7 @@ def part_span(replica: Any) -> layers.Range | None:
     held), else what it holds now; None for a whole replica."""
     if layers.is_whole(replica):
         return None
-    return getattr(replica, "part", None) or layers.held_range(replica)
+    return replica.part or layers.held_range(replica)
 
 
 def chain_for(ready: Iterable[Any], need: int, room: Callable[[str], int], excluded: Iterable[str] = ()
@@ -170,7 +170,7 @@ class GroupChains:
         """A ready whole replica of stage ``k`` with room for the session: a member of its chain first (it holds
         a part of the cache, booked already), else the book's choice; None when there is none yet."""
         book, chain = self.host.book, session.chains[k]
-        whole = [r for r in _whole(self.host.source.ready(session.stages[k])) if getattr(r, "state", "ready") == "ready"]
+        whole = [r for r in _whole(self.host.source.ready(session.stages[k])) if r.state == "ready"]
         held = {r.id: n for r, n in chain.bookings()}
         members = [r for r in whole if r.id in held and book.room(r.id) + held[r.id] >= session.need]
         if members:  # the least booked: a group that became several whole workers shares its sessions out

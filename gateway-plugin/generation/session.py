@@ -14,6 +14,8 @@ import aiohttp
 from gateway_plugin import layers
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.kvbook import KVBook
+from gateway_plugin.generation.roomwait import RoomQueue
+from gateway_plugin.ports import Replica, ReplicaSource
 from quart_stage.sampling import with_history
 
 
@@ -131,7 +133,7 @@ def stage_bookings(placed: Any, need: int, split: Split | None) -> list[tuple[An
     positions, or with a split its share and the live replica the rest."""
     if placed is None:
         return []
-    if hasattr(placed, "bookings"):  # a ParaServe chain (groupsessions.Chain)
+    if isinstance(placed, Chain):  # a ParaServe chain
         return placed.bookings()
     if split is None:
         return [(placed, need)]
@@ -145,12 +147,12 @@ class SessionHost(Protocol):
     book: KVBook
     config: GenerationConfig
     clock: Callable[[], float]
-    source: Any  # a gateway_plugin.router.ReplicaSource: ``ready(function)``, every ready replica, parts too
-    room: Any  # a gateway_plugin.generation.roomwait.RoomQueue: ``waiting(function)``, new sessions in line for room
+    source: ReplicaSource  # ``ready(function)``: every ready replica, parts too
+    room: RoomQueue  # ``waiting(function)``: new sessions in line for room
 
     def client(self) -> aiohttp.ClientSession: ...
 
-    def forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
+    def forget(self, replica: Replica, session_id: str, then: Callable[[], None] | None = None) -> None:
         """``DELETE /_/sessions/<id>`` on one replica in the background; ``then()`` once it is answered."""
 
     def drop(self, session: Session) -> None:
@@ -159,7 +161,7 @@ class SessionHost(Protocol):
     def renew(self, session: Session, new_id: str | None = None) -> None:
         """The session goes on under a new id (a fresh one, or ``new_id``)."""
 
-    def rehome(self, session: Session, stage: int, placed: Any) -> None:
+    def rehome(self, session: Session, stage: int, placed: Replica | Chain) -> None:
         """Stage ``stage`` runs on ``placed`` (booked) under a new id; the next step replays from position 0."""
 
     async def step(self, session: Session, new: list[int], pos: int, last: bool) -> int:

@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-from gateway_plugin import layers
+from gateway_plugin import layers, ports
 from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.cooperative import LiveSplits
 from gateway_plugin.generation.decodebatch import (
@@ -75,10 +75,10 @@ class SessionEngine:
     """Places sessions, runs their steps, replays them after a failure; holds the live splits and the group chains
     (it is their :class:`~gateway_plugin.generation.session.SessionHost`)."""
 
-    def __init__(self, source: Any, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, source: ports.ReplicaSource, config: GenerationConfig, clock: Callable[[], float] = time.monotonic,
                  on_call: Callable[[str, int, float], None] | None = None, poll_s: float = 0.05,
                  decode_limit: Callable[[str], int] | None = None, collector: MetricsCollector | None = None) -> None:
-        self.source = source  # a gateway_plugin.router.ReplicaSource
+        self.source = source
         self.collector = collector  # each step at a stage: an arrival, its wait and its service, as the router's calls
         self.config = config
         self.clock = clock
@@ -114,7 +114,7 @@ class SessionEngine:
 
     # ------------------------------------------------------------------ placement
 
-    def _ready(self, function: str) -> list[Any]:
+    def _ready(self, function: str) -> list[ports.Replica]:
         return [r for r in self.source.ready(function) if layers.is_whole(r)]
 
     async def _choose(self, function: str, need: int, excluded: set[str], steps: int | None = None,
@@ -249,7 +249,7 @@ class SessionEngine:
         """Move the session by replay off every replica of it that is draining, where another ready replica
         of that stage has room (else it stays: the drain waits for it, bounded)."""
         for k, replica in enumerate(session.replicas):
-            if getattr(replica, "state", "ready") != "draining":
+            if replica is None or replica.state != "draining":  # None: a chain runs the stage
                 continue
             self.live_splits.unsplit(session, k, onto_partial=False)
             target = self.book.choose(self._ready(session.stages[k]), session.need, excluded={replica.id})
@@ -263,7 +263,7 @@ class SessionEngine:
             session.moves += 1
             self.moves += 1
 
-    def rehome(self, session: Session, stage: int, placed: Any) -> None:
+    def rehome(self, session: Session, stage: int, placed: ports.Replica | Chain) -> None:
         """Pin ``stage`` of the session to ``placed`` (a replica booked ``need``, or a `Chain` its shares) under a
         new id; the next step replays from 0."""
         session.replicas[stage] = None if isinstance(placed, Chain) else placed
@@ -368,7 +368,7 @@ class SessionEngine:
                     status, data, answer = await (self.group_chains.part_call(call) if k in session.chains else call())
                 self.book.note(replica.id, answer.get(KV_HEADER))
                 held = layers.parse_range(answer.get(layers.HELD))
-                if held is not None and held != getattr(replica, "held", None) and hasattr(self.source, "note_held"):
+                if held is not None and held != replica.held:
                     self.source.note_held(fn, replica, held)  # a live replica's layers grow; whole, it joins ready
                 if status == 409:
                     raise StepFailed(k, replica, "409: it does not hold the session", keep=True)
@@ -428,7 +428,7 @@ class SessionEngine:
                 return status, data, dict(resp.headers)
         except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
             status = 504 if isinstance(exc, TimeoutError) else 502
-            if replica_gone(exc) and hasattr(self.source, "mark_unreachable"):
+            if replica_gone(exc):
                 self.source.mark_unreachable(fn, replica)
             raise StepFailed(k, replica, f"{type(exc).__name__}: {exc}") from None
         finally:
@@ -478,7 +478,7 @@ class SessionEngine:
             if replica is not None:
                 self.forget(replica, session.id)
 
-    def forget(self, replica: Any, session_id: str, then: Callable[[], None] | None = None) -> None:
+    def forget(self, replica: ports.Replica, session_id: str, then: Callable[[], None] | None = None) -> None:
         """``DELETE /_/sessions/<id>`` on one replica, in the background; ``then()`` once it is answered (or failed)."""
         task = asyncio.get_running_loop().create_task(delete_session(self.client(), replica.url, session_id))
         self._background.add(task)

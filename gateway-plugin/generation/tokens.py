@@ -21,6 +21,7 @@ from typing import Any
 from gateway_plugin.generation.params import GenerationParams
 from quart_stage.errors import QuartError, invalid
 from quart_stage.manifest import Manifest
+from quart_stage.settings import setting
 
 log = logging.getLogger("quart.generation")
 REGISTRY_SCHEME = "s3://"
@@ -123,7 +124,7 @@ def is_registry_url(source: str | None) -> bool:
 
 
 def default_tokenizer_cache() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "quart-faas", "tokenizers")
+    return os.path.join(setting("XDG_CACHE_HOME", str, "") or os.path.expanduser("~/.cache"), "quart-faas", "tokenizers")
 
 
 def fetch_tokenizer(url: str, cache_root: str) -> str:

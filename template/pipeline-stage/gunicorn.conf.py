@@ -4,19 +4,19 @@ preload_app: the stage's parameters load once in the gunicorn master (fork-safe:
 and the workers fork from it, sharing them copy-on-write.
 """
 
-import os
+from quart_stage.settings import setting
 
-bind = os.getenv("QUART_BIND", "127.0.0.1:5000")  # of-watchdog's upstream_url
-workers = int(os.getenv("QUART_WORKERS", "1"))
-threads = int(os.getenv("QUART_WORKER_THREADS", "1"))
-preload_app = os.getenv("QUART_PRELOAD", "1") == "1"
-timeout = int(os.getenv("QUART_WORKER_TIMEOUT", "120"))
+bind = setting("QUART_BIND", str, "127.0.0.1:5000")  # of-watchdog's upstream_url
+workers = setting("QUART_WORKERS", int, 1)
+threads = setting("QUART_WORKER_THREADS", int, 1)
+preload_app = setting("QUART_PRELOAD", bool, True)
+timeout = setting("QUART_WORKER_TIMEOUT", int, 120)
 graceful_timeout = 30
 keepalive = 75
 limit_request_field_size = 1 << 18  # X-Quart-Sample carries the ids a repetition penalty reads (5.3 B a token)
 accesslog = None
 errorlog = "-"
-loglevel = os.getenv("QUART_LOG_LEVEL", "info")
+loglevel = setting("QUART_LOG_LEVEL", str, "info")
 
 
 def post_fork(server, worker):

@@ -7,17 +7,17 @@ passed to ``function/handler.py: handle(event, context)``, which returns ``{"sta
 QUART_MAX_BODY_BYTES are refused with 413 from their Content-Length, before they are read.
 """
 
-import os
 
 from flask import Flask, jsonify, request
 from function import handler
 from quart_stage.logs import AccessLog
+from quart_stage.settings import setting
 from werkzeug.exceptions import HTTPException
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 
 app = Flask(__name__)
-app.config["MAX_CONTENT_LENGTH"] = int(os.getenv("QUART_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES)))
+app.config["MAX_CONTENT_LENGTH"] = setting("QUART_MAX_BODY_BYTES", int, DEFAULT_MAX_BODY_BYTES)
 app.wsgi_app = AccessLog(app.wsgi_app)  # an access line per request on stderr: the function's log
 
 
@@ -32,7 +32,7 @@ class Event:
 
 class Context:
     def __init__(self):
-        self.hostname = os.getenv("HOSTNAME", "localhost")
+        self.hostname = setting("HOSTNAME", str, "localhost")
 
 
 def format_status_code(resp):

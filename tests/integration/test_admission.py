@@ -178,7 +178,7 @@ def test_router_entry_refuses_at_the_queue_cap_and_past_the_deadline_with_a_meas
     for times in services.values():
         for _ in range(5):
             times.record(0.5)  # measured: 0.5 s per request (the estimator the proxy admits with too)
-    queues = {"m-0": SimpleNamespace(jobs=deque(range(12))), "m-1": SimpleNamespace(jobs=deque())}
+    queues = {"m-0": SimpleNamespace(jobs=deque(range(12)), busy=0), "m-1": SimpleNamespace(jobs=deque(), busy=0)}
     source = SimpleNamespace(concurrency=lambda fn: 1, ready=lambda fn: ["r1", "r2"])
     router = SimpleNamespace(clock=lambda: 6.0, queues=queues, source=source, service_times=services.__getitem__,
                              config=PluginConfig(queue_cap=10, retry_after_s=1, admission_safety=1.0))

@@ -112,7 +112,7 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+    return runner, f"http://127.0.0.1:{site.port}"
 
 
 @contextlib.asynccontextmanager

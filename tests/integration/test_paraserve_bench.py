@@ -61,7 +61,7 @@ def files_registry(tmp_path, monkeypatch):
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
     loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]
+    port = site.port
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{port}", data

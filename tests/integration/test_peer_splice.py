@@ -31,7 +31,7 @@ def _serving(handler: Callable[[web.Request], object], body: Callable[[int], Non
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         try:
-            await asyncio.wait_for(asyncio.to_thread(body, site._server.sockets[0].getsockname()[1]), 30)
+            await asyncio.wait_for(asyncio.to_thread(body, site.port), 30)
         finally:
             await runner.cleanup()
     asyncio.run(main())

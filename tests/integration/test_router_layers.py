@@ -50,7 +50,7 @@ class LayeredReplica:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/"
+        self.url = f"http://127.0.0.1:{site.port}/"
         return self
 
     def replica(self, reported_held: tuple[int, int] | None = None) -> StaticReplica:

@@ -3,42 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from quart_transport.upstream import UpstreamError, UpstreamPool, UpstreamRefused, UpstreamTimeout
-
-
-async def serve(answers: list[bytes], seen: list[bytes], close_after: bool = False):
-    """A server answering the n-th request head it reads (whole request: head + Content-Length body) with answers[n]."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while answers:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                body = await reader.readexactly(length) if length else b""
-                seen.append(head + body)
-                answer = answers.pop(0)
-                if answer == b"RESET":
-                    writer.transport.abort()
-                    return
-                if answer == b"SILENT":
-                    await asyncio.sleep(10)
-                    return
-                writer.write(answer)
-                await writer.drain()
-                if close_after:
-                    break
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+from support.raw_http import closed_port, serve
 
 
 def run(coro):
@@ -105,12 +73,8 @@ def test_head_answer_has_no_body_and_close_delimited_body_ends_at_close():
 def test_refused_reset_timeout_and_malformed():
     async def main():
         pool = UpstreamPool(timeout_s=0.5)
-        free = socket.socket()
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-        free.close()
         with pytest.raises(UpstreamRefused):
-            await pool.request("POST", f"http://127.0.0.1:{port}", "/", {}, b"x")
+            await pool.request("POST", f"http://127.0.0.1:{closed_port()}", "/", {}, b"x")
         ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
         server, url = await serve([ok, b"RESET"], [])
         try:

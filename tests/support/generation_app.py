@@ -112,8 +112,10 @@ class GenerationServer(BackgroundLoop):
 def tiny_server(tmp_path_factory) -> Iterator[GenerationServer]:
     """A module fixture's body: the GenerationServer over ``tiny`` (and ``enc``) the /v1 tests share (64 KiB
     bodies, 8 tokens by default), closed after the module."""
+    # a session with no KV room waits 2 s in line before its 429 (the default's 10 s raced the tests' 10 s client
+    # timeouts: under load the client gave up first)
     running = GenerationServer(tiny_models(tmp_path_factory.mktemp("models")), max_body_bytes=64 * 1024,
-                               default_max_tokens=8)
+                               default_max_tokens=8, room_wait_s=2.0)
     try:
         yield running
     finally:

@@ -42,7 +42,7 @@ class Setup:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = site.port
         return f"http://127.0.0.1:{port}"
 
     def call(self, coro, timeout: float = 60):

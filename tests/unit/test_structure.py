@@ -226,6 +226,61 @@ def test_the_plugin_image_ships_what_the_plugin_imports_and_not_the_embedded_gat
     assert not {"quart_provider", "quart_tools"} & copied
 
 
+def _protocols(path: Path) -> list[ast.ClassDef]:
+    """The ``class X(..., Protocol)`` definitions of a module."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            and any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases)]
+
+
+def test_the_plugin_ports_name_every_member_and_none_is_any() -> None:
+    """Issue 40: the plugin reaches a platform through typed ports (gateway_plugin.ports), and every Protocol of
+    the plugin (the ports, and the narrower interfaces beside the code that uses them) types its members: no
+    ``Any`` in any of them. mypy (``make lint``, strict on the ports) checks that each implementation has them all."""
+    ports = _protocols(PACKAGES["gateway_plugin"] / "ports.py")
+    names = {cls.name for cls in ports}
+    assert {"Replica", "ReplicaSource", "Platform", "DecisionNotes", "SessionWatch", "Scaler", "PluginHost"} <= names
+    any_members = []
+    for path in PACKAGES["gateway_plugin"].rglob("*.py"):
+        for cls in _protocols(path):
+            for node in ast.walk(cls):
+                if (isinstance(node, ast.Name) and node.id == "Any") or (isinstance(node, ast.Attribute)
+                                                                           and node.attr == "Any"):
+                    any_members.append(f"{path.relative_to(ROOT)}:{node.lineno} ({cls.name})")
+    assert not any_members, f"a port with an Any member: {any_members}"
+    text = (PACKAGES["gateway_plugin"] / "ports.py").read_text()
+    assert "Any" not in text.replace("Answer", ""), "gateway_plugin.ports names no Any at all"
+
+
+# Every hasattr / getattr with a constant name in gateway-plugin/, by (module, attribute): what it probes, which is
+# never a platform's (a platform's capability is a member of its port, declared, not probed).
+PROBES_ALLOWED = {
+    ("gateway-plugin/controller.py", "sessions_floor"): "a policy's own declaration (gateway_plugin.snapshot.Policy)",
+    ("gateway-plugin/controller.py", "cv_model"): "whether a policy reads a CV model (only QUART's does)",
+    ("gateway-plugin/policies/cv_online.py", "cv_model"): "whether a policy reads a CV model (only QUART's does)",
+    ("gateway-plugin/generation/tokens.py", "chat_template"): "the tokenizer library's object (transformers)",
+}
+
+
+def test_the_plugin_probes_no_platform_capability() -> None:
+    """Issue 40: no ``hasattr(x, "name")`` / ``getattr(x, "name", ...)`` on a platform in gateway-plugin/: what a
+    platform may lack is a member of its port (gateway_plugin.ports) that says so. The probes left are listed
+    above with what they probe; a new one fails here until it is a port member or listed with its reason."""
+    found: dict[tuple[str, str], list[int]] = {}
+    for path in PACKAGES["gateway_plugin"].rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and isinstance(node.args[1].value, str)):
+                found.setdefault((rel, node.args[1].value), []).append(node.lineno)
+    unlisted = {f"{path}:{lines} {name!r}" for (path, name), lines in found.items()
+                if (path, name) not in PROBES_ALLOWED}
+    assert not unlisted, f"probes of a capability (declare it on a port in gateway_plugin.ports): {sorted(unlisted)}"
+    stale = set(PROBES_ALLOWED) - set(found)
+    assert not stale, f"listed probes that are gone (drop them from PROBES_ALLOWED): {sorted(stale)}"
+
+
 TESTS = ROOT / "tests"
 GROUPS = ("unit", "integration", "e2e")
 

@@ -50,7 +50,7 @@ async def serve_stage(stage: StageFile, middlewares: tuple = ()) -> tuple[web.Ap
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return runner, site.port
 
 
 def _source(path: str, sha: str, size: int, ports, done) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from quart_stage.config import StageConfig
 from quart_stage.nodecache import NodeCacheError, km_call, stage_spec
 from quart_stage.proxy import Upstream, serve
-from quart_stage.settings import ConfigError, settings_from_env
+from quart_stage.settings import ConfigError, setting, settings_from_env
 from quart_stage.unixhttp import UnixHTTPConnection
 
 GUNICORN = ("-m", "gunicorn", "index:app", "--config", "gunicorn.conf.py")
@@ -226,7 +226,7 @@ def main() -> int:
     try:
         cfg, settings = StageConfig.from_env(), ForwardSettings.from_env()
     except ConfigError as exc:
-        exec_fallback(f"bad settings ({exc})", os.environ.get("QUART_STAGE_INDEX", "?"))
+        exec_fallback(f"bad settings ({exc})", setting("QUART_STAGE_INDEX", str, "?"))
     why = why_not_fork(cfg)
     rep = None
     if why is None:

@@ -10,7 +10,9 @@ field's declared type with the rules below, then applies ``overrides`` (``None``
 - ``str``; ``Path``; ``tuple[float, ...]`` / ``tuple[int, ...]`` / ``tuple[str, ...]``: comma-separated;
 - an empty variable is the same as an unset one.
 
-Every error is a :class:`ConfigError` naming the variable and what it must be.
+Every error is a :class:`ConfigError` naming the variable and what it must be. :func:`setting` reads one variable
+by the same rules. This module is the one place that reads the environment by name
+(tests/unit/test_settings_reads.py).
 """
 
 from __future__ import annotations
@@ -112,6 +114,14 @@ def settings_from_env(
         values[f.name] = parse_as(hints[f.name], raw, var)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**values)
+
+
+def setting(name: str, kind: type[T], default: T, env: Mapping[str, str] | None = None) -> T:
+    """One variable, ``name``, parsed as ``kind`` with the rules above; ``default`` when it is unset or empty. For a
+    lone variable outside any settings class (a gunicorn config file, a variable another program defines)."""
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    return default if raw is None or raw == "" else parse_as(kind, raw, name)
 
 
 def env_names(cls: type, prefix: str, names: Mapping[str, str] | None = None) -> dict[str, str]:
