@@ -245,10 +245,13 @@ def _error_of(answer: Answer) -> QuartError:
     try:
         doc = jsonparse.loads(bytes(answer.body))
     except QuartError:
-        doc = {}
-    message = doc.get("error") if isinstance(doc, dict) and isinstance(doc.get("error"), str) else \
-        f"the pipeline answered HTTP {answer.status}"
-    field = doc.get("field") if isinstance(doc, dict) and isinstance(doc.get("field"), str) else None
+        doc = None
+    said: dict[str, Any] = doc if isinstance(doc, dict) else {}
+    message, field = said.get("error"), said.get("field")
+    if not isinstance(message, str):
+        message = f"the pipeline answered HTTP {answer.status}"
+    if not isinstance(field, str):
+        field = None
     kept = {k: v for k, v in answer.headers.items() if k.lower() == "retry-after"}
     return QuartError(answer.status, message, field, kept)
 

@@ -167,3 +167,23 @@ def test_models_list_the_embedding_pipeline_and_metrics_count_it(server, client)
     text = requests.get(f"{server.url}/metrics", timeout=10).text
     assert 'vllm:e2e_request_latency_seconds_count{model_name="minilm"}' in text
     assert 'vllm:num_requests_running{model_name="minilm"} 0.0' in text
+
+
+def test_the_routers_refusal_is_the_answer(server, client):
+    """A 429 of the router's queues (or any error it answers) is the request's answer, its Retry-After kept."""
+    from gateway_plugin.router import json_reply
+
+    embeddings = server.api.embeddings
+    kept = embeddings.one_shot
+
+    async def full(model, method, tail, headers, body):
+        return json_reply(429, "stage 'minilm-stage-0' already has 1024 requests waiting", None, **{"Retry-After": "3"})
+
+    embeddings.one_shot = full
+    try:
+        res = requests.post(f"{server.url}/v1/embeddings", json={"model": "minilm", "input": ["a", "b"]}, timeout=30)
+    finally:
+        embeddings.one_shot = kept
+    assert res.status_code == 429 and res.headers["Retry-After"] == "3", res.text
+    assert res.json()["error"]["type"] == "rate_limit_error" and "1024 requests" in res.json()["error"]["message"]
+    assert len(client.embeddings.create(model="minilm", input="back").data) == 1
