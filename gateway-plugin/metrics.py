@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 
@@ -43,6 +43,12 @@ class StageVisit:
 
 
 TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FIRST_TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0, 160.0, 640.0)
+INTER_TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                         7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS_S = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 @dataclass(slots=True)
@@ -265,6 +271,48 @@ class StageMetrics:
         return max(0.0, self._act_sum) / len(self.activations) if self.activations else 0.0
 
 
+class ServingMetrics:
+    """The serving metrics under vLLM's names (``vllm:*``, label ``model_name``), beside the project's own, so that
+    dashboards, KEDA triggers and HPA rules written for vLLM read the gateway unchanged (docs/generation.md,
+    "Metrics"). Fed by the ``/v1`` doors: a request waits from its arrival until its session is placed (KV room
+    on every stage), then runs until its answer ends."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry if registry is not None else CollectorRegistry()  # None: a private one (no collector)
+        label = ["model_name"]
+        self.waiting = Gauge("vllm:num_requests_waiting", "requests waiting for room (KV cache) before they run",
+                             label, registry=registry)
+        self.running = Gauge("vllm:num_requests_running", "requests running (placed sessions, embedding passes)",
+                             label, registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "arrival to the first generated token", label,
+                              buckets=FIRST_TOKEN_BUCKETS_S, registry=registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "time between consecutive generated tokens", label,
+                             buckets=INTER_TOKEN_BUCKETS_S, registry=registry)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "the same gaps under vLLM's older name", label,
+                              buckets=INTER_TOKEN_BUCKETS_S, registry=registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "arrival to the end of the answer", label,
+                             buckets=REQUEST_BUCKETS_S, registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens processed (prefilled or embedded)", label,
+                                     registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "tokens generated", label, registry=registry)
+
+    def finished(self, model: str, e2e_s: float, prompt_tokens: int, generated: int = 0,
+                 ttft_s: float | None = None, gaps_s: Iterable[float] = ()) -> None:
+        """One request ended: its latency, its tokens (``prompt_tokens`` only when they were processed), its TTFT
+        and the gaps between its tokens."""
+        self.e2e.labels(model).observe(e2e_s)
+        if prompt_tokens:
+            self.prompt_tokens.labels(model).inc(prompt_tokens)
+        if generated:
+            self.generation_tokens.labels(model).inc(generated)
+        if ttft_s is not None:
+            self.ttft.labels(model).observe(ttft_s)
+        itl, tpot = self.itl.labels(model), self.tpot.labels(model)
+        for gap in gaps_s:
+            itl.observe(gap)
+            tpot.observe(gap)
+
+
 class MetricsCollector:
     """All stages of all pipelines: windows, prometheus export, JSON snapshot, JSONL records."""
 
@@ -281,6 +329,7 @@ class MetricsCollector:
                                 buckets=TOKEN_BUCKETS_S, registry=self.registry)
         self.h_tpot = Histogram("quart_generation_tpot_seconds", "mean time per generated token after the first",
                                 ["model"], buckets=TOKEN_BUCKETS_S, registry=self.registry)
+        self.serving = ServingMetrics(self.registry)
 
     def stage(self, function: str) -> StageMetrics:
         if function not in self.stages:

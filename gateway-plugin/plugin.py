@@ -152,7 +152,7 @@ class Plugin:
                                     decode_limit=lambda fn: self.view.decode_batch_max(fn, generation.decode_batch_max),
                                     collector=self.collector)
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
-                                        self.collector)
+                                        self.collector, one_shot=self.router.answer)
         self.scaler = actuator or make_actuator(self.config, gateway)
         self.controller = Controller(
             self.view, self.router, self.collector, self.scaler,

@@ -192,7 +192,7 @@ class StandalonePlugin:
                                     decode_limit=lambda fn: self.view.decode_batch_max(fn, generation.decode_batch_max),
                                     collector=self.collector)
         self.generation = GenerationAPI(self.engine, self.view.pipelines, self.view.model_dir, self.engine.config,
-                                        self.collector)
+                                        self.collector, one_shot=self.router.answer)
         self.scaler = make_actuator(config, password=password)
         self.controller = Controller(self.view, self.router, self.collector, self.scaler, policy_factory(config), config,
                                      generation=self.engine, notes=self.view,
@@ -221,6 +221,7 @@ class StandalonePlugin:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/snapshot", self._snapshot)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/health", self._healthz)  # vLLM's path (GuideLLM checks it)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app

@@ -74,6 +74,7 @@ def create_app(gateway: EmbeddedGateway, credentials: Credentials | None, provid
 
     r = app.router
     r.add_get("/healthz", system.healthz)
+    r.add_get("/health", system.healthz)  # vLLM's path: what GuideLLM and the field's probes ask
     r.add_get("/metrics", system.metrics)
     r.add_get("/system/info", guarded(system.info))
     r.add_get("/system/functions", guarded(system.list_functions))

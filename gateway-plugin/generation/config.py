@@ -15,7 +15,7 @@ class GenerationConfig:
     max_body_bytes: int = 1 << 20  # [QUART_GEN_MAX_BODY_BYTES] a generation request's JSON body, checked before parsing
     max_prompt_chars: int = 200_000  # [QUART_GEN_MAX_PROMPT_CHARS] prompt / messages text, checked before tokenizing
     max_messages: int = 256  # [QUART_GEN_MAX_MESSAGES] chat messages in one request
-    default_max_tokens: int = 256  # [QUART_GEN_DEFAULT_MAX_TOKENS] when a chat or /function request names none
+    default_max_tokens: int = 0  # [QUART_GEN_DEFAULT_MAX_TOKENS] bounds a chat or /function request that names none (0 = the rest of the context, as vLLM)
     kv_tokens: int = 16384  # [QUART_GEN_KV_TOKENS] KV positions a replica holds until it reports its own cap
     max_replays: int = 3  # [QUART_GEN_MAX_REPLAYS] failovers of one session before its stream ends with an error
     replica_wait_s: float = 30.0  # [QUART_GEN_REPLICA_WAIT_S] wait for a ready replica (scale from zero, a replacement)
@@ -40,6 +40,8 @@ class GenerationConfig:
             raise ConfigError(f"QUART_GEN_ROOM_WAIT_S must be in [0, 3600], got {self.room_wait_s}")
         if self.room_queue < 0:
             raise ConfigError(f"QUART_GEN_ROOM_QUEUE must be >= 0, got {self.room_queue}")
+        if self.default_max_tokens < 0:
+            raise ConfigError(f"QUART_GEN_DEFAULT_MAX_TOKENS must be >= 0, got {self.default_max_tokens}")
         if self.prefill_chunk < 0:
             raise ConfigError(f"QUART_GEN_PREFILL_CHUNK must be >= 0, got {self.prefill_chunk}")
         if not 0 <= self.decode_hold_ms <= 10_000:

@@ -1,17 +1,19 @@
 """The generation doors of the gateway: OpenAI's ``/v1`` API and generation bodies on ``/function/<model>``.
 
-- ``GET /v1/models``: the decoder pipelines (``model`` = the pipeline's name, ``com.quart.model``);
+- ``GET /v1/models``: the decoder and embedding pipelines (``id``: ``com.quart.model``; vLLM's ``max_model_len``, ``root``);
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and answer shapes (the
-  chat template of the model's tokenizer), ``stream: true`` → server-sent events ending with
-  ``data: [DONE]``, ``usage`` counts, errors as ``{"error": {"message", "type", "param", "code"}}``;
+  chat template of the model's tokenizer), ``stream: true`` → server-sent events ending with ``data: [DONE]``
+  (the first chunk goes with the first token, as vLLM's: a client's TTFT is the prefill), ``usage`` counts,
+  errors as ``{"error": {"message", "type", "param", "code"}}``;
+- ``POST /v1/embeddings``: :mod:`.embeddings` (the pooled encoder pipelines, through the router's one-shot path);
 - ``POST /function/<model>`` with a generation body (:func:`.params.is_generation`): the same engine,
   answered in the project's shape (``{"tokens", "text", "finish_reason", "usage", ...}``, errors
   ``{"error", "field"}``), streamed as ``data: {"token", "text"}`` events when ``stream`` is true.
 
 The body is bounded before it is parsed, the text before it is tokenized; a request is checked whole
 before its session is placed. A stream that cannot go on ends with ``data: {"error": ...}`` and
-``data: [DONE]``; every request ends. TTFT and TPOT go to the metrics collector (histograms and the
-request records).
+``data: [DONE]``; every request ends. TTFT and TPOT go to the metrics collector (histograms, the request records,
+vLLM's serving metrics: :class:`~gateway_plugin.metrics.ServingMetrics`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from aiohttp import web
 from gateway_plugin.generation import logprobs, sse
 from gateway_plugin.generation.choices import Run, answered, usage
 from gateway_plugin.generation.config import GenerationConfig
+from gateway_plugin.generation.embeddings import EmbeddingsAPI, OneShot
 from gateway_plugin.generation.params import GenerationParams, is_generation, parse
 from gateway_plugin.generation.session import Session
 from gateway_plugin.generation.sessions import SessionEngine
@@ -36,13 +39,16 @@ from gateway_plugin.generation.tokens import (
     ModelCatalog,
     ModelInfo,
     TextStream,
+    context_of,
     default_tokenizer_cache,
     is_registry_url,
+    max_tokens_for,
 )
-from gateway_plugin.metrics import MetricsCollector, RequestRecord
+from gateway_plugin.metrics import MetricsCollector, RequestRecord, ServingMetrics
 from quart_kernel.admission import client_deadline_s
 from quart_stage import jsonparse
 from quart_stage.errors import QuartError, invalid
+from quart_stage.manifest import Manifest
 
 log = logging.getLogger("quart.openai")
 
@@ -51,8 +57,9 @@ TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_req
 
 
 def openai_error(exc: QuartError) -> dict[str, Any]:
-    """OpenAI's error object for a :class:`QuartError`."""
-    code = "model_not_found" if exc.status == 404 and exc.field == "model" else str(exc.status)
+    """OpenAI's error object for a :class:`QuartError` (``detail["code"]``, when it has one, is the code)."""
+    code = exc.detail.get("code") or ("model_not_found" if exc.status == 404 and exc.field == "model"
+                                      else str(exc.status))
     return {"error": {"message": exc.message, "type": TYPES.get(exc.status, "server_error" if exc.status >= 500
                                                                   else "invalid_request_error"),
                       "param": exc.field, "code": code}}
@@ -69,6 +76,7 @@ class Outcome:
     finish_reason: str = ""
     first_at: float | None = None
     last_at: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens (the ITL histogram)
     error: QuartError | None = None
     answers: list[dict] = field(default_factory=list)  # per token, its logprobs (when asked)
     reported: int = 0  # tokens whose logprobs a stream has sent
@@ -85,7 +93,9 @@ class GenerationAPI:
 
     def __init__(self, engine: SessionEngine, pipelines: Callable[[], dict[str, list[str]]],
                  model_dir: Callable[[str], str | None], config: GenerationConfig,
-                 collector: MetricsCollector | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 collector: MetricsCollector | None = None, clock: Callable[[], float] = time.monotonic,
+                 one_shot: OneShot | None = None) -> None:
+        """``one_shot``: the router's path (``Router.answer``) for ``/v1/embeddings``; without it, that is a 404."""
         self.engine = engine
         self.pipelines = pipelines
         self.model_dir = model_dir
@@ -93,7 +103,10 @@ class GenerationAPI:
         self.collector = collector
         self.clock = clock
         self.catalog = ModelCatalog(config.tokenizer_cache or default_tokenizer_cache())
+        self.serving = collector.serving if collector is not None else ServingMetrics()
         self._decoders: dict[str, bool] = {}  # model folder -> a decoder (generates)
+        self.embeddings = None if one_shot is None else EmbeddingsAPI(
+            one_shot, pipelines, model_dir, config, self.catalog, collector, clock)
 
     # ------------------------------------------------------------------ doors
 
@@ -106,12 +119,14 @@ class GenerationAPI:
                     raise QuartError(405, "use GET /v1/models", "method")
                 return web.json_response(await self.models())
             door = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}.get(path)
-            if door is None:
-                raise QuartError(404, f"no route {request.method} {path}; this gateway serves /v1/models, "
-                                      "/v1/completions and /v1/chat/completions", "path")
+            if door is None and not (path == "/v1/embeddings" and self.embeddings is not None):
+                raise QuartError(404, f"no route {request.method} {path}; this gateway serves /v1/models, /v1/completions, "
+                                      f"/v1/chat/completions{' and /v1/embeddings' if self.embeddings else ''}", "path")
             if request.method != "POST":
                 raise QuartError(405, f"use POST {path}", "method")
             doc = await self._read_json(request)
+            if door is None and self.embeddings is not None:
+                return web.json_response(await self.embeddings.embed(doc, request.headers))
             return await self.generate(request, parse(doc, door, self.config), door)
         except QuartError as exc:
             return web.json_response(openai_error(exc), status=exc.status, headers=exc.headers)
@@ -153,15 +168,18 @@ class GenerationAPI:
             return web.json_response(exc.to_json(), status=exc.status, headers=exc.headers)
 
     async def models(self) -> dict[str, Any]:
-        """The decoder pipelines; a registry model's tokenizer is fetched first (one that cannot be is left out)."""
+        """The decoder and embedding pipelines with ``max_model_len`` and ``root`` (vLLM's fields); a registry model's
+        tokenizer is fetched first (one that cannot be is left out)."""
         data = []
         for name, stages in sorted(self.pipelines().items()):
             try:
                 folder = await self.catalog.local(name, self.model_dir(name))
-            except QuartError:
+                manifest = Manifest.load(folder or "")
+            except (QuartError, OSError, ValueError, TypeError):
                 continue
-            if self.catalog.known_decoder(folder):
-                data.append({"id": name, "object": "model", "created": 0, "owned_by": "quart", "stages": len(stages)})
+            if manifest.family == "decoder" or (self.embeddings is not None and self.embeddings.pooled(manifest)):
+                data.append({"id": name, "object": "model", "created": 0, "owned_by": "quart", "root": manifest.model,
+                             "parent": None, "max_model_len": context_of(manifest), "stages": len(stages)})
         return {"object": "list", "data": data}
 
     async def _read_json(self, request: web.Request) -> Any:
@@ -188,7 +206,7 @@ class GenerationAPI:
             prompt = await asyncio.to_thread(info.prompt_ids, params)
         else:
             prompt = info.prompt_ids(params)
-        max_tokens = self._max_tokens(info, params, len(prompt), door)
+        max_tokens = max_tokens_for(info.context, len(prompt), params.max_tokens, door, self.config.default_max_tokens)
         vocab = len(info.tokenizer)
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:
             raise invalid("logit_bias", f"logit_bias names token id {params.logit_bias[-1][0]}; the vocabulary "
@@ -203,12 +221,14 @@ class GenerationAPI:
         stages, info, prompt, max_tokens = await self._prepared(params, door)
         sample = params.sample(len(prompt), info.eos_ids)
         eos = frozenset() if params.ignore_eos else info.eos_ids
-        session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
-                                         gone=lambda: sse.client_gone(request))
+        with self.serving.waiting.labels(params.model).track_inprogress():
+            session = await self.engine.open(params.model, stages, prompt, max_tokens, sample, eos, wait_s=wait_s,
+                                             gone=lambda: sse.client_gone(request))
         outcome = Outcome(len(prompt), arrival)
         if params.echo:
             outcome.echo = params.prompt if params.prompt is not None else info.decode(prompt)
         ident = f"{'chatcmpl' if door == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.serving.running.labels(params.model).inc()
         try:
             if params.stream:
                 response = await sse.open_stream(request, {"X-Quart-Request-Id": ident})
@@ -222,21 +242,9 @@ class GenerationAPI:
             return web.json_response(self._answer(door, ident, params.model, outcome, session,
                                                   self._new_logprobs(door, info, outcome)))
         finally:
+            self.serving.running.labels(params.model).dec()
             self.engine.finish(session)
             self._record(ident, params.model, arrival, outcome)
-
-    def _max_tokens(self, info: ModelInfo, params: GenerationParams, prompt_len: int, door: str) -> int:
-        room = info.context - prompt_len
-        if prompt_len < 1:
-            raise invalid("prompt", "the prompt has no tokens")
-        if room < 1:
-            raise invalid("prompt", f"the prompt has {prompt_len} tokens; the model's context is {info.context}")
-        if params.max_tokens is None:
-            return min(room, 16 if door == "completion" else self.config.default_max_tokens)
-        if params.max_tokens > room:
-            raise invalid("max_tokens", f"max_tokens {params.max_tokens} is above the context: the prompt has "
-                                        f"{prompt_len} tokens and the model holds {info.context}")
-        return params.max_tokens or 1  # 0 (echo): the prefill's step runs, its token is not answered
 
     async def _tokens(self, request: web.Request, session: Session, info: ModelInfo, params: GenerationParams,
                       outcome: Outcome):
@@ -252,6 +260,8 @@ class GenerationAPI:
                         break
                     now = self.clock()
                     outcome.first_at = outcome.first_at or now
+                    if outcome.last_at is not None:
+                        outcome.gaps.append(now - outcome.last_at)
                     outcome.last_at = now
                     outcome.tokens.append(token)
                     if "logprobs" in session.sample:  # asked, or best_of's ranking
@@ -289,17 +299,20 @@ class GenerationAPI:
 
     async def _stream(self, request, response, session, info, params, door, ident, outcome) -> None:
         created = int(time.time())
-        try:
-            if door == "chat":
-                await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
+        opened = bool(outcome.echo)  # the first token's chunk goes out even before it has text, a chat's role with
+        try:  # it (vLLM's order): a client's TTFT, taken at the first chunk, is the prefill. Echo: the prompt first
             if outcome.echo:
                 await sse.send(response, self._chunk(door, ident, params.model, created, outcome.echo, None))
             async for token, delta in self._tokens(request, session, info, params, outcome):
                 if door == "native":
                     await sse.send(response, {"text": delta} if token is None else {"token": token, "text": delta})
-                elif delta:
+                elif not opened or delta:
                     await sse.send(response, self._chunk(door, ident, params.model, created, delta, None,
+                                                         role=door == "chat" and not opened,
                                                          lp=self._new_logprobs(door, info, outcome)))
+                    opened = True
+            if door == "chat" and not opened and outcome.error is None:  # no token came (a stop id first)
+                await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True))
             if outcome.error is not None:
                 exc = outcome.error
                 await sse.send(response, openai_error(exc) if door != "native" else exc.to_json())
@@ -336,7 +349,7 @@ class GenerationAPI:
     def _chunk(door: str, ident: str, model: str, created: int, delta: str, finish: str | None,
                role: bool = False, lp: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
         if door == "chat":
-            body: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            body: dict[str, Any] = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
             choice = {"index": index, "delta": body, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": finish}
@@ -413,15 +426,13 @@ class GenerationAPI:
                 queue.put_nowait((k, None, None))
 
         tasks = [asyncio.create_task(pump(k, run)) for k, run in enumerate(runs)]
+        opened: set[int] = set()  # choices whose first chunk went out: each goes with its first token (see _stream)
         try:
-            for run in runs:
-                index = run.index(params.n)
-                if door == "chat":
-                    await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True,
-                                                         index=index))
+            for k, run in enumerate(runs):
                 if run.outcome.echo:
                     await sse.send(response, self._chunk(door, ident, params.model, created, run.outcome.echo, None,
-                                                         index=index))
+                                                         index=run.index(params.n)))
+                    opened.add(k)
             left = len(runs)
             while left:
                 k, token, delta = await queue.get()
@@ -432,12 +443,17 @@ class GenerationAPI:
                     if run.outcome.error is not None:
                         await sse.send(response, openai_error(run.outcome.error))
                         break
+                    if door == "chat" and k not in opened:  # no token came (a stop id first)
+                        await sse.send(response, self._chunk(door, ident, params.model, created, "", None, role=True,
+                                                             index=index))
                     await sse.send(response, self._chunk(door, ident, params.model, created, "",
                                                          run.outcome.finish_reason, index=index,
                                                          lp=self._new_logprobs(door, info, run.outcome)))
-                elif delta:
+                elif delta or k not in opened:
                     await sse.send(response, self._chunk(door, ident, params.model, created, delta, None, index=index,
+                                                         role=door == "chat" and k not in opened,
                                                          lp=self._new_logprobs(door, info, run.outcome)))
+                    opened.add(k)
             else:
                 if params.include_usage:
                     await sse.send(response, {"id": ident, "object": _object(door, True), "created": created,
@@ -464,6 +480,8 @@ class GenerationAPI:
                 id=ident, model=model, arrival=arrival, end=end, status=status, latency_ms=1000 * (end - arrival),
                 error=outcome.error.message if outcome.error else "", ttft_ms=ttft, tpot_ms=tpot,
                 tokens=len(outcome.tokens)))
+            self.serving.finished(model, end - arrival, outcome.prompt_tokens if outcome.tokens else 0,
+                                            len(outcome.tokens), None if ttft is None else ttft / 1000, outcome.gaps)
 
 
 def _object(door: str, chunk: bool) -> str:

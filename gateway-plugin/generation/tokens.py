@@ -79,8 +79,44 @@ def load_model(name: str, model_dir: str) -> ModelInfo:
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
-    context = int(manifest.config.get("max_position_embeddings") or manifest.config.get("n_positions") or 2048)
-    return ModelInfo(name, model_dir, context, frozenset(int(i) for i in eos_ids), tokenizer)
+    return ModelInfo(name, model_dir, context_of(manifest), frozenset(int(i) for i in eos_ids), tokenizer)
+
+
+CONTEXT_CODE = "context_length_exceeded"  # OpenAI's code of a request that does not fit the model's context
+
+
+def context_of(manifest: Manifest) -> int:
+    """Positions a partitioned model holds (its config's ``max_position_embeddings``; 2048 when it says none)."""
+    return int(manifest.config.get("max_position_embeddings") or manifest.config.get("n_positions") or 2048)
+
+
+def max_tokens_for(context: int, prompt_len: int, requested: int | None, door: str, default: int) -> int:
+    """A request's max_tokens, or its door's default: 16 on ``/v1/completions`` (OpenAI's), else the rest of the
+    context (vLLM's), bounded by ``default`` (``QUART_GEN_DEFAULT_MAX_TOKENS``) when that is above 0. An overflow is
+    worded as OpenAI and vLLM word it (clients such as LiteLLM map it to their context-window error). Pure."""
+    room = context - prompt_len
+    if prompt_len < 1:
+        raise invalid("prompt", "the prompt has no tokens")
+    what = "messages" if door == "chat" else "prompt"
+    if room < 1:
+        raise context_exceeded(what, f"This model's maximum context length is {context} tokens. However, your "
+                                     f"request has {prompt_len} input tokens. Please reduce the length of the "
+                                     f"{'input messages' if door == 'chat' else 'prompt'}.")
+    if requested is None:
+        return min(room, 16) if door == "completion" else min(room, default) if default > 0 else room
+    if requested > room:
+        raise context_exceeded("max_tokens", f"This model's maximum context length is {context} tokens. However, you "
+                                             f"requested {prompt_len + requested} tokens ({prompt_len} in the {what}, "
+                                             f"{requested} in the completion). Please reduce the length of the {what} "
+                                             "or completion.")
+    return requested or 1  # 0 (echo): the prefill's step runs, its token is not answered
+
+
+def context_exceeded(field_name: str, message: str) -> QuartError:
+    """A 400 for a request that does not fit the model's context: worded by the caller as OpenAI words it
+    ("This model's maximum context length is ..."; LiteLLM maps that to its context-window error), with OpenAI's
+    code."""
+    return QuartError(400, message, field_name, detail={"code": CONTEXT_CODE})
 
 
 def is_registry_url(source: str | None) -> bool:
@@ -153,15 +189,20 @@ class ModelCatalog:
             task.add_done_callback(record)
         return task
 
-    async def get(self, name: str, source: str | None) -> ModelInfo:
+    async def folder(self, name: str, source: str | None) -> tuple[str, float]:
+        """The local folder of pipeline ``name``'s model and its manifest's mtime (a 400 naming ``model`` when there
+        is none the gateway can read)."""
         if not source:
             raise invalid("model", f"pipeline {name!r} has no model folder the gateway can read "
                                    "(QUART_MODEL_DIR or QUART_MODEL_URL of its stage 0): it cannot tokenize for it")
-        model_dir = await self.local(name, source)
+        model_dir = await self.local(name, source) or ""
         try:
-            mtime = os.stat(os.path.join(model_dir, "manifest.json")).st_mtime
+            return model_dir, os.stat(os.path.join(model_dir, "manifest.json")).st_mtime
         except OSError:
             raise invalid("model", f"pipeline {name!r}: no manifest.json in {model_dir}") from None
+
+    async def get(self, name: str, source: str | None) -> ModelInfo:
+        model_dir, mtime = await self.folder(name, source)
         hit = self.cache.get(model_dir)
         if hit is None or hit[0] != mtime:
             async with self.loading.setdefault(model_dir, asyncio.Lock()):

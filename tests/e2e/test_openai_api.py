@@ -5,6 +5,7 @@ the ``tiny`` preset's (one token per byte) with a ChatML template."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import socket
@@ -200,14 +201,14 @@ def test_a_client_that_goes_away_mid_stream_frees_the_session_caches(server):
 def test_a_session_with_no_kv_room_is_refused_429_with_retry_after(server, client):
     full = server.engine.book.cap("tiny#1")
     server.engine.book.reserve("tiny#1", full)  # other sessions hold the last stage's whole cache
-    try:
+    try:  # each request waits in line QUART_GEN_ROOM_WAIT_S (10 s) first: the client waits longer
         res = requests.post(f"{server.url}/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=10)
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=30)
         err = _error(res, 429)
         assert err["type"] == "rate_limit_error" and "room" in err["message"] and res.headers["Retry-After"] == "1"
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model="tiny", prompt="x", max_tokens=2)
-        native = requests.post(f"{server.url}/function/tiny", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        native = requests.post(f"{server.url}/function/tiny", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert native.status_code == 429 and native.headers["Retry-After"] == "1"
     finally:
         server.engine.book.release("tiny#1", full)
@@ -230,3 +231,141 @@ def test_a_stream_that_cannot_go_on_ends_with_an_error_event_and_done(server):
     finally:
         server.fakes[1].fail_next = 0
     assert server.engine.active == {} and server.engine.book.reserved == {}
+
+
+# ---------------------------------------------------------------- timing and defaults as the field reports them
+
+def _first_event_s(url: str, body: dict) -> tuple[float, dict]:
+    """Seconds from sending ``body`` to the stream's first ``data:`` event, and that event."""
+    start = time.monotonic()
+    with requests.post(url, json=body, stream=True, timeout=30) as res:
+        for line in res.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                first = time.monotonic() - start
+                event = json.loads(line[6:])
+                for _ in res.iter_lines():  # read the stream to its end
+                    pass
+                return first, event
+    raise AssertionError("no event")
+
+
+def _whole_first_token(tiny, texts: list[str]) -> str:
+    """A text whose first generated token (chat-rendered and plain) is a whole character: the first event
+    carries it (no UTF-8 byte held back)."""
+    def whole(ids: list[int]) -> bool:
+        first = tiny.decode(reference(ids, 1))
+        return bool(first) and "\ufffd" not in first
+
+    for text in texts:
+        if whole(chat_ids(tiny, text)) and whole(tiny.tokenizer.encode(text, add_special_tokens=False)):
+            return text
+    raise AssertionError("no such text")
+
+
+def test_the_first_chat_chunk_carries_the_first_token_so_ttft_is_the_prefill(server, client, tiny):
+    """vLLM sends the chat stream's role with the first token; ``vllm bench serve --backend openai-chat`` takes
+    its TTFT at the first chunk, ``--backend openai`` at the first text: both must see the prefill (issue 41)."""
+    text = _whole_first_token(tiny, [f"{w} {k}" for w in ("tell me", "say", "hi there", "go", "ask") for k in range(60)])
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                                 max_tokens=4, temperature=0, stream=True))
+    first = tiny.decode(reference(chat_ids(tiny, text), 1))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == first
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    delay = 0.25
+    server.fakes[1].delay_s = delay  # the last stage's every call (the prefill's too) takes this long
+    try:
+        chat, completion = [], []
+        for _ in range(3):
+            s, event = _first_event_s(f"{server.url}/v1/chat/completions", {
+                "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 3, "stream": True,
+                "temperature": 0})
+            assert event["choices"][0]["delta"] == {"role": "assistant", "content": first}
+            chat.append(s)
+            s, event = _first_event_s(f"{server.url}/v1/completions", {
+                "model": "tiny", "prompt": text, "max_tokens": 3, "stream": True, "temperature": 0})
+            assert event["choices"][0]["text"]
+            completion.append(s)
+    finally:
+        server.fakes[1].delay_s = 0.0
+    chat_s, completion_s = sorted(chat)[1], sorted(completion)[1]
+    assert chat_s >= delay and completion_s >= delay, (chat, completion)  # the role no longer comes before prefill
+    assert abs(chat_s - completion_s) <= 0.1 * max(chat_s, completion_s), (chat, completion)
+
+
+def test_chat_without_max_tokens_runs_to_the_context_unless_bounded(server, client, tiny):
+    messages = [{"role": "user", "content": "go on"}]
+    prompt = len(chat_ids(tiny, "go on"))
+    bounded = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
+    assert bounded.usage.completion_tokens == 8  # the fixture's QUART_GEN_DEFAULT_MAX_TOKENS=8
+    kept = server.api.config
+    server.api.config = dataclasses.replace(kept, default_max_tokens=0)  # the default: the rest of the context
+    try:
+        answer = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
+        native = requests.post(f"{server.url}/function/tiny", json={"input_ids": [5, 6, 7], "stream": False},
+                               timeout=30).json()
+        completion = client.completions.create(model="tiny", prompt="go on", temperature=0)
+    finally:
+        server.api.config = kept
+    assert answer.usage.completion_tokens == tiny.context - prompt and answer.choices[0].finish_reason == "length"
+    assert answer.usage.total_tokens == tiny.context
+    assert native["usage"]["completion_tokens"] == tiny.context - 3
+    assert completion.usage.completion_tokens == 16  # /v1/completions keeps OpenAI's default
+
+
+def test_a_context_overflow_is_worded_as_openai_words_it(server, client, tiny):
+    """LiteLLM maps an OpenAI-compatible 400 to ContextWindowExceededError when its message holds "This model's
+    maximum context length is" (litellm_core_utils/exception_mapping_utils.py); OpenAI's code says the same."""
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 400}], max_tokens=2)
+    err = long_prompt.value.body
+    assert err["message"].startswith("This model's maximum context length is 256 tokens. However, your request has")
+    assert (err["code"], err["param"], err["type"]) == ("context_length_exceeded", "messages", "invalid_request_error")
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model="tiny", prompt="hello", max_tokens=300)
+    err = too_many.value.body
+    assert err["message"] == ("This model's maximum context length is 256 tokens. However, you requested 305 tokens "
+                              "(5 in the prompt, 300 in the completion). Please reduce the length of the prompt or "
+                              "completion.")
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "max_tokens")
+
+
+def test_models_carry_max_model_len_and_root(client, tiny):
+    [card] = client.models.list().data
+    assert (card.id, card.max_model_len, card.root, card.owned_by) == ("tiny", tiny.context, "tiny", "quart")
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def test_metrics_under_vllm_names_beside_ours(server, client):
+    names = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:inter_token_latency_seconds_count",
+             "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count")
+    before = requests.get(f"{server.url}/metrics", timeout=10).text
+    answer = client.completions.create(model="tiny", prompt="count me", max_tokens=5, temperature=0)
+    after = requests.get(f"{server.url}/metrics", timeout=10).text
+    grew = {n: _sample(after, n, model_name="tiny") - _sample(before, n, model_name="tiny") for n in names}
+    assert grew == {"vllm:generation_tokens_total": 5, "vllm:prompt_tokens_total": answer.usage.prompt_tokens,
+                    "vllm:inter_token_latency_seconds_count": 4, "vllm:time_to_first_token_seconds_count": 1,
+                    "vllm:e2e_request_latency_seconds_count": 1}
+    assert 'quart_generation_ttft_seconds_count{model="tiny"}' in after  # ours are kept
+    assert _sample(after, "vllm:num_requests_running", model_name="tiny") == 0
+    assert _sample(after, "vllm:num_requests_waiting", model_name="tiny") == 0
+    server.fakes[1].delay_s = 0.2
+    try:  # one request in flight: running while it generates
+        stream = requests.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3,
+                                                                      "stream": True}, stream=True, timeout=30)
+        deadline = time.monotonic() + 5
+        while _sample(requests.get(f"{server.url}/metrics", timeout=10).text, "vllm:num_requests_running",
+                      model_name="tiny") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        stream.close()
+    finally:
+        server.fakes[1].delay_s = 0.0

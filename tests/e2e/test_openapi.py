@@ -34,7 +34,7 @@ def test_the_document_names_every_route():
     paths = set(schema.raw_schema["paths"])
     for path in ("/system/functions", "/system/secrets", "/system/logs", "/system/namespaces", "/function/{functionName}",
                  "/async-function/{functionName}", "/system/scale-function/{functionName}", "/v1/models",
-                 "/v1/completions", "/v1/chat/completions"):
+                 "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/health"):
         assert path in paths
 
 

@@ -40,6 +40,9 @@ def test_standalone_serves_the_generation_api_and_keeps_one_shot_bodies_on_the_r
     assert res.status_code == 400 and res.json()["error"]["param"] == "model", res.text
     res = requests.post(f"{setup.url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=10)
     assert res.status_code == 404 and res.json()["error"]["code"] == "model_not_found"
+    res = requests.post(f"{setup.url}/v1/embeddings", json={"model": "m", "input": "hi"}, timeout=10)
+    assert res.status_code == 400 and res.json()["error"]["param"] == "model", res.text  # served, no pooled model
+    assert requests.get(f"{setup.url}/health", timeout=10).status_code == 200
     res = requests.post(f"{setup.url}/function/m", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
     assert res.status_code == 400 and res.json()["field"] == "model", res.text
     deadline = time.monotonic() + 20

@@ -65,6 +65,7 @@ def test_login_checks_credentials_like_faas_cli(gw):
     mode = gw.system.credentials.password_file.stat().st_mode & 0o777
     assert mode == 0o600
     assert requests.get(f"{gw.url}/healthz", timeout=5).status_code == 200
+    assert requests.get(f"{gw.url}/health", timeout=5).status_code == 200  # vLLM's path, unauthenticated
 
 
 def test_system_info_and_namespaces_follow_the_spec(gw):

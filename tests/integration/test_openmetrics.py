@@ -24,6 +24,9 @@ def test_metrics_parse_as_openmetrics_with_openfaas_names(tmp_path, monkeypatch)
         deploy_echo_pipeline(system, "m", 2)
         assert requests.post(f"{system.url}/function/m", data=b"x", timeout=30).status_code == 200
         assert requests.post(f"{system.url}/function/m-stage-0", data=b"x", timeout=30).status_code == 200
+        res = requests.post(f"{system.url}/v1/embeddings", json={"model": "m", "input": "x"}, timeout=30)
+        assert res.status_code == 400 and res.json()["error"]["param"] == "model", res.text  # served; echo: no pooling
+        assert requests.get(f"{system.url}/health", timeout=10).status_code == 200
         time.sleep(0.5)  # a control period: the stage gauges have values
         for accept in ("", "application/openmetrics-text; version=1.0.0; charset=utf-8,*/*;q=0.1"):
             res = requests.get(f"{system.url}/metrics", headers={"Accept": accept} if accept else {}, timeout=10)
@@ -33,6 +36,8 @@ def test_metrics_parse_as_openmetrics_with_openfaas_names(tmp_path, monkeypatch)
             assert {"gateway_function_invocation_started", "gateway_function_invocation_total",
                     "gateway_functions_seconds_bucket", "gateway_service_count"} <= samples, samples
             assert "quart_stage_queue_length" in samples and "quart_pipeline_requests_total" in samples
+            assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:time_to_first_token_seconds",
+                    "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens"} <= set(families)  # vLLM's names too
             started = [s for s in families["gateway_function_invocation_started"].samples
                        if s.labels["function_name"] == "m-stage-0.openfaas-fn"]
             assert started and started[0].value >= 1

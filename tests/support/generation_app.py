@@ -36,23 +36,42 @@ def tiny_models(root: Path) -> dict[str, str]:
     return dirs
 
 
-class GenerationServer:
+class BackgroundLoop:
+    """An event loop on its own thread: ``call(coro)`` runs a coroutine there; ``close()`` awaits ``_stop()`` there,
+    then stops the loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _stop(self) -> None:
+        return None
+
+    def close(self) -> None:
+        try:
+            self.call(self._stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+class GenerationServer(BackgroundLoop):
     """GenerationAPI + fake stages (two stages of ``tiny``) on a background loop; ``url`` serves ``/v1`` and
     ``/function/<model>``."""
 
     def __init__(self, dirs: dict[str, str], **config) -> None:
+        super().__init__()
         self.dirs = dirs
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
         self.fakes: list[FakeStage] = []
         self.records = io.StringIO()  # the request records (QUART_RECORDS), one JSON line each
         self.collector = MetricsCollector(10.0, self.records)
         # the fake replicas speak the one-session step protocol only, not batched decode steps
         self.url = self.call(self._start(GenerationConfig(**{"replica_wait_s": 0.5, "decode_batch_max": 1, **config})))
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self, config: GenerationConfig) -> str:
         self.source = StaticReplicas(slots=1)
@@ -88,14 +107,6 @@ class GenerationServer:
         for runner in reversed(self.runners):
             await runner.cleanup()
         await self.engine.close()
-
-    def close(self) -> None:
-        try:
-            self.call(self._stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
 
 
 def tiny_server(tmp_path_factory) -> Iterator[GenerationServer]:
