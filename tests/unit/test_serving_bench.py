@@ -4,10 +4,10 @@ tests/e2e/test_serving_bench.py (slow tier, needs vLLM)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
+from quart_tools.arrivals import gamma_arrivals
 from quart_tools.bench import BENCHMARKS
 from quart_tools.bench.serving import (
     PeerMissing,
@@ -105,8 +105,8 @@ def test_levels_and_arguments():
     at = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
     assert argv[4] == "http://127.0.0.1:9/v1/completions" and "--generate" in argv
     assert at["--connections"] == "16" and at["--prompt-tokens"] == "128" and at["--new-tokens"] == "64"
-    rate, duration = float(at["--rate"]), float(at["--duration"])
-    assert math.floor(rate * duration) == 32  # a regular schedule of exactly the prompts asked for
+    arrivals = gamma_arrivals(float(at["--rate"]), float(at["--cv"]), float(at["--duration"]))
+    assert len(arrivals.times) == 32  # a regular schedule of exactly the prompts asked for
     with pytest.raises(SystemExit):
         main(["--levels", "16:8"])
     with pytest.raises(SystemExit):

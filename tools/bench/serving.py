@@ -370,12 +370,12 @@ def vllm_bench_argv(venv: Path, base_url: str, model: str, tokenizer: Path, stre
 
 
 def load_argv(base_url: str, model: str, streams: int, prompts: int, records: Path, timeout_s: float) -> list[str]:
-    """`quartctl load --generate`: ``prompts`` requests 10 ms apart (gamma, CV 0.01: a regular schedule of
-    exactly that many), at most ``streams`` in flight (the connector's size), as vLLM's client."""
+    """`quartctl load --generate`: ``prompts`` requests 10 ms apart from t = 0 (gamma, CV 0.01: a regular schedule
+    of exactly that many), at most ``streams`` in flight (the connector's size), as vLLM's client."""
     rate = 100.0
     return [sys.executable, "-m", "quart_tools.cli", "load", f"{base_url}/v1/completions", "--generate",
             "--model", model, "--arrivals", "gamma", "--cv", "0.01", "--rate", str(rate),
-            "--duration", f"{(prompts + 0.5) / rate:.4f}", "--connections", str(streams),
+            "--duration", f"{(prompts - 0.5) / rate:.4f}", "--connections", str(streams),
             "--prompt-tokens", str(INPUT_LEN), "--new-tokens", str(OUTPUT_LEN), "--max-new-tokens", str(OUTPUT_LEN),
             "--temperature", "0", "--timeout", str(timeout_s), "--max-run", str(timeout_s), "--max-failed", "1",
             "--out", str(records)]
