@@ -56,6 +56,7 @@ ROW_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p
 # QUART ÷ vLLM, vLLM's client, same run (issue 39): (metric, bound, "le"|"ge"), by streams (1 or "many")
 TARGETS_ONE = (("tpot_p50_ms", 1.2, "le"), ("ttft_p50_ms", 1.2, "le"))
 TARGETS_MANY = (("output_tok_s", 1.0, "ge"), ("tpot_p50_ms", 1.3, "le"), ("ttft_p99_ms", 1.0, "le"))
+THREAD_LINES = ("ompmultiprocessing", "Torch threads", "OMP_NUM_THREADS", "Downcasting")  # what vLLM picked
 AGREEMENT = 0.10  # our client within 10 % of vLLM's, on the same system and level
 AGREEMENT_KEYS = ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")
 
@@ -291,14 +292,14 @@ class VLLMServer:
     def threads(self) -> dict:
         """What vLLM chose for its engine: the torch threads and OpenMP binding lines of its log."""
         lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines()
-                 if any(k in ln for k in ("OMP", "omp", "thread", "Thread", "bind"))]
+                 if any(k in ln for k in THREAD_LINES)]
         import psutil
 
         counts = {}
         with contextlib.suppress(psutil.Error):
             for p in psutil.Process(self.proc.pid).children(recursive=True) + [psutil.Process(self.proc.pid)]:
                 counts[f"{p.pid} {' '.join(p.cmdline()[1:4])[:60]}"] = p.num_threads()
-        return {"log_lines": lines[-12:], "os_threads_by_process": counts}
+        return {"log_lines": lines[:12], "os_threads_by_process": counts}
 
     def close(self) -> None:
         _stop(self.proc)
