@@ -1,6 +1,6 @@
 """`quartctl bench serving` (issue 39): its pure parts — vLLM's result JSON read, our load records read, QUART ÷ vLLM
 against the issue's targets, our client against vLLM's — and its arguments. The live run is in
-tests/e2e/test_serving_bench.py (slow tier, needs vLLM)."""
+tests/e2e/test_serving_live.py (slow tier, needs vLLM)."""
 
 from __future__ import annotations
 
