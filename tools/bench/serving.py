@@ -475,7 +475,9 @@ def run(args, work: Path) -> dict:
         if version is None:
             raise RuntimeError(f"vLLM does not import from {venv} after the install")
     source = gguf_folder(package_path(REAL_MODELS["smollm2"]))
-    folder = vllm_folder(source, work / "vllm-model")
+    # beside the dequantised folder, not in ``work``: vLLM's compile cache (~/.cache/vllm) did not serve a start
+    # from another folder (it compiled again, 5-8 min on its one core), so one fixed folder for every run
+    folder = vllm_folder(source, source.with_name(source.name + "-vllm"))
     rows: list[dict] = []
     peer_info: dict = {"version": version, "venv": str(venv)}
     loads = [_load()]
