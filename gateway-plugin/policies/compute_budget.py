@@ -45,6 +45,13 @@ def within_compute(snap: PipelineSnapshot, decision: Decision) -> Decision:
     if sum(demands) <= capacity:
         return decision
     shares = fair_shares(tuple(snap.stages[k] for k in bound), demands, capacity)
+    floors = [max(1, s.min_replicas, math.ceil(s.busy / max(1, s.concurrency))) for s in (snap.stages[k] for k in bound)]
+    while sum(shares) > capacity:  # fair_shares keeps a floor of one replica a stage above its share: take the
+        # excess back from the stages furthest above their floors (the heaviest first: the water-filling's order)
+        above = [i for i in range(len(shares)) if shares[i] > floors[i]]
+        if not above:
+            break  # the floors alone exceed the cores: one replica a stage still runs
+        shares[max(above, key=lambda i: (shares[i] - floors[i], -i))] -= 1
     stages = list(decision.stages)
     for k, share in zip(bound, shares, strict=True):
         want, stage = stages[k], snap.stages[k]

@@ -34,6 +34,14 @@ def test_the_issue_case_4_6_6_on_two_cores_is_one_replica_a_stage() -> None:
     assert all("compute: 1 of 3 replicas on 2 cores" in s.reason for s in out.stages)
 
 
+def test_a_heavier_stage_takes_no_replica_the_floors_of_the_others_already_spent() -> None:
+    # seen live: stage 0 (twice the work) got 2 of 3 while the others kept their floor of 1: 4 replicas on 2 cores
+    stages = (_stage(0, service_s=0.04), _stage(1), _stage(2))
+    snap = PipelineSnapshot(0.0, "m", stages, compute_cores=2.0)
+    assert [s.replicas for s in within_compute(snap, _decide(snap, 3, 1, 1)).stages] == [1, 1, 1]
+    assert [s.replicas for s in within_compute(snap, _decide(snap, 4, 6, 6)).stages] == [1, 1, 1]
+
+
 def test_cores_are_shared_in_proportion_to_each_stage_work() -> None:
     stages = (_stage(0, service_s=0.01), _stage(1, service_s=0.03), _stage(2, service_s=0.01))
     snap = PipelineSnapshot(0.0, "m", stages, compute_cores=10.0)
