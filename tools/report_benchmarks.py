@@ -410,7 +410,8 @@ def _serving_agreement(runs: list[Json]) -> list[str]:
 
 def _serving_tables(name: str, levels: Sequence[int], systems: Sequence[str] = ("vllm", "quart"),
                     clients: Sequence[str] = ("vllm-bench", "quartctl-load")) -> list[Table]:
-    """The three tables of one ``quartctl bench serving`` run: its rows, QUART ÷ vLLM, our client ÷ vLLM's."""
+    """The tables of one ``quartctl bench serving`` run: its rows, QUART ÷ vLLM, and (with both clients) our
+    client ÷ vLLM's."""
     def row(system: str, client: str, streams: int) -> Row:
         return Row(SYSTEMS[system], (name,), pick=lambda d: next(
             r for r in d["rows"] if (r["system"], r["client"], r["streams"]) == (system, client, streams)))
@@ -423,15 +424,16 @@ def _serving_tables(name: str, levels: Sequence[int], systems: Sequence[str] = (
             x for x in d["agreement"] if (x["system"], x["streams"]) == (system, streams)))
 
     key = name.removesuffix(".json")
+    agreements = [Table(f"{key}-agreement", ["system", "streams", "ours ÷ vLLM's client: tok/s, TPOT p50, TTFT p50",
+                                             "within 10 %"], _serving_agreement,
+                        [agreement(s, n) for s in systems for n in levels])] if len(clients) > 1 else []
     return [
         Table(f"{key}-rows", ["system", "client", "streams", "prompts", "output tok/s", "TTFT p50 / p99 ms",
                               "TPOT p50 / p99 ms", "completed / failed", "load before → after (1 min)"],
               _serving_row, [row(s, c, n) for s in systems for n in levels for c in clients]),
         Table(f"{key}-ratios", ["streams", "QUART ÷ vLLM (vLLM's client)", "met"], _serving_ratio,
               [level(n) for n in levels]),
-        Table(f"{key}-agreement", ["system", "streams", "ours ÷ vLLM's client: tok/s, TPOT p50, TTFT p50",
-                                   "within 10 %"], _serving_agreement,
-              [agreement(s, n) for s in systems for n in levels]),
+        *agreements,
     ]
 
 
@@ -578,6 +580,7 @@ TABLES: list[Table] = [
         Row(f"`{codec}`, {i}", (f"bench-gateway-codec-{codec}-{i}.json",)) for i in (1,) for codec in ("lean", "aiohttp")
     ]),
     *_serving_tables("bench-serving.json", (1, 16, 64)),
+    *_serving_tables("bench-serving-defaults.json", (1, 16, 64), clients=("vllm-bench",)),
 ]
 
 
