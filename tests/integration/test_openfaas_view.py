@@ -13,6 +13,7 @@ from aiohttp import web
 from gateway_plugin.config import PluginConfig
 from gateway_plugin.router import Router
 from gateway_plugin.standalone import OpenFaaSView
+from gateway_plugin.view import GatewayView
 from support.standalone import serve
 
 LABELS = {"com.quart.model": "m", "com.quart.stages": "2"}
@@ -40,7 +41,8 @@ async def _run() -> None:
     available = {"m-stage-0": 1, "m-stage-1": 1}
     runner, url = await serve(fake_gateway(available))
     view = OpenFaaSView(url, None)
-    router = Router(view, view.pipelines, PluginConfig(), dispatch_poll_s=30.0)  # a poll would time the test out
+    plugin_view = GatewayView(view)  # as the standalone plugin hands the platform to its router
+    router = Router(plugin_view, plugin_view.pipelines, PluginConfig(), dispatch_poll_s=30.0)  # a poll would time out
     try:
         async with aiohttp.ClientSession() as session:
             await view.refresh(session)

@@ -18,7 +18,7 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = site.port
     return runner, f"http://127.0.0.1:{port}"
 
 
