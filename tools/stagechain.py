@@ -15,7 +15,7 @@ from quart_stage import families, wire
 from quart_stage.config import StageConfig
 from quart_stage.manifest import Manifest, StageEntry
 from quart_stage.runtime import StageResponse, StageRuntime
-from quart_stage.sampling import with_history
+from quart_stage.sample_history import with_history
 
 
 @dataclass

@@ -16,7 +16,7 @@ from gateway_plugin.generation.config import GenerationConfig
 from gateway_plugin.generation.kvbook import KVBook
 from gateway_plugin.generation.roomwait import RoomQueue
 from gateway_plugin.ports import Replica, ReplicaSource
-from quart_stage.sampling import with_history
+from quart_stage.sample_history import with_history
 
 
 class StepFailed(Exception):
@@ -104,7 +104,7 @@ class Session:
             self.logprobs.append(self.answered)
 
     def step_sample(self) -> dict[str, Any]:
-        """The last stage's sample for the next step (quart_stage.sampling.with_history)."""
+        """The last stage's sample for the next step (quart_stage.sample_history.with_history)."""
         return with_history(self.sample, self.prompt, self.generated)
 
     def calls(self, k: int) -> list[tuple[Any, layers.Range | None]]:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from quart_stage import sampling, wire
+from quart_stage import sample_history, sampling, wire
 from quart_stage.app import create_app
 from quart_stage.config import StageConfig
 from quart_stage.emulated import step_time_for
@@ -388,7 +388,7 @@ def test_prompt_logprobs_equal_the_whole_models_log_softmax(models, chunk):
     """echo with logprobs: the last stage runs the head on every prompt position and answers each prompt token's
     logprob (and the top k), equal to the whole model's full forward; a chunked prefill gives its share each step."""
     runtimes = _runtimes(models["llama", 2])
-    sample = sampling.with_history({"prompt_logprobs": 2}, PROMPT, [])
+    sample = sample_history.with_history({"prompt_logprobs": 2}, PROMPT, [])
     with torch.inference_mode():
         raw = torch.log_softmax(reference_model(models["llama", 1])(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
     got, pos = [], 0

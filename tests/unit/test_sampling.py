@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from quart_stage import sampling
+from quart_stage import sample_history, sampling
 from quart_stage.errors import QuartError
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -38,9 +38,9 @@ def _case(seed: int):
 def _params(prompt, generated, **kw) -> sampling.SampleParams:
     doc = {"seed": 11, **kw}
     if kw.get("repetition_penalty", 1.0) != 1.0:
-        doc.update(history=sampling.encode_history(prompt + generated), prompt_len=len(prompt))
+        doc.update(history=sample_history.encode_history(prompt + generated), prompt_len=len(prompt))
     elif kw.get("presence_penalty") or kw.get("frequency_penalty"):
-        doc.update(history=sampling.encode_history(generated))
+        doc.update(history=sample_history.encode_history(generated))
     return sampling.parse_sample(json.dumps(doc))  # through the header, as the stage reads it
 
 
@@ -183,6 +183,6 @@ def test_bad_sample_fields_are_400_naming_them(doc, words):
 
 def test_ids_outside_the_vocabulary_are_400():
     logits = torch.zeros(10)
-    for doc in ({"logit_bias": {"10": 1}}, {"history": sampling.encode_history([12]), "presence_penalty": 1}):
+    for doc in ({"logit_bias": {"10": 1}}, {"history": sample_history.encode_history([12]), "presence_penalty": 1}):
         with pytest.raises(QuartError):
             sampling.choose(logits, sampling.parse_sample(json.dumps(doc)), 0)
