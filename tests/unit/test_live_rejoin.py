@@ -24,6 +24,7 @@ class Replica:
     url: str = "http://127.0.0.1:9/"
     layers: tuple[int, int] = (0, 16)
     held: tuple[int, int] = (0, 16)
+    state: str = "ready"  # gateway_plugin.ports.Replica
 
 
 def model(seed: int, ids: list[int]) -> int:
