@@ -579,7 +579,6 @@ TABLES: list[Table] = [
                          "rps through the gateway", "gateway / direct", "p50 added (ms)", "p99 added (ms)"], _codec, [
         Row(f"`{codec}`, {i}", (f"bench-gateway-codec-{codec}-{i}.json",)) for i in (1,) for codec in ("lean", "aiohttp")
     ]),
-    *_serving_tables("bench-serving.json", (1, 16, 64)),
     *_serving_tables("bench-serving-defaults.json", (1, 16, 64), clients=("vllm-bench",)),
 ]
 
