@@ -1,11 +1,12 @@
 """The shape of the house (docs/architecture.md): no import cycle between the project's modules, the
 layering of the packages (the pure decision kernel and the shared HTTP transport below both the embedded
-gateway and the plugin, which import neither each other nor upward), product modules under 500 lines and
-free of benchmarks."""
+gateway and the plugin, which import neither each other nor upward), product modules free of benchmarks (a module
+over 600 lines is a warning, not a failure: borders are drawn by responsibility, issue 42 item 4)."""
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ PRODUCT = ["quart_stage", "keysmanager", "quart_transport", "quart_kernel", "qua
 # The kernel decides and never acts: none of these in it (time comes in as an argument or a clock it is given).
 KERNEL_NEVER = {"aiohttp", "asyncio", "socket", "subprocess", "threading", "multiprocessing", "requests", "urllib",
                 "http", "ssl", "selectors", "signal"}
-MAX_LINES = 500
+WARN_LINES = 600  # a module this long is worth a look; the border is its responsibility, not a count
 
 
 def _modules() -> dict[str, Path]:
@@ -139,15 +140,17 @@ def test_packages_import_only_lower_layers() -> None:
 
 
 @pytest.mark.parametrize("package", PRODUCT)
-def test_product_modules_are_short_and_hold_no_benchmark(package: str) -> None:
+def test_product_modules_hold_no_benchmark_and_long_ones_are_named(package: str) -> None:
     long, benches = [], []
     for path in PACKAGES[package].rglob("*.py"):
         lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES:
+        if lines > WARN_LINES:
             long.append(f"{path.relative_to(ROOT)}: {lines} lines")
         if "bench" in path.stem:
             benches.append(str(path.relative_to(ROOT)))
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    if long:
+        warnings.warn(f"modules over {WARN_LINES} lines (split by responsibility if they hold two): {long}",
+                      stacklevel=1)
     assert not benches, f"benchmarks belong in tools/bench: {benches}"
 
 
