@@ -161,6 +161,7 @@ class Plugin:
             compute_cores=machine_cores() if self.config.compute_cores < 0 else self.config.compute_cores,
         )
         gateway.watch_sessions(self.engine.book.booked)  # its scale-down keeps replicas with sessions, drains them
+        self.engine.book.on_freed = gateway.sessions_freed  # … and a drain waiting for them is woken as they free
         gateway.watch_demand(self.engine.group_chains.demand)  # a whole ParaServe group keeps the workers it needs
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None

@@ -143,9 +143,12 @@ class DecisionNotes(Protocol):
 class SessionWatch(Protocol):
     """The session host: the platform's scale-down reads the generation sessions. ``watch_sessions``: KV positions
     sessions hold on a replica (replica id → n; scale-down keeps and drains those); ``watch_demand``: a function's
-    session demand (a whole ParaServe group keeps the workers it needs)."""
+    session demand (a whole ParaServe group keeps the workers it needs); ``sessions_freed``: sessions on a replica
+    freed their KV positions (a drain waiting for them looks again at once)."""
 
     def watch_sessions(self, kv_tokens: Callable[[str], int]) -> None: ...
+
+    def sessions_freed(self, replica_id: str) -> None: ...
 
     def watch_demand(self, demand: Callable[[str], GroupDemand]) -> None: ...
 

@@ -166,6 +166,9 @@ class OpenFaaSView(ListedSlots):
         """Kept only: OpenFaaS's scale-down picks the pods it removes and cannot read sessions."""
         self.kv_tokens = kv_tokens
 
+    def sessions_freed(self, replica_id: str) -> None:
+        """Nothing: OpenFaaS drains no pod for its sessions (its scale-down cannot read them)."""
+
     def watch_demand(self, demand: Callable[[str], GroupDemand]) -> None:
         """Kept only: OpenFaaS runs no ParaServe groups."""
         self.demand = demand
@@ -198,6 +201,7 @@ class StandalonePlugin:
                                      generation=self.engine, notes=self.view,
                                      compute_cores=max(0.0, config.compute_cores))  # auto: the cluster places pods
         self.openfaas.watch_sessions(self.engine.book.booked)
+        self.engine.book.on_freed = self.openfaas.sessions_freed
         self.openfaas.watch_demand(self.engine.group_chains.demand)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []

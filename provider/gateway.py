@@ -344,6 +344,10 @@ class EmbeddedGateway:
         scale-down keeps replicas with sessions over those without, and drains one until its sessions are gone."""
         self.reconciler.kv_tokens = kv_tokens
 
+    def sessions_freed(self, replica_id: str) -> None:
+        """Sessions on ``replica_id`` freed their KV positions: a drain waiting for them looks again now."""
+        self.reconciler.sessions_freed(replica_id)
+
     def watch_demand(self, demand: Callable[[str], GroupDemand]) -> None:
         """Let the reconciler read a function's generation demand (function → ``GroupDemand``: session arrivals,
         waiting, sessions per worker): a ParaServe group that becomes whole keeps the workers it needs."""

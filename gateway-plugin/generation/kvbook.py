@@ -25,6 +25,7 @@ class KVBook:
     reserved: dict[str, int] = field(default_factory=dict)  # replica id -> positions booked
     caps: dict[str, int] = field(default_factory=dict)  # replica id -> what the replica reported
     on_release: Callable[[], None] | None = None  # room may have freed (the entry's waiters try again)
+    on_freed: Callable[[str], None] | None = None  # a replica's sessions freed positions (its drain looks again)
 
     def cap(self, replica_id: str) -> int:
         return self.caps.get(replica_id, self.default_cap)
@@ -45,6 +46,8 @@ class KVBook:
             self.reserved[replica_id] = left
         else:
             self.reserved.pop(replica_id, None)
+        if self.on_freed is not None:
+            self.on_freed(replica_id)
         if self.on_release is not None:
             self.on_release()
 

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+from gateway_plugin.generation.kvbook import KVBook
 from quart_provider import reconciler as reconciler_module
 from quart_provider.config import GatewayConfig
 from quart_provider.gateway import EmbeddedGateway
@@ -48,8 +49,9 @@ def test_a_drain_ends_on_the_event_not_on_a_poll(tmp_path, monkeypatch, event: s
     async def scenario() -> None:
         host = FakeHost("h0")
         gw = EmbeddedGateway(GatewayConfig(state_dir=tmp_path, reconcile_interval_s=0.01, drain_timeout_s=60.0), [host])
-        sessions: dict[str, int] = {}
-        gw.watch_sessions(lambda rid: sessions.get(rid, 0))
+        book = KVBook(4096)  # the session engine's book, wired to the platform as the plugin wires it
+        gw.watch_sessions(book.booked)
+        book.on_freed = gw.sessions_freed
         try:
             fn = await gw.registry.deploy(dep())
             await settle(gw)
@@ -59,7 +61,7 @@ def test_a_drain_ends_on_the_event_not_on_a_poll(tmp_path, monkeypatch, event: s
             if event == "release":
                 replica.in_flight += 1  # a request under way
             else:
-                sessions[replica.id] = 128  # a generation session holds KV positions there
+                book.reserve(replica.id, 128)  # a generation session holds KV positions there
             gw.reconciler.retire(fn, replica)
             await asyncio.sleep(0.1)
             assert not host.stopped and gw.reconciler.work.stopping(replica.id)  # draining: it waits
@@ -67,8 +69,7 @@ def test_a_drain_ends_on_the_event_not_on_a_poll(tmp_path, monkeypatch, event: s
             if event == "release":
                 gw.balancer.release(fn, replica)
             else:
-                sessions.pop(replica.id)
-                gw.reconciler.sessions_freed(replica.id)
+                book.release(replica.id, 128)  # the session ended: the book tells the platform
             while not host.stopped:
                 assert time.monotonic() - t0 < 10, "the drain did not end on the event"
                 await asyncio.sleep(0.01)
