@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from gateway_plugin.policies.provision import fair_shares
+from gateway_plugin.policies.provision import fair_shares, floor_replicas
 from gateway_plugin.snapshot import Decision, PipelineSnapshot
 
 
@@ -45,7 +45,7 @@ def within_compute(snap: PipelineSnapshot, decision: Decision) -> Decision:
     if sum(demands) <= capacity:
         return decision
     shares = fair_shares(tuple(snap.stages[k] for k in bound), demands, capacity)
-    floors = [max(1, s.min_replicas, math.ceil(s.busy / max(1, s.concurrency))) for s in (snap.stages[k] for k in bound)]
+    floors = [max(1, floor_replicas(snap.stages[k])) for k in bound]
     while sum(shares) > capacity:  # fair_shares keeps a floor of one replica a stage above its share: take the
         # excess back from the stages furthest above their floors (the heaviest first: the water-filling's order)
         above = [i for i in range(len(shares)) if shares[i] > floors[i]]

@@ -240,12 +240,17 @@ class Provisioner:
         return Correction(down, delay, target, error, False, reason + f" {current}->{down}"), release
 
 
+def floor_replicas(stage: StageSnapshot) -> int:
+    """The fewest replicas a share may leave a stage: ``com.openfaas.scale.min`` and those busy now."""
+    return max(stage.min_replicas, math.ceil(stage.busy / max(1, stage.concurrency)))
+
+
 def fair_shares(stages: tuple[StageSnapshot, ...], demands: list[int], capacity: int) -> list[int]:
     """Replicas per stage when the stages together may hold ``capacity``: water-filling in proportion to
     service time (a pipeline serves at its slowest stage's capacity, so replicas one stage holds beyond its
     share only keep them from the stage that limits it); a stage that wants less than its share keeps its
     demand and the rest is shared again. Never below r_min nor the replicas busy now."""
-    floors = [max(s.min_replicas, math.ceil(s.busy / max(1, s.concurrency))) for s in stages]
+    floors = [floor_replicas(s) for s in stages]
     if sum(demands) <= capacity:
         return list(demands)
     weights = {k: max(work_s(s) / max(1, s.concurrency), 1e-9) for k, s in enumerate(stages)}
